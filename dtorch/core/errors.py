@@ -1,0 +1,63 @@
+"""The error hierarchy: every failure dtorch raises is a ``DtorchError``."""
+
+from __future__ import annotations
+
+
+class DtorchError(Exception):
+    """Root of every error dtorch raises on purpose."""
+
+
+class KernelNotFound(DtorchError, LookupError):
+    """No registered kernel for a key, or none whose capability check accepts the call."""
+
+
+class RegistrationError(DtorchError):
+    """A kernel registration conflicts with one already made."""
+
+
+class ShapeError(DtorchError, ValueError):
+    """A tensor has the wrong rank or shape for an op."""
+
+
+class DTypeError(DtorchError, TypeError):
+    """A tensor has a dtype the op does not accept, or dtypes disagree."""
+
+
+class DeviceError(DtorchError):
+    """A tensor is on the wrong device, or devices disagree."""
+
+
+class ArgumentError(DtorchError, ValueError):
+    """A non-tensor argument is missing or out of range."""
+
+
+class LayoutError(DtorchError, ValueError):
+    """A kernel needs dense (contiguous) tensors and got strided ones."""
+
+
+class VerifyError(DtorchError, AssertionError):
+    """Verify mode: the active kernel disagrees with the reference kernel."""
+
+
+class KernelFailure(DtorchError, RuntimeError):
+    """A kernel raised while running; names the op, the device and the stream."""
+
+
+class SyncTimeout(DtorchError, TimeoutError):
+    """A synchronization waited longer than its timeout; lists the kernels in flight."""
+
+
+class CommunicationError(DtorchError, RuntimeError):
+    """A collective failed or a peer was lost."""
+
+
+class GraphError(DtorchError, ValueError):
+    """A logical graph is malformed (unknown operand, bad placement, ...)."""
+
+
+class ModelError(DtorchError, ValueError):
+    """A model file, configuration or tensor is missing, corrupt or unsupported."""
+
+
+class SamplingError(DtorchError, ValueError):
+    """A sampling parameter is out of range."""

@@ -1,0 +1,150 @@
+"""Memory kinds and accounting.
+
+Every tensor dtorch allocates on purpose is tagged with a ``MemoryKind``: PERSISTENT (weights),
+WORKSPACE (scratch reused across steps) or KV_CACHE. ``memory_stats()`` reports live and peak
+bytes per (kind, device). Accounting follows the tensor's life: bytes are returned when the
+tensor's storage is freed.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dtorch.core.device import Device, as_device
+from dtorch.core.errors import ArgumentError
+
+
+class MemoryKind(enum.Enum):
+    PERSISTENT = "persistent"
+    WORKSPACE = "workspace"
+    KV_CACHE = "kv_cache"
+    ACTIVATION = "activation"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStat:
+    kind: MemoryKind
+    device: Device
+    live_bytes: int
+    peak_bytes: int
+    tensors: int
+
+
+class MemoryTracker:
+    """Live and peak bytes per (kind, device); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[tuple[MemoryKind, Device], int] = defaultdict(int)
+        self._peak: dict[tuple[MemoryKind, Device], int] = defaultdict(int)
+        self._count: dict[tuple[MemoryKind, Device], int] = defaultdict(int)
+        self._kinds: dict[int, MemoryKind] = {}  # id(tensor) -> kind, while the tensor lives
+
+    def track(self, t: torch.Tensor, kind: MemoryKind, device: Device) -> torch.Tensor:
+        """Count ``t``'s bytes under (kind, device) until it is freed; returns ``t``."""
+        nbytes = t.untyped_storage().nbytes()
+        key = (kind, device)
+        with self._lock:
+            self._live[key] += nbytes
+            self._count[key] += 1
+            self._peak[key] = max(self._peak[key], self._live[key])
+            self._kinds[id(t)] = kind
+        weakref.finalize(t, self._release, key, nbytes, id(t))
+        return t
+
+    def _release(self, key: tuple[MemoryKind, Device], nbytes: int, ident: int) -> None:
+        with self._lock:
+            self._kinds.pop(ident, None)
+            self._live[key] -= nbytes
+            self._count[key] -= 1
+
+    def kind_of(self, t: torch.Tensor) -> MemoryKind | None:
+        """The kind ``t`` was allocated as, or None if dtorch did not allocate it."""
+        with self._lock:
+            return self._kinds.get(id(t))
+
+    def stats(self) -> list[MemoryStat]:
+        with self._lock:
+            keys = sorted(set(self._live) | set(self._peak), key=lambda k: (k[0].value, str(k[1])))
+            return [MemoryStat(k[0], k[1], self._live[k], self._peak[k], self._count[k]) for k in keys]
+
+    def live_bytes(self, kind: MemoryKind | None = None, device: Device | str | None = None) -> int:
+        dev = as_device(device) if device is not None else None
+        with self._lock:
+            return sum(v for (k, d), v in self._live.items()
+                       if (kind is None or k is kind) and (dev is None or d == dev))
+
+    def peak_bytes(self, kind: MemoryKind, device: Device | str) -> int:
+        with self._lock:
+            return self._peak[(kind, as_device(device))]
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            for k in self._peak:
+                self._peak[k] = self._live[k]
+
+
+memory = MemoryTracker()
+
+
+def allocate(shape: Sequence[int], dtype: torch.dtype, device: Device | str = "cpu",
+             kind: MemoryKind = MemoryKind.WORKSPACE, *, zero: bool = False) -> torch.Tensor:
+    """A new tensor of ``shape`` and ``dtype`` on ``device``, counted under ``kind``."""
+    dev = as_device(device)
+    if any((not isinstance(s, int)) or s < 0 for s in shape):
+        raise ArgumentError(f"allocate: shape must be non-negative ints, got {tuple(shape)}")
+    make = torch.zeros if zero else torch.empty
+    return memory.track(make(tuple(shape), dtype=dtype, device=dev.torch), kind, dev)
+
+
+def adopt(t: torch.Tensor, kind: MemoryKind, device: Device | str | None = None) -> torch.Tensor:
+    """Count an existing tensor (e.g. a loaded weight) under ``kind``; returns it."""
+    return memory.track(t, kind, as_device(device) if device is not None else as_device(t.device))
+
+
+def memory_stats() -> list[MemoryStat]:
+    """Live and peak bytes for every (kind, device) seen so far."""
+    return memory.stats()
+
+
+class WorkspaceArena:
+    """Scratch memory reused across steps.
+
+    ``get(nbytes)`` returns a uint8 view of at least ``nbytes`` from one buffer that grows when
+    a step needs more; ``view(shape, dtype)`` a typed tensor over it. A step's scratch is valid
+    until the next ``get``/``view`` call on the same arena. The buffer is WORKSPACE memory.
+    """
+
+    def __init__(self, device: Device | str = "cpu", alignment: int = 64) -> None:
+        self.device = as_device(device)
+        self.alignment = alignment
+        self._buffer: torch.Tensor | None = None
+        self.grows = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if nbytes < 0:
+            raise ArgumentError(f"WorkspaceArena.get: nbytes must be >= 0, got {nbytes}")
+        if nbytes > self.capacity:
+            size = -(-max(nbytes, 2 * self.capacity) // self.alignment) * self.alignment
+            self._buffer = allocate((size,), torch.uint8, self.device, MemoryKind.WORKSPACE)
+            self.grows += 1
+        assert self._buffer is not None or nbytes == 0
+        return self._buffer[:nbytes] if self._buffer is not None else torch.empty(0, dtype=torch.uint8)
+
+    def view(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.get(nbytes).view(dtype).view(tuple(shape))

@@ -1,0 +1,60 @@
+"""Verify mode: run the reference kernel beside the active one and compare their outputs.
+
+Turn it on with ``DTORCH_VERIFY=1``, ``dtorch.verify_mode(True)`` or ``with dtorch.verify():``.
+A disagreement beyond the dtype's tolerance raises ``VerifyError`` naming the op, the two
+providers and the largest difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from dtorch.core import env
+from dtorch.core.dtypes import tolerance
+from dtorch.core.errors import VerifyError
+
+_lock = threading.Lock()
+_depth = 0
+ACTIVE = [env.verify()]  # read on the hot path: ACTIVE[0]
+
+
+def verify_mode(on: bool) -> None:
+    """Switch verify mode on or off for the whole process."""
+    ACTIVE[0] = bool(on) or _depth > 0
+
+
+@contextlib.contextmanager
+def verify() -> Iterator[None]:
+    """Verify every kernel call inside the block."""
+    global _depth
+    with _lock:
+        _depth += 1
+        ACTIVE[0] = True
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            ACTIVE[0] = _depth > 0 or env.verify()
+
+
+def run_verified(key, active, reference, ctx, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    """Run ``active`` into ``outputs`` and ``reference`` into scratch copies; raise if they differ."""
+    if reference is None or reference is active:
+        active.fn(ctx, inputs, outputs)
+        return
+    ref_inputs = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+    ref_outputs = [t.clone() for t in outputs]  # in-place kernels read their outputs too
+    active.fn(ctx, inputs, outputs)
+    reference.fn(ctx, ref_inputs, ref_outputs)
+    for i, (got, want) in enumerate(zip(outputs, ref_outputs)):
+        rtol, atol = tolerance(want.dtype)
+        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=rtol * 10, atol=atol * 10,
+                                                         equal_nan=True):
+            diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("nan")
+            raise VerifyError(f"verify {key}: output {i} of {active.provider} ({active.name}) differs from "
+                              f"reference ({reference.name}) by up to {diff:.3g} (rtol {rtol * 10}, atol {atol * 10})")

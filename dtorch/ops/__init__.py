@@ -1,0 +1,26 @@
+"""Op wrappers: validation first, then dispatch.
+
+Every op has a functional form that allocates its output (``dtorch.ops.add(a, b)``) and an
+``*_out`` form that writes a caller-allocated one (``dtorch.ops.add_out(a, b, out=o)``);
+``invoke`` runs any registered op by name. Prepared operators live beside their family.
+"""
+
+from dtorch.ops import attention, binary, causal_conv1d, conv, copy, creation, gated_delta_net, llm, matmul, reduce, unary
+from dtorch.ops._invoke import invoke
+from dtorch.ops.attention import *  # noqa: F403
+from dtorch.ops.binary import *  # noqa: F403
+from dtorch.ops.causal_conv1d import *  # noqa: F403
+from dtorch.ops.context import OperatorInitContext, RuntimeContext
+from dtorch.ops.conv import *  # noqa: F403
+from dtorch.ops.copy import *  # noqa: F403
+from dtorch.ops.creation import *  # noqa: F403
+from dtorch.ops.gated_delta_net import *  # noqa: F403
+from dtorch.ops.llm import *  # noqa: F403
+from dtorch.ops.matmul import *  # noqa: F403
+from dtorch.ops.prepared import PreparedOperator
+from dtorch.ops.reduce import *  # noqa: F403
+from dtorch.ops.unary import *  # noqa: F403
+
+_FAMILIES = (attention, binary, causal_conv1d, conv, copy, creation, gated_delta_net, llm, matmul, reduce, unary)
+__all__ = ["OperatorInitContext", "PreparedOperator", "RuntimeContext", "invoke"] + [
+    name for fam in _FAMILIES for name in fam.__all__]

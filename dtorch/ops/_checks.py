@@ -1,0 +1,103 @@
+"""Validation helpers shared by the op wrappers; each raises the right ``DtorchError`` subclass."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dtorch.core.device import Device, device_of
+from dtorch.core.dtypes import dtype_name
+from dtorch.core.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError
+
+
+def tensor(op: str, name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise DTypeError(f"{op}: argument {name!r} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def dtype_in(op: str, name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    if t.dtype not in allowed:
+        raise DTypeError(f"{op}: argument {name!r} has dtype {dtype_name(t.dtype)}; expected one of "
+                         f"{', '.join(dtype_name(d) for d in allowed)}")
+
+
+def same_dtype(op: str, named: dict[str, torch.Tensor]) -> torch.dtype:
+    it = iter(named.items())
+    first_name, first = next(it)
+    for name, t in it:
+        if t.dtype != first.dtype:
+            raise DTypeError(f"{op}: dtypes disagree: {first_name!r} is {dtype_name(first.dtype)}, "
+                             f"{name!r} is {dtype_name(t.dtype)}")
+    return first.dtype
+
+
+def same_device(op: str, named: dict[str, torch.Tensor], device: Device | None = None) -> Device:
+    """All tensors on one device (and on ``device`` when given); returns it."""
+    it = iter(named.items())
+    first_name, first = next(it)
+    dev = device_of(first)
+    if device is not None and dev.type != device.type:
+        raise DeviceError(f"{op}: argument {first_name!r} is on {first.device}, but the context device is {device}")
+    for name, t in it:
+        if t.device != first.device:
+            raise DeviceError(f"{op}: devices disagree: {first_name!r} is on {first.device}, {name!r} on {t.device}")
+    return device if device is not None else dev
+
+
+def rank(op: str, name: str, t: torch.Tensor, *ranks: int) -> None:
+    if t.dim() not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise ShapeError(f"{op}: argument {name!r} must have rank {want}, got shape {tuple(t.shape)}")
+
+
+def dim_eq(op: str, what: str, got: int, want: int) -> None:
+    if got != want:
+        raise ShapeError(f"{op}: {what} must be {want}, got {got}")
+
+
+def broadcast(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Size:
+    if a.shape == b.shape:
+        return a.shape
+    try:
+        return torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        raise ShapeError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast") from None
+
+
+def out(op: str, out: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``out`` must be a tensor of exactly ``shape``, ``dtype`` and ``device``."""
+    if not isinstance(out, torch.Tensor):
+        raise DTypeError(f"{op}: 'out' must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != tuple(shape):
+        raise ShapeError(f"{op}: 'out' must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise DTypeError(f"{op}: 'out' must have dtype {dtype_name(dtype)}, got {dtype_name(out.dtype)}")
+    if out.device != device:
+        raise DeviceError(f"{op}: 'out' must be on {device}, got {out.device}")
+    return out
+
+
+def dense(op: str, named: dict[str, torch.Tensor]) -> None:
+    for name, t in named.items():
+        if not t.is_contiguous():
+            raise LayoutError(f"{op}: the active kernel requires dense tensors; argument {name!r} with shape "
+                              f"{tuple(t.shape)} has strides {t.stride()} (call .contiguous() first)")
+
+
+def dim_index(op: str, dim: int, ndim: int) -> int:
+    """Normalise a possibly negative ``dim`` for a tensor of rank ``ndim``."""
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ArgumentError(f"{op}: 'dim' must be an int, got {type(dim).__name__}")
+    lo, hi = (-ndim, ndim - 1) if ndim else (-1, 0)
+    if not lo <= dim <= hi:
+        raise ArgumentError(f"{op}: 'dim' {dim} is out of range for a tensor of rank {ndim} "
+                            f"(expected {lo}..{hi})")
+    return dim % ndim if ndim else 0
+
+
+def positive_int(op: str, name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ArgumentError(f"{op}: {name!r} must be an int >= {minimum}, got {value!r}")
+    return value

@@ -1,0 +1,97 @@
+"""Binary op wrappers with broadcasting: ``dtorch.ops.add(a, b)``, ``add_out(a, b, out=...)``.
+
+When ``b`` is a Python number the scalar form (``binary.add_scalar``) runs; its value travels as
+an owned param. Both tensors must share dtype and device (dtorch does no implicit promotion).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtorch.core.device import device_of
+from dtorch.core.errors import ArgumentError, DTypeError
+from dtorch.dispatch.context import KernelParams
+from dtorch.ops import _checks
+from dtorch.ops._invoke import run
+from dtorch.ops.context import RuntimeContext
+
+BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "pow")
+Scalar = int | float
+
+
+def _scalar_params(op: str, b: object) -> KernelParams:
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        raise ArgumentError(f"{op}: 'b' must be a tensor or a Python int/float, got {type(b).__name__}")
+    return KernelParams(value=b)
+
+
+def _check_pair(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Size:
+    if type(a) is not torch.Tensor:
+        _checks.tensor(op, "a", a)
+    if type(b) is not torch.Tensor:
+        _checks.tensor(op, "b", b)
+    if a.dtype != b.dtype:
+        raise DTypeError(f"{op}: dtypes disagree: 'a' is {a.dtype}, 'b' is {b.dtype} (cast one with dtorch.ops.copy)")
+    if a.device != b.device:
+        _checks.same_device(op, {"a": a, "b": b})
+    return _checks.broadcast(op, a, b) if a.shape != b.shape else a.shape
+
+
+def _binary(name: str, a: torch.Tensor, b: torch.Tensor | Scalar) -> torch.Tensor:
+    if isinstance(b, torch.Tensor):
+        op = f"binary.{name}"
+        shape = _check_pair(op, a, b)
+        out = torch.empty(shape, dtype=a.dtype, device=a.device)
+        run(op, device_of(a), a.dtype, (a, b), (out,))
+        return out
+    op = f"binary.{name}_scalar"
+    _checks.tensor(op, "a", a)
+    out = torch.empty_like(a)
+    run(op, device_of(a), a.dtype, (a,), (out,), _scalar_params(op, b))
+    return out
+
+
+def _binary_out(name: str, a: torch.Tensor, b: torch.Tensor | Scalar, out: torch.Tensor,
+                ctx: RuntimeContext | None) -> torch.Tensor:
+    stream = ctx.stream if ctx is not None else None
+    workspace = ctx.workspace if ctx is not None else None
+    if isinstance(b, torch.Tensor):
+        op = f"binary.{name}"
+        shape = _check_pair(op, a, b)
+        _checks.out(op, out, shape, a.dtype, a.device)
+        device = _checks.same_device(op, {"a": a}, ctx.device if ctx is not None else None)
+        run(op, device, a.dtype, (a, b), (out,), stream=stream, workspace=workspace)
+        return out
+    op = f"binary.{name}_scalar"
+    _checks.tensor(op, "a", a)
+    _checks.out(op, out, a.shape, a.dtype, a.device)
+    device = _checks.same_device(op, {"a": a}, ctx.device if ctx is not None else None)
+    run(op, device, a.dtype, (a,), (out,), _scalar_params(op, b), stream, workspace)
+    return out
+
+
+def _define(name: str) -> tuple:
+    def functional(a: torch.Tensor, b: torch.Tensor | Scalar) -> torch.Tensor:
+        return _binary(name, a, b)
+
+    def out_form(a: torch.Tensor, b: torch.Tensor | Scalar, *, out: torch.Tensor,
+                 ctx: RuntimeContext | None = None) -> torch.Tensor:
+        return _binary_out(name, a, b, out, ctx)
+
+    functional.__name__ = functional.__qualname__ = name
+    out_form.__name__ = out_form.__qualname__ = f"{name}_out"
+    functional.__doc__ = (f"``binary.{name}``: a [broadcast with] b -> new tensor of the broadcast shape; "
+                          f"b may be a Python number (``binary.{name}_scalar``).")
+    out_form.__doc__ = f"``binary.{name}`` into ``out``, which must have the broadcast shape and a's dtype."
+    return functional, out_form
+
+
+add, add_out = _define("add")
+sub, sub_out = _define("sub")
+mul, mul_out = _define("mul")
+div, div_out = _define("div")
+maximum, maximum_out = _define("maximum")
+minimum, minimum_out = _define("minimum")
+pow, pow_out = _define("pow")  # noqa: A001 - torch's name
+
+__all__ = [n for op in BINARY_OPS for n in (op, f"{op}_out")]

@@ -1,0 +1,113 @@
+"""``PreparedOperator``: bind a kernel once at load time, validate and run it every step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from dtorch.core.dtypes import dtype_name
+from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, DTypeError, KernelFailure
+from dtorch.dispatch import dispatcher as _global_dispatcher
+from dtorch.dispatch.context import NO_PARAMS, KernelContext, KernelParams
+from dtorch.dispatch.key import KernelKey
+from dtorch.dispatch.meta import Call
+from dtorch.dispatch.prepared import PreparedKernel
+from dtorch.dispatch.registry import Dispatcher, Explanation
+from dtorch.ops.context import OperatorInitContext, RuntimeContext
+
+
+class PreparedOperator:
+    """Base of prepared operators.
+
+    A subclass sets ``op`` and its ``params`` (an immutable ``KernelParams`` it owns), implements
+    ``forward_out(..., out=, ctx=None)`` (validate, then ``self._run``) and ``forward`` (allocate,
+    then ``forward_out``). ``prepare(init_ctx)`` chooses the kernel once, keeping the explanation.
+    """
+
+    op: ClassVar[str]
+
+    def __init__(self, params: KernelParams = NO_PARAMS) -> None:
+        self.params = params
+        self.kernel: PreparedKernel | None = None
+        self.init: OperatorInitContext | None = None
+        self._kctx: KernelContext | None = None
+        self._last_rt: tuple[RuntimeContext | None, KernelContext | None] = (None, None)
+
+    # -- prepare ------------------------------------------------------------------------------
+
+    def call_facts(self, init: OperatorInitContext) -> Call:
+        """The static facts capability checks see; subclasses add what they know (shapes as meta tensors)."""
+        return Call(init.device, init.dtype, self.params, None)
+
+    def prepare(self, init: OperatorInitContext, dispatcher: Dispatcher | None = None) -> PreparedOperator:
+        """Bind the kernel for ``init``'s (device, dtype, layout); returns self."""
+        if not isinstance(init, OperatorInitContext):
+            raise ArgumentError(f"{type(self).__name__}.prepare: expected an OperatorInitContext, "
+                                f"got {type(init).__name__}")
+        key = KernelKey(self.op, init.device.type, init.dtype, init.layout)
+        self.kernel = PreparedKernel(dispatcher or _global_dispatcher, key, self.call_facts(init))
+        self.init = init
+        self._kctx = KernelContext(init.device, None, None, self.params)
+        self._last_rt = (None, None)
+        return self
+
+    @property
+    def prepared(self) -> bool:
+        return self.kernel is not None
+
+    @property
+    def provider(self) -> str:
+        return self._bound().provider
+
+    def explain(self) -> Explanation:
+        """Which candidate this operator is bound to and why the others were passed over."""
+        return self._bound().explain()
+
+    def _bound(self) -> PreparedKernel:
+        if self.kernel is None:
+            raise ArgumentError(f"{type(self).__name__} ({self.op}) is not prepared; call prepare(OperatorInitContext(...)) first")
+        return self.kernel
+
+    # -- run ----------------------------------------------------------------------------------
+
+    def _check_like(self, name: str, t: torch.Tensor) -> None:
+        """``t`` is on the prepared device type and has the prepared dtype."""
+        init = self.init
+        if init is None:
+            self._bound()
+        if not isinstance(t, torch.Tensor):
+            raise DTypeError(f"{self.op}: argument {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != init.dtype:
+            raise DTypeError(f"{self.op}: argument {name!r} has dtype {dtype_name(t.dtype)}, but the operator was "
+                             f"prepared for {dtype_name(init.dtype)}")
+        if t.device.type != init.device.type:
+            raise DeviceError(f"{self.op}: argument {name!r} is on {t.device}, but the operator was prepared for "
+                              f"{init.device}")
+
+    def _context(self, ctx: RuntimeContext | None) -> KernelContext:
+        if ctx is None:
+            return self._kctx
+        last_rt, last_k = self._last_rt
+        if ctx is last_rt and last_k is not None and last_k.stream is ctx.stream and last_k.workspace is ctx.workspace:
+            return last_k
+        kctx = KernelContext(ctx.device, ctx.stream, ctx.workspace, self.params)
+        self._last_rt = (ctx, kctx)
+        return kctx
+
+    def _run(self, inputs: Sequence, outputs: Sequence[torch.Tensor], ctx: RuntimeContext | None) -> None:
+        kernel = self.kernel
+        if kernel is None:
+            kernel = self._bound()
+        try:
+            kernel(self._context(ctx), inputs, outputs)
+        except DtorchError:
+            raise
+        except Exception as exc:
+            raise KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        state = f"bound to {self.kernel.provider}" if self.kernel else "not prepared"
+        return f"{type(self).__name__}({self.op}, {self.params}, {state})"
