@@ -13,7 +13,8 @@ import torch
 
 from dtorch.core.errors import DeviceError
 
-DEVICE_TYPES = ("cpu", "cuda")
+# "meta" holds shape-only tensors: graphs infer metadata by running the op wrappers on them.
+DEVICE_TYPES = ("cpu", "cuda", "meta")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,9 @@ class Device:
 
 @lru_cache(maxsize=None)
 def _torch_device(type_: str, index: int) -> torch.device:
-    return torch.device("cpu") if type_ == "cpu" else torch.device(type_, index)
+    if type_ in ("cpu", "meta"):
+        return torch.device(type_)
+    return torch.device(type_, index)
 
 
 DeviceLike = "Device | str | torch.device"

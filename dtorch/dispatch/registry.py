@@ -30,7 +30,8 @@ KernelFn = Callable[[KernelContext, Sequence[torch.Tensor], Sequence[torch.Tenso
 PROVIDER_PRIORITY = {"reference": 0, "torch": 10, "blas": 20, "sdpa": 20, "fused": 20, "triton": 30, "user": 100}
 
 # Backends whose kernels are registered on the first lookup that misses: device type -> "module:function".
-DEFAULT_BACKENDS = {"cpu": "dtorch.kernels:install_cpu", "cuda": "dtorch.kernels:install_cuda"}
+DEFAULT_BACKENDS = {"cpu": "dtorch.kernels:install_cpu", "cuda": "dtorch.kernels:install_cuda",
+                    "meta": "dtorch.kernels:install_meta"}
 
 
 def _origin(fn: Callable) -> str:
@@ -103,7 +104,7 @@ class Dispatcher:
         self._env_disabled = env.disabled_providers()
         self.generation = 0
         self._backends = dict(DEFAULT_BACKENDS if backends is None else backends)
-        self._backend_lock = threading.Lock()
+        self._backend_lock = threading.RLock()  # a loader may load another backend (meta loads cpu)
         self._loaded: set[str] = set()
         self.backend_loads: dict[str, int] = defaultdict(int)
 

@@ -32,3 +32,19 @@ def install_cuda(dispatcher: Dispatcher) -> None:
     except ImportError:
         pass
     KERNELS.install(dispatcher, "cuda")
+
+
+def _shape_only(ctx, inputs, outputs) -> None:
+    """Meta tensors carry no data: the wrapper already validated and allocated the outputs."""
+
+
+def install_meta(dispatcher: Dispatcher) -> None:
+    """Shape-only kernels for every (op, dtype) the CPU backend has, so the op wrappers infer metadata."""
+    from dtorch.dispatch.key import KernelKey
+
+    dispatcher.ensure_backend("cpu")
+    for key in dispatcher.keys():
+        if key.device == "cpu":
+            meta = dispatcher.candidates(key)[0].meta
+            dispatcher.register(KernelKey(key.op, "meta", key.dtype, key.layout), _shape_only, provider="reference",
+                                meta=meta)
