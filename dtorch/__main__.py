@@ -1,0 +1,7 @@
+"""``python -m dtorch ...``"""
+
+import sys
+
+from dtorch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""The command line: ``python -m dtorch {kernels,explain,trace,generate}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from dtorch.core.dtypes import ALL_DTYPES, as_dtype, dtype_name
+from dtorch.core.errors import DtorchError
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from dtorch.dispatch import dispatcher
+
+    devices = [args.device] if args.device else ["cpu", "cuda"]
+    rows = [r for d in devices for r in dispatcher.table(d) if r.active]
+    if args.op:
+        rows = [r for r in rows if args.op in r.key.op]
+    active = {(r.key.op, r.key.device, r.key.dtype): r.provider for r in rows}
+    cols = [(d, dt) for d in devices for dt in ALL_DTYPES if any((op, d, dt) in active for op, _, _ in active)]
+    ops = sorted({op for op, _, _ in active})
+    head = ["op"] + [f"{d}/{_short(dt)}" for d, dt in cols]
+    table = [[op] + [active.get((op, d, dt), "-") for d, dt in cols] for op in ops]
+    widths = [max(len(str(r[i])) for r in [head] + table) for i in range(len(head))]
+    for row in [head] + table:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    print(f"\n{len(ops)} ops; each cell is the active provider ('-': not registered). "
+          "`python -m dtorch explain OP` shows every candidate.")
+    return 0
+
+
+def _short(dt) -> str:
+    return {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16", "int32": "i32",
+            "int64": "i64"}.get(dtype_name(dt), dtype_name(dt))
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from dtorch.dispatch import KernelKey, dispatcher
+
+    key = KernelKey.of(args.op, args.device, as_dtype(args.dtype))
+    exp = dispatcher.explain(key)
+    if not exp.rows:
+        dispatcher.choose(key)  # raises KernelNotFound listing what is registered for the op
+    print(exp)
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from dtorch.runtime.tracing import plot_chrome_trace
+
+    plot_chrome_trace(args.file, args.png)
+    print(f"wrote {args.png}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dtorch", description="dtorch: kernels, graphs and LLM inference on torch")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("kernels", help="print the op x device x dtype matrix with the active provider of each")
+    k.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    k.add_argument("--op", help="only ops whose name contains this")
+    k.set_defaults(run=_kernels)
+
+    e = sub.add_parser("explain", help="print every candidate kernel of an op and which one is chosen")
+    e.add_argument("op")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", default="float32")
+    e.set_defaults(run=_explain)
+
+    t = sub.add_parser("trace", help="draw a recorded Chrome trace as a per-stream timeline")
+    t.add_argument("file")
+    t.add_argument("--png", required=True)
+    t.set_defaults(run=_trace)
+
+    try:
+        from dtorch.models.cli import add_generate_arguments, run_generate
+    except ImportError:
+        pass
+    else:
+        g = sub.add_parser("generate", help="generate text with an LLM (the default model unless --model)")
+        add_generate_arguments(g)
+        g.set_defaults(run=run_generate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except DtorchError as exc:
+        print(f"dtorch: error: {exc}", file=sys.stderr)
+        return 2
