@@ -3,6 +3,7 @@
 The public surface is what this module lists; everything else may move.
 """
 
+from dtorch import ops as ops
 from dtorch.core.device import Device as Device
 from dtorch.core.errors import (
     ArgumentError as ArgumentError,
@@ -21,21 +22,26 @@ from dtorch.core.errors import (
     SyncTimeout as SyncTimeout,
     VerifyError as VerifyError,
 )
-from dtorch.core.memory import MemoryKind as MemoryKind
-from dtorch.core.memory import WorkspaceArena as WorkspaceArena
-from dtorch.core.memory import allocate as allocate
-from dtorch.core.memory import memory_stats as memory_stats
-from dtorch.dispatch import Dispatcher as Dispatcher
-from dtorch.dispatch import KernelContext as KernelContext
-from dtorch.dispatch import KernelKey as KernelKey
-from dtorch.dispatch import KernelMeta as KernelMeta
-from dtorch.dispatch import KernelParams as KernelParams
-from dtorch.dispatch import dispatcher as dispatcher
-from dtorch.dispatch import verify as verify
-from dtorch.dispatch import verify_mode as verify_mode
-from dtorch import ops as ops
-from dtorch.ops import OperatorInitContext as OperatorInitContext
-from dtorch.ops import PreparedOperator as PreparedOperator
-from dtorch.ops import RuntimeContext as RuntimeContext
+from dtorch.core.memory import (
+    MemoryKind as MemoryKind,
+    WorkspaceArena as WorkspaceArena,
+    allocate as allocate,
+    memory_stats as memory_stats,
+)
+from dtorch.dispatch import (
+    Dispatcher as Dispatcher,
+    KernelContext as KernelContext,
+    KernelKey as KernelKey,
+    KernelMeta as KernelMeta,
+    KernelParams as KernelParams,
+    dispatcher as dispatcher,
+    verify as verify,
+    verify_mode as verify_mode,
+)
+from dtorch.ops import (
+    OperatorInitContext as OperatorInitContext,
+    PreparedOperator as PreparedOperator,
+    RuntimeContext as RuntimeContext,
+)
 
 __version__ = "0.1.0"

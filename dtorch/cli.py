@@ -24,7 +24,7 @@ def _kernels(args: argparse.Namespace) -> int:
     table = [[op] + [active.get((op, d, dt), "-") for d, dt in cols] for op in ops]
     widths = [max(len(str(r[i])) for r in [head] + table) for i in range(len(head))]
     for row in [head] + table:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     print(f"\n{len(ops)} ops; each cell is the active provider ('-': not registered). "
           "`python -m dtorch explain OP` shows every candidate.")
     return 0

@@ -3,8 +3,20 @@
 from dtorch.core.device import Device, as_device, device_of
 from dtorch.core.dtypes import ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, as_dtype, dtype_name, tolerance
 from dtorch.core.errors import (
-    ArgumentError, CommunicationError, DeviceError, DtorchError, DTypeError, GraphError, KernelFailure,
-    KernelNotFound, LayoutError, ModelError, RegistrationError, SamplingError, ShapeError, SyncTimeout,
+    ArgumentError,
+    CommunicationError,
+    DeviceError,
+    DtorchError,
+    DTypeError,
+    GraphError,
+    KernelFailure,
+    KernelNotFound,
+    LayoutError,
+    ModelError,
+    RegistrationError,
+    SamplingError,
+    ShapeError,
+    SyncTimeout,
     VerifyError,
 )
 from dtorch.core.memory import MemoryKind, WorkspaceArena, adopt, allocate, memory, memory_stats

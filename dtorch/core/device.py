@@ -7,7 +7,7 @@ torch CPU tensors; they exist so that multi-device code runs on machines without
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -42,7 +42,7 @@ class Device:
         return f"Device('{self}')"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _torch_device(type_: str, index: int) -> torch.device:
     if type_ in ("cpu", "meta"):
         return torch.device(type_)

@@ -69,5 +69,6 @@ DEFAULT_META = KernelMeta()
 def describe_value(value: Any) -> str:
     """Short description of a tensor or value for error messages."""
     if isinstance(value, torch.Tensor):
-        return f"tensor(shape={tuple(value.shape)}, dtype={str(value.dtype).removeprefix('torch.')}, device={value.device})"
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"tensor(shape={tuple(value.shape)}, dtype={dtype}, device={value.device})"
     return repr(value)

@@ -22,7 +22,7 @@ import torch
 from dtorch.core.errors import RegistrationError
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Check, KernelMeta
-from dtorch.dispatch.registry import Dispatcher, KernelFn
+from dtorch.dispatch.registry import Dispatcher, FunctionalFn, KernelFn
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,7 @@ class Entry:
     meta: KernelMeta | None
     check: Check | None
     layout: str
+    functional: FunctionalFn | None
 
 
 class KernelSet:
@@ -48,14 +49,16 @@ class KernelSet:
 
     def add(self, op: str, fn: KernelFn, dtypes: Iterable[torch.dtype], *, devices: tuple[str, ...] | None = None,
             provider: str = "reference", priority: int | None = None, meta: KernelMeta | None = None,
-            check: Check | None = None, layout: str = "strided") -> KernelFn:
+            check: Check | None = None, layout: str = "strided", functional: FunctionalFn | None = None) -> KernelFn:
+        """Declare ``fn`` for ``op`` on each of ``dtypes`` (and ``devices``); ``functional`` is its optional
+        allocating form ``(ctx, inputs) -> tuple of outputs``."""
         KernelKey.of(op, "cpu", torch.float32, layout)  # validates the name and layout early
         dts = tuple(dtypes)
         if not dts:
             raise RegistrationError(f"{op}: a kernel must be declared for at least one dtype")
         with self._lock:
             self.entries.append(Entry(op, fn, dts, devices or self.default_devices, provider, priority, meta,
-                                      check, layout))
+                                      check, layout, functional))
         return fn
 
     def kernel(self, op: str, dtypes: Iterable[torch.dtype], **kw) -> Callable[[KernelFn], KernelFn]:
@@ -72,6 +75,6 @@ class KernelSet:
                 continue
             for dt in e.dtypes:
                 dispatcher.register(KernelKey(e.op, device_type, dt, e.layout), e.fn, provider=e.provider,
-                                    priority=e.priority, meta=e.meta, check=e.check)
+                                    priority=e.priority, meta=e.meta, check=e.check, functional=e.functional)
                 n += 1
         return n

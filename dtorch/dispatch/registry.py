@@ -25,6 +25,7 @@ from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import DEFAULT_META, Call, Check, KernelMeta
 
 KernelFn = Callable[[KernelContext, Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
+FunctionalFn = Callable[[KernelContext, Sequence[torch.Tensor]], tuple]
 
 # Default priority per provider when a registration names none; reference kernels always lose.
 PROVIDER_PRIORITY = {"reference": 0, "torch": 10, "blas": 20, "sdpa": 20, "fused": 20, "triton": 30, "user": 100}
@@ -48,6 +49,9 @@ class Candidate:
     meta: KernelMeta
     check: Check | None
     seq: int  # registration order, newer wins ties
+    # Optional allocating form of the same kernel, ``functional(ctx, inputs) -> tuple of outputs``, used by
+    # the functional op wrappers: torch's allocating calls skip the out= checks and cost ~1 us less.
+    functional: FunctionalFn | None = None
 
     @property
     def name(self) -> str:
@@ -111,7 +115,8 @@ class Dispatcher:
     # -- registration ------------------------------------------------------------------------
 
     def register(self, key: KernelKey, fn: KernelFn, *, provider: str = "reference", priority: int | None = None,
-                 meta: KernelMeta | None = None, check: Check | None = None, override: bool = False) -> Candidate:
+                 meta: KernelMeta | None = None, check: Check | None = None, override: bool = False,
+                 functional: FunctionalFn | None = None) -> Candidate:
         """Add ``fn`` as a candidate for ``key``.
 
         Registering the same function again for the same (key, provider) is a no-op; a different
@@ -127,7 +132,8 @@ class Dispatcher:
             for i, old in enumerate(cands):
                 if old.provider != provider:
                     continue
-                if old.fn is fn and old.priority == prio and old.check is check and (meta is None or meta == old.meta):
+                if (old.fn is fn and old.priority == prio and old.check is check and old.functional is functional
+                        and (meta is None or meta == old.meta)):
                     return old
                 if not override:
                     raise RegistrationError(
@@ -135,7 +141,7 @@ class Dispatcher:
                         f"refusing to replace it with {_origin(fn)} silently (pass override=True)")
                 del cands[i]
                 break
-            cand = Candidate(fn, provider, prio, meta or DEFAULT_META, check, next(self._seq))
+            cand = Candidate(fn, provider, prio, meta or DEFAULT_META, check, next(self._seq), functional)
             cands.append(cand)
             cands.sort(key=lambda c: (-c.priority, -c.seq))
             self._changed()
@@ -314,7 +320,8 @@ class Dispatcher:
                 continue
             exp = self.explain(key)
             for cand, _ in exp.rows:
-                rows.append(TableRow(key, cand.provider, cand.priority, cand is exp.winner, _origin(cand.fn), cand.meta))
+                rows.append(TableRow(key, cand.provider, cand.priority, cand is exp.winner, _origin(cand.fn),
+                                     cand.meta))
         return rows
 
     def _not_found(self, key: KernelKey, passed: list[tuple[Candidate, str]]) -> str:
@@ -329,6 +336,7 @@ class Dispatcher:
         if not by_dev:
             near = [op for op in self.ops() if op.split(".")[-1] == key.op.split(".")[-1]]
             hint = f"; did you mean {', '.join(near)}?" if near else ""
-            return f"no kernel for {key.op} on {key.device}/{dtype_name(key.dtype)}: op {key.op!r} is not registered{hint}"
+            where = f"{key.device}/{dtype_name(key.dtype)}"
+            return f"no kernel for {key.op} on {where}: op {key.op!r} is not registered{hint}"
         registered = ", ".join(f"{d}/{{{','.join(sorted(v))}}}" for d, v in sorted(by_dev.items()))
         return f"no kernel for {key.op} on {key.device}/{dtype_name(key.dtype)}; registered: {registered}"

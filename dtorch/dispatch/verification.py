@@ -51,7 +51,7 @@ def run_verified(key, active, reference, ctx, inputs: Sequence[torch.Tensor], ou
     ref_outputs = [t.clone() for t in outputs]  # in-place kernels read their outputs too
     active.fn(ctx, inputs, outputs)
     reference.fn(ctx, ref_inputs, ref_outputs)
-    for i, (got, want) in enumerate(zip(outputs, ref_outputs)):
+    for i, (got, want) in enumerate(zip(outputs, ref_outputs, strict=True)):
         rtol, atol = tolerance(want.dtype)
         if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=rtol * 10, atol=atol * 10,
                                                          equal_nan=True):

@@ -5,7 +5,19 @@ Every op has a functional form that allocates its output (``dtorch.ops.add(a, b)
 ``invoke`` runs any registered op by name. Prepared operators live beside their family.
 """
 
-from dtorch.ops import attention, binary, causal_conv1d, conv, copy, creation, gated_delta_net, llm, matmul, reduce, unary
+from dtorch.ops import (
+    attention,
+    binary,
+    causal_conv1d,
+    conv,
+    copy,
+    creation,
+    gated_delta_net,
+    llm,
+    matmul,
+    reduce,
+    unary,
+)
 from dtorch.ops._invoke import invoke
 from dtorch.ops.attention import *  # noqa: F403
 from dtorch.ops.binary import *  # noqa: F403

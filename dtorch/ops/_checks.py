@@ -33,6 +33,16 @@ def same_dtype(op: str, named: dict[str, torch.Tensor]) -> torch.dtype:
     return first.dtype
 
 
+def on_device(op: str, name: str, t: torch.Tensor, ctx_device: Device | None) -> Device:
+    """The device of ``t``, which must be of the context's device type when a context is given."""
+    dev = device_of(t)
+    if ctx_device is not None:
+        if dev.type != ctx_device.type:
+            raise DeviceError(f"{op}: argument {name!r} is on {t.device}, but the context device is {ctx_device}")
+        return ctx_device
+    return dev
+
+
 def same_device(op: str, named: dict[str, torch.Tensor], device: Device | None = None) -> Device:
     """All tensors on one device (and on ``device`` when given); returns it."""
     it = iter(named.items())
@@ -70,7 +80,7 @@ def out(op: str, out: object, shape: Sequence[int], dtype: torch.dtype, device: 
     """``out`` must be a tensor of exactly ``shape``, ``dtype`` and ``device``."""
     if not isinstance(out, torch.Tensor):
         raise DTypeError(f"{op}: 'out' must be a torch.Tensor, got {type(out).__name__}")
-    if out.shape != tuple(shape):
+    if out.shape != shape:
         raise ShapeError(f"{op}: 'out' must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.dtype != dtype:
         raise DTypeError(f"{op}: 'out' must have dtype {dtype_name(dtype)}, got {dtype_name(out.dtype)}")

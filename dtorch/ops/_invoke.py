@@ -1,46 +1,98 @@
-"""Running a kernel for one call: key -> winning candidate -> KernelFn(ctx, inputs, outputs)."""
+"""Running a kernel for one call: key -> winning candidate -> KernelFn(ctx, inputs, outputs).
+
+This is the hot path of every functional op, so it avoids building objects it can reuse: the
+dispatcher's per-generation cache is read with a plain tuple (equal to the ``KernelKey``), and
+contexts without params or stream are shared per device.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from dtorch.core.device import Device, as_device, device_of
+from dtorch.core.device import Device, device_of
 from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure
 from dtorch.dispatch import dispatcher as _dispatcher
 from dtorch.dispatch import verification as _verify
 from dtorch.dispatch.context import NO_PARAMS, KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
+from dtorch.dispatch.registry import Candidate
 from dtorch.ops import _checks
 from dtorch.ops.context import RuntimeContext
 
-_fast = _dispatcher.__dict__  # the dispatcher replaces its "_fast" dict on every change; read it through here
+_state = _dispatcher.__dict__  # the dispatcher replaces its "_fast" dict on every change; read it through here
+_plain_ctx: dict[Device, KernelContext] = {}
+
+
+def select(op: str, device: Device, dtype: torch.dtype, inputs: Sequence, params: KernelParams) -> Candidate:
+    """The winning candidate for this call (capability checks see the inputs and params)."""
+    cand = _state["_fast"].get((op, device.type, dtype, "strided"))
+    if cand is None:
+        key = KernelKey(op, device.type, dtype)
+        call = Call(device, dtype, params, inputs) if _dispatcher.needs_call(key) else None
+        cand = _dispatcher.select(key, call)
+    return cand
+
+
+def _context(device: Device, params: KernelParams, stream, workspace) -> KernelContext:
+    if params is NO_PARAMS and stream is None and workspace is None:
+        kctx = _plain_ctx.get(device)
+        if kctx is None:
+            kctx = _plain_ctx[device] = KernelContext(device)
+        return kctx
+    return KernelContext(device, stream, workspace, params)
+
+
+def _fail(op: str, cand: Candidate, device: Device, exc: Exception) -> KernelFailure:
+    return KernelFailure(f"{op}: kernel {cand.name} failed on {device}: {type(exc).__name__}: {exc}")
+
+
+def _dense(op: str, inputs: Sequence, outputs: Sequence) -> None:
+    _checks.dense(op, {f"input {i}": t for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+                  | {f"output {i}": t for i, t in enumerate(outputs)})
 
 
 def run(op: str, device: Device, dtype: torch.dtype, inputs: Sequence, outputs: Sequence[torch.Tensor],
         params: KernelParams = NO_PARAMS, stream=None, workspace=None) -> None:
-    """Choose the kernel for (op, device type, dtype) and run it; the wrappers' common last step."""
-    key = KernelKey(op, device.type, dtype)
-    cand = _fast["_fast"].get(key)
-    if cand is None:
-        call = Call(device, dtype, params, inputs) if _dispatcher.needs_call(key) else None
-        cand = _dispatcher.select(key, call)
+    """Choose the kernel for (op, device type, dtype) and run it into ``outputs``."""
+    cand = select(op, device, dtype, inputs, params)
     if cand.meta.requires_dense:
-        _checks.dense(op, {f"input {i}": t for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
-                      | {f"output {i}": t for i, t in enumerate(outputs)})
-    kctx = KernelContext(device, stream, workspace, params)
+        _dense(op, inputs, outputs)
+    kctx = _context(device, params, stream, workspace)
     try:
         if _verify.ACTIVE[0]:
-            refs = [c for c in _dispatcher.candidates(key) if c.provider == "reference"]
-            _verify.run_verified(key, cand, refs[0] if refs else None, kctx, inputs, outputs)
+            _run_verified(op, device, dtype, cand, kctx, inputs, outputs)
         else:
             cand.fn(kctx, inputs, outputs)
     except DtorchError:
         raise
     except Exception as exc:
-        raise KernelFailure(f"{key}: kernel {cand.name} failed on {device}: {type(exc).__name__}: {exc}") from exc
+        raise _fail(op, cand, device, exc) from exc
+
+
+def call(op: str, device: Device, dtype: torch.dtype, inputs: Sequence, params: KernelParams,
+         make_outputs: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The functional path: run the winner's allocating form when it has one, else allocate and run."""
+    cand = select(op, device, dtype, inputs, params)
+    functional = cand.functional
+    if functional is None or _verify.ACTIVE[0] or cand.meta.requires_dense:
+        outputs = make_outputs()
+        run(op, device, dtype, inputs, outputs, params)
+        return outputs
+    try:
+        return functional(_context(device, params, None, None), inputs)
+    except DtorchError:
+        raise
+    except Exception as exc:
+        raise _fail(op, cand, device, exc) from exc
+
+
+def _run_verified(op, device, dtype, cand, kctx, inputs, outputs) -> None:
+    key = KernelKey(op, device.type, dtype)
+    refs = [c for c in _dispatcher.candidates(key) if c.provider == "reference"]
+    _verify.run_verified(key, cand, refs[0] if refs else None, kctx, inputs, outputs)
 
 
 def invoke(op_name: str, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor],
@@ -61,15 +113,11 @@ def invoke(op_name: str, inputs: Sequence[torch.Tensor | None], outputs: Sequenc
         _checks.tensor(op_name, f"outputs[{i}]", t)
     device = ctx.device if ctx is not None else device_of(tensors[0])
     if dtype is None:
-        first = next((t for t in inputs if isinstance(t, torch.Tensor)), None) or outputs[0]
-        dtype = first.dtype
+        first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+        dtype = (first if first is not None else outputs[0]).dtype
     if isinstance(params, dict):
         params = KernelParams(**params)
     KernelKey.of(op_name, device, dtype)  # a clear error for a malformed name
     run(op_name, device, dtype, list(inputs), list(outputs), params or NO_PARAMS,
         ctx.stream if ctx is not None else None, ctx.workspace if ctx is not None else None)
     return outputs
-
-
-def ctx_device(ctx: RuntimeContext | None, t: torch.Tensor) -> Device:
-    return as_device(ctx.device) if ctx is not None else device_of(t)

@@ -10,9 +10,9 @@ import torch
 
 from dtorch.core.device import device_of
 from dtorch.core.errors import ArgumentError, DTypeError
-from dtorch.dispatch.context import KernelParams
+from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
-from dtorch.ops._invoke import run
+from dtorch.ops._invoke import call, run
 from dtorch.ops.context import RuntimeContext
 
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "pow")
@@ -41,31 +41,30 @@ def _binary(name: str, a: torch.Tensor, b: torch.Tensor | Scalar) -> torch.Tenso
     if isinstance(b, torch.Tensor):
         op = f"binary.{name}"
         shape = _check_pair(op, a, b)
-        out = torch.empty(shape, dtype=a.dtype, device=a.device)
-        run(op, device_of(a), a.dtype, (a, b), (out,))
-        return out
+        return call(op, device_of(a), a.dtype, (a, b), NO_PARAMS,
+                    lambda: (torch.empty(shape, dtype=a.dtype, device=a.device),))[0]
     op = f"binary.{name}_scalar"
     _checks.tensor(op, "a", a)
-    out = torch.empty_like(a)
-    run(op, device_of(a), a.dtype, (a,), (out,), _scalar_params(op, b))
-    return out
+    return call(op, device_of(a), a.dtype, (a,), _scalar_params(op, b), lambda: (torch.empty_like(a),))[0]
 
 
 def _binary_out(name: str, a: torch.Tensor, b: torch.Tensor | Scalar, out: torch.Tensor,
                 ctx: RuntimeContext | None) -> torch.Tensor:
-    stream = ctx.stream if ctx is not None else None
-    workspace = ctx.workspace if ctx is not None else None
+    if ctx is None:
+        ctx_device = stream = workspace = None
+    else:
+        ctx_device, stream, workspace = ctx.device, ctx.stream, ctx.workspace
     if isinstance(b, torch.Tensor):
         op = f"binary.{name}"
         shape = _check_pair(op, a, b)
         _checks.out(op, out, shape, a.dtype, a.device)
-        device = _checks.same_device(op, {"a": a}, ctx.device if ctx is not None else None)
-        run(op, device, a.dtype, (a, b), (out,), stream=stream, workspace=workspace)
+        device = _checks.on_device(op, "a", a, ctx_device)
+        run(op, device, a.dtype, (a, b), (out,), NO_PARAMS, stream, workspace)
         return out
     op = f"binary.{name}_scalar"
     _checks.tensor(op, "a", a)
     _checks.out(op, out, a.shape, a.dtype, a.device)
-    device = _checks.same_device(op, {"a": a}, ctx.device if ctx is not None else None)
+    device = _checks.on_device(op, "a", a, ctx_device)
     run(op, device, a.dtype, (a,), (out,), _scalar_params(op, b), stream, workspace)
     return out
 

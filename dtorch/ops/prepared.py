@@ -67,7 +67,8 @@ class PreparedOperator:
 
     def _bound(self) -> PreparedKernel:
         if self.kernel is None:
-            raise ArgumentError(f"{type(self).__name__} ({self.op}) is not prepared; call prepare(OperatorInitContext(...)) first")
+            raise ArgumentError(f"{type(self).__name__} ({self.op}) is not prepared; "
+                                "call prepare(OperatorInitContext(...)) first")
         return self.kernel
 
     # -- run ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 from dtorch.core.device import device_of
 from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
-from dtorch.ops._invoke import run
+from dtorch.ops._invoke import call, run
 from dtorch.ops.context import RuntimeContext
 
 UNARY_OPS = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu", "silu")
@@ -18,9 +18,10 @@ def _unary_out(name: str, x: torch.Tensor, out: torch.Tensor, params: KernelPara
     op = f"unary.{name}"
     _checks.tensor(op, "x", x)
     _checks.out(op, out, x.shape, x.dtype, x.device)
-    device = _checks.same_device(op, {"x": x}, ctx.device if ctx is not None else None)
-    run(op, device, x.dtype, (x,), (out,), params,
-        ctx.stream if ctx is not None else None, ctx.workspace if ctx is not None else None)
+    if ctx is None:
+        run(op, device_of(x), x.dtype, (x,), (out,), params)
+    else:
+        run(op, _checks.on_device(op, "x", x, ctx.device), x.dtype, (x,), (out,), params, ctx.stream, ctx.workspace)
     return out
 
 
@@ -28,9 +29,7 @@ def _unary(name: str, x: torch.Tensor, params: KernelParams = NO_PARAMS) -> torc
     op = f"unary.{name}"
     if type(x) is not torch.Tensor:
         _checks.tensor(op, "x", x)
-    out = torch.empty_like(x)
-    run(op, device_of(x), x.dtype, (x,), (out,), params)
-    return out
+    return call(op, device_of(x), x.dtype, (x,), params, lambda: (torch.empty_like(x),))[0]
 
 
 def _define(name: str) -> tuple:

@@ -13,21 +13,28 @@ SCALAR = KernelMeta(inplace=True)
 
 
 def _tensor_kernel(fn, name):
+    """The out-form kernel and its allocating form, from a torch function taking an optional out=."""
     def kernel(ctx, inputs, outputs):
         fn(inputs[0], inputs[1], out=outputs[0])
+
+    def functional(ctx, inputs):
+        return (fn(inputs[0], inputs[1]),)
     kernel.__name__ = kernel.__qualname__ = f"binary_{name}"
-    return kernel
+    return kernel, functional
 
 
 def _scalar_kernel(fn, name):
     def kernel(ctx, inputs, outputs):
         fn(inputs[0], ctx.params.value, out=outputs[0])
+
+    def functional(ctx, inputs):
+        return (fn(inputs[0], ctx.params.value),)
     kernel.__name__ = kernel.__qualname__ = f"binary_{name}_scalar"
-    return kernel
+    return kernel, functional
 
 
-def _div(a, b, out):
-    torch.div(a, b, out=out)  # true division; integer inputs are promoted by the wrapper's output dtype
+def _div(a, b, out=None):
+    return torch.div(a, b, out=out)
 
 
 # op -> (torch function with an out= form, dtypes). div on integers is floor-free true division, which
@@ -45,10 +52,12 @@ BINARY = {
 # torch.maximum / minimum take no Python scalar; clamp does the same thing for one.
 SCALAR_FN = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div, "pow": torch.pow,
-    "maximum": lambda a, v, out: torch.clamp_min(a, v, out=out),
-    "minimum": lambda a, v, out: torch.clamp_max(a, v, out=out),
+    "maximum": lambda a, v, out=None: torch.clamp_min(a, v, out=out),
+    "minimum": lambda a, v, out=None: torch.clamp_max(a, v, out=out),
 }
 
 for _name, (_fn, _dtypes) in BINARY.items():
-    KERNELS.add(f"binary.{_name}", _tensor_kernel(_fn, _name), _dtypes, meta=BROADCAST)
-    KERNELS.add(f"binary.{_name}_scalar", _scalar_kernel(SCALAR_FN[_name], _name), _dtypes, meta=SCALAR)
+    _kernel, _functional = _tensor_kernel(_fn, _name)
+    KERNELS.add(f"binary.{_name}", _kernel, _dtypes, meta=BROADCAST, functional=_functional)
+    _kernel, _functional = _scalar_kernel(SCALAR_FN[_name], _name)
+    KERNELS.add(f"binary.{_name}_scalar", _kernel, _dtypes, meta=SCALAR, functional=_functional)

@@ -14,14 +14,18 @@ from dtorch.kernels.registry import FLOATS, INTS, KERNELS
 
 
 def _make(fn, name: str):
+    """The out-form kernel and its allocating form, from a torch function taking an optional out=."""
     def kernel(ctx, inputs, outputs):
         fn(inputs[0], out=outputs[0])
+
+    def functional(ctx, inputs):
+        return (fn(inputs[0]),)
     kernel.__name__ = kernel.__qualname__ = f"unary_{name}"
-    return kernel
+    return kernel, functional
 
 
-def _relu(x, out):
-    torch.clamp_min(x, 0, out=out)
+def _relu(x, out=None):
+    return torch.clamp_min(x, 0, out=out)
 
 
 # op -> (torch function with an out= form, dtypes). Integer forms only where the op is exact on integers.
@@ -40,7 +44,8 @@ UNARY = {
 }
 
 for _name, (_fn, _dtypes) in UNARY.items():
-    KERNELS.add(f"unary.{_name}", _make(_fn, _name), _dtypes)
+    _kernel, _functional = _make(_fn, _name)
+    KERNELS.add(f"unary.{_name}", _kernel, _dtypes, functional=_functional)
 
 
 @KERNELS.kernel("unary.silu", FLOATS)
@@ -49,7 +54,8 @@ def silu_reference(ctx, inputs, outputs):
     torch.mul(x, torch.sigmoid(x), out=outputs[0])
 
 
-@KERNELS.kernel("unary.silu", FLOATS, provider="torch")
+@KERNELS.kernel("unary.silu", FLOATS, provider="torch",
+                functional=lambda ctx, inputs: (torch._C._nn.silu(inputs[0]),))
 def silu_fused(ctx, inputs, outputs):
     torch._C._nn.silu(inputs[0], out=outputs[0])
 
@@ -65,6 +71,7 @@ def gelu_reference(ctx, inputs, outputs):
     outputs[0].copy_(y)
 
 
-@KERNELS.kernel("unary.gelu", FLOATS, provider="torch")
+@KERNELS.kernel("unary.gelu", FLOATS, provider="torch", functional=lambda ctx, inputs: (
+    torch._C._nn.gelu(inputs[0], approximate=ctx.params.get("approximate", "none")),))
 def gelu_fused(ctx, inputs, outputs):
     torch._C._nn.gelu(inputs[0], approximate=ctx.params.get("approximate", "none"), out=outputs[0])
