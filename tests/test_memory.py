@@ -1,0 +1,62 @@
+"""Memory kinds: allocation tags tensors and accounts live and peak bytes per kind and device."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.core.memory import MemoryTracker, adopt, allocate, memory
+
+
+def test_allocate_tags_and_accounts_until_freed():
+    before = memory.live_bytes(dtorch.MemoryKind.KV_CACHE, "cpu:3")
+    t = allocate((4, 8), torch.float32, "cpu:3", dtorch.MemoryKind.KV_CACHE)
+    assert memory.kind_of(t) is dtorch.MemoryKind.KV_CACHE
+    assert memory.live_bytes(dtorch.MemoryKind.KV_CACHE, "cpu:3") - before == 4 * 8 * 4
+    peak = memory.peak_bytes(dtorch.MemoryKind.KV_CACHE, "cpu:3")
+    del t
+    gc.collect()
+    assert memory.live_bytes(dtorch.MemoryKind.KV_CACHE, "cpu:3") == before
+    assert memory.peak_bytes(dtorch.MemoryKind.KV_CACHE, "cpu:3") == peak
+
+
+def test_kinds_and_devices_are_separate():
+    tracker = MemoryTracker()
+    a = tracker.track(torch.empty(10, dtype=torch.float64), dtorch.MemoryKind.PERSISTENT, dtorch.Device("cpu", 0))
+    b = tracker.track(torch.empty(5, dtype=torch.int32), dtorch.MemoryKind.WORKSPACE, dtorch.Device("cpu", 1))
+    stats = {(s.kind, str(s.device)): s for s in tracker.stats()}
+    assert stats[(dtorch.MemoryKind.PERSISTENT, "cpu:0")].live_bytes == 80
+    assert stats[(dtorch.MemoryKind.WORKSPACE, "cpu:1")].live_bytes == 20
+    assert tracker.live_bytes() == 100
+    del a, b
+
+
+def test_adopt_counts_an_existing_tensor():
+    w = torch.randn(16, 16)
+    before = memory.live_bytes(dtorch.MemoryKind.PERSISTENT)
+    adopt(w, dtorch.MemoryKind.PERSISTENT)
+    assert memory.live_bytes(dtorch.MemoryKind.PERSISTENT) - before == w.nbytes
+
+
+def test_workspace_arena_reuses_its_buffer():
+    arena = dtorch.WorkspaceArena("cpu")
+    a = arena.view((4, 4), torch.float32)
+    grows = arena.grows
+    for _ in range(10):  # same or smaller requests across steps: no new allocation
+        b = arena.view((2, 4), torch.float32)
+        assert b.data_ptr() == a.data_ptr()
+    assert arena.grows == grows
+    arena.view((64, 64), torch.float32)
+    assert arena.grows == grows + 1 and arena.capacity >= 64 * 64 * 4
+
+
+def test_bad_allocations():
+    with pytest.raises(dtorch.ArgumentError):
+        allocate((-1, 2), torch.float32)
+    with pytest.raises(dtorch.DeviceError):
+        allocate((1,), torch.float32, "tpu:0")
+    with pytest.raises(dtorch.ArgumentError):
+        dtorch.WorkspaceArena().get(-5)
