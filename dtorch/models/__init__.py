@@ -1,0 +1,6 @@
+"""Models: configuration, weight loaders, tokenizer (and, from part 2, the model, KV cache, sampling, LLM)."""
+
+from dtorch.models.config import PRESETS as PRESETS, ModelConfig as ModelConfig, rope_inv_freq as rope_inv_freq
+from dtorch.models.default import default_model_path as default_model_path
+from dtorch.models.loaders import Checkpoint as Checkpoint, load_checkpoint as load_checkpoint
+from dtorch.models.tokenizer import StreamDecoder as StreamDecoder, Tokenizer as Tokenizer

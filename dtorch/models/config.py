@@ -1,0 +1,212 @@
+"""Model configuration: one slotted dataclass for the Llama, Qwen2 and Qwen3 families, plus presets.
+
+The families differ only by configuration: Qwen2 has q/k/v projection biases (``attention_bias``),
+Qwen3 has per-head RMS norms on q and k (``qk_norm``), Llama 3 scales its RoPE frequencies
+(``rope_scaling`` of type "llama3").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from dtorch.core.errors import ModelError
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+# rope type -> the keys its scaling mapping must hold (besides "rope_type")
+_ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape and constants of a decoder-only transformer of one of ``FAMILIES``."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None  # None: plain RoPE; else {"rope_type": ..., ...}, frozen
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # Qwen3: RMS norm over head_dim on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ModelError(f"ModelConfig: family must be one of {FAMILIES}, got {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ModelError(f"ModelConfig: {name} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(f"ModelConfig: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelError(f"ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise ModelError(f"ModelConfig: {name} must be a positive finite number, got {v!r}")
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
+        object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling))
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
+        eos = self.eos_token_ids
+        if isinstance(eos, int):
+            eos = (eos,)
+        eos = tuple(eos)
+        for tid in (*eos, *(() if self.bos_token_id is None else (self.bos_token_id,))):
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < self.vocab_size:
+                raise ModelError(f"ModelConfig: token ids must be ints in [0, vocab_size={self.vocab_size}), "
+                                 f"got bos_token_id={self.bos_token_id!r}, eos_token_ids={eos!r}")
+        object.__setattr__(self, "eos_token_ids", eos)
+
+    @property
+    def q_size(self) -> int:
+        """Width of the q projection output: num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the k and v projection outputs: num_kv_heads * head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, config_json: Mapping[str, Any]) -> ModelConfig:
+        """A config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling)."""
+        c = dict(config_json)
+        family = c.get("model_type")
+        if family not in FAMILIES:
+            raise ModelError(f"config.json: model_type {family!r} is not supported; expected one of {FAMILIES}")
+        try:
+            hidden, heads = c["hidden_size"], c["num_attention_heads"]
+            head_dim = c.get("head_dim") or hidden // heads
+            rope = c.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
+            if "rope_parameters" not in c:
+                rope = dict(c.get("rope_scaling") or {})
+                rope.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+            theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+            if "type" in rope and "rope_type" not in scaling:  # old spelling
+                scaling["rope_type"] = rope["type"]
+            if scaling.get("rope_type", "default") == "default":
+                scaling = None
+            eos = c.get("eos_token_id")
+            eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+            return cls(
+                family=family, vocab_size=c["vocab_size"], hidden_size=hidden,
+                intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
+                num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim, rope_theta=theta,
+                rope_scaling=scaling, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                max_position_embeddings=c.get("max_position_embeddings", 2048),
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; Llama may opt in with attention_bias
+                attention_bias=True if family == "qwen2" else bool(c.get("attention_bias", False)),
+                qk_norm=family == "qwen3", bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
+            )
+        except KeyError as e:
+            raise ModelError(f"config.json: missing key {e.args[0]!r} needed for a {family} model") from None
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """One of ``PRESETS`` by name, with fields optionally overridden."""
+        if name not in PRESETS:
+            raise ModelError(f"ModelConfig.preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise ModelError(f"ModelConfig: rope_scaling must be None or a mapping, got {type(scaling).__name__}")
+    kind = scaling.get("rope_type", "default")
+    if kind not in _ROPE_TYPES:
+        raise ModelError(f"ModelConfig: rope_scaling type {kind!r} is not supported; expected one of "
+                         f"{sorted(_ROPE_TYPES)}")
+    missing = [k for k in _ROPE_TYPES[kind] if k not in scaling]
+    if missing:
+        raise ModelError(f"ModelConfig: rope_scaling of type {kind!r} needs keys {list(_ROPE_TYPES[kind])}, "
+                         f"missing {missing}")
+    for k in _ROPE_TYPES[kind]:
+        v = scaling[k]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            raise ModelError(f"ModelConfig: rope_scaling[{k!r}] must be a positive number, got {v!r}")
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ModelError(f"ModelConfig: llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
+                         f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
+    return MappingProxyType({"rope_type": kind, **{k: v for k, v in scaling.items() if k != "rope_type"}})
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, ``[head_dim // 2]`` float32, with the config's scaling applied.
+
+    Rotation i of a head turns by ``position * inv_freq[i]`` (the "rotate half" pairing: dims i and
+    i + head_dim/2).
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    kind = "default" if s is None else s["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(s["factor"])
+    if kind == "llama3":
+        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_len = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths (> old_len / low) are slowed by `factor`, short ones (< old_len / high) kept,
+        # the band between is interpolated smoothly
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled).to(torch.float32)
+    return inv_freq.to(torch.float32)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # tiny random models for tests: 2 layers, GQA 4:2
+    "tiny-llama": ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                              max_position_embeddings=256, bos_token_id=1, eos_token_ids=(2,)),
+    "tiny-llama3": ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                               num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500000.0,
+                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                               max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+                               eos_token_ids=(2, 3)),
+    "tiny-qwen2": ModelConfig("qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1000000.0,
+                              max_position_embeddings=256, tie_word_embeddings=True, attention_bias=True,
+                              eos_token_ids=(2,)),
+    "tiny-qwen3": ModelConfig("qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1000000.0,
+                              max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True,
+                              eos_token_ids=(2,)),
+    # the default model (its GGUF metadata)
+    "smollm2-135m": ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+                                eos_token_ids=(2,)),
+}

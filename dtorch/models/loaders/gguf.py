@@ -1,0 +1,169 @@
+"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized with the ``gguf`` package -> HF names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dtorch.core.errors import ModelError
+from dtorch.models.config import ModelConfig
+from dtorch.models.loaders.checkpoint import Checkpoint, finish_tensors, progress
+
+# llama.cpp tensor name -> Hugging Face name; "{i}" is the layer index
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+# quantization types this loader promises (the gguf package dequantizes more; those are let through too)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None for tensors the model does not use."""
+    m = _LAYER_RE.match(gguf_name)
+    if m:
+        base = _LAYER_NAMES.get(m.group(2))
+        return None if base is None else f"model.layers.{m.group(1)}.{base}.{m.group(3)}"
+    m = _GLOBAL_RE.match(gguf_name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation for interleaved RoPE.
+
+    llama.cpp's converter reorders each head's rows from the "rotate half" order (i, i + D/2) to adjacent
+    pairs (2i, 2i+1); this puts them back. w: [n_heads * D, ...] (a weight or a bias).
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _open(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors ... on a bad file
+        raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); expected a complete GGUF "
+                         "v2/v3 file as written by llama.cpp") from None
+
+
+def read_metadata(reader: Any, path: Path) -> dict[str, Any]:
+    """Every metadata key of the file with its Python value (arrays as lists)."""
+    meta: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        try:
+            meta[key] = f.contents()
+        except Exception as e:
+            raise ModelError(f"{path}: metadata key {key!r} is unreadable ({e})") from None
+    return meta
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
+    """A ModelConfig from ``{arch}.*`` metadata keys; tied embeddings when there is no ``output.weight``."""
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelError(f"{path}: general.architecture {arch!r} is not supported; expected llama, qwen2 or qwen3")
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelError(f"{path}: has a rope_freqs tensor (llama.cpp's baked Llama 3 RoPE scaling), which dtorch "
+                         "does not read yet; load the Hugging Face directory of this model instead")
+
+    def need(key: str) -> Any:
+        if f"{arch}.{key}" not in meta:
+            raise ModelError(f"{path}: metadata key {arch}.{key} is missing; a {arch} GGUF must have it")
+        return meta[f"{arch}.{key}"]
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    if not vocab:
+        raise ModelError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    return ModelConfig(
+        family=arch, vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")), num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),
+    )
+
+
+def dequantize(t: Any, path: Path) -> torch.Tensor:
+    """One GGUF tensor as float32 torch, in torch's (row-major, reversed-GGUF) shape."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest first
+    try:
+        arr = gguf_dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+    except NotImplementedError:
+        raise ModelError(f"{path}: tensor {t.name!r} has quantization type {t.tensor_type.name}, which the gguf "
+                         f"package cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}") from None
+    except Exception as e:
+        raise ModelError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {list(shape)}) is unreadable "
+                         f"({type(e).__name__}: {e}); the file may be truncated") from None
+    return torch.from_numpy(np.array(arr, copy=True))
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a GGUF file: config from its metadata, weights dequantized (Llama q/k un-permuted), its tokenizer."""
+    from dtorch.models.tokenizer import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file; expected a .gguf model file")
+    reader = _open(path)
+    meta = read_metadata(reader, path)
+    names = {t.name for t in reader.tensors}
+    config = config_from_gguf(meta, names, path)
+    # the reader checks sizes lazily: a tensor whose bytes run past the end of the file shows up here
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > path.stat().st_size:
+        raise ModelError(f"{path}: truncated: its tensors need {end} bytes but the file has {path.stat().st_size}")
+
+    raw: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    for t in progress(reader.tensors, len(reader.tensors), f"loading {path.name}"):
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        w = dequantize(t, path)
+        if config.family == "llama" and ".self_attn.q_proj." in name:
+            w = unpermute_qk(w, config.num_heads)
+        elif config.family == "llama" and ".self_attn.k_proj." in name:
+            w = unpermute_qk(w, config.num_kv_heads)
+        raw[name] = w
+        types[name] = t.tensor_type.name
+    tensors = finish_tensors(raw, config, dtype, str(path))
+    template = meta.get("tokenizer.chat_template")
+    tokenizer = Tokenizer.from_gguf(meta, chat_template=template, source=str(path)) \
+        if "tokenizer.ggml.tokens" in meta else None
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
+                      chat_template=template, metadata={"tensor_types": types})
