@@ -5,19 +5,8 @@ Every op has a functional form that allocates its output (``dtorch.ops.add(a, b)
 ``invoke`` runs any registered op by name. Prepared operators live beside their family.
 """
 
-from dtorch.ops import (
-    attention,
-    binary,
-    causal_conv1d,
-    conv,
-    copy,
-    creation,
-    gated_delta_net,
-    llm,
-    matmul,
-    reduce,
-    unary,
-)
+import sys
+
 from dtorch.ops._invoke import invoke
 from dtorch.ops.attention import *  # noqa: F403
 from dtorch.ops.binary import *  # noqa: F403
@@ -33,6 +22,9 @@ from dtorch.ops.prepared import PreparedOperator
 from dtorch.ops.reduce import *  # noqa: F403
 from dtorch.ops.unary import *  # noqa: F403
 
-_FAMILIES = (attention, binary, causal_conv1d, conv, copy, creation, gated_delta_net, llm, matmul, reduce, unary)
+# Modules looked up by name: a family may export a function named like its module (``copy``, ``causal_conv1d``),
+# which the star imports above bind over the module's name here.
+_FAMILIES = ("attention", "binary", "causal_conv1d", "conv", "copy", "creation", "gated_delta_net", "llm", "matmul",
+             "reduce", "unary")
 __all__ = ["OperatorInitContext", "PreparedOperator", "RuntimeContext", "invoke"] + [
-    name for fam in _FAMILIES for name in fam.__all__]
+    name for fam in _FAMILIES for name in sys.modules[f"dtorch.ops.{fam}"].__all__]
