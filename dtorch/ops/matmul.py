@@ -1,2 +1,247 @@
-"""(to be written)"""
-__all__: list[str] = []
+"""Matrix product wrappers ``mm``, ``bmm``, ``linear`` (+ ``*_out``) and the prepared ``MatMul`` / ``Linear``.
+
+dtorch does no implicit promotion: all operands share one dtype and one device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
+from dtorch.ops import _checks
+from dtorch.ops._invoke import run
+from dtorch.ops.context import RuntimeContext
+from dtorch.ops.prepared import PreparedOperator
+
+__all__ = ["Linear", "MatMul", "bmm", "bmm_out", "linear", "linear_out", "mm", "mm_out"]
+
+
+def _operands(op: str, named: dict[str, torch.Tensor | None], ctx: RuntimeContext | None):
+    """Tensors (None entries skipped) share a dtype and a device (ctx's device type when given)."""
+    present = {}
+    for name, t in named.items():
+        if t is not None:
+            present[name] = _checks.tensor(op, name, t)
+    dtype = _checks.same_dtype(op, present)
+    device = _checks.same_device(op, present, ctx.device if ctx is not None else None)
+    return dtype, device
+
+
+def _mm_shape(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+    _checks.rank(op, "a", a, 2)
+    _checks.rank(op, "b", b, 2)
+    if a.shape[1] != b.shape[0]:
+        raise ShapeError(f"{op}: inner dims must match: 'a' is [M, K] = {tuple(a.shape)}, "
+                         f"'b' is [K, N] = {tuple(b.shape)}")
+    return (a.shape[0], b.shape[1])
+
+
+def _bmm_shape(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+    _checks.rank(op, "a", a, 3)
+    _checks.rank(op, "b", b, 3)
+    if a.shape[0] != b.shape[0]:
+        raise ShapeError(f"{op}: batch sizes must match: 'a' is [B, M, K] = {tuple(a.shape)}, "
+                         f"'b' is [B, K, N] = {tuple(b.shape)}")
+    if a.shape[2] != b.shape[1]:
+        raise ShapeError(f"{op}: inner dims must match: 'a' is [B, M, K] = {tuple(a.shape)}, "
+                         f"'b' is [B, K, N] = {tuple(b.shape)}")
+    return (a.shape[0], a.shape[1], b.shape[2])
+
+
+def _linear_shape(op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
+    if x.dim() < 1:
+        raise ShapeError(f"{op}: argument 'x' must have rank >= 1 ([..., K]), got a 0-d tensor")
+    _checks.rank(op, "w", w, 2)
+    if x.shape[-1] != w.shape[1]:
+        raise ShapeError(f"{op}: 'x' is [..., K] = {tuple(x.shape)} and 'w' is [N, K] = {tuple(w.shape)}: "
+                         f"K must match ({x.shape[-1]} vs {w.shape[1]})")
+    if bias is not None and tuple(bias.shape) != (w.shape[0],):
+        raise ShapeError(f"{op}: 'bias' must have shape [N] = ({w.shape[0]},), got {tuple(bias.shape)}")
+    return (*x.shape[:-1], w.shape[0])
+
+
+def _launch(op, inputs, shape, dtype, device, out, ctx) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=inputs[0].device)
+    else:
+        _checks.out(op, out, shape, dtype, inputs[0].device)
+    run(op, device, dtype, inputs, (out,), stream=ctx.stream if ctx is not None else None,
+        workspace=ctx.workspace if ctx is not None else None)
+    return out
+
+
+def _mm(a, b, out=None, ctx=None) -> torch.Tensor:
+    op = "matmul.mm"
+    dtype, device = _operands(op, {"a": a, "b": b}, ctx)
+    return _launch(op, (a, b), _mm_shape(op, a, b), dtype, device, out, ctx)
+
+
+def _bmm(a, b, out=None, ctx=None) -> torch.Tensor:
+    op = "matmul.bmm"
+    dtype, device = _operands(op, {"a": a, "b": b}, ctx)
+    return _launch(op, (a, b), _bmm_shape(op, a, b), dtype, device, out, ctx)
+
+
+def _linear(x, w, bias, out=None, ctx=None) -> torch.Tensor:
+    op = "matmul.linear"
+    dtype, device = _operands(op, {"x": x, "w": w, "bias": bias}, ctx)
+    return _launch(op, (x, w, bias), _linear_shape(op, x, w, bias), dtype, device, out, ctx)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``matmul.mm``: a [M, K] @ b [K, N] -> [M, N]."""
+    return _mm(a, b)
+
+
+def mm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``matmul.mm`` into ``out`` [M, N] (a's dtype and device)."""
+    return _mm(a, b, out, ctx)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``matmul.bmm``: a [B, M, K] @ b [B, K, N] -> [B, M, N]."""
+    return _bmm(a, b)
+
+
+def bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``matmul.bmm`` into ``out`` [B, M, N]."""
+    return _bmm(a, b, out, ctx)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``matmul.linear``: x [..., K], w [N, K], bias [N] or None -> x @ w.T + bias, [..., N]."""
+    return _linear(x, w, bias)
+
+
+def linear_out(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor,
+               ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``matmul.linear`` into ``out`` [..., N]."""
+    return _linear(x, w, bias, out, ctx)
+
+
+class _PreparedProduct(PreparedOperator):
+    """Shared hot path: identity checks on dtype, then the bound kernel; anything unusual goes the slow way."""
+
+    def _failed(self, exc: Exception) -> KernelFailure:
+        kernel = self.kernel
+        return KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
+                             f"{type(exc).__name__}: {exc}")
+
+    def _check_named(self, named: dict[str, torch.Tensor | None], out: torch.Tensor, shape) -> None:
+        """The slow path's full validation (raises the precise error)."""
+        self._bound()
+        for name, t in named.items():
+            if t is not None:
+                self._check_like(name, t)
+        _checks.out(self.op, out, shape, self.init.dtype, next(iter(named.values())).device)
+
+
+class MatMul(_PreparedProduct):
+    """Prepared ``matmul.mm`` (or ``matmul.bmm`` when ``batched``): bind once, then ``forward_out`` every step.
+
+    forward(a [M, K], b [K, N]) -> [M, N]; batched: forward(a [B, M, K], b [B, K, N]) -> [B, M, N].
+    """
+
+    op = "matmul.mm"
+
+    def __init__(self, batched: bool = False) -> None:
+        super().__init__()
+        if not isinstance(batched, bool):
+            raise ArgumentError(f"MatMul: 'batched' must be a bool, got {batched!r}")
+        self.batched = batched
+        self.op = "matmul.bmm" if batched else "matmul.mm"
+        self._dtype: torch.dtype | None = None
+
+    def prepare(self, init, dispatcher=None) -> MatMul:
+        super().prepare(init, dispatcher)
+        self._dtype = self.init.dtype
+        return self
+
+    def _shape(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+        return _bmm_shape(self.op, a, b) if self.batched else _mm_shape(self.op, a, b)
+
+    def forward_out(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor,
+                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """a @ b into ``out``.
+
+        The hot path compares a's dtype with prepare's and runs the bound kernel; mismatched shapes or
+        dtypes of b and out make the kernel fail, and only then is everything validated for a precise
+        error. ``out`` must already have the right shape (as torch's ``out=``, a wrong one is resized).
+        """
+        kernel = self.kernel
+        if kernel is None or a.dtype is not self._dtype:
+            self._check_named({"a": a, "b": b}, out, self._shape(a, b))
+        try:
+            kernel(self._kctx if ctx is None else self._context(ctx), (a, b), (out,))
+        except DtorchError:
+            raise
+        except Exception as exc:
+            self._check_named({"a": a, "b": b}, out, self._shape(a, b))
+            raise self._failed(exc) from exc
+        return out
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """a @ b as a new tensor (full shape validation)."""
+        self._bound()
+        self._check_like("a", a)
+        self._check_like("b", b)
+        out = torch.empty(self._shape(a, b), dtype=a.dtype, device=a.device)
+        return self.forward_out(a, b, out=out, ctx=ctx)
+
+
+class Linear(_PreparedProduct):
+    """Prepared ``matmul.linear``: x [..., K], w [N, K], bias [N] (exactly when ``has_bias``) -> [..., N]."""
+
+    op = "matmul.linear"
+
+    def __init__(self, has_bias: bool) -> None:
+        super().__init__()
+        if not isinstance(has_bias, bool):
+            raise ArgumentError(f"Linear: 'has_bias' must be a bool, got {has_bias!r}")
+        self.has_bias = has_bias
+        self._dtype: torch.dtype | None = None
+
+    def prepare(self, init, dispatcher=None) -> Linear:
+        super().prepare(init, dispatcher)
+        self._dtype = self.init.dtype
+        return self
+
+    def _validate(self, x, w, bias, out) -> None:
+        self._bound()
+        if (bias is not None) != self.has_bias:
+            want = "a bias [N]" if self.has_bias else "no bias"
+            raise ArgumentError(f"{self.op}: this Linear was built with has_bias={self.has_bias} and takes {want}; "
+                                f"got bias={'None' if bias is None else 'a tensor'}")
+        shape = _linear_shape(self.op, x, w, bias)
+        self._check_named({"x": x, "w": w, "bias": bias}, out, shape)
+
+    def forward_out(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    out: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """x @ w.T (+ bias) into ``out`` [..., N].
+
+        The hot path compares x's dtype with prepare's and the bias with ``has_bias``, then runs the bound
+        kernel; mismatched shapes or dtypes of w, bias and out make the kernel fail, and only then is
+        everything validated for a precise error. ``out`` must already have the right shape (as torch's
+        ``out=``, a wrong one is resized).
+        """
+        kernel = self.kernel
+        if kernel is None or x.dtype is not self._dtype or (bias is None) is self.has_bias:
+            self._validate(x, w, bias, out)
+        try:
+            kernel(self._kctx if ctx is None else self._context(ctx), (x, w, bias), (out,))
+        except DtorchError:
+            raise
+        except Exception as exc:
+            self._validate(x, w, bias, out)
+            raise self._failed(exc) from exc
+        return out
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """x @ w.T (+ bias) as a new tensor [..., N] (full validation)."""
+        self._bound()
+        self._check_like("x", x)
+        self._check_like("w", w)
+        out = torch.empty(_linear_shape(self.op, x, w, bias), dtype=x.dtype, device=x.device)
+        self._validate(x, w, bias, out)
+        return self.forward_out(x, w, bias, out=out, ctx=ctx)
