@@ -1,2 +1,218 @@
-"""(to be written)"""
-__all__: list[str] = []
+"""Causal depthwise conv1d wrappers (``llm.causal_conv1d``, ``llm.causal_conv1d_update``) and ``CausalConv1d``.
+
+Conventions follow Dao-AILab's ``causal_conv1d_fn`` / ``causal_conv1d_update``: x is channels-first [B, D, L],
+weight [D, W]; ``activation`` is None, "silu" or "swish" (the same function). The update step's conv_state
+keeps the last S >= W - 1 inputs (Qwen3-Next allocates S = W) and is shifted in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtorch.core.device import Device
+from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
+from dtorch.dispatch.context import KernelParams
+from dtorch.dispatch.key import KernelKey
+from dtorch.dispatch.meta import Call
+from dtorch.dispatch.prepared import PreparedKernel
+from dtorch.dispatch.registry import Dispatcher
+from dtorch.kernels.registry import FLOATS
+from dtorch.ops import _checks
+from dtorch.ops._invoke import run
+from dtorch.ops.context import OperatorInitContext, RuntimeContext
+from dtorch.ops.prepared import PreparedOperator
+
+OP = "llm.causal_conv1d"
+OP_UPDATE = "llm.causal_conv1d_update"
+_ACTIVATIONS = {None: None, "silu": "silu", "swish": "silu"}
+_PARAMS = {a: KernelParams(activation=a) for a in (None, "silu")}
+
+
+def _params(op: str, activation: str | None) -> KernelParams:
+    if not isinstance(activation, (str, type(None))) or activation not in _ACTIVATIONS:
+        raise ArgumentError(f"{op}: 'activation' must be None, 'silu' or 'swish', got {activation!r}")
+    return _PARAMS[_ACTIVATIONS[activation]]
+
+
+def _weights(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Checks weight [D, W] and bias [D] against x [B, D, ...]; returns W."""
+    _checks.tensor(op, "weight", weight)
+    _checks.rank(op, "weight", weight, 2)
+    _checks.dim_eq(op, f"weight.shape[0] (channels of x {tuple(x.shape)})", weight.shape[0], x.shape[1])
+    if weight.shape[1] < 1:
+        raise ShapeError(f"{op}: weight width must be >= 1, got weight shape {tuple(weight.shape)}")
+    named = {"x": x, "weight": weight}
+    if bias is not None:
+        _checks.tensor(op, "bias", bias)
+        _checks.rank(op, "bias", bias, 1)
+        _checks.dim_eq(op, "bias.shape[0]", bias.shape[0], x.shape[1])
+        named["bias"] = bias
+    _checks.dtype_in(op, "x", x, FLOATS)
+    _checks.same_dtype(op, named)
+    return weight.shape[1]
+
+
+def _validate(x, weight, bias, initial_states, device: Device | None) -> Device:
+    _checks.tensor(OP, "x", x)
+    _checks.rank(OP, "x", x, 3)
+    width = _weights(OP, x, weight, bias)
+    named = {"x": x, "weight": weight} | ({"bias": bias} if bias is not None else {})
+    if initial_states is not None:
+        _checks.tensor(OP, "initial_states", initial_states)
+        want = (x.shape[0], x.shape[1], width - 1)
+        if tuple(initial_states.shape) != want:
+            raise ShapeError(f"{OP}: 'initial_states' must have shape [B, D, W-1] = {want}, "
+                             f"got {tuple(initial_states.shape)}")
+        named["initial_states"] = initial_states
+        _checks.same_dtype(OP, named)
+    return _checks.same_device(OP, named, device)
+
+
+def _validate_update(x, conv_state, weight, bias, device: Device | None) -> Device:
+    _checks.tensor(OP_UPDATE, "x", x)
+    _checks.rank(OP_UPDATE, "x", x, 2, 3)
+    width = _weights(OP_UPDATE, x, weight, bias)
+    _checks.tensor(OP_UPDATE, "conv_state", conv_state)
+    _checks.rank(OP_UPDATE, "conv_state", conv_state, 3)
+    if conv_state.shape[:2] != x.shape[:2] or conv_state.shape[2] < width - 1:
+        raise ShapeError(f"{OP_UPDATE}: 'conv_state' must have shape [B, D, S] = [{x.shape[0]}, {x.shape[1]}, S] "
+                         f"with S >= W - 1 = {width - 1}, got {tuple(conv_state.shape)}")
+    named = {"x": x, "conv_state": conv_state, "weight": weight} | ({"bias": bias} if bias is not None else {})
+    _checks.same_dtype(OP_UPDATE, named)
+    return _checks.same_device(OP_UPDATE, named, device)
+
+
+def _final_out(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.empty(x.shape[0], x.shape[1], width - 1, dtype=x.dtype, device=x.device)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  initial_states: torch.Tensor | None = None, return_final_states: bool = False,
+                  activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal conv: x [B, D, L], weight [D, W], bias [D], initial_states [B, D, W-1] (default zeros).
+
+    Returns (out [B, D, L], final_states [B, D, W-1] — the last W-1 inputs — or None unless requested).
+    """
+    params = _params(OP, activation)
+    device = _validate(x, weight, bias, initial_states, None)
+    out = torch.empty_like(x)
+    final = _final_out(x, weight.shape[1]) if return_final_states else None
+    run(OP, device, x.dtype, (x, weight, bias, initial_states), (out,) if final is None else (out, final), params)
+    return out, final
+
+
+def causal_conv1d_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      initial_states: torch.Tensor | None = None, activation: str | None = None, *,
+                      out: torch.Tensor, final_states_out: torch.Tensor | None = None,
+                      ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``causal_conv1d`` into ``out`` [B, D, L] (and ``final_states_out`` [B, D, W-1] when given)."""
+    params = _params(OP, activation)
+    device = _validate(x, weight, bias, initial_states, ctx.device if ctx is not None else None)
+    outs = _outs(OP, x, weight.shape[1], out, final_states_out)
+    run(OP, device, x.dtype, (x, weight, bias, initial_states), outs, params,
+        ctx.stream if ctx is not None else None, ctx.workspace if ctx is not None else None)
+    return out, final_states_out
+
+
+def _outs(op: str, x: torch.Tensor, width: int, out: torch.Tensor, final: torch.Tensor | None) -> tuple:
+    _checks.out(op, out, x.shape, x.dtype, x.device)
+    if final is None:
+        return (out,)
+    if not isinstance(final, torch.Tensor):
+        _checks.tensor(op, "final_states_out", final)
+    if tuple(final.shape) != (x.shape[0], x.shape[1], width - 1) or final.dtype != x.dtype:
+        raise ShapeError(f"{op}: 'final_states_out' must be a {x.dtype} tensor of shape "
+                         f"{(x.shape[0], x.shape[1], width - 1)}, got {final.dtype} {tuple(final.shape)}")
+    return (out, final)
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """One decode step: x [B, D] or [B, D, L]; conv_state [B, D, S >= W-1] is shifted in place.
+
+    Returns out shaped like x: the conv of (conv_state's last W-1 inputs, then x).
+    """
+    out = torch.empty_like(x)
+    return causal_conv1d_update_out(x, conv_state, weight, bias, activation, out=out)
+
+
+def causal_conv1d_update_out(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None, activation: str | None = None, *,
+                             out: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``causal_conv1d_update`` into ``out`` (shaped like x); conv_state is updated in place."""
+    params = _params(OP_UPDATE, activation)
+    device = _validate_update(x, conv_state, weight, bias, ctx.device if ctx is not None else None)
+    _checks.out(OP_UPDATE, out, x.shape, x.dtype, x.device)
+    x3, out3 = (x.unsqueeze(-1), out.unsqueeze(-1)) if x.dim() == 2 else (x, out)
+    run(OP_UPDATE, device, x.dtype, (x3, weight, bias), (out3, conv_state), params,
+        ctx.stream if ctx is not None else None, ctx.workspace if ctx is not None else None)
+    return out
+
+
+class CausalConv1d(PreparedOperator):
+    """Prepared ``llm.causal_conv1d`` for one activation, with the decode step ``update`` bound beside it.
+
+    ``op = CausalConv1d(activation="silu").prepare(OperatorInitContext("cpu", torch.bfloat16))``;
+    ``out, final = op(x, weight, bias, initial_states, return_final_states=True)``; then per token
+    ``op.update(x_t, conv_state, weight, bias)``.
+    """
+
+    op = OP
+
+    def __init__(self, activation: str | None = None) -> None:
+        super().__init__(_params(f"{OP} (CausalConv1d)", activation))
+        self.update_kernel: PreparedKernel | None = None
+
+    def prepare(self, init: OperatorInitContext, dispatcher: Dispatcher | None = None) -> CausalConv1d:
+        super().prepare(init, dispatcher)
+        key = KernelKey(OP_UPDATE, init.device.type, init.dtype, init.layout)
+        self.update_kernel = PreparedKernel(self.kernel.dispatcher, key, Call(init.device, init.dtype, self.params))
+        return self
+
+    def forward_out(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    initial_states: torch.Tensor | None = None, *, out: torch.Tensor,
+                    final_states_out: torch.Tensor | None = None,
+                    ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._check_like("x", x)
+        _validate(x, weight, bias, initial_states, ctx.device if ctx is not None else None)
+        outs = _outs(OP, x, weight.shape[1], out, final_states_out)
+        self._run((x, weight, bias, initial_states), outs, ctx)
+        return out, final_states_out
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                initial_states: torch.Tensor | None = None,
+                return_final_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, D, L] -> (out [B, D, L], final_states [B, D, W-1] or None)."""
+        self._check_like("x", x)
+        _validate(x, weight, bias, initial_states, None)
+        out = torch.empty_like(x)
+        outs = (out, _final_out(x, weight.shape[1])) if return_final_states else (out,)
+        self._run((x, weight, bias, initial_states), outs, None)
+        return out, outs[1] if return_final_states else None
+
+    def update_out(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None, *, out: torch.Tensor,
+                   ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """The decode step into ``out`` (shaped like x [B, D] or [B, D, L]); conv_state is shifted in place."""
+        self._check_like("x", x)
+        _validate_update(x, conv_state, weight, bias, ctx.device if ctx is not None else None)
+        _checks.out(OP_UPDATE, out, x.shape, x.dtype, x.device)
+        x3, out3 = (x.unsqueeze(-1), out.unsqueeze(-1)) if x.dim() == 2 else (x, out)
+        kernel = self.update_kernel
+        try:
+            kernel(self._context(ctx), (x3, weight, bias), (out3, conv_state))
+        except DtorchError:
+            raise
+        except Exception as exc:
+            raise KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        return out
+
+    def update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step: x [B, D] or [B, D, L] -> out shaped like x; conv_state is shifted in place."""
+        self._check_like("x", x)
+        return self.update_out(x, conv_state, weight, bias, out=torch.empty_like(x))
+
+
+__all__ = ["CausalConv1d", "causal_conv1d", "causal_conv1d_out", "causal_conv1d_update", "causal_conv1d_update_out"]

@@ -1,2 +1,185 @@
-"""(to be written)"""
-__all__: list[str] = []
+"""Gated delta rule wrappers (``llm.gated_delta_net``) and the prepared ``GatedDeltaNet``.
+
+Layout and conventions follow flash-linear-attention's ``chunk_gated_delta_rule``: q, k [B, T, Hk, K],
+v [B, T, H, V] (H a multiple of Hk), g (log-space decay) and beta [B, T, H], state [N, H, K, V]. The final
+state is float32 (float64 for float64 inputs) whatever the input dtype. ``mode="chunked"`` (default) runs the
+chunked provider, ``mode="recurrent"`` the per-step reference; both give the same result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dtorch.core.device import Device
+from dtorch.core.dtypes import dtype_name
+from dtorch.core.errors import ArgumentError, DTypeError, ShapeError
+from dtorch.dispatch.context import KernelParams
+from dtorch.kernels.registry import FLOATS
+from dtorch.ops import _checks
+from dtorch.ops._invoke import run
+from dtorch.ops.context import RuntimeContext
+from dtorch.ops.prepared import PreparedOperator
+
+OP = "llm.gated_delta_net"
+MODES = ("recurrent", "chunked")
+_SEQLEN_DTYPES = (torch.int32, torch.int64)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the recurrent state for inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _params(scale: float | None, use_qk_l2norm: bool, mode: str, chunk_size: int) -> KernelParams:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ArgumentError(f"{OP}: 'scale' must be None or a finite number, got {scale!r}")
+    if not isinstance(use_qk_l2norm, bool):
+        raise ArgumentError(f"{OP}: 'use_qk_l2norm' must be a bool, got {use_qk_l2norm!r}")
+    if mode not in MODES:
+        raise ArgumentError(f"{OP}: 'mode' must be one of {MODES}, got {mode!r}")
+    _checks.positive_int(OP, "chunk_size", chunk_size)
+    return KernelParams(scale=None if scale is None else float(scale), use_qk_l2norm=use_qk_l2norm, mode=mode,
+                        chunk_size=chunk_size)
+
+
+def _shape(name: str, t: torch.Tensor, want: tuple[int, ...], letters: str) -> None:
+    if tuple(t.shape) != want:
+        raise ShapeError(f"{OP}: argument {name!r} must have shape [{letters}] = {list(want)}, got {list(t.shape)}")
+
+
+def _check_cu_seqlens(cu: torch.Tensor, b: int, t: int) -> int:
+    """Validates cu_seqlens [N + 1] (values only on real devices); returns N."""
+    _checks.tensor(OP, "cu_seqlens", cu)
+    _checks.rank(OP, "cu_seqlens", cu, 1)
+    if cu.dtype not in _SEQLEN_DTYPES:
+        raise DTypeError(f"{OP}: 'cu_seqlens' must be int32 or int64, got {dtype_name(cu.dtype)}")
+    if cu.shape[0] < 2:
+        raise ShapeError(f"{OP}: 'cu_seqlens' must hold N + 1 >= 2 offsets, got shape {list(cu.shape)}")
+    if b != 1:
+        raise ShapeError(f"{OP}: with 'cu_seqlens' the sequences are packed along T, so B must be 1, got B={b}")
+    if cu.device.type != "meta":
+        vals = cu.tolist()
+        if vals[0] != 0 or vals[-1] != t or any(a > c for a, c in zip(vals[:-1], vals[1:], strict=True)):
+            shown = vals if len(vals) <= 12 else vals[:6] + ["..."] + vals[-3:]
+            raise ArgumentError(f"{OP}: 'cu_seqlens' must start at 0, never decrease and end at T={t}, "
+                                f"got {shown}")
+    return cu.shape[0] - 1
+
+
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens, device: Device | None) -> tuple[Device, tuple]:
+    """Checks every argument; returns the device and the state shape (N, H, K, V)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _checks.tensor(OP, name, t)
+    _checks.rank(OP, "q", q, 4)
+    b, t, hk, kd = q.shape
+    _shape("k", k, (b, t, hk, kd), "B, T, Hk, K")
+    _checks.rank(OP, "v", v, 4)
+    h, vd = v.shape[2], v.shape[3]
+    _shape("v", v, (b, t, h, vd), "B, T, H, V")
+    if hk == 0 or h % hk:
+        raise ShapeError(f"{OP}: value heads H={h} must be a multiple of q/k heads Hk={hk}")
+    _shape("g", g, (b, t, h), "B, T, H")
+    _shape("beta", beta, (b, t, h), "B, T, H")
+    _checks.dtype_in(OP, "q", q, FLOATS)
+    _checks.same_dtype(OP, {"q": q, "k": k, "v": v})
+    _checks.dtype_in(OP, "g", g, FLOATS)
+    _checks.dtype_in(OP, "beta", beta, FLOATS)
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    n = b if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, b, t)
+    if cu_seqlens is not None:
+        named["cu_seqlens"] = cu_seqlens
+    if initial_state is not None:
+        _checks.tensor(OP, "initial_state", initial_state)
+        _shape("initial_state", initial_state, (n, h, kd, vd), "N, H, K, V" if cu_seqlens is not None else "B, H, K, V")
+        _checks.dtype_in(OP, "initial_state", initial_state, FLOATS)
+        named["initial_state"] = initial_state
+    return _checks.same_device(OP, named, device), (n, h, kd, vd)
+
+
+def _state_out(final: object, shape: tuple, q: torch.Tensor) -> torch.Tensor:
+    return _checks.out(OP, final, shape, state_dtype(q.dtype), q.device) if final is not None else None
+
+
+def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    scale: float | None = None, initial_state: torch.Tensor | None = None,
+                    output_final_state: bool = True, use_qk_l2norm: bool = False,
+                    cu_seqlens: torch.Tensor | None = None, mode: str = "chunked",
+                    chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over a sequence (or packed sequences with ``cu_seqlens``).
+
+    q, k [B, T, Hk, K]; v [B, T, H, V]; g, beta [B, T, H]; initial_state [N, H, K, V] (N = B, or the number
+    of segments); cu_seqlens int [N + 1] with B == 1. Returns (o [B, T, H, V] in q's dtype, final_state
+    [N, H, K, V] float32 — float64 for float64 inputs — or None when ``output_final_state`` is False).
+    """
+    params = _params(scale, use_qk_l2norm, mode, chunk_size)
+    device, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, None)
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    final = torch.empty(state_shape, dtype=state_dtype(q.dtype), device=q.device) if output_final_state else None
+    run(OP, device, q.dtype, (q, k, v, g, beta, initial_state, cu_seqlens), (o,) if final is None else (o, final),
+        params)
+    return o, final
+
+
+def gated_delta_net_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        scale: float | None = None, initial_state: torch.Tensor | None = None,
+                        use_qk_l2norm: bool = False, cu_seqlens: torch.Tensor | None = None, mode: str = "chunked",
+                        chunk_size: int = 64, *, out: torch.Tensor, final_state_out: torch.Tensor | None = None,
+                        ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``gated_delta_net`` into ``out`` [B, T, H, V] and, when given, ``final_state_out`` [N, H, K, V].
+
+    ``final_state_out`` may be ``initial_state`` itself: the state is then advanced in place.
+    """
+    params = _params(scale, use_qk_l2norm, mode, chunk_size)
+    device, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, ctx.device if ctx else None)
+    _checks.out(OP, out, v.shape, q.dtype, q.device)
+    final = _state_out(final_state_out, state_shape, q)
+    run(OP, device, q.dtype, (q, k, v, g, beta, initial_state, cu_seqlens), (out,) if final is None else (out, final),
+        params, ctx.stream if ctx is not None else None, ctx.workspace if ctx is not None else None)
+    return out, final
+
+
+class GatedDeltaNet(PreparedOperator):
+    """Prepared ``llm.gated_delta_net``: options fixed at construction, the provider chosen once at prepare.
+
+    ``op = GatedDeltaNet(use_qk_l2norm=True).prepare(OperatorInitContext("cpu", torch.bfloat16))``;
+    ``o, state = op.forward(q, k, v, g, beta, initial_state)`` (shapes as ``gated_delta_net``).
+    """
+
+    op = OP
+
+    def __init__(self, scale: float | None = None, use_qk_l2norm: bool = False, mode: str = "chunked",
+                 chunk_size: int = 64, output_final_state: bool = True) -> None:
+        if not isinstance(output_final_state, bool):
+            raise ArgumentError(f"{OP}: 'output_final_state' must be a bool, got {output_final_state!r}")
+        super().__init__(_params(scale, use_qk_l2norm, mode, chunk_size))
+        self.output_final_state = output_final_state
+
+    def forward_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    initial_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, *,
+                    out: torch.Tensor, final_state_out: torch.Tensor | None = None,
+                    ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Into ``out`` [B, T, H, V] and ``final_state_out`` [N, H, K, V] (may be ``initial_state``)."""
+        self._check_like("q", q)
+        _, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, ctx.device if ctx else None)
+        _checks.out(OP, out, v.shape, q.dtype, q.device)
+        final = _state_out(final_state_out, state_shape, q)
+        self._run((q, k, v, g, beta, initial_state, cu_seqlens), (out,) if final is None else (out, final), ctx)
+        return out, final
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (o [B, T, H, V], final_state [N, H, K, V] or None when built with output_final_state=False)."""
+        self._check_like("q", q)
+        _, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, None)
+        o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+        final = (torch.empty(state_shape, dtype=state_dtype(q.dtype), device=q.device)
+                 if self.output_final_state else None)
+        self._run((q, k, v, g, beta, initial_state, cu_seqlens), (o,) if final is None else (o, final), None)
+        return o, final
+
+
+__all__ = ["GatedDeltaNet", "gated_delta_net", "gated_delta_net_out"]
