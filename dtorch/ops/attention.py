@@ -1,2 +1,256 @@
-"""(to be written)"""
-__all__: list[str] = []
+"""Attention op wrappers (flash-attn convention) and their prepared operators.
+
+``flash_attention(q, k, v, causal=False, scale=None)``: q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D].
+``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)``:
+q [total_q, H, D], k/v [total_k, Hkv, D], cu_seqlens int32 [N+1] -> [total_q, H, D].
+H must be a multiple of Hkv (GQA: query head h reads kv head h // (H / Hkv)); ``causal`` is aligned
+bottom-right (query i of T sees keys j <= i + S - T); ``scale`` defaults to 1 / sqrt(D).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from dtorch.core.device import Device
+from dtorch.core.dtypes import FLOAT_DTYPES
+from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
+from dtorch.dispatch.context import KernelContext, KernelParams
+from dtorch.dispatch.meta import Call
+from dtorch.ops import _checks
+from dtorch.ops._invoke import run
+from dtorch.ops.context import OperatorInitContext, RuntimeContext
+from dtorch.ops.prepared import PreparedOperator
+
+DENSE = "llm.flash_attention"
+VARLEN = "llm.flash_attention_varlen"
+
+
+def _flag(op: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{op}: {name!r} must be a bool, got {value!r}")
+    return value
+
+
+def _scale(op: str, scale: object, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5 if head_dim else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ArgumentError(f"{op}: 'scale' must be a finite number or None (1/sqrt(D)), got {scale!r}")
+    return float(scale)
+
+
+@lru_cache(maxsize=256)
+def _params(causal: bool, scale: float, max_q: int | None = None, max_k: int | None = None) -> KernelParams:
+    if max_q is None:
+        return KernelParams(causal=causal, scale=scale)
+    return KernelParams(causal=causal, scale=scale, max_seqlen_q=max_q, max_seqlen_k=max_k)
+
+
+def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int,
+               ctx: RuntimeContext | None) -> Device:
+    """Shared checks: tensors, device, dtype, rank, k/v shapes, head dims and H % Hkv."""
+    named = {"q": q, "k": k, "v": v}
+    for name, t in named.items():
+        _checks.tensor(op, name, t)
+    device = _checks.same_device(op, named, ctx.device if ctx is not None else None)
+    _checks.dtype_in(op, "q", q, FLOAT_DTYPES)
+    _checks.same_dtype(op, named)
+    layout = "[B, T, H, D]" if rank == 4 else "[total, H, D]"
+    for name, t in named.items():
+        if t.dim() != rank:
+            raise ShapeError(f"{op}: {name!r} must be {layout} (rank {rank}), got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ShapeError(f"{op}: 'k' and 'v' must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ShapeError(f"{op}: head dims disagree: q has D = {q.shape[-1]}, k has D = {k.shape[-1]}")
+    h, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or h % hkv:
+        raise ShapeError(f"{op}: q's head count H = {h} must be a multiple of k/v's head count Hkv = {hkv} (GQA)")
+    return device
+
+
+def _check_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RuntimeContext | None) -> Device:
+    device = _check_qkv(DENSE, q, k, v, 4, ctx)
+    if k.shape[0] != q.shape[0]:
+        raise ShapeError(f"{DENSE}: batch sizes disagree: q has B = {q.shape[0]}, k/v have B = {k.shape[0]}")
+    return device
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale [+ bottom-right causal mask]) v: q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D]."""
+    device = _check_dense(q, k, v, None)
+    params = _params(_flag(DENSE, "causal", causal), _scale(DENSE, scale, q.shape[-1]))
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    run(DENSE, device, q.dtype, (q, k, v), (out,), params)
+    return out
+
+
+def flash_attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                        scale: float | None = None, *, out: torch.Tensor,
+                        ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``flash_attention`` into ``out`` [B, T, H, D]."""
+    device = _check_dense(q, k, v, ctx)
+    params = _params(_flag(DENSE, "causal", causal), _scale(DENSE, scale, q.shape[-1]))
+    _checks.out(DENSE, out, q.shape, q.dtype, q.device)
+    run(DENSE, device, q.dtype, (q, k, v), (out,), params, *((ctx.stream, ctx.workspace) if ctx else ()))
+    return out
+
+
+# -- varlen ----------------------------------------------------------------------------------------
+
+def _check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  max_q: int, max_k: int, ctx: RuntimeContext | None) -> Device:
+    op = VARLEN
+    device = _check_qkv(op, q, k, v, 3, ctx)
+    cus = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    for name, cu in cus.items():
+        _checks.tensor(op, name, cu)
+        _checks.dtype_in(op, name, cu, (torch.int32,))
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ShapeError(f"{op}: {name!r} must be [N + 1] (rank 1, at least one entry), got {tuple(cu.shape)}")
+    _checks.same_device(op, {"q": q} | cus)
+    if cu_q.shape != cu_k.shape:
+        raise ShapeError(f"{op}: 'cu_seqlens_q' and 'cu_seqlens_k' must have the same length N + 1, got "
+                         f"{cu_q.shape[0]} and {cu_k.shape[0]}")
+    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        _checks.positive_int(op, name, value, minimum=0)
+    if device.type != "meta":
+        _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    return device
+
+
+def _check_cu_values(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int,
+                     max_k: int) -> None:
+    """Starts at 0, non-decreasing, ends at the total, no segment longer than max_seqlen (one host sync)."""
+    parts = [cu_q[:1], cu_q[-1:], cu_k[:1], cu_k[-1:]]
+    if cu_q.shape[0] > 1:
+        dq, dk = cu_q.diff(), cu_k.diff()
+        parts += [dq.min().view(1), dq.max().view(1), dk.min().view(1), dk.max().view(1)]
+    stats = torch.cat(parts).tolist()
+    for i, (name, total, max_len, what) in enumerate((("cu_seqlens_q", total_q, max_q, "q"),
+                                                     ("cu_seqlens_k", total_k, max_k, "k"))):
+        first, last = stats[2 * i], stats[2 * i + 1]
+        if first != 0:
+            raise ArgumentError(f"{VARLEN}: {name!r} must start at 0, got {first}")
+        if len(stats) > 4:
+            shortest, longest = stats[4 + 2 * i], stats[5 + 2 * i]
+            if shortest < 0:
+                raise ArgumentError(f"{VARLEN}: {name!r} must be non-decreasing, but it has a segment of length "
+                                    f"{shortest}")
+            if longest > max_len:
+                raise ArgumentError(f"{VARLEN}: 'max_seqlen_{what}' {max_len} is less than the longest segment "
+                                    f"({longest})")
+        if last != total:
+            raise ArgumentError(f"{VARLEN}: {name!r} must end at {total} ({what}.shape[0]), got {last}")
+
+
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                           scale: float | None = None) -> torch.Tensor:
+    """Attention over N packed segments: segment i has queries cu_seqlens_q[i]:cu_seqlens_q[i+1] of
+    q [total_q, H, D] and keys/values cu_seqlens_k[i]:cu_seqlens_k[i+1] of k/v [total_k, Hkv, D].
+    Returns [total_q, H, D]. A segment may have fewer queries than keys (chunked prefill, decode)."""
+    device = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None)
+    params = _params(_flag(VARLEN, "causal", causal), _scale(VARLEN, scale, q.shape[-1]), max_seqlen_q, max_seqlen_k)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    run(VARLEN, device, q.dtype, (q, k, v, cu_seqlens_q, cu_seqlens_k), (out,), params)
+    return out
+
+
+def flash_attention_varlen_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                               causal: bool = False, scale: float | None = None, *, out: torch.Tensor,
+                               ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``flash_attention_varlen`` into ``out`` [total_q, H, D]."""
+    device = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ctx)
+    params = _params(_flag(VARLEN, "causal", causal), _scale(VARLEN, scale, q.shape[-1]), max_seqlen_q, max_seqlen_k)
+    _checks.out(VARLEN, out, q.shape, q.dtype, q.device)
+    run(VARLEN, device, q.dtype, (q, k, v, cu_seqlens_q, cu_seqlens_k), (out,), params,
+        *((ctx.stream, ctx.workspace) if ctx else ()))
+    return out
+
+
+# -- prepared ----------------------------------------------------------------------------------------
+
+class _AttentionBase(PreparedOperator):
+    """Static facts shared by both attention operators: causal, scale and the head layout."""
+
+    def __init__(self, causal: bool, scale: float | None, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        op = self.op
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            _checks.positive_int(op, name, value)
+        if num_heads % num_kv_heads:
+            raise ArgumentError(f"{op}: 'num_heads' {num_heads} must be a multiple of 'num_kv_heads' {num_kv_heads}")
+        self.causal = _flag(op, "causal", causal)
+        self.scale = _scale(op, scale, head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        super().__init__(_params(self.causal, self.scale))
+
+    def call_facts(self, init: OperatorInitContext) -> Call:
+        facts = self.params.replace(head_dim=self.head_dim, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                    gqa_ratio=self.num_heads // self.num_kv_heads)
+        return Call(init.device, init.dtype, facts, None)
+
+    def _check_heads(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        if q.shape[-2:] != (self.num_heads, self.head_dim) or k.shape[-2:] != (self.num_kv_heads, self.head_dim):
+            raise ShapeError(f"{self.op}: prepared for q [..., {self.num_heads}, {self.head_dim}] and k/v "
+                             f"[..., {self.num_kv_heads}, {self.head_dim}], got q {tuple(q.shape)} and "
+                             f"k {tuple(k.shape)}")
+
+
+class Attention(_AttentionBase):
+    """Prepared ``llm.flash_attention``: ``forward(q, k, v)`` with q [B, T, H, D], k/v [B, S, Hkv, D]."""
+
+    op = DENSE
+
+    def forward_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor,
+                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+        self._check_like("q", q)
+        _check_dense(q, k, v, ctx)
+        self._check_heads(q, k)
+        _checks.out(self.op, out, q.shape, q.dtype, q.device)
+        self._run((q, k, v), (out,), ctx)
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.forward_out(q, k, v, out=torch.empty_like(q, memory_format=torch.contiguous_format))
+
+
+class AttentionVarlen(_AttentionBase):
+    """Prepared ``llm.flash_attention_varlen``: ``forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k)`` with q [total_q, H, D], k/v [total_k, Hkv, D]."""
+
+    op = VARLEN
+
+    def forward_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, out: torch.Tensor,
+                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+        self._check_like("q", q)
+        _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ctx)
+        self._check_heads(q, k)
+        _checks.out(self.op, out, q.shape, q.dtype, q.device)
+        kernel = self._bound()
+        params = _params(self.causal, self.scale, max_seqlen_q, max_seqlen_k)  # per-call lengths
+        kctx = (KernelContext(self.init.device, None, None, params) if ctx is None
+                else KernelContext(ctx.device, ctx.stream, ctx.workspace, params))
+        try:
+            kernel(kctx, (q, k, v, cu_seqlens_q, cu_seqlens_k), (out,))
+        except DtorchError:
+            raise
+        except Exception as exc:
+            raise KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        return self.forward_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out=out)
+
+
+__all__ = ["Attention", "AttentionVarlen", "flash_attention", "flash_attention_out", "flash_attention_varlen",
+           "flash_attention_varlen_out"]

@@ -1,1 +1,192 @@
-"""(to be written)"""
+"""Attention kernels in the flash-attn convention: ``llm.flash_attention`` and ``llm.flash_attention_varlen``.
+
+Layouts: dense q [B, T, H, D], k/v [B, S, Hkv, D] -> out [B, T, H, D]; varlen q [total_q, H, D],
+k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [N+1] -> out [total_q, H, D]. Query head h reads kv
+head h // (H / Hkv) (GQA). ``causal`` is aligned bottom-right: query i of a segment with T queries
+and S keys sees keys j <= i + S - T; a query row that sees no key outputs zeros (as flash-attn).
+params: causal, scale (already resolved to a float by the wrapper), and for varlen max_seqlen_q/k.
+
+The reference computes QK^T -> mask -> softmax -> V explicitly in float32 (float64 for float64).
+The "sdpa" provider runs torch's ``scaled_dot_product_attention`` on [B, H, T, D] views; varlen
+pads the segments into one batch (a gather, no host sync) with a key mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dtorch.dispatch.meta import Call
+from dtorch.kernels.registry import FLOATS, KERNELS
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _visible(t: int, s: int, causal: bool, device: torch.device) -> torch.Tensor | None:
+    """Bool [T, S]: may query i see key j (bottom-right causal), or None when every key is visible."""
+    if not causal or t == 1 and s >= 1:
+        return None
+    i = torch.arange(t, device=device).unsqueeze(1)
+    j = torch.arange(s, device=device).unsqueeze(0)
+    return j <= i + (s - t)
+
+
+def attention_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                              scale: float) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D] in the compute dtype (float32 or float64)."""
+    cdt = _compute_dtype(q.dtype)
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    if s == 0:
+        return torch.zeros(b, t, h, v.shape[-1], dtype=cdt, device=q.device)
+    qh = q.to(cdt).transpose(1, 2)  # [B, H, T, D]
+    kh = k.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)  # [B, H, S, D]
+    vh = v.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, H, T, S]
+    mask = _visible(t, s, causal, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None and t > s:  # rows with no visible key: softmax of all -inf is NaN; flash-attn gives 0
+        probs = probs.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return torch.matmul(probs, vh).transpose(1, 2)  # [B, T, H, D]
+
+
+@KERNELS.kernel("llm.flash_attention", FLOATS)
+def flash_attention_reference(ctx, inputs, outputs):
+    q, k, v = inputs
+    p = ctx.params
+    outputs[0].copy_(attention_dense_reference(q, k, v, p.causal, p.scale))
+
+
+def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal_square: bool,
+                scale: float) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, S, Hkv, D], mask broadcastable to [B, H, T, S] or None -> [B, T, H, D] view.
+
+    Without a mask (or with one that is the same for every query), the G = H / Hkv query heads that
+    share a kv head are folded into the query axis, so k and v are never expanded; decode (T = 1)
+    folds with views only.
+    """
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D]
+    if g > 1 and not causal_square and (mask is None or mask.shape[-2] == 1):
+        qf = q.view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)  # [B, Hkv, T*G, D]
+        o = F.scaled_dot_product_attention(qf, kh, vh, attn_mask=mask, scale=scale)
+        return o.view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask, is_causal=causal_square,
+                                       scale=scale, enable_gqa=g > 1)
+    return o.transpose(1, 2)
+
+
+# CUDA's fused sdpa backends (flash, memory-efficient) serve head dims up to 256; above that torch
+# silently falls back to its math path, which materializes [B, H, T, S] like the reference does.
+SDPA_CUDA_MAX_HEAD_DIM = 256
+
+
+def _head_dim(call: Call) -> int | None:
+    if call.inputs is not None:
+        return int(call.inputs[0].shape[-1])
+    return call.params.get("head_dim")
+
+
+def _sdpa_check(call: Call) -> str | None:
+    """Declines head dims the CUDA fused backends do not serve (CPU sdpa serves every head dim)."""
+    d = _head_dim(call)
+    if call.device.type == "cuda" and d is not None and d > SDPA_CUDA_MAX_HEAD_DIM:
+        return f"head_dim {d} > {SDPA_CUDA_MAX_HEAD_DIM}: no fused sdpa backend on cuda"
+    return None
+
+
+@KERNELS.kernel("llm.flash_attention", FLOATS, provider="sdpa", check=_sdpa_check)
+def flash_attention_sdpa(ctx, inputs, outputs):
+    q, k, v = inputs
+    out = outputs[0]
+    p = ctx.params
+    t, s = q.shape[1], k.shape[1]
+    if s == 0:
+        out.zero_()
+        return
+    causal = p.causal and not (t == 1 and s >= 1)
+    mask = _visible(t, s, causal, q.device) if causal and t != s else None
+    out.copy_(_sdpa_dense(q, k, v, mask, causal and t == s, p.scale))
+    if causal and t > s:  # leading query rows that see no key
+        out[:, : t - s].zero_()
+
+
+# -- varlen ----------------------------------------------------------------------------------------
+
+@KERNELS.kernel("llm.flash_attention_varlen", FLOATS)
+def flash_attention_varlen_reference(ctx, inputs, outputs):
+    q, k, v, cu_q, cu_k = inputs
+    out = outputs[0]
+    p = ctx.params
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        q0, q1, k0, k1 = bq[i], bq[i + 1], bk[i], bk[i + 1]
+        if q1 > q0:
+            o = attention_dense_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], p.causal, p.scale)
+            out[q0:q1].copy_(o[0])
+
+
+def _segments(cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cu [N+1] -> (index [N, max_len] into the packed axis, valid [N, max_len], lengths [N]); no host sync."""
+    cu = cu.long()
+    lengths = cu[1:] - cu[:-1]
+    pos = torch.arange(max_len, device=cu.device)
+    valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
+    index = torch.where(valid, cu[:-1].unsqueeze(1) + pos, 0)
+    return index, valid, lengths
+
+
+@KERNELS.kernel("llm.flash_attention_varlen", FLOATS, provider="sdpa", check=_sdpa_check)
+def flash_attention_varlen_sdpa(ctx, inputs, outputs):
+    """Pads the N segments into one [N, max_q, H, D] x [N, max_k, Hkv, D] batch with a key mask.
+
+    The padded keys cost one gather of k and v; in exchange the whole batch is one sdpa call, which
+    is what batched decode (N segments of one query each, differing key lengths) needs.
+    """
+    q, k, v, cu_q, cu_k = inputs
+    out = outputs[0]
+    p = ctx.params
+    n = cu_q.shape[0] - 1
+    max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
+    total_q, h, d = q.shape
+    if n == 0 or total_q == 0:
+        return
+    if k.shape[0] == 0 or max_k == 0:
+        out.zero_()
+        return
+    kidx, kvalid, klen = _segments(cu_k, max_k)
+    kp = k[kidx]  # [N, max_k, Hkv, D]
+    vp = v[kidx]
+    decode = max_q == 1 and total_q == n  # every segment has exactly one query
+    if decode:
+        qp = q.view(n, 1, h, d)
+        qlen = None
+        visible = kvalid.view(n, 1, 1, max_k)  # bottom-right causal: the one query sees every key
+    else:
+        qidx, _, qlen = _segments(cu_q, max_q)
+        qp = q[qidx]  # [N, max_q, H, D]
+        visible = kvalid.view(n, 1, 1, max_k)
+        if p.causal:
+            i = torch.arange(max_q, device=q.device).view(1, max_q, 1)
+            j = torch.arange(max_k, device=q.device).view(1, 1, max_k)
+            shift = (klen - qlen).view(n, 1, 1)
+            visible = (visible & (j <= i + shift).unsqueeze(1))  # [N, 1, max_q, max_k]
+    o = _sdpa_dense(qp, kp, vp, visible, False, p.scale)  # [N, max_q, H, D]
+    # rows whose segment has no visible key (no keys at all, or causal rows before the first key)
+    seen = visible.any(-1).transpose(1, 2)  # [N, max_q or 1, 1]
+    o = o.masked_fill(~seen.unsqueeze(-1), 0.0)
+    if decode:
+        out.copy_(o.view(total_q, h, d))
+        return
+    # packed token t of segment i sits at padded row i * max_q + (t - cu_q[i]); computed without a host sync
+    tok = torch.arange(total_q, device=q.device)
+    cu = cu_q.long()
+    seg = torch.searchsorted(cu[1:], tok, right=True)
+    rows = seg * max_q + tok - cu[seg]
+    out.copy_(o.reshape(n * max_q, h, d)[rows])

@@ -1,1 +1,152 @@
-"""(to be written)"""
+"""LLM building blocks: ``llm.embedding``, ``llm.rms_norm``, ``llm.add_rms_norm``, ``llm.rope``,
+``llm.softmax_last_dim`` and ``llm.silu_and_mul``.
+
+Reference kernels are written from torch primitives and follow the Hugging Face Llama modules'
+numerics (statistics in float32 for low-precision inputs, then cast); where torch has a fused op
+that gives the same result it is registered over the reference as provider "torch".
+The wrappers in ``dtorch.ops.llm`` validate shapes and dtypes before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dtorch.dispatch.meta import KernelMeta
+from dtorch.kernels.registry import FLOATS, KERNELS
+
+INPLACE = KernelMeta(inplace=True)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# -- embedding -----------------------------------------------------------------------------------
+# inputs: ids [...] int32/int64, weight [V, D]; outputs: out [..., D]. Keyed by the weight's dtype.
+
+@KERNELS.kernel("llm.embedding", FLOATS)
+def embedding_reference(ctx, inputs, outputs):
+    ids, weight = inputs
+    out = outputs[0]
+    flat = ids.reshape(-1)
+    if out.is_contiguous():
+        torch.index_select(weight, 0, flat, out=out.view(-1, weight.shape[1]))
+    else:
+        out.copy_(torch.index_select(weight, 0, flat).view(out.shape))
+
+
+# -- rms_norm ------------------------------------------------------------------------------------
+# inputs: x [..., D], weight [D]; outputs: out [..., D] (may alias x); params: eps.
+# out = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), as LlamaRMSNorm.
+
+def _normalize_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.to(_compute_dtype(x.dtype))
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+@KERNELS.kernel("llm.rms_norm", FLOATS, meta=INPLACE)
+def rms_norm_reference(ctx, inputs, outputs):
+    x, weight = inputs
+    torch.mul(weight, _normalize_reference(x, ctx.params.eps), out=outputs[0])
+
+
+def _normalize_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # F.rms_norm without a weight rounds once, exactly like the reference; with a weight it would
+    # multiply in float32 before rounding, which differs from LlamaRMSNorm in low precision.
+    return F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+@KERNELS.kernel("llm.rms_norm", FLOATS, provider="torch", meta=INPLACE)
+def rms_norm_torch(ctx, inputs, outputs):
+    x, weight = inputs
+    torch.mul(weight, _normalize_torch(x, ctx.params.eps), out=outputs[0])
+
+
+# -- add_rms_norm --------------------------------------------------------------------------------
+# inputs: x [..., D], residual [..., D], weight [D]; outputs: out [..., D], residual_out [..., D]
+# (residual_out may alias residual: the in-place residual stream of a decoder layer).
+# residual_out = residual + x (in x's dtype); out = rms_norm(residual_out).
+
+@KERNELS.kernel("llm.add_rms_norm", FLOATS, meta=INPLACE)
+def add_rms_norm_reference(ctx, inputs, outputs):
+    x, residual, weight = inputs
+    out, residual_out = outputs
+    torch.add(residual, x, out=residual_out)
+    torch.mul(weight, _normalize_reference(residual_out, ctx.params.eps), out=out)
+
+
+@KERNELS.kernel("llm.add_rms_norm", FLOATS, provider="torch", meta=INPLACE)
+def add_rms_norm_torch(ctx, inputs, outputs):
+    x, residual, weight = inputs
+    out, residual_out = outputs
+    torch.add(residual, x, out=residual_out)
+    torch.mul(weight, _normalize_torch(residual_out, ctx.params.eps), out=out)
+
+
+# -- rope ----------------------------------------------------------------------------------------
+# inputs: x [..., T, H, D], cos [T, R/2] or [B, T, R/2], sin (same; float32, already gathered for the
+# call's positions); outputs: out like x (may alias x); params: rotary_dim R, interleaved.
+# Half rotation (NeoX / Llama) pairs dim i with i + R/2; interleaved (GPT-J) pairs 2i with 2i+1.
+# Dims R.. pass through. Computed in float32 (float64 for float64) and cast once.
+
+@KERNELS.kernel("llm.rope", FLOATS, meta=INPLACE)
+def rope_reference(ctx, inputs, outputs):
+    x, cos, sin = inputs
+    out = outputs[0]
+    r = ctx.params.rotary_dim
+    half = r // 2
+    cdt = _compute_dtype(x.dtype)
+    c = cos.to(cdt).unsqueeze(-2)  # [..., T, 1, R/2]: broadcast over heads
+    s = sin.to(cdt).unsqueeze(-2)
+    if ctx.params.interleaved:
+        pairs = x[..., :r].unflatten(-1, (half, 2)).to(cdt)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        dst = out[..., :r].unflatten(-1, (half, 2))
+        dst[..., 0].copy_(o1)
+        dst[..., 1].copy_(o2)
+    else:
+        x1, x2 = x[..., :half].to(cdt), x[..., half:r].to(cdt)
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        out[..., :half].copy_(o1)
+        out[..., half:r].copy_(o2)
+    if r < x.shape[-1] and out.data_ptr() != x.data_ptr():
+        out[..., r:].copy_(x[..., r:])
+
+
+# -- softmax_last_dim ----------------------------------------------------------------------------
+# inputs: x [..., N]; outputs: out [..., N] (may alias x). Float32 accumulation for low precision.
+
+@KERNELS.kernel("llm.softmax_last_dim", FLOATS, meta=INPLACE)
+def softmax_reference(ctx, inputs, outputs):
+    x = inputs[0].to(_compute_dtype(inputs[0].dtype))
+    e = (x - x.amax(-1, keepdim=True)).exp()
+    outputs[0].copy_(e / e.sum(-1, keepdim=True))
+
+
+@KERNELS.kernel("llm.softmax_last_dim", FLOATS, provider="torch", meta=INPLACE)
+def softmax_torch(ctx, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    if x.dtype in (torch.float32, torch.float64):
+        torch.softmax(x, -1, out=out)
+    else:
+        out.copy_(torch.softmax(x, -1, dtype=torch.float32))
+
+
+# -- silu_and_mul --------------------------------------------------------------------------------
+# inputs: gate [..., I], up [..., I] (the wrapper splits a fused [..., 2I] tensor into two views);
+# outputs: out [..., I] = silu(gate) * up, in the input dtype as the HF MLP does.
+
+@KERNELS.kernel("llm.silu_and_mul", FLOATS)
+def silu_and_mul_reference(ctx, inputs, outputs):
+    gate, up = inputs
+    torch.mul(gate * torch.sigmoid(gate), up, out=outputs[0])
+
+
+@KERNELS.kernel("llm.silu_and_mul", FLOATS, provider="torch")
+def silu_and_mul_torch(ctx, inputs, outputs):
+    gate, up = inputs
+    torch.mul(F.silu(gate), up, out=outputs[0])
