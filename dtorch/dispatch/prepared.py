@@ -1,8 +1,8 @@
 """``PreparedKernel``: a kernel chosen once for a key and the static facts of its calls.
 
-It remembers the winner and why the others lost, and runs the winner on every call. If the
-dispatcher changes (a registration, a provider disabled for an A/B block) it chooses again on
-its next call, so a prepared model follows ``dispatcher.disabled(...)``.
+It remembers the winner and why the others lost. Its ``fn`` is what a caller runs every step, with
+no lookup and no check: the dispatcher re-binds every live prepared kernel when a registration
+changes, a provider is disabled for an A/B block, or verify mode flips, so ``fn`` is always current.
 """
 
 from __future__ import annotations
@@ -11,27 +11,49 @@ from collections.abc import Sequence
 
 import torch
 
+from dtorch.core.errors import DtorchError
 from dtorch.dispatch import verification as _verify
 from dtorch.dispatch.context import KernelContext
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call, KernelMeta
-from dtorch.dispatch.registry import Candidate, Choice, Dispatcher, Explanation
+from dtorch.dispatch.registry import Candidate, Choice, Dispatcher, Explanation, KernelFn
 
 
 class PreparedKernel:
-    __slots__ = ("key", "call", "dispatcher", "choice", "fn", "generation", "_reference")
+    __slots__ = ("key", "call", "dispatcher", "choice", "fn", "__weakref__")
 
     def __init__(self, dispatcher: Dispatcher, key: KernelKey, call: Call | None = None) -> None:
         self.dispatcher = dispatcher
         self.key = key
         self.call = call
-        self._bind()
+        self.choice: Choice = dispatcher.choose(key, call)  # raises KernelNotFound now, at prepare time
+        self.fn: KernelFn = self._runner()
+        dispatcher.watch(self)
 
-    def _bind(self) -> None:
-        self.generation = self.dispatcher.generation
-        self.choice: Choice = self.dispatcher.choose(self.key, self.call)
-        self.fn = self.choice.winner.fn
-        self._reference: Candidate | None = None
+    def rebind(self) -> None:
+        """Choose again (called by the dispatcher on every change)."""
+        try:
+            self.choice = self.dispatcher.choose(self.key, self.call)
+        except DtorchError as exc:  # e.g. every candidate disabled: fail when run, not when registering
+            error = exc
+
+            def unavailable(ctx, inputs, outputs):
+                raise error
+            self.fn = unavailable
+            return
+        self.fn = self._runner()
+
+    def _runner(self) -> KernelFn:
+        winner = self.choice.winner
+        if not _verify.ACTIVE[0]:
+            return winner.fn
+        refs = [c for c in self.dispatcher.candidates(self.key) if c.provider == "reference"]
+        reference = refs[0] if refs else None
+        key = self.key
+
+        def verified(ctx, inputs, outputs):
+            _verify.run_verified(key, winner, reference, ctx, inputs, outputs)
+        return verified
 
     @property
     def candidate(self) -> Candidate:
@@ -49,18 +71,7 @@ class PreparedKernel:
         return self.dispatcher.explain(self.key, self.call)
 
     def __call__(self, ctx: KernelContext, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        if self.generation != self.dispatcher.generation:
-            self._bind()
-        if _verify.ACTIVE[0]:
-            self._run_verified(ctx, inputs, outputs)
-        else:
-            self.fn(ctx, inputs, outputs)
-
-    def _run_verified(self, ctx, inputs, outputs) -> None:
-        if self._reference is None:
-            refs = [c for c in self.dispatcher.candidates(self.key) if c.provider == "reference"]
-            self._reference = refs[0] if refs else self.choice.winner
-        _verify.run_verified(self.key, self.choice.winner, self._reference, ctx, inputs, outputs)
+        self.fn(ctx, inputs, outputs)
 
     def __repr__(self) -> str:
         return f"PreparedKernel({self.key}, provider={self.provider!r})"

@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import itertools
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch
 from dtorch.core import env
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import KernelNotFound, RegistrationError
+from dtorch.dispatch import verification
 from dtorch.dispatch.context import KernelContext
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import DEFAULT_META, Call, Check, KernelMeta
@@ -111,6 +113,8 @@ class Dispatcher:
         self._backend_lock = threading.RLock()  # a loader may load another backend (meta loads cpu)
         self._loaded: set[str] = set()
         self.backend_loads: dict[str, int] = defaultdict(int)
+        self._watchers: weakref.WeakSet = weakref.WeakSet()  # prepared kernels to re-bind on every change
+        verification.add_listener(self._changed)
 
     # -- registration ------------------------------------------------------------------------
 
@@ -158,8 +162,16 @@ class Dispatcher:
             self._changed()
 
     def _changed(self) -> None:
-        self._fast = {}
-        self.generation += 1
+        with self._lock:
+            self._fast = {}
+            self.generation += 1
+            for watcher in list(self._watchers):
+                watcher.rebind()
+
+    def watch(self, prepared) -> None:
+        """Re-bind ``prepared`` (anything with ``rebind()``) whenever the registry or verify mode changes."""
+        with self._lock:
+            self._watchers.add(prepared)
 
     @contextlib.contextmanager
     def disabled(self, *providers: str) -> Iterator[None]:

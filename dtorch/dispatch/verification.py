@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -20,11 +21,28 @@ from dtorch.core.errors import VerifyError
 _lock = threading.Lock()
 _depth = 0
 ACTIVE = [env.verify()]  # read on the hot path: ACTIVE[0]
+_listeners: list[weakref.WeakMethod] = []  # dispatchers re-bind their prepared kernels when the mode flips
+
+
+def add_listener(method) -> None:
+    _listeners.append(weakref.WeakMethod(method))
+
+
+def _set(on: bool) -> None:
+    if ACTIVE[0] == on:
+        return
+    ACTIVE[0] = on
+    for ref in list(_listeners):
+        fn = ref()
+        if fn is None:
+            _listeners.remove(ref)
+        else:
+            fn()
 
 
 def verify_mode(on: bool) -> None:
     """Switch verify mode on or off for the whole process."""
-    ACTIVE[0] = bool(on) or _depth > 0
+    _set(bool(on) or _depth > 0)
 
 
 @contextlib.contextmanager
@@ -33,13 +51,13 @@ def verify() -> Iterator[None]:
     global _depth
     with _lock:
         _depth += 1
-        ACTIVE[0] = True
+        _set(True)
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            ACTIVE[0] = _depth > 0 or env.verify()
+            _set(_depth > 0 or env.verify())
 
 
 def run_verified(key, active, reference, ctx, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:

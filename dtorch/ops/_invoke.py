@@ -13,8 +13,7 @@ import torch
 
 from dtorch.core.device import Device, device_of
 from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure
-from dtorch.dispatch import dispatcher as _dispatcher
-from dtorch.dispatch import verification as _verify
+from dtorch.dispatch import dispatcher as _dispatcher, verification as _verify
 from dtorch.dispatch.context import NO_PARAMS, KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call

@@ -14,6 +14,7 @@ from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
 from dtorch.ops._invoke import call, run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.prepared import PreparedOperator
 
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "pow")
 Scalar = int | float
@@ -93,4 +94,48 @@ maximum, maximum_out = _define("maximum")
 minimum, minimum_out = _define("minimum")
 pow, pow_out = _define("pow")  # noqa: A001 - torch's name
 
-__all__ = [n for op in BINARY_OPS for n in (op, f"{op}_out")]
+
+
+class Binary(PreparedOperator):
+    """A prepared binary op (``Binary("add")``): the kernel is bound once at ``prepare``.
+
+    ``forward_out(a, b, out=...)`` checks dtypes and shapes with a few comparisons when a, b and out
+    have equal shapes (the decode-step case) and runs the full broadcast validation otherwise.
+    """
+
+    def __init__(self, name: str) -> None:
+        if name not in BINARY_OPS:
+            raise ArgumentError(f"Binary: op must be one of {BINARY_OPS}, got {name!r}")
+        super().__init__()
+        self.op = f"binary.{name}"  # type: ignore[misc]  # per-instance op name
+
+    def forward_out(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor,
+                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+        init = self.init
+        if init is None or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+            self._slow_checks(a, b, out)
+        dt = init.dtype
+        if a.dtype is not dt or b.dtype is not dt or out.dtype is not dt:
+            self._slow_checks(a, b, out)
+        shape = a.shape
+        if shape != b.shape or shape != out.shape:
+            self._slow_checks(a, b, out)
+        try:
+            self.kernel.fn(self._kctx if ctx is None else self._context(ctx), (a, b), (out,))
+        except Exception as exc:
+            self._failed(exc)
+        return out
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
+        shape = _check_pair(self.op, a, b)
+        return self.forward_out(a, b, out=torch.empty(shape, dtype=a.dtype, device=a.device), ctx=ctx)
+
+    def _slow_checks(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        self._bound()
+        self._check_like("a", a)
+        self._check_like("b", b)
+        shape = _check_pair(self.op, a, b)
+        _checks.out(self.op, out, shape, a.dtype, a.device)
+
+
+__all__ = [n for op in BINARY_OPS for n in (op, f"{op}_out")] + ["Binary"]

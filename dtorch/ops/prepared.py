@@ -98,16 +98,19 @@ class PreparedOperator:
         return kctx
 
     def _run(self, inputs: Sequence, outputs: Sequence[torch.Tensor], ctx: RuntimeContext | None) -> None:
-        kernel = self.kernel
-        if kernel is None:
-            kernel = self._bound()
+        """Run the bound kernel: the whole per-step cost beyond the kernel is this call."""
         try:
-            kernel(self._context(ctx), inputs, outputs)
-        except DtorchError:
-            raise
+            self.kernel.fn(self._kctx if ctx is None else self._context(ctx), inputs, outputs)
         except Exception as exc:
-            raise KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """Re-raise a kernel's exception as a ``DtorchError`` naming the op and the kernel."""
+        if isinstance(exc, DtorchError):
+            raise exc
+        kernel = self._bound()
+        raise KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
 
     def __repr__(self) -> str:
         state = f"bound to {self.kernel.provider}" if self.kernel else "not prepared"
