@@ -47,7 +47,8 @@ def main() -> None:
     }
     rows = []
     for name, c in cases.items():
-        t = {k: per_call_us(c[k], c["number"], args.repeat) for k in ("torch_out", "prepared", "torch_fn", "functional")}
+        kinds = ("torch_out", "prepared", "torch_fn", "functional")
+        t = {k: per_call_us(c[k], c["number"], args.repeat) for k in kinds}
         rows.append([name, t["torch_out"], t["prepared"], t["prepared"] - t["torch_out"],
                      t["torch_fn"], t["functional"], t["functional"] - t["torch_fn"]])
     print(f"torch {torch.__version__}, {args.threads} thread(s); medians of {args.repeat} runs, µs per call\n")
