@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
+from dtorch.dispatch.context import NO_PARAMS
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
@@ -60,12 +61,13 @@ def _linear_shape(op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     return (*x.shape[:-1], w.shape[0])
 
 
-def _launch(op, inputs, shape, dtype, device, out, ctx) -> torch.Tensor:
+def _launch(op, inputs, shape, dtype, device, out, ctx, params=NO_PARAMS) -> torch.Tensor:
+    """Allocate (or check) the output [shape] and run ``op`` on it."""
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=inputs[0].device)
     else:
         _checks.out(op, out, shape, dtype, inputs[0].device)
-    run(op, device, dtype, inputs, (out,), stream=ctx.stream if ctx is not None else None,
+    run(op, device, dtype, inputs, (out,), params, stream=ctx.stream if ctx is not None else None,
         workspace=ctx.workspace if ctx is not None else None)
     return out
 
