@@ -136,6 +136,8 @@ def _check_cu_values(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total
         first, last = stats[2 * i], stats[2 * i + 1]
         if first != 0:
             raise ArgumentError(f"{VARLEN}: {name!r} must start at 0, got {first}")
+        if last != total:
+            raise ArgumentError(f"{VARLEN}: {name!r} must end at {total} ({what}.shape[0]), got {last}")
         if len(stats) > 4:
             shortest, longest = stats[4 + 2 * i], stats[5 + 2 * i]
             if shortest < 0:
@@ -144,8 +146,6 @@ def _check_cu_values(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total
             if longest > max_len:
                 raise ArgumentError(f"{VARLEN}: 'max_seqlen_{what}' {max_len} is less than the longest segment "
                                     f"({longest})")
-        if last != total:
-            raise ArgumentError(f"{VARLEN}: {name!r} must end at {total} ({what}.shape[0]), got {last}")
 
 
 def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
