@@ -1,0 +1,63 @@
+"""The ``Communicator`` interface the collective kernels call.
+
+Each call names the calling device by its global id and writes into a caller-allocated ``out``.
+Every device issues the same collectives in the same order (the Runner pushes them in graph order
+onto each device's communicate stream). Implementations live in ``dtorch.distributed``:
+``InProcessCommunicator`` for the devices of one process, ``TorchDistCommunicator`` across processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+import torch
+
+# The communicator a Runner uses when none is given (resolved lazily: the distributed layer comes after runtime).
+DEFAULT = "dtorch.distributed.inprocess:InProcessCommunicator"
+
+
+class Communicator(ABC):
+    """Collectives over the devices ``ids`` of a mesh; ``process`` is this process's index."""
+
+    ids: tuple[int, ...]
+    process: int = 0
+
+    @abstractmethod
+    def all_reduce(self, device_id: int, x: torch.Tensor, out: torch.Tensor, op: str = "sum") -> None:
+        """out = reduce(op) over every device's x; x, out: the same shape."""
+
+    @abstractmethod
+    def all_gather(self, device_id: int, x: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
+        """out = every device's x concatenated along ``dim`` in mesh order (pieces may be uneven)."""
+
+    @abstractmethod
+    def reduce_scatter(self, device_id: int, x: torch.Tensor, out: torch.Tensor, dim: int = 0,
+                       op: str = "sum") -> None:
+        """out = this device's piece (``torch.tensor_split`` along ``dim``) of reduce(op) over every x."""
+
+    @abstractmethod
+    def broadcast(self, device_id: int, x: torch.Tensor, out: torch.Tensor, src: int = 0) -> None:
+        """out = x of device ``src``."""
+
+    @abstractmethod
+    def send(self, device_id: int, x: torch.Tensor, dst: int) -> None:
+        """Send x to device ``dst`` (matched by one ``recv`` there)."""
+
+    @abstractmethod
+    def recv(self, device_id: int, out: torch.Tensor, src: int) -> None:
+        """Receive into out what device ``src`` sent."""
+
+    def abort(self) -> None:  # noqa: B027 - optional; the default does nothing
+        """Wake every call blocked in a collective with a ``CommunicationError`` (a failed or stuck run)."""
+
+    def reset(self) -> None:  # noqa: B027 - optional; the default does nothing
+        """Make the communicator usable again after ``abort``."""
+
+    def close(self) -> None:  # noqa: B027 - optional; the default does nothing
+        """Release what the communicator holds."""
+
+
+def default_communicator(ids: tuple[int, ...], timeout: float) -> Communicator:
+    module, _, name = DEFAULT.partition(":")
+    return getattr(importlib.import_module(module), name)(ids, timeout=timeout)

@@ -1,0 +1,188 @@
+"""``Kernel``: one operator on one device, the unit a stream runs.
+
+``run()`` takes the tensors of its input Blobs, computes, and writes its output Blob:
+``DispatchKernel`` calls the kernel bound once through the Dispatcher at build time,
+``PythonKernel`` a user's function, ``CollectiveKernel`` the communicator, ``LocalKernel`` a
+slice (Replicate -> Shard) or the Partial view of a replicated tensor. ``execute()`` (what a stream
+calls) skips the kernel when its run already failed, records a failure, and releases the inputs
+whose last reader it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dtorch.core.device import Device
+from dtorch.core.errors import CommunicationError, DtorchError, KernelFailure, ShapeError
+from dtorch.core.memory import MemoryKind, allocate
+from dtorch.dispatch.context import KernelContext
+from dtorch.dispatch.prepared import PreparedKernel
+from dtorch.graph.operand import Operator
+from dtorch.graph.placement import Shard
+from dtorch.runtime.blob import Blob, local_piece
+from dtorch.runtime.comm import Communicator
+
+
+class RunState:
+    """One run's shared fate: the first failure, and whether the rest of the run is skipped."""
+
+    __slots__ = ("error", "aborted", "comm", "_lock")
+
+    def __init__(self, comm: Communicator | None) -> None:
+        self.error: DtorchError | None = None
+        self.aborted = False
+        self.comm = comm
+        self._lock = threading.Lock()
+
+    def fail(self, kernel: Kernel, stream: Any, exc: BaseException) -> None:
+        with self._lock:
+            first = self.error is None
+            if first:
+                cls = CommunicationError if isinstance(exc, CommunicationError) else KernelFailure
+                self.error = cls(f"kernel {kernel.operator.name} (op {kernel.operator.op}) failed on device "
+                                 f"{kernel.device} (global id {kernel.device_id}), stream {stream.name}: "
+                                 f"{type(exc).__name__}: {exc}")
+                self.error.__cause__ = exc
+        self.abort()
+
+    def abort(self) -> None:
+        """Skip every kernel not yet started and wake collectives blocked on peers."""
+        if not self.aborted:
+            self.aborted = True
+            if self.comm is not None:
+                self.comm.abort()
+
+
+class Kernel:
+    """One operator on one device: its input and output Blobs and its stream."""
+
+    __slots__ = ("operator", "device_id", "device", "inputs", "outputs", "stream", "label", "release", "seq",
+                 "record", "deps")
+
+    def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
+                 outputs: Sequence[Blob], stream: Any) -> None:
+        self.operator = operator
+        self.device_id = device_id
+        self.device = device
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.stream = stream
+        self.label = f"{operator.name} on {device}"
+        self.release = True
+        self.seq = 0  # position in the runner's push order
+        self.record = False  # a kernel on another stream reads this one's output
+        self.deps: tuple[Kernel, ...] = ()  # producers on other streams this kernel must wait for
+
+    def execute(self, stream: Any, state: RunState | None) -> None:
+        if state is not None and state.aborted:
+            return
+        try:
+            self.run()
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported at the next synchronization
+            if state is None:
+                raise
+            state.fail(self, stream, exc)
+            return
+        if self.release:
+            for b in self.inputs:
+                if b is not None:
+                    b.read_done()
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [b.tensor if b is not None else None for b in self.inputs]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.label} on {getattr(self.stream, 'name', self.stream)})"
+
+
+class DispatchKernel(Kernel):
+    """Runs the kernel bound at build time (``PreparedKernel``) into a freshly allocated output."""
+
+    __slots__ = ("prepared", "ctx", "out_shape", "dtype")
+
+    def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
+                 outputs: Sequence[Blob], stream: Any, prepared: PreparedKernel, out_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        super().__init__(operator, device_id, device, inputs, outputs, stream)
+        self.prepared = prepared
+        self.ctx = KernelContext(device, getattr(stream, "cuda_stream", None), None, operator.params)
+        self.out_shape = out_shape
+        self.dtype = dtype
+
+    def run(self) -> None:
+        out = allocate(self.out_shape, self.dtype, self.device, MemoryKind.ACTIVATION)
+        self.prepared(self.ctx, self._tensors(), (out,))
+        self.outputs[0].tensor = out
+
+
+class PythonKernel(Kernel):
+    """Calls ``fn(*local_tensors)``; the result must have this device's output shape."""
+
+    __slots__ = ("fn", "out_shape")
+
+    def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
+                 outputs: Sequence[Blob], stream: Any, fn: Callable[..., torch.Tensor],
+                 out_shape: tuple[int, ...]) -> None:
+        super().__init__(operator, device_id, device, inputs, outputs, stream)
+        self.fn = fn
+        self.out_shape = out_shape
+
+    def run(self) -> None:
+        out = self.fn(*self._tensors())
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != self.out_shape:
+            got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ShapeError(f"{self.operator.name}: the Python kernel returned {got}, expected a tensor of shape "
+                             f"{list(self.out_shape)}")
+        self.outputs[0].tensor = out
+
+
+class CollectiveKernel(Kernel):
+    """Calls the communicator's collective ``operator.op`` for this device."""
+
+    __slots__ = ("comm", "out_shape", "dtype", "call")
+
+    def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
+                 outputs: Sequence[Blob], stream: Any, comm: Communicator, out_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        super().__init__(operator, device_id, device, inputs, outputs, stream)
+        self.comm = comm
+        self.out_shape = out_shape
+        self.dtype = dtype
+        self.call = getattr(comm, operator.op)
+
+    def run(self) -> None:
+        out = allocate(self.out_shape, self.dtype, self.device, MemoryKind.ACTIVATION)
+        self.call(self.device_id, self.inputs[0].tensor, out, **dict(self.operator.params.items()))
+        self.outputs[0].tensor = out
+
+
+class LocalKernel(Kernel):
+    """Replicate -> Shard (copy this device's slice) or Replicate -> Partial (keep or zero)."""
+
+    __slots__ = ("rank", "n")
+
+    def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
+                 outputs: Sequence[Blob], stream: Any, rank: int, n: int) -> None:
+        super().__init__(operator, device_id, device, inputs, outputs, stream)
+        self.rank = rank
+        self.n = n
+
+    def run(self) -> None:
+        x = self.inputs[0].tensor
+        params = self.operator.params
+        if self.operator.op == "shard":
+            piece = local_piece(x, Shard(params.dim), self.rank, self.n)
+            out = allocate(piece.shape, x.dtype, self.device, MemoryKind.ACTIVATION)
+            out.copy_(piece)
+        elif params.reduce == "sum" and self.rank != 0:
+            out = allocate(x.shape, x.dtype, self.device, MemoryKind.ACTIVATION, zero=True)
+        else:
+            out = x
+        self.outputs[0].tensor = out
