@@ -83,7 +83,7 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     """
     n, t, kd = q.shape
     vd = v.shape[-1]
-    c = chunk_size
+    c = min(chunk_size, t)  # a short segment (a decode step) is one chunk of its own length, not padded
     pad = (-t) % c
     if pad:
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -104,7 +104,7 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     last = cum[..., -1].exp()                                             # [n, nc]
     o = v.new_empty(n, nc, c, vd)
     for i in range(nc):
-        u = u0[:, i] - w[:, i] @ state
+        u = torch.baddbmm(u0[:, i], w[:, i], state, alpha=-1)             # [n, c, V]
         torch.baddbmm(p[:, i] @ u, qg[:, i], state, out=o[:, i])
         state.mul_(last[:, i, None, None]).baddbmm_(kg[:, i].transpose(1, 2), u)
     return o.reshape(n, nc * c, vd)[:, :t]
