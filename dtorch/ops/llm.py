@@ -60,7 +60,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Rows of ``weight`` [V, D] picked by ``ids`` (int32/int64, any shape [...]) -> [..., D]."""
     device = _check_embedding(ids, weight, None)
     out = torch.empty((*ids.shape, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-    run("llm.embedding", device, weight.dtype, (ids, weight), (out,))
+    run("llm.embedding", device, weight.dtype, (weight, ids), (out,))
     return out
 
 
@@ -69,7 +69,7 @@ def embedding_out(ids: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor,
     """``embedding`` into ``out`` [..., D]."""
     device = _check_embedding(ids, weight, ctx)
     _checks.out("llm.embedding", out, (*ids.shape, weight.shape[1]), weight.dtype, weight.device)
-    _run("llm.embedding", device, weight.dtype, (ids, weight), (out,), NO_PARAMS, ctx)
+    _run("llm.embedding", device, weight.dtype, (weight, ids), (out,), NO_PARAMS, ctx)
     return out
 
 
@@ -458,14 +458,14 @@ class Embedding(PreparedOperator):
         self._check_like("weight", weight)
         _check_embedding(ids, weight, ctx)
         _checks.out(self.op, out, (*ids.shape, weight.shape[1]), weight.dtype, weight.device)
-        self._run((ids, weight), (out,), ctx)
+        self._run((weight, ids), (out,), ctx)
         return out
 
     def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self._check_like("weight", weight)
         _check_embedding(ids, weight, None)
         out = torch.empty((*ids.shape, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-        self._run((ids, weight), (out,), None)
+        self._run((weight, ids), (out,), None)
         return out
 
 

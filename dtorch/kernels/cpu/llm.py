@@ -24,11 +24,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # -- embedding -----------------------------------------------------------------------------------
-# inputs: ids [...] int32/int64, weight [V, D]; outputs: out [..., D]. Keyed by the weight's dtype.
+# inputs: weight [V, D], ids [...] int32/int64; outputs: out [..., D]. The weight comes first because a
+# kernel is keyed by its first input's dtype (the wrapper ``embedding(ids, weight)`` keeps torch's order).
 
 @KERNELS.kernel("llm.embedding", FLOATS)
 def embedding_reference(ctx, inputs, outputs):
-    ids, weight = inputs
+    weight, ids = inputs
     out = outputs[0]
     flat = ids.reshape(-1)
     if out.is_contiguous():
