@@ -10,6 +10,8 @@ F.conv1d / F.conv2d are registered over them as provider "torch".
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -25,8 +27,9 @@ def _grouped_matmul(cols: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     acc = _acc_dtype(cols.dtype)
     bsz, _, positions = cols.shape
     c_out = w.shape[0]
-    cols = cols.to(acc).reshape(bsz, groups, -1, positions)  # [B, G, C_in/G * taps, P]
-    wg = w.to(acc).reshape(groups, c_out // groups, -1)  # [G, C_out/G, C_in/G * taps]
+    per_group = math.prod(w.shape[1:])  # C_in/G * taps
+    cols = cols.to(acc).reshape(bsz, groups, per_group, positions)  # [B, G, C_in/G * taps, P]
+    wg = w.to(acc).reshape(groups, c_out // groups, per_group)  # [G, C_out/G, C_in/G * taps]
     y = torch.einsum("gok,bgkp->bgop", wg, cols).reshape(bsz, c_out, positions)
     if bias is not None:
         y = y + bias.to(acc)[None, :, None]
@@ -42,7 +45,7 @@ def conv1d_reference(ctx, inputs, outputs):
     span = dilation * (k - 1) + 1
     xp = F.pad(x, (padding, padding))  # [B, C, L + 2p]
     windows = xp.unfold(2, span, stride)[..., ::dilation]  # [B, C, L_out, k]
-    cols = windows.permute(0, 1, 3, 2).reshape(x.shape[0], -1, windows.shape[2])  # [B, C * k, L_out]
+    cols = windows.permute(0, 1, 3, 2).reshape(x.shape[0], x.shape[1] * k, windows.shape[2])  # [B, C * k, L_out]
     outputs[0].copy_(_grouped_matmul(cols, w, bias, p.groups))
 
 

@@ -71,4 +71,7 @@ def linear_reference(ctx, inputs, outputs):
 
 @KERNELS.kernel("matmul.linear", FLOATS + INTS, provider="blas")
 def linear_blas(ctx, inputs, outputs):
-    torch._C._nn.linear(inputs[0], inputs[1], inputs[2], out=outputs[0])
+    x, out = inputs[0], outputs[0]
+    if x.dim() == 1:  # torch's linear.out would resize a [N] out to [1, N]
+        x, out = x[None], out[None]
+    torch._C._nn.linear(x, inputs[1], inputs[2], out=out)
