@@ -8,7 +8,7 @@ import torch
 
 from dtorch.core.errors import ModelError
 from dtorch.models.loaders.checkpoint import Checkpoint as Checkpoint, expected_shapes as expected_shapes
-from dtorch.models.loaders.gguf import load_gguf as load_gguf
+from dtorch.models.loaders.gguf import load_gguf as load_gguf, load_gguf_tokenizer as load_gguf_tokenizer
 from dtorch.models.loaders.hf import load_hf as load_hf
 
 

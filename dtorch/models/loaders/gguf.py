@@ -140,13 +140,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     if not path.is_file():
         raise ModelError(f"{path}: no such file; expected a .gguf model file")
     reader = _open(path)
-    meta = read_metadata(reader, path)
-    names = {t.name for t in reader.tensors}
-    config = config_from_gguf(meta, names, path)
-    # the reader checks sizes lazily: a tensor whose bytes run past the end of the file shows up here
+    # the reader maps the file lazily: a tensor whose bytes run past the end of the file shows up here
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > path.stat().st_size:
         raise ModelError(f"{path}: truncated: its tensors need {end} bytes but the file has {path.stat().st_size}")
+    meta = read_metadata(reader, path)
+    config = config_from_gguf(meta, {t.name for t in reader.tensors}, path)
 
     raw: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
@@ -167,3 +166,16 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
         if "tokenizer.ggml.tokens" in meta else None
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
                       chat_template=template, metadata={"tensor_types": types})
+
+
+def load_gguf_tokenizer(path: str | Path) -> Any:
+    """Only the tokenizer of a GGUF file (no weights are read), or None when the file has no vocabulary."""
+    from dtorch.models.tokenizer import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file; expected a .gguf model file")
+    meta = read_metadata(_open(path), path)
+    if "tokenizer.ggml.tokens" not in meta:
+        return None
+    return Tokenizer.from_gguf(meta, chat_template=meta.get("tokenizer.chat_template"), source=str(path))
