@@ -47,6 +47,7 @@ class Event:
 
 class _Record:
     __slots__ = ("event", "label")
+    traced = False  # markers are not drawn in traces
 
     def __init__(self, event: Event) -> None:
         self.event = event
@@ -59,6 +60,7 @@ class _Record:
 
 class _Wait:
     __slots__ = ("event", "label")
+    traced = False
 
     def __init__(self, event: Event) -> None:
         self.event = event
@@ -134,7 +136,7 @@ class KernelStream:
             if item is None:
                 break
             tracer = self.tracer
-            if tracer is None:
+            if tracer is None or not getattr(item, "traced", True):
                 item.execute(self, state)
             else:
                 t0 = clock()
