@@ -147,3 +147,12 @@ def test_bad_inputs_raise_clear_errors(call, error, words):
     with pytest.raises(error, match=words) as info:
         call(x, w)
     assert "llm.causal_conv1d" in str(info.value)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_empty_sequence_passes_the_state_through(provider):
+    x, w, s0 = torch.randn(2, 3, 0), torch.randn(3, 4), torch.randn(2, 3, 3)
+    with only(provider):
+        out, final = ops.causal_conv1d(x, w, initial_states=s0, return_final_states=True)
+    assert out.shape == (2, 3, 0)
+    torch.testing.assert_close(final, s0)

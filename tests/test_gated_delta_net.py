@@ -213,3 +213,13 @@ def test_varlen_needs_batch_one_and_out_state_dtype():
     with pytest.raises(dtorch.DTypeError, match="float32"):
         ops.gated_delta_net_out(q, k, v, g, beta, out=torch.empty_like(v),
                                 final_state_out=torch.empty(2, 2, 8, 6, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_sequence_and_segments_keep_their_state(mode):
+    (q, k, v, g, beta), s0 = make(b=1, t=0)
+    o, s = ops.gated_delta_net(q, k, v, g, beta, initial_state=s0, mode=mode)
+    assert o.shape == (1, 0, 2, 6)
+    torch.testing.assert_close(s, s0.float())
+    o, s = ops.gated_delta_net(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 0], dtype=torch.int32), mode=mode)
+    assert s.shape == (1, 2, 8, 6) and not s.any()

@@ -133,7 +133,8 @@ def gated_delta_net_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     ``final_state_out`` may be ``initial_state`` itself: the state is then advanced in place.
     """
     params = _params(scale, use_qk_l2norm, mode, chunk_size)
-    device, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, ctx.device if ctx else None)
+    device = ctx.device if ctx is not None else None
+    device, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, device)
     _checks.out(OP, out, v.shape, q.dtype, q.device)
     final = _state_out(final_state_out, state_shape, q)
     run(OP, device, q.dtype, (q, k, v, g, beta, initial_state, cu_seqlens), (out,) if final is None else (out, final),
@@ -163,7 +164,8 @@ class GatedDeltaNet(PreparedOperator):
                     ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Into ``out`` [B, T, H, V] and ``final_state_out`` [N, H, K, V] (may be ``initial_state``)."""
         self._check_like("q", q)
-        _, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, ctx.device if ctx else None)
+        device = ctx.device if ctx is not None else None
+        _, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, device)
         _checks.out(OP, out, v.shape, q.dtype, q.device)
         final = _state_out(final_state_out, state_shape, q)
         self._run((q, k, v, g, beta, initial_state, cu_seqlens), (out,) if final is None else (out, final), ctx)

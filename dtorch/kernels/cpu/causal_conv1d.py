@@ -66,7 +66,10 @@ def causal_conv1d_reference(ctx, inputs, outputs) -> None:
 @KERNELS.kernel("llm.causal_conv1d", FLOATS, provider="torch")
 def causal_conv1d_torch(ctx, inputs, outputs) -> None:
     xp, weight, bias = _padded(inputs)
-    out = F.conv1d(xp, weight.unsqueeze(1), bias, groups=weight.shape[0])
+    if inputs[0].shape[-1] == 0:  # conv1d refuses an input shorter than its kernel
+        out = xp[..., :0]
+    else:
+        out = F.conv1d(xp, weight.unsqueeze(1), bias, groups=weight.shape[0])
     _write(xp, _finish(out, ctx.params.get("activation")), weight.shape[1], outputs)
 
 
