@@ -38,10 +38,33 @@ from dtorch.dispatch import (
     verify as verify,
     verify_mode as verify_mode,
 )
+from dtorch.distributed import (
+    InProcessCommunicator as InProcessCommunicator,
+    TorchDistCommunicator as TorchDistCommunicator,
+)
+from dtorch.graph import (
+    DeviceMesh as DeviceMesh,
+    LogicalGraph as LogicalGraph,
+    Operand as Operand,
+    Operator as Operator,
+    Partial as Partial,
+    Replicate as Replicate,
+    Shard as Shard,
+)
 from dtorch.ops import (
     OperatorInitContext as OperatorInitContext,
     PreparedOperator as PreparedOperator,
     RuntimeContext as RuntimeContext,
+)
+from dtorch.runtime import (
+    Blob as Blob,
+    DistTensor as DistTensor,
+    Kernel as Kernel,
+    KernelStream as KernelStream,
+    Runner as Runner,
+    StreamManager as StreamManager,
+    StreamType as StreamType,
+    Tracer as Tracer,
 )
 
 __version__ = "0.1.0"
