@@ -153,7 +153,7 @@ class CausalConv1d(PreparedOperator):
     """Prepared ``llm.causal_conv1d`` for one activation, with the decode step ``update`` bound beside it.
 
     ``op = CausalConv1d(activation="silu").prepare(OperatorInitContext("cpu", torch.bfloat16))``;
-    ``out, final = op(x, weight, bias, initial_states, return_final_states=True)``; then per token
+    ``out, final = op.forward(x, weight, bias, initial_states, return_final_states=True)``; then per token
     ``op.update(x_t, conv_state, weight, bias)``.
     """
 
@@ -211,7 +211,6 @@ class CausalConv1d(PreparedOperator):
     def update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step: x [B, D] or [B, D, L] -> out shaped like x; conv_state is shifted in place."""
-        self._check_like("x", x)
         return self.update_out(x, conv_state, weight, bias, out=torch.empty_like(x))
 
 
