@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import dtorch
+from dtorch.core.device import Device
 from dtorch.core.memory import MemoryKind, memory
 from dtorch.graph import DeviceMesh, LogicalGraph, Partial, Replicate, Shard
 from dtorch.runtime import DispatchKernel, DistTensor, KernelStream, Runner, StreamManager, StreamType
-from dtorch.core.device import Device
 
 
 def dtorch_threads() -> list[threading.Thread]:
