@@ -142,3 +142,33 @@ def test_verify_mode_catches_a_wrong_kernel() -> None:
         for provider in ("user", "reference"):
             if any(c.provider == provider for c in dtorch.dispatcher.candidates(key)):
                 dtorch.dispatcher.unregister(key, provider)
+
+
+META_CASES = [pytest.param(row, row.dtypes[0], row.cases[0], id=f"{row.id}-{dtype_name(row.dtypes[0])}-{row.cases[0]}")
+              for row in ROWS]  # the generic rows; an llm row's call may build tensors of its own on cpu
+
+
+@pytest.mark.parametrize(("row", "dtype", "case"), META_CASES)
+def test_row_infers_shapes_on_meta(row: Row, dtype: torch.dtype, case: str) -> None:
+    """The functional wrapper on meta copies of the inputs gives the reference's shape and dtype (graphs rely on it)."""
+    inputs = row.make_inputs(dtype, case)
+    if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
+        pytest.skip("no float tensor input to move to meta (creation ops take a device argument instead)")
+    params = row.params_for(dtype, case)
+    want = row.reference(inputs, params)
+    got = row.run_functional([t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs], params)
+    assert got.device.type == "meta"
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: (dtorch.ops.zeros((2, 3), device=d), torch.zeros(2, 3)),
+    lambda d: (dtorch.ops.ones(4, dtype=torch.int32, device=d), torch.ones(4, dtype=torch.int32)),
+    lambda d: (dtorch.ops.full((2, 0), 1.5, dtype=torch.bfloat16, device=d), torch.full((2, 0), 1.5,
+                                                                                        dtype=torch.bfloat16)),
+    lambda d: (dtorch.ops.empty((), device=d), torch.empty(())),
+    lambda d: (dtorch.ops.arange(1, 2, 0.3, device=d), torch.arange(1, 2, 0.3)),
+], ids=["zeros", "ones", "full", "empty", "arange"])
+def test_creation_on_meta(make) -> None:
+    got, want = make("meta")
+    assert got.device.type == "meta" and (got.shape, got.dtype) == (want.shape, want.dtype)
