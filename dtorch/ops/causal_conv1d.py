@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from dtorch.core.device import Device
-from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
+from dtorch.core.dtypes import dtype_name
+from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, DTypeError, KernelFailure, ShapeError
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
@@ -114,15 +115,23 @@ def causal_conv1d_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out, final_states_out
 
 
+def _named_out(op: str, name: str, t: object, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A caller-allocated output other than ``out``: exactly ``shape``, ``dtype`` and ``device``."""
+    _checks.tensor(op, name, t)
+    if tuple(t.shape) != tuple(shape):
+        raise ShapeError(f"{op}: {name!r} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise DTypeError(f"{op}: {name!r} must have dtype {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
+    if t.device != device:
+        raise DeviceError(f"{op}: {name!r} must be on {device}, got {t.device}")
+    return t
+
+
 def _outs(op: str, x: torch.Tensor, width: int, out: torch.Tensor, final: torch.Tensor | None) -> tuple:
     _checks.out(op, out, x.shape, x.dtype, x.device)
     if final is None:
         return (out,)
-    if not isinstance(final, torch.Tensor):
-        _checks.tensor(op, "final_states_out", final)
-    if tuple(final.shape) != (x.shape[0], x.shape[1], width - 1) or final.dtype != x.dtype:
-        raise ShapeError(f"{op}: 'final_states_out' must be a {x.dtype} tensor of shape "
-                         f"{(x.shape[0], x.shape[1], width - 1)}, got {final.dtype} {tuple(final.shape)}")
+    _named_out(op, "final_states_out", final, (x.shape[0], x.shape[1], width - 1), x.dtype, x.device)
     return (out, final)
 
 
@@ -132,8 +141,8 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
 
     Returns out shaped like x: the conv of (conv_state's last W-1 inputs, then x).
     """
-    out = torch.empty_like(x)
-    return causal_conv1d_update_out(x, conv_state, weight, bias, activation, out=out)
+    _checks.tensor(OP_UPDATE, "x", x)
+    return causal_conv1d_update_out(x, conv_state, weight, bias, activation, out=torch.empty_like(x))
 
 
 def causal_conv1d_update_out(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -211,6 +220,7 @@ class CausalConv1d(PreparedOperator):
     def update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step: x [B, D] or [B, D, L] -> out shaped like x; conv_state is shifted in place."""
+        self._check_like("x", x)  # before empty_like, so a non-tensor x is a DtorchError
         return self.update_out(x, conv_state, weight, bias, out=torch.empty_like(x))
 
 
