@@ -281,3 +281,16 @@ def test_sdpa_declines_large_head_dim_on_cuda():
     ok = Call(dtorch.Device("cpu"), torch.float16, KernelParams(causal=True, scale=0.1, head_dim=320))
     cpu_key = KernelKey("llm.flash_attention", "cpu", torch.float16)
     assert dtorch.dispatcher.choose(cpu_key, ok).winner.provider == "sdpa"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", VARLEN_CASES)
+def test_varlen_padded_strategy(causal, lens):
+    # the padded one-launch strategy the sdpa provider uses off-CPU, run here on CPU tensors
+    from dtorch.kernels.cpu.attention import varlen_sdpa_padded
+
+    q, k, v, cu_q, cu_k, mq, mk = varlen_case(*lens)
+    out = torch.full_like(q, float("nan"))
+    params = KernelParams(causal=causal, scale=8 ** -0.5, max_seqlen_q=mq, max_seqlen_k=mk)
+    varlen_sdpa_padded(dtorch.KernelContext(dtorch.Device("cpu"), params=params), (q, k, v, cu_q, cu_k), (out,))
+    close(out, per_segment(q, k, v, cu_q, cu_k, causal), torch.float32)
