@@ -120,6 +120,8 @@ def test_bad_values_raise_model_error(change, message):
 def test_from_hf_bad_input():
     with pytest.raises(ModelError, match="model_type 'gpt2' is not supported"):
         ModelConfig.from_hf({"model_type": "gpt2"})
+    with pytest.raises(ModelError, match="mlp_bias=true is not supported for llama"):
+        ModelConfig.from_hf(transformers.LlamaConfig(**_SMALL, mlp_bias=True).to_dict())
     with pytest.raises(ModelError, match="missing key 'intermediate_size'"):
         ModelConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
                              "num_attention_heads": 2})

@@ -57,6 +57,14 @@ def test_hf_directory_loads_identical_tensors(tmp_path, family, shard):
     assert ck.tokenizer is None and ck.source == str(tmp_path)
 
 
+def test_hf_generation_config_eos(tmp_path):
+    model = TINY["llama"]()
+    model.generation_config.eos_token_id = [2, 7]
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [2, 7]
+    assert load_checkpoint(tmp_path).config.eos_token_ids == (2, 7)
+
+
 def test_hf_dtype_cast(tmp_path):
     model = TINY["qwen2"]()
     model.save_pretrained(tmp_path)
@@ -93,6 +101,14 @@ def test_hf_misshapen_tensor(tiny_llama_dir):
     _rewrite_weights(tiny_llama_dir, edit)
     with pytest.raises(ModelError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \[8, 32\], "
                                          r"expected \[16, 32\]"):
+        load_checkpoint(tiny_llama_dir)
+
+
+def test_hf_unexpected_tensor(tiny_llama_dir):
+    def edit(t):
+        t["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(32)
+    _rewrite_weights(tiny_llama_dir, edit)
+    with pytest.raises(ModelError, match=r"unexpected tensors \['model.layers.0.self_attn.o_proj.bias'\]"):
         load_checkpoint(tiny_llama_dir)
 
 
@@ -285,13 +301,15 @@ def test_default_model_config(default_ck):
     c = default_ck.config
     assert (c.family, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (
         "llama", 30, 576, 9, 3, 49152)
-    meta = gguf.GGUFReader(str(default_model_path())).fields
-    assert c.intermediate_size == meta["llama.feed_forward_length"].contents()
-    assert c.rope_theta == meta["llama.rope.freq_base"].contents()
-    assert c.max_position_embeddings == meta["llama.context_length"].contents()
-    assert c.eos_token_ids == (meta["tokenizer.ggml.eos_token_id"].contents(),)
+    meta = default_ck.metadata["gguf"]  # the file's scalar keys as gguf.GGUFReader reads them
+    assert c.intermediate_size == meta["llama.feed_forward_length"]
+    assert c.rope_theta == meta["llama.rope.freq_base"]
+    assert c.rms_norm_eps == meta["llama.attention.layer_norm_rms_epsilon"]
+    assert c.max_position_embeddings == meta["llama.context_length"]
+    assert c.eos_token_ids == (meta["tokenizer.ggml.eos_token_id"],)
+    assert c.bos_token_id == meta["tokenizer.ggml.bos_token_id"]
     assert c.tie_word_embeddings and "lm_head.weight" not in default_ck.tensors
-    assert default_ck.tokenizer is not None and default_ck.chat_template == meta["tokenizer.chat_template"].contents()
+    assert default_ck.tokenizer is not None and default_ck.chat_template == meta["tokenizer.chat_template"]
     assert default_ck.metadata["tensor_types"]["model.layers.0.self_attn.q_proj.weight"] == "Q4_1"
 
 
@@ -318,14 +336,20 @@ def test_default_model_path_message(monkeypatch):
         default.default_model_path()
 
 
-@pytest.mark.parametrize("keep", [100, 4096, 0.5])
-def test_truncated_gguf(tmp_path, keep):
-    src = default_model_path()
-    size = src.stat().st_size
-    n = int(size * keep) if isinstance(keep, float) else keep
-    with open(src, "rb") as f:
-        (tmp_path / "cut.gguf").write_bytes(f.read(n))
-    with pytest.raises(ModelError, match=r"cut.gguf: (not a readable GGUF|truncated)"):
+@pytest.mark.parametrize("keep", [100, 4096])
+def test_truncated_gguf_header(tmp_path, keep):
+    with open(default_model_path(), "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(keep))
+    with pytest.raises(ModelError, match=r"cut.gguf: not a readable GGUF file"):
+        load_checkpoint(tmp_path / "cut.gguf")
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.99])
+def test_truncated_gguf_tensors(tmp_path, keep):
+    _to_gguf(TINY["llama"](), tmp_path / "m.gguf", "llama")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelError, match=r"cut.gguf: (not a readable GGUF|truncated: its tensors need \d+ bytes)"):
         load_checkpoint(tmp_path / "cut.gguf")
 
 

@@ -99,6 +99,9 @@ class ModelConfig:
         family = c.get("model_type")
         if family not in FAMILIES:
             raise ModelError(f"config.json: model_type {family!r} is not supported; expected one of {FAMILIES}")
+        for flag in ("mlp_bias", "attention_bias"):  # Llama's biases (o_proj included) are not modelled
+            if family == "llama" and c.get(flag):
+                raise ModelError(f"config.json: {flag}=true is not supported for llama models; expected false")
         try:
             hidden, heads = c["hidden_size"], c["num_attention_heads"]
             head_dim = c.get("head_dim") or hidden // heads
@@ -121,8 +124,7 @@ class ModelConfig:
                 rope_scaling=scaling, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
                 max_position_embeddings=c.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; Llama may opt in with attention_bias
-                attention_bias=True if family == "qwen2" else bool(c.get("attention_bias", False)),
+                attention_bias=family == "qwen2",  # Qwen2 always has q/k/v biases, the others none
                 qk_norm=family == "qwen3", bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
             )
         except KeyError as e:

@@ -31,7 +31,8 @@ class Checkpoint:
     tokenizer: Tokenizer | None = None
     source: str = ""
     chat_template: str | None = None
-    metadata: dict[str, object] = field(default_factory=dict)  # loader-specific extras (GGUF tensor types, ...)
+    # loader extras: GGUF files give "tensor_types" (HF name -> quantization type) and "gguf" (scalar metadata keys)
+    metadata: dict[str, object] = field(default_factory=dict)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -62,12 +63,21 @@ def finish_tensors(raw: dict[str, torch.Tensor], config: ModelConfig, dtype: tor
                    source: str) -> dict[str, torch.Tensor]:
     """Check ``raw`` against ``config`` (missing / misshapen tensors raise), cast to ``dtype``, tag PERSISTENT.
 
-    Tensors the model does not use (rotary caches, ...) are dropped.
+    Tensors the model would not use raise, except rotary caches and an lm_head beside tied embeddings (dropped).
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ModelError(f"load_checkpoint: dtype must be a floating torch.dtype, got {dtype!r}")
+    expected = expected_shapes(config)
+    # a tensor the model would not use means a variant it does not implement (llama biases, ...): refuse, don't drop.
+    # Exceptions: rotary caches, and lm_head.weight stored beside tied embeddings.
+    extra = sorted(n for n in raw if n not in expected and not n.endswith("rotary_emb.inv_freq")
+                   and not (n == "lm_head.weight" and config.tie_word_embeddings))
+    if extra:
+        raise ModelError(f"{source}: unexpected tensors {extra[:4]}{' ...' if len(extra) > 4 else ''}; a "
+                         f"{config.family} model with this config (attention_bias={config.attention_bias}, "
+                         f"qk_norm={config.qk_norm}) has no such weights")
     out: dict[str, torch.Tensor] = {}
-    for name, shape in expected_shapes(config).items():
+    for name, shape in expected.items():
         t = raw.get(name)
         if t is None:
             raise ModelError(f"{source}: missing tensor {name!r} (expected shape {list(shape)} for a "

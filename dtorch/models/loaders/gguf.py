@@ -121,15 +121,14 @@ def dequantize(t: Any, path: Path) -> torch.Tensor:
 
     shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest first
     try:
-        arr = gguf_dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+        arr = np.array(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True).reshape(shape)
     except NotImplementedError:
         raise ModelError(f"{path}: tensor {t.name!r} has quantization type {t.tensor_type.name}, which the gguf "
                          f"package cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}") from None
     except Exception as e:
         raise ModelError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {list(shape)}) is unreadable "
                          f"({type(e).__name__}: {e}); the file may be truncated") from None
-    return torch.from_numpy(np.array(arr, copy=True))
+    return torch.from_numpy(arr)
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
@@ -164,8 +163,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     template = meta.get("tokenizer.chat_template")
     tokenizer = Tokenizer.from_gguf(meta, chat_template=template, source=str(path)) \
         if "tokenizer.ggml.tokens" in meta else None
+    scalars = {k: v for k, v in meta.items() if not isinstance(v, list)}  # the vocabulary stays in the tokenizer
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
-                      chat_template=template, metadata={"tensor_types": types})
+                      chat_template=template, metadata={"tensor_types": types, "gguf": scalars})
 
 
 def load_gguf_tokenizer(path: str | Path) -> Any:

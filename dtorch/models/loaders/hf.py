@@ -77,8 +77,10 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Checkp
         raise ModelError(f"{directory}: no config.json; expected a Hugging Face model directory or a .gguf file")
     cfg_json = _read_json(cfg_path)
     gen_path = directory / "generation_config.json"
-    if gen_path.exists() and "eos_token_id" not in cfg_json:
-        cfg_json["eos_token_id"] = _read_json(gen_path).get("eos_token_id")
+    if gen_path.exists():  # generation stops at the union of both files' eos ids
+        ids = [cfg_json.get("eos_token_id"), _read_json(gen_path).get("eos_token_id")]
+        flat = [i for v in ids if v is not None for i in (v if isinstance(v, list) else [v])]
+        cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
     config = ModelConfig.from_hf(cfg_json)
     tensors = finish_tensors(_read_safetensors(_shards(directory)), config, dtype, str(directory))
 
