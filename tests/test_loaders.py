@@ -17,7 +17,7 @@ from transformers.integrations.gguf import dequant as hf_dequant
 
 from dtorch import MemoryKind, ModelError
 from dtorch.core.memory import memory
-from dtorch.models import ModelConfig, default_model_path, load_checkpoint
+from dtorch.models import ModelConfig, default_model_path, load_checkpoint, rope_inv_freq
 from dtorch.models.loaders.gguf import SUPPORTED_TYPES, dequantize
 
 _SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -206,9 +206,9 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _to_gguf(model, path, arch: str) -> None:
+def _to_gguf(model, path, arch: str, extra: dict | None = None) -> None:
     c = model.config
-    tensors = {}
+    tensors = dict(extra or {})
     for name, t in _reference_state(model).items():
         a = t.float().numpy()
         if name == "model.embed_tokens.weight":
@@ -257,6 +257,26 @@ def test_gguf_tiny_model_round_trip(tmp_path, family):
     for name, t in ck.tensors.items():
         assert torch.equal(t, ref[name]), name
     assert ck.tokenizer is None
+
+
+def test_gguf_llama3_rope_freqs(tmp_path):
+    """llama.cpp carries Llama 3 RoPE scaling as a rope_freqs tensor of divisors; the result is transformers' llama3."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(_SMALL | {"hidden_size": 128}),
+                                                                   rope_parameters=rope))
+    hf = model.config
+    ref = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")[0]
+    dim = hf.head_dim
+    plain = 1.0 / (500000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    factors = (plain / ref).numpy().astype(np.float32)  # what convert_hf_to_gguf.py writes
+    assert factors.max() > 1.5  # the scaling is not a no-op at this head_dim
+    _to_gguf(model, tmp_path / "m.gguf", "llama", {"rope_freqs.weight": (factors, Q.F32)})
+    ck = load_checkpoint(tmp_path / "m.gguf")
+    assert ck.config.rope_scaling["rope_type"] == "factors"
+    torch.testing.assert_close(rope_inv_freq(ck.config), ref.float(), rtol=1e-6, atol=0)
 
 
 def test_gguf_unknown_architecture(tmp_path):

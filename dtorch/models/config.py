@@ -24,6 +24,8 @@ _ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # llama.cpp's rope_freqs tensor: one divisor per frequency (how GGUF files carry Llama 3 scaling)
+    "factors": ("factors",),
 }
 
 
@@ -68,7 +70,7 @@ class ModelConfig:
                 raise ModelError(f"ModelConfig: {name} must be a positive finite number, got {v!r}")
         object.__setattr__(self, "rope_theta", float(self.rope_theta))
         object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
-        object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling))
+        object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling, self.head_dim))
         for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
@@ -138,7 +140,7 @@ class ModelConfig:
         return replace(PRESETS[name], **overrides)
 
 
-def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Mapping[str, Any] | None:
     if scaling is None:
         return None
     if not isinstance(scaling, Mapping):
@@ -151,6 +153,12 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> Mapping[str, Any] 
     if missing:
         raise ModelError(f"ModelConfig: rope_scaling of type {kind!r} needs keys {list(_ROPE_TYPES[kind])}, "
                          f"missing {missing}")
+    if kind == "factors":
+        factors = tuple(float(f) for f in scaling["factors"])
+        if len(factors) != head_dim // 2 or not all(math.isfinite(f) and f > 0 for f in factors):
+            raise ModelError(f"ModelConfig: rope_scaling['factors'] must be {head_dim // 2} positive numbers "
+                             f"(head_dim / 2), got {len(factors)} values")
+        return MappingProxyType({"rope_type": kind, "factors": factors})
     for k in _ROPE_TYPES[kind]:
         v = scaling[k]
         if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
@@ -173,6 +181,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     kind = "default" if s is None else s["rope_type"]
     if kind == "linear":
         return inv_freq / float(s["factor"])
+    if kind == "factors":
+        return inv_freq / torch.tensor(s["factors"], dtype=torch.float32)
     if kind == "llama3":
         factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
         old_len = float(s["original_max_position_embeddings"])

@@ -82,14 +82,15 @@ def read_metadata(reader: Any, path: Path) -> dict[str, Any]:
     return meta
 
 
-def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
-    """A ModelConfig from ``{arch}.*`` metadata keys; tied embeddings when there is no ``output.weight``."""
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
+                     rope_freqs: torch.Tensor | None = None) -> ModelConfig:
+    """A ModelConfig from ``{arch}.*`` metadata keys; tied embeddings when there is no ``output.weight``.
+
+    ``rope_freqs``: llama.cpp's per-frequency RoPE divisors ([head_dim / 2], Llama 3 scaling), if the file has them.
+    """
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelError(f"{path}: general.architecture {arch!r} is not supported; expected llama, qwen2 or qwen3")
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelError(f"{path}: has a rope_freqs tensor (llama.cpp's baked Llama 3 RoPE scaling), which dtorch "
-                         "does not read yet; load the Hugging Face directory of this model instead")
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in meta:
@@ -107,6 +108,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path) -
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=None if rope_freqs is None else {"rope_type": "factors", "factors": rope_freqs.tolist()},
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
@@ -144,7 +146,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     if end > path.stat().st_size:
         raise ModelError(f"{path}: truncated: its tensors need {end} bytes but the file has {path.stat().st_size}")
     meta = read_metadata(reader, path)
-    config = config_from_gguf(meta, {t.name for t in reader.tensors}, path)
+    freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
+    config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
 
     raw: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
