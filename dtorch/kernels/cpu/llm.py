@@ -93,27 +93,34 @@ def add_rms_norm_torch(ctx, inputs, outputs):
 # Half rotation (NeoX / Llama) pairs dim i with i + R/2; interleaved (GPT-J) pairs 2i with 2i+1.
 # Dims R.. pass through. Computed in float32 (float64 for float64) and cast once.
 
+def _pairs(t: torch.Tensor, r: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (first, second) of each rotated pair of t [..., D]: [..., R/2] each."""
+    if interleaved:
+        pairs = t[..., :r].unflatten(-1, (r // 2, 2))
+        return pairs[..., 0], pairs[..., 1]
+    return t[..., : r // 2], t[..., r // 2:r]
+
+
 @KERNELS.kernel("llm.rope", FLOATS, meta=INPLACE)
 def rope_reference(ctx, inputs, outputs):
     x, cos, sin = inputs
     out = outputs[0]
-    r = ctx.params.rotary_dim
-    half = r // 2
-    cdt = _compute_dtype(x.dtype)
-    c = cos.to(cdt).unsqueeze(-2)  # [..., T, 1, R/2]: broadcast over heads
-    s = sin.to(cdt).unsqueeze(-2)
-    if ctx.params.interleaved:
-        pairs = x[..., :r].unflatten(-1, (half, 2)).to(cdt)
-        x1, x2 = pairs[..., 0], pairs[..., 1]
-        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
-        dst = out[..., :r].unflatten(-1, (half, 2))
-        dst[..., 0].copy_(o1)
-        dst[..., 1].copy_(o2)
-    else:
-        x1, x2 = x[..., :half].to(cdt), x[..., half:r].to(cdt)
-        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
-        out[..., :half].copy_(o1)
-        out[..., half:r].copy_(o2)
+    r, interleaved = ctx.params.rotary_dim, ctx.params.interleaved
+    x1, x2 = _pairs(x, r, interleaved)
+    o1, o2 = _pairs(out, r, interleaved)
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, R/2]: broadcast over heads
+    if x.dtype == cos.dtype:  # float32: five ops, safe when out is x (o2 is written before o1, x1 read last)
+        y1 = x1 * c
+        y1.addcmul_(x2, s, value=-1.0)
+        torch.mul(x2, c, out=o2)
+        o2.addcmul_(x1, s)
+        o1.copy_(y1)
+    else:  # low precision computes in float32, float64 in float64; both halves finish before any write
+        cdt = _compute_dtype(x.dtype)
+        x1, x2, c, s = x1.to(cdt), x2.to(cdt), c.to(cdt), s.to(cdt)
+        y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+        o1.copy_(y1)
+        o2.copy_(y2)
     if r < x.shape[-1] and out.data_ptr() != x.data_ptr():
         out[..., r:].copy_(x[..., r:])
 
