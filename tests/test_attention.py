@@ -294,3 +294,14 @@ def test_varlen_padded_strategy(causal, lens):
     params = KernelParams(causal=causal, scale=8 ** -0.5, max_seqlen_q=mq, max_seqlen_k=mk)
     varlen_sdpa_padded(dtorch.KernelContext(dtorch.Device("cpu"), params=params), (q, k, v, cu_q, cu_k), (out,))
     close(out, per_segment(q, k, v, cu_q, cu_k, causal), torch.float32)
+
+
+def test_verify_mode_and_runtime_context():
+    # verify mode runs the reference beside sdpa and compares; a RuntimeContext is accepted by the out forms
+    q, k, v = torch.randn(1, 3, 4, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
+    rt = dtorch.RuntimeContext("cpu")
+    with dtorch.verify():
+        dense = ops.flash_attention_out(q, k, v, True, out=torch.empty(1, 3, 4, 8), ctx=rt)
+        vq, vk, vv, cu_q, cu_k, mq, mk = varlen_case([1, 2], [3, 4])
+        ops.flash_attention_varlen_out(vq, vk, vv, cu_q, cu_k, mq, mk, True, out=torch.empty_like(vq), ctx=rt)
+    close(dense, torch_attention(q, k, v, True), torch.float32)

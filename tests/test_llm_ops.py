@@ -295,3 +295,14 @@ def test_prepared_explain_names_the_providers():
         op.prepare(init())
         text = str(op.explain())
         assert op.provider == provider and provider in text
+
+
+def test_verify_mode_covers_in_place_kernels():
+    x, w = torch.randn(2, 3, 4, 16), torch.randn(16)
+    with dtorch.verify():
+        inplace = x.clone()
+        ops.rope_out(inplace, torch.arange(3), out=inplace, ctx=dtorch.RuntimeContext("cpu"))
+        ops.rms_norm_out(x, w, out=torch.empty_like(x))
+        ops.softmax_last_dim(x)
+        ops.silu_and_mul(x)
+    close(inplace, ops.rope(x, torch.arange(3)), torch.float32)
