@@ -106,8 +106,8 @@ class LogicalGraph:
         """A Python kernel: ``fn(*local_tensors) -> tensor`` runs on each device on its local pieces.
 
         The output's global ``shape``/``dtype`` are inferred by calling ``fn`` on meta tensors unless given.
-        ``placement`` (default: the inputs' common placement, else Replicate) is the output's; inputs
-        that are Partial are all-reduced first.
+        ``placement`` (default: the inputs' common placement, else Replicate) is the output's; Partial
+        inputs are all-reduced first unless the output is that same Partial.
         """
         if not callable(fn):
             raise ArgumentError(f"LogicalGraph.python: fn must be callable, got {type(fn).__name__}")
@@ -127,9 +127,9 @@ class LogicalGraph:
             placement = Replicate() if isinstance(one, Partial) else one
         out_pl = self._placement(placement, shape, label)
         with self._rollback():
-            want = out_pl if not isinstance(out_pl, Partial) else Replicate()
-            moved = tuple(self._move(o, o.placement if not isinstance(o.placement, Partial) else want)
-                          for o in inputs)
+            # a Partial input reaches fn as it is only when the output is that same Partial; else it is reduced
+            moved = tuple(self._move(o, Replicate()) if isinstance(o.placement, Partial) and o.placement != out_pl
+                          else o for o in inputs)
             node = Operator(label, "python", label.partition("#")[0], moved, devices=self.mesh.ids, stream=stream,
                             fn=fn)
             local = {i: local_shape(shape, out_pl, r, self.mesh.size) for r, i in enumerate(self.mesh.ids)}
