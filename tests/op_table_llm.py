@@ -18,7 +18,7 @@ from tests.op_table import HALF_TOL, Row, rand
 LLM_ROWS: list = []
 
 # llm.* ops that do not fit a Row (several outputs, optional None inputs, in-place state, host-read offsets),
-# with where they are tested instead. tests/test_op_table.py should list these in its NOT_IN_TABLE.
+# with where they are tested instead (tests/test_op_table.py reads this dict as LLM_NOT_IN_TABLE).
 NOT_IN_TABLE_LLM: dict[str, str] = {
     "llm.gated_delta_net": "two outputs (o, final state), optional initial_state/cu_seqlens inputs, two providers; "
                            "tested in tests/test_gated_delta_net.py against a per-step recurrence and transformers",
