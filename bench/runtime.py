@@ -167,16 +167,16 @@ def gloo_worker(rank: int, port: int, repeats: int) -> None:
     comm = TorchDistCommunicator()
     import torch.distributed as dist
 
-    size, chain = 256, 24
+    # the peer is 80 ms late; the matmul chain is sized to about twice that, so the waiting can hide behind it
+    size, delay = 256, 0.08
     feeds_all = {"x": torch.randn(size, size), "grads": torch.randn(1 << 16)}
-    # the peer is late by 70% of the compute time, so the waiting can hide behind computing
-    with Runner(waiting_graph(mesh, "compute", 0.0, chain, size), comm) as r:
+    with Runner(waiting_graph(mesh, "compute", 0.0, 24, size), comm) as r:
         for _ in range(3):
             r.run({"x": feeds_all["x"]})
-        t_compute = median_time(lambda: (r.run({"x": feeds_all["x"]}), dist.barrier()), max(5, repeats))
-    delay_t = torch.tensor([0.7 * t_compute], dtype=torch.float64)
-    dist.broadcast(delay_t, src=0)
-    delay = float(delay_t)
+        t24 = median_time(lambda: r.run({"x": feeds_all["x"]}), 5)
+    chain_t = torch.tensor([max(24, round(24 * 2 * delay / t24))])
+    dist.broadcast(chain_t, src=0)
+    chain = int(chain_t)
     runners, feeds = {}, {}
     for mode in ("step", "compute", "comm"):
         g = waiting_graph(mesh, mode, delay, chain, size)

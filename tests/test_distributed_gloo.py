@@ -60,7 +60,12 @@ def worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
     if mode == "match":
         out = runner.run(feeds())
         out2 = runner.run(feeds())  # the Runner runs many times
-        torch.save({"out": out, "again": out2}, os.path.join(out_dir, f"rank{rank}.pt"))
+        comm, p2p = runner.comm, torch.arange(6.0) * (rank + 1)
+        if rank == 0:
+            comm.send(0, p2p, dst=1)
+        else:
+            comm.recv(1, p2p, src=0)
+        torch.save({"out": out, "again": out2, "p2p": p2p}, os.path.join(out_dir, f"rank{rank}.pt"))
     else:
         t0 = time.monotonic()
         try:
@@ -109,6 +114,7 @@ def test_two_gloo_processes_run_the_same_graph_and_match(tmp_path):
            "max": f["m"].exp().tanh()}
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got["p2p"], torch.arange(6.0))  # rank 1 received rank 0's tensor
         for key in ("out", "again"):
             assert set(got[key]) == set(ref)
             for name, want in ref.items():
