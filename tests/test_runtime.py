@@ -208,3 +208,16 @@ def test_dist_tensor_from_local_checks_pieces():
         DistTensor.from_local([torch.zeros(3, 2), torch.zeros(1, 2)], mesh, Shard(0))
     with pytest.raises(dtorch.DeviceError, match="no local piece"):
         DistTensor.from_full(torch.zeros(2), mesh, Replicate(), ids=[0]).local(1)
+
+
+def test_a_dropped_runner_leaves_no_threads():
+    import gc
+
+    g = LogicalGraph(DeviceMesh.cpu(2))
+    g.output("y", g.input("x", (2,)).relu())
+    r = Runner(g)
+    r.run({"x": torch.randn(2)})
+    assert dtorch_threads()
+    del r
+    gc.collect()
+    assert not dtorch_threads()

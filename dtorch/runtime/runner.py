@@ -10,6 +10,7 @@ first failure is raised naming its op, device and stream.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +55,7 @@ class Runner:
         self.comm = communicator if communicator is not None else default_communicator(self.mesh.ids, self.timeout)
         self.local_ids = self.mesh.local_ids(self.comm.process)
         self.manager = StreamManager(len(self.local_ids))
+        self._finalizer = weakref.finalize(self, self.manager.shutdown)  # a dropped Runner leaves no threads
         self.tracer = Tracer() if (env.trace() if trace is None else trace) else None
         self.manager.set_tracer(self.tracer)
         self._dispatcher = dispatcher or _global_dispatcher
@@ -193,7 +195,7 @@ class Runner:
 
     def shutdown(self) -> None:
         """Join every stream thread; the Runner cannot run afterwards."""
-        self.manager.shutdown()
+        self._finalizer()
 
     def __enter__(self) -> Runner:
         return self

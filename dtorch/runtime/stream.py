@@ -150,7 +150,8 @@ class KernelStream:
         if self._thread.is_alive():
             self.closing = True
             self._queue.put((None, None))
-            self._thread.join(timeout)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
         return not self._thread.is_alive()
 
     def __repr__(self) -> str:
