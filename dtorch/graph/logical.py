@@ -13,15 +13,16 @@ an all-gather, Partial->Shard a reduce-scatter, Replicate->Shard a local slice::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, DtorchError, GraphError
-from dtorch.dispatch.context import NO_PARAMS, KernelParams
+from dtorch.dispatch.context import KernelParams
 from dtorch.graph.bindings import bind
 from dtorch.graph.mesh import DeviceMesh
 from dtorch.graph.operand import COMMUNICATE, COMPUTE, Operand, Operator
@@ -222,19 +223,16 @@ class LogicalGraph:
         self.operands.append(x)
         return x
 
-    def _rollback(self):
-        graph = self
-
-        class _Rollback:
-            def __enter__(self) -> None:
-                self.sizes = (len(graph.operands), len(graph.operators))
-
-            def __exit__(self, exc_type, exc, tb) -> None:
-                if exc_type is not None:
-                    del graph.operands[self.sizes[0]:]
-                    del graph.operators[self.sizes[1]:]
-
-        return _Rollback()
+    @contextlib.contextmanager
+    def _rollback(self) -> Iterator[None]:
+        """Undo every operand and operator added inside the block when it raises (no half-built calls)."""
+        sizes = (len(self.operands), len(self.operators))
+        try:
+            yield
+        except BaseException:
+            del self.operands[sizes[0]:]
+            del self.operators[sizes[1]:]
+            raise
 
     def _infer(self, name: str, infer: Callable, metas: list) -> torch.Tensor:
         try:
@@ -286,4 +284,4 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-__all__ = ["COLLECTIVES", "LogicalGraph", "NO_PARAMS"]
+__all__ = ["COLLECTIVES", "LogicalGraph"]

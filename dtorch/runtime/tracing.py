@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -18,7 +17,6 @@ class Tracer:
     def __init__(self) -> None:
         self.events: list[tuple[str, str, str, int, int]] = []
         self.origin = time.perf_counter_ns()
-        self._lock = threading.Lock()
 
     def add(self, stream: Any, label: str, t0: int, t1: int) -> None:
         self.events.append((str(stream.device), stream.type.value, label, t0, t1))
