@@ -5,7 +5,8 @@ bias [C_out] or None. params: stride, padding, dilation (tuples of 1 or 2 ints),
 outputs: [B, C_out, L_out] or [B, C_out, H_out, W_out].
 
 The reference kernels are im2col + a grouped matmul (accumulated in float32 for half types); torch's
-F.conv1d / F.conv2d are registered over them as provider "torch".
+F.conv1d / F.conv2d are registered over them as provider "torch" (torch has no out= form: the out
+kernel copies; the allocating form serves the functional wrappers).
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ def conv1d_reference(ctx, inputs, outputs):
     outputs[0].copy_(_grouped_matmul(cols, w, bias, p.groups))
 
 
-@KERNELS.kernel("conv.conv1d", FLOATS, provider="torch")
-def conv1d_torch(ctx, inputs, outputs):
+def _conv1d_torch(ctx, inputs):
     p = ctx.params
-    outputs[0].copy_(F.conv1d(inputs[0], inputs[1], inputs[2], p.stride, p.padding, p.dilation, p.groups))
+    return (F.conv1d(inputs[0], inputs[1], inputs[2], p.stride, p.padding, p.dilation, p.groups),)
+
+
+@KERNELS.kernel("conv.conv1d", FLOATS, provider="torch", functional=_conv1d_torch)
+def conv1d_torch(ctx, inputs, outputs):
+    outputs[0].copy_(_conv1d_torch(ctx, inputs)[0])
 
 
 @KERNELS.kernel("conv.conv2d", FLOATS)
@@ -64,7 +69,11 @@ def conv2d_reference(ctx, inputs, outputs):
     out.copy_(_grouped_matmul(cols, w, bias, p.groups).reshape(out.shape))
 
 
-@KERNELS.kernel("conv.conv2d", FLOATS, provider="torch")
-def conv2d_torch(ctx, inputs, outputs):
+def _conv2d_torch(ctx, inputs):
     p = ctx.params
-    outputs[0].copy_(F.conv2d(inputs[0], inputs[1], inputs[2], p.stride, p.padding, p.dilation, p.groups))
+    return (F.conv2d(inputs[0], inputs[1], inputs[2], p.stride, p.padding, p.dilation, p.groups),)
+
+
+@KERNELS.kernel("conv.conv2d", FLOATS, provider="torch", functional=_conv2d_torch)
+def conv2d_torch(ctx, inputs, outputs):
+    outputs[0].copy_(_conv2d_torch(ctx, inputs)[0])

@@ -2,7 +2,8 @@
 
 Reference kernels are a broadcast-multiply-sum (no BLAS), accumulated in float32 for half types and
 in float64 for float64, computed in row blocks so the [rows, K, N] product stays small. BLAS kernels
-(torch.mm / bmm / linear with ``out=``) are registered over them as provider "blas".
+(torch.mm / bmm / linear with ``out=``; mm and bmm also with their allocating forms for the functional
+wrappers) are registered over them as provider "blas".
 
 inputs: mm (a [M, K], b [K, N]); bmm (a [B, M, K], b [B, K, N]); linear (x [..., K], w [N, K], bias [N] or None).
 outputs: mm [M, N]; bmm [B, M, N]; linear [..., N].
@@ -42,7 +43,8 @@ def mm_reference(ctx, inputs, outputs):
     _reference_bmm(a[None], b[None], outputs[0][None])
 
 
-@KERNELS.kernel("matmul.mm", FLOATS + INTS, provider="blas")
+@KERNELS.kernel("matmul.mm", FLOATS + INTS, provider="blas",
+                functional=lambda ctx, inputs: (torch.mm(inputs[0], inputs[1]),))
 def mm_blas(ctx, inputs, outputs):
     torch.mm(inputs[0], inputs[1], out=outputs[0])
 
@@ -52,7 +54,8 @@ def bmm_reference(ctx, inputs, outputs):
     _reference_bmm(inputs[0], inputs[1], outputs[0])
 
 
-@KERNELS.kernel("matmul.bmm", FLOATS + INTS, provider="blas")
+@KERNELS.kernel("matmul.bmm", FLOATS + INTS, provider="blas",
+                functional=lambda ctx, inputs: (torch.bmm(inputs[0], inputs[1]),))
 def bmm_blas(ctx, inputs, outputs):
     torch.bmm(inputs[0], inputs[1], out=outputs[0])
 
@@ -69,6 +72,8 @@ def linear_reference(ctx, inputs, outputs):
     out.copy_(y.reshape(out.shape))
 
 
+# No allocating form: torch's allocating linear rounds differently from linear.out for bf16 [..., K] inputs
+# with a bias, and prepared Linear.forward_out must give exactly the functional wrapper's results.
 @KERNELS.kernel("matmul.linear", FLOATS + INTS, provider="blas")
 def linear_blas(ctx, inputs, outputs):
     x, out = inputs[0], outputs[0]
