@@ -9,9 +9,10 @@ import torch
 
 from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
 from dtorch.dispatch.context import NO_PARAMS
+from dtorch.dispatch.registry import Dispatcher
 from dtorch.ops import _checks
 from dtorch.ops._invoke import call, run
-from dtorch.ops.context import RuntimeContext
+from dtorch.ops.context import OperatorInitContext, RuntimeContext
 from dtorch.ops.prepared import PreparedOperator
 
 __all__ = ["Linear", "MatMul", "bmm", "bmm_out", "linear", "linear_out", "mm", "mm_out"]
@@ -157,7 +158,7 @@ class MatMul(_PreparedProduct):
         self.op = "matmul.bmm" if batched else "matmul.mm"
         self._dtype: torch.dtype | None = None
 
-    def prepare(self, init, dispatcher=None) -> MatMul:
+    def prepare(self, init: OperatorInitContext, dispatcher: Dispatcher | None = None) -> MatMul:
         super().prepare(init, dispatcher)
         self._dtype = self.init.dtype
         return self
@@ -206,7 +207,7 @@ class Linear(_PreparedProduct):
         self.has_bias = has_bias
         self._dtype: torch.dtype | None = None
 
-    def prepare(self, init, dispatcher=None) -> Linear:
+    def prepare(self, init: OperatorInitContext, dispatcher: Dispatcher | None = None) -> Linear:
         super().prepare(init, dispatcher)
         self._dtype = self.init.dtype
         return self

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dtorch.dispatch.meta import KernelMeta
 from dtorch.kernels.registry import FLOATS, INTS, KERNELS, NUMERIC
 
 
@@ -34,7 +35,7 @@ def _arange(ctx, inputs, outputs):
     out.copy_(idx * ctx.params.step + ctx.params.start)
 
 
-KERNELS.add("creation.arange", _arange, FLOATS + INTS)
+KERNELS.add("creation.arange", _arange, FLOATS + INTS, meta=KernelMeta(capture_safe=False))  # allocates idx
 
 
 @KERNELS.kernel("creation.empty", NUMERIC)

@@ -15,9 +15,11 @@ import math
 
 import torch
 
+from dtorch.dispatch.meta import KernelMeta
 from dtorch.kernels.registry import FLOATS, INTS, KERNELS
 
 _BLOCK_ELEMENTS = 1 << 22  # elements of one [rows, K, N] product block in the reference kernels
+ALLOCATES = KernelMeta(capture_safe=False)  # the reference kernels allocate their temporaries
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -37,7 +39,7 @@ def _reference_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out[:, i:i + rows].copy_(block.sum(dim=2))
 
 
-@KERNELS.kernel("matmul.mm", FLOATS + INTS)
+@KERNELS.kernel("matmul.mm", FLOATS + INTS, meta=ALLOCATES)
 def mm_reference(ctx, inputs, outputs):
     a, b = inputs
     _reference_bmm(a[None], b[None], outputs[0][None])
@@ -49,7 +51,7 @@ def mm_blas(ctx, inputs, outputs):
     torch.mm(inputs[0], inputs[1], out=outputs[0])
 
 
-@KERNELS.kernel("matmul.bmm", FLOATS + INTS)
+@KERNELS.kernel("matmul.bmm", FLOATS + INTS, meta=ALLOCATES)
 def bmm_reference(ctx, inputs, outputs):
     _reference_bmm(inputs[0], inputs[1], outputs[0])
 
@@ -60,7 +62,7 @@ def bmm_blas(ctx, inputs, outputs):
     torch.bmm(inputs[0], inputs[1], out=outputs[0])
 
 
-@KERNELS.kernel("matmul.linear", FLOATS + INTS)
+@KERNELS.kernel("matmul.linear", FLOATS + INTS, meta=ALLOCATES)
 def linear_reference(ctx, inputs, outputs):
     x, w, bias = inputs
     out = outputs[0]

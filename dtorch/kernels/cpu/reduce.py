@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from dtorch.dispatch.meta import KernelMeta
 from dtorch.kernels.registry import FLOATS, INTS, KERNELS
+
+ALLOCATES = KernelMeta(capture_safe=False)  # sum and mean reduce a widened copy, then copy into the output
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -25,13 +28,13 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@KERNELS.kernel("reduce.sum", FLOATS + INTS)
+@KERNELS.kernel("reduce.sum", FLOATS + INTS, meta=ALLOCATES)
 def sum_reference(ctx, inputs, outputs):
     p = ctx.params
     outputs[0].copy_(torch.sum(_wide(inputs[0]), p.dim, keepdim=p.keepdim))
 
 
-@KERNELS.kernel("reduce.mean", FLOATS)
+@KERNELS.kernel("reduce.mean", FLOATS, meta=ALLOCATES)
 def mean_reference(ctx, inputs, outputs):
     p = ctx.params
     outputs[0].copy_(torch.mean(_wide(inputs[0]), p.dim, keepdim=p.keepdim))
