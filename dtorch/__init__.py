@@ -51,6 +51,7 @@ from dtorch.graph import (
     Replicate as Replicate,
     Shard as Shard,
 )
+from dtorch.models import LLM as LLM, RequestOutput as RequestOutput, SamplingParams as SamplingParams
 from dtorch.ops import (
     OperatorInitContext as OperatorInitContext,
     PreparedOperator as PreparedOperator,

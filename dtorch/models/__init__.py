@@ -2,5 +2,9 @@
 
 from dtorch.models.config import PRESETS as PRESETS, ModelConfig as ModelConfig, rope_inv_freq as rope_inv_freq
 from dtorch.models.default import default_model_path as default_model_path
+from dtorch.models.kv_cache import KVCache as KVCache
+from dtorch.models.llm import LLM as LLM, GenerationStats as GenerationStats, RequestOutput as RequestOutput
 from dtorch.models.loaders import Checkpoint as Checkpoint, load_checkpoint as load_checkpoint
+from dtorch.models.model import Step as Step, Transformer as Transformer
+from dtorch.models.sampling import SamplingParams as SamplingParams
 from dtorch.models.tokenizer import StreamDecoder as StreamDecoder, Tokenizer as Tokenizer

@@ -22,7 +22,7 @@ from dtorch.core.memory import MemoryKind, allocate
 from dtorch.models.config import ModelConfig, rope_inv_freq
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.layers import DecoderLayer, LayerWeights, Projection, SharedOps, check_shape
-from dtorch.ops import AttentionVarlen, OperatorInitContext, copy_out
+from dtorch.ops import Attention, AttentionVarlen, OperatorInitContext, copy_out
 
 
 @dataclass(slots=True)
@@ -132,8 +132,9 @@ class Transformer:
                 k_norm=get(a + "k_norm.weight", D) if c.qk_norm else None)
             self.layers.append(DecoderLayer(w, init))
         self.ops = SharedOps(c.rms_norm_eps, D, c.max_position_embeddings, rope_inv_freq(c), init)
-        self.attention = AttentionVarlen(causal=True, scale=D ** -0.5, num_heads=H, num_kv_heads=Hkv,
-                                         head_dim=D).prepare(init)
+        heads = dict(causal=True, scale=D ** -0.5, num_heads=H, num_kv_heads=Hkv, head_dim=D)
+        self.attention = AttentionVarlen(**heads).prepare(init)
+        self.dense_attention = Attention(**heads).prepare(init)
         self._buffers: dict[int, _Buffers] = {}
 
     # -- memory ---------------------------------------------------------------------------------
@@ -171,6 +172,7 @@ class Transformer:
         if cache is None and not step.fresh:
             raise ModelError("Transformer.forward: a step that continues cached sequences needs the cache")
         qk_norm = self.config.qk_norm
+        dense, single = self.dense_attention, len(step.counts) == 1
         ops.embed.forward_out(ids, self.embed, out=b.x)
         for i, layer in enumerate(self.layers):
             if i == 0:
@@ -194,7 +196,10 @@ class Transformer:
                 if keys is None:
                     copy_out(b.v_in, out=b.v)
                     keys, values = b.k, b.v
-            attn.forward_out(b.q, keys, values, step.cu_q, step.cu_k, step.max_q, step.max_k, out=b.attn)
+            if single:  # one sequence: dense attention reads the cache in place (bottom-right causal)
+                dense.forward_out(b.q[None], keys[None], values[None], out=b.attn[None])
+            else:
+                attn.forward_out(b.q, keys, values, step.cu_q, step.cu_k, step.max_q, step.max_k, out=b.attn)
             layer.o(b.attn_flat, out=b.o)
             ops.add_norm.forward_out(b.o, b.x, layer.post_norm, out=b.h, residual_out=b.x)
             layer.gate_up(b.h, out=b.gu)

@@ -1,0 +1,79 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF): dtorch against transformers reading the same file,
+and the text side of the LLM API (chat, text prompts, stop strings, streaming) on a real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtorch.models.default import default_model_path
+from dtorch.models.llm import LLM
+from dtorch.models.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' model with the weights its own GGUF reader dequantizes (its from_pretrained(gguf_file=)
+    path needs accelerate, the reader does not)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = default_model_path()
+    cfg = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        meta_model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta_model)["tensors"]
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+def test_greedy_32_tokens_from_a_chat_prompt_match_transformers(llm, hf):
+    ids = llm.chat_prompt(CHAT)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0]
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
+    assert out.token_ids == ref
+
+
+def test_chat_answers_and_stops_at_eos(llm):
+    out = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=48))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.eos_token_ids
+    assert "<|im_end|>" not in out.text
+
+
+def test_text_prompt_and_streaming_agree(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = llm.generate("The capital of France is", params)[0]
+    assert out.prompt == "The capital of France is" and len(out.token_ids) == 12
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+    assert "".join(llm.stream("The capital of France is", params)) == out.text
+
+
+def test_stop_string_ends_the_text(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = llm.generate("The capital of France is", params)[0].text
+    stop = full.strip().split()[1]  # a word in the middle of the greedy answer
+    pieces: list[str] = []
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])
+    out = llm.generate("The capital of France is", params, on_text=lambda i, s: pieces.append(s))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[:full.index(stop)]
+    assert "".join(pieces) == out.text
+
+
+def test_seeded_sampling_reproducible_on_text(llm):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
+    a = llm.chat(CHAT, params)[0]
+    b = llm.chat(CHAT, params)[0]
+    assert a.token_ids == b.token_ids and a.text == b.text
