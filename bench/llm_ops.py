@@ -1,15 +1,18 @@
 """LLM kernels: reference vs accelerated provider on decode- and prefill-shaped calls (SmolLM2-135M-like
 shapes: 9 query heads, 3 kv heads, head dim 64, hidden 576), plus the prepared operators' per-call cost.
 
-Run: ``python bench/llm_ops.py``. Prints one table; times are medians of repeated runs, in microseconds.
+Run: ``python bench/llm_ops.py [threads]`` (default 1 thread). Prints two tables; times are medians of
+alternating repeated runs, in microseconds.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import per_call_us, table  # noqa: E402
@@ -21,6 +24,7 @@ H, HKV, D, HIDDEN = 9, 3, 64, 576
 
 
 def _cases():
+    """(name, call) pairs for ops that have an accelerated provider over their reference."""
     f32 = dtorch.OperatorInitContext("cpu", torch.float32)
     x, w = torch.randn(1, HIDDEN), torch.randn(HIDDEN)
     xp = torch.randn(128, HIDDEN)
@@ -30,8 +34,6 @@ def _cases():
     cu_q = torch.arange(len(lens) + 1, dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     qv, kv, vv = torch.randn(len(lens), H, D), torch.randn(sum(lens), HKV, D), torch.randn(sum(lens), HKV, D)
-    rope = ops.RoPE(D, max_positions=4096).prepare(f32)
-    qr, pos = torch.randn(1, 1, H, D), torch.tensor([700])
     attn = ops.Attention(True, None, H, HKV, D).prepare(f32)
     gate = torch.randn(1, 2 * 1536)
     return [
@@ -39,8 +41,6 @@ def _cases():
         ("rms_norm [128, 576]", lambda: ops.rms_norm(xp, w)),
         ("silu_and_mul [1, 3072]", lambda: ops.silu_and_mul(gate)),
         ("softmax_last_dim [128, 576]", lambda: ops.softmax_last_dim(xp)),
-        ("rope functional T=1", lambda: ops.rope(qr, pos)),
-        ("RoPE prepared forward_ T=1", lambda: rope.forward_(qr, pos)),
         ("attention decode T=1, S=1024", lambda: ops.flash_attention(q1, kc, vc, causal=True)),
         ("Attention prepared decode", lambda: attn.forward(q1, kc, vc)),
         ("attention prefill T=S=256", lambda: ops.flash_attention(qp, kp, vp, causal=True)),
@@ -49,16 +49,56 @@ def _cases():
     ]
 
 
+def _overhead_cases():
+    """(name, raw torch call, dtorch call) for decode-shaped steps: the wrapper's per-call cost."""
+    f32 = dtorch.OperatorInitContext("cpu", torch.float32)
+    x, w, out = torch.randn(1, HIDDEN), torch.randn(HIDDEN), torch.empty(1, HIDDEN)
+    norm = ops.RMSNorm(1e-6).prepare(f32)
+    q, pos = torch.randn(1, H, D), torch.tensor([700])
+    rope = ops.RoPE(D, max_positions=4096).prepare(f32)
+    inv = ops.rope_inv_freq(D)
+
+    def raw_rope():  # the LlamaRotaryEmbedding formula with a precomputed table, in place
+        c, s = (inv * pos[:, None]).cos()[:, None], (inv * pos[:, None]).sin()[:, None]
+        x1, x2 = q[..., : D // 2], q[..., D // 2:]
+        y1 = x1 * c - x2 * s
+        x2.copy_(x2 * c + x1 * s)
+        x1.copy_(y1)
+
+    return [
+        ("rms_norm [1, 576] out=", lambda: torch.mul(w, F.rms_norm(x, (HIDDEN,), None, 1e-6), out=out),
+         lambda: norm.forward_out(x, w, out=out)),
+        ("rope [1, 9, 64] in place", raw_rope, lambda: rope.forward_(q, pos)),
+    ]
+
+
+def _interleaved(a, b, number: int = 20, repeat: int = 7, a_disabled: tuple[str, ...] = ()) -> tuple[float, float]:
+    """Medians of alternating timings of a (with ``a_disabled`` providers off) and b; the machine may be
+    shared, and alternation cancels drift."""
+    ta, tb = [], []
+    for _ in range(repeat):
+        with dtorch.dispatcher.disabled(*a_disabled):
+            ta.append(per_call_us(a, number=number, repeat=1))
+        tb.append(per_call_us(b, number=number, repeat=1))
+    return statistics.median(ta), statistics.median(tb)
+
+
 def main() -> None:
     torch.manual_seed(0)
+    # One intra-op thread: on a shared 2-core machine two threads jitter by 10x under load.
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
     rows = []
     for name, fn in _cases():
-        fast = per_call_us(fn, number=20, repeat=5)
-        with dtorch.dispatcher.disabled("torch", "sdpa"):
-            ref = per_call_us(fn, number=20, repeat=5)
+        ref, fast = _interleaved(fn, fn, a_disabled=("torch", "sdpa"))
         rows.append([name, ref, fast, ref / fast])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us per call (median)")
     print(table(["case", "reference", "active", "speedup"], rows))
+    rows = []
+    for name, raw, wrapped in _overhead_cases():
+        t_raw, t_wrapped = _interleaved(raw, wrapped, number=200)
+        rows.append([name, t_raw, t_wrapped, t_wrapped - t_raw])
+    print()
+    print(table(["decode step", "raw torch", "prepared op", "overhead"], rows))
 
 
 if __name__ == "__main__":
