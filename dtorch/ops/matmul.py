@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
+from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
 from dtorch.dispatch.context import NO_PARAMS
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.ops import _checks
@@ -128,11 +128,6 @@ def linear_out(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 class _PreparedProduct(PreparedOperator):
     """Shared hot path: identity checks on dtype, then the bound kernel; anything unusual goes the slow way."""
 
-    def _failed(self, exc: Exception) -> KernelFailure:
-        kernel = self.kernel
-        return KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
-                             f"{type(exc).__name__}: {exc}")
-
     def _check_named(self, named: dict[str, torch.Tensor | None], out: torch.Tensor, shape) -> None:
         """The slow path's full validation (raises the precise error)."""
         self._bound()
@@ -178,12 +173,11 @@ class MatMul(_PreparedProduct):
         if kernel is None or a.dtype is not self._dtype:
             self._check_named({"a": a, "b": b}, out, self._shape(a, b))
         try:
-            kernel(self._kctx if ctx is None else self._context(ctx), (a, b), (out,))
-        except DtorchError:
-            raise
+            kernel.fn(self._kctx if ctx is None else self._context(ctx), (a, b), (out,))
         except Exception as exc:
-            self._check_named({"a": a, "b": b}, out, self._shape(a, b))
-            raise self._failed(exc) from exc
+            if not isinstance(exc, DtorchError):
+                self._check_named({"a": a, "b": b}, out, self._shape(a, b))
+            self._failed(exc)
         return out
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
@@ -234,12 +228,11 @@ class Linear(_PreparedProduct):
         if kernel is None or x.dtype is not self._dtype or (bias is None) is self.has_bias:
             self._validate(x, w, bias, out)
         try:
-            kernel(self._kctx if ctx is None else self._context(ctx), (x, w, bias), (out,))
-        except DtorchError:
-            raise
+            kernel.fn(self._kctx if ctx is None else self._context(ctx), (x, w, bias), (out,))
         except Exception as exc:
-            self._validate(x, w, bias, out)
-            raise self._failed(exc) from exc
+            if not isinstance(exc, DtorchError):
+                self._validate(x, w, bias, out)  # names the bad argument when there is one
+            self._failed(exc)
         return out
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
