@@ -211,6 +211,9 @@ def test_rope_prepared_in_place_on_views():
           torch.float32)
     with pytest.raises(dtorch.ArgumentError, match="position 40"):
         rope.forward(x, torch.tensor([0, 1, 2, 40]))
+    with pytest.raises(dtorch.ArgumentError, match="position -1"):
+        rope.forward(x, torch.tensor([-1, 1, 2, 3], dtype=torch.int32))
+    close(rope.forward(x, torch.arange(4, dtype=torch.int32)), ops.rope(x, torch.arange(4)), torch.float32)
     with pytest.raises(dtorch.ShapeError, match="head dim"):
         rope.forward(torch.randn(4, 1, 8), torch.arange(4))
 

@@ -160,15 +160,17 @@ class RoPE(PreparedOperator):
         return self
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., T, R/2] for ``positions``; on CPU (where reading values is free) a position outside
+        0..max_positions-1 raises, since indexing would wrap a negative one silently."""
         if self.cos_sin is None:
             self._bound()
-        try:
-            cs = self.cos_sin[positions]  # [..., T, 2, R/2]
-            return cs.select(-2, 0), cs.select(-2, 1)
-        except IndexError:
-            hi = int(positions.max())
-            raise ArgumentError(f"{self.op}: position {hi} is out of range for a cache of max_positions="
-                                f"{self.max_positions} (expected 0..{self.max_positions - 1})") from None
+        if positions.device.type == "cpu" and positions.numel():
+            lo, hi = (int(v) for v in torch.aminmax(positions))
+            if lo < 0 or hi >= self.max_positions:
+                raise ArgumentError(f"{self.op}: position {lo if lo < 0 else hi} is out of range for a cache of "
+                                    f"max_positions={self.max_positions} (expected 0..{self.max_positions - 1})")
+        cs = self.cos_sin[positions]  # [..., T, 2, R/2]
+        return cs.select(-2, 0), cs.select(-2, 1)
 
     def _check(self, x: torch.Tensor, positions: torch.Tensor, ctx: RuntimeContext | None) -> None:
         self._check_like("x", x)
