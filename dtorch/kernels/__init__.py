@@ -44,7 +44,8 @@ def install_meta(dispatcher: Dispatcher) -> None:
 
     dispatcher.ensure_backend("cpu")
     for key in dispatcher.keys():
-        if key.device == "cpu":
-            meta = dispatcher.candidates(key)[0].meta
+        cands = dispatcher.candidates(key)
+        if key.device == "cpu" and cands:
+            meta = cands[0].meta
             dispatcher.register(KernelKey(key.op, "meta", key.dtype, key.layout), _shape_only, provider="reference",
                                 meta=meta)

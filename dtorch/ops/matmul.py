@@ -167,10 +167,11 @@ class MatMul(_PreparedProduct):
 
         The hot path compares a's dtype with prepare's and runs the bound kernel; mismatched shapes or
         dtypes of b and out make the kernel fail, and only then is everything validated for a precise
-        error. ``out`` must already have the right shape (as torch's ``out=``, a wrong one is resized).
+        error. ``out``'s shape is compared here, since torch's ``out=`` would silently resize it.
         """
         kernel = self.kernel
-        if kernel is None or a.dtype is not self._dtype:
+        if (kernel is None or a.dtype is not self._dtype or out.shape[:-1] != a.shape[:-1]
+                or out.shape[-1] != b.shape[-1]):
             self._check_named({"a": a, "b": b}, out, self._shape(a, b))
         try:
             kernel.fn(self._kctx if ctx is None else self._context(ctx), (a, b), (out,))
@@ -221,11 +222,12 @@ class Linear(_PreparedProduct):
 
         The hot path compares x's dtype with prepare's and the bias with ``has_bias``, then runs the bound
         kernel; mismatched shapes or dtypes of w, bias and out make the kernel fail, and only then is
-        everything validated for a precise error. ``out`` must already have the right shape (as torch's
-        ``out=``, a wrong one is resized).
+        everything validated for a precise error. ``out``'s shape is compared here, since torch's ``out=``
+        would silently resize it.
         """
         kernel = self.kernel
-        if kernel is None or x.dtype is not self._dtype or (bias is None) is self.has_bias:
+        if (kernel is None or x.dtype is not self._dtype or (bias is None) is self.has_bias
+                or out.shape[:-1] != x.shape[:-1] or out.shape[-1] != w.shape[0]):
             self._validate(x, w, bias, out)
         try:
             kernel.fn(self._kctx if ctx is None else self._context(ctx), (x, w, bias), (out,))
