@@ -18,8 +18,8 @@ from tests.op_table import HALF_TOL, Row, rand
 LLM_ROWS: list = []
 
 # llm.* ops that do not fit a Row (several outputs, optional None inputs, in-place state, host-read offsets),
-# with where they are tested instead (tests/test_op_table.py reads this dict as LLM_NOT_IN_TABLE).
-NOT_IN_TABLE_LLM: dict[str, str] = {
+# with where they are tested instead.
+LLM_NOT_IN_TABLE: dict[str, str] = {
     "llm.gated_delta_net": "two outputs (o, final state), optional initial_state/cu_seqlens inputs, two providers; "
                            "tested in tests/test_gated_delta_net.py against a per-step recurrence and transformers",
     "llm.causal_conv1d": "optional bias/initial_states inputs and an optional second output (final states); "
@@ -171,8 +171,6 @@ LLM_ROWS += [
         cases=tuple(VARLEN_CASES), name="causal"),
 ]
 
-NOT_IN_TABLE_LLM["llm.add_rms_norm"] = ("two outputs (normed, updated residual); tested in tests/test_llm_ops.py "
+LLM_NOT_IN_TABLE["llm.add_rms_norm"] = ("two outputs (normed, updated residual); tested in tests/test_llm_ops.py "
                                         "against transformers' LlamaRMSNorm of residual + x")
 
-# tests/test_op_table.py reads this name
-LLM_NOT_IN_TABLE = NOT_IN_TABLE_LLM

@@ -4,8 +4,6 @@ reference provider allowed; plus completeness against the CPU registry and verif
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -13,13 +11,7 @@ import dtorch
 from dtorch.core.dtypes import dtype_name
 from dtorch.dispatch.key import KernelKey
 from tests.op_table import ROWS, Row
-
-if importlib.util.find_spec("tests.op_table_llm") is not None:
-    from tests import op_table_llm
-    LLM_ROWS: list[Row] = list(getattr(op_table_llm, "LLM_ROWS", []))
-    LLM_NOT_IN_TABLE: dict[str, str] = dict(getattr(op_table_llm, "LLM_NOT_IN_TABLE", {}))
-else:
-    LLM_ROWS, LLM_NOT_IN_TABLE = [], {}
+from tests.op_table_llm import LLM_NOT_IN_TABLE, LLM_ROWS
 
 ALL_ROWS = ROWS + LLM_ROWS
 
