@@ -22,7 +22,7 @@ from dtorch.core.memory import MemoryKind, allocate
 from dtorch.models.config import ModelConfig, rope_inv_freq
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.layers import DecoderLayer, LayerWeights, Projection, SharedOps, check_shape
-from dtorch.ops import Attention, AttentionVarlen, OperatorInitContext, copy_out
+from dtorch.ops import Attention, AttentionVarlen, OperatorInitContext
 
 
 @dataclass(slots=True)
@@ -77,9 +77,8 @@ class _Buffers:
         self.h = buf(rows, c.hidden_size)  # normed input of a block
         self.o = buf(rows, c.hidden_size)  # a block's output, added to x by the next norm
         self.qkv = buf(rows, qs + 2 * kvs)
-        self.q = buf(rows, c.num_heads, c.head_dim)
+        self.q = buf(rows, c.num_heads, c.head_dim)  # q and k after Qwen3's per-head norms
         self.k = buf(rows, c.num_kv_heads, c.head_dim)
-        self.v = buf(rows, c.num_kv_heads, c.head_dim)
         self.attn = buf(rows, c.num_heads, c.head_dim)
         self.gu = buf(rows, 2 * c.intermediate_size)
         self.act = buf(rows, c.intermediate_size)
@@ -180,26 +179,20 @@ class Transformer:
             else:  # x += previous MLP output; h = norm(x)
                 ops.add_norm.forward_out(b.o, b.x, layer.input_norm, out=b.h, residual_out=b.x)
             layer.qkv(b.h, out=b.qkv)
+            q, k = b.q_in, b.k_in  # views of the fused qkv output
             if qk_norm:
-                ops.norm.forward_out(b.q_in, layer.q_norm, out=b.q)
-                ops.norm.forward_out(b.k_in, layer.k_norm, out=b.k)
-                ops.rope.forward_out(b.q, step.positions, out=b.q)
-                ops.rope.forward_out(b.k, step.positions, out=b.k)
-            else:
-                ops.rope.forward_out(b.q_in, step.positions, out=b.q)
-                ops.rope.forward_out(b.k_in, step.positions, out=b.k)
-            if cache is None:
-                copy_out(b.v_in, out=b.v)
-                keys, values = b.k, b.v
-            else:  # a fresh batch of prompts attends to its own k/v; otherwise read back from the cache
-                keys, values = cache.write(i, step, b.k, b.v_in, read=not step.fresh or len(step.counts) == 1)
-                if keys is None:
-                    copy_out(b.v_in, out=b.v)
-                    keys, values = b.k, b.v
+                q = ops.norm.forward_out(q, layer.q_norm, out=b.q)
+                k = ops.norm.forward_out(k, layer.k_norm, out=b.k)
+            ops.rope.apply_(q, k, step.positions)  # in place, one table lookup for both
+            keys = values = None
+            if cache is not None:  # a fresh batch of prompts attends to its own k/v, others read the cache
+                keys, values = cache.write(i, step, k, b.v_in, read=single or not step.fresh)
+            if keys is None:
+                keys, values = k, b.v_in
             if single:  # one sequence: dense attention reads the cache in place (bottom-right causal)
-                dense.forward_out(b.q[None], keys[None], values[None], out=b.attn[None])
+                dense.forward_out(q[None], keys[None], values[None], out=b.attn[None])
             else:
-                attn.forward_out(b.q, keys, values, step.cu_q, step.cu_k, step.max_q, step.max_k, out=b.attn)
+                attn.forward_out(q, keys, values, step.cu_q, step.cu_k, step.max_q, step.max_k, out=b.attn)
             layer.o(b.attn_flat, out=b.o)
             ops.add_norm.forward_out(b.o, b.x, layer.post_norm, out=b.h, residual_out=b.x)
             layer.gate_up(b.h, out=b.gu)
