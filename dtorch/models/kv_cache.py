@@ -32,6 +32,8 @@ class KVCache:
         self.v = allocate(shape, dtype, self.device, MemoryKind.KV_CACHE)
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
+        # [layer][slot] -> ([max_len, Hkv, D] keys, values): views made once, sliced every step
+        self.views = [[(self.k[i, s], self.v[i, s]) for s in range(num_slots)] for i in range(num_layers)]
 
     def fits(self, num_seqs: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         """Whether this cache can hold ``num_seqs`` sequences of ``max_len`` tokens with this layout."""
@@ -79,13 +81,14 @@ class KVCache:
         Returns packed ``(keys, values)`` [sum(start + count), Hkv, D] in sequence order (a view of the
         cache for one sequence, a copy for several), or ``(None, None)`` without ``read``.
         """
-        kc, vc = self.k[layer], self.v[layer]  # [slots, max_len, Hkv, D]
         if len(step.slots) == 1:
-            slot, start = step.slots[0], step.starts[0]
+            ks, vs = self.views[layer][step.slots[0]]  # [max_len, Hkv, D]
+            start = step.starts[0]
             end = start + step.counts[0]
-            kc[slot, start:end].copy_(k)
-            vc[slot, start:end].copy_(v)
-            return (kc[slot, :end], vc[slot, :end]) if read else (None, None)
+            ks[start:end].copy_(k)
+            vs[start:end].copy_(v)
+            return (ks[:end], vs[:end]) if read else (None, None)
+        kc, vc = self.k[layer], self.v[layer]  # [slots, max_len, Hkv, D]
         index = (step.row_slots, step.positions)
         kc.index_put_(index, k)
         vc.index_put_(index, v)

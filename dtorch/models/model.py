@@ -150,10 +150,12 @@ class Transformer:
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_slots, max_len, self.dtype, self.device)
 
     def _buffers_for(self, rows: int) -> _Buffers:
+        """Buffers for a step of ``rows`` rows: decode sizes (up to 64 rows) are kept, a prefill size only until
+        the next prefill of another size."""
         b = self._buffers.get(rows)
         if b is None:
-            if len(self._buffers) >= 16:  # prefill sizes vary: keep the decode sizes, drop one old entry
-                self._buffers.pop(max(self._buffers))
+            if rows > 64:
+                self._buffers = {r: v for r, v in self._buffers.items() if r <= 64}
             b = self._buffers[rows] = _Buffers(self.config, rows, self.dtype, self.device)
         return b
 
