@@ -126,3 +126,14 @@ def test_bad_inputs(pair):
         llm.generate(["text needs a tokenizer"])
     with pytest.raises(dtorch.ArgumentError, match="SamplingParams"):
         llm.generate([[3, 4], [5]], [SamplingParams()])
+
+
+def test_kv_cache_and_weights_are_tagged_memory(pair):
+    from dtorch.core.memory import MemoryKind, memory
+
+    _, llm = pair
+    llm.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    cache = llm._cache
+    assert memory.kind_of(cache.k) is MemoryKind.KV_CACHE and memory.kind_of(cache.v) is MemoryKind.KV_CACHE
+    assert memory.live_bytes(MemoryKind.KV_CACHE) >= cache.nbytes
+    assert memory.kind_of(llm.model.layers[0].qkv.wt) is MemoryKind.PERSISTENT

@@ -133,13 +133,10 @@ class LLM:
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         params = list(params)
-        if len(params) != len(prompts):
-            raise ArgumentError(f"LLM.generate: got {len(prompts)} prompts but {len(params)} SamplingParams")
-        outs = [RequestOutput(p if isinstance(p, str) else None, self._encode(p, i)) for i, p in enumerate(prompts)]
-        for _o, p in zip(outs, params, strict=True):
-            if not isinstance(p, SamplingParams):
-                raise ArgumentError(f"LLM.generate: params must be SamplingParams, got {type(p).__name__}")
-        self._run(outs, params, on_text)
+        outs = self._requests(prompts, params)
+        for pieces in self._steps(outs, params, on_text is not None):
+            for index, piece in pieces:
+                on_text(index, piece)
         return outs
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
@@ -155,10 +152,12 @@ class LLM:
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """The text of one prompt's completion, piece by piece as it is made (runs to the end when iterated)."""
-        pieces: list[str] = []
-        self.generate([prompt], params, on_text=lambda i, s: pieces.append(s))
-        yield from pieces
+        """The text of one prompt's completion, piece by piece as each step makes it."""
+        params = [params or SamplingParams()]
+        outs = self._requests([prompt], params)
+        for pieces in self._steps(outs, params, True):
+            for _, piece in pieces:
+                yield piece
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -169,13 +168,23 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------------
 
+    def _requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
+        if len(params) != len(prompts):
+            raise ArgumentError(f"LLM.generate: got {len(prompts)} prompts but {len(params)} SamplingParams")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ArgumentError(f"LLM.generate: params must be SamplingParams, got {type(p).__name__}")
+        return [RequestOutput(p if isinstance(p, str) else None, self._encode(p, i)) for i, p in enumerate(prompts)]
+
     @torch.inference_mode()
-    def _run(self, outs: list[RequestOutput], params: list[SamplingParams], on_text: OnText | None) -> None:
+    def _steps(self, outs: list[RequestOutput], params: list[SamplingParams],
+               streaming: bool) -> Iterator[list[tuple[int, str]]]:
+        """Run generation; after each step yield the new text of each sequence (when ``streaming``)."""
         seqs = []
         for _i, (o, p) in enumerate(zip(outs, params, strict=True)):
             room = self.max_len - len(o.prompt_token_ids)
             limit = room if p.max_tokens is None else min(p.max_tokens, room)
-            text = on_text is not None or bool(p.stop)
+            text = streaming or bool(p.stop)
             decoder = self._need_tokenizer("stop strings or streaming").stream_decoder() if text else None
             stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
             seqs.append(_Sequence(o, p, limit, decoder, stop_ids))
@@ -188,16 +197,18 @@ class LLM:
             group = self._admit(waiting, running, cache)
             if group:
                 t0 = time.perf_counter()
-                self._prefill(group, cache, on_text)
+                pieces = self._prefill(group, cache, streaming)
                 stats.prefill_seconds += time.perf_counter() - t0
                 stats.prefill_tokens += sum(len(s.out.prompt_token_ids) for _, s in group)
                 running += [(i, s) for i, s in group if not s.out.finished]
+                yield pieces
                 continue
             t0 = time.perf_counter()
-            self._decode(running, cache, on_text)
+            pieces = self._decode(running, cache, streaming)
             stats.decode_seconds += time.perf_counter() - t0
             stats.decode_tokens += len(running)
             running = [(i, s) for i, s in running if not s.out.finished]
+            yield pieces
         for s in seqs:
             if s.decoder is None and self.tokenizer is not None:
                 s.out.text = self._text(s)
@@ -215,7 +226,7 @@ class LLM:
             tokens += n
         return group
 
-    def _prefill(self, group: list[tuple[int, _Sequence]], cache: KVCache, on_text: OnText | None) -> None:
+    def _prefill(self, group: list[tuple[int, _Sequence]], cache: KVCache, streaming: bool) -> list:
         counts = [len(s.out.prompt_token_ids) for _, s in group]
         slots = [s.slot for _, s in group]
         for s, n in zip(slots, counts, strict=True):
@@ -223,19 +234,20 @@ class LLM:
         step = Step.build(counts, [0] * len(group), slots, self.device.torch)
         ids = self._ids_tensor([t for _, s in group for t in s.out.prompt_token_ids])
         logits = self.model.forward(ids, step, cache)
-        self._accept(group, logits, cache, on_text)
+        return self._accept(group, logits, cache, streaming)
 
-    def _decode(self, running: list[tuple[int, _Sequence]], cache: KVCache, on_text: OnText | None) -> None:
+    def _decode(self, running: list[tuple[int, _Sequence]], cache: KVCache, streaming: bool) -> list:
         seqs = [s for _, s in running]
         starts = [cache.reserve(s.slot, 1) for s in seqs]
         step = Step.build([1] * len(seqs), starts, [s.slot for s in seqs], self.device.torch)
         ids = self._ids_tensor([s.out.token_ids[-1] for s in seqs])
         logits = self.model.forward(ids, step, cache)
-        self._accept(running, logits, cache, on_text)
+        return self._accept(running, logits, cache, streaming)
 
     def _accept(self, group: list[tuple[int, _Sequence]], logits: torch.Tensor, cache: KVCache,
-                on_text: OnText | None) -> None:
-        """Sample one token per sequence; stream its text; finish sequences that stop."""
+                streaming: bool) -> list[tuple[int, str]]:
+        """Sample one token per sequence; finish sequences that stop; returns the new text of each (streaming)."""
+        pieces = []
         seqs = [s for _, s in group]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for (index, s), tok in zip(group, tokens, strict=True):
@@ -249,15 +261,16 @@ class LLM:
                 reason = self._check_stop(s)
             if reason is None and len(out.token_ids) >= s.limit:
                 reason = "length"
-            if on_text is not None and s.decoder is not None:
+            if streaming:
                 hold = 0 if reason else max((len(x) - 1 for x in s.params.stop), default=0)
                 end = max(s.emitted, len(out.text) - hold)
                 if end > s.emitted:
-                    on_text(index, out.text[s.emitted:end])
+                    pieces.append((index, out.text[s.emitted:end]))
                     s.emitted = end
             if reason is not None:
                 out.finish_reason = reason
                 cache.release(s.slot)
+        return pieces
 
     @staticmethod
     def _check_stop(s: _Sequence) -> str | None:
