@@ -94,7 +94,6 @@ class SharedOps:
         self.add_norm = AddRMSNorm(eps).prepare(init)
         self.rope = RoPE(head_dim, max_positions=max_positions, inv_freq=inv_freq).prepare(init)
         self.silu_mul = SiluAndMul().prepare(init)
-        self.final_mm = MatMul().prepare(init)
 
 
 def check_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...], source: str) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 A step runs T rows (tokens) of N sequences packed together: a prefill step holds whole prompts, a
 decode step one token per sequence. ``Step`` describes the packing once; every layer then runs the
-same prepared ops on preallocated buffers (``_Buffers``), with no kernel lookup and no allocation
-on the decode path beyond the attention's own output.
+same prepared ops on preallocated buffers (``_Buffers``): no kernel lookup, and per step only small
+allocations (the step's position and offset tensors, the logits, what the kernels make inside).
 
 Family differences are configuration: ``attention_bias`` (Qwen2's q/k/v biases), ``qk_norm``
 (Qwen3's per-head RMS norms on q and k), ``tie_word_embeddings``, ``rope_scaling``.
