@@ -60,3 +60,42 @@ def test_bad_allocations():
         allocate((1,), torch.float32, "tpu:0")
     with pytest.raises(dtorch.ArgumentError):
         dtorch.WorkspaceArena().get(-5)
+
+
+def test_a_kernel_declaring_workspace_gets_a_reused_arena():
+    """A kernel declares its scratch bytes in KernelMeta and finds an arena in ctx.workspace."""
+    from dtorch.dispatch import KernelKey, KernelMeta
+    from dtorch.ops import OperatorInitContext, PreparedOperator
+
+    key = KernelKey("test.scratch_square", "cpu", torch.float32)
+    seen = []
+
+    def square_via_scratch(ctx, inputs, outputs):
+        x = inputs[0]
+        scratch = ctx.workspace.view(x.shape, x.dtype)  # [*x.shape] from the arena, no allocation
+        torch.mul(x, x, out=scratch)
+        outputs[0].copy_(scratch)
+        seen.append(scratch.data_ptr())
+
+    meta = KernelMeta(workspace=lambda inputs, params: inputs[0].numel() * inputs[0].element_size())
+    dtorch.dispatcher.register(key, square_via_scratch, meta=meta)
+
+    class Square(PreparedOperator):
+        op = "test.scratch_square"
+
+        def forward_out(self, x, *, out, ctx=None):
+            self._run((x,), (out,), ctx)
+            return out
+
+    x = torch.randn(4, 8)
+    assert dtorch.dispatcher.lookup_meta(key).workspace_bytes([x]) == 4 * 8 * 4
+    op = Square().prepare(OperatorInitContext("cpu", torch.float32))
+    for _ in range(3):
+        torch.testing.assert_close(op.forward_out(x, out=torch.empty(4, 8)), x * x)
+        out = torch.empty(4, 8)
+        dtorch.ops.invoke("test.scratch_square", [x], [out])
+        torch.testing.assert_close(out, x * x)
+    assert len(set(seen)) == 1  # one arena buffer, reused across steps and across both paths
+    arena = dtorch.WorkspaceArena("cpu")
+    op.forward_out(x, out=torch.empty(4, 8), ctx=dtorch.RuntimeContext("cpu", workspace=arena))
+    assert seen[-1] == arena.get(1).data_ptr()  # a caller's own arena is used when given

@@ -148,3 +148,41 @@ class WorkspaceArena:
             numel *= s
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return self.get(nbytes).view(dtype).view(tuple(shape))
+
+
+class ThreadWorkspace:
+    """The workspace a kernel gets when its caller passes none: one ``WorkspaceArena`` per thread.
+
+    Kernels on different threads (streams, user threads) never share scratch; kernels on one thread
+    run one at a time, so they can share that thread's arena across steps.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._local = threading.local()
+
+    def arena(self) -> WorkspaceArena:
+        arena = getattr(self._local, "arena", None)
+        if arena is None:
+            arena = self._local.arena = WorkspaceArena(self.device)
+        return arena
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        return self.arena().get(nbytes)
+
+    def view(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return self.arena().view(shape, dtype)
+
+
+_default_workspaces: dict[Device, ThreadWorkspace] = {}
+_default_lock = threading.Lock()
+
+
+def default_workspace(device: Device | str) -> ThreadWorkspace:
+    """The per-thread default workspace of ``device``."""
+    dev = as_device(device)
+    ws = _default_workspaces.get(dev)
+    if ws is None:
+        with _default_lock:
+            ws = _default_workspaces.setdefault(dev, ThreadWorkspace(dev))
+    return ws

@@ -13,6 +13,7 @@ import torch
 
 from dtorch.core.device import Device, device_of
 from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure
+from dtorch.core.memory import default_workspace
 from dtorch.dispatch import dispatcher as _dispatcher, verification as _verify
 from dtorch.dispatch.context import NO_PARAMS, KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
@@ -36,12 +37,13 @@ def select(op: str, device: Device, dtype: torch.dtype, inputs: Sequence, params
 
 
 def _context(device: Device, params: KernelParams, stream, workspace) -> KernelContext:
+    """A kernel context; without a caller's workspace, kernels get the thread's default arena."""
     if params is NO_PARAMS and stream is None and workspace is None:
         kctx = _plain_ctx.get(device)
         if kctx is None:
-            kctx = _plain_ctx[device] = KernelContext(device)
+            kctx = _plain_ctx[device] = KernelContext(device, None, default_workspace(device))
         return kctx
-    return KernelContext(device, stream, workspace, params)
+    return KernelContext(device, stream, workspace if workspace is not None else default_workspace(device), params)
 
 
 def _fail(op: str, cand: Candidate, device: Device, exc: Exception) -> KernelFailure:

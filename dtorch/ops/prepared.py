@@ -9,6 +9,7 @@ import torch
 
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, DTypeError, KernelFailure
+from dtorch.core.memory import default_workspace
 from dtorch.dispatch import dispatcher as _global_dispatcher
 from dtorch.dispatch.context import NO_PARAMS, KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
@@ -49,7 +50,7 @@ class PreparedOperator:
         key = KernelKey(self.op, init.device.type, init.dtype, init.layout)
         self.kernel = PreparedKernel(dispatcher or _global_dispatcher, key, self.call_facts(init))
         self.init = init
-        self._kctx = KernelContext(init.device, None, None, self.params)
+        self._kctx = KernelContext(init.device, None, default_workspace(init.device), self.params)
         self._last_rt = (None, None)
         return self
 
@@ -91,9 +92,11 @@ class PreparedOperator:
         if ctx is None:
             return self._kctx
         last_rt, last_k = self._last_rt
-        if ctx is last_rt and last_k is not None and last_k.stream is ctx.stream and last_k.workspace is ctx.workspace:
+        if ctx is last_rt and last_k is not None and last_k.stream is ctx.stream and (
+                ctx.workspace is None or last_k.workspace is ctx.workspace) and last_k.device == ctx.device:
             return last_k
-        kctx = KernelContext(ctx.device, ctx.stream, ctx.workspace, self.params)
+        workspace = ctx.workspace if ctx.workspace is not None else default_workspace(ctx.device)
+        kctx = KernelContext(ctx.device, ctx.stream, workspace, self.params)
         self._last_rt = (ctx, kctx)
         return kctx
 
