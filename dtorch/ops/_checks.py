@@ -76,16 +76,17 @@ def broadcast(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Size:
         raise ShapeError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast") from None
 
 
-def out(op: str, out: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``out`` must be a tensor of exactly ``shape``, ``dtype`` and ``device``."""
+def out(op: str, out: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+        name: str = "out") -> torch.Tensor:
+    """A caller-allocated output (``name``) must be a tensor of exactly ``shape``, ``dtype`` and ``device``."""
     if not isinstance(out, torch.Tensor):
-        raise DTypeError(f"{op}: 'out' must be a torch.Tensor, got {type(out).__name__}")
-    if out.shape != shape:
-        raise ShapeError(f"{op}: 'out' must have shape {tuple(shape)}, got {tuple(out.shape)}")
+        raise DTypeError(f"{op}: {name!r} must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != shape and tuple(out.shape) != tuple(shape):
+        raise ShapeError(f"{op}: {name!r} must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.dtype != dtype:
-        raise DTypeError(f"{op}: 'out' must have dtype {dtype_name(dtype)}, got {dtype_name(out.dtype)}")
+        raise DTypeError(f"{op}: {name!r} must have dtype {dtype_name(dtype)}, got {dtype_name(out.dtype)}")
     if out.device != device:
-        raise DeviceError(f"{op}: 'out' must be on {device}, got {out.device}")
+        raise DeviceError(f"{op}: {name!r} must be on {device}, got {out.device}")
     return out
 
 

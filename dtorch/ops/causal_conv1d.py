@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from dtorch.core.device import Device
-from dtorch.core.dtypes import dtype_name
-from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, DTypeError, KernelFailure, ShapeError
+from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
@@ -115,23 +114,11 @@ def causal_conv1d_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out, final_states_out
 
 
-def _named_out(op: str, name: str, t: object, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A caller-allocated output other than ``out``: exactly ``shape``, ``dtype`` and ``device``."""
-    _checks.tensor(op, name, t)
-    if tuple(t.shape) != tuple(shape):
-        raise ShapeError(f"{op}: {name!r} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.dtype != dtype:
-        raise DTypeError(f"{op}: {name!r} must have dtype {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
-    if t.device != device:
-        raise DeviceError(f"{op}: {name!r} must be on {device}, got {t.device}")
-    return t
-
-
 def _outs(op: str, x: torch.Tensor, width: int, out: torch.Tensor, final: torch.Tensor | None) -> tuple:
     _checks.out(op, out, x.shape, x.dtype, x.device)
     if final is None:
         return (out,)
-    _named_out(op, "final_states_out", final, (x.shape[0], x.shape[1], width - 1), x.dtype, x.device)
+    _checks.out(op, final, (x.shape[0], x.shape[1], width - 1), x.dtype, x.device, "final_states_out")
     return (out, final)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from dtorch.core.device import Device
 from dtorch.core.dtypes import dtype_name
-from dtorch.core.errors import ArgumentError, DeviceError, DTypeError, ShapeError
+from dtorch.core.errors import ArgumentError, DTypeError, ShapeError
 from dtorch.dispatch.context import KernelParams
 from dtorch.kernels.registry import FLOATS
 from dtorch.ops import _checks
@@ -99,23 +99,11 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, device: Device | None
     return _checks.same_device(OP, named, device), (n, h, kd, vd)
 
 
-def _named_out(op: str, name: str, t: object, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A caller-allocated output other than ``out``: exactly ``shape``, ``dtype`` and ``device``."""
-    _checks.tensor(op, name, t)
-    if tuple(t.shape) != tuple(shape):
-        raise ShapeError(f"{op}: {name!r} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.dtype != dtype:
-        raise DTypeError(f"{op}: {name!r} must have dtype {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
-    if t.device != device:
-        raise DeviceError(f"{op}: {name!r} must be on {device}, got {t.device}")
-    return t
-
-
 def _state_out(final: object, shape: tuple, q: torch.Tensor) -> torch.Tensor | None:
     """``final_state_out`` must be None or a [N, H, K, V] tensor of the state dtype on q's device."""
     if final is None:
         return None
-    return _named_out(OP, "final_state_out", final, shape, state_dtype(q.dtype), q.device)
+    return _checks.out(OP, final, shape, state_dtype(q.dtype), q.device, "final_state_out")
 
 
 def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
