@@ -305,3 +305,33 @@ def test_verify_mode_and_runtime_context():
         vq, vk, vv, cu_q, cu_k, mq, mk = varlen_case([1, 2], [3, 4])
         ops.flash_attention_varlen_out(vq, vk, vv, cu_q, cu_k, mq, mk, True, out=torch.empty_like(vq), ctx=rt)
     close(dense, torch_attention(q, k, v, True), torch.float32)
+
+
+def test_decode_on_strided_views_of_a_cache():
+    """One query read from a fused qkv row against keys/values sliced from a [max_len, Hkv, D] cache (the model's
+    single-sequence decode), with GQA heads folded."""
+    qkv = torch.randn(1, 1, 6 + 2 * 2, 16)  # [B, T, H + 2 Hkv, D]
+    q = qkv[:, :, :6]
+    cache_k, cache_v = torch.randn(32, 2, 16), torch.randn(32, 2, 16)
+    k, v = cache_k[:11][None], cache_v[:11][None]
+    op = ops.Attention(True, 0.3, 6, 2, 16).prepare(dtorch.OperatorInitContext("cpu", torch.float32))
+    out = torch.empty(1, 1, 6, 16)
+    op.forward_out(q, k, v, out=out)
+    close(out, torch_attention(q, k, v, True, scale=0.3), torch.float32)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(out=torch.empty(1, 2, 4, 8)), dtorch.ShapeError, "'out'"),  # out.copy_ would broadcast
+    (dict(k=torch.randn(2, 5, 2, 8), v=torch.randn(2, 5, 2, 8)), dtorch.ShapeError, "batch sizes"),  # sdpa broadcasts
+    (dict(v=torch.randn(1, 4, 2, 8)), dtorch.ShapeError, "same shape"),
+    (dict(k=torch.randn(1, 5, 2, 8).double()), dtorch.DTypeError, "dtypes disagree"),
+    (dict(q=torch.randn(1, 1, 2, 8)), dtorch.ShapeError, "prepared for"),
+    (dict(out=torch.empty(1, 1, 4, 8, dtype=torch.float64)), dtorch.DTypeError, "'out'"),
+    (dict(q=torch.randn(1, 4, 8)), dtorch.ShapeError, "rank 4"),
+])
+def test_prepared_attention_hot_path_rejects_bad_calls(bad, error, match):
+    op = ops.Attention(True, None, 4, 2, 8).prepare(dtorch.OperatorInitContext("cpu", torch.float32))
+    args = dict(q=torch.randn(1, 1, 4, 8), k=torch.randn(1, 5, 2, 8), v=torch.randn(1, 5, 2, 8),
+                out=torch.empty(1, 1, 4, 8)) | bad
+    with pytest.raises(error, match=match):
+        op.forward_out(args["q"], args["k"], args["v"], out=args["out"])

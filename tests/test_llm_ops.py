@@ -309,3 +309,67 @@ def test_verify_mode_covers_in_place_kernels():
         ops.softmax_last_dim(x)
         ops.silu_and_mul(x)
     close(inplace, ops.rope(x, torch.arange(3)), torch.float32)
+
+
+def test_rope_tables_gathered_once_serve_every_call():
+    rope = ops.RoPE(16, max_positions=32).prepare(init())
+    qk = torch.randn(3, 4 + 2, 16)  # [T, H + Hkv, D]: q and k heads side by side, rotated by one call
+    positions = torch.tensor([7, 8, 9])
+    want = ops.rope(qk, positions)
+    tables = rope.tables(positions)
+    assert rope.forward_(qk, tables) is qk
+    close(qk, want, torch.float32)
+    q, k = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16)  # [B, T, H, D] with positions [T]: a valid broadcast
+    want_q, want_k = ops.rope(q, positions), ops.rope(k, positions)
+    rope.apply_(q, k, tables)
+    close(q, want_q, torch.float32)
+    close(k, want_k, torch.float32)
+    with pytest.raises(dtorch.ShapeError, match=r"must have T = 1 .*got \(3,\)"):
+        rope.forward_(torch.randn(1, 4, 16), tables)  # one row would broadcast silently over three positions
+    with pytest.raises(dtorch.ShapeError, match="head dim"):
+        rope.forward_(torch.randn(3, 4, 8), tables)
+    with pytest.raises(dtorch.DTypeError, match="prepared for float32"):
+        rope.forward_(torch.randn(3, 4, 16).double(), tables)
+    with pytest.raises(dtorch.ArgumentError, match="another RoPE"):
+        ops.RoPE(16, max_positions=32).prepare(init()).forward_(qk, tables)
+    with pytest.raises(dtorch.ArgumentError, match="position 40"):
+        rope.tables(torch.tensor([40]))
+    with pytest.raises(dtorch.DTypeError, match="'positions'"):
+        rope.tables(positions.float())
+
+
+@pytest.mark.parametrize("call, error, match", [
+    # what the prepared hot paths must still catch: torch would broadcast, resize out or promote silently
+    (lambda x, w: ops.RMSNorm().prepare(init()).forward_out(x, w, out=torch.empty(1, 8)), dtorch.ShapeError, "'out'"),
+    (lambda x, w: ops.RMSNorm().prepare(init()).forward_out(x, w[:1], out=x), dtorch.ShapeError, "'weight'"),
+    (lambda x, w: ops.RMSNorm().prepare(init()).forward_out(x, w.double(), out=x), dtorch.DTypeError, "disagree"),
+    (lambda x, w: ops.RMSNorm().prepare(init()).forward_out(x.double(), w, out=x), dtorch.DTypeError, "prepared"),
+    (lambda x, w: ops.AddRMSNorm().prepare(init()).forward_out(x[:1], x, w, out=x), dtorch.ShapeError, "'residual'"),
+    (lambda x, w: ops.AddRMSNorm().prepare(init()).forward_out(x, x.double(), w, out=x), dtorch.DTypeError,
+     "disagree"),
+    (lambda x, w: ops.AddRMSNorm().prepare(init()).forward_out(x, x.clone(), w, out=x, residual_out=x[:, :4]),
+     dtorch.ShapeError, "'out'"),
+    (lambda x, w: ops.AddRMSNorm().prepare(init()).forward_out(x, [1.0], w, out=x), dtorch.DTypeError,
+     "torch.Tensor"),
+    (lambda x, w: ops.SiluAndMul().prepare(init()).forward_out(x, out=torch.empty(3, 8)), dtorch.ShapeError, "'out'"),
+    (lambda x, w: ops.SiluAndMul().prepare(init()).forward_out(x, out=torch.empty(3, 4).double()), dtorch.DTypeError,
+     "'out'"),
+    (lambda x, w: ops.SiluAndMul().prepare(init()).forward_out(x[:, :7], out=torch.empty(3, 3)), dtorch.ShapeError,
+     "even"),
+    (lambda x, w: ops.RMSNorm().forward_out(x, w, out=x), dtorch.ArgumentError, "not prepared"),
+])
+def test_prepared_hot_paths_reject_bad_calls(call, error, match):
+    with pytest.raises(error, match=match):
+        call(torch.randn(3, 8), torch.randn(8))
+
+
+def test_prepared_norms_match_functional():
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    norm, add_norm = ops.RMSNorm(1e-5).prepare(init()), ops.AddRMSNorm(1e-5).prepare(init())
+    assert torch.equal(norm.forward(x, w), ops.rms_norm(x, w, 1e-5))
+    want_out, want_res = ops.add_rms_norm(x, r, w, 1e-5)
+    out, res = add_norm.forward(x, r, w)
+    assert torch.equal(out, want_out) and torch.equal(res, want_res)
+    res = r.clone()
+    add_norm.forward_out(x, res, w, out=torch.empty_like(x))  # residual updated in place
+    assert torch.equal(res, want_res)

@@ -77,8 +77,8 @@ class _Buffers:
         self.h = buf(rows, c.hidden_size)  # normed input of a block
         self.o = buf(rows, c.hidden_size)  # a block's output, added to x by the next norm
         self.qkv = buf(rows, qs + 2 * kvs)
-        self.q = buf(rows, c.num_heads, c.head_dim)  # q and k after Qwen3's per-head norms
-        self.k = buf(rows, c.num_kv_heads, c.head_dim)
+        self.qk = buf(rows, c.num_heads + c.num_kv_heads, c.head_dim)  # q and k after Qwen3's per-head norms
+        self.q, self.k = self.qk[:, :c.num_heads], self.qk[:, c.num_heads:]
         self.attn = buf(rows, c.num_heads, c.head_dim)
         self.gu = buf(rows, 2 * c.intermediate_size)
         self.act = buf(rows, c.intermediate_size)
@@ -86,6 +86,8 @@ class _Buffers:
         self.q_in = self.qkv[:, :qs].view(rows, c.num_heads, c.head_dim)
         self.k_in = self.qkv[:, qs:qs + kvs].view(rows, c.num_kv_heads, c.head_dim)
         self.v_in = self.qkv[:, qs + kvs:].view(rows, c.num_kv_heads, c.head_dim)
+        # q and k heads side by side, rotated by one rope call: [T, H + Hkv, D]
+        self.qk_in = self.qkv[:, :qs + kvs].view(rows, c.num_heads + c.num_kv_heads, c.head_dim)
         self.attn_flat = self.attn.view(rows, qs)
 
 
@@ -175,6 +177,8 @@ class Transformer:
         qk_norm = self.config.qk_norm
         dense, single = self.dense_attention, len(step.counts) == 1
         ops.embed.forward_out(ids, self.embed, out=b.x)
+        rot = ops.rope.tables(step.positions)  # cos/sin of the step's positions, shared by every layer
+        qk = b.qk if qk_norm else b.qk_in
         for i, layer in enumerate(self.layers):
             if i == 0:
                 ops.norm.forward_out(b.x, layer.input_norm, out=b.h)
@@ -185,7 +189,7 @@ class Transformer:
             if qk_norm:
                 q = ops.norm.forward_out(q, layer.q_norm, out=b.q)
                 k = ops.norm.forward_out(k, layer.k_norm, out=b.k)
-            ops.rope.apply_(q, k, step.positions)  # in place, one table lookup for both
+            ops.rope.forward_(qk, rot)  # q and k in place, one call
             keys = values = None
             if cache is not None:  # a fresh batch of prompts attends to its own k/v, others read the cache
                 keys, values = cache.write(i, step, k, b.v_in, read=single or not step.fresh)

@@ -188,6 +188,7 @@ class _AttentionBase(PreparedOperator):
         self.causal = _flag(op, "causal", causal)
         self.scale = _scale(op, scale, head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self._q_heads, self._kv_heads = (num_heads, head_dim), (num_kv_heads, head_dim)
         super().__init__(_params(self.causal, self.scale))
 
     def call_facts(self, init: OperatorInitContext) -> Call:
@@ -207,16 +208,41 @@ class Attention(_AttentionBase):
 
     op = DENSE
 
-    def forward_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor,
-                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+    def _validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  ctx: RuntimeContext | None) -> None:
         self._check_like("q", q)
         _check_dense(q, k, v, ctx)
         self._check_heads(q, k)
         _checks.out(self.op, out, q.shape, q.dtype, q.device)
-        self._run((q, k, v), (out,), ctx)
+
+    def forward_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor,
+                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """q [B, T, H, D], k/v [B, S, Hkv, D] -> out [B, T, H, D].
+
+        The hot path compares dtypes, ranks, head layouts, batch sizes and out's shape (what sdpa would
+        broadcast or out's copy would take silently); anything else, or a kernel failure, is fully validated.
+        """
+        init = self.init
+        try:
+            dt = init.dtype
+            ks = k.shape
+            fast = (q.dtype is dt and k.dtype is dt and v.dtype is dt and out.dtype is dt and q.dim() == 4
+                    and len(ks) == 4 and q.shape[2:] == self._q_heads and ks[2:] == self._kv_heads
+                    and v.shape == ks and ks[0] == q.shape[0] and out.shape == q.shape)
+        except AttributeError:  # not prepared, or not tensors
+            fast = False
+        if not fast:
+            self._validate(q, k, v, out, ctx)
+        try:
+            self.kernel.fn(self._kctx if ctx is None else self._context(ctx), (q, k, v), (out,))
+        except Exception as exc:
+            if not isinstance(exc, DtorchError):
+                self._validate(q, k, v, out, ctx)
+            self._failed(exc)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._check_like("q", q)
         return self.forward_out(q, k, v, out=torch.empty_like(q, memory_format=torch.contiguous_format))
 
 

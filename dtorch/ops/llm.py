@@ -16,13 +16,13 @@ import torch
 
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
-from dtorch.core.errors import ArgumentError, ShapeError
+from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
 from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
 from dtorch.ops.prepared import PreparedOperator
-from dtorch.ops.rope import RoPE, rope, rope_inv_freq, rope_out
+from dtorch.ops.rope import RoPE, RoPETables, rope, rope_inv_freq, rope_out
 
 
 def _device(op: str, named: dict[str, torch.Tensor], ctx: RuntimeContext | None) -> Device:
@@ -150,7 +150,29 @@ def add_rms_norm_out(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return out, residual_out
 
 
-class RMSNorm(PreparedOperator):
+def _alike(dtype: torch.dtype, shape: torch.Size, tensors: tuple) -> bool:
+    """Every one of ``tensors`` is a plain tensor of ``dtype`` and ``shape``: the prepared hot paths' whole check."""
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.dtype is not dtype or t.shape != shape:
+            return False
+    return True
+
+
+class _PreparedLLM(PreparedOperator):
+    """Hot path of the prepared LLM ops: ``_fast(...)`` is a few identity and shape comparisons (the ones whose
+    failure torch would not report: broadcasting, out= resizing, dtype promotion into out); anything else, and
+    any kernel failure, goes through ``_validate``, which raises the precise error."""
+
+    def _kernel(self, inputs: tuple, outputs: tuple, ctx: RuntimeContext | None, validate) -> None:
+        try:
+            self.kernel.fn(self._kctx if ctx is None else self._context(ctx), inputs, outputs)
+        except Exception as exc:
+            if not isinstance(exc, DtorchError):
+                validate()
+            self._failed(exc)
+
+
+class RMSNorm(_PreparedLLM):
     """Prepared ``llm.rms_norm``: ``RMSNorm(eps).prepare(init)``, then ``forward(x, weight)`` every step."""
 
     op = "llm.rms_norm"
@@ -158,19 +180,27 @@ class RMSNorm(PreparedOperator):
     def __init__(self, eps: float = 1e-6) -> None:
         super().__init__(_norm_params(self.op, eps))
 
-    def forward_out(self, x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor,
-                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+    def _validate(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, ctx: RuntimeContext | None) -> None:
         self._check_like("x", x)
         _check_norm(self.op, {"x": x}, weight, ctx)
         _checks.out(self.op, out, x.shape, x.dtype, x.device)
-        self._run((x, weight), (out,), ctx)
+
+    def forward_out(self, x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor,
+                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """x [..., D], weight [D] -> out [..., D] (may be x)."""
+        init = self.init
+        if init is None or not (_alike(init.dtype, x.shape, (x, out)) and _alike(init.dtype, x.shape[-1:], (weight,))
+                                and x.dim()):
+            self._validate(x, weight, out, ctx)
+        self._kernel((x, weight), (out,), ctx, lambda: self._validate(x, weight, out, ctx))
         return out
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self._check_like("x", x)
         return self.forward_out(x, weight, out=torch.empty_like(x))
 
 
-class AddRMSNorm(PreparedOperator):
+class AddRMSNorm(_PreparedLLM):
     """Prepared ``llm.add_rms_norm``: ``forward_(x, residual, weight, out=)`` adds x into residual in place."""
 
     op = "llm.add_rms_norm"
@@ -178,21 +208,31 @@ class AddRMSNorm(PreparedOperator):
     def __init__(self, eps: float = 1e-6) -> None:
         super().__init__(_norm_params(self.op, eps))
 
-    def forward_out(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor,
-                    residual_out: torch.Tensor | None = None,
-                    ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _validate(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                  residual_out: torch.Tensor, ctx: RuntimeContext | None) -> None:
         self._check_like("x", x)
         _check_norm(self.op, {"x": x, "residual": residual}, weight, ctx)
         _checks.out(self.op, out, x.shape, x.dtype, x.device)
+        if residual_out is not residual:
+            _checks.out(self.op, residual_out, x.shape, x.dtype, x.device)
+
+    def forward_out(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor,
+                    residual_out: torch.Tensor | None = None,
+                    ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [..., D], weight [D] -> (out, residual_out) [..., D]; residual_out defaults to residual."""
         if residual_out is None:
             residual_out = residual
-        else:
-            _checks.out(self.op, residual_out, x.shape, x.dtype, x.device)
-        self._run((x, residual, weight), (out, residual_out), ctx)
+        init = self.init
+        if init is None or not (_alike(init.dtype, x.shape, (x, residual, out, residual_out))
+                                and _alike(init.dtype, x.shape[-1:], (weight,)) and x.dim()):
+            self._validate(x, residual, weight, out, residual_out, ctx)
+        self._kernel((x, residual, weight), (out, residual_out), ctx,
+                     lambda: self._validate(x, residual, weight, out, residual_out, ctx))
         return out, residual_out
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_like("x", x)
         return self.forward_out(x, residual, weight, out=torch.empty_like(x), residual_out=torch.empty_like(x))
 
 
@@ -258,22 +298,36 @@ def silu_and_mul_out(x: torch.Tensor, up: torch.Tensor | None = None, *, out: to
     return out
 
 
-class SiluAndMul(PreparedOperator):
+class SiluAndMul(_PreparedLLM):
     """Prepared ``llm.silu_and_mul``: ``forward(x)`` with x [..., 2I], or ``forward(gate, up)``."""
 
     op = "llm.silu_and_mul"
 
-    def forward_out(self, x: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor,
-                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+    def _validate(self, x: torch.Tensor, up: torch.Tensor | None, out: torch.Tensor,
+                  ctx: RuntimeContext | None) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_like("x", x)
         _, gate, up = _split_gate_up(x, up, ctx)
         _checks.out(self.op, out, gate.shape, x.dtype, x.device)
-        self._run((gate, up), (out,), ctx)
+        return gate, up
+
+    def forward_out(self, x: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor,
+                    ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """x [..., 2I] (or gate and up [..., I]) -> out [..., I]."""
+        init = self.init
+        if (up is None and init is not None and type(x) is torch.Tensor and x.dim()
+                and _alike(init.dtype, (*x.shape[:-1], x.shape[-1] // 2), (out,)) and x.dtype is init.dtype
+                and not x.shape[-1] % 2):
+            half = out.shape[-1]
+            pair = x[..., :half], x[..., half:]
+        else:
+            pair = self._validate(x, up, out, ctx)
+        self._kernel(pair, (out,), ctx, lambda: self._validate(x, up, out, ctx))
         return out
 
     def forward(self, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-        shape = (*x.shape[:-1], x.shape[-1] // 2) if up is None else x.shape
-        return self.forward_out(x, up, out=torch.empty(shape, dtype=x.dtype, device=x.device))
+        self._check_like("x", x)
+        _, gate, _ = _split_gate_up(x, up, None)
+        return self.forward_out(x, up, out=torch.empty(gate.shape, dtype=x.dtype, device=x.device))
 
 
 class Embedding(PreparedOperator):
@@ -298,7 +352,7 @@ class Embedding(PreparedOperator):
 
 
 __all__ = [
-    "AddRMSNorm", "Embedding", "RMSNorm", "RoPE", "SiluAndMul", "add_rms_norm", "add_rms_norm_out", "embedding",
-    "embedding_out", "rms_norm", "rms_norm_out", "rope", "rope_inv_freq", "rope_out", "silu_and_mul",
+    "AddRMSNorm", "Embedding", "RMSNorm", "RoPE", "RoPETables", "SiluAndMul", "add_rms_norm", "add_rms_norm_out",
+    "embedding", "embedding_out", "rms_norm", "rms_norm_out", "rope", "rope_inv_freq", "rope_out", "silu_and_mul",
     "silu_and_mul_out", "softmax_last_dim", "softmax_last_dim_out",
 ]

@@ -8,13 +8,14 @@ Re-exported by ``dtorch.ops.llm``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
-from dtorch.core.errors import ArgumentError, ShapeError
+from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.meta import Call
 from dtorch.ops import _checks
@@ -124,11 +125,23 @@ def rope_out(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, r
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class RoPETables:
+    """cos and sin float32 [..., T, R/2] that one ``RoPE`` gathered for ``positions`` ([T] or [B, T]), checked
+    once: a decode step gathers them once and every layer's ``apply_`` / ``forward_`` reuses them."""
+
+    rope: RoPE
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class RoPE(PreparedOperator):
     """Prepared ``llm.rope`` with a float32 cos/sin cache [max_positions, rotary_dim / 2] built at prepare.
 
-    Every step indexes the cache by ``positions``; ``forward_(x, positions)`` rotates in place (x may be
-    a q or k view) and ``apply_(q, k, positions)`` rotates both with one cache lookup.
+    ``tables(positions)`` checks positions and gathers their cos/sin rows once (``RoPETables``);
+    ``forward_(x, pos)`` rotates in place (x may be a q or k view, or both heads of a fused qkv output)
+    and ``apply_(q, k, pos)`` rotates q and k; ``pos`` is a positions tensor or a ``RoPETables``.
     """
 
     op = "llm.rope"
@@ -159,18 +172,24 @@ class RoPE(PreparedOperator):
         self.cos_sin = torch.stack([freqs.cos(), freqs.sin()], 1)
         return self
 
-    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [..., T, R/2] for ``positions``; on CPU (where reading values is free) a position outside
-        0..max_positions-1 raises, since indexing would wrap a negative one silently."""
+    def tables(self, positions: torch.Tensor, ctx: RuntimeContext | None = None) -> RoPETables:
+        """Check ``positions`` (int [T] or [B, T]) and gather their cos/sin rows; on CPU (where reading values
+        is free) a position outside 0..max_positions-1 raises, since indexing would wrap a negative one."""
         if self.cos_sin is None:
             self._bound()
+        op = self.op
+        _checks.tensor(op, "positions", positions)
+        _checks.dtype_in(op, "positions", positions, INT_DTYPES)
+        _checks.rank(op, "positions", positions, 1, 2)
+        if ctx is not None:
+            _checks.on_device(op, "positions", positions, ctx.device)
         if positions.device.type == "cpu" and positions.numel():
             lo, hi = (int(v) for v in torch.aminmax(positions))
             if lo < 0 or hi >= self.max_positions:
-                raise ArgumentError(f"{self.op}: position {lo if lo < 0 else hi} is out of range for a cache of "
+                raise ArgumentError(f"{op}: position {lo if lo < 0 else hi} is out of range for a cache of "
                                     f"max_positions={self.max_positions} (expected 0..{self.max_positions - 1})")
         cs = self.cos_sin[positions]  # [..., T, 2, R/2]
-        return cs.select(-2, 0), cs.select(-2, 1)
+        return RoPETables(self, positions, cs.select(-2, 0), cs.select(-2, 1))
 
     def _check(self, x: torch.Tensor, positions: torch.Tensor, ctx: RuntimeContext | None) -> None:
         self._check_like("x", x)
@@ -178,31 +197,56 @@ class RoPE(PreparedOperator):
         if x.shape[-1] != self.head_dim:
             raise ShapeError(f"{self.op}: x's head dim must be {self.head_dim}, got shape {tuple(x.shape)}")
 
-    def forward_out(self, x: torch.Tensor, positions: torch.Tensor, *, out: torch.Tensor,
+    def _tables_of(self, pos: torch.Tensor | RoPETables, ctx: RuntimeContext | None) -> RoPETables:
+        if type(pos) is RoPETables:
+            if pos.rope is not self:
+                raise ArgumentError(f"{self.op}: these RoPETables were gathered by another RoPE operator; "
+                                    "pass this operator's own tables(positions) or a positions tensor")
+            return pos
+        return self.tables(pos, ctx)
+
+    def _rotate_(self, x: torch.Tensor, t: RoPETables, ctx: RuntimeContext | None) -> None:
+        """Rotate x in place. The hot path compares x's dtype, head dim and leading dims with the tables';
+        anything else gets the full check (which raises the precise error or lets a valid broadcast pass)."""
+        if (type(x) is not torch.Tensor or x.dtype is not self.init.dtype or x.shape[-1] != self.head_dim
+                or x.shape[:-2] != t.positions.shape):
+            self._check(x, t.positions, ctx)
+        try:
+            self.kernel.fn(self._kctx if ctx is None else self._context(ctx), (x, t.cos, t.sin), (x,))
+        except Exception as exc:
+            if not isinstance(exc, DtorchError):
+                self._check(x, t.positions, ctx)
+            self._failed(exc)
+
+    def forward_out(self, x: torch.Tensor, positions: torch.Tensor | RoPETables, *, out: torch.Tensor,
                     ctx: RuntimeContext | None = None) -> torch.Tensor:
-        """x [..., T, H, D], positions [T] or [B, T] -> out (may alias x)."""
-        self._check(x, positions, ctx)
+        """x [..., T, H, D], positions [T] or [B, T] (or their tables) -> out (may alias x)."""
+        self._bound()
+        t = self._tables_of(positions, ctx)
+        if out is x:
+            self._rotate_(x, t, ctx)
+            return out
+        self._check(x, t.positions, ctx)
         _checks.out(self.op, out, x.shape, x.dtype, x.device)
-        cos, sin = self._tables(positions)
-        self._run((x, cos, sin), (out,), ctx)
+        self._run((x, t.cos, t.sin), (out,), ctx)
         return out
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | RoPETables) -> torch.Tensor:
         return self.forward_out(x, positions, out=torch.empty_like(x))
 
-    def forward_(self, x: torch.Tensor, positions: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
+    def forward_(self, x: torch.Tensor, positions: torch.Tensor | RoPETables,
+                 ctx: RuntimeContext | None = None) -> torch.Tensor:
         """Rotate ``x`` in place; returns x."""
         return self.forward_out(x, positions, out=x, ctx=ctx)
 
-    def apply_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+    def apply_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | RoPETables,
                ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [..., T, H, D] and k [..., T, Hkv, D] in place at the same positions; returns (q, k)."""
-        self._check(q, positions, ctx)
-        self._check(k, positions, ctx)
-        cos, sin = self._tables(positions)
-        self._run((q, cos, sin), (q,), ctx)
-        self._run((k, cos, sin), (k,), ctx)
+        self._bound()
+        t = self._tables_of(positions, ctx)
+        self._rotate_(q, t, ctx)
+        self._rotate_(k, t, ctx)
         return q, k
 
 
-__all__ = ["RoPE", "rope", "rope_inv_freq", "rope_out"]
+__all__ = ["RoPE", "RoPETables", "rope", "rope_inv_freq", "rope_out"]

@@ -106,9 +106,15 @@ def _sdpa_check(call: Call) -> str | None:
 def _sdpa_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool,
                scale: float) -> None:
     """q [B, T, H, D], k/v [B, S, Hkv, D] -> out [B, T, H, D], flash-attn semantics."""
-    t, s = q.shape[1], k.shape[1]
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
     if s == 0:
         out.zero_()
+        return
+    if t == 1 and out.is_contiguous():  # decode: one query sees every key; GQA heads fold into the query axis
+        o = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k.transpose(1, 2), v.transpose(1, 2),
+                                           scale=scale)  # [B, Hkv, G, D]
+        out.view(b, hkv, h // hkv, d).copy_(o)
         return
     causal = causal and not (t == 1 and s >= 1)  # one query at the end of its keys sees all of them
     mask = _visible(t, s, causal, q.device) if causal and t != s else None
