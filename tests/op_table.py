@@ -191,7 +191,8 @@ BINARY_ROWS += [Row(f"binary.{n}_scalar", _scalar_inputs(n), _scalar_ref(fn), _s
 # -- matmul --------------------------------------------------------------------------------------
 
 MM_SHAPES = {"contig": ((3, 4), (4, 5)), "strided": ((3, 4), (4, 5)), "size1": ((1, 4), (4, 1)),
-             "empty": ((0, 4), (4, 5)), "empty_k": ((3, 0), (0, 5))}
+             "empty": ((0, 4), (4, 5)), "empty_k": ((3, 0), (0, 5)),
+             "tall": ((40, 6), (6, 5))}  # enough rows for bf16 mm's "upcast" provider (where it is active)
 BMM_SHAPES = {k: ((2, *a), (2, *b)) for k, (a, b) in MM_SHAPES.items()}
 LINEAR_SHAPES = {"contig": (2, 3, 4), "strided": (3, 4), "size1": (1, 4), "empty": (0, 4), "1d": (4,)}
 MATMUL_INT = {"low": -3, "high": 3}

@@ -126,3 +126,28 @@ def test_matmul_bad_calls() -> None:
         mm.forward(a.half(), b.half())
     with pytest.raises(dtorch.ShapeError, match="batch sizes"):
         _prep(MatMul(batched=True)).forward(torch.randn(2, 3, 4), torch.randn(3, 4, 5))
+
+
+def test_bf16_mm_upcast_provider() -> None:
+    """Without native bf16 matmul, prepared bf16 MatMul binds "upcast": many rows multiply in float32 and round
+    once (the float32 product's bf16 rounding exactly), few rows run torch's bf16 mm unchanged."""
+    from dtorch.kernels.cpu.matmul import UPCAST_MIN_ROWS, native_bf16_matmul
+
+    mm = _prep(MatMul(), torch.bfloat16)
+    assert mm.provider == ("blas" if native_bf16_matmul() else "upcast"), str(mm.explain())
+    b = _rand(24, 7, dtype=torch.bfloat16)
+    tall, short = _rand(UPCAST_MIN_ROWS + 3, 24, dtype=torch.bfloat16), _rand(2, 24, dtype=torch.bfloat16)
+    got = mm.forward(tall, b)
+    assert torch.equal(got, (tall.float() @ b.float()).bfloat16())
+    torch.testing.assert_close(got.double(), tall.double() @ b.double(), rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(mm.forward(short, b), torch.mm(short, b))
+    assert torch.equal(dtorch.ops.mm(tall, b), got)  # the functional path picks the same kernel
+    with dtorch.verify():
+        mm.forward(tall, b)  # against the reference kernel, within bf16 tolerance
+    with pytest.raises(dtorch.DTypeError, match="'b'"):
+        mm.forward_out(tall, b.float(), out=torch.empty(tall.shape[0], 7, dtype=torch.bfloat16))
+    if not native_bf16_matmul():
+        key = dtorch.dispatch.KernelKey("matmul.mm", "cpu", torch.bfloat16)
+        call = dtorch.dispatch.Call(dtorch.Device("cpu"), torch.bfloat16, inputs=(short, b))
+        exp = str(dtorch.dispatcher.explain(key, call))
+        assert "too few rows" in exp and "blas" in exp

@@ -3,7 +3,8 @@
 Reference kernels are a broadcast-multiply-sum (no BLAS), accumulated in float32 for half types and
 in float64 for float64, computed in row blocks so the [rows, K, N] product stays small. BLAS kernels
 (torch.mm / bmm / linear with ``out=``; mm and bmm also with their allocating forms for the functional
-wrappers) are registered over them as provider "blas".
+wrappers) are registered over them as provider "blas". On CPUs without native bf16 matrix units, bf16
+``matmul.mm`` with many rows is registered as provider "upcast" above blas (see ``mm_upcast``).
 
 inputs: mm (a [M, K], b [K, N]); bmm (a [B, M, K], b [B, K, N]); linear (x [..., K], w [N, K], bias [N] or None).
 outputs: mm [M, N]; bmm [B, M, N]; linear [..., N].
@@ -12,10 +13,11 @@ outputs: mm [M, N]; bmm [B, M, N]; linear [..., N].
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
-from dtorch.dispatch.meta import KernelMeta
+from dtorch.dispatch.meta import Call, KernelMeta
 from dtorch.kernels.registry import FLOATS, INTS, KERNELS
 
 _BLOCK_ELEMENTS = 1 << 22  # elements of one [rows, K, N] product block in the reference kernels
@@ -49,6 +51,61 @@ def mm_reference(ctx, inputs, outputs):
                 functional=lambda ctx, inputs: (torch.mm(inputs[0], inputs[1]),))
 def mm_blas(ctx, inputs, outputs):
     torch.mm(inputs[0], inputs[1], out=outputs[0])
+
+
+# -- bf16 upcast ----------------------------------------------------------------------------------
+# Without AVX512-BF16 or AMX, torch's bf16 mm on CPU runs ~4x slower per output element than float32 once
+# a has more than a few rows, while a single row (decode) streams the half-size weight faster than float32
+# does. Upcasting costs one pass over b (~1 ns per element with its allocation, measured on an AVX512
+# CPU without bf16 units: [576, 1536] at 16 rows 540 -> 300 us, at 512 rows 14.5 -> 3.1 ms; a [576, 49152]
+# head loses until ~64 rows). So: upcast from 16 rows, and only when the rows are at least b's
+# elements / 2**19 (the weight pass must stay small beside the product).
+UPCAST_MIN_ROWS = 16
+UPCAST_ELEMENTS_PER_ROW = 1 << 19
+
+
+@lru_cache(maxsize=1)
+def native_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), which torch's bf16 mm uses."""
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if all(p is not None for p in probes):
+        return any(p() for p in probes)
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def upcast_pays(rows: int, k: int, n: int) -> bool:
+    """Whether a [rows, k] @ [k, n] bf16 product runs faster upcast to float32 (see the rule above)."""
+    return rows >= UPCAST_MIN_ROWS and rows * UPCAST_ELEMENTS_PER_ROW >= k * n
+
+
+def _upcast_check(call: Call) -> str | None:
+    if native_bf16_matmul():
+        return "this CPU has native bf16 matmul (AVX512-BF16 or AMX)"
+    if call.inputs is not None:
+        (m, k), n = call.inputs[0].shape, call.inputs[1].shape[-1]
+        if not upcast_pays(m, k, n):
+            return f"[{m}, {k}] @ [{k}, {n}]: too few rows for the upcast to pay (bf16 mm is faster)"
+    return None
+
+
+@KERNELS.kernel("matmul.mm", (torch.bfloat16,), devices=("cpu",), provider="upcast", priority=25,
+                check=_upcast_check, meta=ALLOCATES)
+def mm_upcast(ctx, inputs, outputs):
+    # a [M, K] bf16, b [K, N] bf16 -> out [M, N] bf16: a product in float32, rounded once. A prepared
+    # MatMul binds this kernel for every row count, so few rows take torch's bf16 mm here.
+    a, b = inputs
+    out = outputs[0]
+    if b.dtype != a.dtype or out.dtype != a.dtype:  # the upcast would accept them silently; bf16 mm raises
+        raise TypeError(f"mm_upcast: dtypes disagree: a {a.dtype}, b {b.dtype}, out {out.dtype}")
+    if upcast_pays(a.shape[0], b.shape[0], b.shape[1]):
+        out.copy_(torch.mm(a.float(), b.float()))
+    else:
+        torch.mm(a, b, out=out)
 
 
 @KERNELS.kernel("matmul.bmm", FLOATS + INTS, meta=ALLOCATES)
