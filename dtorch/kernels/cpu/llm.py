@@ -63,17 +63,18 @@ def _normalize_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _norm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-    """out = weight * rms_norm(x) for x [..., D] (out may be x).
+    """out = weight * rms_norm(x) for x [..., D] (out may be x), rounded as LlamaRMSNorm.
 
-    float32 on CPU: the sum of squares from one fused reduction (``vector_norm``), and for a single row
-    (decode) the scale computed on the host, where reading the value is free: four torch calls instead
-    of F.rms_norm's seven. Other dtypes keep F.rms_norm's rounding, which matches LlamaRMSNorm.
+    On CPU (float32, bfloat16, float16): the float32 sum of squares from one fused reduction
+    (``vector_norm``), and for a single row (decode) the scale computed on the host, where reading the
+    value is free: four torch calls instead of F.rms_norm's seven or more. ``x * scale`` computes in
+    float32 and rounds once to x's dtype, then the weight multiplies in x's dtype, as the reference.
     """
     d = x.shape[-1]
-    if x.dtype is not torch.float32 or x.device.type != "cpu" or not d:
+    if x.dtype is torch.float64 or x.device.type != "cpu" or not d:
         torch.mul(weight, _normalize_torch(x, eps), out=out)
         return
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # [..., 1]
     if n.numel() == 1:
         torch.mul(x, 1.0 / math.sqrt(n.item() ** 2 / d + eps), out=out)
     else:
@@ -129,19 +130,21 @@ def rope_reference(ctx, inputs, outputs):
     r, interleaved = ctx.params.rotary_dim, ctx.params.interleaved
     x1, x2 = _pairs(x, r, interleaved)
     o1, o2 = _pairs(out, r, interleaved)
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, R/2]: broadcast over heads
-    if x.dtype == cos.dtype:  # float32: five ops, safe when out is x (o2 is written before o1, x1 read last)
+    cdt = _compute_dtype(x.dtype)
+    c, s = cos.unsqueeze(-2).to(cdt), sin.unsqueeze(-2).to(cdt)  # [..., T, 1, R/2]: broadcast over heads
+    if x.dtype == cdt:  # float32/64: five ops, safe when out is x (o2 is written before o1, x1 read last)
         y1 = x1 * c
         y1.addcmul_(x2, s, value=-1.0)
         torch.mul(x2, c, out=o2)
         o2.addcmul_(x1, s)
         o1.copy_(y1)
-    else:  # low precision computes in float32, float64 in float64; both halves finish before any write
-        cdt = _compute_dtype(x.dtype)
-        x1, x2, c, s = x1.to(cdt), x2.to(cdt), c.to(cdt), s.to(cdt)
-        y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+    else:  # low precision: both halves computed in float32 on copies, each rounded once
+        x1f, x2f = x1.to(cdt), x2.to(cdt)
+        y1 = x1f * c
+        y1.addcmul_(x2f, s, value=-1.0)
+        x2f.mul_(c).addcmul_(x1f, s)
         o1.copy_(y1)
-        o2.copy_(y2)
+        o2.copy_(x2f)
     if r < x.shape[-1] and out.data_ptr() != x.data_ptr():
         out[..., r:].copy_(x[..., r:])
 
