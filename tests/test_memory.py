@@ -65,7 +65,6 @@ def test_bad_allocations():
 def test_a_kernel_declaring_workspace_gets_a_reused_arena():
     """A kernel declares its scratch bytes in KernelMeta and finds an arena in ctx.workspace."""
     from dtorch.dispatch import KernelKey, KernelMeta
-    from dtorch.ops import OperatorInitContext, PreparedOperator
 
     key = KernelKey("test.scratch_square", "cpu", torch.float32)
     seen = []
@@ -79,6 +78,14 @@ def test_a_kernel_declaring_workspace_gets_a_reused_arena():
 
     meta = KernelMeta(workspace=lambda inputs, params: inputs[0].numel() * inputs[0].element_size())
     dtorch.dispatcher.register(key, square_via_scratch, meta=meta)
+    try:
+        _run_scratch_square(key, seen)
+    finally:  # the global registry must not keep a test op (test_op_table checks every registered cpu kernel)
+        dtorch.dispatcher.unregister(key, "reference")
+
+
+def _run_scratch_square(key, seen) -> None:
+    from dtorch.ops import OperatorInitContext, PreparedOperator
 
     class Square(PreparedOperator):
         op = "test.scratch_square"
