@@ -65,7 +65,8 @@ def _worker_dtorch(model: str, dtype: str, runs: int) -> dict:
             prefill.append(p)
             decode.append(llm.stats.decode_tps)
     return {"prefill": statistics.median(prefill), "decode": statistics.median(decode),
-            "weight_bytes": llm.model.weight_bytes(), "peak_mib": _rss_mib(), "model_mib": _rss_mib() - base}
+            "weight_bytes": llm.model.weight_bytes(), "peak_mib": _rss_mib(), "model_mib": _rss_mib() - base,
+            "mm_provider": llm.model.layers[0].qkv.mm.provider}
 
 
 def _worker_hf(model: str, runs: int) -> dict:
@@ -163,6 +164,7 @@ def main() -> None:
         floor = f"{1 / floor_s:>13.1f}{(1 / r['decode']) / floor_s:>9.2f}" if floor_s else f"{'':>13}{'':>9}"
         print(f"{name:<22}{r['prefill']:>14.1f}{r['prefill'] / hf['prefill']:>7.2f}{r['decode']:>14.1f}"
               f"{r['decode'] / hf['decode']:>7.2f}{floor}{r['peak_mib']:>14.0f}{r['model_mib']:>11.0f}")
+    print("matmul.mm providers bound: " + ", ".join(f"{name}: {r['mm_provider']}" for name, r, _ in rows[1:]))
     print("x hf: dtorch / transformers (targets: decode >= 3, prefill >= 1.5); x floor: time per decoded token over "
           "weight bytes / read bandwidth (target <= 1.5). The machine may be shared: numbers are noisy.")
 
