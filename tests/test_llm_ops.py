@@ -357,6 +357,9 @@ def test_rope_tables_gathered_once_serve_every_call():
     (lambda x, w: ops.SiluAndMul().prepare(init()).forward_out(x[:, :7], out=torch.empty(3, 3)), dtorch.ShapeError,
      "even"),
     (lambda x, w: ops.RMSNorm().forward_out(x, w, out=x), dtorch.ArgumentError, "not prepared"),
+    (lambda x, w: ops.RMSNorm().prepare(init()).forward_out([1.0], w, out=x), dtorch.DTypeError, "torch.Tensor"),
+    (lambda x, w: ops.AddRMSNorm().prepare(init()).forward_out(None, x, w, out=x), dtorch.DTypeError, "torch.Tensor"),
+    (lambda x, w: ops.RoPE(8).prepare(init()).forward([1.0], torch.arange(3)), dtorch.DTypeError, "torch.Tensor"),
 ])
 def test_prepared_hot_paths_reject_bad_calls(call, error, match):
     with pytest.raises(error, match=match):

@@ -159,9 +159,9 @@ def _alike(dtype: torch.dtype, shape: torch.Size, tensors: tuple) -> bool:
 
 
 class _PreparedLLM(PreparedOperator):
-    """Hot path of the prepared LLM ops: ``_fast(...)`` is a few identity and shape comparisons (the ones whose
-    failure torch would not report: broadcasting, out= resizing, dtype promotion into out); anything else, and
-    any kernel failure, goes through ``_validate``, which raises the precise error."""
+    """Hot path of the prepared LLM ops: a few identity and shape comparisons (the ones whose failure torch
+    would not report: broadcasting, out= resizing, dtype promotion into out); anything else, and any kernel
+    failure, goes through the subclass's ``_validate``, which raises the precise error."""
 
     def _kernel(self, inputs: tuple, outputs: tuple, ctx: RuntimeContext | None, validate) -> None:
         try:
@@ -189,8 +189,8 @@ class RMSNorm(_PreparedLLM):
                     ctx: RuntimeContext | None = None) -> torch.Tensor:
         """x [..., D], weight [D] -> out [..., D] (may be x)."""
         init = self.init
-        if init is None or not (_alike(init.dtype, x.shape, (x, out)) and _alike(init.dtype, x.shape[-1:], (weight,))
-                                and x.dim()):
+        if init is None or type(x) is not torch.Tensor or not (
+                _alike(init.dtype, x.shape, (x, out)) and _alike(init.dtype, x.shape[-1:], (weight,)) and x.dim()):
             self._validate(x, weight, out, ctx)
         self._kernel((x, weight), (out,), ctx, lambda: self._validate(x, weight, out, ctx))
         return out
@@ -223,8 +223,9 @@ class AddRMSNorm(_PreparedLLM):
         if residual_out is None:
             residual_out = residual
         init = self.init
-        if init is None or not (_alike(init.dtype, x.shape, (x, residual, out, residual_out))
-                                and _alike(init.dtype, x.shape[-1:], (weight,)) and x.dim()):
+        if init is None or type(x) is not torch.Tensor or not (
+                _alike(init.dtype, x.shape, (x, residual, out, residual_out))
+                and _alike(init.dtype, x.shape[-1:], (weight,)) and x.dim()):
             self._validate(x, residual, weight, out, residual_out, ctx)
         self._kernel((x, residual, weight), (out, residual_out), ctx,
                      lambda: self._validate(x, residual, weight, out, residual_out, ctx))

@@ -232,6 +232,7 @@ class RoPE(PreparedOperator):
         return out
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | RoPETables) -> torch.Tensor:
+        self._check_like("x", x)
         return self.forward_out(x, positions, out=torch.empty_like(x))
 
     def forward_(self, x: torch.Tensor, positions: torch.Tensor | RoPETables,
