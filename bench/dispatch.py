@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import per_call_us, table  # noqa: E402
+from _timing import paired_us, table  # noqa: E402
 
 import dtorch  # noqa: E402
 
@@ -47,11 +47,11 @@ def main() -> None:
     }
     rows = []
     for name, c in cases.items():
-        kinds = ("torch_out", "prepared", "torch_fn", "functional")
-        t = {k: per_call_us(c[k], c["number"], args.repeat) for k in kinds}
-        rows.append([name, t["torch_out"], t["prepared"], t["prepared"] - t["torch_out"],
-                     t["torch_fn"], t["functional"], t["functional"] - t["torch_fn"]])
-    print(f"torch {torch.__version__}, {args.threads} thread(s); medians of {args.repeat} runs, µs per call\n")
+        t_out, t_prep, d_prep = paired_us(c["torch_out"], c["prepared"], c["number"], args.repeat)
+        t_fn, t_func, d_func = paired_us(c["torch_fn"], c["functional"], c["number"], args.repeat)
+        rows.append([name, t_out, t_prep, d_prep, t_fn, t_func, d_func])
+    print(f"torch {torch.__version__}, {args.threads} thread(s); µs per call, medians of {args.repeat} rounds; "
+          "each + column is the median of per-round differences (the two timed in alternating rounds)\n")
     print(table(["op", "torch out=", "prepared", "+prepared", "torch", "functional", "+functional"], rows))
     print("\ntargets: +prepared <= 1 µs, +functional <= 3 µs "
           f"(provider of the prepared linear: {linear.provider}, of the prepared add: {add.provider})")
