@@ -16,7 +16,7 @@ import torch
 
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES
-from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
+from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
 from dtorch.dispatch.context import KernelContext, KernelParams
 from dtorch.dispatch.meta import Call
 from dtorch.ops import _checks
@@ -261,15 +261,12 @@ class AttentionVarlen(_AttentionBase):
         _checks.out(self.op, out, q.shape, q.dtype, q.device)
         kernel = self._bound()
         params = _params(self.causal, self.scale, max_seqlen_q, max_seqlen_k)  # per-call lengths
-        kctx = (KernelContext(self.init.device, None, None, params) if ctx is None
-                else KernelContext(ctx.device, ctx.stream, ctx.workspace, params))
+        base = self._context(ctx)
+        kctx = KernelContext(base.device, base.stream, base.workspace, params)
         try:
             kernel(kctx, (q, k, v, cu_seqlens_q, cu_seqlens_k), (out,))
-        except DtorchError:
-            raise
         except Exception as exc:
-            raise KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            self._failed(exc)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

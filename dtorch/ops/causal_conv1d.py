@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dtorch.core.device import Device
-from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure, ShapeError
+from dtorch.core.errors import ArgumentError, ShapeError
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
@@ -197,11 +197,8 @@ class CausalConv1d(PreparedOperator):
         kernel = self.update_kernel
         try:
             kernel(self._context(ctx), (x3, weight, bias), (out3, conv_state))
-        except DtorchError:
-            raise
         except Exception as exc:
-            raise KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            self._failed(exc, kernel)
         return out
 
     def update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,

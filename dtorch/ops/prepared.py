@@ -107,11 +107,11 @@ class PreparedOperator:
         except Exception as exc:
             self._failed(exc)
 
-    def _failed(self, exc: Exception) -> None:
-        """Re-raise a kernel's exception as a ``DtorchError`` naming the op and the kernel."""
+    def _failed(self, exc: Exception, kernel: PreparedKernel | None = None) -> None:
+        """Re-raise a kernel's exception as a ``DtorchError`` naming the op and the kernel (default: the bound one)."""
         if isinstance(exc, DtorchError):
             raise exc
-        kernel = self._bound()
+        kernel = kernel or self._bound()
         raise KernelFailure(f"{kernel.key}: prepared kernel {kernel.candidate.name} failed: "
                             f"{type(exc).__name__}: {exc}") from exc
 
