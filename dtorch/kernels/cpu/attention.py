@@ -131,17 +131,22 @@ def flash_attention_sdpa(ctx, inputs, outputs):
 
 # -- varlen ----------------------------------------------------------------------------------------
 
+def _each_segment(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    """(q0, q1, k0, k1) of every segment with at least one query, from the cumulative lengths (a host read)."""
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        if bq[i + 1] > bq[i]:
+            yield bq[i], bq[i + 1], bk[i], bk[i + 1]
+
+
 @KERNELS.kernel("llm.flash_attention_varlen", FLOATS)
 def flash_attention_varlen_reference(ctx, inputs, outputs):
     q, k, v, cu_q, cu_k = inputs
     out = outputs[0]
     p = ctx.params
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(bq) - 1):
-        q0, q1, k0, k1 = bq[i], bq[i + 1], bk[i], bk[i + 1]
-        if q1 > q0:
-            o = attention_dense_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], p.causal, p.scale)
-            out[q0:q1].copy_(o[0])
+    for q0, q1, k0, k1 in _each_segment(cu_q, cu_k):
+        o = attention_dense_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], p.causal, p.scale)
+        out[q0:q1].copy_(o[0])
 
 
 def _segments(cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,11 +172,8 @@ def varlen_sdpa_per_segment(ctx, inputs, outputs) -> None:
     q, k, v, cu_q, cu_k = inputs
     out = outputs[0]
     p = ctx.params
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(bq) - 1):
-        q0, q1, k0, k1 = bq[i], bq[i + 1], bk[i], bk[i + 1]
-        if q1 > q0:
-            _sdpa_into(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1], p.causal, p.scale)
+    for q0, q1, k0, k1 in _each_segment(cu_q, cu_k):
+        _sdpa_into(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1], p.causal, p.scale)
 
 
 def varlen_sdpa_padded(ctx, inputs, outputs) -> None:
