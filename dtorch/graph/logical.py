@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from dtorch.graph.mesh import DeviceMesh
 from dtorch.graph.operand import COMMUNICATE, COMPUTE, Operand, Operator
 from dtorch.graph.placement import Partial, Placement, Replicate, Shard, as_placement, local_shape
 from dtorch.graph.strategy import choose
+from dtorch.graph.views import split_placements, view_placement, view_shape
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -42,10 +44,12 @@ class LogicalGraph:
         self.operands: list[Operand] = []
         self.operators: list[Operator] = []
         self.inputs: dict[str, Operand] = {}
-        self.params: dict[str, tuple[Operand, torch.Tensor]] = {}
+        self.params: dict[str, tuple[Operand, Any]] = {}  # name -> (operand, torch.Tensor or placed DistTensor)
         self.outputs: dict[str, Operand] = {}
         self._seq = itertools.count()
         self._moves: dict[tuple[int, Placement], Operand] = {}  # each move is made once per operand
+        self.states: dict[str, tuple[Operand, Any]] = {}
+        self._consumed: dict[int, str] = {}  # operand index -> the operator that updated it in place
 
     # -- leaves --------------------------------------------------------------------------------
 
@@ -60,16 +64,39 @@ class LogicalGraph:
         self.inputs[name] = x
         return x
 
-    def param(self, name: str, value: torch.Tensor, placement: Placement | str = Replicate()) -> Operand:
-        """A constant tensor (a weight), split over the mesh by ``placement`` once when a Runner is built."""
-        self._new_name(name)
-        if not isinstance(value, torch.Tensor):
-            raise ArgumentError(f"LogicalGraph.param {name!r}: value must be a torch.Tensor, "
-                                f"got {type(value).__name__}")
-        shape = tuple(value.shape)
-        x = self._operand(name, shape, value.dtype, self._placement(placement, shape, name), None)
+    def param(self, name: str, value: Any, placement: Placement | str | None = None) -> Operand:
+        """A constant tensor (a weight): a whole ``torch.Tensor`` split by ``placement`` (default Replicate) once
+        when a Runner is built, or a ``DistTensor`` already placed on this mesh, whose pieces every Runner of
+        every graph that names it shares (weights loaded once, graphs built per step shape)."""
+        x = self._leaf("param", name, value, placement)
         self.params[name] = (x, value)
         return x
+
+    def state(self, name: str, value: Any, placement: Placement | str | None = None) -> Operand:
+        """A persistent tensor that ops update in place across runs (a KV cache shard per device): a placed
+        ``DistTensor`` (shared by every graph that names it) or a whole ``torch.Tensor`` (split once per Runner).
+        An op that writes it returns its new version; later calls must use that version."""
+        x = self._leaf("state", name, value, placement)
+        self.states[name] = (x, value)
+        return x
+
+    def _leaf(self, what: str, name: str, value: Any, placement: Placement | str | None) -> Operand:
+        self._new_name(name)
+        if isinstance(value, torch.Tensor):
+            pl = Replicate() if placement is None else placement
+        elif all(hasattr(value, a) for a in ("mesh", "placement", "shape", "dtype", "local")):
+            if value.mesh != self.mesh:
+                raise GraphError(f"LogicalGraph.{what} {name!r}: the DistTensor is placed on {value.mesh}, "
+                                 f"the graph on {self.mesh}")
+            if placement is not None and as_placement(placement) != value.placement:
+                raise GraphError(f"LogicalGraph.{what} {name!r}: placement {placement} given for a DistTensor "
+                                 f"placed as {value.placement}")
+            pl = value.placement
+        else:
+            raise ArgumentError(f"LogicalGraph.{what} {name!r}: value must be a torch.Tensor or a DistTensor, "
+                                f"got {type(value).__name__}")
+        shape = tuple(value.shape)
+        return self._operand(name, shape, value.dtype, self._placement(pl, shape, name), None)
 
     def output(self, name: str, x: Operand) -> Operand:
         """Mark ``x`` as the result ``name`` of a run."""
@@ -81,25 +108,53 @@ class LogicalGraph:
 
     # -- computation ---------------------------------------------------------------------------
 
-    def call(self, op: str, *args: Any, **kwargs: Any) -> Operand:
-        """Call kernel op ``op`` (``"matmul.mm"``, ``"binary.add"``, ``"reduce.sum"`` with ``dim=``...)."""
+    def call(self, op: str, *args: Any, **kwargs: Any) -> Operand | tuple[Operand, ...]:
+        """Call op ``op`` (``"matmul.mm"``, ``"binary.add"``, ``"reduce.sum"`` with ``dim=``...) as ``dtorch.ops``
+        would; returns its output Operand, or a tuple of them for an op with several outputs."""
         b = bind(op, args, kwargs)
         for i, o in enumerate(b.inputs):
             if o is not None:
                 self._own(o, f"{op} argument {i}")
         name = f"{b.kernel_op}#{next(self._seq)}"
-        glob = self._infer(name, b.infer, [_meta(o.shape, o.dtype) if o is not None else None for o in b.inputs])
+        nout = getattr(b, "num_outputs", 1)
+        aliases = tuple(getattr(b, "aliases", ()) or (None,) * nout)
+        glob = _outputs(name, self._infer(name, b.infer, [_meta(o.shape, o.dtype) if o is not None else None
+                                                         for o in b.inputs], nout), nout)
         shapes = [o.shape if o is not None else None for o in b.inputs]
-        want, out_pl = choose(b.kernel_op, shapes, [o.placement if o is not None else None for o in b.inputs],
-                              b.params)
+        current = [o.placement if o is not None else None for o in b.inputs]
+        # a blocked shard is, to the rules, a shard of its dim; the blocks ride along to a same-sized output dim
+        st = choose(b.kernel_op, shapes, [_plain(p) for p in current], b.params)
+        want = tuple(c if isinstance(c, Shard) and c.blocks is not None and w == _plain(c) else w
+                     for c, w in zip(current, st[0], strict=False))
+        outs = st[1] if isinstance(st[1], tuple) else (st[1],)
+        if len(outs) != nout:
+            raise GraphError(f"graph operator {name}: its placement rule gives {len(outs)} output placements for "
+                             f"{nout} outputs")
+        blocks = {c.blocks for c in current if isinstance(c, Shard) and c.blocks is not None}
+        if len(blocks) == 1:
+            bl = blocks.pop()
+            outs = tuple(Shard(p.dim, bl) if isinstance(p, Shard) and p.blocks is None and g.shape[p.dim] == sum(bl)
+                         else p for p, g in zip(outs, glob, strict=True))
+        local_params = st[2] if len(st) > 2 else None
         with self._rollback():
             moved = tuple(self._move(o, w) if o is not None else None for o, w in zip(b.inputs, want, strict=False))
-            local = {}
+            local: list[dict[int, tuple[int, ...]]] = [{} for _ in range(nout)]
             for i in self.mesh.ids:
                 metas = [_meta(o.local_shapes[i], o.dtype) if o is not None else None for o in moved]
-                local[i] = tuple(self._infer(name, b.infer, metas).shape)
-            node = Operator(name, "kernel", b.kernel_op, moved, params=b.params, devices=self.mesh.ids)
-            return self._result(node, tuple(glob.shape), glob.dtype, out_pl, local)
+                for j, t in enumerate(_outputs(name, self._infer(name, b.infer, metas, nout), nout)):
+                    local[j][i] = tuple(t.shape)
+            per_device = None
+            if local_params is not None:
+                n = self.mesh.size
+                per_device = {i: local_params(b.params, r, n) for r, i in enumerate(self.mesh.ids)}
+            for a in aliases:
+                if a is not None:
+                    self._consume(moved[a], name)
+            node = Operator(name, "kernel", b.kernel_op, moved, params=b.params, devices=self.mesh.ids,
+                            aliases=aliases, local_params=per_device)
+            res = tuple(self._result(node, tuple(g.shape), g.dtype, p, loc)
+                        for g, p, loc in zip(glob, outs, local, strict=True))
+            return res[0] if nout == 1 else res
 
     def python(self, fn: Callable[..., torch.Tensor], *inputs: Operand, shape: Sequence[int] | None = None,
                dtype: torch.dtype | None = None, placement: Placement | str | None = None,
@@ -135,6 +190,41 @@ class LogicalGraph:
                             fn=fn)
             local = {i: local_shape(shape, out_pl, r, self.mesh.size) for r, i in enumerate(self.mesh.ids)}
             return self._result(node, shape, as_dtype(dtype), out_pl, local)
+
+    # -- views -------------------------------------------------------------------------------------
+
+    def view(self, x: Operand, shape: Sequence[int]) -> Operand:
+        """``x`` reshaped to ``shape`` (global; one -1 allowed) without a copy; each device views its piece."""
+        self._own(x, "view")
+        name = f"view#{next(self._seq)}"
+        new = view_shape(name, x.shape, shape)
+        pl = view_placement(name, x.shape, new, x.placement)
+        n = self.mesh.size
+        local = {i: local_shape(new, pl, r, n) for r, i in enumerate(self.mesh.ids)}
+        for i in self.mesh.ids:
+            if math.prod(local[i]) != math.prod(x.local_shapes[i]):
+                raise GraphError(f"graph view {name}: device {i} holds {list(x.local_shapes[i])} of {x.name} "
+                                 f"({x.placement}), which cannot be viewed as its piece {list(local[i])} of "
+                                 f"{list(new)} ({pl})")
+        with self._rollback():
+            node = Operator(name, "view", "view", (x,), params=KernelParams(shape=new), devices=self.mesh.ids)
+            return self._result(node, new, x.dtype, pl, None)
+
+    def split(self, x: Operand, sizes: Sequence[int], dim: int = -1) -> tuple[Operand, ...]:
+        """``x.split(sizes, dim)`` without copies. Splitting a sharded dim needs ``Shard(dim, blocks=sizes)``."""
+        self._own(x, "split")
+        name = f"split#{next(self._seq)}"
+        sizes = tuple(int(s) for s in sizes)
+        dim = dim % x.ndim if -x.ndim <= dim < x.ndim else dim
+        if not 0 <= dim < x.ndim or sum(sizes) != x.shape[dim] or min(sizes, default=0) < 0:
+            raise GraphError(f"graph split {name}: sizes {list(sizes)} must be non-negative and add up to dim {dim} "
+                             f"of {x.name} {list(x.shape)}")
+        pls = split_placements(name, x.shape, sizes, dim, x.placement)
+        with self._rollback():
+            node = Operator(name, "view", "split", (x,), params=KernelParams(sizes=sizes, dim=dim),
+                            devices=self.mesh.ids)
+            return tuple(self._result(node, x.shape[:dim] + (s,) + x.shape[dim + 1:], x.dtype, pl, None)
+                         for s, pl in zip(sizes, pls, strict=True))
 
     # -- communication -------------------------------------------------------------------------
 
@@ -181,13 +271,20 @@ class LogicalGraph:
 
     def _move_once(self, x: Operand, dst: Placement) -> Operand:
         src = x.placement
+        if self.mesh.size == 1:  # one device holds the whole value under every placement: relabel, move nothing
+            node = Operator(f"view#{next(self._seq)}", "view", "view", (x,), params=KernelParams(shape=x.shape),
+                            devices=self.mesh.ids)
+            return self._result(node, x.shape, x.dtype, dst, None)
         if isinstance(src, Replicate):
             if isinstance(dst, Shard):
-                return self._local(x, "shard", dst, dim=dst.dim)
+                return self._local(x, "shard", dst, dim=dst.dim, blocks=dst.blocks)
             return self._local(x, "to_partial", dst, reduce=dst.op)
         if isinstance(src, Shard):
+            if src.blocks is not None:
+                raise GraphError(f"redistribute of {x.name}: a blocked shard {src} cannot be gathered as it is; "
+                                 "split it into its blocks first (LogicalGraph.split)")
             return self._move(self._collective("all_gather", x, Replicate(), dim=src.dim), dst)
-        if isinstance(dst, Shard) and src.op == "sum":
+        if isinstance(dst, Shard) and src.op == "sum" and dst.blocks is None:
             return self._collective("reduce_scatter", x, dst, dim=dst.dim, op="sum")
         return self._move(self._collective("all_reduce", x, Replicate(), op=src.op), dst)
 
@@ -212,7 +309,8 @@ class LogicalGraph:
                     raise GraphError(f"graph operator {node.name}: device {i} would compute shape {list(got)}, but "
                                      f"placement {placement} of {list(shape)} gives it {list(out.local_shapes[i])}")
         node.outputs.append(out)
-        self.operators.append(node)
+        if not self.operators or self.operators[-1] is not node:
+            self.operators.append(node)
         return out
 
     def _operand(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, placement: Placement,
@@ -234,7 +332,7 @@ class LogicalGraph:
             del self.operators[sizes[1]:]
             raise
 
-    def _infer(self, name: str, infer: Callable, metas: list) -> torch.Tensor:
+    def _infer(self, name: str, infer: Callable, metas: list, nout: int = 1) -> Any:
         try:
             out = infer(metas)
         except DtorchError as exc:
@@ -242,14 +340,19 @@ class LogicalGraph:
         except Exception as exc:
             raise GraphError(f"graph operator {name}: inferring its output on meta tensors failed: "
                              f"{type(exc).__name__}: {exc} (give shape= and dtype= for a Python kernel)") from exc
-        if not isinstance(out, torch.Tensor):
-            raise GraphError(f"graph operator {name}: must produce one tensor, got {type(out).__name__}")
-        return out
+        if isinstance(out, torch.Tensor) or (nout > 1 and isinstance(out, tuple)
+                                             and all(isinstance(t, torch.Tensor) for t in out)):
+            return out
+        raise GraphError(f"graph operator {name}: must produce {'one tensor' if nout == 1 else f'{nout} tensors'}, "
+                         f"got {type(out).__name__}")
 
     def _placement(self, p: object, shape: tuple[int, ...], what: str) -> Placement:
         pl = as_placement(p, f"{what}: placement")
         if isinstance(pl, Shard) and pl.dim >= len(shape):
             raise GraphError(f"{what}: cannot shard dim {pl.dim} of a rank-{len(shape)} tensor {list(shape)}")
+        if isinstance(pl, Shard) and pl.blocks is not None and sum(pl.blocks) != shape[pl.dim]:
+            raise GraphError(f"{what}: blocks {list(pl.blocks)} add up to {sum(pl.blocks)}, but dim {pl.dim} of "
+                             f"{list(shape)} is {shape[pl.dim]}")
         return pl
 
     def _expect(self, x: Operand, kind: type, op: str) -> None:
@@ -263,12 +366,23 @@ class LogicalGraph:
             raise ArgumentError(f"{what}: expected an Operand of this graph, got {type(x).__name__}")
         if x.graph is not self:
             raise GraphError(f"{what}: operand {x.name} belongs to another graph")
+        if x.index in self._consumed:
+            raise GraphError(f"{what}: operand {x.name} was updated in place by {self._consumed[x.index]}; "
+                             "use that operator's output (the new version) instead")
+
+    def _consume(self, x: Operand, by: str) -> None:
+        """``x`` is written in place by operator ``by``: later calls must use its new version."""
+        if x.producer is None and x.name not in self.states:
+            raise GraphError(f"graph operator {by}: it writes {x.name} in place, which is a "
+                             f"{'param' if x.name in self.params else 'fed input'}; only states "
+                             "(LogicalGraph.state) and computed tensors can be updated")
+        self._consumed[x.index] = by
 
     def _new_name(self, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise ArgumentError(f"LogicalGraph: names must be non-empty strings, got {name!r}")
-        if name in self.inputs or name in self.params:
-            raise GraphError(f"LogicalGraph: {name!r} is already an input or param")
+        if name in self.inputs or name in self.params or name in self.states:
+            raise GraphError(f"LogicalGraph: {name!r} is already an input, param or state")
 
     def __repr__(self) -> str:
         lines = [f"LogicalGraph on {self.mesh}"]
@@ -278,6 +392,17 @@ class LogicalGraph:
                   f"{node.outputs[0]} [{node.stream}]" for node in self.operators]
         lines += [f"  output {k} = {v.name}" for k, v in self.outputs.items()]
         return "\n".join(lines)
+
+
+def _plain(p: Placement | None) -> Placement | None:
+    return Shard(p.dim) if isinstance(p, Shard) and p.blocks is not None else p
+
+
+def _outputs(name: str, out: Any, nout: int) -> tuple[torch.Tensor, ...]:
+    outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+    if len(outs) != nout:
+        raise GraphError(f"graph operator {name}: inferred {len(outs)} outputs, expected {nout}")
+    return outs
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

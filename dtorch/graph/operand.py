@@ -123,6 +123,8 @@ class Operator:
     stream: str = COMPUTE
     devices: tuple[int, ...] = ()
     fn: Callable[..., Any] | None = None  # a Python kernel's function
+    aliases: tuple[int | None, ...] = ()  # per output: the input it writes in place (None: a fresh tensor)
+    local_params: dict[int, KernelParams] | None = None  # global id -> that device's params, where they differ
 
     def __repr__(self) -> str:
         ins = ", ".join(o.name if o is not None else "None" for o in self.inputs)

@@ -11,14 +11,15 @@ whose last reader it was.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from dtorch.core.device import Device
-from dtorch.core.errors import CommunicationError, DtorchError, KernelFailure, ShapeError
-from dtorch.core.memory import MemoryKind, allocate
+from dtorch.core.errors import CommunicationError, DtorchError, KernelFailure, LayoutError, ShapeError
+from dtorch.core.memory import MemoryKind, allocate, default_workspace
 from dtorch.dispatch.context import KernelContext
 from dtorch.dispatch.prepared import PreparedKernel
 from dtorch.graph.operand import Operator
@@ -61,7 +62,7 @@ class Kernel:
     """One operator on one device: its input and output Blobs and its stream."""
 
     __slots__ = ("operator", "device_id", "device", "inputs", "outputs", "stream", "label", "release", "seq",
-                 "record", "deps")
+                 "record", "deps", "fixed_out")
 
     def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
                  outputs: Sequence[Blob], stream: Any) -> None:
@@ -76,6 +77,7 @@ class Kernel:
         self.seq = 0  # position in the runner's push order
         self.record = False  # a kernel on another stream reads this one's output
         self.deps: tuple[Kernel, ...] = ()  # producers on other streams this kernel must wait for
+        self.fixed_out: torch.Tensor | None = None  # the output buffer a static plan gave this kernel
 
     def execute(self, stream: Any, state: RunState | None) -> None:
         if state is not None and state.aborted:
@@ -103,23 +105,92 @@ class Kernel:
 
 
 class DispatchKernel(Kernel):
-    """Runs the kernel bound at build time (``PreparedKernel``) into a freshly allocated output."""
+    """Runs the kernel bound at build time (``PreparedKernel``). Its outputs are either planned buffers fixed at
+    build (``fixed``: the same tensors every run) or allocated per run; an output listed in ``aliases`` is its
+    input's own tensor, written in place."""
 
-    __slots__ = ("prepared", "ctx", "out_shape", "dtype")
+    __slots__ = ("prepared", "ctx", "out_shapes", "dtypes", "aliases", "fixed", "dense")
 
     def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
-                 outputs: Sequence[Blob], stream: Any, prepared: PreparedKernel, out_shape: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
+                 outputs: Sequence[Blob], stream: Any, prepared: PreparedKernel, out_shapes: Sequence[tuple[int, ...]],
+                 dtypes: Sequence[torch.dtype], params: Any = None) -> None:
         super().__init__(operator, device_id, device, inputs, outputs, stream)
         self.prepared = prepared
-        self.ctx = KernelContext(device, getattr(stream, "cuda_stream", None), None, operator.params)
-        self.out_shape = out_shape
-        self.dtype = dtype
+        params = operator.params if params is None else params
+        self.ctx = KernelContext(device, getattr(stream, "cuda_stream", None), default_workspace(device), params)
+        self.out_shapes = tuple(out_shapes)
+        self.dtypes = tuple(dtypes)
+        self.aliases = operator.aliases or (None,) * len(self.out_shapes)
+        self.fixed: tuple[tuple, tuple] | None = None  # (inputs, outputs) bound once by a static plan
+        self.dense = prepared.meta.requires_dense
 
     def run(self) -> None:
-        out = allocate(self.out_shape, self.dtype, self.device, MemoryKind.ACTIVATION)
-        self.prepared(self.ctx, self._tensors(), (out,))
-        self.outputs[0].tensor = out
+        fixed = self.fixed
+        if fixed is not None:
+            self.prepared.fn(self.ctx, fixed[0], fixed[1])
+            return
+        ins = self._tensors()
+        outs = tuple(ins[a] if a is not None else allocate(shape, dt, self.device, MemoryKind.ACTIVATION)
+                     for a, shape, dt in zip(self.aliases, self.out_shapes, self.dtypes, strict=True))
+        if self.dense:
+            check_dense(self.operator, ins, outs)
+        self.prepared.fn(self.ctx, ins, outs)
+        for b, t in zip(self.outputs, outs, strict=True):
+            b.tensor = t
+
+
+def check_dense(operator: Operator, ins: Sequence[torch.Tensor | None], outs: Sequence[torch.Tensor]) -> None:
+    """The bound kernel declares ``requires_dense``: every input and output must be contiguous."""
+    for what, ts in (("input", ins), ("output", outs)):
+        for j, t in enumerate(ts):
+            if t is not None and not t.is_contiguous():
+                raise LayoutError(f"graph operator {operator.name}: its kernel requires dense tensors, but {what} {j} "
+                                  f"has shape {list(t.shape)} and strides {list(t.stride())}")
+
+
+class ViewKernel(Kernel):
+    """``view`` / ``split``: this device's piece viewed without a copy (run per run only without a static plan)."""
+
+    __slots__ = ("shapes",)
+
+    def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
+                 outputs: Sequence[Blob], stream: Any, shapes: Sequence[tuple[int, ...]]) -> None:
+        super().__init__(operator, device_id, device, inputs, outputs, stream)
+        self.shapes = tuple(shapes)
+
+    def views(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.operator.op == "view":
+            return (x.view(self.shapes[0]),)
+        dim = self.operator.params.dim
+        return tuple(x.split([s[dim] for s in self.shapes], dim))
+
+    def run(self) -> None:
+        for b, t in zip(self.outputs, self.views(self.inputs[0].tensor), strict=True):
+            b.tensor = t
+
+
+class Segment:
+    """Kernels of one stream pushed as one item: one queue hand-off for a run of kernels with no waits between."""
+
+    __slots__ = ("kernels", "label")
+    traced = False  # the segment traces each of its kernels itself
+
+    def __init__(self, kernels: Sequence[Kernel]) -> None:
+        self.kernels = tuple(kernels)
+        first, last = self.kernels[0].label, self.kernels[-1].label
+        self.label = first if len(self.kernels) == 1 else f"{first} .. {last} ({len(self.kernels)} kernels)"
+
+    def execute(self, stream: Any, state: RunState | None) -> None:
+        tracer = stream.tracer
+        if tracer is None:
+            for k in self.kernels:
+                k.execute(stream, state)
+            return
+        clock = time.perf_counter_ns
+        for k in self.kernels:
+            t0 = clock()
+            k.execute(stream, state)
+            tracer.add(stream, k.label, t0, clock())
 
 
 class PythonKernel(Kernel):
@@ -140,7 +211,10 @@ class PythonKernel(Kernel):
             got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ShapeError(f"{self.operator.name}: the Python kernel returned {got}, expected a tensor of shape "
                              f"{list(self.out_shape)}")
-        self.outputs[0].tensor = out
+        if self.fixed_out is not None:
+            self.fixed_out.copy_(out)
+        else:
+            self.outputs[0].tensor = out
 
 
 class CollectiveKernel(Kernel):
@@ -158,9 +232,10 @@ class CollectiveKernel(Kernel):
         self.call = getattr(comm, operator.op)
 
     def run(self) -> None:
-        out = allocate(self.out_shape, self.dtype, self.device, MemoryKind.ACTIVATION)
+        out = self.fixed_out
+        if out is None:
+            out = self.outputs[0].tensor = allocate(self.out_shape, self.dtype, self.device, MemoryKind.ACTIVATION)
         self.call(self.device_id, self.inputs[0].tensor, out, **dict(self.operator.params.items()))
-        self.outputs[0].tensor = out
 
 
 class LocalKernel(Kernel):
@@ -177,12 +252,19 @@ class LocalKernel(Kernel):
     def run(self) -> None:
         x = self.inputs[0].tensor
         params = self.operator.params
+        out = self.fixed_out
         if self.operator.op == "shard":
-            piece = local_piece(x, Shard(params.dim), self.rank, self.n)
-            out = allocate(piece.shape, x.dtype, self.device, MemoryKind.ACTIVATION)
+            piece = local_piece(x, Shard(params.dim, params.get("blocks")), self.rank, self.n)
+            if out is None:
+                out = allocate(piece.shape, x.dtype, self.device, MemoryKind.ACTIVATION)
             out.copy_(piece)
         elif params.reduce == "sum" and self.rank != 0:
-            out = allocate(x.shape, x.dtype, self.device, MemoryKind.ACTIVATION, zero=True)
-        else:
+            if out is None:
+                out = allocate(x.shape, x.dtype, self.device, MemoryKind.ACTIVATION, zero=True)
+            else:
+                out.zero_()
+        elif out is None:
             out = x
+        else:
+            out.copy_(x)
         self.outputs[0].tensor = out

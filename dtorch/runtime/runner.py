@@ -1,10 +1,15 @@
 """``Runner``: builds the Kernels of a ``LogicalGraph`` once, then runs the graph many times.
 
-Build: one Blob per (operand, local device), params split once, one Kernel per (operator, local
-device) with its kernel bound through the Dispatcher, its stream chosen, and the events it needs
-(a kernel waits, on its own stream, for producers on other streams). Run: feeds are split, every
-kernel is pushed in graph order (pushing never blocks), all streams are synchronized once, and the
-first failure is raised naming its op, device and stream.
+Build: one Blob per (operand, local device); params and states placed once (a placed ``DistTensor`` is
+used as it is, so several graphs share one copy of the weights and of the KV cache); one Kernel per
+(operator, local device) with its kernel bound through the Dispatcher and its stream chosen; then a
+push program: runs of kernels of one stream with no waits between them become one ``Segment`` (one
+queue hand-off), with an event recorded after each kernel that another stream waits for.
+
+Run: feeds are placed, the program is pushed (pushing never blocks), all streams are synchronized once,
+and the first failure is raised naming its op, device and stream. With ``static=True`` every tensor is
+bound to a buffer planned at build (``dtorch.runtime.plan``): a run allocates nothing, views cost
+nothing, and fed inputs are copied into their buffers on each device's compute stream.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from dtorch.core import env
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import ArgumentError, DtorchError, DTypeError, ShapeError, SyncTimeout
-from dtorch.core.memory import MemoryKind
+from dtorch.core.memory import MemoryKind, allocate
 from dtorch.dispatch import dispatcher as _global_dispatcher
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
@@ -27,11 +32,46 @@ from dtorch.dispatch.prepared import PreparedKernel
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.graph.logical import LogicalGraph
 from dtorch.graph.operand import COMMUNICATE, Operand, Operator
-from dtorch.runtime.blob import Blob, DistTensor, local_piece
+from dtorch.runtime.blob import Blob, DistTensor, device_piece, mark_cross_stream_reads, record_use
 from dtorch.runtime.comm import Communicator, default_communicator
-from dtorch.runtime.kernel import CollectiveKernel, DispatchKernel, Kernel, LocalKernel, PythonKernel, RunState
+from dtorch.runtime.kernel import (
+    CollectiveKernel,
+    DispatchKernel,
+    Kernel,
+    LocalKernel,
+    PythonKernel,
+    RunState,
+    Segment,
+    ViewKernel,
+    check_dense,
+)
+from dtorch.runtime.plan import BufferPlan, Pool
 from dtorch.runtime.stream import StreamManager, StreamType
 from dtorch.runtime.tracing import Tracer
+
+
+class _Feed:
+    """Copies one fed input's piece into its static buffer, first thing on the device's compute stream."""
+
+    __slots__ = ("pairs", "label")
+    traced = False
+
+    def __init__(self, label: str) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.label = label
+
+    def execute(self, stream: Any, state: RunState | None) -> None:
+        try:
+            for dst, src in self.pairs:
+                dst.copy_(src, non_blocking=True)
+                record_use(src)  # src was made on the caller's stream and is read on this one
+        except BaseException as exc:  # noqa: BLE001 - reported at the next synchronization
+            if state is None or stream is None:
+                raise
+            state.abort()
+            state.error = state.error or DtorchError(f"copying the feeds on {stream.name} failed: {exc}")
+        finally:
+            self.pairs = []
 
 
 class Runner:
@@ -39,80 +79,149 @@ class Runner:
 
     ``communicator``: default the in-process one for this process's devices; ``release=False`` keeps
     every Blob (for comparison); ``trace=True`` (or DTORCH_TRACE) records each kernel's start and end;
-    ``timeout`` bounds each synchronization (default DTORCH_SYNC_TIMEOUT).
+    ``timeout`` bounds each synchronization (default DTORCH_SYNC_TIMEOUT); ``streams``: a ``StreamManager``
+    shared with other Runners (its threads outlive this Runner); ``static``: plan every buffer at build.
     """
 
     def __init__(self, graph: LogicalGraph, communicator: Communicator | None = None, *, release: bool = True,
                  trace: bool | None = None, timeout: float | None = None,
-                 dispatcher: Dispatcher | None = None) -> None:
+                 dispatcher: Dispatcher | None = None, streams: StreamManager | None = None,
+                 static: bool = False) -> None:
         if not isinstance(graph, LogicalGraph):
             raise ArgumentError(f"Runner: expected a LogicalGraph, got {type(graph).__name__}")
         if not graph.outputs:
             raise ArgumentError("Runner: the graph has no outputs (mark results with graph.output(name, x))")
         self.graph = graph
         self.mesh = graph.mesh
+        self.static = static
         self.timeout = env.sync_timeout() if timeout is None else float(timeout)
         self.comm = communicator if communicator is not None else default_communicator(self.mesh.ids, self.timeout)
         self.local_ids = self.mesh.local_ids(self.comm.process)
-        self.manager = StreamManager(len(self.local_ids))
-        self._finalizer = weakref.finalize(self, self.manager.shutdown)  # a dropped Runner leaves no threads
-        self.tracer = Tracer() if (env.trace() if trace is None else trace) else None
-        self.manager.set_tracer(self.tracer)
+        if streams is None:
+            self.manager = StreamManager(len(self.local_ids))
+            self._finalizer = weakref.finalize(self, self.manager.shutdown)  # a dropped Runner leaves no threads
+            self.tracer = Tracer() if (env.trace() if trace is None else trace) else None
+            self.manager.set_tracer(self.tracer)
+        else:
+            self.manager = streams
+            self._finalizer = weakref.finalize(self, lambda: None)
+            self.tracer = streams.tracer
         self._dispatcher = dispatcher or _global_dispatcher
         self._lock = threading.Lock()
         self._dirty = False
         self.blobs: dict[tuple[int, int], Blob] = {}  # (operand index, global id) -> Blob
         self.kernels: list[Kernel] = []
+        self.buffer_bytes = 0  # bytes of the static plan's buffers, all local devices
+        self._feeds: dict[int, _Feed] = {}
         self._build(release)
+        self._program = self._schedule()
 
     # -- build ---------------------------------------------------------------------------------
 
     def _build(self, release: bool) -> None:
         g, n = self.graph, self.mesh.size
         pinned = {x.index for x in g.outputs.values()} | {x.index for x, _ in g.params.values()}
+        pinned |= {x.index for x, _ in g.states.values()}
+        if self.static:
+            pinned |= {x.index for x in g.operands}
         for x in g.operands:
             for i in self.local_ids:
                 kind = MemoryKind.PERSISTENT if x.index in pinned and x.producer is None else MemoryKind.ACTIVATION
                 self.blobs[(x.index, i)] = Blob(self.mesh.device(i), kind, pinned=x.index in pinned or not release)
-        for x, value in g.params.values():
+        for x, value in list(g.params.values()) + list(g.states.values()):
             for i in self.local_ids:
-                self.blobs[(x.index, i)].tensor = local_piece(value, x.placement, self.mesh.rank(i), n)
+                piece = value.local(i) if isinstance(value, DistTensor) else \
+                    device_piece(value, x.placement, self.mesh.rank(i), n, self.mesh.device(i))
+                self.blobs[(x.index, i)].tensor = piece
+        plan = BufferPlan(g) if self.static else None
+        pools = {i: Pool(self.mesh.device(i)) for i in self.local_ids}
+        if plan is not None:
+            for x in g.inputs.values():
+                for i in self.local_ids:
+                    self.blobs[(x.index, i)].tensor = pools[i].take(x.local_shapes[i], x.dtype)
         by_output: dict[tuple[int, int], Kernel] = {}
-        for node in g.operators:
+        for k, node in enumerate(g.operators):
             for i in self.local_ids:
-                k = self._kernel(node, i)
-                k.release = release
-                k.seq = len(self.kernels)
+                kern = self._kernel(node, i)
+                if plan is not None:
+                    self._place(node, i, kern, pools[i], plan)
+                    for r in plan.frees.get(k, ()):
+                        pools[i].give(self.blobs[(r, i)].tensor)
+                    if node.kind == "view":
+                        continue  # taken once at build: nothing to run
+                kern.release = release and not self.static
+                kern.seq = len(self.kernels)
                 deps = []
                 for x in node.inputs:
                     if x is None:
                         continue
                     self.blobs[(x.index, i)].readers += 1
                     producer = by_output.get((x.index, i))
-                    if producer is not None and producer.stream is not k.stream and producer not in deps:
+                    if producer is not None and producer.stream is not kern.stream and producer not in deps:
                         producer.record = True
                         deps.append(producer)
-                k.deps = tuple(deps)
-                by_output[(node.outputs[0].index, i)] = k
-                self.kernels.append(k)
+                kern.deps = tuple(deps)
+                for y in node.outputs:
+                    by_output[(y.index, i)] = kern
+                self.kernels.append(kern)
+            if node.kind == "view" and plan is not None:  # a view's readers wait for the producer of its base
+                for i in self.local_ids:
+                    base = by_output.get((node.inputs[0].index, i))
+                    if base is not None:
+                        for y in node.outputs:
+                            by_output[(y.index, i)] = base
+        self.buffer_bytes = sum(p.nbytes for p in pools.values())
+        mark_cross_stream_reads(self.kernels)
+        self.manager.after_caller()  # the streams start after the params' copies to their devices
+
+    def _place(self, node: Operator, i: int, kern: Kernel, pool: Pool, plan: BufferPlan) -> None:
+        """Bind the static buffers of ``node`` on device ``i`` (its inputs are already bound)."""
+        ins = tuple(self.blobs[(x.index, i)].tensor if x is not None else None for x in node.inputs)
+        if isinstance(kern, ViewKernel):
+            outs = kern.views(ins[0])
+        else:
+            outs = []
+            for j, y in enumerate(node.outputs):
+                a = node.aliases[j] if node.aliases else None
+                if a is not None:
+                    outs.append(ins[a])
+                elif y.index in plan.dedicated:
+                    t = allocate(y.local_shapes[i], y.dtype, self.mesh.device(i), MemoryKind.WORKSPACE)
+                    pool.nbytes += t.numel() * t.element_size()
+                    outs.append(t)
+                else:
+                    outs.append(pool.take(y.local_shapes[i], y.dtype))
+            outs = tuple(outs)
+        for y, t in zip(node.outputs, outs, strict=True):
+            self.blobs[(y.index, i)].tensor = t
+        if isinstance(kern, DispatchKernel):
+            if kern.dense:
+                check_dense(node, ins, outs)
+            kern.fixed = (ins, outs)
+        elif not isinstance(kern, ViewKernel):
+            kern.fixed_out = outs[0]
 
     def _kernel(self, node: Operator, i: int) -> Kernel:
         device = self.mesh.device(i)
         stype = StreamType.COMMUNICATE if node.stream == COMMUNICATE else StreamType.COMPUTE
         stream = self.manager.stream(device, stype)
         ins = [self.blobs[(x.index, i)] if x is not None else None for x in node.inputs]
+        outs = [self.blobs[(y.index, i)] for y in node.outputs]
         out_x = node.outputs[0]
-        outs = [self.blobs[(out_x.index, i)]]
         shape = out_x.local_shapes[i]
         if node.kind == "kernel":
-            return DispatchKernel(node, i, device, ins, outs, stream, self._bind(node, i), shape, out_x.dtype)
+            params = node.local_params[i] if node.local_params else node.params
+            return DispatchKernel(node, i, device, ins, outs, stream, self._bind(node, i, params),
+                                  [y.local_shapes[i] for y in node.outputs], [y.dtype for y in node.outputs], params)
+        if node.kind == "view":
+            return ViewKernel(node, i, device, ins, outs, stream, [y.local_shapes[i] for y in node.outputs])
         if node.kind == "python":
             return PythonKernel(node, i, device, ins, outs, stream, node.fn, shape)
         if node.kind == "collective":
             return CollectiveKernel(node, i, device, ins, outs, stream, self.comm, shape, out_x.dtype)
         return LocalKernel(node, i, device, ins, outs, stream, self.mesh.rank(i), self.mesh.size)
 
-    def _bind(self, node: Operator, i: int) -> PreparedKernel:
+    def _bind(self, node: Operator, i: int, params: Any) -> PreparedKernel:
         """The kernel for (op, device type, dtype of the first input), chosen once with the call's static facts."""
         device = self.mesh.device(i)
         first = next(x for x in node.inputs if x is not None)
@@ -120,15 +229,46 @@ class Runner:
                  for x in node.inputs]
         try:
             return PreparedKernel(self._dispatcher, KernelKey(node.op, device.type, first.dtype),
-                                  Call(device, first.dtype, node.params, metas))
+                                  Call(device, first.dtype, params, metas))
         except DtorchError as exc:
             raise type(exc)(f"graph operator {node.name}: {exc}") from exc
+
+    def _schedule(self) -> list[tuple[str, Any, Any]]:
+        """The push program: ("push", stream, Segment), ("record", stream, slot), ("wait", stream, slot)."""
+        prog: list[tuple[str, Any, Any]] = []
+        open_runs: dict[Any, list[Kernel]] = {}
+        slots: dict[int, int] = {}  # kernel seq -> event slot
+        waited: dict[tuple[Any, Any], int] = {}  # (consumer stream, producer stream) -> last seq waited for
+
+        def flush(stream: Any) -> None:
+            run = open_runs.pop(stream, None)
+            if run:
+                prog.append(("push", stream, Segment(run)))
+
+        for k in self.kernels:
+            s = k.stream
+            for p in k.deps:
+                key = (s, p.stream)
+                if waited.get(key, -1) < p.seq:
+                    flush(s)
+                    prog.append(("wait", s, slots[p.seq]))
+                    waited[key] = p.seq
+            open_runs.setdefault(s, []).append(k)
+            if k.record:
+                flush(s)
+                slots[k.seq] = len(slots)
+                prog.append(("record", s, slots[k.seq]))
+        for s in list(open_runs):
+            flush(s)
+        self._slots = len(slots)
+        return prog
 
     # -- run -----------------------------------------------------------------------------------
 
     def run(self, feeds: Mapping[str, torch.Tensor] | None = None, return_dist: bool = False,
             timeout: float | None = None) -> dict[str, Any]:
-        """Run once; returns {output name: full tensor} (or ``DistTensor`` with ``return_dist=True``)."""
+        """Run once; returns {output name: full tensor} (or ``DistTensor`` with ``return_dist=True``; with a
+        static plan its pieces are the plan's buffers, valid until the next run)."""
         feeds = dict(feeds or {})
         self._check_feeds(feeds)
         with self._lock:
@@ -136,13 +276,9 @@ class Runner:
                 self.comm.reset()
                 self._dirty = False
             state = RunState(self.comm)
-            for b in self.blobs.values():
-                b.reset()
-            n = self.mesh.size
-            for name, x in self.graph.inputs.items():
-                for i in self.local_ids:
-                    self.blobs[(x.index, i)].tensor = local_piece(feeds[name], x.placement, self.mesh.rank(i), n)
-            self._push_all(state)
+            self._place_feeds(feeds, state)
+            self.manager.after_caller(state)  # after the feeds' copies and the caller's reads of the last results
+            self._push(state)
             try:
                 self.manager.synchronize(self.timeout if timeout is None else timeout)
             except SyncTimeout:
@@ -154,24 +290,54 @@ class Runner:
                 raise state.error
             return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
 
-    def _push_all(self, state: RunState) -> None:
-        events: dict[int, Any] = {}
-        waited: dict[tuple[Any, Any], int] = {}  # (consumer stream, producer stream) -> last seq waited for
-        for k in self.kernels:
-            s = k.stream
-            for p in k.deps:
-                key = (s, p.stream)
-                if waited.get(key, -1) < p.seq:
-                    s.wait(events[p.seq], state)
-                    waited[key] = p.seq
-            s.push(k, state)
-            if k.record:
-                events[k.seq] = s.record(state)
+    def _place_feeds(self, feeds: dict[str, torch.Tensor], state: RunState) -> None:
+        n = self.mesh.size
+        if not self.static:
+            for b in self.blobs.values():
+                b.reset()
+            for name, x in self.graph.inputs.items():
+                for i in self.local_ids:
+                    self.blobs[(x.index, i)].tensor = device_piece(feeds[name], x.placement, self.mesh.rank(i), n,
+                                                                   self.mesh.device(i))
+            return
+        for i in self.local_ids:
+            device = self.mesh.device(i)
+            feed = _Feed(f"feeds on {device}")
+            for name, x in self.graph.inputs.items():
+                feed.pairs.append((self.blobs[(x.index, i)].tensor,
+                                   device_piece(feeds[name], x.placement, self.mesh.rank(i), n, device)))
+            if not feed.pairs:
+                continue
+            if device.type == "cpu":  # every stream is idle between runs: copy here, no hand-off
+                feed.execute(None, state)
+                continue
+            # on a GPU the copies are ordered on the compute stream; the communicate stream waits for them
+            compute = self.manager.stream(device, StreamType.COMPUTE)
+            ready = compute.caller_event()  # the pieces above were made on the caller's stream
+            if ready is not None:
+                compute.wait(ready, state)
+            compute.push(feed, state)
+            if any(s.device == device and s.type is StreamType.COMMUNICATE for s in self.manager.streams):
+                self.manager.stream(device, StreamType.COMMUNICATE).wait(compute.record(state), state)
+
+    def _push(self, state: RunState) -> None:
+        events: list[Any] = [None] * self._slots
+        for what, stream, item in self._program:
+            if what == "push":
+                stream.push(item, state)
+            elif what == "record":
+                events[item] = stream.record(state)
+            else:
+                stream.wait(events[item], state)
 
     def _result(self, x: Operand, return_dist: bool) -> Any:
-        blobs = {i: Blob(self.mesh.device(i), tensor=self.blobs[(x.index, i)].tensor) for i in self.local_ids}
+        blobs = {i: Blob(self.mesh.device(i), tensor=record_use(self.blobs[(x.index, i)].tensor))
+                 for i in self.local_ids}
         dt = DistTensor(self.mesh, x.placement, x.shape, x.dtype, blobs)
-        return dt if return_dist else dt.full()
+        if return_dist:
+            return dt
+        full = dt.full()
+        return full.clone() if self.static and any(full is b.tensor for b in blobs.values()) else full
 
     def _check_feeds(self, feeds: dict[str, torch.Tensor]) -> None:
         want = self.graph.inputs
@@ -194,7 +360,7 @@ class Runner:
         self.manager.synchronize(self.timeout if timeout is None else timeout)
 
     def shutdown(self) -> None:
-        """Join every stream thread; the Runner cannot run afterwards."""
+        """Join every stream thread this Runner owns; the Runner cannot run afterwards."""
         self._finalizer()
 
     def __enter__(self) -> Runner:

@@ -1,0 +1,154 @@
+"""KV-cache op wrappers: ``reshape_and_cache`` stores a step's keys and values into the cache in place;
+``flash_attention_with_kvcache`` attends over each sequence's cached keys through its block table.
+
+Cache layout: key_cache / value_cache [num_blocks, block_size, Hkv, D]. ``slot_mapping`` int [T] gives
+each new token's flat row (block * block_size + offset; negative: padding, skipped). Sequence i has
+queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q [total_q, H, D], ``seqlens_k[i]`` keys in the cache
+(its new tokens included), held in blocks ``block_table[i, :ceil(seqlens_k[i] / block_size)]``.
+Causal masking is bottom-right, as flash-attn's: query j of a sequence with Tq queries and S keys sees
+keys up to j + S - Tq. Values are checked on CPU only (reading them elsewhere would sync with the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtorch.core.device import Device
+from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
+from dtorch.core.errors import ArgumentError, ShapeError
+from dtorch.ops import _checks
+from dtorch.ops._invoke import run
+from dtorch.ops.attention import _flag, _params, _scale
+from dtorch.ops.context import RuntimeContext
+
+CACHE = "llm.reshape_and_cache"
+ATTN = "llm.flash_attention_with_kvcache"
+
+
+def _check_cache(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _checks.tensor(op, name, t)
+        if t.dim() != 4:
+            raise ShapeError(f"{op}: {name!r} must be [num_blocks, block_size, Hkv, D], got {tuple(t.shape)}")
+    if key_cache.shape != value_cache.shape:
+        raise ShapeError(f"{op}: 'key_cache' {tuple(key_cache.shape)} and 'value_cache' {tuple(value_cache.shape)} "
+                         "must have the same shape")
+    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ShapeError(f"{op}: the caches must be contiguous (rows are addressed as block * block_size + offset)")
+
+
+def _check_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                             ctx: RuntimeContext | None) -> Device:
+    op = CACHE
+    _check_cache(op, key_cache, value_cache)
+    named = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
+             "slot_mapping": slot_mapping}
+    for name, t in named.items():
+        _checks.tensor(op, name, t)
+    device = _checks.same_device(op, named, ctx.device if ctx is not None else None)
+    _checks.dtype_in(op, "key", key, FLOAT_DTYPES)
+    _checks.same_dtype(op, {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache})
+    _checks.dtype_in(op, "slot_mapping", slot_mapping, INT_DTYPES)
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ShapeError(f"{op}: 'key' and 'value' must both be [T, Hkv, D], got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    if key.shape[1:] != key_cache.shape[2:]:
+        raise ShapeError(f"{op}: 'key' [T, Hkv, D] = {tuple(key.shape)} does not match the cache's [..., Hkv, D] "
+                         f"= {tuple(key_cache.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ShapeError(f"{op}: 'slot_mapping' must be [T] = [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if device.type == "cpu" and slot_mapping.numel():
+        rows = key_cache.shape[0] * key_cache.shape[1]
+        hi = int(slot_mapping.max())
+        if hi >= rows:
+            raise ArgumentError(f"{op}: 'slot_mapping' holds slot {hi}, but the cache has {rows} rows "
+                                f"({key_cache.shape[0]} blocks of {key_cache.shape[1]})")
+    return device
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, *, ctx: RuntimeContext | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write key/value [T, Hkv, D] into rows ``slot_mapping`` [T] of the caches [blocks, block_size, Hkv, D], in
+    place (negative slots are skipped); returns (key_cache, value_cache)."""
+    device = _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, ctx)
+    _run(CACHE, device, key.dtype, (key, value, key_cache, value_cache, slot_mapping), (key_cache, value_cache),
+         None, ctx)
+    return key_cache, value_cache
+
+
+def _check_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     seqlens_k: torch.Tensor, block_table: torch.Tensor, ctx: RuntimeContext | None) -> Device:
+    op = ATTN
+    _check_cache(op, key_cache, value_cache)
+    named = {"q": q, "key_cache": key_cache, "value_cache": value_cache, "cu_seqlens_q": cu_seqlens_q,
+             "seqlens_k": seqlens_k, "block_table": block_table}
+    for name, t in named.items():
+        _checks.tensor(op, name, t)
+    device = _checks.same_device(op, named, ctx.device if ctx is not None else None)
+    _checks.dtype_in(op, "q", q, FLOAT_DTYPES)
+    _checks.same_dtype(op, {"q": q, "key_cache": key_cache, "value_cache": value_cache})
+    for name in ("cu_seqlens_q", "seqlens_k", "block_table"):
+        _checks.dtype_in(op, name, named[name], (torch.int32,))
+    if q.dim() != 3 or q.shape[-1] != key_cache.shape[-1]:
+        raise ShapeError(f"{op}: 'q' must be [total_q, H, D] with the cache's D = {key_cache.shape[-1]}, "
+                         f"got {tuple(q.shape)}")
+    h, hkv = q.shape[1], key_cache.shape[2]
+    if hkv == 0 or h % hkv:
+        raise ShapeError(f"{op}: q's head count H = {h} must be a multiple of the cache's Hkv = {hkv} (GQA)")
+    n = seqlens_k.shape[0] if seqlens_k.dim() == 1 else -1
+    if n < 0 or cu_seqlens_q.shape != (n + 1,) or block_table.dim() != 2 or block_table.shape[0] != n:
+        raise ShapeError(f"{op}: need seqlens_k [N], cu_seqlens_q [N + 1] and block_table [N, max_blocks]; got "
+                         f"{tuple(seqlens_k.shape)}, {tuple(cu_seqlens_q.shape)} and {tuple(block_table.shape)}")
+    if device.type == "cpu":
+        _check_values(cu_seqlens_q, seqlens_k, block_table, q.shape[0], key_cache.shape[0], key_cache.shape[1])
+    return device
+
+
+def _check_values(cu_q: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, total_q: int, blocks: int,
+                  block_size: int) -> None:
+    op = ATTN
+    bq = cu_q.tolist()
+    if bq[0] != 0 or bq[-1] != total_q or any(b > a for a, b in zip(bq[1:], bq[:-1], strict=True)):
+        raise ArgumentError(f"{op}: 'cu_seqlens_q' must rise from 0 to total_q = {total_q}, got {bq}")
+    for i, n in enumerate(lens.tolist()):
+        if n < 0:
+            raise ArgumentError(f"{op}: 'seqlens_k' must be >= 0, got {n} for sequence {i}")
+        used = -(-n // block_size)
+        if used > table.shape[1]:
+            raise ArgumentError(f"{op}: sequence {i} has {n} keys, more than its {table.shape[1]} blocks of "
+                                f"{block_size} hold")
+        ids = table[i, :used].tolist()
+        if ids and (min(ids) < 0 or max(ids) >= blocks):
+            raise ArgumentError(f"{op}: block_table row {i} names block(s) {ids}, outside 0..{blocks - 1}")
+
+
+def flash_attention_with_kvcache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_table: torch.Tensor,
+                                 causal: bool = True, scale: float | None = None, *, out: torch.Tensor | None = None,
+                                 ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """Attention of q [total_q, H, D] over each sequence's cached keys/values (read in place); -> [total_q, H, D]."""
+    device = _check_attention(q, key_cache, value_cache, cu_seqlens_q, seqlens_k, block_table, ctx)
+    params = _params(_flag(ATTN, "causal", causal), _scale(ATTN, scale, q.shape[-1]))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _checks.out(ATTN, out, q.shape, q.dtype, q.device)
+    _run(ATTN, device, q.dtype, (q, key_cache, value_cache, cu_seqlens_q, seqlens_k, block_table), (out,),
+         params, ctx)
+    return out
+
+
+def _run(op: str, device: Device, dtype: torch.dtype, inputs: tuple, outputs: tuple, params,
+         ctx: RuntimeContext | None) -> None:
+    from dtorch.dispatch.context import NO_PARAMS
+
+    params = NO_PARAMS if params is None else params
+    if ctx is None:
+        run(op, device, dtype, inputs, outputs, params)
+    else:
+        run(op, device, dtype, inputs, outputs, params, ctx.stream, ctx.workspace)
+
+
+__all__ = ["flash_attention_with_kvcache", "reshape_and_cache"]
