@@ -134,6 +134,8 @@ def test_kv_cache_and_weights_are_tagged_memory(pair):
     _, llm = pair
     llm.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     cache = llm._cache
-    assert memory.kind_of(cache.k) is MemoryKind.KV_CACHE and memory.kind_of(cache.v) is MemoryKind.KV_CACHE
+    pieces = [b.tensor for t in cache.tensors.values() for b in t.blobs.values()]
+    assert pieces and all(memory.kind_of(t) is MemoryKind.KV_CACHE for t in pieces)
     assert memory.live_bytes(MemoryKind.KV_CACHE) >= cache.nbytes
-    assert memory.kind_of(llm.model.layers[0].qkv.wt) is MemoryKind.PERSISTENT
+    weights = [b.tensor for t in llm.model.weights.values() for b in t.blobs.values()]
+    assert all(memory.kind_of(t) is MemoryKind.PERSISTENT for t in weights)

@@ -1,48 +1,57 @@
-"""The KV cache: preallocated KV_CACHE memory, one slot per running sequence.
+"""The KV cache: preallocated KV_CACHE memory, one slot per running sequence, split on KV heads.
 
-``k`` and ``v`` are ``[num_layers, num_slots, max_len, num_kv_heads, head_dim]``. A sequence owns
-one slot; its keys for layer l are ``k[l, slot, :length]``, a contiguous ``[length, Hkv, D]`` view,
-so attention over one sequence reads the cache in place.
+Per layer, keys and values are ``[num_slots, max_len, Hkv, D]`` ``DistTensor`` s placed as the layout
+says (``Shard(2)``: each device holds its KV heads), written in place by ``llm.reshape_and_cache`` and
+read in place by ``llm.flash_attention_with_kvcache``. A slot is one block of ``max_len`` rows: token
+``p`` of the sequence in slot ``s`` lives in flat row ``s * max_len + p``, and the block table of a step
+names each sequence's slot. The cache is zero-filled, so padding rows never read garbage.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dtorch.core.device import Device, as_device
 from dtorch.core.errors import ArgumentError, ModelError
 from dtorch.core.memory import MemoryKind, allocate
+from dtorch.graph import DeviceMesh
+from dtorch.graph.placement import local_shape
+from dtorch.models.layout import Layout
+from dtorch.runtime.blob import Blob, DistTensor
 
 
 class KVCache:
-    """Keys and values of up to ``num_slots`` sequences of at most ``max_len`` tokens each."""
+    """Keys and values of up to ``num_slots`` sequences of at most ``max_len`` tokens each, on ``mesh``."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
-                 dtype: torch.dtype, device: Device | str = "cpu") -> None:
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("num_slots", num_slots), ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
+    def __init__(self, layout: Layout, mesh: DeviceMesh, local_ids: tuple[int, ...], num_slots: int, max_len: int,
+                 dtype: torch.dtype) -> None:
+        for name, value in (("num_slots", num_slots), ("max_len", max_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"KVCache: {name} must be an int >= 1, got {value!r}")
-        self.device = as_device(device)
-        self.dtype = dtype
-        self.num_slots = num_slots
-        self.max_len = max_len
-        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
-        self.k = allocate(shape, dtype, self.device, MemoryKind.KV_CACHE)
-        self.v = allocate(shape, dtype, self.device, MemoryKind.KV_CACHE)
+        c = layout.config
+        self.num_slots, self.max_len, self.dtype = num_slots, max_len, dtype
+        shape = (num_slots, max_len, c.num_kv_heads, c.head_dim)
+        self.tensors: dict[str, DistTensor] = {}
+        for i in range(c.num_layers):
+            for kind in ("k_cache", "v_cache"):
+                pl = layout.placement(kind)
+                blobs = {}
+                for d in local_ids:
+                    mine = local_shape(shape, pl, mesh.rank(d), mesh.size)
+                    t = allocate(mine, dtype, mesh.device(d), MemoryKind.KV_CACHE, zero=True)
+                    blobs[d] = Blob(mesh.device(d), MemoryKind.KV_CACHE, t, pinned=True)
+                self.tensors[f"{kind}.{i}"] = DistTensor(mesh, pl, shape, dtype, blobs)
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        # [layer][slot] -> ([max_len, Hkv, D] keys, values): views made once, sliced every step
-        self.views = [[(self.k[i, s], self.v[i, s]) for s in range(num_slots)] for i in range(num_layers)]
 
-    def fits(self, num_seqs: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-        """Whether this cache can hold ``num_seqs`` sequences of ``max_len`` tokens with this layout."""
-        return (num_seqs <= self.num_slots and max_len <= self.max_len and dtype == self.dtype
-                and self.k.shape[3:] == (num_kv_heads, head_dim))
+    def fits(self, num_seqs: int, max_len: int, dtype: torch.dtype) -> bool:
+        """Whether this cache can hold ``num_seqs`` sequences of ``max_len`` tokens."""
+        return num_seqs <= self.num_slots and max_len <= self.max_len and dtype == self.dtype
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes this process holds (every local device, keys and values)."""
+        return sum(b.tensor.numel() * b.tensor.element_size() for t in self.tensors.values()
+                   for b in t.blobs.values())
 
     def alloc(self) -> int:
         """Take a free slot for a new sequence (length 0)."""
@@ -72,29 +81,3 @@ class KVCache:
                              f"more than the cache's max_len {self.max_len}")
         self.lengths[slot] = start + n
         return start
-
-    def write(self, layer: int, step, k: torch.Tensor, v: torch.Tensor,
-              read: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Store a step's new keys and values of ``layer``; with ``read``, return every sequence's keys and values.
-
-        step: a ``model.Step`` (its slots, starts, counts, positions and per-row slots); k, v: [T, Hkv, D].
-        Returns packed ``(keys, values)`` [sum(start + count), Hkv, D] in sequence order (a view of the
-        cache for one sequence, a copy for several), or ``(None, None)`` without ``read``.
-        """
-        if len(step.slots) == 1:
-            ks, vs = self.views[layer][step.slots[0]]  # [max_len, Hkv, D]
-            start = step.starts[0]
-            end = start + step.counts[0]
-            ks[start:end].copy_(k)
-            vs[start:end].copy_(v)
-            return (ks[:end], vs[:end]) if read else (None, None)
-        kc, vc = self.k[layer], self.v[layer]  # [slots, max_len, Hkv, D]
-        index = (step.row_slots, step.positions)
-        kc.index_put_(index, k)
-        vc.index_put_(index, v)
-        if not read:
-            return None, None
-        ends = [s + c for s, c in zip(step.starts, step.counts, strict=True)]
-        keys = torch.cat([kc[s, :e] for s, e in zip(step.slots, ends, strict=True)])
-        values = torch.cat([vc[s, :e] for s, e in zip(step.slots, ends, strict=True)])
-        return keys, values

@@ -6,9 +6,14 @@
     llm.chat([{"role": "user", "content": "..."}], params)
     llm.logits(token_ids)                                  # [T, vocab] float32, no cache
 
-Generation prefills every prompt of a call in one packed step (``flash_attention_varlen``), then
-decodes all running sequences together one token per step; a sequence that finishes leaves the
-batch and gives its cache slot back.
+The model runs on the runtime over a ``DeviceMesh``: one device by default, ``tensor_parallel_size=n``
+devices of this process (``cpu:0`` .. ``cpu:n-1``, or n GPUs), or, when ``torch.distributed`` is initialised
+(``torchrun``), one device per rank, every rank running the same steps (SPMD) and agreeing on every
+sampled token (rank 0 samples and broadcasts).
+
+Generation prefills the prompts of a call in packed steps of at most ``PREFILL_TOKENS`` tokens (a longer
+prompt is prefilled in chunks), then decodes all running sequences together one token per step; a
+sequence that finishes leaves the batch and gives its cache slot back.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ from typing import Any
 
 import torch
 
+from dtorch.core import env
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, ModelError
+from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.loaders import load_checkpoint
-from dtorch.models.model import Step, Transformer
+from dtorch.models.model import Transformer
+from dtorch.models.parallel import MeshSetup, setup_mesh
 from dtorch.models.sampling import SamplingParams, sample
 
-PREFILL_TOKENS = 4096  # prompts are prefilled in packed groups of at most this many tokens
+PREFILL_TOKENS = 512  # tokens of one prefill step at most: prompts are packed, a longer one is chunked
 
 
 @dataclass
@@ -96,20 +104,36 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
-                 dtype: torch.dtype | str = torch.float32, max_num_seqs: int = 16) -> None:
+                 dtype: torch.dtype | str = torch.float32, max_num_seqs: int = 16,
+                 tensor_parallel_size: int = 1) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ArgumentError(f"LLM: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
         dtype = as_dtype(dtype)
+        where: MeshSetup = setup_mesh(device, tensor_parallel_size)
         ckpt = load_checkpoint(model, dtype)
         self.source = ckpt.source
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
-        self.model = Transformer(ckpt.config, ckpt.tensors, device=device, dtype=dtype, source=ckpt.source)
+        tensors = ckpt.tensors
         del ckpt
-        self.device = self.model.device
+
+        def get(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+            t = tensors[name]
+            if dim is None:
+                return t
+            parts = [t.narrow(dim, start, length) for start, length in runs]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+        self.model = Transformer.load(self.config, get, where.mesh, where.local_ids, dtype)
+        tensors.clear()  # the full tensors go: only the placed pieces stay
+        self.mesh = where.mesh
+        self.rank = where.rank
+        self.device = where.mesh.device(where.local_ids[0])
+        self.executor = Executor(self.model, where.communicator, where.local_ids, env.sync_timeout())
+        self._spmd = where.spmd
         self.max_num_seqs = max_num_seqs
         self.max_len = self.config.max_position_embeddings
         self.stats = GenerationStats()
@@ -118,6 +142,19 @@ class LLM:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.size
+
+    def close(self) -> None:
+        """Stop the stream threads and release the communicator (also done when the object is collected)."""
+        self.executor.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"LLM({self.source!r}, {c.family}, {c.num_layers} layers, dtype={str(self.model.dtype)[6:]}, "
+                f"tensor_parallel_size={self.mesh.size} on {self.mesh})")
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -159,12 +196,21 @@ class LLM:
             for _, piece in pieces:
                 yield piece
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Logits of every position of one sequence: [T, vocab] float32; a full forward pass, no cache."""
+        """Logits of every position of one sequence: [T, vocab] float32; a full forward pass of its own."""
         ids = self._check_ids(list(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids), 0)
-        step = Step.build([len(ids)], [0], None, self.device.torch)
-        return self.model.forward(self._ids_tensor(ids), step, None, all_logits=True).clone()
+        cache = self._cache_for(1, len(ids))
+        slot = cache.alloc()
+        try:
+            out = []
+            for at in range(0, len(ids), PREFILL_TOKENS):
+                chunk = ids[at:at + PREFILL_TOKENS]
+                cache.reserve(slot, len(chunk))
+                out.append(self.executor.step(StepPlan(chunk, [len(chunk)], [at], [slot]), all_logits=True))
+            return torch.cat(out)
+        finally:
+            cache.release(slot)
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -176,7 +222,7 @@ class LLM:
                 raise ArgumentError(f"LLM.generate: params must be SamplingParams, got {type(p).__name__}")
         return [RequestOutput(p if isinstance(p, str) else None, self._encode(p, i)) for i, p in enumerate(prompts)]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _steps(self, outs: list[RequestOutput], params: list[SamplingParams],
                streaming: bool) -> Iterator[list[tuple[int, str]]]:
         """Run generation; after each step yield the new text of each sequence (when ``streaming``)."""
@@ -214,42 +260,51 @@ class LLM:
                 s.out.text = self._text(s)
 
     def _admit(self, waiting: list, running: list, cache: KVCache) -> list[tuple[int, _Sequence]]:
-        """Take waiting sequences into free cache slots, up to PREFILL_TOKENS prompt tokens."""
-        group, tokens = [], 0
+        """Take waiting sequences into free cache slots (their prompts are prefilled together, in chunks)."""
+        group = []
         while waiting and len(running) + len(group) < cache.num_slots:
-            n = len(waiting[0][1].out.prompt_token_ids)
-            if group and tokens + n > PREFILL_TOKENS:
-                break
             i, s = waiting.pop(0)
             s.slot = cache.alloc()
             group.append((i, s))
-            tokens += n
         return group
 
     def _prefill(self, group: list[tuple[int, _Sequence]], cache: KVCache, streaming: bool) -> list:
-        counts = [len(s.out.prompt_token_ids) for _, s in group]
-        slots = [s.slot for _, s in group]
-        for s, n in zip(slots, counts, strict=True):
-            cache.reserve(s, n)
-        step = Step.build(counts, [0] * len(group), slots, self.device.torch)
-        ids = self._ids_tensor([t for _, s in group for t in s.out.prompt_token_ids])
-        logits = self.model.forward(ids, step, cache)
-        return self._accept(group, logits, cache, streaming)
+        """Prefill the group's prompts in steps of at most PREFILL_TOKENS tokens, then sample each first token."""
+        done = [0] * len(group)  # prompt tokens of each sequence already in the cache
+        last: dict[int, torch.Tensor] = {}
+        while len(last) < len(group):
+            ids, counts, starts, slots, members, budget = [], [], [], [], [], PREFILL_TOKENS
+            for j, (_, s) in enumerate(group):
+                prompt = s.out.prompt_token_ids
+                take = min(len(prompt) - done[j], budget)
+                if take <= 0 or budget <= 0:
+                    continue
+                starts.append(cache.reserve(s.slot, take))
+                ids += prompt[done[j]:done[j] + take]
+                counts.append(take)
+                slots.append(s.slot)
+                members.append(j)
+                done[j] += take
+                budget -= take
+            logits = self.executor.step(StepPlan(ids, counts, starts, slots))
+            for row, j in enumerate(members):
+                if done[j] == len(group[j][1].out.prompt_token_ids):
+                    last[j] = logits[row]
+        return self._accept(group, torch.stack([last[j] for j in range(len(group))]), cache, streaming)
 
     def _decode(self, running: list[tuple[int, _Sequence]], cache: KVCache, streaming: bool) -> list:
         seqs = [s for _, s in running]
         starts = [cache.reserve(s.slot, 1) for s in seqs]
-        step = Step.build([1] * len(seqs), starts, [s.slot for s in seqs], self.device.torch)
-        ids = self._ids_tensor([s.out.token_ids[-1] for s in seqs])
-        logits = self.model.forward(ids, step, cache)
-        return self._accept(running, logits, cache, streaming)
+        plan = StepPlan([s.out.token_ids[-1] for s in seqs], [1] * len(seqs), starts, [s.slot for s in seqs])
+        return self._accept(running, self.executor.step(plan), cache, streaming)
 
     def _accept(self, group: list[tuple[int, _Sequence]], logits: torch.Tensor, cache: KVCache,
                 streaming: bool) -> list[tuple[int, str]]:
         """Sample one token per sequence; finish sequences that stop; returns the new text of each (streaming)."""
         pieces = []
         seqs = [s for _, s in group]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = self._agree(sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+                             if self.rank == 0 else [0] * len(seqs))
         for (index, s), tok in zip(group, tokens, strict=True):
             out = s.out
             out.token_ids.append(tok)
@@ -290,12 +345,30 @@ class LLM:
             ids = ids[:-1]
         return self.tokenizer.decode(ids)
 
+    def _agree(self, tokens: list[int]) -> list[int]:
+        """Every rank takes rank 0's sampled tokens (SPMD); in one process they are already everyone's."""
+        if not self._spmd:
+            return tokens
+        import torch.distributed as dist
+
+        t = torch.tensor(tokens, dtype=torch.int64, device=self.device.torch)
+        dist.broadcast(t, src=0)
+        return t.tolist()
+
     def _cache_for(self, num_seqs: int, max_len: int) -> KVCache:
-        c = self.config
-        if self._cache is None or not self._cache.fits(num_seqs, max_len, c.num_kv_heads, c.head_dim,
-                                                       self.model.dtype):
+        """A cache that holds ``num_seqs`` sequences of ``max_len`` tokens: the current one if it fits, else a
+        bigger one (slots: max_num_seqs at least; rows: a power of two, at least 256), which rebuilds the graphs."""
+        if self._cache is None or not self._cache.fits(num_seqs, max_len, self.model.dtype):
+            old = self._cache
+            slots = max(num_seqs, self.max_num_seqs, old.num_slots if old else 0)
+            rows = max(256, old.max_len if old else 0)
+            while rows < max_len:
+                rows *= 2
             self._cache = None  # free the old one first
-            self._cache = self.model.new_cache(num_seqs, max_len)
+            self.executor.use_cache(None)
+            self._cache = KVCache(self.model.layout, self.mesh, self.executor.local_ids, slots,
+                                  min(rows, max(self.max_len, max_len)), self.model.dtype)
+            self.executor.use_cache(self._cache)
         self._cache.reset()
         return self._cache
 
@@ -327,5 +400,3 @@ class LLM:
                              "tokens (max_position_embeddings) and at least one new token must fit")
         return ids
 
-    def _ids_tensor(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.int64, device=self.device.torch)

@@ -1,9 +1,9 @@
-"""One decoder-only transformer for Llama, Qwen2 and Qwen3, run as a fixed sequence of prepared operators.
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3, written once as a graph with placements.
 
-A step runs T rows (tokens) of N sequences packed together: a prefill step holds whole prompts, a
-decode step one token per sequence. ``Step`` describes the packing once; every layer then runs the
-same prepared ops on preallocated buffers (``_Buffers``): no kernel lookup, and per step only small
-allocations (the step's position and offset tensors, the logits, what the kernels make inside).
+``Transformer`` holds the weights placed once on a ``DeviceMesh`` (``DistTensor`` s, one piece per device)
+and builds the step graph of one shape bucket: T rows (tokens) of N sequences packed together, reading
+and writing the KV cache in place. A mesh of one device is the same graph; on n devices the placements
+of ``Layout`` make it tensor parallel and the graph inserts the all-reduces and the logits' all-gather.
 
 Family differences are configuration: ``attention_bias`` (Qwen2's q/k/v biases), ``qk_norm``
 (Qwen3's per-head RMS norms on q and k), ``tie_word_embeddings``, ``rope_scaling``.
@@ -11,200 +11,197 @@ Family differences are configuration: ``attention_bias`` (Qwen2's q/k/v biases),
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from dtorch.core.device import Device, as_device
 from dtorch.core.errors import ModelError
-from dtorch.core.memory import MemoryKind, allocate
+from dtorch.core.memory import MemoryKind, adopt
+from dtorch.graph import DeviceMesh, LogicalGraph, Replicate, Shard
+from dtorch.graph.placement import piece_ranges
 from dtorch.models.config import ModelConfig, rope_inv_freq
-from dtorch.models.kv_cache import KVCache
-from dtorch.models.layers import DecoderLayer, LayerWeights, Projection, SharedOps, check_shape
-from dtorch.ops import Attention, AttentionVarlen, OperatorInitContext
+from dtorch.models.layout import Layout
+from dtorch.runtime.blob import Blob, DistTensor
+
+# getter(hf_name, dim, runs) -> the rows/columns ``runs`` [(start, length)] of dim ``dim`` of a checkpoint tensor
+# (the whole tensor when ``dim`` is None)
+Getter = Callable[[str, "int | None", "list[tuple[int, int]]"], torch.Tensor]
 
 
-@dataclass(slots=True)
-class Step:
-    """How T rows are packed: N sequences, sequence i has ``counts[i]`` new tokens after ``starts[i]`` cached.
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A step shape: ``tokens`` rows of ``seqs`` sequences (padded); ``all_logits``: logits of every row."""
 
-    positions: [T] int64. cu_q / cu_k: [N+1] int32 cumulative query / key counts (keys = start + count).
-    last_rows: [N] int64, the row of each sequence's last token. slots: cache slot of each sequence.
+    tokens: int
+    seqs: int
+    all_logits: bool = False
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    b = least
+    while b < n:
+        b *= 2
+    return b
+
+
+def bucket_for(tokens: int, seqs: int, all_logits: bool = False) -> Bucket:
+    """The bucket that holds a step of ``tokens`` rows of ``seqs`` sequences; padding rows form one more sequence.
+
+    Decode steps (one row per sequence) pad to a power of two of sequences; other steps pad their rows to a
+    power of two (at least 16) and their sequences to a power of two.
     """
-
-    counts: list[int]
-    starts: list[int]
-    slots: list[int] | None
-    positions: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    last_rows: torch.Tensor
-    row_slots: torch.Tensor | None  # [T] int64: the cache slot of each row
-    fresh: bool  # every sequence starts at 0: attention can read the step's own k/v
-
-    @staticmethod
-    def build(counts: Sequence[int], starts: Sequence[int], slots: Sequence[int] | None,
-              device: torch.device) -> Step:
-        counts, starts = list(counts), list(starts)
-        ends = [s + c for s, c in zip(starts, counts, strict=True)]
-        if counts == [1] * len(counts):
-            positions = torch.tensor(starts, dtype=torch.int64)
-        else:
-            positions = torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in zip(starts, ends, strict=True)])
-        cu_q = torch.tensor([0] + counts, dtype=torch.int32).cumsum_(0, dtype=torch.int32)
-        cu_k = torch.tensor([0] + ends, dtype=torch.int32).cumsum_(0, dtype=torch.int32)
-        last = (cu_q[1:] - 1).to(torch.int64)
-        row_slots = None
-        if slots is not None:
-            slots = list(slots)
-            row_slots = torch.tensor(slots, dtype=torch.int64).repeat_interleave(torch.tensor(counts)).to(device)
-        return Step(counts, starts, slots, positions.to(device), cu_q.to(device), cu_k.to(device), max(counts),
-                    max(ends), last.to(device), row_slots, not any(starts))
-
-
-class _Buffers:
-    """Every activation of one step size T, allocated once as WORKSPACE memory and reused."""
-
-    def __init__(self, c: ModelConfig, rows: int, dtype: torch.dtype, device: Device) -> None:
-        def buf(*shape: int) -> torch.Tensor:
-            return allocate(shape, dtype, device, MemoryKind.WORKSPACE)
-
-        qs, kvs = c.q_size, c.kv_size
-        self.x = buf(rows, c.hidden_size)  # the residual stream
-        self.h = buf(rows, c.hidden_size)  # normed input of a block
-        self.o = buf(rows, c.hidden_size)  # a block's output, added to x by the next norm
-        self.qkv = buf(rows, qs + 2 * kvs)
-        self.qk = buf(rows, c.num_heads + c.num_kv_heads, c.head_dim)  # q and k after Qwen3's per-head norms
-        self.q, self.k = self.qk[:, :c.num_heads], self.qk[:, c.num_heads:]
-        self.attn = buf(rows, c.num_heads, c.head_dim)
-        self.gu = buf(rows, 2 * c.intermediate_size)
-        self.act = buf(rows, c.intermediate_size)
-        # views of the fused qkv output: [T, H, D], [T, Hkv, D], [T, Hkv, D]
-        self.q_in = self.qkv[:, :qs].view(rows, c.num_heads, c.head_dim)
-        self.k_in = self.qkv[:, qs:qs + kvs].view(rows, c.num_kv_heads, c.head_dim)
-        self.v_in = self.qkv[:, qs + kvs:].view(rows, c.num_kv_heads, c.head_dim)
-        # q and k heads side by side, rotated by one rope call: [T, H + Hkv, D]
-        self.qk_in = self.qkv[:, :qs + kvs].view(rows, c.num_heads + c.num_kv_heads, c.head_dim)
-        self.attn_flat = self.attn.view(rows, qs)
+    if tokens == seqs and not all_logits:
+        b = _pow2(seqs)
+        return Bucket(b, b)
+    t = _pow2(tokens, 16)
+    return Bucket(t, _pow2(seqs + (t > tokens)), all_logits)
 
 
 class Transformer:
-    """The model: weights bound to prepared operators for one (device, dtype).
+    """The model's weights placed on ``mesh`` (``layout`` says how) and its step graphs.
 
-    ``tensors`` uses Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight`` ...).
+    Build it with ``Transformer.load(config, getter, mesh, ...)``: every device's piece of every weight is read
+    through ``getter`` (so a process reads only the slices of its own devices) and fused/transposed there.
     """
 
-    def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor], *, device: Device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, source: str = "checkpoint") -> None:
-        self.config = c = config
-        self.device = as_device(device)
+    def __init__(self, config: ModelConfig, weights: Mapping[str, DistTensor], mesh: DeviceMesh,
+                 dtype: torch.dtype) -> None:
+        self.config = config
+        self.mesh = mesh
         self.dtype = dtype
-        init = OperatorInitContext(self.device, dtype)
+        self.layout = Layout(config, mesh.size)
+        self.weights = dict(weights)
+        self.inv_freq = rope_inv_freq(config)  # float32 [D / 2], scaled as the config says
 
-        def get(name: str, *shape: int) -> torch.Tensor:
-            t = check_shape(name, tensors.get(name), shape, source)
-            return t.to(device=self.device.torch, dtype=dtype)
+    # -- weights -------------------------------------------------------------------------------
 
-        H, Hkv, D, E, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size
-        self.embed = get("model.embed_tokens.weight", c.vocab_size, E).contiguous()
-        self.final_norm = get("model.norm.weight", E)
-        head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in tensors else \
-            get("lm_head.weight", c.vocab_size, E)
-        self.lm_head = Projection([head], None, init)
-        self.layers: list[DecoderLayer] = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            bias = c.attention_bias
-            w = LayerWeights(
-                input_norm=get(p + "input_layernorm.weight", E),
-                post_norm=get(p + "post_attention_layernorm.weight", E),
-                q=get(a + "q_proj.weight", H * D, E), k=get(a + "k_proj.weight", Hkv * D, E),
-                v=get(a + "v_proj.weight", Hkv * D, E), o=get(a + "o_proj.weight", E, H * D),
-                gate=get(p + "mlp.gate_proj.weight", inter, E), up=get(p + "mlp.up_proj.weight", inter, E),
-                down=get(p + "mlp.down_proj.weight", E, inter),
-                q_bias=get(a + "q_proj.bias", H * D) if bias else None,
-                k_bias=get(a + "k_proj.bias", Hkv * D) if bias else None,
-                v_bias=get(a + "v_proj.bias", Hkv * D) if bias else None,
-                q_norm=get(a + "q_norm.weight", D) if c.qk_norm else None,
-                k_norm=get(a + "k_norm.weight", D) if c.qk_norm else None)
-            self.layers.append(DecoderLayer(w, init))
-        self.ops = SharedOps(c.rms_norm_eps, D, c.max_position_embeddings, rope_inv_freq(c), init)
-        heads = dict(causal=True, scale=D ** -0.5, num_heads=H, num_kv_heads=Hkv, head_dim=D)
-        self.attention = AttentionVarlen(**heads).prepare(init)
-        self.dense_attention = Attention(**heads).prepare(init)
-        self._buffers: dict[int, _Buffers] = {}
+    @classmethod
+    def load(cls, config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...],
+             dtype: torch.dtype) -> Transformer:
+        """Place every weight: for each local device, read its pieces through ``get``, fuse, cast, move."""
+        layout = Layout(config, mesh.size)
+        weights = {}
+        for name, sources, combine, shape in _tensors(config):
+            pl = layout.placement(_kind(name))
+            blobs = {}
+            for i in local_ids:
+                rank = mesh.rank(i)
+                parts = []
+                for hf, dim, unit in sources:
+                    runs = [] if dim is None or mesh.size == 1 else \
+                        piece_ranges(Shard(dim, None, unit), _hf_shape(config, hf)[dim], rank, mesh.size)
+                    parts.append(get(hf, dim if runs else None, runs))
+                t = combine(parts).to(device=mesh.device(i).torch, dtype=dtype).contiguous()
+                blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
+            weights[name] = DistTensor(mesh, pl, shape, dtype, blobs)
+        return cls(config, weights, mesh, dtype)
 
-    # -- memory ---------------------------------------------------------------------------------
+    def weight_bytes(self, device_id: int | None = None) -> int:
+        """Bytes of the weights one device holds (default: every local device)."""
+        total = 0
+        for w in self.weights.values():
+            for i, b in w.blobs.items():
+                if device_id is None or i == device_id:
+                    total += b.tensor.numel() * b.tensor.element_size()
+        return total
 
-    def weight_bytes(self) -> int:
-        """Bytes of the weights one decode step reads (every projection, the norms and the LM head)."""
-        ts = [self.lm_head.wt, self.final_norm]
-        for layer in self.layers:
-            ts += [layer.qkv.wt, layer.o.wt, layer.gate_up.wt, layer.down.wt, layer.input_norm, layer.post_norm]
-        return sum(t.numel() * t.element_size() for t in ts)
+    # -- the step graph ------------------------------------------------------------------------
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+    def graph(self, bucket: Bucket, cache: Mapping[str, DistTensor]) -> LogicalGraph:
+        """The step graph of ``bucket``: inputs ids [T] int64, positions [T] int64, slot_mapping [T] int64,
+        cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table [N, 1] int32, and (unless every row is a
+        sequence's last) last_rows [N] int64; output "logits" [N, V] (or [T, V] with ``all_logits``).
+        ``cache``: "k_cache.{l}" / "v_cache.{l}" -> [slots, max_len, Hkv, D] placed by the layout."""
         c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_slots, max_len, self.dtype, self.device)
+        g = LogicalGraph(self.mesh)
+        T, N = bucket.tokens, bucket.seqs
+        H, Hkv, D, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        ids = g.input("ids", (T,), torch.int64)
+        positions = g.input("positions", (T,), torch.int64)
+        slots = g.input("slot_mapping", (T,), torch.int64)
+        cu_q = g.input("cu_seqlens_q", (N + 1,), torch.int32)
+        lens_k = g.input("seqlens_k", (N,), torch.int32)
+        table = g.input("block_table", (N, 1), torch.int32)
+        w = {name: g.param(name, t) for name, t in self.weights.items()}
+        eps, scale = c.rms_norm_eps, D ** -0.5
+        x = g.call("llm.embedding", ids, w["embed"])
+        o = None
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            if o is None:
+                h = g.call("llm.rms_norm", x, w[p + "input_norm"], eps=eps)
+            else:  # x += the previous block's output; h = norm(x)
+                h, x = g.call("llm.add_rms_norm", o, x, w[p + "input_norm"], eps=eps)
+            qkv = g.call("matmul.mm", h, w[p + "qkv"])  # [T, (H + 2 Hkv) D], each device [q_r | k_r | v_r]
+            if c.attention_bias:
+                qkv = g.call("binary.add", qkv, w[p + "qkv_bias"])
+            q, k, v = g.split(qkv, (c.q_size, c.kv_size, c.kv_size), 1)
+            q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
+            if c.qk_norm:
+                q = g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps)
+                k = g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps)
+            q = g.call("llm.rope", q, positions, inv_freq=self.inv_freq)
+            k = g.call("llm.rope", k, positions, inv_freq=self.inv_freq)
+            kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
+            kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, slots)
+            a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, cu_q, lens_k, table, causal=True, scale=scale)
+            o = g.call("matmul.mm", g.view(a, (T, H * D)), w[p + "o"])  # partial sums on n > 1 devices
+            h, x = g.call("llm.add_rms_norm", o, x, w[p + "post_norm"], eps=eps)
+            gate, up = g.split(g.call("matmul.mm", h, w[p + "gate_up"]), (inter, inter), 1)
+            o = g.call("matmul.mm", g.call("llm.silu_and_mul", gate, up), w[p + "down"])
+        h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
+        if not bucket.all_logits and T != N:  # the last row of each sequence
+            h = g.call("llm.embedding", g.input("last_rows", (N,), torch.int64), h)
+        logits = g.call("matmul.mm", h, w["lm_head"])
+        g.output("logits", g.redistribute(logits, Replicate()))
+        return g
 
-    def _buffers_for(self, rows: int) -> _Buffers:
-        """Buffers for a step of ``rows`` rows: decode sizes (up to 64 rows) are kept, a prefill size only until
-        the next prefill of another size."""
-        b = self._buffers.get(rows)
-        if b is None:
-            if rows > 64:
-                self._buffers = {r: v for r, v in self._buffers.items() if r <= 64}
-            b = self._buffers[rows] = _Buffers(self.config, rows, self.dtype, self.device)
-        return b
 
-    # -- forward --------------------------------------------------------------------------------
+def _kind(name: str) -> str:
+    """The layout entry of a model tensor name ("layers.3.qkv" -> "qkv")."""
+    return name.rpartition(".")[2] if name.startswith("layers.") else name
 
-    def forward(self, ids: torch.Tensor, step: Step, cache: KVCache | None, all_logits: bool = False) -> torch.Tensor:
-        """Run one step. ids: [T] int64 -> logits [N, V] (last row of each sequence) or [T, V] if ``all_logits``.
 
-        With ``cache`` the new keys and values are written to the sequences' slots and attention reads
-        them from there; without it every sequence must start at position 0 (a full forward pass).
-        """
-        T = ids.shape[0]
-        b = self._buffers_for(T)
-        ops, attn = self.ops, self.attention
-        if cache is None and not step.fresh:
-            raise ModelError("Transformer.forward: a step that continues cached sequences needs the cache")
-        qk_norm = self.config.qk_norm
-        dense, single = self.dense_attention, len(step.counts) == 1
-        ops.embed.forward_out(ids, self.embed, out=b.x)
-        rot = ops.rope.tables(step.positions)  # cos/sin of the step's positions, shared by every layer
-        qk = b.qk if qk_norm else b.qk_in
-        for i, layer in enumerate(self.layers):
-            if i == 0:
-                ops.norm.forward_out(b.x, layer.input_norm, out=b.h)
-            else:  # x += previous MLP output; h = norm(x)
-                ops.add_norm.forward_out(b.o, b.x, layer.input_norm, out=b.h, residual_out=b.x)
-            layer.qkv(b.h, out=b.qkv)
-            q, k = b.q_in, b.k_in  # views of the fused qkv output
-            if qk_norm:
-                q = ops.norm.forward_out(q, layer.q_norm, out=b.q)
-                k = ops.norm.forward_out(k, layer.k_norm, out=b.k)
-            ops.rope.forward_(qk, rot)  # q and k in place, one call
-            keys = values = None
-            if cache is not None:  # a fresh batch of prompts attends to its own k/v, others read the cache
-                keys, values = cache.write(i, step, k, b.v_in, read=single or not step.fresh)
-            if keys is None:
-                keys, values = k, b.v_in
-            if single:  # one sequence: dense attention reads the cache in place (bottom-right causal)
-                dense.forward_out(q[None], keys[None], values[None], out=b.attn[None])
-            else:
-                attn.forward_out(q, keys, values, step.cu_q, step.cu_k, step.max_q, step.max_k, out=b.attn)
-            layer.o(b.attn_flat, out=b.o)
-            ops.add_norm.forward_out(b.o, b.x, layer.post_norm, out=b.h, residual_out=b.x)
-            layer.gate_up(b.h, out=b.gu)
-            ops.silu_mul.forward_out(b.gu, out=b.act)
-            layer.down(b.act, out=b.o)
-        ops.add_norm.forward_out(b.o, b.x, self.final_norm, out=b.h, residual_out=b.x)
-        h = b.h if all_logits or T == len(step.counts) else b.h.index_select(0, step.last_rows)
-        logits = self.lm_head.mm.forward(h, self.lm_head.wt)
-        return logits if logits.dtype == torch.float32 else logits.float()
+def _hf_shape(c: ModelConfig, hf: str) -> tuple[int, ...]:
+    from dtorch.models.loaders.checkpoint import expected_shapes
+
+    shapes = expected_shapes(c)
+    if hf not in shapes:
+        raise ModelError(f"no tensor {hf!r} in a {c.family} model with this config")
+    return shapes[hf]
+
+
+def _cat_t(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, 0).t() if len(parts) > 1 else parts[0].t()
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+
+
+def _tensors(c: ModelConfig):
+    """(model name, [(HF name, HF dim it is split on or None, unit)], combine, global shape) of every weight."""
+    H, Hkv, D, E, inter, V = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.vocab_size
+    G = H // Hkv
+    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    yield "embed", [("model.embed_tokens.weight", 0, 1)], _cat, (V, E)
+    yield "lm_head", [(head, 0, 1)], _cat_t, (E, V)
+    yield "final_norm", [("model.norm.weight", None, 1)], _cat, (E,)
+    Q = (H + 2 * Hkv) * D
+    for i in range(c.num_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        n = f"layers.{i}."
+        yield n + "input_norm", [(p + "input_layernorm.weight", None, 1)], _cat, (E,)
+        yield n + "post_norm", [(p + "post_attention_layernorm.weight", None, 1)], _cat, (E,)
+        yield n + "qkv", [(a + "q_proj.weight", 0, G * D), (a + "k_proj.weight", 0, D),
+                          (a + "v_proj.weight", 0, D)], _cat_t, (E, Q)
+        if c.attention_bias:
+            yield n + "qkv_bias", [(a + "q_proj.bias", 0, G * D), (a + "k_proj.bias", 0, D),
+                                   (a + "v_proj.bias", 0, D)], _cat, (Q,)
+        if c.qk_norm:
+            yield n + "q_norm", [(a + "q_norm.weight", None, 1)], _cat, (D,)
+            yield n + "k_norm", [(a + "k_norm.weight", None, 1)], _cat, (D,)
+        yield n + "o", [(a + "o_proj.weight", 1, G * D)], _cat_t, (H * D, E)
+        yield n + "gate_up", [(m + "gate_proj.weight", 0, 1), (m + "up_proj.weight", 0, 1)], _cat_t, (E, 2 * inter)
+        yield n + "down", [(m + "down_proj.weight", 1, 1)], _cat_t, (inter, E)

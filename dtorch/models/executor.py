@@ -1,0 +1,117 @@
+"""``Executor``: runs model steps on the runtime, one ``Runner`` per step-shape bucket.
+
+A step is described on the host (``StepPlan``: each sequence's slot, first position and new tokens); the
+executor pads it to its bucket (``bucket_for``), builds the bucket's graph once (``Transformer.graph``) and
+runs it with ``Runner(static=True)``: every bucket graph shares the placed weights, the KV cache, the
+communicator and the stream threads, so a new bucket costs one graph build and its activation buffers.
+Padding rows form one extra sequence with no keys (its rows attend to nothing and write no cache slot).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dtorch.core.errors import ModelError
+from dtorch.models.kv_cache import KVCache
+from dtorch.models.model import Bucket, Transformer, bucket_for
+from dtorch.runtime.comm import Communicator
+from dtorch.runtime.runner import Runner
+from dtorch.runtime.stream import StreamManager
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step on the host: sequence i has ``counts[i]`` new tokens at positions ``starts[i]``.., in cache slot
+    ``slots[i]``; ``ids`` are all new tokens, sequence after sequence."""
+
+    ids: Sequence[int]
+    counts: Sequence[int]
+    starts: Sequence[int]
+    slots: Sequence[int]
+
+
+class Executor:
+    """Runs steps of ``model`` on its mesh; ``cache`` must be set (``use_cache``) before the first step."""
+
+    def __init__(self, model: Transformer, communicator: Communicator, local_ids: tuple[int, ...],
+                 timeout: float, trace: bool = False) -> None:
+        self.model = model
+        self.comm = communicator
+        self.local_ids = local_ids
+        self.timeout = timeout
+        self.streams = StreamManager(len(local_ids))
+        self.tracer = None
+        if trace:
+            self.set_trace(True)
+        self.cache: KVCache | None = None
+        self.runners: dict[Bucket, Runner] = {}
+
+    def set_trace(self, on: bool) -> None:
+        """Record every kernel's start and end on its stream (``self.tracer``), or stop."""
+        from dtorch.runtime.tracing import Tracer
+
+        self.tracer = Tracer() if on else None
+        self.streams.set_tracer(self.tracer)
+
+    def use_cache(self, cache: KVCache) -> None:
+        """Run later steps on ``cache``; the bucket graphs, which name the old cache, are dropped."""
+        if cache is not self.cache:
+            self.runners.clear()
+            self.cache = cache
+
+    def runner(self, bucket: Bucket) -> Runner:
+        """The Runner of ``bucket``, built on first use."""
+        r = self.runners.get(bucket)
+        if r is None:
+            g = self.model.graph(bucket, self.cache.tensors)
+            r = self.runners[bucket] = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True)
+        return r
+
+    def step(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
+        """Run one step; returns float32 logits [N, V] of each sequence's last token (``all_logits``: [T, V])."""
+        if self.cache is None:
+            raise ModelError("Executor.step: no KV cache (call use_cache first)")
+        counts = list(plan.counts)
+        n, t = len(counts), sum(counts)
+        bucket = bucket_for(t, n, all_logits)
+        feeds = self.feeds(plan, bucket)
+        logits = self.runner(bucket).run(feeds)["logits"]
+        logits = logits[:t] if all_logits else logits[:n]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def feeds(self, plan: StepPlan, bucket: Bucket) -> dict[str, torch.Tensor]:
+        """The step's padded inputs (host tensors; the Runner places them on each device)."""
+        T, N = bucket.tokens, bucket.seqs
+        counts, starts, slots = list(plan.counts), list(plan.starts), list(plan.slots)
+        t, n = sum(counts), len(counts)
+        L = self.cache.max_len
+        pad = T - t
+        positions = list(itertools.chain.from_iterable(range(s, s + c) for s, c in zip(starts, counts, strict=True)))
+        rows = [slot * L + p for slot, s, c in zip(slots, starts, counts, strict=True) for p in range(s, s + c)]
+        ids = list(plan.ids) + [0] * pad
+        positions += list(range(pad))
+        rows += [-1] * pad  # padding writes no cache row
+        seq_counts = counts + ([pad] if pad else [])
+        seq_counts += [0] * (N - len(seq_counts))
+        cu = list(itertools.accumulate(seq_counts, initial=0))
+        lens = [s + c for s, c in zip(starts, counts, strict=True)] + [0] * (N - n)
+        feeds = {
+            "ids": torch.tensor(ids, dtype=torch.int64),
+            "positions": torch.tensor(positions, dtype=torch.int64),
+            "slot_mapping": torch.tensor(rows, dtype=torch.int64),
+            "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
+            "seqlens_k": torch.tensor(lens, dtype=torch.int32),
+            "block_table": torch.tensor(slots + [0] * (N - n), dtype=torch.int32).view(N, 1),
+        }
+        if not bucket.all_logits and T != N:
+            feeds["last_rows"] = torch.tensor([cu[i + 1] - 1 for i in range(n)] + [0] * (N - n), dtype=torch.int64)
+        return feeds
+
+    def close(self) -> None:
+        """Stop the stream threads."""
+        self.runners.clear()
+        self.streams.shutdown()

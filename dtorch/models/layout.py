@@ -1,0 +1,62 @@
+"""The tensor-parallel layout of a decoder: which weight is split how over a mesh of n devices.
+
+The standard (Megatron) layout, as placements of the graph:
+- q/k/v fused into one column-parallel ``[E, (H + 2 Hkv) D]`` projection, blocked so that each device
+  holds ``[q_r | k_r | v_r]``; gate/up fused the same way into ``[E, 2 I]`` with ``[gate_r | up_r]``;
+- o and down row-parallel (``Shard(0)`` of their transposed weights), so their products are partial
+  sums that the graph all-reduces;
+- heads split by whole KV groups: device r holds KV heads ``shard_sizes(Hkv, n)[r]`` and the G = H / Hkv
+  query heads of each, so n need not divide the heads, only not exceed the KV heads;
+- the vocabulary split for the embedding (partial sums) and the LM head (gathered logits).
+
+Weights are stored transposed (``Wt [in, out]``, contiguous per device): a decode row then streams each
+weight front to back, which is what CPU BLAS reads fastest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtorch.core.errors import ModelError
+from dtorch.graph.placement import Placement, Replicate, Shard
+from dtorch.models.config import ModelConfig
+
+R = Replicate()
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Placements of every model tensor for ``config`` over ``n`` devices."""
+
+    config: ModelConfig
+    n: int
+
+    def __post_init__(self) -> None:
+        c, n = self.config, self.n
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ModelError(f"tensor_parallel_size must be an int >= 1, got {n!r}")
+        if n > c.num_kv_heads:
+            raise ModelError(f"tensor_parallel_size {n} exceeds the model's {c.num_kv_heads} KV heads "
+                             f"({c.num_heads} attention heads): each device needs at least one KV head and its "
+                             f"{c.num_heads // c.num_kv_heads} query heads; use at most {c.num_kv_heads} devices")
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (G)."""
+        return self.config.num_heads // self.config.num_kv_heads
+
+    def placement(self, name: str) -> Placement:
+        """The placement of model tensor ``name`` (see ``Transformer.TENSORS``)."""
+        c = self.config
+        if self.n == 1:
+            return R
+        d, g = c.head_dim, self.group
+        qkv = (c.q_size, c.kv_size, c.kv_size)
+        units = (g * d, d, d)
+        table = {
+            "embed": Shard(0), "lm_head": Shard(1),
+            "qkv": Shard(1, qkv, units), "qkv_bias": Shard(0, qkv, units), "o": Shard(0, None, g * d),
+            "gate_up": Shard(1, (c.intermediate_size, c.intermediate_size)), "down": Shard(0),
+            "k_cache": Shard(2), "v_cache": Shard(2),
+        }
+        return table.get(name, R)
