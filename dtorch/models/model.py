@@ -125,7 +125,8 @@ class Transformer:
         table = g.input("block_table", (N, 1), torch.int32)
         w = {name: g.param(name, t) for name, t in self.weights.items()}
         eps, scale = c.rms_norm_eps, D ** -0.5
-        x = g.call("llm.embedding", ids, w["embed"])
+        # row-parallel results (partial sums on n > 1 devices) are all-reduced into the replicated residual stream
+        x = g.redistribute(g.call("llm.embedding", ids, w["embed"]), Replicate())
         o = None
         for i in range(c.num_layers):
             p = f"layers.{i}."
@@ -146,10 +147,10 @@ class Transformer:
             kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
             kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, slots)
             a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, cu_q, lens_k, table, causal=True, scale=scale)
-            o = g.call("matmul.mm", g.view(a, (T, H * D)), w[p + "o"])  # partial sums on n > 1 devices
+            o = g.redistribute(g.call("matmul.mm", g.view(a, (T, H * D)), w[p + "o"]), Replicate())
             h, x = g.call("llm.add_rms_norm", o, x, w[p + "post_norm"], eps=eps)
             gate, up = g.split(g.call("matmul.mm", h, w[p + "gate_up"]), (inter, inter), 1)
-            o = g.call("matmul.mm", g.call("llm.silu_and_mul", gate, up), w[p + "down"])
+            o = g.redistribute(g.call("matmul.mm", g.call("llm.silu_and_mul", gate, up), w[p + "down"]), Replicate())
         h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
         if not bucket.all_logits and T != N:  # the last row of each sequence
             h = g.call("llm.embedding", g.input("last_rows", (N,), torch.int64), h)
