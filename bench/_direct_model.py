@@ -15,13 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from _direct_kv_cache import KVCache
+from _direct_layers import DecoderLayer, LayerWeights, Projection, SharedOps, check_shape
 
 from dtorch.core.device import Device, as_device
 from dtorch.core.errors import ModelError
 from dtorch.core.memory import MemoryKind, allocate
 from dtorch.models.config import ModelConfig, rope_inv_freq
-from _direct_kv_cache import KVCache
-from _direct_layers import DecoderLayer, LayerWeights, Projection, SharedOps, check_shape
 from dtorch.ops import Attention, AttentionVarlen, OperatorInitContext
 
 

@@ -26,6 +26,10 @@ LLM_NOT_IN_TABLE: dict[str, str] = {
                          "tested in tests/test_causal_conv1d.py against torch conv1d",
     "llm.causal_conv1d_update": "updates conv_state in place (output 1 is read and written); tested step by step "
                                 "against the full form in tests/test_causal_conv1d.py",
+    "llm.reshape_and_cache": "writes its two cache inputs in place through a slot mapping; tested in "
+                             "tests/test_kv_cache_ops.py against plain indexing",
+    "llm.flash_attention_with_kvcache": "reads keys through a block table with host-read lengths; tested in "
+                                        "tests/test_kv_cache_ops.py against torch sdpa on the gathered keys",
 }
 
 

@@ -1,4 +1,5 @@
-"""Two processes with gloo on localhost run the same graph (SPMD) and match torch; a lost rank is an error.
+"""Two processes with gloo on localhost run the same graph (SPMD) and match torch; a lost rank is an error,
+before the first collective or killed while its peer waits in one.
 
 The test starts this file as a script in two subprocesses (``python test_distributed_gloo.py RANK ...``),
 bounded by a timeout and always killed at the end.
@@ -7,10 +8,12 @@ bounded by a timeout and always killed at the end.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,6 +58,8 @@ def worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
     init_process_group(rank, world, port=port, timeout=4.0 if mode == "lost" else 60.0)
     if mode == "lost" and rank == 1:
         os._exit(0)  # this rank is lost before the first collective
+    if mode == "killed":
+        killed_mid_collective(rank, out_dir)
     g, _, _ = build(DeviceMesh.distributed("cpu"))
     runner = Runner(g, TorchDistCommunicator(), timeout=30)
     if mode == "match":
@@ -78,13 +83,42 @@ def worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
     os._exit(0)  # skip gloo's teardown, which may wait on the lost peer
 
 
+def killed_mid_collective(rank: int, out_dir: str) -> None:
+    """Rank 1 stalls in a Python kernel until the test kills it; rank 0 waits in the all-reduce after it. The
+    group's timeout (60 s) is far above the bound, so only the closed connection can end rank 0's wait in time."""
+    from dtorch.core.errors import CommunicationError
+    from dtorch.distributed import TorchDistCommunicator
+    from dtorch.graph import DeviceMesh, LogicalGraph, Partial, Replicate
+    from dtorch.runtime import Runner
+
+    def stall(t: torch.Tensor) -> torch.Tensor:
+        if rank == 1:
+            Path(out_dir, "rank1.ready").touch()
+            time.sleep(120)
+        return t * 2
+
+    g = LogicalGraph(DeviceMesh.distributed("cpu"))
+    y = g.python(stall, g.input("x", (4, 3)), shape=(4, 3), dtype=torch.float32, placement=Partial())
+    g.output("y", g.redistribute(y, Replicate()))  # the all-reduce
+    runner = Runner(g, TorchDistCommunicator(), timeout=90)
+    try:
+        runner.run({"x": torch.ones(4, 3)})
+        result = "no error"
+    except CommunicationError as exc:
+        result = f"CommunicationError at {time.time():.3f}: {exc}"
+    Path(out_dir, f"rank{rank}.txt").write_text(result)
+    runner.shutdown()
+    os._exit(0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _launch(mode: str, tmp_path: Path) -> list[subprocess.CompletedProcess | None]:
+def _launch(mode: str, tmp_path: Path, during: Callable[[list[subprocess.Popen]], None] | None = None) -> list:
+    """Run both ranks to the end within TIMEOUT (``during(procs)`` runs meanwhile); [(returncode, output)]."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(port), mode, str(tmp_path)], env=env,
@@ -92,6 +126,8 @@ def _launch(mode: str, tmp_path: Path) -> list[subprocess.CompletedProcess | Non
     logs = []
     deadline = time.monotonic() + TIMEOUT
     try:
+        if during is not None:
+            during(procs)
         for p in procs:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             logs.append((p.returncode, out))
@@ -128,6 +164,27 @@ def test_lost_rank_raises_communication_error_within_the_timeout(tmp_path):
     assert text.startswith("CommunicationError"), text
     seconds = float(text.split("after ")[1].split("s")[0])
     assert seconds < 15, text
+
+
+def test_rank_killed_mid_collective_raises_communication_error_on_its_peer(tmp_path):
+    killed_at: list[float] = []
+
+    def kill_rank1_once_it_stalls(procs: list[subprocess.Popen]) -> None:
+        ready, deadline = tmp_path / "rank1.ready", time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and procs[1].poll() is None, "rank 1 never reached its stall"
+            time.sleep(0.05)
+        time.sleep(1.0)  # rank 0 is in the all-reduce by now
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at.append(time.time())
+
+    logs = _launch("killed", tmp_path, during=kill_rank1_once_it_stalls)
+    assert logs[0][0] == 0, logs
+    text = (tmp_path / "rank0.txt").read_text()
+    assert text.startswith("CommunicationError"), text
+    assert "all_reduce on rank 0 of 2 failed: rank 1 was lost" in text, text
+    seconds = float(text.split("at ")[1].split(":")[0]) - killed_at[0]
+    assert seconds < 10, text  # the closed connection, not the group's 60 s timeout
 
 
 if __name__ == "__main__":

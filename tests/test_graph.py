@@ -69,7 +69,7 @@ def test_mlp_column_then_row_parallel(n):
     y = h @ g.param("w2", w2, Shard(0))
     assert h.placement == Shard(1) and y.placement == Partial()
     g.output("y", g.redistribute(y, Replicate()))
-    assert [op.op for op in g.operators].count("all_reduce") == 1
+    assert [op.op for op in g.operators].count("all_reduce") == (n > 1)  # one device: a relabel, no collective
     close(run_graph(g, {"x": x})["y"], torch.relu(x @ w1) @ w2)
 
 
@@ -125,7 +125,10 @@ def test_every_placement_change(n):
     g.output("p_to_s0", g.redistribute(p, Shard(0)))    # P -> S: reduce-scatter
     g.output("r_to_p", g.redistribute(r, Partial()))    # R -> P
     ops = {op.op for op in g.operators}
-    assert {"shard", "all_gather", "all_reduce", "reduce_scatter", "to_partial"} <= ops
+    if n > 1:
+        assert {"shard", "all_gather", "all_reduce", "reduce_scatter", "to_partial"} <= ops
+    else:  # one device holds the whole value under every placement: each move is a relabel
+        assert ops == {"reduce.sum", "unary.exp", "view"}
     out = run_graph(g, {"x": x})
     ref_sum = x.exp().sum(1, keepdim=True)
     close(out["s0_to_r"], x)

@@ -4,13 +4,20 @@ Each collective is a rendezvous: every device puts its call in its slot and wait
 last one to arrive runs the combination for all (``threading.Barrier``'s action), writing every
 device's ``out`` before anyone leaves, so the next collective cannot overwrite a slot still in use.
 A peer that never arrives breaks the barrier after ``timeout``; ``abort()`` breaks it at once.
+
+On GPUs the combination only *enqueues* work, each device's on its own caller's stream (the communicate
+stream that issued the call, recorded in the slot): ``torch.cuda.nccl`` over the per-device tensors when
+every tensor is a dense CUDA tensor and the layout is one NCCL takes (gathers and scatters along dim 0 in
+equal pieces), else peer copies with every device's stream made current in the combining thread, so that
+each cross-device copy is ordered by events against both devices' streams. On CPUs it runs at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -22,6 +29,10 @@ from dtorch.runtime.blob import local_piece
 from dtorch.runtime.comm import Communicator
 
 REDUCE_OPS = ("sum", "max")
+_NCCL_OPS = {"sum": 0, "max": 2}  # ncclRedOp_t: ncclSum, ncclMax
+# module attributes, so that tests can put a fake NCCL in their place
+nccl = torch.cuda.nccl
+NCCL_BUILT = hasattr(torch._C, "_nccl_all_reduce")
 
 
 class _Call(NamedTuple):
@@ -29,6 +40,7 @@ class _Call(NamedTuple):
     x: torch.Tensor | None
     out: torch.Tensor
     args: tuple
+    stream: Any  # the caller's current stream on out's device (None on CPU)
 
 
 class InProcessCommunicator(Communicator):
@@ -53,19 +65,20 @@ class InProcessCommunicator(Communicator):
     # -- collectives ---------------------------------------------------------------------------
 
     def all_reduce(self, device_id: int, x: torch.Tensor, out: torch.Tensor, op: str = "sum") -> None:
-        self._exchange(device_id, _Call("all_reduce", x, out, (_reduce_op(op),)))
+        self._exchange(device_id, _Call("all_reduce", x, out, (_reduce_op(op),), _stream_of(out)))
 
     def all_gather(self, device_id: int, x: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
-        self._exchange(device_id, _Call("all_gather", x, out, (dim,)))
+        self._exchange(device_id, _Call("all_gather", x, out, (dim % max(out.dim(), 1),), _stream_of(out)))
 
     def reduce_scatter(self, device_id: int, x: torch.Tensor, out: torch.Tensor, dim: int = 0,
                        op: str = "sum") -> None:
-        self._exchange(device_id, _Call("reduce_scatter", x, out, (dim, _reduce_op(op))))
+        args = (dim % max(x.dim(), 1), _reduce_op(op))
+        self._exchange(device_id, _Call("reduce_scatter", x, out, args, _stream_of(out)))
 
     def broadcast(self, device_id: int, x: torch.Tensor, out: torch.Tensor, src: int = 0) -> None:
         if src not in self._rank:
             raise DeviceError(f"broadcast: src {src} is not one of the devices {self.ids}")
-        self._exchange(device_id, _Call("broadcast", x, out, (self._rank[src],)))
+        self._exchange(device_id, _Call("broadcast", x, out, (self._rank[src],), _stream_of(out)))
 
     def _exchange(self, device_id: int, call: _Call) -> None:
         rank = self._rank_of(device_id, call.op)
@@ -89,7 +102,11 @@ class InProcessCommunicator(Communicator):
             if any(c.op != first.op or c.args != first.args for c in calls):
                 seen = ", ".join(f"{i}: {c.op}{c.args}" for i, c in zip(self.ids, calls, strict=True))
                 raise CommunicationError(f"devices issued different collectives at the same point: {seen}")
-            _COMBINE[first.op](calls, *first.args)
+            if _nccl_fits(calls):
+                _NCCL[first.op](calls, *first.args)
+            else:
+                with _current_streams([c.stream for c in calls]):
+                    _COMBINE[first.op](calls, *first.args)
         except BaseException as exc:
             self._error = exc
             raise
@@ -103,7 +120,7 @@ class InProcessCommunicator(Communicator):
     def send(self, device_id: int, x: torch.Tensor, dst: int) -> None:
         self._rank_of(device_id, "send")
         self._rank_of(dst, "send")
-        self._box(device_id, dst).put(x.clone())
+        self._box(device_id, dst).put((x.clone(), _stream_of(x)))  # the clone is ordered on the sender's stream
 
     def recv(self, device_id: int, out: torch.Tensor, src: int) -> None:
         self._rank_of(device_id, "recv")
@@ -120,10 +137,13 @@ class InProcessCommunicator(Communicator):
                 if waited >= self.timeout:
                     raise CommunicationError(f"recv on device {device_id}: nothing from device {src} "
                                              f"within {self.timeout:g}s") from None
+        got, sender_stream = got
         if got.shape != out.shape:
             raise CommunicationError(f"recv on device {device_id}: device {src} sent shape {list(got.shape)}, "
                                      f"expected {list(out.shape)}")
-        out.copy_(got)
+        # on GPUs the copy runs on the sender's stream (after its clone), ordered against ours by events
+        with _current_streams([sender_stream, _stream_of(out)]):
+            out.copy_(got)
 
     # -- faults --------------------------------------------------------------------------------
 
@@ -155,7 +175,65 @@ def _reduce_op(op: str) -> str:
     return op
 
 
+def _stream_of(t: torch.Tensor) -> Any:
+    """The calling thread's current stream on ``t``'s device (a stream thread's is its own), None on CPU."""
+    return torch.cuda.current_stream(t.device) if t.is_cuda else None
+
+
+@contextlib.contextmanager
+def _current_streams(streams: Sequence[Any]) -> Iterator[None]:
+    """Make each CUDA stream current on its device in this thread: a cross-device ``copy_`` then runs on the
+    source device's stream and waits, by events both ways, for the destination's (torch's peer-copy rule)."""
+    with contextlib.ExitStack() as stack:
+        for s in streams:
+            if isinstance(s, torch.cuda.Stream):
+                stack.enter_context(torch.cuda.stream(s))
+        yield
+
+
+def _nccl_fits(calls: list[_Call]) -> bool:
+    """Whether NCCL can run these calls: every tensor dense and CUDA, one per device, and gathers and
+    scatters along dim 0 in equal pieces (NCCL concatenates and splits the flat buffers)."""
+    first = calls[0]
+    if first.stream is None or not NCCL_BUILT:
+        return False
+    xs, outs = [c.x for c in calls], [c.out for c in calls]
+    if not (nccl.is_available(xs) and nccl.is_available(outs)):
+        return False
+    if first.op == "all_gather":
+        return first.args[0] == 0 and all(x.shape == xs[0].shape for x in xs)
+    if first.op == "reduce_scatter":
+        return first.args[0] == 0 and xs[0].shape[0] % len(calls) == 0
+    return True
+
+
+def _nccl_all_reduce(calls: list[_Call], op: str) -> None:
+    nccl.all_reduce([c.x for c in calls], [c.out for c in calls], op=_NCCL_OPS[op], streams=[c.stream for c in calls])
+
+
+def _nccl_all_gather(calls: list[_Call], dim: int) -> None:
+    nccl.all_gather([c.x for c in calls], [c.out for c in calls], streams=[c.stream for c in calls])
+
+
+def _nccl_reduce_scatter(calls: list[_Call], dim: int, op: str) -> None:
+    nccl.reduce_scatter([c.x for c in calls], [c.out for c in calls], op=_NCCL_OPS[op],
+                        streams=[c.stream for c in calls])
+
+
+def _nccl_broadcast(calls: list[_Call], src_rank: int) -> None:
+    root = calls[src_rank]
+    with _current_streams([root.stream]):
+        root.out.copy_(root.x)
+    nccl.broadcast([c.out for c in calls], root=src_rank, streams=[c.stream for c in calls])
+
+
+_NCCL: dict[str, Any] = {"all_reduce": _nccl_all_reduce, "all_gather": _nccl_all_gather,
+                         "reduce_scatter": _nccl_reduce_scatter, "broadcast": _nccl_broadcast}
+
+
 def _reduce(xs: list[torch.Tensor], op: str, out: torch.Tensor) -> torch.Tensor:
+    """reduce(op) of ``xs`` into ``out``; a piece on another device is first copied to out's (no-op on CPU)."""
+    xs = [x.to(out.device) for x in xs]
     if len(xs) == 1:
         out.copy_(xs[0])
         return out
@@ -175,7 +253,7 @@ def _all_reduce(calls: list[_Call], op: str) -> None:
 def _all_gather(calls: list[_Call], dim: int) -> None:
     xs = [c.x for c in calls]
     for c in calls:
-        torch.cat(xs, dim=dim, out=c.out)
+        torch.cat([x.to(c.out.device) for x in xs], dim=dim, out=c.out)
 
 
 def _reduce_scatter(calls: list[_Call], dim: int, op: str) -> None:

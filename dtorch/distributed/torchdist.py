@@ -3,8 +3,13 @@
 The same graph runs SPMD, one process per device (global device id = rank), e.g. under ``torchrun``:
 every process builds the same graph and a ``Runner`` with this communicator, and drives its own device.
 gloo has no reduce-scatter and needs equal pieces for all-gather, so reduce-scatter is an all-reduce
-and a local slice, and uneven all-gathers pad to the largest piece. Failures, including a lost peer
-(a closed connection, or nothing within the process group's timeout), raise ``CommunicationError``.
+and a local slice, and uneven all-gathers pad to the largest piece.
+
+Every collective keeps the timeout the group was built with (``init_process_group(timeout=...)``). A
+failure raises ``CommunicationError`` naming the op, this rank and the peer: a peer whose process died
+closes its connections, and gloo raises at once ("Connection closed by peer"); a peer alive but stuck
+raises after the group's timeout. A Runner driving this communicator should have a sync timeout longer
+than the group's, so that the communicate stream's error, not a ``SyncTimeout``, is what surfaces.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.distributed as dist
 
 from dtorch.core import env
 from dtorch.core.errors import ArgumentError, CommunicationError
+from dtorch.graph.mesh import local_cuda_index
 from dtorch.graph.placement import Shard, shard_sizes
 from dtorch.runtime.blob import local_piece
 from dtorch.runtime.comm import Communicator
@@ -25,19 +31,48 @@ from dtorch.runtime.comm import Communicator
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def init_process_group(rank: int, world_size: int, *, backend: str = "gloo", addr: str | None = None,
-                       port: int | None = None, timeout: float | None = None) -> None:
-    """Join the process group (``MASTER_ADDR``/``MASTER_PORT`` unless given); ``timeout`` seconds bounds every
-    collective, so a lost peer surfaces as an error instead of a hang."""
+def init_process_group(rank: int | None = None, world_size: int | None = None, *, backend: str = "gloo",
+                       addr: str | None = None, port: int | None = None, timeout: float | None = None) -> None:
+    """Join the process group. ``rank``/``world_size`` default to torchrun's ``RANK``/``WORLD_SIZE``, the
+    rendezvous to ``MASTER_ADDR``/``MASTER_PORT``; ``timeout`` seconds (default DTORCH_SYNC_TIMEOUT) bounds
+    every collective of the group, so a lost peer surfaces as an error instead of a hang. With "nccl" the
+    rank's local GPU is made current first (``local_cuda_index``)."""
+    rank = _env_int("RANK", 0) if rank is None else rank
+    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     addr = addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = port or int(os.environ.get("MASTER_PORT", "29500"))
-    seconds = env.sync_timeout() if timeout is None else timeout
+    port = port or _env_int("MASTER_PORT", 29500)
+    seconds = env.sync_timeout() if timeout is None else float(timeout)
+    if seconds <= 0:
+        raise ArgumentError(f"init_process_group: timeout must be > 0 seconds, got {timeout!r}")
+    if backend == "nccl":
+        torch.cuda.set_device(local_cuda_index(rank))
     try:
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=seconds))
     except (RuntimeError, ValueError) as exc:
         raise CommunicationError(f"init_process_group(rank {rank} of {world_size}, {backend}, {addr}:{port}) "
                                  f"failed: {exc}") from exc
+
+
+def _env_int(name: str, default: int) -> int:
+    """A torchrun variable (not a dtorch flag) as an int."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not raw.strip().isdigit():
+        raise ArgumentError(f"init_process_group: environment variable {name}={raw!r} is not a non-negative int")
+    return int(raw)
+
+
+def group_timeout(group: object | None = None) -> float | None:
+    """Seconds the process group's collectives wait for a peer (None if torch does not say)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
 
 
 class TorchDistCommunicator(Communicator):
@@ -50,13 +85,29 @@ class TorchDistCommunicator(Communicator):
         self.group = group
         self.process = dist.get_rank(group)
         self.ids = tuple(range(dist.get_world_size(group)))
+        self.timeout = group_timeout(group)  # what every collective waits for a peer; set by the group
 
-    def _do(self, what: str, fn: Callable[[], None]) -> None:
+    def _do(self, what: str, fn: Callable[[], None], peer: int | None = None) -> None:
+        """Run one collective (``peer``: the other side of a send/recv); any failure becomes a CommunicationError."""
         try:
             fn()
-        except (RuntimeError, ValueError, dist.DistBackendError) as exc:
-            raise CommunicationError(f"{what} on rank {self.process} of {len(self.ids)} failed (a peer may be "
-                                     f"lost): {type(exc).__name__}: {exc}") from exc
+        except (RuntimeError, ValueError) as exc:  # gloo and NCCL errors (DistBackendError) are RuntimeErrors
+            raise CommunicationError(self._explain(what, exc, peer)) from exc
+
+    def _explain(self, what: str, exc: BaseException, peer: int | None) -> str:
+        others = [peer] if peer is not None else [r for r in self.ids if r != self.process]
+        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        text = str(exc)
+        low = text.lower()
+        if any(k in low for k in ("closed by peer", "connection reset", "broken pipe", "connection refused")):
+            why = f"{who} was lost: its connection closed (the process exited or crashed; see its log)"
+        elif "timed out" in low or "timeout" in low:
+            limit = f"{self.timeout:g}s" if self.timeout is not None else "the group's timeout"
+            why = (f"{who} did not answer within {limit}, the process group's timeout (a stuck or slow peer; "
+                   f"a longer wait is init_process_group(timeout=...))")
+        else:
+            why = f"{who} may be lost"
+        return f"{what} on rank {self.process} of {len(self.ids)} failed: {why}. {type(exc).__name__}: {text}"
 
     def all_reduce(self, device_id: int, x: torch.Tensor, out: torch.Tensor, op: str = "sum") -> None:
         out.copy_(x)
@@ -85,10 +136,10 @@ class TorchDistCommunicator(Communicator):
         self._do("broadcast", lambda: dist.broadcast(out, src=src, group=self.group))
 
     def send(self, device_id: int, x: torch.Tensor, dst: int) -> None:
-        self._do("send", lambda: dist.send(x.contiguous(), dst=dst, group=self.group))
+        self._do("send", lambda: dist.send(x.contiguous(), dst=dst, group=self.group), peer=dst)
 
     def recv(self, device_id: int, out: torch.Tensor, src: int) -> None:
-        self._do("recv", lambda: dist.recv(out, src=src, group=self.group))
+        self._do("recv", lambda: dist.recv(out, src=src, group=self.group), peer=src)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -123,18 +123,19 @@ class LogicalGraph:
         shapes = [o.shape if o is not None else None for o in b.inputs]
         current = [o.placement if o is not None else None for o in b.inputs]
         # a blocked shard is, to the rules, a shard of its dim; the blocks ride along to a same-sized output dim
-        st = choose(b.kernel_op, shapes, [_plain(p) for p in current], b.params)
-        want = tuple(c if isinstance(c, Shard) and c.blocks is not None and w == _plain(c) else w
+        st = choose(b.kernel_op, shapes, current, b.params, n=self.mesh.size, num_outputs=nout,
+                    pinned=[a for a in aliases if a is not None])
+        want = tuple(c if isinstance(c, Shard) and not c.plain and w == _plain(c) else w
                      for c, w in zip(current, st[0], strict=False))
         outs = st[1] if isinstance(st[1], tuple) else (st[1],)
         if len(outs) != nout:
             raise GraphError(f"graph operator {name}: its placement rule gives {len(outs)} output placements for "
                              f"{nout} outputs")
-        blocks = {c.blocks for c in current if isinstance(c, Shard) and c.blocks is not None}
-        if len(blocks) == 1:
-            bl = blocks.pop()
-            outs = tuple(Shard(p.dim, bl) if isinstance(p, Shard) and p.blocks is None and g.shape[p.dim] == sum(bl)
-                         else p for p, g in zip(outs, glob, strict=True))
+        # a blocked or unit shard carries over to an output dim of the same extent (blocks and units are per extent)
+        shaped = {(c.blocks, c.unit, o.shape[c.dim]) for c, o, w in zip(current, b.inputs, want, strict=False)
+                  if isinstance(c, Shard) and not c.plain and w == c}
+        if shaped:
+            outs = tuple(_carry(p, g.shape, shaped) for p, g in zip(outs, glob, strict=True))
         local_params = st[2] if len(st) > 2 else None
         with self._rollback():
             moved = tuple(self._move(o, w) if o is not None else None for o, w in zip(b.inputs, want, strict=False))
@@ -277,7 +278,7 @@ class LogicalGraph:
             return self._result(node, x.shape, x.dtype, dst, None)
         if isinstance(src, Replicate):
             if isinstance(dst, Shard):
-                return self._local(x, "shard", dst, dim=dst.dim, blocks=dst.blocks)
+                return self._local(x, "shard", dst, dim=dst.dim, shard=dst)
             return self._local(x, "to_partial", dst, reduce=dst.op)
         if isinstance(src, Shard):
             if src.blocks is not None:
@@ -350,9 +351,9 @@ class LogicalGraph:
         pl = as_placement(p, f"{what}: placement")
         if isinstance(pl, Shard) and pl.dim >= len(shape):
             raise GraphError(f"{what}: cannot shard dim {pl.dim} of a rank-{len(shape)} tensor {list(shape)}")
-        if isinstance(pl, Shard) and pl.blocks is not None and sum(pl.blocks) != shape[pl.dim]:
-            raise GraphError(f"{what}: blocks {list(pl.blocks)} add up to {sum(pl.blocks)}, but dim {pl.dim} of "
-                             f"{list(shape)} is {shape[pl.dim]}")
+        why = pl.check(shape[pl.dim]) if isinstance(pl, Shard) else None
+        if why is not None:
+            raise GraphError(f"{what}: {pl} cannot split dim {pl.dim} of {list(shape)}: {why}")
         return pl
 
     def _expect(self, x: Operand, kind: type, op: str) -> None:
@@ -395,7 +396,14 @@ class LogicalGraph:
 
 
 def _plain(p: Placement | None) -> Placement | None:
-    return Shard(p.dim) if isinstance(p, Shard) and p.blocks is not None else p
+    return Shard(p.dim) if isinstance(p, Shard) and not p.plain else p
+
+
+def _carry(p: Placement, shape: torch.Size, shaped: set) -> Placement:
+    if not isinstance(p, Shard) or not p.plain:
+        return p
+    same = [(bl, u) for bl, u, extent in shaped if extent == shape[p.dim]]
+    return Shard(p.dim, *same[0]) if len(same) == 1 else p
 
 
 def _outputs(name: str, out: Any, nout: int) -> tuple[torch.Tensor, ...]:

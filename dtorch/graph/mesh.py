@@ -2,14 +2,16 @@
 
 ``DeviceMesh.cpu(n)`` is ``n`` CPU devices of this process (``cpu:0`` ... ``cpu:n-1``), so everything
 multi-device runs on a machine without GPUs. ``DeviceMesh.distributed()`` spans the processes of an
-initialised ``torch.distributed`` group, one device per process: global id ``r`` lives in rank ``r``.
+initialised ``torch.distributed`` group, one device per process: global id ``r`` lives in rank ``r``, on
+that process's own GPU (``local_cuda_index``) for "cuda".
 A logical graph places tensors over ``mesh.ids`` in order (the mesh read as one axis).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 
 from dtorch.core.device import DEVICE_TYPES, Device
 from dtorch.core.errors import ArgumentError, DeviceError
@@ -18,10 +20,11 @@ from dtorch.core.errors import ArgumentError, DeviceError
 class DeviceMesh:
     """Global device ids arranged in ``shape`` with ``axis_names``; ``devices_per_process`` ids per process."""
 
-    __slots__ = ("device_type", "ids", "shape", "axis_names", "devices_per_process")
+    __slots__ = ("device_type", "ids", "shape", "axis_names", "devices_per_process", "device_index")
 
     def __init__(self, device_type: str, ids: Sequence[int], shape: Sequence[int] | None = None,
-                 axis_names: Sequence[str] | None = None, devices_per_process: int | None = None) -> None:
+                 axis_names: Sequence[str] | None = None, devices_per_process: int | None = None,
+                 device_index: Mapping[int, int] | None = None) -> None:
         if device_type not in DEVICE_TYPES or device_type == "meta":
             raise DeviceError(f"DeviceMesh: device_type must be 'cpu' or 'cuda', got {device_type!r}")
         ids = tuple(int(i) for i in ids)
@@ -38,6 +41,8 @@ class DeviceMesh:
         self.shape = shape
         self.axis_names = names
         self.devices_per_process = devices_per_process or len(ids)
+        # global id -> local device index where it is not id % devices_per_process (a torchrun rank's own GPU)
+        self.device_index = dict(device_index or {})
 
     @classmethod
     def cpu(cls, n: int, shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None) -> DeviceMesh:
@@ -59,13 +64,21 @@ class DeviceMesh:
 
     @classmethod
     def distributed(cls, device_type: str = "cpu") -> DeviceMesh:
-        """One device per process of the initialised ``torch.distributed`` world (global id = rank)."""
+        """One device per process of the initialised ``torch.distributed`` world (global id = rank).
+
+        For "cuda", this rank's device is its local GPU (``local_cuda_index``), made the current CUDA device."""
+        import torch
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
             raise DeviceError("DeviceMesh.distributed: torch.distributed is not initialised "
                               "(call dtorch.distributed.init_process_group first)")
-        return cls(device_type, range(dist.get_world_size()), devices_per_process=1)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        index = {}
+        if device_type == "cuda":
+            index[rank] = local_cuda_index(rank)
+            torch.cuda.set_device(index[rank])
+        return cls(device_type, range(world), devices_per_process=1, device_index=index)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -104,7 +117,8 @@ class DeviceMesh:
         for i in range(self.shape[a]):
             coord[a] = i
             ids.append(self.ids[self._flat(coord)])
-        return DeviceMesh(self.device_type, ids, (len(ids),), (self.axis_names[a],), self.devices_per_process)
+        return DeviceMesh(self.device_type, ids, (len(ids),), (self.axis_names[a],), self.devices_per_process,
+                          self.device_index)
 
     def _flat(self, coord: Sequence[int]) -> int:
         pos = 0
@@ -124,12 +138,14 @@ class DeviceMesh:
 
     def device(self, device_id: int) -> Device:
         """The local ``Device`` that holds global id ``device_id`` in its own process."""
-        return Device(self.device_type, device_id % self.devices_per_process)
+        index = self.device_index.get(device_id)
+        return Device(self.device_type, device_id % self.devices_per_process if index is None else index)
 
     def local_ids(self, process: int = 0) -> tuple[int, ...]:
         """The ids driven by process ``process``."""
         return tuple(i for i in self.ids if self.process_of(i) == process)
 
+    # device_index says where this process keeps its devices, not which mesh it is: not compared
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, DeviceMesh) and self.device_type == other.device_type and self.ids == other.ids
                 and self.shape == other.shape and self.devices_per_process == other.devices_per_process)
@@ -140,3 +156,20 @@ class DeviceMesh:
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=False))
         return f"DeviceMesh({self.device_type}, ids={list(self.ids)}, {axes})"
+
+
+def local_cuda_index(rank: int) -> int:
+    """The GPU of process ``rank`` on its machine: ``LOCAL_RANK`` when torchrun set it, else rank % GPUs."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise DeviceError(f"DeviceMesh.distributed('cuda'): rank {rank} sees no GPU (torch.cuda.device_count() "
+                          f"is 0); use device_type='cpu' with gloo, or check CUDA_VISIBLE_DEVICES")
+    local = os.environ.get("LOCAL_RANK")  # torchrun's variable, not a dtorch flag
+    if local is None:
+        return rank % count
+    if not local.isdigit() or int(local) >= count:
+        raise DeviceError(f"DeviceMesh.distributed('cuda'): LOCAL_RANK={local!r} of rank {rank}, but this machine "
+                          f"shows {count} GPU(s); start at most {count} processes per node (--nproc-per-node)")
+    return int(local)

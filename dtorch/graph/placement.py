@@ -26,11 +26,16 @@ class Replicate:
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """Device ``i`` holds the ``i``-th piece of the tensor along ``dim`` (uneven pieces allowed); with
-    ``blocks`` (sizes adding up to the dim), the ``i``-th piece of each block, concatenated."""
+    """Device ``i`` holds the ``i``-th piece of the tensor along ``dim`` (uneven pieces allowed).
+
+    ``blocks`` (sizes adding up to the dim): the ``i``-th piece of each block, side by side. ``unit``
+    (one int, or one per block): pieces are whole multiples of it, so a dim of heads * head_dim split
+    with ``unit=head_dim`` never cuts a head, even when the heads do not divide evenly.
+    """
 
     dim: int
     blocks: tuple[int, ...] | None = None
+    unit: int | tuple[int, ...] = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
@@ -40,18 +45,47 @@ class Shard:
             if not blocks or any(not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in blocks):
                 raise ArgumentError(f"Shard: 'blocks' must be non-negative ints, got {self.blocks!r}")
             object.__setattr__(self, "blocks", blocks)
+        unit = self.unit
+        if isinstance(unit, (tuple, list)):
+            unit = tuple(unit)
+            if self.blocks is None or len(unit) != len(self.blocks):
+                raise ArgumentError(f"Shard: a 'unit' per block needs one per block, got {unit} for {self.blocks}")
+            if len(set(unit)) == 1:
+                unit = unit[0]
+        units = unit if isinstance(unit, tuple) else (unit,)
+        if any(not isinstance(u, int) or isinstance(u, bool) or u < 1 for u in units):
+            raise ArgumentError(f"Shard: 'unit' must be ints >= 1, got {self.unit!r}")
+        object.__setattr__(self, "unit", unit)
+
+    def runs(self, size: int) -> list[tuple[int, int]]:
+        """(block size, unit) of each block of a dim of ``size``."""
+        blocks = self.blocks if self.blocks is not None else (size,)
+        units = self.unit if isinstance(self.unit, tuple) else (self.unit,) * len(blocks)
+        return list(zip(blocks, units, strict=True))
+
+    def check(self, size: int) -> str | None:
+        """Why this shard cannot split a dim of ``size``, or None."""
+        if self.blocks is not None and sum(self.blocks) != size:
+            return f"blocks {list(self.blocks)} add up to {sum(self.blocks)}, not {size}"
+        bad = [(b, u) for b, u in self.runs(size) if b % u]
+        return f"block {bad[0][0]} is not a multiple of its unit {bad[0][1]}" if bad else None
 
     def sizes(self, size: int, n: int) -> list[int]:
         """The size each of ``n`` devices holds of a dim of ``size``."""
-        if self.blocks is None:
-            return shard_sizes(size, n)
-        per_block = [shard_sizes(b, n) for b in self.blocks]
+        per_block = [[u * s for s in shard_sizes(b // u, n)] for b, u in self.runs(size)]
         return [sum(p[r] for p in per_block) for r in range(n)]
 
+    @property
+    def plain(self) -> bool:
+        return self.blocks is None and self.unit == 1
+
     def __str__(self) -> str:
-        if self.blocks is None:
-            return f"S({self.dim})"
-        return f"S({self.dim})[{','.join(map(str, self.blocks))}]"
+        text = f"S({self.dim})"
+        if self.blocks is not None:
+            text += f"[{','.join(map(str, self.blocks))}]"
+        if self.unit != 1:
+            text += f"/{self.unit if isinstance(self.unit, int) else ','.join(map(str, self.unit))}"
+        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +139,9 @@ def shard_offsets(size: int, n: int) -> list[int]:
 
 def piece_ranges(shard: Shard, size: int, rank: int, n: int) -> list[tuple[int, int]]:
     """(start, length) of each run of the dim that device ``rank`` of ``n`` holds (one run, or one per block)."""
-    blocks = shard.blocks if shard.blocks is not None else (size,)
     out, base = [], 0
-    for b in blocks:
-        out.append((base + shard_offsets(b, n)[rank], shard_sizes(b, n)[rank]))
+    for b, u in shard.runs(size):
+        out.append((base + u * shard_offsets(b // u, n)[rank], u * shard_sizes(b // u, n)[rank]))
         base += b
     return out
 

@@ -1,21 +1,40 @@
-"""Placement rules: for each op, the input placements it can run on and the output placement it gives.
+"""Placement rules: for each kernel op, the input placements it can run on and the output placements it gives.
 
-``candidates(op, inputs, params)`` lists (input placements, output placement) pairs; the graph picks
-the pair that is cheapest to reach from the inputs' current placements and inserts the moves. Ops
-without a rule run replicated. One rule per family, as DTensor's op-strategy tables do.
+``candidates(op, shapes, params, n)`` lists ``Strategy(inputs, output, local_params)``; ``choose`` picks the
+one cheapest to reach from the inputs' current placements (the graph inserts the moves). Shapes and
+placements are in kernel-input order (``Bound.inputs``); an absent optional input has shape and placement
+None. A multi-output op gives one output placement per output. One rule per family, as DTensor's
+op-strategy tables: ``RULES`` maps each op to its rule, and every registered op has one. A kernel op
+registered by a user without a rule runs replicated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+from dtorch.core.errors import GraphError
 from dtorch.dispatch.context import KernelParams
-from dtorch.graph.placement import Partial, Placement, Replicate, Shard
+from dtorch.graph.placement import Partial, Placement, Replicate, Shard, shard_offsets, shard_sizes
 
 R = Replicate()
 P = Partial()
-Strategy = tuple[tuple[Placement | None, ...], Placement]
 Shapes = Sequence["tuple[int, ...] | None"]
+LocalParams = Callable[[KernelParams, int, int], KernelParams]
+
+
+class Strategy(NamedTuple):
+    """Wanted placement per kernel input (None for absent inputs) and the output placement(s) it gives.
+
+    ``local_params(params, rank, n)``: that device's params, where devices need different ones (a
+    vocabulary-parallel embedding's row offset)."""
+
+    inputs: tuple[Placement | None, ...]
+    output: Placement | tuple[Placement, ...]
+    local_params: LocalParams | None = None
+
+
+Rule = Callable[[str, Shapes, KernelParams, int], list[Strategy]]
 
 # The cost of moving a tensor from one placement to another: a local slice is almost free, a gather
 # or all-reduce moves the whole tensor, a reduce-scatter about half of it.
@@ -26,114 +45,292 @@ _COST = {("R", "S"): 0.1, ("R", "P"): 0.1, ("S", "R"): 1.0, ("P", "R"): 1.0, ("P
 def move_cost(src: Placement, dst: Placement) -> float:
     if src == dst:
         return 0.0
+    if isinstance(src, Shard) and isinstance(dst, Shard) and src.dim == dst.dim and dst.plain:
+        return 0.0  # a blocked shard is a shard of its dim to a rule that does not ask for blocks
     if isinstance(src, Partial) and isinstance(dst, Partial):
         return 2.0
     return _COST[(str(src)[0], str(dst)[0])]
 
 
-def _elementwise(ndim: int, partial_ok: bool) -> list[Strategy]:
-    out: list[Strategy] = [((R,), R)] + [((Shard(d),), Shard(d)) for d in range(ndim)]
-    return out + ([((P,), P)] if partial_ok else [])
+def _opt(shape: tuple[int, ...] | None, p: Placement) -> Placement | None:
+    """``p`` for an optional input that is present, None for an absent one."""
+    return None if shape is None else p
 
 
-def _unary(op: str, shapes: Shapes, params: KernelParams) -> list[Strategy]:
+def _same(shapes: Shapes, p: Placement) -> tuple[Placement | None, ...]:
+    return tuple(_opt(s, p) for s in shapes)
+
+
+def _replicated(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    return [Strategy(_same(shapes, R), R)]
+
+
+def _heads_split(h: int, hkv: int, n: int) -> bool:
+    """Splitting H query heads and Hkv kv heads over n devices keeps GQA groups whole: every device holds
+    H / Hkv query heads per kv head it holds (so its local head h reads its local kv head h // (H / Hkv))."""
+    if hkv == 0 or h % hkv:
+        return False
+    g = h // hkv
+    return all(a == g * b for a, b in zip(shard_sizes(h, n), shard_sizes(hkv, n), strict=True))
+
+
+def _groups_split(h: int, hkv: int, n: int) -> bool:
+    """Whether the heads can split over n devices in whole GQA groups (``Shard(dim, unit=G)`` on q) where a plain
+    split of the heads would cut a group: every device then holds at least one kv head and its G query heads."""
+    return hkv > 1 and h % hkv == 0 and h > hkv and hkv >= n > 1 and not _heads_split(h, hkv, n)
+
+
+# -- elementwise, matmul, reduce -------------------------------------------------------------------
+
+def _elementwise(ndim: int, partial_ok: bool, k: int = 1) -> list[Strategy]:
+    out = [Strategy((R,) * k, R)] + [Strategy((Shard(d),) * k, Shard(d)) for d in range(ndim)]
+    return out + ([Strategy((P,) * k, P)] if partial_ok else [])
+
+
+def _unary(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
     return _elementwise(len(shapes[0]), partial_ok=op == "unary.neg")  # only negation is linear
 
 
-def _scalar(op: str, shapes: Shapes, params: KernelParams) -> list[Strategy]:
+def _scalar(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
     # (a1 + a2) * c = a1*c + a2*c, but (a1 + a2) + c != (a1 + c) + (a2 + c)
     return _elementwise(len(shapes[0]), partial_ok=op in ("binary.mul_scalar", "binary.div_scalar"))
 
 
-def _binary(op: str, shapes: Shapes, params: KernelParams) -> list[Strategy]:
+def _binary(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
     a, b = shapes
-    n = max(len(a), len(b))
-    out: list[Strategy] = [((R, R), R)]
-    for d in range(n):
-        pa = _aligned(a, d, n)
-        pb = _aligned(b, d, n)
+    nd = max(len(a), len(b))
+    out = [Strategy((R, R), R)]
+    for d in range(nd):
+        pa, pb = _aligned(a, d, nd), _aligned(b, d, nd)
         if pa != R or pb != R:  # both inputs whole on d: nothing to split
-            out.append(((pa, pb), Shard(d)))
+            out.append(Strategy((pa, pb), Shard(d)))
     if op in ("binary.add", "binary.sub"):
-        out.append(((P, P), P))
+        out.append(Strategy((P, P), P))
     if op == "binary.mul":
-        out += [((P, R), P), ((R, P), P)]
+        out += [Strategy((P, R), P), Strategy((R, P), P)]
     if op == "binary.div":
-        out.append(((P, R), P))
+        out.append(Strategy((P, R), P))
     return out
 
 
-def _aligned(shape: tuple[int, ...], d: int, n: int) -> Placement:
+def _aligned(shape: tuple[int, ...], d: int, nd: int) -> Placement:
     """The placement an input of ``shape`` needs for an output sharded on ``d`` (broadcast dims stay whole)."""
-    da = d - (n - len(shape))
+    da = d - (nd - len(shape))
     return R if da < 0 or shape[da] == 1 else Shard(da)
 
 
-def _mm(op: str, shapes: Shapes, params: KernelParams) -> list[Strategy]:
+def _mm(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
     # a [M, K] @ b [K, N]
-    return [((R, R), R), ((Shard(0), R), Shard(0)), ((R, Shard(1)), Shard(1)), ((Shard(1), Shard(0)), P)]
+    return [Strategy((R, R), R), Strategy((Shard(0), R), Shard(0)), Strategy((R, Shard(1)), Shard(1)),
+            Strategy((Shard(1), Shard(0)), P)]
 
 
-def _bmm(op: str, shapes: Shapes, params: KernelParams) -> list[Strategy]:
+def _bmm(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
     # a [B, M, K] @ b [B, K, N]
-    return [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), R), Shard(1)), ((R, Shard(2)), Shard(2)),
-            ((Shard(2), Shard(1)), P)]
+    return [Strategy((R, R), R), Strategy((Shard(0), Shard(0)), Shard(0)), Strategy((Shard(1), R), Shard(1)),
+            Strategy((R, Shard(2)), Shard(2)), Strategy((Shard(2), Shard(1)), P)]
 
 
-def _linear(op: str, shapes: Shapes, params: KernelParams) -> list[Strategy]:
+def _linear(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
     # x [..., K], w [N, K], bias [N] or None -> [..., N]
-    n = len(shapes[0])
-    has_bias = shapes[2] is not None
-    b_r = R if has_bias else None
-    out: list[Strategy] = [((R, R, b_r), R)]
-    out += [((Shard(d), R, b_r), Shard(d)) for d in range(n - 1)]
-    out.append(((R, Shard(0), Shard(0) if has_bias else None), Shard(n - 1)))  # column parallel
-    if not has_bias:
-        out.append(((Shard(n - 1), Shard(1), None), P))  # row parallel: partial sums
+    nd, bias = len(shapes[0]), shapes[2]
+    out = [Strategy((R, R, _opt(bias, R)), R)]
+    out += [Strategy((Shard(d), R, _opt(bias, R)), Shard(d)) for d in range(nd - 1)]
+    out.append(Strategy((R, Shard(0), _opt(bias, Shard(0))), Shard(nd - 1)))  # column parallel
+    if bias is None:
+        out.append(Strategy((Shard(nd - 1), Shard(1), None), P))  # row parallel: partial sums
     return out
 
 
-def _reduce(op: str, shapes: Shapes, params: KernelParams) -> list[Strategy]:
-    n = len(shapes[0])
-    dim, keepdim = params.dim, params.keepdim
-    out: list[Strategy] = [((R,), R)]
-    for e in range(n):
-        if e != dim:
-            out.append(((Shard(e),), Shard(e if keepdim or e < dim else e - 1)))
+def _reduce(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    nd, dim, keepdim = len(shapes[0]), params.dim, params.keepdim
+    out = [Strategy((R,), R)]
+    out += [Strategy((Shard(e),), Shard(e if keepdim or e < dim else e - 1)) for e in range(nd) if e != dim]
     if op == "reduce.sum":
-        out += [((Shard(dim),), P), ((P,), P)]
+        out += [Strategy((Shard(dim),), P), Strategy((P,), P)]
     if op == "reduce.max":
-        out.append(((Shard(dim),), Partial("max")))
+        out.append(Strategy((Shard(dim),), Partial("max")))
     return out
 
 
-RULES: dict[str, Callable[[str, Shapes, KernelParams], list[Strategy]]] = {
+def _conv(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [B, C_in, *spatial], w [C_out, C_in / groups, *k], bias [C_out] or None -> [B, C_out, *spatial']
+    bias = shapes[2]
+    out = [Strategy((R, R, _opt(bias, R)), R), Strategy((Shard(0), R, _opt(bias, R)), Shard(0))]
+    if params.groups == 1:  # with groups, a channel split would have to follow the group boundaries
+        out.append(Strategy((R, Shard(0), _opt(bias, Shard(0))), Shard(1)))  # output channels
+        if bias is None:
+            out.append(Strategy((Shard(1), Shard(1), None), P))  # input channels: partial sums
+    return out
+
+
+def _copy(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    return _elementwise(len(shapes[0]), partial_ok=False)  # a cast of a partial sum is not the sum of casts
+
+
+# -- llm ------------------------------------------------------------------------------------------
+
+def _last_dim_whole(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    """rms_norm (x, weight), add_rms_norm (x, residual, weight), softmax_last_dim (x): any placement that keeps
+    the normalized last dim whole; never Partial (a norm of a sum is not the sum of norms)."""
+    nd, k = len(shapes[0]), 2 if op == "llm.add_rms_norm" else 1
+    weight = (R,) if op != "llm.softmax_last_dim" else ()
+    outs = (lambda p: (p, p)) if op == "llm.add_rms_norm" else (lambda p: p)  # (out, residual_out)
+    return [Strategy((p,) * k + weight, outs(p)) for p in [R] + [Shard(d) for d in range(nd - 1)]]
+
+
+def _silu_and_mul(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    x, up = shapes
+    nd = len(x)
+    if up is not None:  # gate [..., I], up [..., I]: elementwise, the feature dim included
+        return _elementwise(nd, partial_ok=False, k=2)
+    # fused x [..., 2I] = [gate | up]: a plain split of the last dim would pair gate with gate; the blocked
+    # split S(last)[I, I] gives each device [gate_r | up_r], its own features of both halves
+    half = x[-1] // 2
+    out = [Strategy((Shard(d), None), Shard(d)) for d in range(nd - 1)]
+    return [Strategy((R, None), R)] + out + [Strategy((Shard(nd - 1, (half, half)), None), Shard(nd - 1))]
+
+
+def _rope(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [..., T, H, D], positions [T] or [B, T] (positions form; the cos/sin form only runs outside graphs)
+    x, pos = shapes[0], shapes[1]
+    nd, t_dim = len(x), len(x) - 3
+    batched = len(pos) == 2  # [B, T] with x [B, T, H, D]
+    out = [Strategy((R, R), R), Strategy((Shard(nd - 2), R), Shard(nd - 2))]  # heads
+    out += [Strategy((Shard(d), Shard(0) if batched and d == 0 else R), Shard(d)) for d in range(t_dim)]
+    out.append(Strategy((Shard(t_dim), Shard(1 if batched else 0)), Shard(t_dim)))  # tokens, with their positions
+    return out
+
+
+def _attention(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # dense q [B, T, H, D], k/v [B, S, Hkv, D]; varlen q [total_q, H, D], k/v [total_k, Hkv, D], cu_q, cu_k
+    q, k = shapes[0], shapes[1]
+    dense = op == "llm.flash_attention"
+    hd = 2 if dense else 1
+    cus = () if dense else (R, R)
+    out = [Strategy((R, R, R) + cus, R)]
+    h, hkv = q[hd], k[hd]
+    if _heads_split(h, hkv, n):
+        out.append(Strategy((Shard(hd),) * 3 + cus, Shard(hd)))
+    if _groups_split(h, hkv, n):  # uneven: q split in whole groups of G heads, each beside its kv head
+        out.append(Strategy((Shard(hd, None, h // hkv), Shard(hd), Shard(hd)) + cus, Shard(hd, None, h // hkv)))
+    if hkv == 1:  # one kv head serves every query head: keep it whole
+        out.append(Strategy((Shard(hd), R, R) + cus, Shard(hd)))
+    if dense:
+        out.append(Strategy((Shard(0),) * 3, Shard(0)))  # batch
+        if not params.causal:  # a bottom-right causal mask depends on T, so only full attention splits queries
+            out.append(Strategy((Shard(1), R, R), Shard(1)))
+    return out
+
+
+def _kv_cache(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # reshape_and_cache: key, value [T, Hkv, D], caches [blocks, block_size, Hkv, D], slots [T]
+    #   -> (key_cache, value_cache), written in place
+    # flash_attention_with_kvcache: q [total_q, H, D], caches, cu_seqlens_q, seqlens_k, block_table -> [total_q, H, D]
+    ints = (R,) * (len(shapes) - 3)
+    if op == "llm.reshape_and_cache":
+        return [Strategy((R,) * 5, (R, R)), Strategy((Shard(1), Shard(1), Shard(2), Shard(2), R), (Shard(2), Shard(2)))]
+    h, hkv = shapes[0][1], shapes[1][2]
+    out = [Strategy((R, R, R) + ints, R)]
+    if _heads_split(h, hkv, n):
+        out.append(Strategy((Shard(1), Shard(2), Shard(2)) + ints, Shard(1)))
+    if _groups_split(h, hkv, n):
+        out.append(Strategy((Shard(1, None, h // hkv), Shard(2), Shard(2)) + ints, Shard(1, None, h // hkv)))
+    if hkv == 1:
+        out.append(Strategy((Shard(1), R, R) + ints, Shard(1)))
+    return out
+
+
+def _gated_delta_net(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # q, k [B, T, Hk, K]; v [B, T, H, V]; g, beta [B, T, H]; state [N, H, K, V]?; cu_seqlens [N + 1]?
+    # -> (o [B, T, H, V], final state [N, H, K, V])
+    q, v, state, cu = shapes[0], shapes[2], shapes[5], shapes[6]
+    out = [Strategy(_same(shapes, R), (R, R))]
+    if _heads_split(v[2], q[2], n):
+        out.append(Strategy((Shard(2),) * 5 + (_opt(state, Shard(1)), _opt(cu, R)), (Shard(2), Shard(1))))
+    if cu is None:  # packed sequences (cu_seqlens) have B == 1
+        out.append(Strategy((Shard(0),) * 5 + (_opt(state, Shard(0)), None), (Shard(0), Shard(0))))
+    return out
+
+
+def _causal_conv1d(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [B, D, L], weight [D, W], bias [D]?, initial_states [B, D, W-1]? -> (out [B, D, L], final [B, D, W-1])
+    # update: x [B, D(, L)], weight, bias?, conv_state [B, D, S] -> (out like x, conv_state written in place)
+    bias, states = shapes[2], shapes[3]
+    return [Strategy(_same(shapes, R), (R, R)),
+            Strategy((Shard(1), Shard(0), _opt(bias, Shard(0)), _opt(states, Shard(1))), (Shard(1), Shard(1))),
+            Strategy((Shard(0), R, _opt(bias, R), _opt(states, Shard(0))), (Shard(0), Shard(0)))]
+
+
+def _embedding(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # weight [V, D], ids [...] -> [..., D]
+    (vocab, _), ids = shapes
+
+    def vocab_start(p: KernelParams, rank: int, n: int) -> KernelParams:
+        return p.replace(vocab_start=shard_offsets(vocab, n)[rank])
+
+    out = [Strategy((R, R), R)] + [Strategy((R, Shard(d)), Shard(d)) for d in range(len(ids))]
+    out.append(Strategy((Shard(1), R), Shard(len(ids))))  # each device its columns of every row
+    # vocabulary parallel: each device looks up the ids in its rows and gives zeros elsewhere; the sum is whole
+    return out + [Strategy((Shard(0), R), P, vocab_start)]
+
+
+# -- the table --------------------------------------------------------------------------------------
+
+_FAMILY_RULES: dict[str, Rule] = {"unary": _unary, "binary": _binary, "reduce": _reduce, "conv": _conv,
+                                  "creation": _replicated, "copy": _copy}
+RULES: dict[str, Rule] = {
     "matmul.mm": _mm, "matmul.bmm": _bmm, "matmul.linear": _linear,
-    "reduce.sum": _reduce, "reduce.mean": _reduce, "reduce.max": _reduce, "reduce.min": _reduce,
-    "reduce.argmax": _reduce,
+    "llm.rms_norm": _last_dim_whole, "llm.add_rms_norm": _last_dim_whole, "llm.softmax_last_dim": _last_dim_whole,
+    "llm.silu_and_mul": _silu_and_mul, "llm.rope": _rope, "llm.embedding": _embedding,
+    "llm.flash_attention": _attention, "llm.flash_attention_varlen": _attention,
+    "llm.reshape_and_cache": _kv_cache, "llm.flash_attention_with_kvcache": _kv_cache,
+    "llm.gated_delta_net": _gated_delta_net,
+    "llm.causal_conv1d": _causal_conv1d, "llm.causal_conv1d_update": _causal_conv1d,
 }
 
 
-def candidates(op: str, shapes: Shapes, params: KernelParams) -> list[Strategy]:
-    """Every (input placements, output placement) ``op`` can run with; replicated first."""
+def rule_of(op: str) -> Rule | None:
+    """The placement rule of kernel op ``op`` (None: it has none and runs replicated)."""
     rule = RULES.get(op)
-    if rule is None:
-        family = op.partition(".")[0]
-        if family == "unary":
-            rule = _unary
-        elif family == "binary":
-            rule = _scalar if op.endswith("_scalar") else _binary
-    if rule is None:
-        return [(tuple(R if s is not None else None for s in shapes), R)]
-    return rule(op, shapes, params)
+    if rule is not None:
+        return rule
+    family = op.partition(".")[0]
+    if family == "binary" and op.endswith("_scalar"):
+        return _scalar
+    return _FAMILY_RULES.get(family)
 
 
-def choose(op: str, shapes: Shapes, current: Sequence[Placement | None], params: KernelParams) -> Strategy:
-    """The cheapest strategy to reach from the inputs' ``current`` placements (earlier wins ties)."""
+def candidates(op: str, shapes: Shapes, params: KernelParams, n: int = 1) -> list[Strategy]:
+    """Every strategy ``op`` can run with on ``n`` devices; the replicated one first."""
+    return (rule_of(op) or _replicated)(op, shapes, params, n)
+
+
+def choose(op: str, shapes: Shapes, current: Sequence[Placement | None], params: KernelParams, *, n: int = 1,
+           pinned: Sequence[int] = (), num_outputs: int | None = None) -> Strategy:
+    """The strategy cheapest to reach from the inputs' ``current`` placements (earlier wins ties).
+
+    ``n``: the mesh size (head splits depend on it). ``pinned``: inputs that cannot move (an input an output
+    writes in place: moving it would write a copy); a strategy must take them as they are, else GraphError.
+    ``num_outputs``: how many of a multi-output op's outputs the call asks for (the first ones).
+    """
+    pinned = tuple(pinned)
     best, best_cost = None, float("inf")
-    for want, out in candidates(op, shapes, params):
-        cost = sum(move_cost(c, w) for c, w in zip(current, want, strict=False) if c is not None and w is not None)
+    for s in candidates(op, shapes, params, n):
+        if any(move_cost(current[i], s.inputs[i]) for i in pinned):
+            continue
+        cost = sum(move_cost(c, w) for c, w in zip(current, s.inputs, strict=True) if c is not None and w is not None)
         if cost < best_cost:
-            best, best_cost = (want, out), cost
-    assert best is not None
+            best, best_cost = s, cost
+    if best is None:
+        held = ", ".join(f"input {i} {current[i]}" for i in pinned)
+        ways = "; ".join(f"({', '.join(str(p) for p in s.inputs)})" for s in candidates(op, shapes, params, n))
+        raise GraphError(f"{op}: cannot run with {held} on {n} devices: that input is written in place, so it cannot "
+                         f"be moved, and no placement rule takes it as it is; the rule's input placements are {ways}")
+    if num_outputs is not None and isinstance(best.output, tuple):
+        out = best.output[0] if num_outputs == 1 else best.output[:num_outputs]
+        best = best._replace(output=out)
     return best
+
+
+__all__ = ["RULES", "Strategy", "candidates", "choose", "move_cost", "rule_of"]

@@ -47,13 +47,14 @@ def view_placement(name: str, shape: tuple[int, ...], new: tuple[int, ...], p: P
         raise GraphError(f"graph view {name}: viewing {list(shape)} as {list(new)} tears apart sharded dim {d} "
                          f"({p}); shard another dim or replicate first")
     if new[e] == shape[d]:  # the dim keeps its extent
-        return Shard(e, p.blocks)
+        return Shard(e, p.blocks, p.unit)
+    units = p.unit if isinstance(p.unit, tuple) else (p.unit,)
     if shape[d] % new[e] == 0 and math.prod(new[e:]) % math.prod(shape[d:]) == 0:  # split: keep the outer part
         inner = shape[d] // new[e]
-        if p.blocks is not None and any(b % inner for b in p.blocks):
-            raise GraphError(f"graph view {name}: blocks {list(p.blocks)} of {p} do not divide by the inner "
-                             f"extent {inner}")
-        return Shard(e, None if p.blocks is None else tuple(b // inner for b in p.blocks))
+        if any(u % inner for u in units) or (p.blocks is not None and any(b % inner for b in p.blocks)):
+            raise GraphError(f"graph view {name}: viewing {list(shape)} as {list(new)} would cut the pieces of "
+                             f"{p} (an inner extent of {inner}); shard in whole units of it")
+        return _scaled(p, e, inner, divide=True)
     # merge: dim d and the dims after it (up to the extent of new[e]) become one
     f, acc = d, 1
     while f < len(shape) and acc < new[e]:
@@ -62,8 +63,15 @@ def view_placement(name: str, shape: tuple[int, ...], new: tuple[int, ...], p: P
     if acc != new[e]:
         raise GraphError(f"graph view {name}: viewing {list(shape)} as {list(new)} tears apart sharded dim {d} "
                          f"({p}); shard another dim or replicate first")
-    inner = math.prod(shape[d + 1:f])
-    return Shard(e, None if p.blocks is None else tuple(b * inner for b in p.blocks))
+    return _scaled(p, e, math.prod(shape[d + 1:f]), divide=False)
+
+
+def _scaled(p: Shard, dim: int, k: int, divide: bool) -> Shard:
+    """``p`` moved to ``dim`` with its blocks and units divided (or multiplied) by ``k``."""
+    def f(v: int) -> int:
+        return v // k if divide else v * k
+    units = tuple(f(u) for u in p.unit) if isinstance(p.unit, tuple) else f(p.unit)
+    return Shard(dim, None if p.blocks is None else tuple(f(b) for b in p.blocks), units)
 
 
 def split_placements(name: str, shape: tuple[int, ...], sizes: Sequence[int], dim: int,
@@ -74,8 +82,8 @@ def split_placements(name: str, shape: tuple[int, ...], sizes: Sequence[int], di
         if p.blocks != tuple(sizes):
             raise GraphError(f"graph split {name}: splitting dim {dim} into {list(sizes)} needs the operand "
                              f"sharded as Shard({dim}, blocks={tuple(sizes)}), it is {p}")
-        return tuple(Shard(dim) for _ in sizes)
-    if isinstance(p, Shard) and p.blocks is not None:
+        return tuple(Shard(dim, None, u) for _, u in p.runs(shape[dim]))
+    if isinstance(p, Shard) and not p.plain:
         raise GraphError(f"graph split {name}: cannot split a {p} operand on dim {dim}")
     return tuple(p for _ in sizes)
 

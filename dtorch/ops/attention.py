@@ -49,6 +49,20 @@ def _params(causal: bool, scale: float, max_q: int | None = None, max_k: int | N
     return KernelParams(causal=causal, scale=scale, max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
+def dense_params(head_dim: int, causal: object = False, scale: object = None, op: str = DENSE) -> KernelParams:
+    """The owned params of a ``flash_attention`` call (or another attention ``op`` without max lengths):
+    causal, and scale (default 1 / sqrt(head_dim))."""
+    return _params(_flag(op, "causal", causal), _scale(op, scale, head_dim))
+
+
+def varlen_params(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: object = False,
+                  scale: object = None) -> KernelParams:
+    """The owned params of a ``flash_attention_varlen`` call (checked max lengths, causal, derived scale)."""
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        _checks.positive_int(VARLEN, name, value, minimum=0)
+    return _params(_flag(VARLEN, "causal", causal), _scale(VARLEN, scale, head_dim), max_seqlen_q, max_seqlen_k)
+
+
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int,
                ctx: RuntimeContext | None) -> Device:
     """Shared checks: tensors, device, dtype, rank, k/v shapes, head dims and H % Hkv."""
@@ -83,7 +97,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ bottom-right causal mask]) v: q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D]."""
     device = _check_dense(q, k, v, None)
-    params = _params(_flag(DENSE, "causal", causal), _scale(DENSE, scale, q.shape[-1]))
+    params = dense_params(q.shape[-1], causal, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     run(DENSE, device, q.dtype, (q, k, v), (out,), params)
     return out
@@ -94,7 +108,7 @@ def flash_attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         ctx: RuntimeContext | None = None) -> torch.Tensor:
     """``flash_attention`` into ``out`` [B, T, H, D]."""
     device = _check_dense(q, k, v, ctx)
-    params = _params(_flag(DENSE, "causal", causal), _scale(DENSE, scale, q.shape[-1]))
+    params = dense_params(q.shape[-1], causal, scale)
     _checks.out(DENSE, out, q.shape, q.dtype, q.device)
     run(DENSE, device, q.dtype, (q, k, v), (out,), params, *((ctx.stream, ctx.workspace) if ctx else ()))
     return out
@@ -155,7 +169,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     q [total_q, H, D] and keys/values cu_seqlens_k[i]:cu_seqlens_k[i+1] of k/v [total_k, Hkv, D].
     Returns [total_q, H, D]. A segment may have fewer queries than keys (chunked prefill, decode)."""
     device = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None)
-    params = _params(_flag(VARLEN, "causal", causal), _scale(VARLEN, scale, q.shape[-1]), max_seqlen_q, max_seqlen_k)
+    params = varlen_params(q.shape[-1], max_seqlen_q, max_seqlen_k, causal, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     run(VARLEN, device, q.dtype, (q, k, v, cu_seqlens_q, cu_seqlens_k), (out,), params)
     return out
@@ -167,7 +181,7 @@ def flash_attention_varlen_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                ctx: RuntimeContext | None = None) -> torch.Tensor:
     """``flash_attention_varlen`` into ``out`` [total_q, H, D]."""
     device = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ctx)
-    params = _params(_flag(VARLEN, "causal", causal), _scale(VARLEN, scale, q.shape[-1]), max_seqlen_q, max_seqlen_k)
+    params = varlen_params(q.shape[-1], max_seqlen_q, max_seqlen_k, causal, scale)
     _checks.out(VARLEN, out, q.shape, q.dtype, q.device)
     run(VARLEN, device, q.dtype, (q, k, v, cu_seqlens_q, cu_seqlens_k), (out,), params,
         *((ctx.stream, ctx.workspace) if ctx else ()))

@@ -56,12 +56,19 @@ def _conv_shape(op: str, nd: int, x: torch.Tensor, w: torch.Tensor, bias: torch.
     return (x.shape[0], c_out, *sizes)
 
 
+def conv_params(nd: int, stride: object = 1, padding: object = 0, dilation: object = 1,
+                groups: object = 1) -> KernelParams:
+    """The owned params of a ``conv{nd}d`` call: stride, padding, dilation as nd-tuples, and groups."""
+    op = f"conv.conv{nd}d"
+    return KernelParams(stride=_ints(op, "stride", stride, nd, 1), padding=_ints(op, "padding", padding, nd, 0),
+                        dilation=_ints(op, "dilation", dilation, nd, 1),
+                        groups=_checks.positive_int(op, "groups", groups))
+
+
 def _conv(nd: int, x, w, bias, stride, padding, dilation, groups, out=None, ctx=None) -> torch.Tensor:
     op = f"conv.conv{nd}d"
     dtype, device = _operands(op, {"x": x, "w": w, "bias": bias}, ctx)
-    params = KernelParams(stride=_ints(op, "stride", stride, nd, 1), padding=_ints(op, "padding", padding, nd, 0),
-                          dilation=_ints(op, "dilation", dilation, nd, 1),
-                          groups=_checks.positive_int(op, "groups", groups))
+    params = conv_params(nd, stride, padding, dilation, groups)
     shape = _conv_shape(op, nd, x, w, bias, params)
     return _launch(op, (x, w, bias), shape, dtype, device, out, ctx, params)
 

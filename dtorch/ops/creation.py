@@ -98,14 +98,19 @@ def full(shape: Shape, value: int | float, dtype: torch.dtype | str = torch.floa
     """A new tensor [shape] filled with ``value`` (an int for integer dtypes)."""
     op = "creation.full"
     dt = _dtype(op, dtype)
-    return _create(op, _shape(op, shape), dt, device, KernelParams(value=_number(op, "value", value, dt)))
+    return _create(op, _shape(op, shape), dt, device, full_params(value, dt))
+
+
+def full_params(value: object, dtype: torch.dtype) -> KernelParams:
+    """The owned params of ``full``: the fill value, an int for integer dtypes."""
+    return KernelParams(value=_number("creation.full", "value", value, dtype))
 
 
 def full_out(value: int | float, *, out: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
     """Fill ``out`` with ``value``."""
     op = "creation.full"
     _checks.tensor(op, "out", out)
-    return _fill(op, out, ctx, KernelParams(value=_number(op, "value", value, out.dtype)))
+    return _fill(op, out, ctx, full_params(value, out.dtype))
 
 
 def empty(shape: Shape, dtype: torch.dtype | str = torch.float32, device: DeviceLike = "cpu") -> torch.Tensor:

@@ -15,9 +15,10 @@ import torch
 
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
-from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
+from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, ShapeError
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.meta import Call
+from dtorch.kernels.cpu.llm import rope_tables
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import OperatorInitContext, RuntimeContext
@@ -75,23 +76,29 @@ def _bool(op: str, name: str, value: object) -> bool:
     return value
 
 
+def rope_frequencies(head_dim: int, theta: float, rotary_dim: int | None, inv_freq: torch.Tensor | None,
+                     device: torch.device) -> tuple[int, torch.Tensor]:
+    """(rotary_dim, inv_freq float32 [rotary_dim / 2] on ``device``) of a rope call, checked: ``rotary_dim``
+    defaults to the head dim, ``inv_freq`` to the frequencies of ``theta``."""
+    op = "llm.rope"
+    r = head_dim if rotary_dim is None else rotary_dim
+    _check_rotary(op, r, head_dim, theta)
+    if inv_freq is None:
+        return r, rope_inv_freq(r, theta).to(device)
+    _checks.tensor(op, "inv_freq", inv_freq)
+    _checks.dtype_in(op, "inv_freq", inv_freq, (torch.float32,))
+    if inv_freq.shape != (r // 2,):
+        raise ShapeError(f"{op}: 'inv_freq' must have shape ({r // 2},) (rotary_dim / 2), got {tuple(inv_freq.shape)}")
+    if inv_freq.device != device:
+        raise DeviceError(f"{op}: devices disagree: 'x' is on {device}, 'inv_freq' on {inv_freq.device}")
+    return r, inv_freq
+
+
 def _rope_tables(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None,
                  inv_freq: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(rotary_dim, cos, sin) with cos/sin float32 [..., T, rotary_dim / 2] for ``positions``."""
-    op = "llm.rope"
-    r = x.shape[-1] if rotary_dim is None else rotary_dim
-    _check_rotary(op, r, x.shape[-1], theta)
-    if inv_freq is None:
-        inv_freq = rope_inv_freq(r, theta).to(x.device)
-    else:
-        _checks.tensor(op, "inv_freq", inv_freq)
-        _checks.dtype_in(op, "inv_freq", inv_freq, (torch.float32,))
-        if inv_freq.shape != (r // 2,):
-            raise ShapeError(f"{op}: 'inv_freq' must have shape ({r // 2},) (rotary_dim / 2), "
-                             f"got {tuple(inv_freq.shape)}")
-        _checks.same_device(op, {"x": x, "inv_freq": inv_freq})
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., T, R/2]
-    return r, freqs.cos(), freqs.sin()
+    r, inv_freq = rope_frequencies(x.shape[-1], theta, rotary_dim, inv_freq, x.device)
+    return (r, *rope_tables(positions, inv_freq))
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, rotary_dim: int | None = None,

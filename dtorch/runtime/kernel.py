@@ -23,7 +23,6 @@ from dtorch.core.memory import MemoryKind, allocate, default_workspace
 from dtorch.dispatch.context import KernelContext
 from dtorch.dispatch.prepared import PreparedKernel
 from dtorch.graph.operand import Operator
-from dtorch.graph.placement import Shard
 from dtorch.runtime.blob import Blob, local_piece
 from dtorch.runtime.comm import Communicator
 
@@ -254,7 +253,7 @@ class LocalKernel(Kernel):
         params = self.operator.params
         out = self.fixed_out
         if self.operator.op == "shard":
-            piece = local_piece(x, Shard(params.dim, params.get("blocks")), self.rank, self.n)
+            piece = local_piece(x, params.shard, self.rank, self.n)
             if out is None:
                 out = allocate(piece.shape, x.dtype, self.device, MemoryKind.ACTIVATION)
             out.copy_(piece)

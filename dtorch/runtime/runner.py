@@ -128,10 +128,15 @@ class Runner:
             for i in self.local_ids:
                 kind = MemoryKind.PERSISTENT if x.index in pinned and x.producer is None else MemoryKind.ACTIVATION
                 self.blobs[(x.index, i)] = Blob(self.mesh.device(i), kind, pinned=x.index in pinned or not release)
+        states = {x.index for x, _ in g.states.values()}
         for x, value in list(g.params.values()) + list(g.states.values()):
+            seen: set[int] = set()
             for i in self.local_ids:
                 piece = value.local(i) if isinstance(value, DistTensor) else \
                     device_piece(value, x.placement, self.mesh.rank(i), n, self.mesh.device(i))
+                if x.index in states and id(piece) in seen:  # a replicated state: each device updates its own copy
+                    piece = piece.clone()
+                seen.add(id(piece))
                 self.blobs[(x.index, i)].tensor = piece
         plan = BufferPlan(g) if self.static else None
         pools = {i: Pool(self.mesh.device(i)) for i in self.local_ids}
@@ -224,7 +229,7 @@ class Runner:
     def _bind(self, node: Operator, i: int, params: Any) -> PreparedKernel:
         """The kernel for (op, device type, dtype of the first input), chosen once with the call's static facts."""
         device = self.mesh.device(i)
-        first = next(x for x in node.inputs if x is not None)
+        first = next((x for x in node.inputs if x is not None), node.outputs[0])  # creation ops: the output
         metas = [torch.empty(x.local_shapes[i], dtype=x.dtype, device="meta") if x is not None else None
                  for x in node.inputs]
         try:

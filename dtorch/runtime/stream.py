@@ -1,10 +1,13 @@
 """``KernelStream``: kernels of one (device, stream type), run in order on a dedicated thread.
 
 A CPU stream is a queue served by one daemon thread; a CUDA stream is the same thread issuing onto a
-``torch.cuda.Stream`` (written for completeness, untested here: this machine has no GPU). ``push``
-returns at once; ``record()`` / ``wait(event)`` keep order across streams without blocking the host;
-``synchronize(timeout)`` waits for everything pushed so far. ``StreamManager`` makes one stream per
-(device, stream type) on first use and joins them all in ``shutdown()`` (also at interpreter exit).
+``torch.cuda.Stream``. ``push`` returns at once; ``record()`` / ``wait(event)`` keep order across streams
+without blocking the host; ``synchronize(timeout)`` waits for everything pushed so far, on the device
+too: a CUDA kernel has only been *enqueued* when its host item ends, so the wait also polls a CUDA event
+recorded at the sync point, within the same timeout. ``after_caller()`` makes the streams wait for the
+work the calling thread queued on its own current CUDA streams (feeds and params copied there).
+``StreamManager`` makes one stream per (device, stream type) on first use and joins them all in
+``shutdown()`` (also at interpreter exit).
 
 Threads: each CPU compute stream sets its own intra-op thread count (``torch.set_num_threads`` in the
 stream thread sets that thread's OpenMP team size) to a fair share of the cores, cores // devices, or
@@ -36,13 +39,31 @@ class StreamType(enum.Enum):
 
 
 class Event:
-    """Set when its stream reaches the point where it was recorded."""
+    """A point in a stream: ``flag`` is set when the stream's thread reaches it; ``device_event`` (CUDA: a
+    ``torch.cuda.Event``, else None) completes when the device has run the work enqueued before it."""
 
-    __slots__ = ("flag", "cuda_event")
+    __slots__ = ("flag", "device_event")
 
     def __init__(self) -> None:
         self.flag = threading.Event()
-        self.cuda_event: Any = None
+        self.device_event: Any = None
+
+    def wait(self, deadline: float) -> bool:
+        """Block until the point is reached on the host and on the device, or ``deadline`` (``time.monotonic``)
+        passes; True when reached. The device event is polled (``query``) with a pause growing to 0.25 ms
+        (a decode step is a few ms: a longer pause would show), because ``Event.synchronize`` has no timeout."""
+        if not self.flag.wait(max(0.0, deadline - time.monotonic())):
+            return False
+        ev = self.device_event
+        if ev is None:
+            return True
+        pause = 2e-5
+        while not ev.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 2.5e-4)
+        return True
 
 
 class _Record:
@@ -105,9 +126,14 @@ class KernelStream:
         self.push(_Wait(event), state)
 
     def synchronize(self, timeout: float | None = None) -> bool:
-        """Wait for everything pushed so far; False if ``timeout`` seconds passed first."""
-        ev = self.record()
-        return ev.flag.wait(env.sync_timeout() if timeout is None else timeout)
+        """Wait for everything pushed so far, on the device too; False if ``timeout`` seconds passed first."""
+        deadline = time.monotonic() + (env.sync_timeout() if timeout is None else timeout)
+        return self.record().wait(deadline)
+
+    def caller_event(self) -> Event | None:
+        """An event (already set on the host) at the current end of the calling thread's work on this
+        stream's device, or None when that work is already done (CPU: the caller ran it synchronously)."""
+        return None
 
     def pending(self) -> list[str]:
         """Labels of the items still queued or running, the running one first."""
@@ -123,10 +149,10 @@ class KernelStream:
             torch.set_num_threads(self.threads)
 
     def _record_device(self, event: Event) -> None:
-        """Hook for device streams (CUDA records a device event)."""
+        """Hook for device streams: set ``event.device_event`` at this point of the device's queue."""
 
     def _wait_device(self, event: Event) -> None:
-        """Hook for device streams (CUDA makes its stream wait on the device event)."""
+        """Hook for device streams: the device runs later work of this stream after ``event.device_event``."""
 
     def _loop(self) -> None:
         self._setup_thread()
@@ -159,7 +185,10 @@ class KernelStream:
 
 
 class CudaKernelStream(KernelStream):
-    """A dedicated thread issuing kernels onto its own ``torch.cuda.Stream`` (untested: no GPU here)."""
+    """A dedicated thread issuing kernels onto its own ``torch.cuda.Stream``.
+
+    Checked on a GPU by ``bench/device_check.py`` only; the CPU tests drive the same hooks through a fake.
+    """
 
     def __init__(self, device: Device, stream_type: StreamType, threads: int = 1, tracer_ref: Any = None) -> None:
         self.cuda_stream = torch.cuda.Stream(device=device.torch)
@@ -170,18 +199,21 @@ class CudaKernelStream(KernelStream):
         torch.cuda.set_stream(self.cuda_stream)
 
     def _record_device(self, event: Event) -> None:
-        event.cuda_event = torch.cuda.Event()
-        event.cuda_event.record(self.cuda_stream)
+        event.device_event = self.cuda_stream.record_event()
 
     def _wait_device(self, event: Event) -> None:
-        if event.cuda_event is not None:
-            self.cuda_stream.wait_event(event.cuda_event)
+        if event.device_event is not None:
+            self.cuda_stream.wait_event(event.device_event)
 
-    def synchronize(self, timeout: float | None = None) -> bool:
-        ok = super().synchronize(timeout)
-        if ok:
-            self.cuda_stream.synchronize()
-        return ok
+    def caller_event(self) -> Event | None:
+        ev = Event()
+        ev.device_event = torch.cuda.current_stream(self.device.torch).record_event()
+        ev.flag.set()
+        return ev
+
+
+# The stream class of each device type (a table, so that tests can put a fake device stream in it).
+STREAM_CLASSES: dict[str, type[KernelStream]] = {"cpu": KernelStream, "cuda": CudaKernelStream}
 
 
 _MANAGERS: weakref.WeakSet = weakref.WeakSet()
@@ -216,7 +248,7 @@ class StreamManager:
         with self._lock:
             s = self._streams.get(key)
             if s is None:
-                cls = CudaKernelStream if device.type == "cuda" else KernelStream
+                cls = STREAM_CLASSES[device.type]
                 threads = self.compute_threads() if stream_type is StreamType.COMPUTE else 1
                 s = self._streams[key] = cls(device, stream_type, threads, self.tracer)
         return s
@@ -230,23 +262,38 @@ class StreamManager:
         for s in self.streams:
             s.tracer = tracer
 
+    def after_caller(self, state: Any = None) -> None:
+        """Later items of every stream run on the device after the work the calling thread has queued so far
+        on its current streams (a feed or param copied to a GPU there); the host does not block. No-op on CPU."""
+        for s in self.streams:
+            ev = s.caller_event()
+            if ev is not None:
+                s.wait(ev, state)
+
     def synchronize(self, timeout: float | None = None) -> None:
-        """Wait for every stream; raises ``SyncTimeout`` listing what is still in flight on each."""
+        """Wait for every stream, host and device; raises ``SyncTimeout`` listing what is still in flight.
+
+        Afterwards every result is complete in memory, so the caller may read it on any stream."""
         limit = env.sync_timeout() if timeout is None else timeout
         events = [(s, s.record()) for s in self.streams]
         deadline = time.monotonic() + limit
-        late = [s for s, ev in events if not ev.flag.wait(max(0.0, deadline - time.monotonic()))]
+        late = [(s, ev) for s, ev in events if not ev.wait(deadline)]
         if late:
-            raise SyncTimeout(f"synchronize: waited {limit:g}s; still in flight: " + self.describe_pending(late))
+            host = self.describe_pending([s for s, ev in late if not ev.flag.is_set()], quiet=True)
+            device = [s.name for s, ev in late if ev.flag.is_set()]
+            gpu = f"device still running enqueued kernels on {', '.join(device)}" if device else ""
+            raise SyncTimeout(f"synchronize: waited {limit:g}s; still in flight: "
+                              + ("; ".join(p for p in (host, gpu) if p) or self.describe_pending()))
 
-    def describe_pending(self, streams: list[KernelStream] | None = None) -> str:
+    def describe_pending(self, streams: list[KernelStream] | None = None, quiet: bool = False) -> str:
+        """What each stream still has queued or running ("" with ``quiet`` when nothing is)."""
         parts = []
         for s in streams if streams is not None else self.streams:
             labels = [x for x in s.pending() if x != "record event"]
             if labels:
                 shown = ", ".join(labels[:4]) + (f", ... ({len(labels) - 4} more)" if len(labels) > 4 else "")
                 parts.append(f"{s.name}: [{shown}]")
-        return "; ".join(parts) or "nothing (the streams finished just now)"
+        return "; ".join(parts) or ("" if quiet else "nothing (the streams finished just now)")
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop and join every stream thread."""

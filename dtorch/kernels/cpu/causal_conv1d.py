@@ -6,8 +6,9 @@ the W - 1 previous inputs (initial_states, or zeros) in front.
     outputs: out [B, D, L]; optionally final_states [B, D, W-1] (the last W - 1 columns of xp)
 ``llm.causal_conv1d_update``: the decode step, Dao-AILab's ``causal_conv1d_update`` convention: the state
 holds the last S >= W - 1 inputs (Qwen3-Next keeps S = W) and is shifted in place.
-    inputs:  x [B, D, L] (L small, often 1); weight [D, W]; bias [D] or None
-    outputs: out [B, D, L]; conv_state [B, D, S], read and written (its old contents precede x)
+    inputs:  x [B, D, L] (L small, often 1) or [B, D] (L = 1); weight [D, W]; bias [D] or None; optionally
+             conv_state itself as a 4th input (a graph names every tensor an op reads; it is outputs[1])
+    outputs: out like x; conv_state [B, D, S], read and written (its old contents precede x)
 params: activation None or "silu". Low precision computes in float32 (float64 stays float64).
 
 The reference kernels sum the W taps by hand; torch's grouped ``conv1d`` is registered over the full form.
@@ -75,8 +76,10 @@ def causal_conv1d_torch(ctx, inputs, outputs) -> None:
 
 @KERNELS.kernel("llm.causal_conv1d_update", FLOATS, meta=KernelMeta(inplace=True))
 def causal_conv1d_update_reference(ctx, inputs, outputs) -> None:
-    x, weight, bias = inputs
+    x, weight, bias = inputs[:3]
     out, state = outputs
+    if x.dim() == 2:  # [B, D]: one step
+        x, out = x.unsqueeze(-1), out.unsqueeze(-1)
     cd = _compute_dtype(x.dtype)
     width, keep, length = weight.shape[1], state.shape[-1], x.shape[-1]
     xs = torch.cat([state.to(cd), x.to(cd)], dim=-1)                     # [B, D, S + L], a new tensor

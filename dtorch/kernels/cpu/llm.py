@@ -28,13 +28,22 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- embedding -----------------------------------------------------------------------------------
 # inputs: weight [V, D], ids [...] int32/int64; outputs: out [..., D]. The weight comes first because a
 # kernel is keyed by its first input's dtype (the wrapper ``embedding(ids, weight)`` keeps torch's order).
+# params: vocab_start (optional): weight holds rows vocab_start .. vocab_start + V - 1 of a larger table (one
+# device's piece of a vocabulary-parallel embedding); ids outside that range give zero rows, so the pieces'
+# outputs sum to the whole lookup. Without it every id must be in 0..V-1 (the wrapper checks).
 
 @KERNELS.kernel("llm.embedding", FLOATS)
 def embedding_reference(ctx, inputs, outputs):
     weight, ids = inputs
     out = outputs[0]
     flat = ids.reshape(-1)
-    if out.is_contiguous():
+    start = ctx.params.get("vocab_start")
+    if start is not None:
+        flat = flat - start
+        outside = (flat < 0) | (flat >= weight.shape[0])       # [N]: ids another device's rows hold
+        rows = torch.index_select(weight, 0, flat.masked_fill(outside, 0))
+        out.copy_(rows.masked_fill_(outside.unsqueeze(-1), 0).view(out.shape))
+    elif out.is_contiguous():
         torch.index_select(weight, 0, flat, out=out.view(-1, weight.shape[1]))
     else:
         out.copy_(torch.index_select(weight, 0, flat).view(out.shape))
@@ -112,8 +121,23 @@ def add_rms_norm_torch(ctx, inputs, outputs):
 # -- rope ----------------------------------------------------------------------------------------
 # inputs: x [..., T, H, D], cos [T, R/2] or [B, T, R/2], sin (same; float32, already gathered for the
 # call's positions); outputs: out like x (may alias x); params: rotary_dim R, interleaved.
+# Positions form (what a graph has): inputs x, positions int [T] or [B, T]; params also inv_freq, R/2 floats;
+# the kernel gathers cos/sin itself with ``rope_tables``, the same function the wrapper uses.
 # Half rotation (NeoX / Llama) pairs dim i with i + R/2; interleaved (GPT-J) pairs 2i with 2i+1.
 # Dims R.. pass through. Computed in float32 (float64 for float64) and cast once.
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin float32 [..., T, R/2] of the angles positions [..., T] * inv_freq [R/2]."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    return freqs.cos(), freqs.sin()
+
+
+def _rope_inputs(ctx, inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if len(inputs) == 3:
+        return inputs
+    x, positions = inputs
+    inv_freq = torch.tensor(ctx.params.inv_freq, dtype=torch.float32, device=x.device)
+    return (x, *rope_tables(positions, inv_freq))
 
 def _pairs(t: torch.Tensor, r: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Views (first, second) of each rotated pair of t [..., D]: [..., R/2] each."""
@@ -125,7 +149,7 @@ def _pairs(t: torch.Tensor, r: int, interleaved: bool) -> tuple[torch.Tensor, to
 
 @KERNELS.kernel("llm.rope", FLOATS, meta=INPLACE)
 def rope_reference(ctx, inputs, outputs):
-    x, cos, sin = inputs
+    x, cos, sin = _rope_inputs(ctx, inputs)
     out = outputs[0]
     r, interleaved = ctx.params.rotary_dim, ctx.params.interleaved
     x1, x2 = _pairs(x, r, interleaved)
@@ -169,16 +193,25 @@ def softmax_torch(ctx, inputs, outputs):
 
 
 # -- silu_and_mul --------------------------------------------------------------------------------
-# inputs: gate [..., I], up [..., I] (the wrapper splits a fused [..., 2I] tensor into two views);
+# inputs: gate [..., I], up [..., I] (the wrapper splits a fused [..., 2I] tensor into two views), or
+# x [..., 2I], None (the fused form a graph has: the kernel takes the two halves as views);
 # outputs: out [..., I] = silu(gate) * up, in the input dtype as the HF MLP does.
+
+def _gate_up(inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = inputs
+    if up is None:
+        half = gate.shape[-1] // 2
+        return gate[..., :half], gate[..., half:]
+    return gate, up
+
 
 @KERNELS.kernel("llm.silu_and_mul", FLOATS)
 def silu_and_mul_reference(ctx, inputs, outputs):
-    gate, up = inputs
+    gate, up = _gate_up(inputs)
     torch.mul(gate * torch.sigmoid(gate), up, out=outputs[0])
 
 
 @KERNELS.kernel("llm.silu_and_mul", FLOATS, provider="torch")
 def silu_and_mul_torch(ctx, inputs, outputs):
-    gate, up = inputs
+    gate, up = _gate_up(inputs)
     torch.mul(F.silu(gate), up, out=outputs[0])

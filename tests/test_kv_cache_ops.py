@@ -1,0 +1,97 @@
+"""``llm.reshape_and_cache`` and ``llm.flash_attention_with_kvcache`` against plain torch: every provider, blocks of
+one sequence and paged tables, chunked prefill (queries after cached keys), padding slots, GQA and bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import ops
+
+H, HKV, D = 4, 2, 8
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D], k/v [S, Hkv, D]; bottom-right causal; float64 sdpa."""
+    t, s = q.shape[0], k.shape[0]
+    if s == 0:
+        return torch.zeros_like(q)
+    mask = torch.arange(s)[None] <= torch.arange(t)[:, None] + s - t
+    g = q.shape[1] // k.shape[1]
+    qh, kh, vh = (x.double().transpose(0, 1) for x in (q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)))
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask).transpose(0, 1)
+    return torch.where(mask.any(-1)[:, None, None], o, 0).to(q.dtype)
+
+
+@pytest.mark.parametrize("provider", ["reference", "sdpa"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [4, 32])
+def test_cache_then_attend_matches_torch(provider, dtype, block_size):
+    torch.manual_seed(0)
+    per = -(-32 // block_size)  # blocks per sequence
+    blocks = 3 * per + 1
+    kc = torch.zeros(blocks, block_size, HKV, D, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    # three sequences: 9 cached + 3 new (chunked prefill), 1 cached + 1 new (decode), 6 new (a fresh prompt)
+    cached, new = [9, 1, 0], [3, 1, 6]
+    table = (torch.randperm(blocks - 1)[:3 * per] + 1).view(3, per).to(torch.int32)  # blocks in any order
+    keys = [torch.randn(c + m, HKV, D, dtype=dtype) for c, m in zip(cached, new, strict=True)]
+    vals = [torch.randn_like(k) for k in keys]
+
+    def rows(i: int, positions: range) -> list[int]:
+        return [int(table[i, p // block_size]) * block_size + p % block_size for p in positions]
+
+    with dtorch.dispatcher.disabled(*(["sdpa"] if provider == "reference" else [])):
+        for i, c in enumerate(cached):
+            if c:
+                ops.reshape_and_cache(keys[i][:c], vals[i][:c], kc, vc, torch.tensor(rows(i, range(c))))
+        slot = torch.tensor(sum((rows(i, range(c, c + m)) for i, (c, m) in enumerate(zip(cached, new, strict=True))),
+                                []) + [-1])  # one padding token writes nothing
+        k_new = torch.cat([k[c:] for k, c in zip(keys, cached, strict=True)] + [torch.randn(1, HKV, D, dtype=dtype)])
+        v_new = torch.cat([v[c:] for v, c in zip(vals, cached, strict=True)] + [torch.randn(1, HKV, D, dtype=dtype)])
+        before = kc.clone()
+        out_k, out_v = ops.reshape_and_cache(k_new, v_new, kc, vc, slot)
+        assert out_k is kc and out_v is vc
+        written = torch.zeros(blocks * block_size, dtype=torch.bool)
+        written[slot[slot >= 0]] = True
+        assert torch.equal(kc.view(-1, HKV, D)[~written], before.view(-1, HKV, D)[~written])  # nothing else moved
+        for i, (c, m) in enumerate(zip(cached, new, strict=True)):
+            assert torch.equal(kc.view(-1, HKV, D)[rows(i, range(c + m))], keys[i])
+        q = torch.randn(sum(new) + 1, H, D, dtype=dtype)
+        cu = torch.tensor([0, 3, 4, 10, 11], dtype=torch.int32)
+        lens = torch.tensor([12, 2, 6, 0], dtype=torch.int32)  # the padding sequence has no keys
+        bt = torch.cat([table, torch.zeros(1, per, dtype=torch.int32)])
+        out = ops.flash_attention_with_kvcache(q, kc, vc, cu, lens, bt)
+    for i in range(3):
+        want = _reference(q[cu[i]:cu[i + 1]], keys[i], vals[i])
+        torch.testing.assert_close(out[cu[i]:cu[i + 1]], want, **TOL[dtype])
+    assert torch.equal(out[10], torch.zeros_like(out[10]))
+
+
+def test_bad_inputs_name_the_argument():
+    kc = torch.zeros(2, 4, HKV, D)
+    k = torch.randn(3, HKV, D)
+    with pytest.raises(dtorch.ArgumentError, match="slot_mapping.*slot 8.*8 rows"):
+        ops.reshape_and_cache(k, k, kc, kc.clone(), torch.tensor([0, 1, 8]))
+    with pytest.raises(dtorch.ShapeError, match="'key' \\[T, Hkv, D\\]"):
+        ops.reshape_and_cache(torch.randn(3, 3, D), torch.randn(3, 3, D), kc, kc.clone(), torch.tensor([0, 1, 2]))
+    with pytest.raises(dtorch.ShapeError, match="must be contiguous"):
+        ops.reshape_and_cache(k, k, kc.transpose(0, 1), kc.transpose(0, 1), torch.tensor([0, 1, 2]))
+    q = torch.randn(2, H, D)
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(dtorch.ArgumentError, match="block_table row 0.*outside 0..1"):
+        ops.flash_attention_with_kvcache(q, kc, kc, torch.tensor([0, 2], **i32), torch.tensor([6], **i32),
+                                         torch.tensor([[0, 5]], **i32))
+    with pytest.raises(dtorch.ArgumentError, match="more than its 1 blocks"):
+        ops.flash_attention_with_kvcache(q, kc, kc, torch.tensor([0, 2], **i32), torch.tensor([6], **i32),
+                                         torch.tensor([[0]], **i32))
+    with pytest.raises(dtorch.ArgumentError, match="cu_seqlens_q"):
+        ops.flash_attention_with_kvcache(q, kc, kc, torch.tensor([0, 3], **i32), torch.tensor([3], **i32),
+                                         torch.tensor([[0]], **i32))
+    with pytest.raises(dtorch.ShapeError, match="multiple of the cache's Hkv"):
+        ops.flash_attention_with_kvcache(torch.randn(2, 3, D), kc, kc, torch.tensor([0, 2], **i32),
+                                         torch.tensor([2], **i32), torch.tensor([[0]], **i32))
