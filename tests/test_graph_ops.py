@@ -349,3 +349,23 @@ def test_rope_positions_may_follow_a_batch_or_token_split() -> None:
         g.output("y", y)
         torch.testing.assert_close(_run(g, {"x": x, "p": pos})["y"], want, rtol=0, atol=0)
 
+
+
+@pytest.mark.parametrize("placement", [Replicate(), Shard(1)])
+def test_rope_with_gathered_tables_equals_rope_at_positions(placement) -> None:
+    # a step gathers cos/sin once (RoPE.tables) and every layer rotates with them: the same as rope(x, positions)
+    torch.manual_seed(0)
+    x, pos = torch.randn(5, 4, 16), torch.tensor([0, 3, 7, 2, 9])
+    rope = ops.RoPE(16, max_positions=16).prepare(ops.OperatorInitContext("cpu", torch.float32))
+    t = rope.tables(pos)
+    want = ops.rope(x, pos)
+    torch.testing.assert_close(ops.rope_cached(x, t.cos, t.sin), want)
+    g = LogicalGraph(DeviceMesh.cpu(2))
+    out = g.call("llm.rope_cached", g.input("x", x.shape, placement=placement), g.input("cos", t.cos.shape),
+                 g.input("sin", t.sin.shape))
+    assert out.placement == placement and out.producer.op == "llm.rope"
+    g.output("y", g.redistribute(out, Replicate()))
+    with Runner(g) as r:
+        torch.testing.assert_close(r.run({"x": x, "cos": t.cos, "sin": t.sin})["y"], want)
+    with pytest.raises(dtorch.ShapeError, match="'cos' must be float32"):
+        ops.rope_cached(x, t.cos[:3], t.sin)

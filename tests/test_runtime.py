@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -16,6 +17,7 @@ from dtorch.runtime import DispatchKernel, DistTensor, KernelStream, Runner, Str
 
 
 def dtorch_threads() -> list[threading.Thread]:
+    gc.collect()  # models and runners that earlier tests dropped stop their streams when collected
     return [t for t in threading.enumerate() if t.name.startswith("dtorch-")]
 
 

@@ -122,6 +122,12 @@ def _rope_params(op: str, a: Args) -> KernelParams:
         inv_freq=tuple(inv.tolist()))
 
 
+def _rope_cached_params(op: str, a: Args) -> KernelParams:
+    r = a["x"].shape[-1] if a["rotary_dim"] is None else a["rotary_dim"]
+    _rope._check_rotary("llm.rope", r, a["x"].shape[-1], 10000.0)
+    return _rope._rope_params(r, _rope._bool("llm.rope", "interleaved", a["interleaved"]))
+
+
 def _dense(op: str, a: Args) -> KernelParams:
     return _attention.dense_params(a["q"].shape[-1], a["causal"], a["scale"], op)
 
@@ -167,6 +173,8 @@ SPECS: dict[str, Spec] = {
     "llm.silu_and_mul": Spec(("x", "up")),  # up None: the kernel splits the fused x [..., 2I] itself
     "llm.rope": Spec(("x", "positions"), _rope_params, inplace=(("out", 0, "x"),),
                      meta_args=lambda a: a | {"inv_freq": None}),  # inv_freq: checked by _rope_params
+    "llm.rope_cached": Spec(("x", "cos", "sin"), _rope_cached_params, inplace=(("out", 0, "x"),),
+                            kernel_op=lambda op, a: "llm.rope"),  # the kernel's table form
     "llm.flash_attention": Spec(("q", "k", "v"), _dense),
     "llm.flash_attention_varlen": Spec(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), _varlen),
     "llm.reshape_and_cache": Spec(("key", "value", "key_cache", "value_cache", "slot_mapping"), outputs=lambda a: 2,

@@ -192,13 +192,16 @@ def _silu_and_mul(op: str, shapes: Shapes, params: KernelParams, n: int) -> list
 
 
 def _rope(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
-    # x [..., T, H, D], positions [T] or [B, T] (positions form; the cos/sin form only runs outside graphs)
+    # x [..., T, H, D] with positions [T] or [B, T] (positions form), or cos, sin [..., T, R/2] (table form, every
+    # table input placed alike: they follow x's leading dims and never its heads)
     x, pos = shapes[0], shapes[1]
+    k = len(shapes) - 1  # table inputs
     nd, t_dim = len(x), len(x) - 3
-    batched = len(pos) == 2  # [B, T] with x [B, T, H, D]
-    out = [Strategy((R, R), R), Strategy((Shard(nd - 2), R), Shard(nd - 2))]  # heads
-    out += [Strategy((Shard(d), Shard(0) if batched and d == 0 else R), Shard(d)) for d in range(t_dim)]
-    out.append(Strategy((Shard(t_dim), Shard(1 if batched else 0)), Shard(t_dim)))  # tokens, with their positions
+    batched = len(pos) == 2 if k == 1 else len(pos) == 3  # a batch dim in front of T
+    out = [Strategy((R,) * (k + 1), R), Strategy((Shard(nd - 2),) + (R,) * k, Shard(nd - 2))]  # heads
+    out += [Strategy((Shard(d),) + (Shard(0) if batched and d == 0 else R,) * k, Shard(d)) for d in range(t_dim)]
+    tokens = Shard(1 if batched else 0)
+    out.append(Strategy((Shard(t_dim),) + (tokens,) * k, Shard(t_dim)))  # tokens, with their positions
     return out
 
 

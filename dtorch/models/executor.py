@@ -10,6 +10,7 @@ Padding rows form one extra sequence with no keys (its rows attend to nothing an
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class Executor:
         self.local_ids = local_ids
         self.timeout = timeout
         self.streams = StreamManager(len(local_ids))
+        self._finalizer = weakref.finalize(self, self.streams.shutdown)  # a dropped model leaves no threads
         self.tracer = None
         if trace:
             self.set_trace(True)
@@ -99,9 +101,15 @@ class Executor:
         seq_counts += [0] * (N - len(seq_counts))
         cu = list(itertools.accumulate(seq_counts, initial=0))
         lens = [s + c for s, c in zip(starts, counts, strict=True)] + [0] * (N - n)
+        table = self.model.rope_table
+        if positions and max(positions) >= table.shape[0]:
+            raise ModelError(f"position {max(positions)} is past the model's {table.shape[0]} positions "
+                             "(max_position_embeddings)")
+        cs = table[torch.tensor(positions, dtype=torch.int64)]  # [T, 2, D / 2]
         feeds = {
             "ids": torch.tensor(ids, dtype=torch.int64),
-            "positions": torch.tensor(positions, dtype=torch.int64),
+            "cos": cs[:, 0],
+            "sin": cs[:, 1],
             "slot_mapping": torch.tensor(rows, dtype=torch.int64),
             "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
             "seqlens_k": torch.tensor(lens, dtype=torch.int32),
@@ -114,4 +122,4 @@ class Executor:
     def close(self) -> None:
         """Stop the stream threads."""
         self.runners.clear()
-        self.streams.shutdown()
+        self._finalizer()

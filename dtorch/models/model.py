@@ -72,7 +72,9 @@ class Transformer:
         self.dtype = dtype
         self.layout = Layout(config, mesh.size)
         self.weights = dict(weights)
-        self.inv_freq = rope_inv_freq(config)  # float32 [D / 2], scaled as the config says
+        inv_freq = rope_inv_freq(config)  # float32 [D / 2], scaled as the config says
+        angles = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq
+        self.rope_table = torch.stack([angles.cos(), angles.sin()], 1)  # [positions, 2, D / 2]: one gather a step
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -109,7 +111,8 @@ class Transformer:
     # -- the step graph ------------------------------------------------------------------------
 
     def graph(self, bucket: Bucket, cache: Mapping[str, DistTensor]) -> LogicalGraph:
-        """The step graph of ``bucket``: inputs ids [T] int64, positions [T] int64, slot_mapping [T] int64,
+        """The step graph of ``bucket``: inputs ids [T] int64, cos/sin [T, D/2] float32 (RoPE rows of the step's
+        positions), slot_mapping [T] int64,
         cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table [N, 1] int32, and (unless every row is a
         sequence's last) last_rows [N] int64; output "logits" [N, V] (or [T, V] with ``all_logits``).
         ``cache``: "k_cache.{l}" / "v_cache.{l}" -> [slots, max_len, Hkv, D] placed by the layout."""
@@ -118,7 +121,8 @@ class Transformer:
         T, N = bucket.tokens, bucket.seqs
         H, Hkv, D, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         ids = g.input("ids", (T,), torch.int64)
-        positions = g.input("positions", (T,), torch.int64)
+        cos = g.input("cos", (T, D // 2), torch.float32)  # the rows of the step's positions, gathered once
+        sin = g.input("sin", (T, D // 2), torch.float32)
         slots = g.input("slot_mapping", (T,), torch.int64)
         cu_q = g.input("cu_seqlens_q", (N + 1,), torch.int32)
         lens_k = g.input("seqlens_k", (N,), torch.int32)
@@ -142,8 +146,7 @@ class Transformer:
             if c.qk_norm:
                 q = g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps)
                 k = g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps)
-            q = g.call("llm.rope", q, positions, inv_freq=self.inv_freq)
-            k = g.call("llm.rope", k, positions, inv_freq=self.inv_freq)
+            q, k = g.call("llm.rope_cached", q, cos, sin), g.call("llm.rope_cached", k, cos, sin)
             kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
             kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, slots)
             a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, cu_q, lens_k, table, causal=True, scale=scale)

@@ -22,7 +22,7 @@ from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
 from dtorch.ops.prepared import PreparedOperator
-from dtorch.ops.rope import RoPE, RoPETables, rope, rope_inv_freq, rope_out
+from dtorch.ops.rope import RoPE, RoPETables, rope, rope_cached, rope_inv_freq, rope_out
 
 
 def _device(op: str, named: dict[str, torch.Tensor], ctx: RuntimeContext | None) -> Device:
@@ -354,6 +354,6 @@ class Embedding(PreparedOperator):
 
 __all__ = [
     "AddRMSNorm", "Embedding", "RMSNorm", "RoPE", "RoPETables", "SiluAndMul", "add_rms_norm", "add_rms_norm_out",
-    "embedding", "embedding_out", "rms_norm", "rms_norm_out", "rope", "rope_inv_freq", "rope_out", "silu_and_mul",
-    "silu_and_mul_out", "softmax_last_dim", "softmax_last_dim_out",
+    "embedding", "embedding_out", "rms_norm", "rms_norm_out", "rope", "rope_cached", "rope_inv_freq", "rope_out",
+    "silu_and_mul", "silu_and_mul_out", "softmax_last_dim", "softmax_last_dim_out",
 ]

@@ -132,6 +132,42 @@ def rope_out(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, r
     return out
 
 
+def _check_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None,
+                  ctx: RuntimeContext | None) -> tuple[Device, int]:
+    op = "llm.rope"
+    device = _device(op, {"x": x, "cos": cos, "sin": sin}, ctx)
+    _checks.dtype_in(op, "x", x, FLOAT_DTYPES)
+    if x.dim() < 3:
+        raise ShapeError(f"{op}: 'x' must be [..., T, H, D] (rank >= 3), got shape {tuple(x.shape)}")
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    _check_rotary(op, r, x.shape[-1], 10000.0)
+    want = (*x.shape[:-2], r // 2)
+    for name, t in (("cos", cos), ("sin", sin)):
+        _checks.dtype_in(op, name, t, (torch.float32,))
+        if tuple(t.shape) != want:
+            raise ShapeError(f"{op}: {name!r} must be float32 {list(want)} (x's [..., T] and rotary_dim / 2), got "
+                             f"{tuple(t.shape)}")
+    return device, r
+
+
+def rope_cached(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None,
+                interleaved: bool = False, *, out: torch.Tensor | None = None,
+                ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``rope`` with the cos/sin rows of x's positions already gathered (float32 [..., T, rotary_dim / 2], as
+    ``RoPE.tables`` gives them): a step gathers them once and every layer rotates with them. ``out`` may be x."""
+    device, r = _check_tables(x, cos, sin, rotary_dim, ctx)
+    params = _rope_params(r, _bool("llm.rope", "interleaved", interleaved))
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        _checks.out("llm.rope", out, x.shape, x.dtype, x.device)
+    if ctx is None:
+        run("llm.rope", device, x.dtype, (x, cos, sin), (out,), params)
+    else:
+        run("llm.rope", device, x.dtype, (x, cos, sin), (out,), params, ctx.stream, ctx.workspace)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class RoPETables:
     """cos and sin float32 [..., T, R/2] that one ``RoPE`` gathered for ``positions`` ([T] or [B, T]), checked
@@ -257,4 +293,4 @@ class RoPE(PreparedOperator):
         return q, k
 
 
-__all__ = ["RoPE", "RoPETables", "rope", "rope_inv_freq", "rope_out"]
+__all__ = ["RoPE", "RoPETables", "rope", "rope_cached", "rope_inv_freq", "rope_out"]
