@@ -77,12 +77,22 @@ def _scaled(p: Shard, dim: int, k: int, divide: bool) -> Shard:
 def split_placements(name: str, shape: tuple[int, ...], sizes: Sequence[int], dim: int,
                      p: Placement) -> tuple[Placement, ...]:
     """Placements of the pieces of ``x.split(sizes, dim)``: a shard of another dim stays; a shard of ``dim`` must be
-    blocked by exactly ``sizes`` (each device then holds its piece of every part) and each part is a plain shard."""
+    blocked so that each part takes whole blocks (each device then holds its piece of every part): a part of one
+    block is a plain (or unit) shard, a part of several stays blocked."""
     if isinstance(p, Shard) and p.dim == dim:
-        if p.blocks != tuple(sizes):
-            raise GraphError(f"graph split {name}: splitting dim {dim} into {list(sizes)} needs the operand "
-                             f"sharded as Shard({dim}, blocks={tuple(sizes)}), it is {p}")
-        return tuple(Shard(dim, None, u) for _, u in p.runs(shape[dim]))
+        runs, out = p.runs(shape[dim]), []
+        for size in sizes:  # each part takes whole blocks: one (a plain or unit shard) or several (still blocked)
+            take, total = [], 0
+            while runs and total < size:
+                take.append(runs.pop(0))
+                total += take[-1][0]
+            if total != size or p.blocks is None:
+                raise GraphError(f"graph split {name}: splitting dim {dim} into {list(sizes)} needs the operand "
+                                 f"sharded in blocks that the parts can take whole (Shard({dim}, blocks=...)), it is "
+                                 f"{p}")
+            units = tuple(u for _, u in take)
+            out.append(Shard(dim, None, units[0]) if len(take) == 1 else Shard(dim, tuple(b for b, _ in take), units))
+        return tuple(out)
     if isinstance(p, Shard) and not p.plain:
         raise GraphError(f"graph split {name}: cannot split a {p} operand on dim {dim}")
     return tuple(p for _ in sizes)

@@ -141,12 +141,16 @@ class Transformer:
             qkv = g.call("matmul.mm", h, w[p + "qkv"])  # [T, (H + 2 Hkv) D], each device [q_r | k_r | v_r]
             if c.attention_bias:
                 qkv = g.call("binary.add", qkv, w[p + "qkv_bias"])
-            q, k, v = g.split(qkv, (c.q_size, c.kv_size, c.kv_size), 1)
-            q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
-            if c.qk_norm:
-                q = g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps)
-                k = g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps)
-            q, k = g.call("llm.rope_cached", q, cos, sin), g.call("llm.rope_cached", k, cos, sin)
+            if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
+                q, k, v = g.split(qkv, (c.q_size, c.kv_size, c.kv_size), 1)
+                q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
+                q = g.call("llm.rope_cached", g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps), cos, sin)
+                k = g.call("llm.rope_cached", g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps), cos, sin)
+            else:  # q and k heads side by side (each device's [q_r | k_r]), rotated by one call
+                qk, v = g.split(qkv, (c.q_size + c.kv_size, c.kv_size), 1)
+                qk = g.call("llm.rope_cached", g.view(qk, (T, H + Hkv, D)), cos, sin)
+                q, k = g.split(qk, (H, Hkv), 1)
+                v = g.view(v, (T, Hkv, D))
             kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
             kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, slots)
             a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, cu_q, lens_k, table, causal=True, scale=scale)

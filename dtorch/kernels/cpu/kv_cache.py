@@ -25,29 +25,33 @@ def reshape_and_cache_reference(ctx, inputs, outputs):
     kc, vc = outputs  # the caches themselves, [blocks, block_size, Hkv, D]
     if key.shape[0] == 0:
         return
-    keep = slots >= 0
-    if not bool(keep.all()):
+    if slots.device.type != "cpu" or int(slots.min()) < 0:  # padding rows (reading a CPU value is free)
+        keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
-    slots = slots.long()
-    kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, key)
-    vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, value)
+    if slots.dtype != torch.int64:
+        slots = slots.long()
+    kc.flatten(0, 1).index_copy_(0, slots, key)
+    vc.flatten(0, 1).index_copy_(0, slots, value)
 
 
-def _sequences(cu_q: torch.Tensor, seqlens_k: torch.Tensor, block_table: torch.Tensor):
-    """(q0, q1, keys, blocks) of every sequence with at least one query (host reads of small int tensors)."""
-    bq, lens, table = cu_q.tolist(), seqlens_k.tolist(), block_table.tolist()
+def _sequences(cu_q: torch.Tensor, seqlens_k: torch.Tensor, block_table: torch.Tensor, block_size: int):
+    """(q0, q1, keys, blocks) of every sequence with at least one query (host reads of small int tensors;
+    only the blocks a sequence uses are read)."""
+    bq, lens = cu_q.tolist(), seqlens_k.tolist()
+    one = block_table.shape[1] == 1
+    table = block_table.view(-1).tolist() if one else None
     for i in range(len(lens)):
         if bq[i + 1] > bq[i]:
-            yield bq[i], bq[i + 1], lens[i], table[i]
+            n = lens[i]
+            blocks = [table[i]] if one else block_table[i, :-(-n // block_size)].tolist()
+            yield bq[i], bq[i + 1], n, blocks
 
 
 def _keys(cache: torch.Tensor, blocks: list[int], length: int) -> torch.Tensor:
     """[length, Hkv, D]: a view of one block when the sequence fits in it, else the blocks gathered."""
-    bs = cache.shape[1]
-    used = -(-length // bs)
-    if used <= 1:
+    if len(blocks) <= 1:
         return cache[blocks[0], :length] if length else cache[0, :0]
-    return cache[blocks[:used]].flatten(0, 1)[:length]
+    return cache[blocks].flatten(0, 1)[:length]
 
 
 @KERNELS.kernel("llm.flash_attention_with_kvcache", FLOATS)
@@ -55,7 +59,7 @@ def flash_attention_with_kvcache_reference(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     out = outputs[0]
     p = ctx.params
-    for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table):
+    for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1]):
         o = attention_dense_reference(q[None, q0:q1], _keys(kc, blocks, n)[None], _keys(vc, blocks, n)[None],
                                       p.causal, p.scale)
         out[q0:q1].copy_(o[0])
@@ -66,6 +70,6 @@ def flash_attention_with_kvcache_sdpa(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     out = outputs[0]
     p = ctx.params
-    for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table):
+    for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1]):
         _sdpa_into(q[None, q0:q1], _keys(kc, blocks, n)[None], _keys(vc, blocks, n)[None], out[None, q0:q1],
                    p.causal, p.scale)
