@@ -75,28 +75,40 @@ class Runtime:
         return self.llm.stats.decode_tps, out.token_ids
 
 
-def overlap(llm, prompt: list[int]) -> tuple[float, float]:
-    """(overlap fraction, communicate share of the step) of one tp=2 decode step, from its trace."""
-    from dtorch.models.sampling import SamplingParams
+def decode_step_trace(llm, prompt: list[int]):
+    """The Tracer of one decode step after ``prompt`` (prefilled first, untraced)."""
+    from dtorch.models.executor import StepPlan
 
     ex = llm.executor
+    cache = llm._cache_for(1, len(prompt) + 8)
+    slot = cache.alloc()
+    cache.reserve(slot, len(prompt))
+    tok = int(ex.step(StepPlan(prompt, [len(prompt)], [0], [slot]))[0].argmax())
+    ex.step(StepPlan([tok], [1], [cache.reserve(slot, 1)], [slot]))  # warm the decode bucket
     ex.set_trace(True)
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    rows = ex.tracer.intervals()
+    ex.step(StepPlan([tok], [1], [cache.reserve(slot, 1)], [slot]))
+    tracer = ex.tracer
     ex.set_trace(False)
-    both = busy = step = 0.0
+    cache.release(slot)
+    return tracer
+
+
+def overlap(tracer) -> tuple[float, float]:
+    """(overlap fraction, communicate share of the step) of a traced step: the share of communicate-stream busy
+    time during which the same device's compute stream was busy too, and of the step spent communicating."""
+    rows = tracer.intervals()
+    both = busy = 0.0
+    t0 = min(a for spans in rows.values() for _, a, _ in spans)
+    t1 = max(b for spans in rows.values() for _, _, b in spans)
     for (device, kind), spans in rows.items():
         if kind != "communicate":
             continue
         compute = rows.get((device, "compute"), [])
-        # the last decode step: spans after the prefill step (keep the second half of the events)
-        spans = spans[len(spans) // 2:]
-        lo = spans[0][1]
         for _, a, b in spans:
             busy += b - a
-            both += sum(max(0.0, min(b, d) - max(a, c)) for _, c, d in compute if d > lo)
-        step += max(d for _, _, d in compute) - lo
-    return (both / busy if busy else 0.0), (busy / step if step else 0.0)
+            both += sum(max(0.0, min(b, d) - max(a, c)) for _, c, d in compute)
+    devices = len({d for d, _ in rows})
+    return (both / busy if busy else 0.0), (busy / devices / (t1 - t0))
 
 
 def gloo(tp: int, prompt: int, new: int) -> float | None:
@@ -133,6 +145,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--trace-png", default=None, help="also draw the traced tp=2 decode step to this PNG")
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -153,7 +166,12 @@ def main() -> None:
     same = len({tuple(t) for t in tokens.values()}) == 1
     rows = [(name, statistics.median(tps[name]), statistics.median(ratios[name])) for name in engines]
     g = gloo(2, args.prompt, args.new)
-    frac, share = overlap(engines["runtime tp=2, cpu(2)"].llm, prompt)
+    tracer = decode_step_trace(engines["runtime tp=2, cpu(2)"].llm, prompt)
+    frac, share = overlap(tracer)
+    if args.trace_png:
+        from dtorch.runtime.tracing import plot_chrome_trace
+
+        plot_chrome_trace(tracer.write(args.trace_png.removesuffix(".png") + ".json"), args.trace_png)
     print(f"SmolLM2-135M-Instruct (float32), {args.prompt}-token prompt, {args.new} new tokens, greedy; "
           f"{cores} cores; medians of {args.rounds} alternating rounds")
     print(f"{'engine':28s} {'threads':>12s} {'decode tok/s':>13s} {'vs tp=1':>8s}")
@@ -163,7 +181,8 @@ def main() -> None:
     if g is not None:
         print(f"{'2 gloo processes (torchrun)':28s} {'1 per rank':>12s} {g:13.1f} {g / rows[1][1]:8.2f}  "
               "(ratio vs the median above, not the same rounds)")
-    print(f"runtime tp=1 / direct: {statistics.median(r / d for r, d in zip(tps['runtime tp=1'], tps['direct (baseline)'], strict=True)):.3f}")
+    paired = zip(tps["runtime tp=1"], tps["direct (baseline)"], strict=True)
+    print(f"runtime tp=1 / direct: {statistics.median(r / d for r, d in paired):.3f} (median of per-round ratios)")
     print(f"tp=2 decode step: communicate streams busy {share:.0%} of the step; {frac:.0%} of that time overlaps "
           "compute on the same device")
     print(f"greedy tokens identical across engines: {same}")
