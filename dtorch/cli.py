@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -90,5 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except DtorchError as exc:
-        print(f"dtorch: error: {exc}", file=sys.stderr)
+        print(f"dtorch: error: {_rank_prefix()}{exc}", file=sys.stderr)
         return 2
+
+
+def _rank_prefix() -> str:
+    """"rank r of n: " in a process started by torchrun (each rank reports its own error), else ""."""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    return f"rank {rank} of {world}: " if world.isdigit() and int(world) > 1 else ""

@@ -24,6 +24,7 @@ import torch
 
 from dtorch.core import env
 from dtorch.core.errors import ArgumentError, CommunicationError, DeviceError
+from dtorch.core.sync import Rendezvous
 from dtorch.graph.placement import Shard
 from dtorch.runtime.blob import local_piece
 from dtorch.runtime.comm import Communicator
@@ -59,8 +60,8 @@ class InProcessCommunicator(Communicator):
         self._mail: dict[tuple[int, int], queue.SimpleQueue] = {}
         self._mail_lock = threading.Lock()
 
-    def _new_barrier(self) -> threading.Barrier:
-        return threading.Barrier(self.n, action=self._combine, timeout=self.timeout)
+    def _new_barrier(self) -> Rendezvous:
+        return Rendezvous(self.n, action=self._combine, timeout=self.timeout)
 
     # -- collectives ---------------------------------------------------------------------------
 

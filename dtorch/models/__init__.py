@@ -6,7 +6,12 @@ from dtorch.models.executor import Executor as Executor, StepPlan as StepPlan
 from dtorch.models.kv_cache import KVCache as KVCache
 from dtorch.models.layout import Layout as Layout
 from dtorch.models.llm import LLM as LLM, GenerationStats as GenerationStats, RequestOutput as RequestOutput
-from dtorch.models.loaders import Checkpoint as Checkpoint, load_checkpoint as load_checkpoint
+from dtorch.models.loaders import (
+    Checkpoint as Checkpoint,
+    LazyCheckpoint as LazyCheckpoint,
+    load_checkpoint as load_checkpoint,
+    open_checkpoint as open_checkpoint,
+)
 from dtorch.models.model import Bucket as Bucket, Transformer as Transformer, bucket_for as bucket_for
 from dtorch.models.sampling import SamplingParams as SamplingParams
 from dtorch.models.tokenizer import StreamDecoder as StreamDecoder, Tokenizer as Tokenizer

@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 
-from dtorch.core import env
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, ModelError
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
-from dtorch.models.loaders import load_checkpoint
+from dtorch.models.loaders import open_checkpoint
 from dtorch.models.model import Transformer
 from dtorch.models.parallel import MeshSetup, setup_mesh
 from dtorch.models.sampling import SamplingParams, sample
@@ -113,26 +112,15 @@ class LLM:
             raise ArgumentError(f"LLM: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
         dtype = as_dtype(dtype)
         where: MeshSetup = setup_mesh(device, tensor_parallel_size)
-        ckpt = load_checkpoint(model, dtype)
-        self.source = ckpt.source
-        self.config = ckpt.config
-        self.tokenizer = ckpt.tokenizer
-        tensors = ckpt.tensors
-        del ckpt
-
-        def get(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
-            t = tensors[name]
-            if dim is None:
-                return t
-            parts = [t.narrow(dim, start, length) for start, length in runs]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-
-        self.model = Transformer.load(self.config, get, where.mesh, where.local_ids, dtype)
-        tensors.clear()  # the full tensors go: only the placed pieces stay
+        with open_checkpoint(model, dtype) as ckpt:  # reads names and shapes; then only this process's slices
+            self.source = ckpt.source
+            self.config = ckpt.config
+            self.tokenizer = ckpt.tokenizer
+            self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype)
         self.mesh = where.mesh
         self.rank = where.rank
         self.device = where.mesh.device(where.local_ids[0])
-        self.executor = Executor(self.model, where.communicator, where.local_ids, env.sync_timeout())
+        self.executor = Executor(self.model, where.communicator, where.local_ids, where.timeout)
         self._spmd = where.spmd
         self.max_num_seqs = max_num_seqs
         self.max_len = self.config.max_position_embeddings
@@ -349,10 +337,8 @@ class LLM:
         """Every rank takes rank 0's sampled tokens (SPMD); in one process they are already everyone's."""
         if not self._spmd:
             return tokens
-        import torch.distributed as dist
-
         t = torch.tensor(tokens, dtype=torch.int64, device=self.device.torch)
-        dist.broadcast(t, src=0)
+        self.executor.comm.broadcast(self.executor.local_ids[0], t, t, src=0)  # a lost peer: CommunicationError
         return t.tolist()
 
     def _cache_for(self, num_seqs: int, max_len: int) -> KVCache:

@@ -26,6 +26,7 @@ class MeshSetup:
     local_ids: tuple[int, ...]
     rank: int  # this process's rank (0 in one process)
     spmd: bool  # one process per device under torch.distributed
+    timeout: float  # seconds a step's synchronization waits (SPMD: past the process group's own timeout)
 
 
 def launched_by_torchrun() -> bool:
@@ -62,8 +63,18 @@ def setup_mesh(device: str, tensor_parallel_size: int) -> MeshSetup:
                                 f"torchrun --nproc-per-node {n} (one device per rank), or pass "
                                 f"--tensor-parallel-size {world}")
         mesh = DeviceMesh.distributed(kind)
-        return MeshSetup(mesh, TorchDistCommunicator(), (rank,), rank, True)
+        comm = TorchDistCommunicator()
+        return MeshSetup(mesh, comm, (rank,), rank, True, _past_group_timeout(comm.timeout))
     from dtorch.distributed.inprocess import InProcessCommunicator
 
     mesh = DeviceMesh.cuda(n) if kind == "cuda" else DeviceMesh.cpu(n)
-    return MeshSetup(mesh, InProcessCommunicator(mesh.ids, timeout=env.sync_timeout()), mesh.ids, 0, False)
+    timeout = env.sync_timeout()
+    return MeshSetup(mesh, InProcessCommunicator(mesh.ids, timeout=timeout), mesh.ids, 0, False, timeout)
+
+
+def _past_group_timeout(group: float | None) -> float:
+    """The step sync timeout under a process group whose collectives give up after ``group`` seconds: longer
+    (by a step's own time at least), so that a stuck peer surfaces as the collective's CommunicationError naming
+    the peer, not as a SyncTimeout of the step."""
+    base = env.sync_timeout()
+    return base if group is None else max(base, group + max(10.0, group / 4))

@@ -31,6 +31,7 @@ import torch
 from dtorch.core import env
 from dtorch.core.device import Device
 from dtorch.core.errors import ArgumentError, SyncTimeout
+from dtorch.core.sync import Flag
 
 
 class StreamType(enum.Enum):
@@ -45,7 +46,7 @@ class Event:
     __slots__ = ("flag", "device_event")
 
     def __init__(self) -> None:
-        self.flag = threading.Event()
+        self.flag = Flag()
         self.device_event: Any = None
 
     def wait(self, deadline: float) -> bool:

@@ -1,10 +1,12 @@
-"""What every loader returns: a ``Checkpoint`` of Hugging Face named tensors checked against its config."""
+"""What every loader returns: a ``LazyCheckpoint`` (config, tokenizer, tensor shapes checked against the config,
+and a getter that reads only the slices asked for) or, read whole, a ``Checkpoint`` of Hugging Face named tensors."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -59,34 +61,107 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def finish_tensors(raw: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype,
-                   source: str) -> dict[str, torch.Tensor]:
-    """Check ``raw`` against ``config`` (missing / misshapen tensors raise), cast to ``dtype``, tag PERSISTENT.
+def check_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig, dtype: torch.dtype,
+                 source: str) -> None:
+    """Check a file's tensor names and shapes (from its metadata; no data is read) against ``config``.
 
-    Tensors the model would not use raise, except rotary caches and an lm_head beside tied embeddings (dropped).
+    Missing / misshapen tensors raise, and so do tensors the model would not use (a variant it does not
+    implement: refuse, don't drop), except rotary caches and an lm_head stored beside tied embeddings.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ModelError(f"load_checkpoint: dtype must be a floating torch.dtype, got {dtype!r}")
     expected = expected_shapes(config)
-    # a tensor the model would not use means a variant it does not implement (llama biases, ...): refuse, don't drop.
-    # Exceptions: rotary caches, and lm_head.weight stored beside tied embeddings.
-    extra = sorted(n for n in raw if n not in expected and not n.endswith("rotary_emb.inv_freq")
+    extra = sorted(n for n in shapes if n not in expected and not n.endswith("rotary_emb.inv_freq")
                    and not (n == "lm_head.weight" and config.tie_word_embeddings))
     if extra:
         raise ModelError(f"{source}: unexpected tensors {extra[:4]}{' ...' if len(extra) > 4 else ''}; a "
                          f"{config.family} model with this config (attention_bias={config.attention_bias}, "
                          f"qk_norm={config.qk_norm}) has no such weights")
-    out: dict[str, torch.Tensor] = {}
     for name, shape in expected.items():
-        t = raw.get(name)
-        if t is None:
+        got = shapes.get(name)
+        if got is None:
             raise ModelError(f"{source}: missing tensor {name!r} (expected shape {list(shape)} for a "
                              f"{config.family} model with {config.num_layers} layers)")
-        if tuple(t.shape) != shape:
-            raise ModelError(f"{source}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)} "
+        if tuple(got) != shape:
+            raise ModelError(f"{source}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
                              f"from the config")
-        out[name] = adopt(t.to(dtype).contiguous(), MemoryKind.PERSISTENT)
-    return out
+
+
+# read(hf_name, dim, runs) -> the rows/columns ``runs`` [(start, length)] of dim ``dim`` (all of it when ``dim`` is
+# None), in the file's dtype or float32, in memory of its own (never a view of a file map); one opened file
+Reader = Callable[[str, "int | None", "list[tuple[int, int]]"], torch.Tensor]
+
+
+@dataclass
+class LazyCheckpoint:
+    """A checkpoint opened but not read: its config, tokenizer and every tensor's shape (checked against the
+    config); ``get`` reads only the slices asked for. Use it as a context manager, or ``close`` it.
+
+    ``get(hf_name, dim, runs)`` is the getter ``Transformer.load`` takes, so a process reads only its shards.
+    """
+
+    config: ModelConfig
+    shapes: dict[str, tuple[int, ...]]  # every tensor the model uses, HF name -> shape
+    read: Reader
+    dtype: torch.dtype = torch.float32
+    tokenizer: Tokenizer | None = None
+    source: str = ""
+    chat_template: str | None = None
+    metadata: dict[str, object] = field(default_factory=dict)
+
+    def get(self, name: str, dim: int | None = None, runs: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """The rows/columns ``runs`` [(start, length)] of dim ``dim`` of tensor ``name`` (concatenated), or the
+        whole tensor when ``dim`` is None; cast to ``dtype``, contiguous, a fresh tensor."""
+        shape = self.shapes.get(name)
+        if shape is None:
+            raise ModelError(f"{self.source}: no tensor {name!r} in this {self.config.family} checkpoint")
+        runs = [(int(a), int(n)) for a, n in runs]
+        if dim is not None:
+            if not 0 <= dim < len(shape):
+                raise ModelError(f"{self.source}: tensor {name!r} {list(shape)} has no dim {dim}")
+            for a, n in runs:
+                if a < 0 or n < 1 or a + n > shape[dim]:
+                    raise ModelError(f"{self.source}: rows [{a}, {a + n}) of dim {dim} are outside tensor {name!r} "
+                                     f"{list(shape)}")
+        t = self.read(name, dim if runs else None, runs).to(self.dtype).contiguous()
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():  # a slice must not keep the whole alive
+            t = t.clone()
+        return t
+
+    def load(self) -> Checkpoint:
+        """Every tensor read whole (cast to ``dtype``, PERSISTENT): the eager ``Checkpoint``."""
+        tensors = {name: adopt(self.get(name), MemoryKind.PERSISTENT)
+                   for name in progress(list(self.shapes), len(self.shapes), f"loading {Path(self.source).name}")}
+        return Checkpoint(config=self.config, tensors=tensors, tokenizer=self.tokenizer, source=self.source,
+                          chat_template=self.chat_template, metadata=self.metadata)
+
+    def close(self) -> None:
+        """Drop the reader, and with it the file handles and maps it holds; ``get`` raises afterwards."""
+        self.read = self._closed
+
+    def _closed(self, name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+        raise ModelError(f"{self.source}: the checkpoint is closed; open it again to read {name!r}")
+
+    def __enter__(self) -> LazyCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def used_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig, dtype: torch.dtype,
+                source: str) -> dict[str, tuple[int, ...]]:
+    """``check_shapes``, then the shapes of the tensors the model uses (the others are dropped)."""
+    check_shapes(shapes, config, dtype, source)
+    return {name: tuple(shapes[name]) for name in expected_shapes(config)}
+
+
+def narrow_runs(t: torch.Tensor, dim: int | None, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The rows/columns ``runs`` of dim ``dim`` of ``t`` (all of ``t`` when ``dim`` is None), concatenated."""
+    if dim is None or not runs:
+        return t
+    parts = [t.narrow(dim, a, n) for a, n in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def progress(items: Iterable[T], total: int, desc: str) -> Iterator[T]:

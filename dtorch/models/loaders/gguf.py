@@ -11,7 +11,7 @@ import torch
 
 from dtorch.core.errors import ModelError
 from dtorch.models.config import ModelConfig
-from dtorch.models.loaders.checkpoint import Checkpoint, finish_tensors, progress
+from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, narrow_runs, used_shapes
 
 # llama.cpp tensor name -> Hugging Face name; "{i}" is the layer index
 _GLOBAL_NAMES = {
@@ -119,11 +119,15 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
 
 def dequantize(t: Any, path: Path) -> torch.Tensor:
     """One GGUF tensor as float32 torch, in torch's (row-major, reversed-GGUF) shape."""
+    return _dequantize(t, t.data, tuple(int(s) for s in reversed(t.shape)), path)  # GGUF lists dims fastest first
+
+
+def _dequantize(t: Any, data: np.ndarray, shape: tuple[int, ...], path: Path) -> torch.Tensor:
+    """``data`` (all or some whole blocks of tensor ``t``'s raw rows) as float32 torch of ``shape``."""
     from gguf.quants import dequantize as gguf_dequantize
 
-    shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest first
     try:
-        arr = np.array(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True).reshape(shape)
+        arr = np.array(gguf_dequantize(data, t.tensor_type), dtype=np.float32, copy=True).reshape(shape)
     except NotImplementedError:
         raise ModelError(f"{path}: tensor {t.name!r} has quantization type {t.tensor_type.name}, which the gguf "
                          f"package cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}") from None
@@ -133,8 +137,55 @@ def dequantize(t: Any, path: Path) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a GGUF file: config from its metadata, weights dequantized (Llama q/k un-permuted), its tokenizer."""
+def _read_runs(t: Any, dim: int | None, runs: list[tuple[int, int]], path: Path) -> torch.Tensor:
+    """The rows/columns ``runs`` of dim ``dim`` of GGUF tensor ``t`` as float32, dequantizing only the blocks they
+    cover: rows are whole rows of blocks, columns are whole blocks when aligned (else the tensor is read whole)."""
+    import gguf
+
+    shape = tuple(int(s) for s in reversed(t.shape))
+    data = t.data  # a map of the file: [rows, bytes (or items) of one row]; slicing it reads only those pages
+    if dim is None or len(shape) != 2:
+        return narrow_runs(_dequantize(t, data, shape, path), dim, runs)
+    if dim == 0:
+        parts = [_dequantize(t, data[a:a + n], (n, shape[1]), path) for a, n in runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    block = gguf.GGML_QUANT_SIZES[t.tensor_type][0] if t.tensor_type in gguf.GGML_QUANT_SIZES else 0
+    per_block = data.shape[-1] * block // shape[1] if block else 0  # items of ``data`` per block of a row
+    if not block or any(a % block or n % block for a, n in runs):
+        return narrow_runs(_dequantize(t, data, shape, path), dim, runs)
+    parts = [_dequantize(t, data[:, a // block * per_block:(a + n) // block * per_block], (shape[0], n), path)
+             for a, n in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def _gguf_reader(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, tuple[int, ...]], Reader]:
+    """The HF-named shapes of the file's tensors and a ``Reader`` of their slices (Llama q/k un-permuted)."""
+    by_name = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is not None:
+            by_name[name] = t
+    shapes = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in by_name.items()}
+    heads = {}
+    if config.family == "llama":  # llama.cpp permutes each head's rows of q and k; a run of whole heads undoes alone
+        heads = {n: (config.num_heads if ".q_proj." in n else config.num_kv_heads) for n in by_name
+                 if ".self_attn.q_proj." in n or ".self_attn.k_proj." in n}
+
+    def read(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+        t, d = by_name[name], config.head_dim
+        if name not in heads:
+            return _read_runs(t, dim, runs, path)
+        if dim == 0 and all(a % d == 0 and n % d == 0 for a, n in runs):
+            parts = [unpermute_qk(_read_runs(t, 0, [(a, n)], path), n // d) for a, n in runs]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        return narrow_runs(unpermute_qk(_read_runs(t, None, [], path), heads[name]), dim, runs)
+
+    return shapes, read
+
+
+def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheckpoint:
+    """Open a GGUF file without reading its weights: config from its metadata, names and shapes checked, its
+    tokenizer; the returned ``LazyCheckpoint.get`` dequantizes only the blocks of the slices asked for."""
     from dtorch.models.tokenizer import Tokenizer
 
     path = Path(path)
@@ -146,29 +197,25 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     if end > path.stat().st_size:
         raise ModelError(f"{path}: truncated: its tensors need {end} bytes but the file has {path.stat().st_size}")
     meta = read_metadata(reader, path)
+    reader.fields.clear()  # read: its views of every vocabulary string (~80 MB for 49k tokens) go before the weights
     freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
-
-    raw: dict[str, torch.Tensor] = {}
-    types: dict[str, str] = {}
-    for t in progress(reader.tensors, len(reader.tensors), f"loading {path.name}"):
-        name = hf_name(t.name)
-        if name is None:
-            continue
-        w = dequantize(t, path)
-        if config.family == "llama" and ".self_attn.q_proj." in name:
-            w = unpermute_qk(w, config.num_heads)
-        elif config.family == "llama" and ".self_attn.k_proj." in name:
-            w = unpermute_qk(w, config.num_kv_heads)
-        raw[name] = w
-        types[name] = t.tensor_type.name
-    tensors = finish_tensors(raw, config, dtype, str(path))
+    shapes, read = _gguf_reader(reader, config, path)
+    shapes = used_shapes(shapes, config, dtype, str(path))
+    types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors if hf_name(t.name) in shapes}
     template = meta.get("tokenizer.chat_template")
     tokenizer = Tokenizer.from_gguf(meta, chat_template=template, source=str(path)) \
         if "tokenizer.ggml.tokens" in meta else None
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list)}  # the vocabulary stays in the tokenizer
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path),
-                      chat_template=template, metadata={"tensor_types": types, "gguf": scalars})
+    return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
+                          source=str(path), chat_template=template,
+                          metadata={"tensor_types": types, "gguf": scalars})
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a GGUF file: config from its metadata, weights dequantized (Llama q/k un-permuted), its tokenizer."""
+    with open_gguf(path, dtype) as lazy:
+        return lazy.load()
 
 
 def load_gguf_tokenizer(path: str | Path) -> Any:

@@ -10,7 +10,7 @@ import torch
 
 from dtorch.core.errors import ModelError
 from dtorch.models.config import ModelConfig
-from dtorch.models.loaders.checkpoint import Checkpoint, finish_tensors, progress
+from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, used_shapes
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -40,20 +40,36 @@ def _shards(directory: Path) -> list[Path]:
     raise ModelError(f"{directory}: no weights found; expected model.safetensors or model.safetensors.index.json")
 
 
-def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def _open_safetensors(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Reader]:
+    """Every tensor's shape (from the headers; no data is read) and a ``Reader`` of slices of them."""
     from safetensors import SafetensorError, safe_open
 
-    tensors: dict[str, torch.Tensor] = {}
+    handles: dict[str, Any] = {}  # tensor name -> the open file that holds it
+    shapes: dict[str, tuple[int, ...]] = {}
+    errors = (SafetensorError, OSError, RuntimeError, ValueError)
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as st:
-                keys = list(st.keys())
-                for k in progress(keys, len(keys), f"loading {f.name}"):
-                    tensors[k] = st.get_tensor(k)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            st = safe_open(str(f), framework="pt")
+            for k in st.keys():
+                handles[k] = (f, st)
+                shapes[k] = tuple(int(d) for d in st.get_slice(k).get_shape())
+        except errors as e:
             raise ModelError(f"{f}: not a readable safetensors file ({e}); expected a complete safetensors "
                              "file as written by safetensors.torch.save_file") from None
-    return tensors
+
+    def read(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+        f, st = handles[name]
+        try:
+            sl = st.get_slice(name)  # a view of the file's map: slicing touches only the pages of those rows
+            if dim is None:
+                return sl[:].clone()
+            lead = (slice(None),) * dim
+            parts = [sl[lead + (slice(a, a + n),)] for a, n in runs]
+            return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim)
+        except errors as e:
+            raise ModelError(f"{f}: tensor {name!r} is unreadable ({e}); the file may be damaged") from None
+
+    return shapes, read
 
 
 def _chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
@@ -67,8 +83,10 @@ def _chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a Hugging Face model directory; the tokenizer is None when it has no ``tokenizer.json``."""
+def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheckpoint:
+    """Open a Hugging Face model directory without reading its weights (names and shapes are checked against
+    ``config.json``); ``LazyCheckpoint.get`` reads only the slices asked for. The tokenizer is None when the
+    directory has no ``tokenizer.json``."""
     from dtorch.models.tokenizer import Tokenizer
 
     directory = Path(directory)
@@ -82,7 +100,8 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Checkp
         flat = [i for v in ids if v is not None for i in (v if isinstance(v, list) else [v])]
         cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
     config = ModelConfig.from_hf(cfg_json)
-    tensors = finish_tensors(_read_safetensors(_shards(directory)), config, dtype, str(directory))
+    shapes, read = _open_safetensors(_shards(directory))
+    shapes = used_shapes(shapes, config, dtype, str(directory))
 
     tokenizer, template = None, None
     tok_config = _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").exists() \
@@ -91,5 +110,11 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Checkp
     if (directory / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_hf(directory / "tokenizer.json", tok_config, chat_template=template,
                                       eos_token_ids=config.eos_token_ids)
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, source=str(directory),
-                      chat_template=template)
+    return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
+                          source=str(directory), chat_template=template)
+
+
+def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a Hugging Face model directory, every tensor read whole (see ``open_hf``)."""
+    with open_hf(directory, dtype) as lazy:
+        return lazy.load()
