@@ -24,3 +24,24 @@ def test_generate_bad_sampling_value_is_a_clean_error():
     proc = _run("hi", "--top-p", "1.5", "--max-tokens", "2")
     assert proc.returncode == 2
     assert "top_p" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_tensor_parallel_in_one_process_records_its_trace(tmp_path):
+    # -tp 3 in one process: cpu:0..2 (SmolLM2 has 3 KV heads), the same greedy text as one device, and a trace
+    # with a row per stream: the all-reduces on the communicate streams, the kernels on the compute streams
+    import json
+
+    one = _run("--max-tokens", "8", "What is 2 + 2?")
+    trace = tmp_path / "run.json"
+    three = _run("-tp", "3", "--max-tokens", "8", "--trace", str(trace), "What is 2 + 2?")
+    assert one.returncode == 0 and three.returncode == 0, three.stderr
+    assert three.stdout == one.stdout and three.stdout.strip()
+    events = json.loads(trace.read_text())["traceEvents"]
+    rows = {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"}
+    assert len(rows) == 6  # 3 devices x (compute, communicate)
+    by_kind = {e["cat"]: set() for e in events if e["ph"] == "X"}
+    for e in events:
+        if e["ph"] == "X":
+            by_kind[e["cat"]].add(e["name"].split("#")[0])
+    assert by_kind["communicate"] == {"all_reduce", "all_gather"}
+    assert {"matmul.mm", "llm.flash_attention_with_kvcache"} <= by_kind["compute"]

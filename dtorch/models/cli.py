@@ -33,6 +33,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (may repeat)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="record every kernel of the run on its stream and write a Chrome trace JSON (under "
+                             "torchrun each rank writes FILE with .rankN before the suffix); draw it with "
+                             "`python -m dtorch trace FILE --png out.png`")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -50,6 +54,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, tp: int) -> int:
     from dtorch.models.llm import LLM
+    from dtorch.models.parallel import launched_by_torchrun
     from dtorch.models.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -68,7 +73,16 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
 
+        if args.trace:
+            llm.executor.set_trace(True)
         llm.generate([prompt], params, on_text=show)
+        if args.trace:
+            base, suffix = os.path.splitext(args.trace)
+            path = f"{base}.rank{llm.rank}{suffix}" if launched_by_torchrun() else args.trace
+            try:
+                llm.executor.tracer.write(path)
+            except OSError as exc:
+                raise DtorchError(f"--trace: cannot write {path}: {exc}") from None
         if speaker:
             sys.stdout.write("\n")
             sys.stdout.flush()
