@@ -116,18 +116,18 @@ class LogicalGraph:
             if o is not None:
                 self._own(o, f"{op} argument {i}")
         name = f"{b.kernel_op}#{next(self._seq)}"
-        nout = getattr(b, "num_outputs", 1)
-        aliases = tuple(getattr(b, "aliases", ()) or (None,) * nout)
+        nout = b.num_outputs
+        aliases = b.aliases or (None,) * nout
         glob = _outputs(name, self._infer(name, b.infer, [_meta(o.shape, o.dtype) if o is not None else None
                                                          for o in b.inputs], nout), nout)
         shapes = [o.shape if o is not None else None for o in b.inputs]
         current = [o.placement if o is not None else None for o in b.inputs]
-        # a blocked shard is, to the rules, a shard of its dim; the blocks ride along to a same-sized output dim
+        # to a rule a blocked or unit shard is a shard of its dim (``move_cost`` 0): it stays as it is
         st = choose(b.kernel_op, shapes, current, b.params, n=self.mesh.size, num_outputs=nout,
                     pinned=[a for a in aliases if a is not None])
         want = tuple(c if isinstance(c, Shard) and not c.plain and w == _plain(c) else w
-                     for c, w in zip(current, st[0], strict=False))
-        outs = st[1] if isinstance(st[1], tuple) else (st[1],)
+                     for c, w in zip(current, st.inputs, strict=False))
+        outs = st.output if isinstance(st.output, tuple) else (st.output,)
         if len(outs) != nout:
             raise GraphError(f"graph operator {name}: its placement rule gives {len(outs)} output placements for "
                              f"{nout} outputs")
@@ -136,7 +136,7 @@ class LogicalGraph:
                   if isinstance(c, Shard) and not c.plain and w == c}
         if shaped:
             outs = tuple(_carry(p, g.shape, shaped) for p, g in zip(outs, glob, strict=True))
-        local_params = st[2] if len(st) > 2 else None
+        local_params = st.local_params
         with self._rollback():
             moved = tuple(self._move(o, w) if o is not None else None for o, w in zip(b.inputs, want, strict=False))
             local: list[dict[int, tuple[int, ...]]] = [{} for _ in range(nout)]
