@@ -1,4 +1,4 @@
-"""The KV cache: preallocated KV_CACHE memory, one slot per running sequence.
+"""The direct path's KV cache (kept as the benchmarks' baseline): KV_CACHE memory, one slot per sequence.
 
 ``k`` and ``v`` are ``[num_layers, num_slots, max_len, num_kv_heads, head_dim]``. A sequence owns
 one slot; its keys for layer l are ``k[l, slot, :length]``, a contiguous ``[length, Hkv, D]`` view,
@@ -10,28 +10,25 @@ from __future__ import annotations
 import torch
 
 from dtorch.core.device import Device, as_device
-from dtorch.core.errors import ArgumentError, ModelError
+from dtorch.core.errors import ArgumentError
 from dtorch.core.memory import MemoryKind, allocate
+from dtorch.models.kv_cache import Slots
 
 
-class KVCache:
+class KVCache(Slots):
     """Keys and values of up to ``num_slots`` sequences of at most ``max_len`` tokens each."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
                  dtype: torch.dtype, device: Device | str = "cpu") -> None:
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("num_slots", num_slots), ("max_len", max_len)):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ArgumentError(f"KVCache: {name} must be an int >= 1, got {value!r}")
+        super().__init__(num_slots, max_len)
         self.device = as_device(device)
         self.dtype = dtype
-        self.num_slots = num_slots
-        self.max_len = max_len
         shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
         self.k = allocate(shape, dtype, self.device, MemoryKind.KV_CACHE)
         self.v = allocate(shape, dtype, self.device, MemoryKind.KV_CACHE)
-        self.lengths = [0] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
         # [layer][slot] -> ([max_len, Hkv, D] keys, values): views made once, sliced every step
         self.views = [[(self.k[i, s], self.v[i, s]) for s in range(num_slots)] for i in range(num_layers)]
 
@@ -43,35 +40,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
-
-    def alloc(self) -> int:
-        """Take a free slot for a new sequence (length 0)."""
-        if not self._free:
-            raise ModelError(f"KVCache: all {self.num_slots} slots are in use")
-        slot = self._free.pop()
-        self.lengths[slot] = 0
-        return slot
-
-    def release(self, slot: int) -> None:
-        """Give a finished sequence's slot back."""
-        if slot in self._free or not 0 <= slot < self.num_slots:
-            raise ArgumentError(f"KVCache.release: slot {slot} is not in use")
-        self.lengths[slot] = 0
-        self._free.append(slot)
-
-    def reset(self) -> None:
-        """Free every slot."""
-        self.lengths = [0] * self.num_slots
-        self._free = list(range(self.num_slots - 1, -1, -1))
-
-    def reserve(self, slot: int, n: int) -> int:
-        """Grow sequence ``slot`` by ``n`` tokens; returns its old length (the first new position)."""
-        start = self.lengths[slot]
-        if start + n > self.max_len:
-            raise ModelError(f"KVCache: sequence in slot {slot} would reach {start + n} tokens, "
-                             f"more than the cache's max_len {self.max_len}")
-        self.lengths[slot] = start + n
-        return start
 
     def write(self, layer: int, step, k: torch.Tensor, v: torch.Tensor,
               read: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -19,39 +19,16 @@ from dtorch.models.layout import Layout
 from dtorch.runtime.blob import Blob, DistTensor
 
 
-class KVCache:
-    """Keys and values of up to ``num_slots`` sequences of at most ``max_len`` tokens each, on ``mesh``."""
+class Slots:
+    """One slot per running sequence, each holding at most ``max_len`` tokens: which are free, how long each is."""
 
-    def __init__(self, layout: Layout, mesh: DeviceMesh, local_ids: tuple[int, ...], num_slots: int, max_len: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, num_slots: int, max_len: int) -> None:
         for name, value in (("num_slots", num_slots), ("max_len", max_len)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"KVCache: {name} must be an int >= 1, got {value!r}")
-        c = layout.config
-        self.num_slots, self.max_len, self.dtype = num_slots, max_len, dtype
-        shape = (num_slots, max_len, c.num_kv_heads, c.head_dim)
-        self.tensors: dict[str, DistTensor] = {}
-        for i in range(c.num_layers):
-            for kind in ("k_cache", "v_cache"):
-                pl = layout.placement(kind)
-                blobs = {}
-                for d in local_ids:
-                    mine = local_shape(shape, pl, mesh.rank(d), mesh.size)
-                    t = allocate(mine, dtype, mesh.device(d), MemoryKind.KV_CACHE, zero=True)
-                    blobs[d] = Blob(mesh.device(d), MemoryKind.KV_CACHE, t, pinned=True)
-                self.tensors[f"{kind}.{i}"] = DistTensor(mesh, pl, shape, dtype, blobs)
+        self.num_slots, self.max_len = num_slots, max_len
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-
-    def fits(self, num_seqs: int, max_len: int, dtype: torch.dtype) -> bool:
-        """Whether this cache can hold ``num_seqs`` sequences of ``max_len`` tokens."""
-        return num_seqs <= self.num_slots and max_len <= self.max_len and dtype == self.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this process holds (every local device, keys and values)."""
-        return sum(b.tensor.numel() * b.tensor.element_size() for t in self.tensors.values()
-                   for b in t.blobs.values())
 
     def alloc(self) -> int:
         """Take a free slot for a new sequence (length 0)."""
@@ -81,3 +58,34 @@ class KVCache:
                              f"more than the cache's max_len {self.max_len}")
         self.lengths[slot] = start + n
         return start
+
+
+class KVCache(Slots):
+    """Keys and values of up to ``num_slots`` sequences of at most ``max_len`` tokens each, on ``mesh``."""
+
+    def __init__(self, layout: Layout, mesh: DeviceMesh, local_ids: tuple[int, ...], num_slots: int, max_len: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__(num_slots, max_len)
+        c = layout.config
+        self.dtype = dtype
+        shape = (num_slots, max_len, c.num_kv_heads, c.head_dim)
+        self.tensors: dict[str, DistTensor] = {}
+        for i in range(c.num_layers):
+            for kind in ("k_cache", "v_cache"):
+                pl = layout.placement(kind)
+                blobs = {}
+                for d in local_ids:
+                    mine = local_shape(shape, pl, mesh.rank(d), mesh.size)
+                    t = allocate(mine, dtype, mesh.device(d), MemoryKind.KV_CACHE, zero=True)
+                    blobs[d] = Blob(mesh.device(d), MemoryKind.KV_CACHE, t, pinned=True)
+                self.tensors[f"{kind}.{i}"] = DistTensor(mesh, pl, shape, dtype, blobs)
+
+    def fits(self, num_seqs: int, max_len: int, dtype: torch.dtype) -> bool:
+        """Whether this cache can hold ``num_seqs`` sequences of ``max_len`` tokens."""
+        return num_seqs <= self.num_slots and max_len <= self.max_len and dtype == self.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this process holds (every local device, keys and values)."""
+        return sum(b.tensor.numel() * b.tensor.element_size() for t in self.tensors.values()
+                   for b in t.blobs.values())
