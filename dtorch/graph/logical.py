@@ -389,8 +389,9 @@ class LogicalGraph:
         lines = [f"LogicalGraph on {self.mesh}"]
         lines += [f"  input {x}" for x in self.inputs.values()]
         lines += [f"  param {x}" for x, _ in self.params.values()]
+        lines += [f"  state {x}" for x, _ in self.states.values()]
         lines += [f"  {node.name}: {node.op}({', '.join(o.name if o else '-' for o in node.inputs)}) -> "
-                  f"{node.outputs[0]} [{node.stream}]" for node in self.operators]
+                  f"{', '.join(map(str, node.outputs))} [{node.stream}]" for node in self.operators]
         lines += [f"  output {k} = {v.name}" for k, v in self.outputs.items()]
         return "\n".join(lines)
 
