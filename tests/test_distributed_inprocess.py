@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,25 +11,7 @@ import torch
 import dtorch
 from dtorch.distributed import InProcessCommunicator
 from dtorch.graph import shard_sizes
-
-
-def on_devices(n: int, fn: Callable[[int], object], timeout: float = 10.0) -> list:
-    """Run fn(device_id) on n threads; returns results (or the exception each raised)."""
-    out: list = [None] * n
-
-    def body(i: int) -> None:
-        try:
-            out[i] = fn(i)
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a device thread hung"
-    return out
+from tests.threads import on_devices
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from dtorch.core.device import Device
 from dtorch.distributed import inprocess
 from dtorch.graph import DeviceMesh, LogicalGraph, Partial, Replicate, Shard
 from dtorch.runtime import DistTensor, Event, KernelStream, Runner, StreamManager, StreamType, blob, stream
+from tests.threads import on_devices
 
 
 def kind_of(t: torch.Tensor) -> str:
@@ -226,25 +226,6 @@ class FakeNccl:
         self.calls.append((f"broadcast/{root}", streams))
         for t in inputs:
             t.copy_(inputs[root])
-
-
-def on_devices(n: int, fn: Callable[[int], object]) -> list:
-    """fn(i) on thread "dev{i}" for each device; the results (or what each raised)."""
-    out: list = [None] * n
-
-    def body(i: int) -> None:
-        try:
-            out[i] = fn(i)
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=body, args=(i,), name=f"dev{i}") for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not any(t.is_alive() for t in threads), "a device thread hung"
-    return out
 
 
 @pytest.mark.parametrize("n", [2, 3])
