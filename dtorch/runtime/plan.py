@@ -25,58 +25,92 @@ Key = tuple[tuple[int, ...], torch.dtype]
 
 
 class BufferPlan:
-    """Which operands share storage (``root``), when each storage is last read, and which are never recycled."""
+    """Which operands share storage (``root``), after which operator each storage is free again (``frees``),
+    which are never recycled (``dedicated``), and which are written by a communicate stream (``comm``).
+
+    Compute-stream order makes reuse safe among compute kernels. A storage that a communicate kernel c
+    reads is free only at the first compute kernel that waits for c (reads one of c's outputs): from there
+    on c has finished. A storage that a communicate kernel writes comes from a pool of its own and goes
+    back after its last compute reader f; a later communicate kernel k may take it when it waits for a
+    compute kernel at or after f (``ready``), so the readers finished before k writes.
+    """
 
     def __init__(self, graph: LogicalGraph) -> None:
-        self.root: dict[int, int] = {}  # operand index -> the operand that owns its storage
-        last: dict[int, int] = {}  # storage root -> index of the last operator that reads any tensor sharing it
-        self.dedicated: set[int] = set()  # roots never returned to the pool
-        for x in graph.operands:
-            self.root[x.index] = x.index
-        for k, node in enumerate(graph.operators):
+        ops = graph.operators
+        self.root: dict[int, int] = {x.index: x.index for x in graph.operands}
+        last: dict[int, int] = {}  # root -> the last operator reading any tensor that shares it
+        comm_readers: dict[int, int] = {}  # root -> the last communicate operator reading it
+        producer: dict[int, int] = {}  # operand index -> operator index
+        self.dedicated: set[int] = set()
+        self.comm: set[int] = set()  # roots written by communicate-stream operators
+        self.ready: dict[int, int] = {}  # communicate operator -> the latest compute operator it waits for
+        for k, node in enumerate(ops):
+            on_compute = node.stream == COMPUTE and node.kind != "collective"
             for x in node.inputs:
-                if x is not None:
-                    r = self.root[x.index]
-                    last[r] = k
-                    if node.stream != COMPUTE:
-                        self.dedicated.add(r)
+                if x is None:
+                    continue
+                r = self.root[x.index]
+                last[r] = max(last.get(r, k), k)
+                if not on_compute:
+                    comm_readers[r] = k
+                    p = producer.get(x.index)
+                    if p is not None and ops[p].stream == COMPUTE and ops[p].kind != "collective":
+                        self.ready[k] = max(self.ready.get(k, -1), p)
             for j, y in enumerate(node.outputs):
-                src = None
-                if node.kind == "view":
-                    src = node.inputs[0]
-                elif node.aliases and node.aliases[j] is not None:
-                    src = node.inputs[node.aliases[j]]
+                producer[y.index] = k
+                src = node.inputs[0] if node.kind == "view" else \
+                    node.inputs[node.aliases[j]] if node.aliases and node.aliases[j] is not None else None
                 if src is not None:
                     self.root[y.index] = self.root[src.index]
-                else:
-                    last[y.index] = k  # a result nobody reads is free right after it is made
-                    if node.stream != COMPUTE or node.kind == "collective":
-                        self.dedicated.add(y.index)
+                    if not on_compute:  # a collective never aliases; a Python kernel on communicate might
+                        self.dedicated.add(self.root[src.index])
+                    continue
+                last[y.index] = k  # a result nobody reads is free right after it is made
+                if not on_compute:
+                    self.comm.add(y.index)
+        waits = {}  # communicate operator -> the first compute operator reading one of its outputs
+        for k, node in enumerate(ops):
+            if node.stream == COMPUTE and node.kind != "collective":
+                for x in node.inputs:
+                    p = producer.get(x.index) if x is not None else None
+                    if p is not None and (ops[p].stream != COMPUTE or ops[p].kind == "collective"):
+                        waits.setdefault(p, k)
+        for r, c in comm_readers.items():
+            w = waits.get(c)
+            if w is None:
+                self.dedicated.add(r)
+            else:
+                last[r] = max(last[r], w)
         keep = [x for x, _ in graph.params.values()] + [x for x, _ in graph.states.values()]
         keep += list(graph.inputs.values()) + list(graph.outputs.values())
-        for x in keep:
-            self.dedicated.add(self.root[x.index])
+        self.dedicated |= {self.root[x.index] for x in keep}
         self.frees: dict[int, list[int]] = defaultdict(list)  # operator index -> roots free after it
         for r, k in last.items():
-            if r not in self.dedicated:
+            if r not in self.dedicated and self.root[r] == r:
                 self.frees[k].append(r)
 
 
 class Pool:
-    """Free buffers of one device by exact (shape, dtype)."""
+    """Free buffers of one device by exact (shape, dtype), each tagged with the operator after which it became
+    free; ``take(..., before=k)`` only hands out a buffer freed at or before operator k."""
 
     def __init__(self, device: Device) -> None:
         self.device = device
-        self.free: dict[Key, list[torch.Tensor]] = defaultdict(list)
+        self.free: dict[Key, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         self.nbytes = 0
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, before: int | None = None) -> torch.Tensor:
         free = self.free.get((shape, dtype))
         if free:
-            return free.pop()
+            for j in range(len(free) - 1, -1, -1):
+                if before is None or free[j][0] <= before:
+                    return free.pop(j)[1]
+        return self.new(shape, dtype)
+
+    def new(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         t = allocate(shape, dtype, self.device, MemoryKind.WORKSPACE)
         self.nbytes += t.numel() * t.element_size()
         return t
 
-    def give(self, t: torch.Tensor) -> None:
-        self.free[(tuple(t.shape), t.dtype)].append(t)
+    def give(self, t: torch.Tensor, at: int = -1) -> None:
+        self.free[(tuple(t.shape), t.dtype)].append((at, t))

@@ -24,7 +24,7 @@ import torch
 from dtorch.core import env
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import ArgumentError, DtorchError, DTypeError, ShapeError, SyncTimeout
-from dtorch.core.memory import MemoryKind, allocate
+from dtorch.core.memory import MemoryKind
 from dtorch.dispatch import dispatcher as _global_dispatcher
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
@@ -140,6 +140,7 @@ class Runner:
                 self.blobs[(x.index, i)].tensor = piece
         plan = BufferPlan(g) if self.static else None
         pools = {i: Pool(self.mesh.device(i)) for i in self.local_ids}
+        comm_pools = {i: Pool(self.mesh.device(i)) for i in self.local_ids}  # buffers communicate streams write
         if plan is not None:
             for x in g.inputs.values():
                 for i in self.local_ids:
@@ -149,9 +150,9 @@ class Runner:
             for i in self.local_ids:
                 kern = self._kernel(node, i)
                 if plan is not None:
-                    self._place(node, i, kern, pools[i], plan)
+                    self._place(node, i, kern, pools[i], comm_pools[i], plan, k)
                     for r in plan.frees.get(k, ()):
-                        pools[i].give(self.blobs[(r, i)].tensor)
+                        (comm_pools if r in plan.comm else pools)[i].give(self.blobs[(r, i)].tensor, k)
                     if node.kind == "view":
                         continue  # taken once at build: nothing to run
                 kern.release = release and not self.static
@@ -175,11 +176,12 @@ class Runner:
                     if base is not None:
                         for y in node.outputs:
                             by_output[(y.index, i)] = base
-        self.buffer_bytes = sum(p.nbytes for p in pools.values())
+        self.buffer_bytes = sum(p.nbytes for p in list(pools.values()) + list(comm_pools.values()))
         mark_cross_stream_reads(self.kernels)
         self.manager.after_caller()  # the streams start after the params' copies to their devices
 
-    def _place(self, node: Operator, i: int, kern: Kernel, pool: Pool, plan: BufferPlan) -> None:
+    def _place(self, node: Operator, i: int, kern: Kernel, pool: Pool, comm_pool: Pool, plan: BufferPlan,
+               k: int) -> None:
         """Bind the static buffers of ``node`` on device ``i`` (its inputs are already bound)."""
         ins = tuple(self.blobs[(x.index, i)].tensor if x is not None else None for x in node.inputs)
         if isinstance(kern, ViewKernel):
@@ -191,9 +193,9 @@ class Runner:
                 if a is not None:
                     outs.append(ins[a])
                 elif y.index in plan.dedicated:
-                    t = allocate(y.local_shapes[i], y.dtype, self.mesh.device(i), MemoryKind.WORKSPACE)
-                    pool.nbytes += t.numel() * t.element_size()
-                    outs.append(t)
+                    outs.append(pool.new(y.local_shapes[i], y.dtype))
+                elif y.index in plan.comm:  # written on a communicate stream once it waited for compute op ready[k]
+                    outs.append(comm_pool.take(y.local_shapes[i], y.dtype, before=plan.ready.get(k, -1)))
                 else:
                     outs.append(pool.take(y.local_shapes[i], y.dtype))
             outs = tuple(outs)
