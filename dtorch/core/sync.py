@@ -3,8 +3,8 @@
 ``threading.Event`` and ``threading.Barrier`` are written in Python over a ``Condition``: every wait and
 wake goes through several Python-level lock operations. The runtime waits on them once or more per
 kernel hand-off between streams, so here they are one ``_thread`` lock each: a waiter blocks in C on the
-lock, and the waker releases it. Measured on a 2-core machine, an Event ping-pong between two threads took
-73 us per round trip against 49 us for a C-level hand-off.
+lock, and the waker releases it. Measured on a 2-core machine, a ping-pong between two threads took 72 us per
+round trip on ``threading.Event`` and 56 us on ``Flag``.
 """
 
 from __future__ import annotations
