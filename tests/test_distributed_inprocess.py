@@ -11,7 +11,7 @@ import torch
 import dtorch
 from dtorch.distributed import InProcessCommunicator
 from dtorch.graph import shard_sizes
-from tests.threads import on_devices
+from tests.threads import every_collective, on_devices
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -21,17 +21,7 @@ def test_collectives_match_torch(n):
     total, biggest = torch.stack(xs).sum(0), torch.stack(xs).amax(0)
     rows = shard_sizes(5, n)
 
-    def step(i: int) -> dict:
-        s, m, g, rs, bc = (torch.empty(5, 4), torch.empty(5, 4), torch.empty(5 * n, 4), torch.empty(rows[i], 4),
-                           torch.empty(5, 4))
-        comm.all_reduce(i, xs[i], s, "sum")
-        comm.all_reduce(i, xs[i], m, "max")
-        comm.all_gather(i, xs[i], g, dim=0)
-        comm.reduce_scatter(i, xs[i], rs, dim=0)
-        comm.broadcast(i, xs[i], bc, src=n - 1)
-        return {"sum": s, "max": m, "gather": g, "rs": rs, "bc": bc}
-
-    results = on_devices(n, step)
+    results = on_devices(n, lambda i: every_collective(comm, i, xs[i], 5 * n, rows[i], n - 1))
     for i, r in enumerate(results):
         assert isinstance(r, dict), r
         torch.testing.assert_close(r["sum"], total)

@@ -8,31 +8,17 @@ import torch
 import dtorch
 from dtorch.models.llm import LLM
 from dtorch.models.sampling import SamplingParams
+from tests.tiny_models import families, save_random
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.2,
-              bos_token_id=1, eos_token_id=2)
-FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=10000.0),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
-}
+FAMILIES = families(transformers, heads=4, kv_heads=2, vocab=128, qwen3_head_dim=32)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def pair(request, tmp_path_factory):
     """(transformers model, dtorch LLM) of the same random weights."""
-    torch.manual_seed(0)
-    cfg = FAMILIES[request.param]()
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
-    with torch.no_grad():  # norms at 1 and biases at 0 would hide mistakes in how they are applied
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.3)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
+    hf = save_random(transformers, FAMILIES[request.param](), path := tmp_path_factory.mktemp(request.param))
     return hf, LLM(str(path), max_num_seqs=4)
 
 

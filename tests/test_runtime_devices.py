@@ -19,7 +19,7 @@ from dtorch.core.device import Device
 from dtorch.distributed import inprocess
 from dtorch.graph import DeviceMesh, LogicalGraph, Partial, Replicate, Shard
 from dtorch.runtime import DistTensor, Event, KernelStream, Runner, StreamManager, StreamType, blob, stream
-from tests.threads import on_devices
+from tests.threads import every_collective, on_devices
 
 
 def kind_of(t: torch.Tensor) -> str:
@@ -238,17 +238,7 @@ def test_collectives_go_through_nccl_on_each_devices_stream(monkeypatch, n):
     xs = [torch.randn(2 * n, 3) for _ in range(n)]
     total = torch.stack(xs).sum(0)
 
-    def step(i: int) -> dict:
-        s, m, gat, rs, bc = (torch.empty(2 * n, 3), torch.empty(2 * n, 3), torch.empty(2 * n * n, 3),
-                             torch.empty(2, 3), torch.empty(2 * n, 3))
-        comm.all_reduce(i, xs[i], s, "sum")
-        comm.all_reduce(i, xs[i], m, "max")
-        comm.all_gather(i, xs[i], gat, dim=0)
-        comm.reduce_scatter(i, xs[i], rs, dim=0)
-        comm.broadcast(i, xs[i], bc, src=n - 1)
-        return {"sum": s, "max": m, "gather": gat, "rs": rs, "bc": bc}
-
-    for i, res in enumerate(on_devices(n, step)):
+    for i, res in enumerate(on_devices(n, lambda i: every_collective(comm, i, xs[i], 2 * n * n, 2, n - 1))):
         assert isinstance(res, dict), res
         torch.testing.assert_close(res["sum"], total)
         torch.testing.assert_close(res["max"], torch.stack(xs).amax(0))

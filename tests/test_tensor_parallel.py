@@ -12,31 +12,18 @@ import torch
 import dtorch
 from dtorch.models.llm import LLM
 from dtorch.models.sampling import SamplingParams
+from tests.tiny_models import families, save_random
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=130, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-              num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.2,
-              bos_token_id=1, eos_token_id=2)
-FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=10000.0),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
-}
+FAMILIES = families(transformers, heads=8, kv_heads=4, vocab=130, qwen3_head_dim=16)
 PROMPTS = [[5, 17, 99, 3, 64, 120, 7], [42], [9] * 12 + [11, 12], [77, 78, 79]]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     """(transformers model, checkpoint directory, greedy ids of PROMPTS at tp=1)."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[request.param](), dtype=torch.float32).eval()
-    with torch.no_grad():  # norms at 1 and biases at 0 would hide mistakes in how they are split
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.3)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
+    hf = save_random(transformers, FAMILIES[request.param](), path := tmp_path_factory.mktemp(request.param))
     llm = LLM(str(path), max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     greedy = [o.token_ids for o in llm.generate(PROMPTS, params)]

@@ -25,9 +25,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "What is the capital of France?"
 BATCH = [[5, 9, 17, 3], [40, 2, 77, 31, 8, 90, 14, 60, 21, 7, 11], [99]]  # prompts of different lengths
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.2,
-            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 DIE_AFTER = 3  # rank 1 exits ("die") or hangs ("stall") after this many decode steps
 
 
@@ -121,16 +118,11 @@ def _generate(*args: str) -> list[str]:
 def tiny_llama(tmp_path_factory) -> Path:
     """A random Llama with 8 heads and 4 KV heads, saved as a Hugging Face directory."""
     transformers = pytest.importorskip("transformers")
-    import torch
+    from tests.tiny_models import families, save_random
 
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
-    with torch.no_grad():  # norms at 1 would hide mistakes in how they are sharded
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
     path = tmp_path_factory.mktemp("tiny_llama")
-    hf.save_pretrained(path)
+    save_random(transformers, families(transformers, heads=8, kv_heads=4, vocab=128, qwen3_head_dim=16)["llama"](),
+                path)
     return path
 
 
