@@ -8,6 +8,7 @@ from dtorch.core.device import Device as Device
 from dtorch.core.errors import (
     ArgumentError as ArgumentError,
     CommunicationError as CommunicationError,
+    ConfigError as ConfigError,
     DeviceError as DeviceError,
     DtorchError as DtorchError,
     DTypeError as DTypeError,

@@ -18,17 +18,38 @@ def _kernels(args: argparse.Namespace) -> int:
     rows = [r for d in devices for r in dispatcher.table(d) if r.active]
     if args.op:
         rows = [r for r in rows if args.op in r.key.op]
-    active = {(r.key.op, r.key.device, r.key.dtype): r.provider for r in rows}
-    cols = [(d, dt) for d in devices for dt in ALL_DTYPES if any((op, d, dt) in active for op, _, _ in active)]
-    ops = sorted({op for op, _, _ in active})
+    # a row per (op, layout): quantized layouts ("gguf.q4_1") are rows of their own
+    active = {(_row_name(r.key), r.key.device, r.key.dtype): r for r in rows}
+    cols = [(d, dt) for d in devices for dt in ALL_DTYPES if any((k[1], k[2]) == (d, dt) for k in active)]
+    names = sorted({k[0] for k in active})
+    notes: dict[str, str] = {}
+
+    def cell(name, d, dt) -> str:
+        r = active.get((name, d, dt))
+        if r is None:
+            return "-"
+        if not r.varies:
+            return r.provider
+        notes[r.provider] = r.varies
+        return r.provider + "*"
+
     head = ["op"] + [f"{d}/{_short(dt)}" for d, dt in cols]
-    table = [[op] + [active.get((op, d, dt), "-") for d, dt in cols] for op in ops]
+    table = [[name] + [cell(name, d, dt) for d, dt in cols] for name in names]
     widths = [max(len(str(r[i])) for r in [head] + table) for i in range(len(head))]
     for row in [head] + table:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    print(f"\n{len(ops)} ops; each cell is the active provider ('-': not registered). "
+    print(f"\n{len(names)} ops; each cell is the active provider ('-': not registered). "
           "`python -m dtorch explain OP` shows every candidate.")
+    for provider, varies in sorted(notes.items()):
+        print(f"  {provider}*: the path depends on the call: {varies}")
+    for d in devices:
+        for backend, reason in sorted(dispatcher.unavailable(d).items()):
+            print(f"  backend {backend!r} unavailable on {d}: {reason}")
     return 0
+
+
+def _row_name(key) -> str:
+    return key.op if key.layout == "strided" else f"{key.op} [{key.layout}]"
 
 
 def _short(dt) -> str:
@@ -39,7 +60,7 @@ def _short(dt) -> str:
 def _explain(args: argparse.Namespace) -> int:
     from dtorch.dispatch import KernelKey, dispatcher
 
-    key = KernelKey.of(args.op, args.device, as_dtype(args.dtype))
+    key = KernelKey.of(args.op, args.device, as_dtype(args.dtype), args.layout)
     exp = dispatcher.explain(key)
     if not exp.rows:
         dispatcher.choose(key)  # raises KernelNotFound listing what is registered for the op
@@ -68,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("op")
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="float32")
+    e.add_argument("--layout", default="strided", help="e.g. gguf.q4_1 for a quantized weight layout")
     e.set_defaults(run=_explain)
 
     t = sub.add_parser("trace", help="draw a recorded Chrome trace as a per-stream timeline")
@@ -75,14 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--png", required=True)
     t.set_defaults(run=_trace)
 
-    try:
-        from dtorch.models.cli import add_generate_arguments, run_generate
-    except ImportError:
-        pass
-    else:
-        g = sub.add_parser("generate", help="generate text with an LLM (the default model unless --model)")
-        add_generate_arguments(g)
-        g.set_defaults(run=run_generate)
+    from dtorch.models.cli import add_generate_arguments, run_generate
+
+    g = sub.add_parser("generate", help="generate text with an LLM (the default model unless --model)")
+    add_generate_arguments(g)
+    g.set_defaults(run=run_generate)
     return p
 
 

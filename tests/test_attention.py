@@ -287,7 +287,7 @@ def test_sdpa_declines_large_head_dim_on_cuda():
 @pytest.mark.parametrize("lens", VARLEN_CASES)
 def test_varlen_padded_strategy(causal, lens):
     # the padded one-launch strategy the sdpa provider uses off-CPU, run here on CPU tensors
-    from dtorch.kernels.cpu.attention import varlen_sdpa_padded
+    from dtorch.kernels.torch.attention import varlen_sdpa_padded
 
     q, k, v, cu_q, cu_k, mq, mk = varlen_case(*lens)
     out = torch.full_like(q, float("nan"))

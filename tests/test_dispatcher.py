@@ -34,7 +34,9 @@ def small_head_dim_only(call: Call) -> str | None:
 
 @pytest.fixture
 def d() -> Dispatcher:
-    return Dispatcher(backends={})
+    disp = Dispatcher(backends={})
+    disp.define(KEY.op)
+    return disp
 
 
 def test_higher_priority_wins_and_explain_says_why(d):
@@ -126,6 +128,7 @@ def test_prepared_kernel_follows_a_disabled_block(d):
 
 
 def test_missing_kernel_lists_what_is_registered(d):
+    d.define("llm.rms_norm")
     d.register(KernelKey("llm.rms_norm", "cpu", torch.float32), ref_kernel)
     d.register(KernelKey("llm.rms_norm", "cpu", torch.bfloat16), ref_kernel)
     d.register(KernelKey("llm.rms_norm", "cuda", torch.float16), ref_kernel)
@@ -172,7 +175,7 @@ def test_lazy_backend_registers_once_under_contention():
     kernels = KernelSet(devices=("cpu",))
     kernels.add("lazy.op", ref_kernel, (torch.float32, torch.float64))
 
-    def loader(disp: Dispatcher) -> None:
+    def loader(disp: Dispatcher, device_type: str) -> None:
         calls.append(threading.get_ident())
         time.sleep(0.05)  # widen the window in which other threads miss
         kernels.install(disp, "cpu")
@@ -202,7 +205,7 @@ def test_lazy_backend_registers_once_under_contention():
 
 
 def test_lookups_stay_consistent_while_another_thread_registers(d):
-    keys = [KernelKey(f"conc.op{i}", "cpu", torch.float32) for i in range(50)]
+    keys = [KernelKey(d.define(f"conc.op{i}"), "cpu", torch.float32) for i in range(50)]
     d.register(KEY, ref_kernel, provider="reference")
     stop = threading.Event()
     seen, errors = set(), []
@@ -254,6 +257,7 @@ def test_params_survive_the_caller_for_a_deferred_kernel():
     # A kernel queued now and run later sees the params as they were when it was queued.
     seen = []
     d = Dispatcher(backends={})
+    d.define(KEY.op)
     d.register(KEY, lambda ctx, i, o: seen.append(ctx.params.scale))
     pk = PreparedKernel(d, KEY)
     scale = [0.5]

@@ -66,7 +66,7 @@ def test_a_kernel_declaring_workspace_gets_a_reused_arena():
     """A kernel declares its scratch bytes in KernelMeta and finds an arena in ctx.workspace."""
     from dtorch.dispatch import KernelKey, KernelMeta
 
-    key = KernelKey("test.scratch_square", "cpu", torch.float32)
+    key = KernelKey(dtorch.dispatcher.define("test.scratch_square"), "cpu", torch.float32)
     seen = []
 
     def square_via_scratch(ctx, inputs, outputs):

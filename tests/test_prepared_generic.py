@@ -131,7 +131,7 @@ def test_matmul_bad_calls() -> None:
 def test_bf16_mm_upcast_provider() -> None:
     """Without native bf16 matmul, prepared bf16 MatMul binds "upcast": many rows multiply in float32 and round
     once (the float32 product's bf16 rounding exactly), few rows run torch's bf16 mm unchanged."""
-    from dtorch.kernels.cpu.matmul import UPCAST_MIN_ROWS, native_bf16_matmul
+    from dtorch.kernels.torch.matmul import UPCAST_MIN_ROWS, native_bf16_matmul
 
     mm = _prep(MatMul(), torch.bfloat16)
     assert mm.provider == ("blas" if native_bf16_matmul() else "upcast"), str(mm.explain())

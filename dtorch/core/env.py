@@ -1,21 +1,65 @@
-"""Every environment flag dtorch reads, in one place.
+"""Every environment setting dtorch reads, in one place, each checked when it is read.
 
-| flag | meaning | default |
-|---|---|---|
-| DTORCH_VERIFY | run the reference kernel beside the active one and compare | off |
-| DTORCH_DISABLE_PROVIDERS | comma-separated providers never chosen ("blas,sdpa") | none |
-| DTORCH_SYNC_TIMEOUT | seconds a stream synchronization waits before raising | 300 |
-| DTORCH_THREADS | intra-op threads per CPU device stream (0: share the cores fairly) | 0 |
-| DTORCH_TRACE | record every kernel's start and end on its stream | off |
+| setting | meaning | allowed | default |
+|---|---|---|---|
+| DTORCH_VERIFY | run the reference kernel beside the active one and compare | a flag | off |
+| DTORCH_DISABLE_PROVIDERS | providers never chosen, comma-separated ("blas,sdpa") | provider names | none |
+| DTORCH_SYNC_TIMEOUT | seconds a stream synchronization waits before raising | a number > 0 | 300 |
+| DTORCH_THREADS | intra-op threads per CPU device stream (0: share the cores fairly) | an int >= 0 | 0 |
+| DTORCH_TRACE | record every kernel's start and end on its stream | a flag | off |
+| DTORCH_CPU_FEATURES | force CPU probe answers: "+avx512_bf16,-avx512_vnni" | +/- feature names | none |
+| DTORCH_NATIVE_ISA | instruction set of the native CPU kernels | auto, avx512, avx2, portable | auto |
+| DTORCH_NATIVE_CACHE | folder where the native CPU kernels are compiled and cached | a path | ~/.cache/dtorch/native |
+
+A flag is one of 1/true/yes/on or 0/false/no/off (or empty). A malformed value, or a ``DTORCH_*`` name
+not in this table, raises ``ConfigError`` listing what is allowed: a typo is never ignored silently.
 """
 
 from __future__ import annotations
 
 import os
 
+from dtorch.core.errors import ConfigError
+
+SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
+            "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE")
+NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def check() -> None:
+    """Raise ``ConfigError`` for a ``DTORCH_*`` variable that is not a known setting (a typo) or has a
+    malformed value; run once at import, so a bad setting fails first thing rather than mid-run."""
+    unknown = sorted(n for n in os.environ if n.startswith("DTORCH_") and n not in SETTINGS)
+    if unknown:
+        raise ConfigError(f"unknown environment setting(s) {', '.join(unknown)}; dtorch reads "
+                          f"{', '.join(SETTINGS)} (see dtorch/core/env.py)")
+    for read in (verify, disabled_providers, sync_timeout, threads_per_device, trace, cpu_features, native_isa):
+        read()
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    value = _raw(name).lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={os.environ[name]!r} is not a flag; use one of {', '.join(_TRUE + _FALSE[1:])}")
+
+
+def _number(name: str, default: str, kind: type, minimum: float, what: str) -> int | float:
+    raw = _raw(name) or default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (minimum == 0 and kind is float and value == 0):
+        raise ConfigError(f"{name}={raw!r} is not valid; expected {what}")
+    return value
 
 
 def verify() -> bool:
@@ -23,17 +67,42 @@ def verify() -> bool:
 
 
 def disabled_providers() -> frozenset[str]:
-    raw = os.environ.get("DTORCH_DISABLE_PROVIDERS", "")
-    return frozenset(p.strip() for p in raw.split(",") if p.strip())
+    """The providers named in DTORCH_DISABLE_PROVIDERS (the dispatcher checks that each exists)."""
+    return frozenset(p.strip() for p in _raw("DTORCH_DISABLE_PROVIDERS").split(",") if p.strip())
 
 
 def sync_timeout() -> float:
-    return float(os.environ.get("DTORCH_SYNC_TIMEOUT", "300"))
+    return float(_number("DTORCH_SYNC_TIMEOUT", "300", float, 0, "a number of seconds > 0"))
 
 
 def threads_per_device() -> int:
-    return int(os.environ.get("DTORCH_THREADS", "0"))
+    return int(_number("DTORCH_THREADS", "0", int, 0, "an int >= 0 (0: share the cores fairly)"))
 
 
 def trace() -> bool:
     return _flag("DTORCH_TRACE")
+
+
+def cpu_features() -> dict[str, bool]:
+    """Forced CPU probe answers from DTORCH_CPU_FEATURES: {"avx512_bf16": False, ...} ("+name" / "-name")."""
+    forced = {}
+    for item in _raw("DTORCH_CPU_FEATURES").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item[0] not in "+-" or len(item) < 2:
+            raise ConfigError(f"DTORCH_CPU_FEATURES item {item!r} must be +name or -name, e.g. "
+                              "'-avx512_bf16,+avx2'")
+        forced[item[1:].lower()] = item[0] == "+"
+    return forced
+
+
+def native_isa() -> str:
+    value = _raw("DTORCH_NATIVE_ISA").lower() or "auto"
+    if value not in NATIVE_ISAS:
+        raise ConfigError(f"DTORCH_NATIVE_ISA={value!r} is not valid; expected one of {', '.join(NATIVE_ISAS)}")
+    return value
+
+
+def native_cache() -> str:
+    return _raw("DTORCH_NATIVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dtorch", "native")

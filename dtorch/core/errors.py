@@ -32,7 +32,11 @@ class ArgumentError(DtorchError, ValueError):
 
 
 class LayoutError(DtorchError, ValueError):
-    """A kernel needs dense (contiguous) tensors and got strided ones."""
+    """A tensor's layout has no kernel (sparse, say), or a kernel needs dense tensors and got strided ones."""
+
+
+class ConfigError(DtorchError, ValueError):
+    """An environment setting (``DTORCH_*``) is unknown or malformed; the message lists what is allowed."""
 
 
 class VerifyError(DtorchError, AssertionError):

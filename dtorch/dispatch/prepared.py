@@ -47,8 +47,7 @@ class PreparedKernel:
         winner = self.choice.winner
         if not _verify.ACTIVE[0]:
             return winner.fn
-        refs = [c for c in self.dispatcher.candidates(self.key) if c.provider == "reference"]
-        reference = refs[0] if refs else None
+        reference = self.dispatcher.reference(self.key)
         key = self.key
 
         def verified(ctx, inputs, outputs):

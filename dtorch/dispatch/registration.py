@@ -2,13 +2,15 @@
 
 A kernel file reads like its registration table::
 
-    from dtorch.kernels.registry import KERNELS, FLOATS
+    from dtorch.kernels.torch.registry import KERNELS, FLOATS
 
     @KERNELS.kernel("llm.rms_norm", FLOATS, meta=KernelMeta(requires_dense=True))
     def rms_norm(ctx, inputs, outputs): ...
 
 Nothing touches a Dispatcher at import time; ``install(dispatcher, device_type)`` registers every
-entry declared for that device type.
+entry declared for that device type. A reference kernel defines its op: ``install`` declares the op of
+every reference entry before registering the rest, so an accelerated kernel for an op that has no
+reference is refused like any other unknown op.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Entry:
     check: Check | None
     layout: str
     functional: FunctionalFn | None
+    varies: str | None
 
 
 class KernelSet:
@@ -49,16 +52,17 @@ class KernelSet:
 
     def add(self, op: str, fn: KernelFn, dtypes: Iterable[torch.dtype], *, devices: tuple[str, ...] | None = None,
             provider: str = "reference", priority: int | None = None, meta: KernelMeta | None = None,
-            check: Check | None = None, layout: str = "strided", functional: FunctionalFn | None = None) -> KernelFn:
+            check: Check | None = None, layout: str = "strided", functional: FunctionalFn | None = None,
+            varies: str | None = None) -> KernelFn:
         """Declare ``fn`` for ``op`` on each of ``dtypes`` (and ``devices``); ``functional`` is its optional
-        allocating form ``(ctx, inputs) -> tuple of outputs``."""
+        allocating form ``(ctx, inputs) -> tuple of outputs``; ``varies`` says how its path depends on the call."""
         KernelKey.of(op, "cpu", torch.float32, layout)  # validates the name and layout early
         dts = tuple(dtypes)
         if not dts:
             raise RegistrationError(f"{op}: a kernel must be declared for at least one dtype")
         with self._lock:
             self.entries.append(Entry(op, fn, dts, devices or self.default_devices, provider, priority, meta,
-                                      check, layout, functional))
+                                      check, layout, functional, varies))
         return fn
 
     def kernel(self, op: str, dtypes: Iterable[torch.dtype], **kw) -> Callable[[KernelFn], KernelFn]:
@@ -69,12 +73,15 @@ class KernelSet:
 
     def install(self, dispatcher: Dispatcher, device_type: str) -> int:
         """Register every entry declared for ``device_type``; returns how many keys were registered."""
+        entries = [e for e in list(self.entries) if device_type in e.devices]
+        for e in entries:
+            if e.provider == "reference":
+                dispatcher.define(e.op)
         n = 0
-        for e in list(self.entries):
-            if device_type not in e.devices:
-                continue
+        for e in entries:
             for dt in e.dtypes:
                 dispatcher.register(KernelKey(e.op, device_type, dt, e.layout), e.fn, provider=e.provider,
-                                    priority=e.priority, meta=e.meta, check=e.check, functional=e.functional)
+                                    priority=e.priority, meta=e.meta, check=e.check, functional=e.functional,
+                                    varies=e.varies)
                 n += 1
         return n

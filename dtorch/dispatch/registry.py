@@ -3,6 +3,11 @@
 Each key holds an ordered list of candidates (provider, priority, meta, optional capability
 check). The winner for a call is the highest-priority candidate that is not disabled and whose
 check accepts the call; ties go to the later registration. ``explain`` says why.
+
+Keys are checked at the door: an op must be defined first (a reference kernel defines its op, or
+``define("family.op")``), the device type known, the dtype a ``torch.dtype``, the layout a known one.
+A device type's backends load before the first registration or lookup on it, so a kernel registered
+first thing still stands beside the built-ins. Backends that cannot load are recorded with the reason.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dtorch.core import env
-from dtorch.core.dtypes import dtype_name
-from dtorch.core.errors import KernelNotFound, RegistrationError
+from dtorch.core import cpu, env
+from dtorch.core.device import DEVICE_TYPES, Device
+from dtorch.core.dtypes import LAYOUTS, dtype_name
+from dtorch.core.errors import ConfigError, KernelNotFound, RegistrationError
 from dtorch.dispatch import verification
 from dtorch.dispatch.context import KernelContext
 from dtorch.dispatch.key import KernelKey
@@ -28,13 +34,16 @@ from dtorch.dispatch.meta import DEFAULT_META, Call, Check, KernelMeta
 
 KernelFn = Callable[[KernelContext, Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
 FunctionalFn = Callable[[KernelContext, Sequence[torch.Tensor]], tuple]
+Loader = Callable[["Dispatcher", str], None]  # loader(dispatcher, device_type) registers that device's backends
 
-# Default priority per provider when a registration names none; reference kernels always lose.
-PROVIDER_PRIORITY = {"reference": 0, "torch": 10, "blas": 20, "sdpa": 20, "fused": 20, "triton": 30, "user": 100}
+# The providers dtorch's backends register, with their default priority when a registration names none;
+# reference kernels always lose. Any other name may be registered; these are what DTORCH_DISABLE_PROVIDERS
+# accepts besides the names already registered.
+PROVIDER_PRIORITY = {"reference": 0, "torch": 10, "chunked": 10, "blas": 20, "sdpa": 20, "upcast": 25,
+                     "triton": 30, "native": 30, "user": 100}
 
-# Backends whose kernels are registered on the first lookup that misses: device type -> "module:function".
-DEFAULT_BACKENDS = {"cpu": "dtorch.kernels:install_cpu", "cuda": "dtorch.kernels:install_cuda",
-                    "meta": "dtorch.kernels:install_meta"}
+# The loader that registers a device type's backends, run once before its first registration or lookup.
+DEFAULT_BACKENDS = {"cpu": "dtorch.kernels:install", "cuda": "dtorch.kernels:install"}
 
 
 def _origin(fn: Callable) -> str:
@@ -54,6 +63,9 @@ class Candidate:
     # Optional allocating form of the same kernel, ``functional(ctx, inputs) -> tuple of outputs``, used by
     # the functional op wrappers: torch's allocating calls skip the out= checks and cost ~1 us less.
     functional: FunctionalFn | None = None
+    # How the kernel's path depends on facts of the call that a key does not fix, in a few words
+    # ("torch's bf16 mm below 16 rows"); shown by explain and table next to the provider.
+    varies: str | None = None
 
     @property
     def name(self) -> str:
@@ -76,15 +88,19 @@ class Explanation:
     key: KernelKey
     rows: tuple[tuple[Candidate, str], ...]  # (candidate, "active" or why it was passed over)
     winner: Candidate | None
+    unavailable: tuple[tuple[str, str], ...] = ()  # (backend, why it did not load) on this device type
 
     def __str__(self) -> str:
         lines = [f"{self.key}: {len(self.rows)} candidate(s)"]
         for cand, status in self.rows:
             mark = "*" if cand is self.winner else " "
-            lines.append(f" {mark} {cand.provider:<10} priority {cand.priority:<4} {_origin(cand.fn)}  [{status}]"
-                         f"  meta: {cand.meta.describe()}")
+            varies = f"; varies: {cand.varies}" if cand.varies else ""
+            lines.append(f" {mark} {cand.provider:<10} priority {cand.priority:<4} {_origin(cand.fn)}  "
+                         f"[{status}{varies}]  meta: {cand.meta.describe()}")
         if self.winner is None:
             lines.append("   no candidate accepts this call")
+        for backend, reason in self.unavailable:
+            lines.append(f"   backend {backend!r} unavailable on {self.key.device}: {reason}")
         return "\n".join(lines)
 
 
@@ -96,48 +112,95 @@ class TableRow:
     active: bool
     origin: str
     meta: KernelMeta = field(default=DEFAULT_META)
+    varies: str | None = None
 
 
 class Dispatcher:
     """Kernel registry and selector. ``dtorch.dispatcher`` is the process-wide instance."""
 
-    def __init__(self, backends: dict[str, str | Callable[[Dispatcher], None]] | None = None) -> None:
+    def __init__(self, backends: dict[str, str | Loader] | None = None) -> None:
         self._lock = threading.RLock()
         self._candidates: dict[KernelKey, list[Candidate]] = {}
         self._fast: dict[KernelKey, Candidate] = {}  # winners of keys without checks, valid for this generation
         self._seq = itertools.count()
         self._disabled: dict[str, int] = defaultdict(int)  # provider -> nesting count
         self._env_disabled = env.disabled_providers()
+        unknown = sorted(self._env_disabled - set(PROVIDER_PRIORITY))
+        if unknown:
+            raise ConfigError(f"DTORCH_DISABLE_PROVIDERS names unknown provider(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(PROVIDER_PRIORITY))}")
         self.generation = 0
+        self._ops: set[str] = set()
         self._backends = dict(DEFAULT_BACKENDS if backends is None else backends)
-        self._backend_lock = threading.RLock()  # a loader may load another backend (meta loads cpu)
+        self._backend_lock = threading.RLock()  # one load per device type, even under contention
         self._loaded: set[str] = set()
+        self._loading: set[str] = set()
+        self._unavailable: dict[str, dict[str, str]] = defaultdict(dict)  # device -> backend -> reason
         self.backend_loads: dict[str, int] = defaultdict(int)
         self._watchers: weakref.WeakSet = weakref.WeakSet()  # prepared kernels to re-bind on every change
         verification.add_listener(self._changed)
+        cpu.add_listener(self._changed)  # a forced CPU probe answer changes capability checks
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def define(self, op: str) -> str:
+        """Declare ``op`` ("family.name") so kernels may be registered for it; defining it again is a no-op."""
+        if not isinstance(op, str) or op.count(".") < 1 or op.startswith(".") or op.endswith(".") or " " in op:
+            raise RegistrationError(f"define: an op name looks like 'family.name' (e.g. 'myfamily.op'), got {op!r}")
+        with self._lock:
+            self._ops.add(op)
+        return op
+
+    def is_defined(self, op: str) -> bool:
+        return op in self._ops
+
+    def _check_key(self, key: object) -> KernelKey:
+        if not isinstance(key, KernelKey):
+            raise RegistrationError(f"register: key must be a KernelKey, got {type(key).__name__}")
+        if not isinstance(key.dtype, torch.dtype):
+            raise RegistrationError(f"register {key.op}: dtype must be a torch.dtype (e.g. torch.float32), got "
+                                    f"{key.dtype!r}; KernelKey.of(...) parses names")
+        if key.device not in DEVICE_TYPES:
+            raise RegistrationError(f"register {key.op}: device type must be one of {', '.join(DEVICE_TYPES)}, "
+                                    f"got {key.device!r}")
+        if key.layout not in LAYOUTS:
+            raise RegistrationError(f"register {key.op}: layout {key.layout!r} has no kernels; known layouts: "
+                                    f"{', '.join(LAYOUTS)}")
+        if key.op not in self._ops:
+            self.ensure_backend(key.device)  # the built-in backends define their ops
+        if key.op not in self._ops:
+            near = [op for op in self._ops if op.split(".")[-1] == key.op.split(".")[-1]]
+            hint = f" (did you mean {', '.join(sorted(near))}?)" if near else ""
+            raise RegistrationError(f"register {key}: op {key.op!r} is not defined{hint}; declare a new op first "
+                                    f"with dispatcher.define({key.op!r})")
+        return key
 
     # -- registration ------------------------------------------------------------------------
 
     def register(self, key: KernelKey, fn: KernelFn, *, provider: str = "reference", priority: int | None = None,
                  meta: KernelMeta | None = None, check: Check | None = None, override: bool = False,
-                 functional: FunctionalFn | None = None) -> Candidate:
+                 functional: FunctionalFn | None = None, varies: str | None = None) -> Candidate:
         """Add ``fn`` as a candidate for ``key``.
 
-        Registering the same function again for the same (key, provider) is a no-op; a different
-        function for the same (key, provider) raises ``RegistrationError`` unless ``override=True``.
+        The key's device type loads its backends first, so registration order does not matter. Registering
+        the same function again for the same (key, provider) is a no-op; a different function for the same
+        (key, provider) raises ``RegistrationError`` unless ``override=True``. ``varies`` says in a few words
+        how the kernel's path depends on the call (shown by ``explain`` and ``table``).
         """
-        if not isinstance(key, KernelKey):
-            raise RegistrationError(f"register: key must be a KernelKey, got {type(key).__name__}")
+        self._check_key(key)
         if not callable(fn):
             raise RegistrationError(f"register {key}: kernel must be callable, got {type(fn).__name__}")
+        if not isinstance(provider, str) or not provider:
+            raise RegistrationError(f"register {key}: provider must be a non-empty str, got {provider!r}")
         prio = PROVIDER_PRIORITY.get(provider, 10) if priority is None else int(priority)
+        self.ensure_backend(key.device)
         with self._lock:
             cands = self._candidates.setdefault(key, [])
             for i, old in enumerate(cands):
                 if old.provider != provider:
                     continue
                 if (old.fn is fn and old.priority == prio and old.check is check and old.functional is functional
-                        and (meta is None or meta == old.meta)):
+                        and old.varies == varies and (meta is None or meta == old.meta)):
                     return old
                 if not override:
                     raise RegistrationError(
@@ -145,7 +208,7 @@ class Dispatcher:
                         f"refusing to replace it with {_origin(fn)} silently (pass override=True)")
                 del cands[i]
                 break
-            cand = Candidate(fn, provider, prio, meta or DEFAULT_META, check, next(self._seq), functional)
+            cand = Candidate(fn, provider, prio, meta or DEFAULT_META, check, next(self._seq), functional, varies)
             cands.append(cand)
             cands.sort(key=lambda c: (-c.priority, -c.seq))
             self._changed()
@@ -196,28 +259,47 @@ class Dispatcher:
     def is_disabled(self, provider: str) -> bool:
         return provider in self._disabled or provider in self._env_disabled
 
-    # -- lazy backends ------------------------------------------------------------------------
+    # -- backends -----------------------------------------------------------------------------
 
-    def add_backend(self, device_type: str, loader: str | Callable[[Dispatcher], None]) -> None:
-        """Register ``loader`` to run once, on the first lookup that misses on ``device_type``."""
+    def add_backend(self, device_type: str, loader: str | Loader) -> None:
+        """Register ``loader`` to run once, before the first registration or lookup on ``device_type``."""
         with self._backend_lock:
             self._backends[device_type] = loader
 
     def ensure_backend(self, device_type: str) -> None:
-        """Run ``device_type``'s loader exactly once per dispatcher, even under contention."""
+        """Run ``device_type``'s loader exactly once per dispatcher, even under contention.
+
+        Registrations the loader makes (and lookups on other threads) wait for it; a registration from the
+        loader itself goes straight in.
+        """
         if device_type in self._loaded:
             return
         with self._backend_lock:
-            if device_type in self._loaded:
+            if device_type in self._loaded or device_type in self._loading:
                 return
             loader = self._backends.get(device_type)
-            if loader is not None:
-                if isinstance(loader, str):
-                    module, _, name = loader.partition(":")
-                    loader = getattr(importlib.import_module(module), name)
-                self.backend_loads[device_type] += 1
-                loader(self)
-            self._loaded.add(device_type)
+            self._loading.add(device_type)
+            try:
+                if loader is not None:
+                    if isinstance(loader, str):
+                        module, _, name = loader.partition(":")
+                        loader = getattr(importlib.import_module(module), name)
+                    self.backend_loads[device_type] += 1
+                    loader(self, device_type)
+                self._loaded.add(device_type)
+            finally:
+                self._loading.discard(device_type)
+
+    def mark_unavailable(self, device_type: str, backend: str, reason: str) -> None:
+        """Record that ``backend`` registered nothing on ``device_type``, and why (shown by explain and table)."""
+        with self._lock:
+            self._unavailable[device_type][backend] = reason
+
+    def unavailable(self, device_type: str) -> dict[str, str]:
+        """Backends that could not load on ``device_type``: {name: reason}."""
+        self.ensure_backend(device_type)
+        with self._lock:
+            return dict(self._unavailable.get(device_type, {}))
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -226,15 +308,28 @@ class Dispatcher:
         if cands is None and key.device not in self._loaded:
             self.ensure_backend(key.device)
             cands = self._candidates.get(key)
+        if cands is None and key.device == "meta":
+            cands = self._meta_mirror(key)
         return cands or []
 
-    def choose(self, key: KernelKey, call: Call | None = None) -> Choice:
-        """Pick the winner for ``key`` (and the call's static facts, when given).
+    def _meta_mirror(self, key: KernelKey) -> list[Candidate] | None:
+        """Meta tensors carry no data, so any op with a CPU kernel runs on meta as a shape-only kernel."""
+        cpu_cands = self._cands(KernelKey(key.op, "cpu", key.dtype, key.layout))
+        if not cpu_cands:
+            return None
+        with self._lock:
+            cand = Candidate(_shape_only, "reference", 0, cpu_cands[0].meta, None, next(self._seq))
+            return self._candidates.setdefault(key, [cand])
 
-        A check is evaluated only when ``call`` is given. Raises ``KernelNotFound`` listing what is
-        registered for the op when no candidate exists or none accepts.
+    def choose(self, key: KernelKey, call: Call | None = None) -> Choice:
+        """Pick the winner for ``key`` and the call's static facts.
+
+        Without ``call``, checks see a call with only the key's device and dtype known (as a prepared
+        operator that knows nothing more does), so what depends on the machine or the key is decided.
+        Raises ``KernelNotFound`` listing what is registered for the op when no candidate accepts.
         """
         cands = self._cands(key)
+        call = call or _bare_call(key)
         passed: list[tuple[Candidate, str]] = []
         winner = None
         for cand in cands:
@@ -265,10 +360,10 @@ class Dispatcher:
         """True when some candidate of ``key`` has a capability check (so choices depend on the call)."""
         return any(c.check is not None for c in self._cands(key))
 
-    def _reason(self, cand: Candidate, call: Call | None) -> str | None:
+    def _reason(self, cand: Candidate, call: Call) -> str | None:
         if self.is_disabled(cand.provider):
             return f"provider {cand.provider!r} disabled"
-        if cand.check is not None and call is not None:
+        if cand.check is not None:
             return cand.check(call)
         return None
 
@@ -290,24 +385,35 @@ class Dispatcher:
         """Every candidate of ``key``, winner order first."""
         return tuple(self._cands(key))
 
+    def reference(self, key: KernelKey) -> Candidate | None:
+        """The key's reference candidate (what verify compares with), disabled or not."""
+        return next((c for c in self._cands(key) if c.provider == "reference"), None)
+
     def explain(self, key: KernelKey, call: Call | None = None) -> Explanation:
-        """Every candidate of ``key`` with its status: active, or why it was passed over."""
+        """Every candidate of ``key`` with its status: active, or why it was passed over.
+
+        Without ``call`` the checks see the key's device and dtype only, as ``choose`` does; a winner whose
+        path still depends on the call's shapes says so.
+        """
         cands = self._cands(key)
+        facts = call or _bare_call(key)
         rows: list[tuple[Candidate, str]] = []
         winner = None
         for cand in cands:
-            reason = self._reason(cand, call)
+            reason = self._reason(cand, facts)
             if reason is None and winner is None:
                 winner = cand
                 status = "active"
-                if cand.check is not None and call is None:
-                    status = "active (its capability check was not run: no call facts given)"
+                if cand.check is not None and facts.inputs is None:
+                    status = "active (for calls its capability check accepts; shapes not given)"
             elif reason is None:
                 status = f"lower priority than {winner.provider}" if winner else "?"
             else:
                 status = reason
             rows.append((cand, status))
-        return Explanation(key, tuple(rows), winner)
+        with self._lock:
+            unavailable = tuple(sorted(self._unavailable.get(key.device, {}).items()))
+        return Explanation(key, tuple(rows), winner, unavailable)
 
     # -- introspection -------------------------------------------------------------------------
 
@@ -323,7 +429,7 @@ class Dispatcher:
             return sorted(self._candidates, key=lambda k: (k.op, k.device, dtype_name(k.dtype), k.layout))
 
     def table(self, device: str | None = None) -> list[TableRow]:
-        """One row per registration; ``active`` marks the winner of its key (without call facts)."""
+        """One row per registration; ``active`` marks what ``choose`` picks for the key without call facts."""
         if device is not None:
             self.ensure_backend(device)
         rows = []
@@ -333,7 +439,7 @@ class Dispatcher:
             exp = self.explain(key)
             for cand, _ in exp.rows:
                 rows.append(TableRow(key, cand.provider, cand.priority, cand is exp.winner, _origin(cand.fn),
-                                     cand.meta))
+                                     cand.meta, cand.varies))
         return rows
 
     def _not_found(self, key: KernelKey, passed: list[tuple[Candidate, str]]) -> str:
@@ -344,11 +450,22 @@ class Dispatcher:
         with self._lock:
             for k in self._candidates:
                 if k.op == key.op and self._candidates[k]:
-                    by_dev[k.device].append(dtype_name(k.dtype))
+                    by_dev[k.device].append(dtype_name(k.dtype) + ("" if k.layout == "strided" else f"/{k.layout}"))
+            unavailable = dict(self._unavailable.get(key.device, {}))
+        missing = "".join(f"; backend {b!r} unavailable: {r}" for b, r in sorted(unavailable.items()))
+        where = f"{key.device}/{dtype_name(key.dtype)}" + ("" if key.layout == "strided" else f"/{key.layout}")
         if not by_dev:
             near = [op for op in self.ops() if op.split(".")[-1] == key.op.split(".")[-1]]
             hint = f"; did you mean {', '.join(near)}?" if near else ""
-            where = f"{key.device}/{dtype_name(key.dtype)}"
-            return f"no kernel for {key.op} on {where}: op {key.op!r} is not registered{hint}"
+            return f"no kernel for {key.op} on {where}: op {key.op!r} is not registered{hint}{missing}"
         registered = ", ".join(f"{d}/{{{','.join(sorted(v))}}}" for d, v in sorted(by_dev.items()))
-        return f"no kernel for {key.op} on {key.device}/{dtype_name(key.dtype)}; registered: {registered}"
+        return f"no kernel for {key.op} on {where}; registered: {registered}{missing}"
+
+
+def _bare_call(key: KernelKey) -> Call:
+    """The facts of a call when only its key is known."""
+    return Call(Device(key.device), key.dtype)
+
+
+def _shape_only(ctx, inputs, outputs) -> None:
+    """Meta tensors carry no data: the wrapper already validated and allocated the outputs."""

@@ -1,51 +1,49 @@
-"""Kernels, one file per op family; each file declares its kernels next to their definitions.
+"""Kernel backends, one folder each; every backend registers itself.
 
-The dispatcher calls ``install_cpu`` / ``install_cuda`` once, on the first lookup that misses on
-that device type (``Dispatcher.ensure_backend``).
+| backend | folder | devices | provides |
+|---|---|---|---|
+| torch | ``kernels/torch/`` | cpu, cuda | every op: reference kernels from torch primitives, and torch's fast paths |
+|       |                    |           | (providers reference, torch, blas, sdpa, upcast, chunked) |
+
+A backend package has ``unavailable(device_type) -> str | None`` (why it cannot serve that device type:
+no compiler, no triton, a CPU without the instructions) and ``install(dispatcher, device_type)``. The
+dispatcher calls ``install`` below once per device type, before the first registration or lookup on it;
+a backend that cannot load registers nothing and is recorded with its reason, which ``explain`` and
+``python -m dtorch kernels`` show. Nothing is swallowed silently.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 from dtorch.dispatch.registry import Dispatcher
-from dtorch.kernels.registry import KERNELS
-
-FAMILIES = ("unary", "binary", "matmul", "conv", "reduce", "creation", "copy", "llm", "attention", "gated_delta_net",
-            "causal_conv1d", "kv_cache")
 
 
-def _import_families() -> None:
-    for name in FAMILIES:
-        importlib.import_module(f"dtorch.kernels.cpu.{name}")
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    package: str
+    devices: tuple[str, ...]
 
 
-def install_cpu(dispatcher: Dispatcher) -> None:
-    _import_families()
-    KERNELS.install(dispatcher, "cpu")
+BACKENDS = (
+    Backend("torch", "dtorch.kernels.torch", ("cpu", "cuda")),
+)
 
 
-def install_cuda(dispatcher: Dispatcher) -> None:
-    _import_families()
-    try:
-        importlib.import_module("dtorch.kernels.cuda")  # Triton kernels, when triton is installed
-    except ImportError:
-        pass
-    KERNELS.install(dispatcher, "cuda")
-
-
-def _shape_only(ctx, inputs, outputs) -> None:
-    """Meta tensors carry no data: the wrapper already validated and allocated the outputs."""
-
-
-def install_meta(dispatcher: Dispatcher) -> None:
-    """Shape-only kernels for every (op, dtype) the CPU backend has, so the op wrappers infer metadata."""
-    from dtorch.dispatch.key import KernelKey
-
-    dispatcher.ensure_backend("cpu")
-    for key in dispatcher.keys():
-        cands = dispatcher.candidates(key)
-        if key.device == "cpu" and cands:
-            meta = cands[0].meta
-            dispatcher.register(KernelKey(key.op, "meta", key.dtype, key.layout), _shape_only, provider="reference",
-                                meta=meta)
+def install(dispatcher: Dispatcher, device_type: str) -> None:
+    """Register every backend that serves ``device_type``; record why any other could not load."""
+    for backend in BACKENDS:
+        if device_type not in backend.devices:
+            continue
+        try:
+            package = importlib.import_module(backend.package)
+        except ImportError as exc:
+            dispatcher.mark_unavailable(device_type, backend.name, f"cannot import {backend.package}: {exc}")
+            continue
+        reason = package.unavailable(device_type)
+        if reason is not None:
+            dispatcher.mark_unavailable(device_type, backend.name, reason)
+            continue
+        package.install(dispatcher, device_type)

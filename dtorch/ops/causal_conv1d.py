@@ -16,7 +16,7 @@ from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
 from dtorch.dispatch.prepared import PreparedKernel
 from dtorch.dispatch.registry import Dispatcher
-from dtorch.kernels.registry import FLOATS
+from dtorch.kernels.torch.registry import FLOATS
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import OperatorInitContext, RuntimeContext

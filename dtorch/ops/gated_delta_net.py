@@ -16,7 +16,7 @@ from dtorch.core.device import Device
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import ArgumentError, DTypeError, ShapeError
 from dtorch.dispatch.context import KernelParams
-from dtorch.kernels.registry import FLOATS
+from dtorch.kernels.torch.registry import FLOATS
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext

@@ -18,7 +18,7 @@ from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
 from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, ShapeError
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.meta import Call
-from dtorch.kernels.cpu.llm import rope_tables
+from dtorch.kernels.torch.llm import rope_tables
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import OperatorInitContext, RuntimeContext

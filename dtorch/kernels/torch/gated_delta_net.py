@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from dtorch.dispatch.meta import Call, KernelMeta
-from dtorch.kernels.registry import FLOATS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 # In-place: outputs[1] may be inputs[5] (a decode step updating its state). Not capture-safe: varlen reads
 # cu_seqlens on the host.
@@ -145,6 +145,7 @@ def _chunked_mode(call: Call) -> str | None:
     return None if mode == "chunked" else f"mode={mode!r} asks for the per-step recurrence"
 
 
-@KERNELS.kernel("llm.gated_delta_net", FLOATS, provider="chunked", priority=10, meta=META, check=_chunked_mode)
+@KERNELS.kernel("llm.gated_delta_net", FLOATS, provider="chunked", priority=10, meta=META, check=_chunked_mode,
+                 varies="the per-step recurrence (reference) runs when params ask for mode='recurrent'")
 def gated_delta_net_chunked(ctx, inputs, outputs) -> None:
     _run(_chunked, ctx, inputs, outputs)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from dtorch.kernels.registry import FLOATS, INTS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS
 
 
 def _make(fn, name: str):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dtorch.dispatch.meta import KernelMeta
-from dtorch.kernels.registry import FLOATS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 INPLACE = KernelMeta(inplace=True)
 

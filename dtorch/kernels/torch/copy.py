@@ -5,7 +5,7 @@ a strided tensor, same dtype). Casts follow torch: float -> int truncates toward
 
 from __future__ import annotations
 
-from dtorch.kernels.registry import KERNELS, NUMERIC
+from dtorch.kernels.torch.registry import KERNELS, NUMERIC
 
 
 @KERNELS.kernel("copy.copy", NUMERIC)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dtorch.dispatch.meta import KernelMeta
-from dtorch.kernels.registry import FLOATS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 ALLOCATES = KernelMeta(capture_safe=False)  # both providers allocate (im2col columns; torch's conv result)
 

@@ -13,12 +13,12 @@ outputs: mm [M, N]; bmm [B, M, N]; linear [..., N].
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
+from dtorch.core import cpu
 from dtorch.dispatch.meta import Call, KernelMeta
-from dtorch.kernels.registry import FLOATS, INTS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS
 
 _BLOCK_ELEMENTS = 1 << 22  # elements of one [rows, K, N] product block in the reference kernels
 ALLOCATES = KernelMeta(capture_safe=False)  # the reference kernels allocate their temporaries
@@ -64,18 +64,12 @@ UPCAST_MIN_ROWS = 16
 UPCAST_ELEMENTS_PER_ROW = 1 << 19
 
 
-@lru_cache(maxsize=1)
 def native_bf16_matmul() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), which torch's bf16 mm uses."""
-    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if all(p is not None for p in probes):
-        return any(p() for p in probes)
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), which torch's bf16 mm uses.
+
+    Forceable either way: ``DTORCH_CPU_FEATURES=-avx512_bf16,-amx_bf16`` or ``dtorch.core.cpu.forced(...)``.
+    """
+    return cpu.has("avx512_bf16") or cpu.has("amx_bf16")
 
 
 def upcast_pays(rows: int, k: int, n: int) -> bool:
@@ -94,7 +88,8 @@ def _upcast_check(call: Call) -> str | None:
 
 
 @KERNELS.kernel("matmul.mm", (torch.bfloat16,), devices=("cpu",), provider="upcast", priority=25,
-                check=_upcast_check, meta=ALLOCATES)
+                check=_upcast_check, meta=ALLOCATES,
+                varies=f"torch's bf16 mm below {UPCAST_MIN_ROWS} rows or when the weight pass would not pay")
 def mm_upcast(ctx, inputs, outputs):
     # a [M, K] bf16, b [K, N] bf16 -> out [M, N] bf16: a product in float32, rounded once. A prepared
     # MatMul binds this kernel for every row count, so few rows take torch's bf16 mm here.

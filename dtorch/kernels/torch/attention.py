@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dtorch.dispatch.meta import Call
-from dtorch.kernels.registry import FLOATS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,6 +87,7 @@ def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 # CUDA's fused sdpa backends (flash, memory-efficient) serve head dims up to 256; above that torch
 # silently falls back to its math path, which materializes [B, H, T, S] like the reference does.
 SDPA_CUDA_MAX_HEAD_DIM = 256
+SDPA_VARIES = f"on cuda, head_dim > {SDPA_CUDA_MAX_HEAD_DIM} falls to the reference"
 
 
 def _head_dim(call: Call) -> int | None:
@@ -123,7 +124,8 @@ def _sdpa_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         out[:, : t - s].zero_()
 
 
-@KERNELS.kernel("llm.flash_attention", FLOATS, provider="sdpa", check=_sdpa_check)
+@KERNELS.kernel("llm.flash_attention", FLOATS, provider="sdpa", check=_sdpa_check,
+                 varies=SDPA_VARIES)
 def flash_attention_sdpa(ctx, inputs, outputs):
     q, k, v = inputs
     _sdpa_into(q, k, v, outputs[0], ctx.params.causal, ctx.params.scale)
@@ -159,7 +161,8 @@ def _segments(cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tenso
     return index, valid, lengths
 
 
-@KERNELS.kernel("llm.flash_attention_varlen", FLOATS, provider="sdpa", check=_sdpa_check)
+@KERNELS.kernel("llm.flash_attention_varlen", FLOATS, provider="sdpa", check=_sdpa_check,
+                 varies=SDPA_VARIES)
 def flash_attention_varlen_sdpa(ctx, inputs, outputs):
     if inputs[0].device.type == "cpu":
         varlen_sdpa_per_segment(ctx, inputs, outputs)

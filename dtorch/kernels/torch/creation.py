@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dtorch.dispatch.meta import KernelMeta
-from dtorch.kernels.registry import FLOATS, INTS, KERNELS, NUMERIC
+from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS, NUMERIC
 
 
 @KERNELS.kernel("creation.zeros", NUMERIC)

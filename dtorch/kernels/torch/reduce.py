@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dtorch.dispatch.meta import KernelMeta
-from dtorch.kernels.registry import FLOATS, INTS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS
 
 ALLOCATES = KernelMeta(capture_safe=False)  # sum and mean reduce a widened copy, then copy into the output
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dtorch.dispatch.meta import KernelMeta
-from dtorch.kernels.registry import FLOATS, INTS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS
 
 BROADCAST = KernelMeta(broadcast=True, inplace=True)
 SCALAR = KernelMeta(inplace=True)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dtorch.dispatch.meta import KernelMeta
-from dtorch.kernels.registry import FLOATS, KERNELS
+from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

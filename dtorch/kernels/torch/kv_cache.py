@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from dtorch.dispatch.meta import KernelMeta
-from dtorch.kernels.cpu.attention import _sdpa_check, _sdpa_into, attention_dense_reference
-from dtorch.kernels.registry import FLOATS, KERNELS
+from dtorch.kernels.torch.attention import SDPA_VARIES, _sdpa_check, _sdpa_into, attention_dense_reference
+from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 INPLACE = KernelMeta(inplace=True, capture_safe=False)
 
@@ -65,7 +65,8 @@ def flash_attention_with_kvcache_reference(ctx, inputs, outputs):
         out[q0:q1].copy_(o[0])
 
 
-@KERNELS.kernel("llm.flash_attention_with_kvcache", FLOATS, provider="sdpa", check=_sdpa_check)
+@KERNELS.kernel("llm.flash_attention_with_kvcache", FLOATS, provider="sdpa", check=_sdpa_check,
+                 varies=SDPA_VARIES)
 def flash_attention_with_kvcache_sdpa(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     out = outputs[0]
