@@ -424,18 +424,18 @@ class Dispatcher:
         with self._lock:
             return sorted({k.op for k in self._candidates if device is None or k.device == device})
 
-    def keys(self) -> list[KernelKey]:
+    def keys(self, device: str | None = None) -> list[KernelKey]:
+        """Every registered key (of ``device`` if given; its backends load first), sorted."""
+        for dev in [device] if device is not None else list(self._backends):
+            self.ensure_backend(dev)
         with self._lock:
-            return sorted(self._candidates, key=lambda k: (k.op, k.device, dtype_name(k.dtype), k.layout))
+            keys = [k for k in self._candidates if device is None or k.device == device]
+        return sorted(keys, key=lambda k: (k.op, k.device, dtype_name(k.dtype), k.layout))
 
     def table(self, device: str | None = None) -> list[TableRow]:
         """One row per registration; ``active`` marks what ``choose`` picks for the key without call facts."""
-        if device is not None:
-            self.ensure_backend(device)
         rows = []
-        for key in self.keys():
-            if device is not None and key.device != device:
-                continue
+        for key in self.keys(device):
             exp = self.explain(key)
             for cand, _ in exp.rows:
                 rows.append(TableRow(key, cand.provider, cand.priority, cand is exp.winner, _origin(cand.fn),
