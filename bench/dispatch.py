@@ -2,9 +2,10 @@
 
     python bench/dispatch.py [--threads 1] [--repeat 15]
 
-For a small op (add on [1, 576]) and a small linear ([1, 576] x [1536, 576]) it prints the median
-time per call of the direct torch call (its out= form beside the prepared path, its allocating form
-beside the functional path) and the µs each dtorch path adds. Targets: prepared +1 µs, functional +3 µs.
+For a small op (add on [1, 576]), a small linear ([1, 576] x [1536, 576]) and an rms_norm ([1, 576]) it
+prints the median time per call of the direct torch call (its out= form beside the prepared path, its
+allocating form beside the functional path; rms_norm has no out= form) and the µs each dtorch path adds.
+Targets: prepared +1 µs, functional +3 µs (for add and linear).
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ def main() -> None:
     add = dtorch.ops.Binary("add").prepare(init)
     x, w, y = torch.randn(1, 576), torch.randn(1536, 576), torch.empty(1, 1536)
     linear = dtorch.ops.Linear(has_bias=False).prepare(init)
+    h, g, r = torch.randn(1, 576), torch.randn(576), torch.empty(1, 576)
+    norm = dtorch.ops.RMSNorm(1e-6).prepare(init)
     torch.testing.assert_close(add.forward_out(a, b, out=o), a + b)
     torch.testing.assert_close(linear.forward_out(x, w, out=y), F.linear(x, w))
+    torch.testing.assert_close(norm.forward_out(h, g, out=r), F.rms_norm(h, (576,), g, 1e-6))
 
+    xs, ws, ys = torch.randn(1, 64), torch.randn(256, 64), torch.empty(1, 256)
     cases = {
         "add [1,576]": dict(
             torch_out=lambda: torch.add(a, b, out=o), prepared=lambda: add.forward_out(a, b, out=o),
@@ -44,6 +49,14 @@ def main() -> None:
         "linear [1,576]x[1536,576]": dict(
             torch_out=lambda: torch._C._nn.linear(x, w, out=y), prepared=lambda: linear.forward_out(x, w, out=y),
             torch_fn=lambda: F.linear(x, w), functional=lambda: dtorch.ops.linear(x, w), number=500),
+        # the same calls on a weight that stays in L1: the dispatch cost without the large product's cache noise
+        "linear [1,64]x[256,64]": dict(
+            torch_out=lambda: torch._C._nn.linear(xs, ws, out=ys), prepared=lambda: linear.forward_out(xs, ws, out=ys),
+            torch_fn=lambda: F.linear(xs, ws), functional=lambda: dtorch.ops.linear(xs, ws), number=20000),
+        "rms_norm [1,576]": dict(  # torch has no out= form: its allocating call stands beside both paths
+            torch_out=lambda: F.rms_norm(h, (576,), g, 1e-6), prepared=lambda: norm.forward_out(h, g, out=r),
+            torch_fn=lambda: F.rms_norm(h, (576,), g, 1e-6), functional=lambda: dtorch.ops.rms_norm(h, g),
+            number=20000),
     }
     rows = []
     for name, c in cases.items():
@@ -54,7 +67,7 @@ def main() -> None:
           "each + column is the median of per-round differences (the two timed in alternating rounds)\n")
     print(table(["op", "torch out=", "prepared", "+prepared", "torch", "functional", "+functional"], rows))
     print("\ntargets: +prepared <= 1 µs, +functional <= 3 µs "
-          f"(provider of the prepared linear: {linear.provider}, of the prepared add: {add.provider})")
+          f"(providers of the prepared linear: {linear.provider}, add: {add.provider}, rms_norm: {norm.provider})")
 
 
 if __name__ == "__main__":

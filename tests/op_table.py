@@ -2,9 +2,10 @@
 
 A row says how to make the kernel's inputs for a dtype and a case, the torch reference for them, the
 kernel params, the dtypes, the tolerance per dtype and the cases. ``tests/test_op_table.py`` runs every
-(row, dtype, case) three ways: the functional wrapper, ``dtorch.ops.invoke`` on the kernel key, and
-``invoke`` with every non-reference provider disabled (so both the reference and the accelerated kernel
-of each key are checked). References compute in float64 (int64 for integers) and cast back.
+(row, dtype, case) through the functional wrapper, ``dtorch.ops.invoke`` on the kernel key, ``invoke`` once
+per candidate of the key with every other provider disabled (so every registered kernel is checked), and
+the op's prepared operator where it has one (``PREPARED`` there). References compute in float64 (int64
+for integers) and cast back.
 
 Cases name input shapes and layouts: "contig", "strided" (non-contiguous views), "size1" (a dim of 1),
 "empty" (a dim of 0), "0d", and per family "broadcast", "empty_k", "empty_dim", "down", ...

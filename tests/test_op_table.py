@@ -1,16 +1,41 @@
-"""Runs the op table (tests/op_table.py + tests/op_table_llm.py) against torch, three ways per
-(row, dtype, case): the functional wrapper, ``dtorch.ops.invoke``, and ``invoke`` with only the
-reference provider allowed; plus completeness against the CPU registry and verify mode."""
+"""Runs the op table (tests/op_table.py + tests/op_table_llm.py) against torch, per (row, dtype, case):
+
+- "functional": the functional wrapper;
+- "invoke": ``dtorch.ops.invoke`` on the kernel key (the winner, chosen with the call's facts);
+- "provider=<name>": ``invoke`` with every other candidate of the key disabled, once per candidate, so every
+  registered kernel runs, not only the winner and the reference (a candidate whose capability check declines
+  the call is skipped with the check's reason);
+- "prepared": the op's prepared operator (``prepare`` then ``forward_out``), for ops that have one
+  (``PREPARED``; ``NO_PREPARED`` lists the others with the reason);
+
+plus completeness against the CPU registry and verify mode."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import dtorch
+from dtorch.core.device import Device
 from dtorch.core.dtypes import dtype_name
+from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.key import KernelKey
+from dtorch.dispatch.meta import Call
 from dtorch.kernels.torch.matmul import native_bf16_matmul
+from dtorch.ops import (
+    Attention,
+    AttentionVarlen,
+    Binary,
+    Embedding,
+    Linear,
+    MatMul,
+    PreparedOperator,
+    RMSNorm,
+    RoPE,
+    SiluAndMul,
+)
 from tests.op_table import ROWS, Row
 from tests.op_table_llm import LLM_NOT_IN_TABLE, LLM_ROWS
 
@@ -22,9 +47,73 @@ NOT_IN_TABLE: dict[str, str] = {
     **LLM_NOT_IN_TABLE,
 }
 
-CASES = [pytest.param(row, dt, case, id=f"{row.id}-{dtype_name(dt)}-{case}")
-         for row in ALL_ROWS for dt in row.dtypes for case in row.cases]
-PATHS = ("functional", "invoke", "reference")
+# -- prepared operators --------------------------------------------------------------------------
+# op -> build(inputs, params) -> (the unprepared operator, run(op, inputs, out) calling its forward_out).
+# Inputs are in kernel order, as the table makes them.
+Build = Callable[[list, dict], tuple[PreparedOperator, Callable[[PreparedOperator, list, torch.Tensor], object]]]
+
+
+def _binary(name: str) -> Build:
+    return lambda inputs, p: (Binary(name), lambda op, i, out: op.forward_out(i[0], i[1], out=out))
+
+
+def _attention(inputs: list, p: dict):
+    q, k = inputs[0], inputs[1]
+    op = Attention(p["causal"], p["scale"], q.shape[-2], k.shape[-2], q.shape[-1])
+    return op, lambda op, i, out: op.forward_out(*i, out=out)
+
+
+def _attention_varlen(inputs: list, p: dict):
+    q, k = inputs[0], inputs[1]
+    op = AttentionVarlen(p["causal"], p["scale"], q.shape[-2], k.shape[-2], q.shape[-1])
+    return op, lambda op, i, out: op.forward_out(*i, p["max_seqlen_q"], p["max_seqlen_k"], out=out)
+
+
+def _rope(inputs: list, p: dict):
+    op = RoPE(inputs[0].shape[-1], p["rotary_dim"], interleaved=p["interleaved"])
+    positions = torch.tensor(p["positions"], dtype=torch.long)
+    return op, lambda op, i, out: op.forward_out(i[0], positions, out=out)
+
+
+PREPARED: dict[str, Build] = {
+    **{f"binary.{n}": _binary(n) for n in ("add", "sub", "mul", "div", "maximum", "minimum", "pow")},
+    "matmul.mm": lambda inputs, p: (MatMul(), lambda op, i, out: op.forward_out(*i, out=out)),
+    "matmul.bmm": lambda inputs, p: (MatMul(batched=True), lambda op, i, out: op.forward_out(*i, out=out)),
+    "matmul.linear": lambda inputs, p: (Linear(has_bias=inputs[2] is not None),
+                                        lambda op, i, out: op.forward_out(*i, out=out)),
+    "llm.rms_norm": lambda inputs, p: (RMSNorm(p["eps"]), lambda op, i, out: op.forward_out(*i, out=out)),
+    "llm.silu_and_mul": lambda inputs, p: (SiluAndMul(), lambda op, i, out: op.forward_out(*i, out=out)),
+    "llm.embedding": lambda inputs, p: (Embedding(), lambda op, i, out: op.forward_out(i[1], i[0], out=out)),
+    "llm.rope": _rope,
+    "llm.flash_attention": _attention,
+    "llm.flash_attention_varlen": _attention_varlen,
+}
+
+# Table ops with no prepared operator class: their functional and *_out forms are the whole API.
+_NO_CLASS = "no PreparedOperator class: elementwise/reduction/creation ops are called through their *_out forms"
+NO_PREPARED: dict[str, str] = {
+    **{row.op: _NO_CLASS for row in ALL_ROWS if row.op.split(".")[0] in ("unary", "reduce", "creation", "copy")},
+    **{row.op: "Binary prepares tensor-tensor ops; a scalar operand is a per-call value, not a prepared one"
+       for row in ALL_ROWS if row.op.endswith("_scalar")},
+    "conv.conv1d": "no PreparedOperator class yet (no model calls a convolution per step; conv1d_out serves)",
+    "conv.conv2d": "no PreparedOperator class yet (no model calls a convolution per step; conv2d_out serves)",
+    "llm.softmax_last_dim": "no PreparedOperator class: attention kernels fuse their softmax; softmax_last_dim_out "
+                            "serves the rest",
+}
+
+
+def _providers(row: Row, dtype: torch.dtype) -> list[str]:
+    """Every provider registered for the row's cpu key (the backends load here, at collection)."""
+    return [c.provider for c in dtorch.dispatcher.candidates(KernelKey(row.op, "cpu", dtype))]
+
+
+def _paths(row: Row, dtype: torch.dtype) -> list[str]:
+    prepared = ["prepared"] if row.op in PREPARED else []
+    return ["functional", "invoke", *prepared, *(f"provider={p}" for p in _providers(row, dtype))]
+
+
+CASES = [pytest.param(row, dt, case, path, id=f"{row.id}-{dtype_name(dt)}-{case}-{path}")
+         for row in ALL_ROWS for dt in row.dtypes for case in row.cases for path in _paths(row, dt)]
 
 
 def _assert_close(row: Row, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -47,8 +136,28 @@ def _invoke(row: Row, inputs: list, params: dict, want: torch.Tensor) -> torch.T
     return out
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize(("row", "dtype", "case"), CASES)
+def _alone(row: Row, inputs: list, params: dict, want: torch.Tensor, provider: str) -> torch.Tensor:
+    """``invoke`` with ``provider`` the only candidate left; skips when its capability check declines."""
+    key = _key(row, inputs, want)
+    cands = dtorch.dispatcher.candidates(key)
+    cand = next(c for c in cands if c.provider == provider)
+    call = Call(Device("cpu"), key.dtype, KernelParams(**params), inputs)
+    if cand.check is not None and (reason := cand.check(call)) is not None:
+        pytest.skip(f"{key}: provider {provider!r} declines this call: {reason}")
+    with dtorch.dispatcher.disabled(*{c.provider for c in cands} - {provider}):
+        assert dtorch.dispatcher.select(key, call).provider == provider
+        return _invoke(row, inputs, params, want)
+
+
+def _prepared(row: Row, inputs: list, params: dict, want: torch.Tensor) -> torch.Tensor:
+    op, run = PREPARED[row.op](inputs, params)
+    op.prepare(dtorch.OperatorInitContext("cpu", _key(row, inputs, want).dtype))
+    out = torch.empty(want.shape, dtype=want.dtype)
+    assert run(op, inputs, out) is out
+    return out
+
+
+@pytest.mark.parametrize(("row", "dtype", "case", "path"), CASES)
 def test_row(row: Row, dtype: torch.dtype, case: str, path: str) -> None:
     inputs = row.make_inputs(dtype, case)
     if case.endswith("strided"):
@@ -59,13 +168,20 @@ def test_row(row: Row, dtype: torch.dtype, case: str, path: str) -> None:
         got = row.run_functional(inputs, params)
     elif path == "invoke":
         got = _invoke(row, inputs, params, want)
+    elif path == "prepared":
+        got = _prepared(row, inputs, params, want)
     else:
-        key = _key(row, inputs, want)
-        others = {c.provider for c in dtorch.dispatcher.candidates(key)} - {"reference"}
-        with dtorch.dispatcher.disabled(*others):
-            assert dtorch.dispatcher.select(key).provider == "reference"
-            got = _invoke(row, inputs, params, want)
+        got = _alone(row, inputs, params, want, path.removeprefix("provider="))
     _assert_close(row, got, want, dtype)
+
+
+def test_prepared_paths_are_declared() -> None:
+    """Every table op either has a prepared builder or is listed in NO_PREPARED with its reason."""
+    ops = {row.op for row in ALL_ROWS}
+    undeclared = sorted(ops - PREPARED.keys() - NO_PREPARED.keys())
+    assert not undeclared, f"table ops with neither a PREPARED builder nor a NO_PREPARED reason: {undeclared}"
+    both = sorted(PREPARED.keys() & NO_PREPARED.keys())
+    assert not both and PREPARED.keys() <= ops, f"declared twice: {both}; not in the table: {PREPARED.keys() - ops}"
 
 
 def test_table_covers_every_cpu_kernel() -> None:
@@ -165,3 +281,13 @@ def test_row_infers_shapes_on_meta(row: Row, dtype: torch.dtype, case: str) -> N
 def test_creation_on_meta(make) -> None:
     got, want = make("meta")
     assert got.device.type == "meta" and (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
+def test_what_torch_cannot_run_is_not_registered() -> None:
+    """torch has no integer matmul on CUDA (addmm/bmm "not implemented for 'Int'"), so those keys have no
+    candidate there, while cpu keeps them and cuda keeps the float ones."""
+    for op in ("matmul.mm", "matmul.bmm", "matmul.linear"):
+        for dt in (torch.int32, torch.int64):
+            assert not dtorch.dispatcher.candidates(KernelKey(op, "cuda", dt)), f"{op}/cuda/{dtype_name(dt)}"
+            assert dtorch.dispatcher.candidates(KernelKey(op, "cpu", dt)), f"{op}/cpu/{dtype_name(dt)}"
+        assert dtorch.dispatcher.candidates(KernelKey(op, "cuda", torch.float32)), f"{op}/cuda/float32"

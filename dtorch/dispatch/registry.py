@@ -221,7 +221,10 @@ class Dispatcher:
             kept = [c for c in cands if c.provider != provider]
             if len(kept) == len(cands):
                 raise KernelNotFound(f"unregister: {key} has no candidate from provider {provider!r}")
-            self._candidates[key] = kept
+            if kept:
+                self._candidates[key] = kept
+            else:
+                del self._candidates[key]  # no empty keys: every listed key has a winner to explain
             self._changed()
 
     def _changed(self) -> None:

@@ -10,11 +10,22 @@ from dtorch.core.device import Device, device_of
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError
 
+STRIDED = torch.strided  # the one layout with kernels (see dtorch.core.dtypes.LAYOUTS)
+
 
 def tensor(op: str, name: str, t: object) -> torch.Tensor:
+    """``t`` is a torch.Tensor of a layout that has kernels (strided)."""
     if not isinstance(t, torch.Tensor):
         raise DTypeError(f"{op}: argument {name!r} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not STRIDED:
+        layout_error(op, name, t)
     return t
+
+
+def layout_error(op: str, name: str, t: torch.Tensor) -> None:
+    """Raise the ``LayoutError`` for a tensor whose layout is not strided."""
+    raise LayoutError(f"{op}: argument {name!r} has layout {t.layout}, which has no kernel; dtorch kernels take "
+                      f"strided (dense) tensors only (convert it with .to_dense())")
 
 
 def dtype_in(op: str, name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
@@ -34,22 +45,28 @@ def same_dtype(op: str, named: dict[str, torch.Tensor]) -> torch.dtype:
 
 
 def on_device(op: str, name: str, t: torch.Tensor, ctx_device: Device | None) -> Device:
-    """The device of ``t``, which must be of the context's device type when a context is given."""
-    dev = device_of(t)
+    """The device of ``t``, which must hold the context's device (type and index) when a context is given;
+    every ``cpu:N`` holds torch's ``cpu`` tensors."""
     if ctx_device is not None:
-        if dev.type != ctx_device.type:
-            raise DeviceError(f"{op}: argument {name!r} is on {t.device}, but the context device is {ctx_device}")
+        if t.device != ctx_device.torch:
+            device_error(op, name, t, ctx_device)
         return ctx_device
-    return dev
+    return device_of(t)
+
+
+def device_error(op: str, name: str, t: torch.Tensor, expected: Device) -> None:
+    """Raise the ``DeviceError`` for a tensor that is not on ``expected``'s torch device."""
+    raise DeviceError(f"{op}: argument {name!r} is on {t.device}, but the context device is {expected} "
+                      f"(torch device {expected.torch}; type and index must match)")
 
 
 def same_device(op: str, named: dict[str, torch.Tensor], device: Device | None = None) -> Device:
-    """All tensors on one device (and on ``device`` when given); returns it."""
+    """All tensors on one device (and on ``device``, type and index, when given); returns it."""
     it = iter(named.items())
     first_name, first = next(it)
+    if device is not None and first.device != device.torch:
+        device_error(op, first_name, first, device)
     dev = device_of(first)
-    if device is not None and dev.type != device.type:
-        raise DeviceError(f"{op}: argument {first_name!r} is on {first.device}, but the context device is {device}")
     for name, t in it:
         if t.device != first.device:
             raise DeviceError(f"{op}: devices disagree: {first_name!r} is on {first.device}, {name!r} on {t.device}")
@@ -81,6 +98,8 @@ def out(op: str, out: object, shape: Sequence[int], dtype: torch.dtype, device: 
     """A caller-allocated output (``name``) must be a tensor of exactly ``shape``, ``dtype`` and ``device``."""
     if not isinstance(out, torch.Tensor):
         raise DTypeError(f"{op}: {name!r} must be a torch.Tensor, got {type(out).__name__}")
+    if out.layout is not STRIDED:
+        layout_error(op, name, out)
     if out.shape != shape and tuple(out.shape) != tuple(shape):
         raise ShapeError(f"{op}: {name!r} must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.dtype != dtype:

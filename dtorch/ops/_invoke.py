@@ -92,8 +92,7 @@ def call(op: str, device: Device, dtype: torch.dtype, inputs: Sequence, params: 
 
 def _run_verified(op, device, dtype, cand, kctx, inputs, outputs) -> None:
     key = KernelKey(op, device.type, dtype)
-    refs = [c for c in _dispatcher.candidates(key) if c.provider == "reference"]
-    _verify.run_verified(key, cand, refs[0] if refs else None, kctx, inputs, outputs)
+    _verify.run_verified(key, cand, _dispatcher.reference(key), kctx, inputs, outputs)
 
 
 def invoke(op_name: str, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor],
@@ -102,17 +101,20 @@ def invoke(op_name: str, inputs: Sequence[torch.Tensor | None], outputs: Sequenc
     """Run ``op_name`` on caller-allocated ``outputs``; returns ``outputs``.
 
     The kernel key takes the device of ``ctx`` (or of the first tensor) and ``dtype`` (default: the
-    first input's dtype, or the first output's for creation ops). No op-specific validation is done
-    here: the named wrappers (``dtorch.ops.add`` ...) do that.
+    first input's dtype, or the first output's for creation ops). Every tensor must be strided and on
+    that device; no op-specific validation is done here: the named wrappers (``dtorch.ops.add`` ...) do that.
     """
     if not isinstance(op_name, str):
         raise ArgumentError(f"invoke: op_name must be a str like 'binary.add', got {type(op_name).__name__}")
     tensors = [t for t in list(inputs) + list(outputs) if isinstance(t, torch.Tensor)]
     if not tensors and ctx is None:
         raise ArgumentError(f"invoke {op_name}: no tensors and no ctx, so the device is unknown")
-    for i, t in enumerate(outputs):
-        _checks.tensor(op_name, f"outputs[{i}]", t)
     device = ctx.device if ctx is not None else device_of(tensors[0])
+    named = {f"inputs[{i}]": t for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+    named |= {f"outputs[{i}]": t for i, t in enumerate(outputs)}
+    for name, t in named.items():
+        _checks.tensor(op_name, name, t)
+        _checks.on_device(op_name, name, t, device)
     if dtype is None:
         first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
         dtype = (first if first is not None else outputs[0]).dtype

@@ -236,14 +236,16 @@ class Attention(_AttentionBase):
         The hot path compares dtypes, ranks, head layouts, batch sizes and out's shape (what sdpa would
         broadcast or out's copy would take silently); anything else, or a kernel failure, is fully validated.
         """
-        init = self.init
+        dt, dev, strided, plain = self._dtype, self._device, torch.strided, torch.Tensor
         try:
-            dt = init.dtype
             ks = k.shape
-            fast = (q.dtype is dt and k.dtype is dt and v.dtype is dt and out.dtype is dt and q.dim() == 4
-                    and len(ks) == 4 and q.shape[2:] == self._q_heads and ks[2:] == self._kv_heads
+            fast = (type(q) is plain and type(k) is plain and type(v) is plain and type(out) is plain
+                    and q.dtype is dt and k.dtype is dt and v.dtype is dt and out.dtype is dt
+                    and q.layout is strided and k.layout is strided and v.layout is strided and out.layout is strided
+                    and q.device == dev and k.device == dev and v.device == dev and out.device == dev
+                    and q.dim() == 4 and len(ks) == 4 and q.shape[2:] == self._q_heads and ks[2:] == self._kv_heads
                     and v.shape == ks and ks[0] == q.shape[0] and out.shape == q.shape)
-        except AttributeError:  # not prepared, or not tensors
+        except AttributeError:  # not tensors
             fast = False
         if not fast:
             self._validate(q, k, v, out, ctx)

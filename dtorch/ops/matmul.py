@@ -6,11 +6,14 @@ dtorch does no implicit promotion: all operands share one dtype and one device.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
+from dtorch.core.device import device_of
 from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
 from dtorch.dispatch.context import NO_PARAMS
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.ops import _checks
+from dtorch.ops._checks import STRIDED
 from dtorch.ops._invoke import call, run
 from dtorch.ops.context import OperatorInitContext, RuntimeContext
 from dtorch.ops.prepared import PreparedOperator
@@ -88,8 +91,11 @@ def _bmm(a, b, out=None, ctx=None) -> torch.Tensor:
     return _launch(op, (a, b), _bmm_shape(op, a, b), dtype, device, out, ctx)
 
 
+_LINEAR = "matmul.linear"
+
+
 def _linear(x, w, bias, out=None, ctx=None) -> torch.Tensor:
-    op = "matmul.linear"
+    op = _LINEAR
     dtype, device = _operands(op, {"x": x, "w": w, "bias": bias}, ctx)
     return _launch(op, (x, w, bias), _linear_shape(op, x, w, bias), dtype, device, out, ctx)
 
@@ -116,6 +122,16 @@ def bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, ctx: Runtime
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``matmul.linear``: x [..., K], w [N, K], bias [N] or None -> x @ w.T + bias, [..., N]."""
+    # The hot path: plain strided tensors of one dtype and device with matching shapes (identity checks and
+    # a few comparisons); anything else takes the full validation, which raises the precise error.
+    if type(x) is Tensor and type(w) is Tensor:
+        dt, dev, xs, ws = x.dtype, x.device, x.shape, w.shape
+        if (w.dtype is dt and x.layout is STRIDED and w.layout is STRIDED and w.device == dev and len(ws) == 2
+                and xs and xs[-1] == ws[1]
+                and (bias is None or (type(bias) is Tensor and bias.dtype is dt and bias.layout is STRIDED
+                                      and bias.device == dev and bias.shape == ws[:1]))):
+            return call(_LINEAR, device_of(x), dt, (x, w, bias), NO_PARAMS,
+                        lambda: (torch.empty((*xs[:-1], ws[0]), dtype=dt, device=dev),))[0]
     return _linear(x, w, bias)
 
 
@@ -151,11 +167,9 @@ class MatMul(_PreparedProduct):
             raise ArgumentError(f"MatMul: 'batched' must be a bool, got {batched!r}")
         self.batched = batched
         self.op = "matmul.bmm" if batched else "matmul.mm"
-        self._dtype: torch.dtype | None = None
 
     def prepare(self, init: OperatorInitContext, dispatcher: Dispatcher | None = None) -> MatMul:
         super().prepare(init, dispatcher)
-        self._dtype = self.init.dtype
         return self
 
     def _shape(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
@@ -165,13 +179,20 @@ class MatMul(_PreparedProduct):
                     ctx: RuntimeContext | None = None) -> torch.Tensor:
         """a @ b into ``out``.
 
-        The hot path compares a's dtype with prepare's and runs the bound kernel; mismatched shapes or
-        dtypes of b and out make the kernel fail, and only then is everything validated for a precise
-        error. ``out``'s shape is compared here, since torch's ``out=`` would silently resize it.
+        The hot path checks that a, b and out are plain strided tensors of the prepared dtype and device
+        (identity checks, one device comparison each) and compares out's shape, which torch's ``out=`` would
+        silently resize; mismatched inner dims make the kernel fail, and only then (or when a check fails) is
+        everything validated for a precise error.
         """
-        kernel = self.kernel
-        if (kernel is None or a.dtype is not self._dtype or out.shape[:-1] != a.shape[:-1]
-                or out.shape[-1] != b.shape[-1]):
+        kernel, dt, dev = self.kernel, self._dtype, self._device
+        plain = (type(a) is Tensor and type(b) is Tensor and type(out) is Tensor
+                 and a.dtype is dt and b.dtype is dt and out.dtype is dt
+                 and a.layout is STRIDED and b.layout is STRIDED and out.layout is STRIDED
+                 and a.device == dev and b.device == dev and out.device == dev)
+        if plain:
+            o, bs = out.shape, b.shape
+            plain = o[:-1] == a.shape[:-1] and o and bs and o[-1] == bs[-1]
+        if not plain:
             self._check_named({"a": a, "b": b}, out, self._shape(a, b))
         try:
             kernel.fn(self._kctx if ctx is None else self._context(ctx), (a, b), (out,))
@@ -200,11 +221,9 @@ class Linear(_PreparedProduct):
         if not isinstance(has_bias, bool):
             raise ArgumentError(f"Linear: 'has_bias' must be a bool, got {has_bias!r}")
         self.has_bias = has_bias
-        self._dtype: torch.dtype | None = None
 
     def prepare(self, init: OperatorInitContext, dispatcher: Dispatcher | None = None) -> Linear:
         super().prepare(init, dispatcher)
-        self._dtype = self.init.dtype
         return self
 
     def _validate(self, x, w, bias, out) -> None:
@@ -220,15 +239,27 @@ class Linear(_PreparedProduct):
                     out: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
         """x @ w.T (+ bias) into ``out`` [..., N].
 
-        The hot path compares x's dtype with prepare's and the bias with ``has_bias``, then runs the bound
-        kernel; mismatched shapes or dtypes of w, bias and out make the kernel fail, and only then is
-        everything validated for a precise error. ``out``'s shape is compared here, since torch's ``out=``
-        would silently resize it.
+        The hot path checks that x, w, bias and out are plain strided tensors of the prepared dtype and device
+        (identity checks, one device comparison each), the bias against ``has_bias`` and the shapes that torch
+        would broadcast (bias) or silently resize (out); a mismatched K makes the kernel fail, and only then
+        (or when a check fails) is everything validated for a precise error.
         """
-        kernel = self.kernel
-        if (kernel is None or x.dtype is not self._dtype or (bias is None) is self.has_bias
-                or out.shape[:-1] != x.shape[:-1] or out.shape[-1] != w.shape[0]):
-            self._validate(x, w, bias, out)
+        kernel, seen = self.kernel, self._checked
+        if seen and x is seen[0] and w is seen[1] and out is seen[2] and bias is seen[3]:
+            pass  # the previous call's tensors, checked then
+        else:
+            dt, dev = self._dtype, self._device
+            plain = (type(x) is Tensor and type(w) is Tensor and type(out) is Tensor
+                     and x.dtype is dt and w.dtype is dt and out.dtype is dt
+                     and x.layout is STRIDED and w.layout is STRIDED and out.layout is STRIDED
+                     and x.device == dev and w.device == dev and out.device == dev
+                     and (bias is None) is not self.has_bias and (bias is None or self._plain_bias(bias, w)))
+            if plain:
+                o, ws = out.shape, w.shape
+                plain = len(ws) == 2 and o[:-1] == x.shape[:-1] and o and o[-1] == ws[0]
+            if not plain:
+                self._validate(x, w, bias, out)
+            self._checked = (x, w, out, bias)
         try:
             kernel.fn(self._kctx if ctx is None else self._context(ctx), (x, w, bias), (out,))
         except Exception as exc:
@@ -236,6 +267,10 @@ class Linear(_PreparedProduct):
                 self._validate(x, w, bias, out)  # names the bad argument when there is one
             self._failed(exc)
         return out
+
+    def _plain_bias(self, bias: torch.Tensor, w: torch.Tensor) -> bool:
+        return (type(bias) is Tensor and bias.dtype is self._dtype and bias.layout is STRIDED
+                and bias.device == self._device and bias.shape == w.shape[:1])
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 ctx: RuntimeContext | None = None) -> torch.Tensor:

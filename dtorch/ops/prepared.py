@@ -16,6 +16,8 @@ from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
 from dtorch.dispatch.prepared import PreparedKernel
 from dtorch.dispatch.registry import Dispatcher, Explanation
+from dtorch.ops import _checks
+from dtorch.ops._checks import STRIDED
 from dtorch.ops.context import OperatorInitContext, RuntimeContext
 
 
@@ -33,8 +35,15 @@ class PreparedOperator:
         self.params = params
         self.kernel: PreparedKernel | None = None
         self.init: OperatorInitContext | None = None
+        # The prepared dtype and torch device, for the hot paths' identity and equality checks.
+        self._dtype: torch.dtype | None = None
+        self._device: torch.device | None = None
         self._kctx: KernelContext | None = None
         self._last_rt: tuple[RuntimeContext | None, KernelContext | None] = (None, None)
+        # The tensors of the last call, once checked: a call with the same objects (a decode loop passes the same
+        # buffers every step) is not checked again. A tensor changed in place in between (resize_, set_, .data =)
+        # is not noticed: pass a new tensor instead. Held until the next call.
+        self._checked: tuple = ()
 
     # -- prepare ------------------------------------------------------------------------------
 
@@ -50,6 +59,7 @@ class PreparedOperator:
         key = KernelKey(self.op, init.device.type, init.dtype, init.layout)
         self.kernel = PreparedKernel(dispatcher or _global_dispatcher, key, self.call_facts(init))
         self.init = init
+        self._dtype, self._device = init.dtype, init.device.torch
         self._kctx = KernelContext(init.device, None, default_workspace(init.device), self.params)
         self._last_rt = (None, None)
         return self
@@ -75,18 +85,27 @@ class PreparedOperator:
     # -- run ----------------------------------------------------------------------------------
 
     def _check_like(self, name: str, t: torch.Tensor) -> None:
-        """``t`` is on the prepared device type and has the prepared dtype."""
+        """``t`` is a strided tensor of the prepared dtype on the prepared device (type and index; every
+        ``cpu:N`` holds torch's ``cpu`` tensors)."""
         init = self.init
         if init is None:
             self._bound()
-        if not isinstance(t, torch.Tensor):
-            raise DTypeError(f"{self.op}: argument {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        _checks.tensor(self.op, name, t)
         if t.dtype != init.dtype:
             raise DTypeError(f"{self.op}: argument {name!r} has dtype {dtype_name(t.dtype)}, but the operator was "
                              f"prepared for {dtype_name(init.dtype)}")
-        if t.device.type != init.device.type:
+        if t.device != self._device:
             raise DeviceError(f"{self.op}: argument {name!r} is on {t.device}, but the operator was prepared for "
-                              f"{init.device}")
+                              f"{init.device} (torch device {self._device}; type and index must match)")
+
+    def _plain(self, *tensors: torch.Tensor) -> bool:
+        """Whether every one of ``tensors`` is a plain strided tensor of the prepared dtype and device: the
+        per-tensor part of the hot paths' check (they inline it where a call would cost too much)."""
+        dt, dev = self._dtype, self._device
+        for t in tensors:
+            if type(t) is not torch.Tensor or t.dtype is not dt or t.layout is not STRIDED or t.device != dev:
+                return False
+        return True
 
     def _context(self, ctx: RuntimeContext | None) -> KernelContext:
         if ctx is None:
@@ -95,6 +114,10 @@ class PreparedOperator:
         if ctx is last_rt and last_k is not None and last_k.stream is ctx.stream and (
                 ctx.workspace is None or last_k.workspace is ctx.workspace) and last_k.device == ctx.device:
             return last_k
+        self._bound()
+        if ctx.device.torch != self._device:
+            raise DeviceError(f"{self.op}: the runtime context is on {ctx.device}, but the operator was prepared for "
+                              f"{self.init.device} (torch device {self._device})")
         workspace = ctx.workspace if ctx.workspace is not None else default_workspace(ctx.device)
         kctx = KernelContext(ctx.device, ctx.stream, workspace, self.params)
         self._last_rt = (ctx, kctx)

@@ -251,8 +251,8 @@ class RoPE(PreparedOperator):
     def _rotate_(self, x: torch.Tensor, t: RoPETables, ctx: RuntimeContext | None) -> None:
         """Rotate x in place. The hot path compares x's dtype, head dim and leading dims with the tables';
         anything else gets the full check (which raises the precise error or lets a valid broadcast pass)."""
-        if (type(x) is not torch.Tensor or x.dtype is not self.init.dtype or x.shape[-1] != self.head_dim
-                or x.shape[:-2] != t.positions.shape):
+        if (type(x) is not torch.Tensor or x.dtype is not self._dtype or x.layout is not torch.strided
+                or x.device != self._device or x.shape[-1] != self.head_dim or x.shape[:-2] != t.positions.shape):
             self._check(x, t.positions, ctx)
         try:
             self.kernel.fn(self._kctx if ctx is None else self._context(ctx), (x, t.cos, t.sin), (x,))

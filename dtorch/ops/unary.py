@@ -7,6 +7,7 @@ import torch
 from dtorch.core.device import device_of
 from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
+from dtorch.ops._checks import STRIDED
 from dtorch.ops._invoke import call, run
 from dtorch.ops.context import RuntimeContext
 
@@ -27,7 +28,7 @@ def _unary_out(name: str, x: torch.Tensor, out: torch.Tensor, params: KernelPara
 
 def _unary(name: str, x: torch.Tensor, params: KernelParams = NO_PARAMS) -> torch.Tensor:
     op = f"unary.{name}"
-    if type(x) is not torch.Tensor:
+    if type(x) is not torch.Tensor or x.layout is not STRIDED:
         _checks.tensor(op, "x", x)
     return call(op, device_of(x), x.dtype, (x,), params, lambda: (torch.empty_like(x),))[0]
 

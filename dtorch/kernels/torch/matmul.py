@@ -20,6 +20,8 @@ from dtorch.core import cpu
 from dtorch.dispatch.meta import Call, KernelMeta
 from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS
 
+# torch has integer matmul on CPU only (CUDA's addmm/bmm have no int kernels), so ints are registered for cpu.
+CPU_ONLY = ("cpu",)
 _BLOCK_ELEMENTS = 1 << 22  # elements of one [rows, K, N] product block in the reference kernels
 ALLOCATES = KernelMeta(capture_safe=False)  # the reference kernels allocate their temporaries
 
@@ -41,14 +43,23 @@ def _reference_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out[:, i:i + rows].copy_(block.sum(dim=2))
 
 
-@KERNELS.kernel("matmul.mm", FLOATS + INTS, meta=ALLOCATES)
+def _mm_functional(ctx, inputs):
+    return (torch.mm(inputs[0], inputs[1]),)
+
+
+def _bmm_functional(ctx, inputs):
+    return (torch.bmm(inputs[0], inputs[1]),)
+
+
+@KERNELS.kernel("matmul.mm", INTS, devices=CPU_ONLY, meta=ALLOCATES)
+@KERNELS.kernel("matmul.mm", FLOATS, meta=ALLOCATES)
 def mm_reference(ctx, inputs, outputs):
     a, b = inputs
     _reference_bmm(a[None], b[None], outputs[0][None])
 
 
-@KERNELS.kernel("matmul.mm", FLOATS + INTS, provider="blas",
-                functional=lambda ctx, inputs: (torch.mm(inputs[0], inputs[1]),))
+@KERNELS.kernel("matmul.mm", INTS, devices=CPU_ONLY, provider="blas", functional=_mm_functional)
+@KERNELS.kernel("matmul.mm", FLOATS, provider="blas", functional=_mm_functional)
 def mm_blas(ctx, inputs, outputs):
     torch.mm(inputs[0], inputs[1], out=outputs[0])
 
@@ -103,18 +114,20 @@ def mm_upcast(ctx, inputs, outputs):
         torch.mm(a, b, out=out)
 
 
-@KERNELS.kernel("matmul.bmm", FLOATS + INTS, meta=ALLOCATES)
+@KERNELS.kernel("matmul.bmm", INTS, devices=CPU_ONLY, meta=ALLOCATES)
+@KERNELS.kernel("matmul.bmm", FLOATS, meta=ALLOCATES)
 def bmm_reference(ctx, inputs, outputs):
     _reference_bmm(inputs[0], inputs[1], outputs[0])
 
 
-@KERNELS.kernel("matmul.bmm", FLOATS + INTS, provider="blas",
-                functional=lambda ctx, inputs: (torch.bmm(inputs[0], inputs[1]),))
+@KERNELS.kernel("matmul.bmm", INTS, devices=CPU_ONLY, provider="blas", functional=_bmm_functional)
+@KERNELS.kernel("matmul.bmm", FLOATS, provider="blas", functional=_bmm_functional)
 def bmm_blas(ctx, inputs, outputs):
     torch.bmm(inputs[0], inputs[1], out=outputs[0])
 
 
-@KERNELS.kernel("matmul.linear", FLOATS + INTS, meta=ALLOCATES)
+@KERNELS.kernel("matmul.linear", INTS, devices=CPU_ONLY, meta=ALLOCATES)
+@KERNELS.kernel("matmul.linear", FLOATS, meta=ALLOCATES)
 def linear_reference(ctx, inputs, outputs):
     x, w, bias = inputs
     out = outputs[0]
@@ -126,9 +139,21 @@ def linear_reference(ctx, inputs, outputs):
     out.copy_(y.reshape(out.shape))
 
 
-# No allocating form: torch's allocating linear rounds differently from linear.out for bf16 [..., K] inputs
-# with a bias, and prepared Linear.forward_out must give exactly the functional wrapper's results.
-@KERNELS.kernel("matmul.linear", FLOATS + INTS, provider="blas")
+def _linear_functional(ctx, inputs):
+    # Prepared Linear.forward_out must give exactly the functional wrapper's results. For a 2-D x torch's
+    # allocating linear and linear.out run the same kernel (addmm with a bias, mm without); other ranks may
+    # round differently (bf16 [..., K] with a bias: one fused addmm against mm then add), so they allocate
+    # and run the out= form.
+    x, w, bias = inputs
+    if x.dim() == 2:
+        return (torch._C._nn.linear(x, w, bias),)
+    out = x.new_empty((*x.shape[:-1], w.shape[0]))
+    linear_blas(ctx, inputs, (out,))
+    return (out,)
+
+
+@KERNELS.kernel("matmul.linear", INTS, devices=CPU_ONLY, provider="blas", functional=_linear_functional)
+@KERNELS.kernel("matmul.linear", FLOATS, provider="blas", functional=_linear_functional)
 def linear_blas(ctx, inputs, outputs):
     x, out = inputs[0], outputs[0]
     if x.dim() == 1:  # torch's linear.out would resize a [N] out to [1, N]
