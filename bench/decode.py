@@ -1,13 +1,16 @@
-"""Prefill and decode speed of dtorch against transformers on the same model, side by side in one run.
+"""Decode and prefill of dtorch against llama.cpp on the same GGUF file, side by side in one run.
 
-    python bench/decode.py [--model PATH.gguf] [--threads N] [--runs 3]
+    python bench/decode.py [--model PATH.gguf] [--threads 1 2] [--runs 3] [--llamacpp-python PATH]
 
-Each engine runs in its own subprocess (same torch, same thread count) so that its peak memory is its
-own: transformers float32, dtorch float32, dtorch bfloat16. Per engine, batch 1, greedy:
-prefill tokens/s of a 512-token prompt and decode tokens/s of 128 new tokens after a 128-token
-prompt; the median of ``--runs`` runs after one warm-up. The memory floor of decode is the bytes of
-weights one token reads divided by this machine's read bandwidth (measured here with a large
-reduction); "x floor" is the measured time per token over that floor (1.0 would be perfect).
+Engines, each in its own subprocess so its memory is its own, batch 1, greedy, a 128-token prompt and
+64 new tokens, the median of ``--runs`` runs after a warm-up:
+- llama.cpp: ``llama_cpp`` (llama-cpp-python) run by the Python of the venv that
+  ``../shared/tools/llamacpp-venv.sh`` builds (``--llamacpp-python``, default ``$LLAMACPP_PYTHON`` or
+  ``/work/venv-llamacpp/bin/python``); the column is left out when it cannot be imported;
+- dtorch on the weights as stored (quantized, native kernels when they load) and dtorch with
+  ``dequantize=True`` (float32, today's float path).
+"model MiB" is peak RSS minus the RSS right after the imports (what the model costs); "floor tok/s"
+is this machine's read bandwidth over the weight bytes one decoded token reads.
 """
 
 from __future__ import annotations
@@ -21,23 +24,88 @@ import subprocess
 import sys
 import time
 
-import torch
-
-PREFILL_LEN, DECODE_PROMPT, DECODE_NEW = 512, 128, 128
-
-
-def _prompt(n: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(n)
-    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+PROMPT, NEW = 128, 64
 
 
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _current_rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _prompt(vocab: int) -> list[int]:
+    import random
+
+    rng = random.Random(PROMPT)
+    return [rng.randrange(100, vocab - 100) for _ in range(PROMPT)]
+
+
+def _worker_dtorch(model: str, threads: int, runs: int, dequantize: bool) -> dict:
+    import torch
+
+    from dtorch.models.llm import LLM
+    from dtorch.models.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    base = _current_rss_mib()
+    llm = LLM(model, dequantize=dequantize)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    ids = _prompt(llm.config.vocab_size)
+    prefill, decode = [], []
+    for r in range(runs + 1):
+        llm.generate([ids], params)
+        if r:  # the first run warms up
+            prefill.append(llm.stats.prefill_tps)
+            decode.append(llm.stats.decode_tps)
+    out = {"prefill": statistics.median(prefill), "decode": statistics.median(decode), "model_mib": _rss_mib() - base,
+           "weight_bytes": llm.model.weight_bytes(), "linear": llm.model.linear_provider()}
+    llm.close()
+    return out
+
+
+LLAMACPP_WORKER = r"""
+import json, os, resource, statistics, sys, time
+model = sys.argv[1]
+threads, runs, prompt_len, new = (int(a) for a in sys.argv[2:6])
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+import llama_cpp
+base = rss()
+llm = llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512,
+                      verbose=False)
+import random
+rng = random.Random(prompt_len)
+ids = [rng.randrange(100, llm.n_vocab() - 100) for _ in range(prompt_len)]
+prefill, decode = [], []
+for r in range(runs + 1):
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t1 = time.perf_counter()
+    tok = llm.sample(top_k=1, temp=0.0)
+    for _ in range(new):
+        llm.eval([tok])
+        tok = llm.sample(top_k=1, temp=0.0)
+    t2 = time.perf_counter()
+    if r:
+        prefill.append(prompt_len / (t1 - t0))
+        decode.append(new / (t2 - t1))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"prefill": statistics.median(prefill), "decode": statistics.median(decode),
+                  "model_mib": peak - base, "version": llama_cpp.__version__}))
+"""
+
+
 def _read_bandwidth() -> float:
-    """Bytes per second of summing a 512 MiB float32 tensor (median of 5), with torch's threads."""
-    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    """Bytes per second of summing a 256 MiB float32 tensor on one thread (median of 5)."""
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
     x.sum()
     times = []
     for _ in range(5):
@@ -47,126 +115,83 @@ def _read_bandwidth() -> float:
     return x.numel() * 4 / statistics.median(times)
 
 
-def _worker_dtorch(model: str, dtype: str, runs: int) -> dict:
-    from dtorch.models.llm import LLM
-    from dtorch.models.sampling import SamplingParams
-
-    base = _rss_mib()
-    llm = LLM(model, dtype=dtype)
-    vocab = llm.config.vocab_size
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0.0, max_tokens=DECODE_NEW, ignore_eos=True)
-    prefill, decode = [], []
-    for r in range(runs + 1):
-        llm.generate([_prompt(PREFILL_LEN, vocab)], one)
-        p = llm.stats.prefill_tps
-        llm.generate([_prompt(DECODE_PROMPT, vocab)], many)
-        if r:  # the first run warms up
-            prefill.append(p)
-            decode.append(llm.stats.decode_tps)
-    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode),
-            "weight_bytes": llm.model.weight_bytes(), "peak_mib": _rss_mib(), "model_mib": _rss_mib() - base,
-            "mm_provider": llm.model.layers[0].qkv.mm.provider}
-
-
-def _worker_hf(model: str, runs: int) -> dict:
-    import logging
-
-    import transformers
-
-    logging.disable(logging.WARNING)
-    transformers.logging.set_verbosity_error()
-    base = _rss_mib()
-    hf = load_transformers_gguf(model)
-    vocab = hf.config.vocab_size
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-
-    def timed(ids: list[int], new: int) -> float:
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, **kw)
-        assert out.shape[1] == len(ids) + new
-        return time.perf_counter() - t
-
-    prefill, decode = [], []
-    for r in range(runs + 1):
-        t_prefill = timed(_prompt(PREFILL_LEN, vocab), 1)
-        short = _prompt(DECODE_PROMPT, vocab)
-        t_first = timed(short, 1)
-        t_all = timed(short, DECODE_NEW)
-        if r:
-            prefill.append(PREFILL_LEN / t_prefill)
-            decode.append((DECODE_NEW - 1) / (t_all - t_first))
-    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode), "peak_mib": _rss_mib(),
-            "model_mib": _rss_mib() - base}
-
-
-def load_transformers_gguf(path: str):
-    """transformers' model of a GGUF file, float32, with the weights its own GGUF reader dequantizes.
-
-    ``from_pretrained(..., gguf_file=)`` needs ``accelerate``; its tensor reader does not.
-    """
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    cfg = transformers.AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    with torch.device("meta"):
-        meta_model = transformers.AutoModelForCausalLM.from_config(cfg)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=meta_model)["tensors"]
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-    missing, _ = hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    assert not [m for m in missing if m != "lm_head.weight"], missing
-    hf.tie_weights()
-    return hf.eval()
-
-
-def _run_worker(kind: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--worker", kind, "--model", args.model, "--threads", str(args.threads),
-           "--runs", str(args.runs)]
+def _run(cmd: list[str]) -> dict | None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
-        raise SystemExit(f"worker {kind} failed:\n{proc.stderr[-3000:]}")
+        print(f"  ({' '.join(cmd[:3])} ... failed: {proc.stderr.strip().splitlines()[-1:]})", file=sys.stderr)
+        return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _llamacpp_python(arg: str | None) -> str | None:
+    for candidate in (arg, os.environ.get("LLAMACPP_PYTHON"), "/work/venv-llamacpp/bin/python"):
+        if candidate and os.path.exists(candidate):
+            ok = subprocess.run([candidate, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+            if ok:
+                return candidate
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--llamacpp-python", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     if args.model is None:
         from dtorch.models.default import default_model_path
         args.model = str(default_model_path())
     if args.worker:
-        res = _worker_hf(args.model, args.runs) if args.worker == "hf" else \
-            _worker_dtorch(args.model, args.worker.split(":")[1], args.runs)
-        print(json.dumps(res))
+        kind, threads = args.worker.split(":")
+        print(json.dumps(_worker_dtorch(args.model, int(threads), args.runs, kind == "dequantize")))
         return
 
-    print(f"model {os.path.basename(args.model)}, {args.threads} threads, median of {args.runs} runs "
-          f"(after a warm-up); prefill {PREFILL_LEN} tokens, decode {DECODE_NEW} after {DECODE_PROMPT}")
+    lcpp = _llamacpp_python(args.llamacpp_python)
     bw = _read_bandwidth()
-    hf = _run_worker("hf", args)
-    rows = [("transformers float32", hf, None)]
-    for dt in ("float32", "bfloat16"):
-        r = _run_worker(f"dtorch:{dt}", args)
-        floor_s = r["weight_bytes"] / bw
-        rows.append((f"dtorch {dt}", r, floor_s))
-    head = f"{'engine':<22}{'prefill tok/s':>14}{'x hf':>7}{'decode tok/s':>14}{'x hf':>7}{'floor tok/s':>13}" \
-           f"{'x floor':>9}{'peak RSS MiB':>14}{'model MiB':>11}"
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s")
-    print(head)
-    print("-" * len(head))
-    for name, r, floor_s in rows:
-        floor = f"{1 / floor_s:>13.1f}{(1 / r['decode']) / floor_s:>9.2f}" if floor_s else f"{'':>13}{'':>9}"
-        print(f"{name:<22}{r['prefill']:>14.1f}{r['prefill'] / hf['prefill']:>7.2f}{r['decode']:>14.1f}"
-              f"{r['decode'] / hf['decode']:>7.2f}{floor}{r['peak_mib']:>14.0f}{r['model_mib']:>11.0f}")
-    print("matmul.mm providers bound: " + ", ".join(f"{name}: {r['mm_provider']}" for name, r, _ in rows[1:]))
-    print("x hf: dtorch / transformers (targets: decode >= 3, prefill >= 1.5); x floor: time per decoded token over "
-          "weight bytes / read bandwidth (target <= 1.5). The machine may be shared: numbers are noisy.")
+    print(f"model {os.path.basename(args.model)}; batch 1, greedy, {PROMPT}-token prompt, {NEW} new tokens; "
+          f"median of {args.runs} runs after a warm-up; read bandwidth {bw / 1e9:.1f} GB/s (1 thread)")
+    if lcpp is None:
+        print("llama.cpp: llama_cpp cannot be imported (build it with ../shared/tools/llamacpp-venv.sh); "
+              "its column is left out")
+    head = ["threads", "engine", "prefill tok/s", "x llama.cpp", "decode tok/s", "x llama.cpp", "floor tok/s",
+            "x floor", "model MiB", "x llama.cpp", "linear kernel"]
+    rows = []
+    for t in args.threads:
+        ref = None
+        if lcpp:
+            ref = _run([lcpp, "-c", LLAMACPP_WORKER, args.model, str(t), str(args.runs), str(PROMPT), str(NEW)])
+            if ref:
+                rows.append([t, f"llama.cpp {ref['version']}", ref["prefill"], None, ref["decode"], None, None, None,
+                             ref["model_mib"], None, "ggml"])
+        for kind in ("native", "dequantize"):
+            r = _run([sys.executable, __file__, "--worker", f"{kind}:{t}", "--model", args.model,
+                      "--runs", str(args.runs)])
+            if r is None:
+                continue
+            floor = bw / r["weight_bytes"]
+            name = "dtorch (weights as stored)" if kind == "native" else "dtorch --dequantize (float32)"
+            ratios = {key: r[key] / ref[key] if ref else None for key in ("prefill", "decode", "model_mib")}
+            rows.append([t, name, r["prefill"], ratios["prefill"], r["decode"], ratios["decode"], floor,
+                         floor / r["decode"], r["model_mib"], ratios["model_mib"], r["linear"]])
+    _print(head, rows)
+    print("\ntargets (issue #9): decode >= 1.5x llama.cpp, prefill >= 2x, model memory <= 1.5x llama.cpp's, "
+          "float models within 1.3x of the floor (x floor = time per token / floor time). Shared, noisy machine.")
+
+
+def _print(head: list[str], rows: list[list]) -> None:
+    def fmt(v) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.2f}" if isinstance(v, float) and v < 10 else (f"{v:.1f}" if isinstance(v, float) else str(v))
+    cells = [head] + [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    for i, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if j < 2 or j == len(head) - 1 else c.rjust(w)
+                        for j, (c, w) in enumerate(zip(row, widths, strict=True))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
 
 
 if __name__ == "__main__":

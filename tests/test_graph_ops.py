@@ -347,7 +347,9 @@ def test_rope_positions_may_follow_a_batch_or_token_split() -> None:
         y = g.call("llm.rope", g.input("x", x.shape, placement=xp), g.input("p", pos.shape, torch.int64, pp))
         assert y.placement == xp
         g.output("y", y)
-        torch.testing.assert_close(_run(g, {"x": x, "p": pos})["y"], want, rtol=0, atol=0)
+        # a device's piece of a token split is a strided view: a kernel may take another code path for it than
+        # for the whole (the native rope runs contiguous rows itself), so equal up to float32 rounding
+        torch.testing.assert_close(_run(g, {"x": x, "p": pos})["y"], want, rtol=1e-6, atol=1e-6)
 
 
 

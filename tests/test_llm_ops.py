@@ -114,10 +114,15 @@ def test_add_rms_norm_updates_residual(which, dtype):
         assert res3 is stream and torch.equal(stream, summed) and torch.equal(out3, out2)
 
 
+def _native() -> bool:
+    """Whether the native CPU backend loaded here (it registers rms_norm, silu_and_mul and rope over torch's)."""
+    return "native" not in dtorch.dispatcher.unavailable("cpu")
+
+
 def test_rms_norm_prepared_and_errors():
     x, weight = torch.randn(2, 8), torch.randn(8)
     op = ops.RMSNorm(1e-6).prepare(init())
-    assert op.provider == "torch"
+    assert op.provider == ("native" if _native() else "torch")
     assert torch.equal(op.forward(x, weight), ops.rms_norm(x, weight))
     with pytest.raises(dtorch.ShapeError, match="'weight'"):
         ops.rms_norm(x, torch.randn(4))
@@ -293,8 +298,10 @@ def test_softmax_silu_errors_and_meta():
 
 
 def test_prepared_explain_names_the_providers():
-    for op, provider in ((ops.RMSNorm(), "torch"), (ops.SiluAndMul(), "torch"), (ops.Embedding(), "reference"),
-                         (ops.RoPE(8), "reference")):
+    native = _native()
+    for op, provider in ((ops.RMSNorm(), "native" if native else "torch"),
+                         (ops.SiluAndMul(), "native" if native else "torch"), (ops.Embedding(), "reference"),
+                         (ops.RoPE(8), "native" if native else "reference")):
         op.prepare(init())
         text = str(op.explain())
         assert op.provider == provider and provider in text

@@ -16,7 +16,11 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=4)
+    # the float path (weights dequantized at load) is what transformers computes; the weights-as-stored path is
+    # tested against this one in test_quantized_model.py
+    llm = LLM(max_num_seqs=4, dequantize=True)
+    yield llm
+    llm.close()
 
 
 @pytest.fixture(scope="module")

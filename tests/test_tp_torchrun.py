@@ -129,9 +129,12 @@ def tiny_llama(tmp_path_factory) -> Path:
 # -- the tests -----------------------------------------------------------------------------------------------------
 
 def test_default_model_three_ranks_print_one_processs_text():
-    one, _ = _run([sys.executable, *_generate("--max-tokens", "12", PROMPT)], timeout=300)
+    # float weights: the greedy text of 3 ranks equals one process's up to summation order (on int8-quantized
+    # activations a near tie may break the other way; tests/test_quantized_model.py covers that path)
+    one, _ = _run([sys.executable, *_generate("--dequantize", "--max-tokens", "12", PROMPT)], timeout=300)
     assert one.returncode == 0, one.stderr
-    many, seconds = _run(_torchrun(3, *_generate("-tp", "3", "--max-tokens", "12", PROMPT)), timeout=400)
+    many, seconds = _run(_torchrun(3, *_generate("--dequantize", "-tp", "3", "--max-tokens", "12", PROMPT)),
+                         timeout=400)
     assert many.returncode == 0, many.stderr
     assert many.stdout == one.stdout and one.stdout.strip()  # rank 0's text only, once
     assert many.stderr.count("prefill:") == 1, many.stderr  # one speed line

@@ -10,7 +10,10 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfl
 INT_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 ALL_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + INT_DTYPES
 
-LAYOUTS = ("strided",)
+# "strided": ordinary torch tensors. "gguf.*": a weight [N, K] kept in a GGUF block format, stored as a
+# uint8 tensor [N, row bytes] (see dtorch/kernels/layouts.py); kernels for these layouts take it as is.
+GGUF_LAYOUTS = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q4_k", "gguf.q6_k")
+LAYOUTS = ("strided",) + GGUF_LAYOUTS
 
 # (rtol, atol) used by tests and by verify mode to compare two kernels' outputs.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {

@@ -96,7 +96,13 @@ class LogicalGraph:
             raise ArgumentError(f"LogicalGraph.{what} {name!r}: value must be a torch.Tensor or a DistTensor, "
                                 f"got {type(value).__name__}")
         shape = tuple(value.shape)
-        return self._operand(name, shape, value.dtype, self._placement(pl, shape, name), None)
+        layout = getattr(value, "layout", "strided")
+        if not isinstance(layout, str):  # a torch.Tensor's torch.layout
+            if layout is not torch.strided:
+                raise ArgumentError(f"LogicalGraph.{what} {name!r}: a {layout} tensor has no kernels; pass a "
+                                    "dense (strided) tensor")
+            layout = "strided"
+        return self._operand(name, shape, value.dtype, self._placement(pl, shape, name), None, layout)
 
     def output(self, name: str, x: Operand) -> Operand:
         """Mark ``x`` as the result ``name`` of a run."""
@@ -151,8 +157,9 @@ class LogicalGraph:
             for a in aliases:
                 if a is not None:
                     self._consume(moved[a], name)
+            layout = next((o.layout for o in moved if o is not None and o.layout != "strided"), "strided")
             node = Operator(name, "kernel", b.kernel_op, moved, params=b.params, devices=self.mesh.ids,
-                            aliases=aliases, local_params=per_device)
+                            aliases=aliases, local_params=per_device, layout=layout)
             res = tuple(self._result(node, tuple(g.shape), g.dtype, p, loc)
                         for g, p, loc in zip(glob, outs, local, strict=True))
             return res[0] if nout == 1 else res
@@ -197,6 +204,7 @@ class LogicalGraph:
     def view(self, x: Operand, shape: Sequence[int]) -> Operand:
         """``x`` reshaped to ``shape`` (global; one -1 allowed) without a copy; each device views its piece."""
         self._own(x, "view")
+        self._strided(x, "view")
         name = f"view#{next(self._seq)}"
         new = view_shape(name, x.shape, shape)
         pl = view_placement(name, x.shape, new, x.placement)
@@ -214,6 +222,7 @@ class LogicalGraph:
     def split(self, x: Operand, sizes: Sequence[int], dim: int = -1) -> tuple[Operand, ...]:
         """``x.split(sizes, dim)`` without copies. Splitting a sharded dim needs ``Shard(dim, blocks=sizes)``."""
         self._own(x, "split")
+        self._strided(x, "split")
         name = f"split#{next(self._seq)}"
         sizes = tuple(int(s) for s in sizes)
         dim = dim % x.ndim if -x.ndim <= dim < x.ndim else dim
@@ -260,6 +269,12 @@ class LogicalGraph:
         self.mesh.rank(src)
         return self._collective("broadcast", x, Replicate(), src=src)
 
+    @staticmethod
+    def _strided(x: Operand, what: str) -> None:
+        if x.layout != "strided":
+            raise GraphError(f"graph {what} of {x.name}: a {x.layout} weight holds packed bytes; only kernels of "
+                             "its layout (matmul.linear, llm.embedding) read it")
+
     def _move(self, x: Operand, dst: Placement) -> Operand:
         if x.placement == dst:
             return x
@@ -272,6 +287,9 @@ class LogicalGraph:
 
     def _move_once(self, x: Operand, dst: Placement) -> Operand:
         src = x.placement
+        if x.layout != "strided":
+            raise GraphError(f"{x.name} is a {x.layout} weight placed {src}; it cannot move to {dst} (its bytes are "
+                             "packed per device): place it as the operator that reads it expects")
         if self.mesh.size == 1:  # one device holds the whole value under every placement: relabel, move nothing
             node = Operator(f"view#{next(self._seq)}", "view", "view", (x,), params=KernelParams(shape=x.shape),
                             devices=self.mesh.ids)
@@ -315,10 +333,10 @@ class LogicalGraph:
         return out
 
     def _operand(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, placement: Placement,
-                 producer: Operator | None) -> Operand:
+                 producer: Operator | None, layout: str = "strided") -> Operand:
         n = self.mesh.size
         local = {i: local_shape(shape, placement, r, n) for r, i in enumerate(self.mesh.ids)}
-        x = Operand(self, len(self.operands), name, shape, dtype, placement, producer, local)
+        x = Operand(self, len(self.operands), name, shape, dtype, placement, producer, local, layout)
         self.operands.append(x)
         return x
 

@@ -24,12 +24,18 @@ COMMUNICATE = "communicate"
 
 
 class Operand:
-    """A tensor of the graph: ``shape`` [global], ``dtype``, ``placement`` over the graph's mesh."""
+    """A tensor of the graph: ``shape`` [global], ``dtype``, ``placement`` over the graph's mesh.
 
-    __slots__ = ("graph", "index", "name", "shape", "dtype", "placement", "producer", "local_shapes")
+    ``layout`` is "strided" for ordinary tensors. A weight kept in a block format ("gguf.q4_1") presents its
+    logical shape [N, K] and the activations' dtype to inference and placement rules, while each device holds
+    the packed bytes; only kernels registered for that layout read it, and it never moves between devices.
+    """
+
+    __slots__ = ("graph", "index", "name", "shape", "dtype", "placement", "producer", "local_shapes", "layout")
 
     def __init__(self, graph: LogicalGraph, index: int, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                 placement: Placement, producer: Operator | None, local_shapes: dict[int, tuple[int, ...]]) -> None:
+                 placement: Placement, producer: Operator | None, local_shapes: dict[int, tuple[int, ...]],
+                 layout: str = "strided") -> None:
         self.graph = graph
         self.index = index
         self.name = name
@@ -38,13 +44,15 @@ class Operand:
         self.placement = placement
         self.producer = producer
         self.local_shapes = local_shapes  # global device id -> the shape that device holds
+        self.layout = layout
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     def __repr__(self) -> str:
-        return f"Operand({self.name}: {list(self.shape)} {dtype_name(self.dtype)} {self.placement})"
+        layout = "" if self.layout == "strided" else f" {self.layout}"
+        return f"Operand({self.name}: {list(self.shape)} {dtype_name(self.dtype)}{layout} {self.placement})"
 
     # -- torch-like operators: each one is a graph call ------------------------------------------
 
@@ -125,6 +133,7 @@ class Operator:
     fn: Callable[..., Any] | None = None  # a Python kernel's function
     aliases: tuple[int | None, ...] = ()  # per output: the input it writes in place (None: a fresh tensor)
     local_params: dict[int, KernelParams] | None = None  # global id -> that device's params, where they differ
+    layout: str = "strided"  # the layout of its kernel key: that of its block-format input, if any
 
     def __repr__(self) -> str:
         ins = ", ".join(o.name if o is not None else "None" for o in self.inputs)

@@ -4,6 +4,7 @@
 |---|---|---|---|
 | torch | ``kernels/torch/`` | cpu, cuda | every op: reference kernels from torch primitives, and torch's fast paths |
 |       |                    |           | (providers reference, torch, blas, sdpa, upcast, chunked) |
+| native | ``kernels/native/`` | cpu | C++ SIMD kernels (provider native): GGUF quantized linear, decode ops |
 
 A backend package has ``unavailable(device_type) -> str | None`` (why it cannot serve that device type:
 no compiler, no triton, a CPU without the instructions) and ``install(dispatcher, device_type)``. The
@@ -29,6 +30,7 @@ class Backend:
 
 BACKENDS = (
     Backend("torch", "dtorch.kernels.torch", ("cpu", "cuda")),
+    Backend("native", "dtorch.kernels.native", ("cpu",)),
 )
 
 

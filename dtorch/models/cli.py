@@ -23,7 +23,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="devices to split the model over (default: the world size under torchrun, else 1)")
-    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="turn a GGUF's quantized weights into --dtype at load (the float path) instead of "
+                             "running on them as stored")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -60,7 +63,8 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), tensor_parallel_size=tp)
+    llm = LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), tensor_parallel_size=tp,
+              dequantize=args.dequantize)
     try:
         if llm.tokenizer is None:
             raise DtorchError(f"{llm.source}: the model has no tokenizer, so it cannot take a text prompt")

@@ -98,13 +98,15 @@ class LLM:
     """A model loaded for generation on one device.
 
     model: a ``.gguf`` file or a Hugging Face directory (None: the default model). dtype: the
-    weights' and activations' dtype (float32 or bfloat16 ...). max_num_seqs: sequences decoded
-    together at most (more prompts wait for a free slot).
+    activations' dtype (float32 or bfloat16 ...), and the float weights'. A GGUF's block-quantized
+    projections and embedding stay as stored and run on kernels of their layout ("gguf.q4_1" ...);
+    ``dequantize=True`` turns every weight into ``dtype`` at load instead. max_num_seqs: sequences
+    decoded together at most (more prompts wait for a free slot).
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
                  dtype: torch.dtype | str = torch.float32, max_num_seqs: int = 16,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, dequantize: bool = False) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
@@ -116,7 +118,8 @@ class LLM:
             self.source = ckpt.source
             self.config = ckpt.config
             self.tokenizer = ckpt.tokenizer
-            self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype)
+            self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
+                                          None if dequantize else ckpt.get_packed)
         self.mesh = where.mesh
         self.rank = where.rank
         self.device = where.mesh.device(where.local_ids[0])

@@ -27,6 +27,8 @@ from dtorch.runtime.blob import Blob, DistTensor
 # getter(hf_name, dim, runs) -> the rows/columns ``runs`` [(start, length)] of dim ``dim`` of a checkpoint tensor
 # (the whole tensor when ``dim`` is None)
 Getter = Callable[[str, "int | None", "list[tuple[int, int]]"], torch.Tensor]
+# the same, as stored: (layout, GGUF block bytes uint8 [rows, row bytes]), or None where the tensor is float
+PackedGetter = Callable[[str, "int | None", "list[tuple[int, int]]"], "tuple[str, torch.Tensor] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,24 +82,44 @@ class Transformer:
 
     @classmethod
     def load(cls, config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...],
-             dtype: torch.dtype) -> Transformer:
-        """Place every weight: for each local device, read its pieces through ``get``, fuse, cast, move."""
+             dtype: torch.dtype, get_packed: PackedGetter | None = None) -> Transformer:
+        """Place every weight: for each local device, read its pieces through ``get``, fuse, cast, move.
+
+        With ``get_packed``, the projections and the embedding stay in their GGUF block format where the file
+        has one (packed once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``.
+        """
         layout = Layout(config, mesh.size)
-        weights = {}
+        weights: dict[str, DistTensor] = {}
         for name, sources, combine, shape in _tensors(config):
-            pl = layout.placement(_kind(name))
+            kind = _kind(name)
+            if get_packed is not None and kind in PACKABLE:
+                if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
+                    weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
+                    continue
+                packed = _load_packed(config, get_packed, mesh, local_ids, dtype, sources, shape, kind,
+                                      layout.placement(kind))
+                if packed is not None:
+                    weights[name] = packed
+                    continue
+            pl = layout.placement(kind)
             blobs = {}
             for i in local_ids:
-                rank = mesh.rank(i)
-                parts = []
-                for hf, dim, unit in sources:
-                    runs = [] if dim is None or mesh.size == 1 else \
-                        piece_ranges(Shard(dim, None, unit), _hf_shape(config, hf)[dim], rank, mesh.size)
-                    parts.append(get(hf, dim if runs else None, runs))
+                parts = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(config, sources, mesh, i)]
                 t = combine(parts).to(device=mesh.device(i).torch, dtype=dtype).contiguous()
                 blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
             weights[name] = DistTensor(mesh, pl, shape, dtype, blobs)
         return cls(config, weights, mesh, dtype)
+
+    def linear_provider(self) -> str:
+        """Which kernel the first layer's q/k/v projection runs: "provider" or "provider (layout)"."""
+        from dtorch.dispatch import KernelKey, dispatcher
+
+        w = self.weights["layers.0.qkv"]
+        device = self.mesh.device(self.mesh.ids[0]).type
+        if w.layout == "strided":
+            return dispatcher.explain(KernelKey("matmul.mm", device, self.dtype)).winner.provider
+        return f"{dispatcher.explain(KernelKey('matmul.linear', device, self.dtype, w.layout)).winner.provider} " \
+               f"({w.layout})"
 
     def weight_bytes(self, device_id: int | None = None) -> int:
         """Bytes of the weights one device holds (default: every local device)."""
@@ -138,7 +160,7 @@ class Transformer:
                 h = g.call("llm.rms_norm", x, w[p + "input_norm"], eps=eps)
             else:  # x += the previous block's output; h = norm(x)
                 h, x = g.call("llm.add_rms_norm", o, x, w[p + "input_norm"], eps=eps)
-            qkv = g.call("matmul.mm", h, w[p + "qkv"])  # [T, (H + 2 Hkv) D], each device [q_r | k_r | v_r]
+            qkv = _proj(g, h, w[p + "qkv"])  # [T, (H + 2 Hkv) D], each device [q_r | k_r | v_r]
             if c.attention_bias:
                 qkv = g.call("binary.add", qkv, w[p + "qkv_bias"])
             if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
@@ -154,16 +176,69 @@ class Transformer:
             kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
             kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, slots)
             a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, cu_q, lens_k, table, causal=True, scale=scale)
-            o = g.redistribute(g.call("matmul.mm", g.view(a, (T, H * D)), w[p + "o"]), Replicate())
+            o = g.redistribute(_proj(g, g.view(a, (T, H * D)), w[p + "o"]), Replicate())
             h, x = g.call("llm.add_rms_norm", o, x, w[p + "post_norm"], eps=eps)
-            gate, up = g.split(g.call("matmul.mm", h, w[p + "gate_up"]), (inter, inter), 1)
-            o = g.redistribute(g.call("matmul.mm", g.call("llm.silu_and_mul", gate, up), w[p + "down"]), Replicate())
+            gate, up = g.split(_proj(g, h, w[p + "gate_up"]), (inter, inter), 1)
+            o = g.redistribute(_proj(g, g.call("llm.silu_and_mul", gate, up), w[p + "down"]), Replicate())
         h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
         if not bucket.all_logits and T != N:  # the last row of each sequence
             h = g.call("llm.embedding", g.input("last_rows", (N,), torch.int64), h)
-        logits = g.call("matmul.mm", h, w["lm_head"])
+        logits = _proj(g, h, w["lm_head"])
         g.output("logits", g.redistribute(logits, Replicate()))
         return g
+
+
+# Weights that may stay in a block format, as W [N, K] (the checkpoint's own orientation) for matmul.linear.
+PACKABLE = ("embed", "lm_head", "qkv", "o", "gate_up", "down")
+
+
+def _slices(config: ModelConfig, sources, mesh: DeviceMesh, device_id: int):
+    """(HF name, dim, runs) of device ``device_id``'s piece of each source of a weight."""
+    rank = mesh.rank(device_id)
+    for hf, dim, unit in sources:
+        runs = [] if dim is None or mesh.size == 1 else \
+            piece_ranges(Shard(dim, None, unit), _hf_shape(config, hf)[dim], rank, mesh.size)
+        yield hf, dim, runs
+
+
+def _load_packed(config: ModelConfig, get_packed: PackedGetter, mesh: DeviceMesh, local_ids: tuple[int, ...],
+                 dtype: torch.dtype, sources, shape: tuple[int, ...], kind: str, placement) -> DistTensor | None:
+    """A projection kept in its block format: W [N, K] (logical) whose pieces are packed rows, or None when a
+    source is stored as floats, the sources' formats differ, or a piece would cut a block."""
+    from dtorch.kernels.layouts import pack
+
+    n, k = (shape[1], shape[0]) if kind not in ("embed",) else shape  # Wt [K, N] in the float model
+    blobs, fmt = {}, None
+    for i in local_ids:
+        parts = []
+        for hf, dim, runs in _slices(config, sources, mesh, i):
+            got = get_packed(hf, dim if runs else None, runs)
+            if got is None or (fmt is not None and got[0] != fmt):
+                return None
+            fmt = got[0]
+            parts.append(got[1])
+        raw = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+        k_local = k
+        if sources[0][1] == 1 and mesh.size > 1:  # split on K (row parallel): this device's columns
+            k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0][2]), k, mesh.rank(i), mesh.size))
+        t = pack(raw, fmt, k_local).to(mesh.device(i).torch)
+        blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
+    placement = placement if kind == "embed" else _transposed(placement)  # embed is [V, E] either way
+    return DistTensor(mesh, placement, (n, k), dtype, blobs, layout=fmt)
+
+
+def _transposed(pl):
+    """The placement of W [N, K] for that of Wt [K, N]: a shard of dim d becomes one of dim 1 - d."""
+    if isinstance(pl, Shard):
+        return Shard(1 - pl.dim, pl.blocks, pl.unit)
+    return pl
+
+
+def _proj(g: LogicalGraph, x, w):
+    """x [T, K] times a weight: Wt [K, N] through ``matmul.mm``, a block-format W [N, K] through ``matmul.linear``."""
+    if w.layout == "strided":
+        return g.call("matmul.mm", x, w)
+    return g.call("matmul.linear", x, w, None)
 
 
 def _kind(name: str) -> str:

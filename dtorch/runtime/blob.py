@@ -74,15 +74,16 @@ class DistTensor:
     In one process every device's Blob is here; under ``torch.distributed`` only this process's.
     """
 
-    __slots__ = ("mesh", "placement", "shape", "dtype", "blobs")
+    __slots__ = ("mesh", "placement", "shape", "dtype", "blobs", "layout")
 
     def __init__(self, mesh: DeviceMesh, placement: Placement, shape: Sequence[int], dtype: torch.dtype,
-                 blobs: Mapping[int, Blob]) -> None:
+                 blobs: Mapping[int, Blob], layout: str = "strided") -> None:
         self.mesh = mesh
         self.placement = as_placement(placement)
         self.shape = tuple(shape)
         self.dtype = dtype
         self.blobs = dict(blobs)
+        self.layout = layout  # "strided", or a block format: then ``shape``/``dtype`` are logical, pieces packed
 
     @classmethod
     def from_full(cls, t: torch.Tensor, mesh: DeviceMesh, placement: Placement | str,
@@ -138,6 +139,9 @@ class DistTensor:
 
     def full(self) -> torch.Tensor:
         """The whole tensor: a Replicate piece, the Shard pieces concatenated, or the Partial pieces reduced."""
+        if self.layout != "strided":
+            raise ArgumentError(f"DistTensor.full: the pieces of a {self.layout} tensor are packed per device; "
+                                "dequantize each piece (dtorch.kernels.layouts.dequantize) instead")
         if isinstance(self.placement, Replicate):
             return self.local(next(iter(self.blobs)))
         if len(self.blobs) != self.mesh.size:
@@ -152,7 +156,8 @@ class DistTensor:
         return stacked.sum(0) if self.placement.op == "sum" else stacked.amax(0)
 
     def __repr__(self) -> str:
-        return f"DistTensor({list(self.shape)}, {str(self.dtype).removeprefix('torch.')}, {self.placement}, " \
+        layout = "" if self.layout == "strided" else f", {self.layout}"
+        return f"DistTensor({list(self.shape)}, {str(self.dtype).removeprefix('torch.')}{layout}, {self.placement}, " \
                f"{self.mesh})"
 
 

@@ -235,7 +235,7 @@ class Runner:
         metas = [torch.empty(x.local_shapes[i], dtype=x.dtype, device="meta") if x is not None else None
                  for x in node.inputs]
         try:
-            return PreparedKernel(self._dispatcher, KernelKey(node.op, device.type, first.dtype),
+            return PreparedKernel(self._dispatcher, KernelKey(node.op, device.type, first.dtype, node.layout),
                                   Call(device, first.dtype, params, metas))
         except DtorchError as exc:
             raise type(exc)(f"graph operator {node.name}: {exc}") from exc

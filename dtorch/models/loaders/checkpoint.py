@@ -108,6 +108,16 @@ class LazyCheckpoint:
     source: str = ""
     chat_template: str | None = None
     metadata: dict[str, object] = field(default_factory=dict)
+    # (name, dim, runs) -> (layout, GGUF bytes uint8 [rows, row bytes]) or None; None: no packed weights (safetensors)
+    read_packed: Callable[[str, int | None, list[tuple[int, int]]], tuple[str, torch.Tensor] | None] | None = None
+
+    def get_packed(self, name: str, dim: int | None = None,
+                   runs: Sequence[tuple[int, int]] = ()) -> tuple[str, torch.Tensor] | None:
+        """The slice ``runs`` of dim ``dim`` of tensor ``name`` as stored: (layout, GGUF block bytes [rows, row
+        bytes]) when it is kept in a block format ("gguf.q4_1"), else None (read it with ``get``)."""
+        if self.read_packed is None or name not in self.shapes:
+            return None
+        return self.read_packed(name, dim if runs else None, [(int(a), int(n)) for a, n in runs])
 
     def get(self, name: str, dim: int | None = None, runs: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
         """The rows/columns ``runs`` [(start, length)] of dim ``dim`` of tensor ``name`` (concatenated), or the
@@ -138,6 +148,8 @@ class LazyCheckpoint:
     def close(self) -> None:
         """Drop the reader, and with it the file handles and maps it holds; ``get`` raises afterwards."""
         self.read = self._closed
+        if self.read_packed is not None:
+            self.read_packed = self._closed
 
     def _closed(self, name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
         raise ModelError(f"{self.source}: the checkpoint is closed; open it again to read {name!r}")

@@ -158,7 +158,7 @@ def _read_runs(t: Any, dim: int | None, runs: list[tuple[int, int]], path: Path)
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
-def _gguf_reader(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, tuple[int, ...]], Reader]:
+def _gguf_reader(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, tuple[int, ...]], Reader, Any]:
     """The HF-named shapes of the file's tensors and a ``Reader`` of their slices (Llama q/k un-permuted)."""
     by_name = {}
     for t in reader.tensors:
@@ -180,7 +180,37 @@ def _gguf_reader(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str
             return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
         return narrow_runs(unpermute_qk(_read_runs(t, None, [], path), heads[name]), dim, runs)
 
-    return shapes, read
+    def read_packed(name: str, dim: int | None, runs: list[tuple[int, int]]) -> tuple[str, torch.Tensor] | None:
+        """(layout, GGUF bytes uint8 [rows, row bytes]) of the slice, or None when the tensor is not in a block
+        format the kernels keep (or the slice cuts its blocks): then ``read`` dequantizes it instead."""
+        from dtorch.kernels.layouts import block_size, layout_of_gguf
+
+        t = by_name[name]
+        layout = layout_of_gguf(t.tensor_type)
+        shape = tuple(int(s) for s in reversed(t.shape))
+        if layout is None or len(shape) != 2:
+            return None
+        data = t.data  # [rows, bytes of one row]: a map of the file, read only where sliced
+        if dim == 1:
+            block = block_size(layout)
+            per_block = data.shape[1] * block // shape[1]
+            if any(a % block or n % block for a, n in runs):
+                return None
+            raw = np.concatenate([data[:, a // block * per_block:(a + n) // block * per_block] for a, n in runs], 1)
+        elif dim == 0:
+            raw = np.concatenate([data[a:a + n] for a, n in runs], 0) if runs else data
+        else:
+            raw = data
+        rows = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # the map is read-only: one tensor's copy
+        if name in heads:
+            d = config.head_dim
+            if dim == 0 and not all(a % d == 0 and n % d == 0 for a, n in runs):
+                return None
+            n_heads = rows.shape[0] // d
+            rows = unpermute_qk(rows, n_heads).contiguous()
+        return layout, rows
+
+    return shapes, read, read_packed
 
 
 def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheckpoint:
@@ -200,7 +230,7 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheck
     reader.fields.clear()  # read: its views of every vocabulary string (~80 MB for 49k tokens) go before the weights
     freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
-    shapes, read = _gguf_reader(reader, config, path)
+    shapes, read, read_packed = _gguf_reader(reader, config, path)
     shapes = used_shapes(shapes, config, dtype, str(path))
     types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors if hf_name(t.name) in shapes}
     template = meta.get("tokenizer.chat_template")
@@ -208,7 +238,7 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheck
         if "tokenizer.ggml.tokens" in meta else None
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list)}  # the vocabulary stays in the tokenizer
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
-                          source=str(path), chat_template=template,
+                          source=str(path), chat_template=template, read_packed=read_packed,
                           metadata={"tensor_types": types, "gguf": scalars})
 
 

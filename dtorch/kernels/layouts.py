@@ -1,0 +1,292 @@
+"""GGUF block-quantized weights as one plain tensor each, the form every backend reads.
+
+A weight [N, K] (N output rows, K input features) in layout ``"gguf.<type>"`` is a contiguous uint8 tensor
+``[N, row_bytes(layout, K)]``: everything of output row r (quants, scales, mins, sub-block scales) lives in
+``packed[r]``, so ``packed[r0:r1]`` is the weight of rows r0..r1 (tensor parallelism over output rows) and
+placements, sharding and buffers treat it like any tensor. Tensor parallelism over K packs each device's
+K-slice of the GGUF bytes separately (K a multiple of ``block_size(layout)``).
+
+Inside a row:
+
+- Q8_0, Q4_0, Q4_1: super-groups of 16 blocks of 32 (the row's last one: the remaining 1..15 blocks), each
+  ``[d: S fp16 | m: S fp16 (Q4_1 only) | quants]`` with the quants transposed to [step u][block j][4 bytes]: one
+  4 S byte load holds 4 quants of every block, so SIMD lane j sums block j alone and each scale applies once
+  per super-group. Quant bytes are GGUF's own (a Q4 byte holds weights i and i + 16 of its block), Q8_0's
+  flipped by 0x80 (stored as unsigned q + 128). Row bytes equal GGUF's.
+- Q4_K, Q6_K: ``[qs | d | aux]``. ``qs`` holds the quants in groups of 128 weights = 4 sub-blocks of 32, as the
+  halves L = [s0[0:16], s1[0:16], s2[0:16], s3[0:16]] and H = [s0[16:32], ...] (4-bit quants as byte i =
+  L[i] | H[i] << 4); ``d`` the fp16 super-block d (then dmin); ``aux`` the sub-block scales unpacked from their
+  6-bit packing (Q4_K: per 256, sc[8] then mn[8]; Q6_K: per group int8 [L s0..3, H s0..3]).
+
+| layout | row bytes | K = 576 | K = 1536 | bits per weight |
+|---|---|---|---|---|
+| gguf.q8_0 | 34 K / 32 | 612 | 1632 | 8.5 |
+| gguf.q4_0 | 18 K / 32 | 324 | 864 | 4.5 |
+| gguf.q4_1 | 20 K / 32 | 360 | 960 | 5.0 |
+| gguf.q4_k | 148 K / 256 (GGUF: 144) | - | 888 | 4.625 |
+| gguf.q6_k | 210 K / 256 | - | 1260 | 6.5625 |
+
+Weights are w = d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), (d * sc) * q - dmin * mn (Q4_K) and
+(d * sc) * (q - 32) (Q6_K, a scale per 16 weights); ``dequantize`` computes them exactly as ``gguf.quants`` does.
+Pure torch: packing and dequantizing need no compiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+from dtorch.core.dtypes import GGUF_LAYOUTS
+from dtorch.core.errors import ArgumentError, DTypeError, ShapeError
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    code: int        # the native kernels' format enum (dtn::Fmt)
+    block: int       # weights per GGUF block
+    type_size: int   # bytes per GGUF block
+    qs: int          # bytes of a row section per `block` weights: quants, fp16 scales, aux
+    d: int
+    aux: int
+
+
+_SPECS: dict[str, _Spec] = {
+    "gguf.q8_0": _Spec(0, 32, 34, 32, 2, 0),
+    "gguf.q4_0": _Spec(1, 32, 18, 16, 2, 0),
+    "gguf.q4_1": _Spec(2, 32, 20, 16, 4, 0),
+    "gguf.q4_k": _Spec(3, 256, 144, 128, 4, 16),
+    "gguf.q6_k": _Spec(4, 256, 210, 192, 2, 16),
+}
+assert tuple(_SPECS) == GGUF_LAYOUTS
+_BY_GGML = {gguf.GGMLQuantizationType[name[5:].upper()]: name for name in _SPECS}
+
+
+def layout_of_gguf(ggml_type: gguf.GGMLQuantizationType) -> str | None:
+    """The layout name of a GGUF tensor type ("gguf.q4_1" for Q4_1), or None if it is not a supported block
+    format (F32, F16, BF16 and the other quantizations)."""
+    return _BY_GGML.get(ggml_type)
+
+
+def _spec(layout: str) -> _Spec:
+    spec = _SPECS.get(layout)
+    if spec is None:
+        raise ArgumentError(f"unknown quantized layout {layout!r}; known: {', '.join(GGUF_LAYOUTS)}")
+    return spec
+
+
+def format_code(layout: str) -> int:
+    """The native kernels' format number of ``layout``."""
+    return _spec(layout).code
+
+
+def block_size(layout: str) -> int:
+    """Weights per GGUF block of ``layout`` (32, or 256 for the K-quants); K must be a multiple of it."""
+    return _spec(layout).block
+
+
+def _check_k(op: str, layout: str, k: object) -> _Spec:
+    spec = _spec(layout)
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0 or k % spec.block:
+        raise ShapeError(f"{op}: {layout} needs K a positive multiple of {spec.block} (its block size), got {k!r}")
+    return spec
+
+
+def row_bytes(layout: str, k: int) -> int:
+    """Bytes of one packed output row of a ``layout`` weight with K input features."""
+    spec = _check_k("row_bytes", layout, k)
+    return k // spec.block * (spec.qs + spec.d + spec.aux)
+
+
+def _sections(spec: _Spec, k: int) -> tuple[int, int]:
+    """(end of qs, end of d) within a row."""
+    nb = k // spec.block
+    return nb * spec.qs, nb * (spec.qs + spec.d)
+
+
+# -- nibbles ----------------------------------------------------------------------------------------------
+
+def _nibbles(v: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 32] values < 16 -> [..., 16] bytes, byte i = v[i] | v[16 + i] << 4."""
+    return v[..., :16] | (v[..., 16:] << 4)
+
+
+def _unnibble(b: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> uint8 [..., 32] values (inverse of _nibbles)."""
+    return torch.cat([b & 15, b >> 4], -1)
+
+
+# -- pack -------------------------------------------------------------------------------------------------
+
+def pack(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
+    """uint8 [N, row_bytes(layout, k)] from the GGUF bytes of a weight [N, K]: ``raw`` uint8 [N, K / block *
+    type_size] (GGUFReader's rows) or any shape holding those bytes in GGUF row order, e.g. flat. Copies once."""
+    spec = _check_k("pack", layout, k)
+    if not isinstance(raw, torch.Tensor):
+        raise ArgumentError(f"pack: raw must be a torch.Tensor of GGUF bytes, got {type(raw).__name__}")
+    if raw.dtype != torch.uint8:
+        raise DTypeError(f"pack: raw GGUF bytes must be uint8, got {raw.dtype}")
+    nb, per_row = k // spec.block, k // spec.block * spec.type_size
+    if raw.dim() == 2 and raw.shape[1] != per_row:
+        raise ShapeError(f"pack: a {layout} row of K = {k} is {per_row} GGUF bytes, got raw {list(raw.shape)}")
+    if raw.numel() == 0 or raw.numel() % per_row:
+        raise ShapeError(f"pack: {raw.numel()} bytes ({list(raw.shape)}) are not whole {layout} rows of K = {k} "
+                         f"({per_row} bytes each)")
+    n = raw.numel() // per_row
+    blocks = raw.cpu().reshape(n, nb, spec.type_size)
+    qs, d, aux = _PACK[layout](blocks, n, k)
+    return torch.cat([qs.reshape(n, -1), d.reshape(n, -1), aux.reshape(n, -1)], 1).contiguous()
+
+
+# 32-block formats: super-groups of S = 16 blocks (the last: the rest), each [d: S fp16 | m: S fp16 (Q4_1) |
+# quants transposed to [step u][block j][4 bytes]]: a 4 * S byte load holds 4 quants of every block, so SIMD
+# lane j sums block j alone and its scale applies once per super-group. Quant bytes are GGUF's own (a Q4 byte
+# holds weight i and i + 16), Q8_0's flipped by 0x80 (unsigned: q + 128).
+
+def _spans(nb: int) -> list[tuple[int, int, int]]:
+    """(first block, blocks, blocks per super-group) of the whole super-groups and of the last partial one."""
+    full, rest = nb // 16 * 16, nb % 16
+    return [span for span in ((0, full, 16), (full, rest, rest)) if span[1]]
+
+
+def _super_groups(b: torch.Tensor, head: int, flip: bool) -> torch.Tensor:
+    """Blocks b [N, nb, type_size] (``head`` bytes of fp16 scales first) -> packed rows [N, nb * type_size]."""
+    n, nb, ts = b.shape
+    q = b[..., head:] ^ 0x80 if flip else b[..., head:]
+    parts = []
+    for g0, s, size in _spans(nb):
+        blk, qb = b[:, g0:g0 + s].reshape(n, s // size, size, ts), q[:, g0:g0 + s].reshape(n, s // size, size, -1, 4)
+        scales = [blk[..., o:o + 2].reshape(n, s // size, 2 * size) for o in range(0, head, 2)]
+        parts.append(torch.cat([*scales, qb.transpose(2, 3).reshape(n, s // size, -1)], -1).reshape(n, -1))
+    return torch.cat(parts, 1)
+
+
+def _blocks(rows: torch.Tensor, nb: int, head: int, qb: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of _super_groups: (quant bytes [N, nb, qb], then each fp16 scale array float32 [N, nb])."""
+    n = rows.shape[0]
+    ts, out = head + qb, []
+    for g0, s, size in _spans(nb):
+        sg = rows[:, g0 * ts:(g0 + s) * ts].reshape(n, s // size, size * ts)
+        scales = [sg[..., o * size:(o + 2) * size].contiguous().view(torch.float16).float().reshape(n, s)
+                  for o in range(0, head, 2)]
+        q = sg[..., head * size:].reshape(n, s // size, qb // 4, size, 4).transpose(2, 3).reshape(n, s, qb)
+        out.append((q, *scales))
+    return tuple(torch.cat(t, 1) for t in zip(*out, strict=True))
+
+
+def _pack_q8_0(b: torch.Tensor, n: int, k: int):
+    return _super_groups(b, 2, True), b[..., :0], b[..., :0]
+
+
+def _pack_q4_0(b: torch.Tensor, n: int, k: int):
+    return _super_groups(b, 2, False), b[..., :0], b[..., :0]
+
+
+def _pack_q4_1(b: torch.Tensor, n: int, k: int):
+    return _super_groups(b, 4, False), b[..., :0], b[..., :0]
+
+
+def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 packed bytes [..., 12] -> 6-bit scales and mins [..., 8] each (as gguf's Q4_K.get_scale_min)."""
+    s = s.reshape(*s.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], -1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], -1)
+    return sc, mn
+
+
+def _pack_q4_k(b: torch.Tensor, n: int, k: int):
+    ns = k // 256
+    raw = b[..., 16:].reshape(n, ns, 4, 1, 32)
+    vals = torch.cat([raw & 15, raw >> 4], 3).reshape(n, ns * 8, 32)  # sub-blocks 2c (low), 2c + 1 (high)
+    sc, mn = _q4k_scales(b[..., 4:16])
+    return _nibbles(vals), torch.cat([b[..., :2], b[..., 2:4]], 1), torch.cat([sc, mn], -1)
+
+
+def _q6k_values(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [N, ns, 210] -> quants 0..63 uint8 [N, ns, 256] in weight order (as gguf's dequantize)."""
+    n, ns = b.shape[:2]
+    sh_l = torch.tensor([0, 4], dtype=torch.uint8).reshape(2, 1)
+    sh_h = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
+    ql = (b[..., :128].reshape(n, ns, 2, 1, 64) >> sh_l) & 15      # [N, ns, 2, 2, 64]
+    qh = (b[..., 128:192].reshape(n, ns, 2, 1, 32) >> sh_h) & 3    # [N, ns, 2, 4, 32]
+    return ql.reshape(n, ns, 256) | (qh.reshape(n, ns, 256) << 4)
+
+
+def _pack_q6_k(b: torch.Tensor, n: int, k: int):
+    ns, ng = k // 256, k // 128
+    v = _q6k_values(b).reshape(n, ng, 4, 2, 16)
+    lo, hi = v[:, :, :, 0].reshape(n, ng, 64), v[:, :, :, 1].reshape(n, ng, 64)  # L and H halves of each group
+    nib = (lo & 15) | ((hi & 15) << 4)
+    l2, h2 = lo >> 4, hi >> 4
+    qh = l2[..., :32] | (l2[..., 32:] << 2) | (h2[..., :32] << 4) | (h2[..., 32:] << 6)
+    sc = b[..., 192:208].reshape(n, ns, 2, 4, 2).transpose(3, 4)  # per group [L s0..3, H s0..3]
+    return torch.cat([nib, qh], -1), b[..., 208:210], sc
+
+
+_PACK = {"gguf.q8_0": _pack_q8_0, "gguf.q4_0": _pack_q4_0, "gguf.q4_1": _pack_q4_1, "gguf.q4_k": _pack_q4_k,
+         "gguf.q6_k": _pack_q6_k}
+
+
+# -- dequantize -------------------------------------------------------------------------------------------
+
+def dequantize(packed: torch.Tensor, layout: str, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [N, K] of a packed ``layout`` tensor [N, row_bytes]; with float32, equal bit for bit to
+    ``gguf.quants.dequantize`` of the original bytes (other dtypes: that, rounded once)."""
+    spec = _check_k("dequantize", layout, k)
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 2:
+        what = f"{packed.dtype} {list(packed.shape)}" if isinstance(packed, torch.Tensor) else type(packed).__name__
+        raise DTypeError(f"dequantize: packed must be a uint8 tensor [N, row bytes], got {what}")
+    if packed.shape[1] != row_bytes(layout, k):
+        raise ShapeError(f"dequantize: a {layout} row of K = {k} is {row_bytes(layout, k)} bytes, got packed "
+                         f"{list(packed.shape)}")
+    n = packed.shape[0]
+    if spec.block == 32:
+        w = _DEQUANTIZE[layout](packed, n, k)
+    else:
+        e_qs, e_d = _sections(spec, k)
+        qs, aux = packed[:, :e_qs], packed[:, e_d:]
+        d = packed[:, e_qs:e_d].contiguous().view(torch.float16).float()
+        w = _DEQUANTIZE[layout](qs, d, aux, n, k)
+    return w if dtype == torch.float32 else w.to(dtype)
+
+
+def _dq_q8_0(rows, n, k):
+    q, d = _blocks(rows, k // 32, 2, 32)
+    return ((q ^ 0x80).view(torch.int8).float() * d[..., None]).reshape(n, k)
+
+
+def _dq_q4_0(rows, n, k):
+    q, d = _blocks(rows, k // 32, 2, 16)
+    return (d[..., None] * (_unnibble(q).to(torch.int8) - 8).float()).reshape(n, k)
+
+
+def _dq_q4_1(rows, n, k):
+    q, d, m = _blocks(rows, k // 32, 4, 16)
+    return (d[..., None] * _unnibble(q).float() + m[..., None]).reshape(n, k)
+
+
+def _dq_q4_k(qs, d, aux, n, k):
+    ns = k // 256
+    q = _unnibble(qs.reshape(n, k // 32, 16)).float().reshape(n, ns, 8, 32)
+    a = aux.reshape(n, ns, 2, 8).float()
+    scale = (d[:, :ns, None] * a[:, :, 0])[..., None]   # [N, ns, 8, 1]
+    dm = (d[:, ns:, None] * a[:, :, 1])[..., None]
+    return (scale * q - dm).reshape(n, k)
+
+
+def _dq_q6_k(qs, d, aux, n, k):
+    ns = k // 256
+    g = qs.reshape(n, k // 128, 96)
+    nib, qh = g[..., :64], g[..., 64:]
+    lo = (nib & 15) | (torch.cat([qh & 3, (qh >> 2) & 3], -1) << 4)          # L halves [N, ng, 64]
+    hi = (nib >> 4) | (torch.cat([(qh >> 4) & 3, (qh >> 6) & 3], -1) << 4)  # H halves
+    q = torch.stack([lo.reshape(n, -1, 4, 16), hi.reshape(n, -1, 4, 16)], 3).reshape(n, ns, 16, 16)
+    sc = aux.contiguous().view(torch.int8).reshape(n, ns, 2, 2, 4).transpose(3, 4).reshape(n, ns, 16).float()
+    scale = (d[..., None] * sc)[..., None]                                   # [N, ns, 16, 1]
+    return (scale * (q.to(torch.int8) - 32).float()).reshape(n, k)
+
+
+_DEQUANTIZE = {"gguf.q8_0": _dq_q8_0, "gguf.q4_0": _dq_q4_0, "gguf.q4_1": _dq_q4_1, "gguf.q4_k": _dq_q4_k,
+               "gguf.q6_k": _dq_q6_k}
