@@ -1,0 +1,42 @@
+"""Native CPU kernels (C++ with SIMD intrinsics, one build holding AVX-512 VNNI, AVX2 and portable paths,
+chosen per CPU at load): GGUF quantized products on weights kept packed (``dtorch.kernels.layouts``),
+float32/bf16 GEMV and the fused decode ops. Importing this package compiles nothing; ``unavailable`` (the
+dispatcher's first look at the cpu), ``load()`` or the first kernel call builds or loads the library.
+
+As a dispatcher backend: ``unavailable("cpu")`` is None when the library loads (else why not: no compiler, a
+compile error, an ISA the CPU lacks), and ``install(dispatcher, "cpu")`` registers the kernels of
+``kernels.py`` as provider "native".
+"""
+
+from dtorch.dispatch.registry import Dispatcher
+from dtorch.kernels.native.loader import (
+    ISAS as ISAS,
+    NativeUnavailable as NativeUnavailable,
+    available_isas as available_isas,
+    isa as isa,
+    load as load,
+    set_isa as set_isa,
+    unavailable_reason as unavailable_reason,
+    use_isa as use_isa,
+)
+from dtorch.kernels.native.ops import (
+    add_rms_norm as add_rms_norm,
+    gemv as gemv,
+    qlinear as qlinear,
+    rms_norm as rms_norm,
+    rope as rope,
+    silu_and_mul as silu_and_mul,
+)
+
+
+def unavailable(device_type: str) -> str | None:
+    """None when the native kernels serve ``device_type`` here, else the reason."""
+    if device_type != "cpu":
+        return f"the native kernels run on the cpu only, not {device_type}"
+    return unavailable_reason()
+
+
+def install(dispatcher: Dispatcher, device_type: str) -> None:
+    from dtorch.kernels.native.kernels import KERNELS
+
+    KERNELS.install(dispatcher, device_type)

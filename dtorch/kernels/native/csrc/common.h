@@ -1,0 +1,83 @@
+// Shared plain-data declarations of the native kernels: the packed-weight and quantized-activation views and
+// the table of kernel entry points each ISA translation unit fills. No code lives here, so the ISA units
+// (each compiled with its own -m flags) never share an inline function (one definition rule).
+#pragma once
+#include <cstdint>
+
+namespace dtn {
+
+// GGUF block formats, repacked (see packing.py for the byte layouts)
+enum Fmt : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
+// element types of activations, float weights and outputs
+enum DType : int { F32 = 0, BF16 = 1 };
+
+// One packed weight [N, K] (dtorch/kernels/layouts.py): row n of each section starts at its base + n * row
+// (elements of that section's type; every section of a row lives in the same packed row).
+// Every format is read in "groups" of 128 weights = 4 sub-blocks of 32 (the last group of a row may hold
+// 1..3 sub-blocks); a group's values come in two halves L = [s0[0:16], s1[0:16], ...] and H = [s0[16:32], ...].
+struct QWeight {
+  int fmt;
+  int64_t K;
+  const uint8_t* qs;  int64_t qs_row;   // quants (bytes)
+  const uint16_t* d;  int64_t d_row;    // fp16 scales
+  const uint8_t* aux; int64_t aux_row;  // K-quant sub-block scales (bytes)
+};
+
+// Activations quantized to int8 per sub-block of 32, in the same group order as the weights.
+// Row r: q + r * ng * 128 (int8, group g at g * 128, zero padded), darep + r * ng * 16 (lane 4s+t of group g:
+// the scale of sub-block s, 0 past the row end), asum + r * ng * 8 (group g: scale * sum of q over
+// [L s0..s3, H s0..s3], 0 past the row end).
+struct QAct {
+  const int8_t* q;
+  const float* darep;
+  const float* asum;
+  int64_t ng;
+};
+
+// Activations for the 32-block formats (Q8_0, Q4_0, Q4_1), whose rows are super-groups of up to 16 blocks with
+// quants transposed to [step u][block j][4 bytes] (dtorch/kernels/layouts.py). Row r: q + r * nsg * 512 (int8,
+// super-group g at g * 512 as [u 0..7][lane j 0..15][4], zero padded past the row end), d + r * nsg * 16 (the
+// scale of block 16 g + j, 0 past the end), s + r * nsg * 16 (that scale times the sum of the block's q).
+struct SGAct {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t nsg;
+};
+
+struct Table {
+  const char* name;
+  // x rows [r0, r1) of [M, K] (dt, row stride ldx) -> QAct arrays (row strides as in QAct)
+  void (*quantize_rows)(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q,
+                        float* darep, float* asum);
+  // y[m, n] = sum_k x[m, k] * w[n, k] for m < M, n in [n0, n1); y has dtype ydt and row stride ldy
+  // bias [N] (ydt) or nullptr is added before the one rounding to ydt
+  void (*qgemm)(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
+                int ydt, int64_t ldy);
+  // x rows [r0, r1) of [M, K] -> SGAct arrays
+  void (*quantize_sg)(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
+                      float* s);
+  // qgemm for Q8_0 / Q4_0 / Q4_1: w.qs is row 0, w.qs_row the row bytes
+  void (*qgemm_sg)(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
+                   int ydt, int64_t ldy);
+  // y[m, n] = sum_k x[m, k] * w[n, k], x [M, K] (xdt), w [N, K] (wdt, rows n0..n1), y [M, ldy] (ydt)
+  void (*gemv)(const void* x, int xdt, int64_t M, const void* w, int wdt, int64_t K, int64_t n0, int64_t n1,
+               void* y, int ydt, int64_t ldy);
+  // rows [r0, r1) of [R, D]: if res: h = x + res (stored to res_out), else h = x; out = w * rmsnorm(h)
+  void (*rms_norm)(const void* x, const void* res, void* res_out, const void* w, void* out, int dt, int64_t r0,
+                   int64_t r1, int64_t D, float eps);
+  // rows [r0, r1) of x [R, H, D] (row stride ldx, heads dense): pairs (i, i + rot/2) (or (2i, 2i + 1)) of the first
+  // rot dims rotated by cos/sin [P, rot/2] (row stride ldc) row r % P; out like x with row stride ldo (may be x);
+  // dims rot.. copied when out is not x
+  void (*rope)(const void* x, int64_t ldx, void* out, int64_t ldo, int dt, const float* cos, const float* sin,
+               int64_t ldc, int64_t P, int64_t r0, int64_t r1, int64_t H, int64_t D, int64_t rot, bool interleaved);
+  // rows [r0, r1): out[r, i] = silu(gate[r, i]) * up[r, i], i < I; row strides ldg, ldu, I for out
+  void (*silu_and_mul)(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
+                       int64_t r1, int64_t I);
+};
+
+const Table* table_avx512();
+const Table* table_avx2();
+const Table* table_portable();
+
+}  // namespace dtn

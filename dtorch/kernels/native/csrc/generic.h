@@ -1,0 +1,306 @@
+// Kernels written in plain C++, compiled once per ISA unit inside that unit's namespace DTN_ISA, so the compiler
+// vectorizes them for that unit's -m flags: bf16 helpers, activation quantization, the elementwise decode ops
+// (rms_norm, rope, silu_and_mul) and the portable (scalar) quantized and float products.
+// Included by isa_*.cpp after <cstdint>, <cstring>, <cmath> and common.h, inside namespace DTN_ISA.
+
+using dtn::BF16;
+using dtn::F32;
+using dtn::QAct;
+using dtn::QWeight;
+using dtn::SGAct;
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch (NaN stays NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+static inline float load_f(const void* p, int dt, int64_t i) {
+  return dt == F32 ? static_cast<const float*>(p)[i] : bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+
+static inline void store_f(void* p, int dt, int64_t i, float v) {
+  if (dt == F32) static_cast<float*>(p)[i] = v;
+  else static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+}
+
+static inline float round_to(int dt, float v) { return dt == F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
+
+static inline float fp16_to_f32(uint16_t h) {  // exact; the SIMD paths use F16C
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400));
+    u = sign | (uint32_t(112 - e) << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// -- activation quantization ------------------------------------------------------------------------------
+// One row x [K] -> int8 per sub-block of 32 (scale amax / 127), in group order (see common.h).
+
+static void quantize_rows(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q,
+                          float* darep, float* asum) {
+  const int64_t nb = K / 32, ng = (nb + 3) / 4;
+  for (int64_t r = r0; r < r1; ++r) {
+    int8_t* qr = q + r * ng * 128;
+    float* dr = darep + r * ng * 16;
+    float* sr = asum + r * ng * 8;
+    if (nb % 4) {  // the last group is partial: zero its padding (its loads are whole vectors)
+      std::memset(qr + (ng - 1) * 128, 0, 128);
+      std::memset(dr + (ng - 1) * 16, 0, sizeof(float) * 16);
+      std::memset(sr + (ng - 1) * 8, 0, sizeof(float) * 8);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t g = b / 4, s = b % 4, gs = (nb - g * 4) < 4 ? nb - g * 4 : 4;
+      float v[32], amax = 0.f;
+      if (dt == F32) {
+        std::memcpy(v, static_cast<const float*>(x) + r * ldx + b * 32, sizeof(v));
+      } else {
+        const uint16_t* xb = static_cast<const uint16_t*>(x) + r * ldx + b * 32;
+#pragma omp simd
+        for (int j = 0; j < 32; ++j) v[j] = bf16_to_f32(xb[j]);
+      }
+#pragma omp simd reduction(max : amax)
+      for (int j = 0; j < 32; ++j) amax = std::fabs(v[j]) > amax ? std::fabs(v[j]) : amax;  // fmaxf is a libm call
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      int8_t qv[32];
+#pragma omp simd
+      for (int j = 0; j < 32; ++j) {  // round to nearest even: adding 1.5 * 2^23 leaves the integer in the low bits
+        const float t = v[j] * id + 12582912.f;
+        int32_t bits;
+        std::memcpy(&bits, &t, 4);
+        qv[j] = int8_t(bits - 0x4B400000);
+      }
+      int sum[2] = {0, 0};
+      for (int h = 0; h < 2; ++h) {
+        int acc = 0;
+#pragma omp simd reduction(+ : acc)
+        for (int i = 0; i < 16; ++i) acc += qv[h * 16 + i];
+        sum[h] = acc;
+        std::memcpy(qr + g * 128 + h * 16 * gs + s * 16, qv + h * 16, 16);
+      }
+      for (int t = 0; t < 4; ++t) dr[g * 16 + s * 4 + t] = d;
+      sr[g * 8 + s] = d * float(sum[0]);
+      sr[g * 8 + 4 + s] = d * float(sum[1]);
+    }
+  }
+}
+
+// One row x [K] -> int8 per block of 32 in super-group order (see SGAct in common.h).
+static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
+                        float* s) {
+  const int64_t nb = K / 32, nsg = (nb + 15) / 16;
+  for (int64_t r = r0; r < r1; ++r) {
+    int8_t* qr = q + r * nsg * 512;
+    float* dr = d + r * nsg * 16;
+    float* sr = s + r * nsg * 16;
+    if (nb % 16) {  // the last super-group is partial: zero its padding lanes
+      std::memset(qr + (nsg - 1) * 512, 0, 512);
+      std::memset(dr + (nsg - 1) * 16, 0, sizeof(float) * 16);
+      std::memset(sr + (nsg - 1) * 16, 0, sizeof(float) * 16);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[32], amax = 0.f;
+      if (dt == F32) {
+        std::memcpy(v, static_cast<const float*>(x) + r * ldx + b * 32, sizeof(v));
+      } else {
+        const uint16_t* xb = static_cast<const uint16_t*>(x) + r * ldx + b * 32;
+#pragma omp simd
+        for (int j = 0; j < 32; ++j) v[j] = bf16_to_f32(xb[j]);
+      }
+#pragma omp simd reduction(max : amax)
+      for (int j = 0; j < 32; ++j) amax = std::fabs(v[j]) > amax ? std::fabs(v[j]) : amax;
+      const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+      int8_t qv[32];
+      int acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int j = 0; j < 32; ++j) {  // round to nearest even, as quantize_rows
+        const float t = v[j] * id + 12582912.f;
+        int32_t bits;
+        std::memcpy(&bits, &t, 4);
+        qv[j] = int8_t(bits - 0x4B400000);
+        acc += qv[j];
+      }
+      int8_t* dst = qr + (b / 16) * 512 + (b % 16) * 4;
+      for (int u = 0; u < 8; ++u) std::memcpy(dst + u * 64, qv + 4 * u, 4);
+      dr[b] = db;  // (b / 16) * 16 + b % 16 == b
+      sr[b] = db * float(acc);
+    }
+  }
+}
+
+// Super-group geometry of a 32-block format: fp16 scale arrays per block (1, or 2 with the Q4_1 mins), quant
+// bytes per block, and the weight of a quant's unsigned offset (Q4_0: q - 8; Q8_0 stored as q + 128)
+template <int F> struct SG {
+  static constexpr int scales = F == dtn::Q4_1 ? 2 : 1;
+  static constexpr int qbytes = F == dtn::Q8_0 ? 32 : 16;
+  static constexpr int bytes = 2 * scales + qbytes;  // per block
+  static constexpr float offset = F == dtn::Q8_0 ? -128.f : F == dtn::Q4_0 ? -8.f : 0.f;
+};
+
+template <int F>
+static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1,
+                                  const void* bias, void* y, int ydt, int64_t ldy) {
+  using G = SG<F>;
+  const int64_t nb = w.K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.qs + n * w.qs_row;
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = bias ? load_f(bias, ydt, n) : 0.f;
+      for (int64_t g = 0; g * 16 < nb; ++g) {
+        const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
+        const uint8_t* p = row + g * 16 * G::bytes;
+        const uint16_t* dw = reinterpret_cast<const uint16_t*>(p);
+        const uint8_t* q = p + 2 * S * G::scales;
+        const int8_t* aq = a.q + (m * a.nsg + g) * 512;
+        const float* ad = a.d + (m * a.nsg + g) * 16;
+        const float* as = a.s + (m * a.nsg + g) * 16;
+        for (int j = 0; j < S; ++j) {
+          int32_t isum = 0;
+          for (int u = 0; u < G::qbytes / 4; ++u)
+            for (int b = 0; b < 4; ++b) {
+              const uint8_t v = q[u * 4 * S + j * 4 + b];
+              if constexpr (F == dtn::Q8_0) {
+                isum += int32_t(v) * aq[u * 64 + j * 4 + b];
+              } else {
+                isum += int32_t(v & 15) * aq[u * 64 + j * 4 + b] + int32_t(v >> 4) * aq[(u + 4) * 64 + j * 4 + b];
+              }
+            }
+          const float d = fp16_to_f32(dw[j]);
+          const float m_ = G::scales == 2 ? fp16_to_f32(dw[S + j]) : G::offset * d;
+          acc += d * (ad[j] * float(isum)) + m_ * as[j];
+        }
+      }
+      store_f(y, ydt, m * ldy + n, acc);
+    }
+  }
+}
+
+static void qgemm_sg_portable(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                              void* y, int ydt, int64_t ldy) {
+  switch (w.fmt) {
+    case dtn::Q8_0: return qgemm_sg_portable_fmt<dtn::Q8_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_0: return qgemm_sg_portable_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_1: return qgemm_sg_portable_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  }
+}
+
+// -- portable quantized product ---------------------------------------------------------------------------
+// A group decoded to unsigned quants and per-sub-block scale/offset: w = dl[s] * u (L half) or dh[s] * u
+// (H half) plus the offset m, applied through the activation sums: sum(w * a) = d * sum(u * a) + m * sum(a).
+
+struct GroupS {
+  uint8_t wl[64], wh[64];
+  float dl[4], dh[4], m[8];  // m: [L s0..s3, H s0..s3]
+};
+
+static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, int gs, GroupS& o) {
+  const uint8_t* qs = w.qs + n * w.qs_row;
+  const uint16_t* d = w.d + n * w.d_row;
+  const uint8_t* aux = w.aux + n * w.aux_row;
+  const int64_t nb = w.K / 32;
+  for (int s = 0; s < 4; ++s) o.dl[s] = o.dh[s] = o.m[s] = o.m[4 + s] = 0.f;
+  std::memset(o.wl, 0, 64);
+  std::memset(o.wh, 0, 64);
+  switch (w.fmt) {
+    case dtn::Q4_K: {
+      const uint8_t* p = qs + g * 64;
+      for (int i = 0; i < 16 * gs; ++i) { o.wl[i] = p[i] & 15; o.wh[i] = p[i] >> 4; }
+      for (int s = 0; s < gs; ++s) {
+        const int64_t sup = g / 2, half = g % 2, nsup = w.K / 256;
+        const float dd = fp16_to_f32(d[sup]), dmin = fp16_to_f32(d[nsup + sup]);
+        o.dl[s] = o.dh[s] = dd * float(aux[sup * 16 + half * 4 + s]);
+        o.m[s] = o.m[4 + s] = -(dmin * float(aux[sup * 16 + 8 + half * 4 + s]));
+      }
+      break;
+    }
+    case dtn::Q6_K: {
+      const uint8_t* p = qs + g * 96;
+      const float dd = fp16_to_f32(d[g / 2]);
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t h = p[64 + i];
+        o.wl[i] = uint8_t((p[i] & 15) | ((h & 3) << 4));
+        o.wl[32 + i] = uint8_t((p[32 + i] & 15) | (((h >> 2) & 3) << 4));
+        o.wh[i] = uint8_t((p[i] >> 4) | (((h >> 4) & 3) << 4));
+        o.wh[32 + i] = uint8_t((p[32 + i] >> 4) | (((h >> 6) & 3) << 4));
+      }
+      for (int s = 0; s < 4; ++s) {
+        o.dl[s] = dd * float(int8_t(aux[g * 8 + s]));
+        o.dh[s] = dd * float(int8_t(aux[g * 8 + 4 + s]));
+        o.m[s] = -32.f * o.dl[s];
+        o.m[4 + s] = -32.f * o.dh[s];
+      }
+      break;
+    }
+  }
+}
+
+// Decode streams rows from memory: ask for row n + kAhead's bytes while row n computes, so the loads overlap
+// the arithmetic instead of waiting on the hardware prefetcher's ramp-up at every short row.
+constexpr int64_t kAhead = 8;
+
+static inline void prefetch_row(const QWeight& w, int64_t n) {  // a packed row is qs_row bytes from qs
+  const char* q = reinterpret_cast<const char*>(w.qs + n * w.qs_row);
+  for (int64_t i = 0; i < w.qs_row; i += 64) __builtin_prefetch(q + i);
+}
+
+static void qgemm_portable(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                           void* y, int ydt, int64_t ldy) {
+  const int64_t nb = w.K / 32, ng = a.ng;
+  GroupS gr;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* aq = a.q + m * ng * 128;
+      const float* dr = a.darep + m * ng * 16;
+      const float* as = a.asum + m * ng * 8;
+      float acc = bias ? load_f(bias, ydt, n) : 0.f;
+      for (int64_t g = 0; g < ng; ++g) {
+        const int gs = int(nb - g * 4 < 4 ? nb - g * 4 : 4);
+        decode_group_scalar(w, n, g, gs, gr);
+        const int8_t* al = aq + g * 128;
+        const int8_t* ah = al + 16 * gs;
+        for (int s = 0; s < gs; ++s) {
+          int32_t il = 0, ih = 0;
+          for (int i = 0; i < 16; ++i) {
+            il += int32_t(gr.wl[s * 16 + i]) * al[s * 16 + i];
+            ih += int32_t(gr.wh[s * 16 + i]) * ah[s * 16 + i];
+          }
+          acc += dr[g * 16 + 4 * s] * (gr.dl[s] * float(il) + gr.dh[s] * float(ih));
+          acc += gr.m[s] * as[g * 8 + s] + gr.m[4 + s] * as[g * 8 + 4 + s];
+        }
+      }
+      store_f(y, ydt, m * ldy + n, acc);
+    }
+  }
+}
+
+// -- portable float product -------------------------------------------------------------------------------
+
+static void gemv_portable(const void* x, int xdt, int64_t M, const void* w, int wdt, int64_t K, int64_t n0,
+                          int64_t n1, void* y, int ydt, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += load_f(x, xdt, m * K + k) * load_f(w, wdt, n * K + k);
+      store_f(y, ydt, m * ldy + n, acc);
+    }
+}

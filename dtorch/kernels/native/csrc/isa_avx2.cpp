@@ -1,0 +1,24 @@
+// The avx2 kernel table. AVX2 + FMA + F16C: built with -mavx2 -mfma -mf16c.
+// Everything here lives in its own namespace, so no inline function is shared with a unit built for another ISA.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+#include "common.h"
+
+#define DTN_ISA isa_avx2
+namespace DTN_ISA {
+#include "generic.h"
+#include "elementwise.h"
+#include "quant_avx2.h"
+}  // namespace DTN_ISA
+
+namespace dtn {
+const Table* table_avx2() {
+  static const Table t{"avx2", DTN_ISA::quantize_rows, DTN_ISA::qgemm256, DTN_ISA::quantize_sg, DTN_ISA::qgemm_sg256,
+                       DTN_ISA::gemv256, DTN_ISA::rms_norm, DTN_ISA::rope,
+                       DTN_ISA::silu_and_mul};
+  return &t;
+}
+}  // namespace dtn

@@ -1,0 +1,24 @@
+// The avx512 kernel table. AVX-512 F/BW/VL + VNNI (+ FMA, F16C): built with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma -mf16c.
+// Everything here lives in its own namespace, so no inline function is shared with a unit built for another ISA.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+#include "common.h"
+
+#define DTN_ISA isa_avx512
+namespace DTN_ISA {
+#include "generic.h"
+#include "elementwise.h"
+#include "quant_avx512.h"
+}  // namespace DTN_ISA
+
+namespace dtn {
+const Table* table_avx512() {
+  static const Table t{"avx512", DTN_ISA::quantize_rows, DTN_ISA::qgemm512, DTN_ISA::quantize_sg, DTN_ISA::qgemm_sg512,
+                       DTN_ISA::gemv512, DTN_ISA::rms_norm, DTN_ISA::rope,
+                       DTN_ISA::silu_and_mul};
+  return &t;
+}
+}  // namespace dtn

@@ -1,0 +1,24 @@
+// The portable kernel table. plain C++ for any CPU: built without -m flags.
+// Everything here lives in its own namespace, so no inline function is shared with a unit built for another ISA.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+
+#include "common.h"
+
+#define DTN_ISA isa_portable
+namespace DTN_ISA {
+#include "generic.h"
+#include "elementwise.h"
+
+}  // namespace DTN_ISA
+
+namespace dtn {
+const Table* table_portable() {
+  static const Table t{"portable", DTN_ISA::quantize_rows, DTN_ISA::qgemm_portable, DTN_ISA::quantize_sg, DTN_ISA::qgemm_sg_portable,
+                       DTN_ISA::gemv_portable, DTN_ISA::rms_norm, DTN_ISA::rope,
+                       DTN_ISA::silu_and_mul};
+  return &t;
+}
+}  // namespace dtn

@@ -1,0 +1,311 @@
+// Quantized products with AVX2: a group of 128 weights is worked as two pairs of sub-blocks (32 bytes of each
+// half); vpmaddubsw + vpmaddwd give 8 int32 lanes, lanes 4j..4j+3 summing sub-block 2p + j (K-quants, QAct).
+// The 32-block formats (SGAct, at the end): one lane per block.
+// Included inside namespace DTN_ISA of isa_avx2.cpp.
+
+struct Row256 {
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint8_t* aux;
+  int64_t nb, nsup;
+};
+
+struct Dec256 {
+  __m256i wl[2], wh[2];  // per pair p: quants of the L and H halves of sub-blocks 2p, 2p + 1
+  __m128 dl, dh;         // scale per sub-block, per half
+  __m256 m;              // offsets [L s0..s3, H s0..s3] (unused for Q8_0)
+};
+
+static inline __m256i load_half(const uint8_t* p, int n) {  // 32 or 16 bytes (zeros after)
+  return n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+static inline void nibbles2(const uint8_t* p, int gs, Dec256& o) {
+  const __m256i lo = _mm256_set1_epi8(0x0f);
+  for (int pp = 0; pp * 2 < gs; ++pp) {
+    const __m256i v = load_half(p + 32 * pp, 16 * (gs - 2 * pp));
+    o.wl[pp] = _mm256_and_si256(v, lo);
+    o.wh[pp] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+  }
+}
+
+static inline __m128 u8x4_avx2(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(v)));
+}
+
+template <int F> struct Fmt256;
+
+template <> struct Fmt256<dtn::Q4_K> {
+  static constexpr bool split = false, has_m = true;
+  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
+    nibbles2(r.qs + g * 64, 4, o);
+    const int64_t sup = g >> 1;
+    const uint8_t* a = r.aux + sup * 16 + (g & 1) * 4;
+    o.dl = o.dh = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[sup])), u8x4_avx2(a));
+    const __m128 m = _mm_mul_ps(_mm_set1_ps(-_cvtsh_ss(r.d[r.nsup + sup])), u8x4_avx2(a + 8));
+    o.m = _mm256_set_m128(m, m);
+  }
+};
+
+template <> struct Fmt256<dtn::Q6_K> {
+  static constexpr bool split = true, has_m = true;
+  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
+    const uint8_t* p = r.qs + g * 96;
+    nibbles2(p, 4, o);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)), three = _mm256_set1_epi8(3);
+    for (int pp = 0; pp < 2; ++pp) {  // qh bits 2p, 2p+1: L of pair p; bits 4+2p, 5+2p: H of pair p
+      const __m256i hl = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pp), three);
+      const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(qh, 4 + 2 * pp), three);
+      o.wl[pp] = _mm256_or_si256(o.wl[pp], _mm256_slli_epi16(hl, 4));
+      o.wh[pp] = _mm256_or_si256(o.wh[pp], _mm256_slli_epi16(hh, 4));
+    }
+    const __m256 d = _mm256_mul_ps(
+        _mm256_set1_ps(_cvtsh_ss(r.d[g >> 1])),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.aux + g * 8)))));
+    o.dl = _mm256_castps256_ps128(d);
+    o.dh = _mm256_extractf128_ps(d, 1);
+    o.m = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
+  }
+};
+
+static inline __m256 pair_scale(__m128 d4, int pp) {  // lanes [d[2p] x4, d[2p+1] x4]
+  const __m256i idx = pp == 0 ? _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0) : _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), idx);
+}
+
+static inline float hsum256_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <int F, int MR>
+static inline void qdot256(const Row256& row, const QAct& a, int64_t m0, float* out) {
+  using W = Fmt256<F>;
+  const int64_t ng = a.ng;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR], accm[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const int gs = int(row.nb - g * 4 < 4 ? row.nb - g * 4 : 4);
+    Dec256 w;
+    W::decode(row, g, gs, w);
+    for (int pp = 0; pp * 2 < gs; ++pp) {
+      const __m256 dl = pair_scale(w.dl, pp), dh = W::split ? pair_scale(w.dh, pp) : dl;
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* aq = a.q + (m0 + r) * ng * 128 + g * 128;  // zero padded: whole 32-byte loads are safe
+        const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + 32 * pp));
+        const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + 16 * gs + 32 * pp));
+        const __m256 dr = _mm256_loadu_ps(a.darep + (m0 + r) * ng * 16 + g * 16 + 8 * pp);
+        if constexpr (W::split) {
+          const __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(w.wl[pp], al), ones);
+          const __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(w.wh[pp], ah), ones);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(dl, dr), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(dh, dr), acc[r]);
+        } else {  // 4-bit: each int16 pair sum is at most 2 * 15 * 127, so L + H cannot overflow
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.wl[pp], al), _mm256_maddubs_epi16(w.wh[pp], ah));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), _mm256_mul_ps(dl, dr), acc[r]);
+        }
+      }
+    }
+    if constexpr (W::has_m)
+      for (int r = 0; r < MR; ++r)
+        accm[r] = _mm256_fmadd_ps(w.m, _mm256_loadu_ps(a.asum + (m0 + r) * ng * 8 + g * 8), accm[r]);
+  }
+  for (int r = 0; r < MR; ++r) out[r] = hsum256_avx2(_mm256_add_ps(acc[r], accm[r]));
+}
+
+template <int F>
+static void qgemm256_fmt(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
+                         int ydt, int64_t ldy) {
+  float o[4];
+  for (int64_t n = n0; n < n1; ++n) {
+    const Row256 row{w.qs + n * w.qs_row, w.d + n * w.d_row, w.aux + n * w.aux_row, w.K / 32, w.K / 256};
+    if (n + kAhead < n1) prefetch_row(w, n + kAhead);
+    const float b = bias ? load_f(bias, ydt, n) : 0.f;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      qdot256<F, 4>(row, a, m, o);
+      for (int r = 0; r < 4; ++r) store_f(y, ydt, (m + r) * ldy + n, o[r] + b);
+    }
+    for (; m < M; ++m) {
+      qdot256<F, 1>(row, a, m, o);
+      store_f(y, ydt, m * ldy + n, o[0] + b);
+    }
+  }
+}
+
+static void qgemm256(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
+                     int ydt, int64_t ldy) {
+  switch (w.fmt) {
+    case dtn::Q4_K: return qgemm256_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q6_K: return qgemm256_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  }
+}
+
+// -- float32 / bf16 weights ------------------------------------------------------------------------------
+
+static inline __m256 load8(const void* p, int dt, int64_t i) {
+  if (dt == F32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int NR>
+static inline void fdot256(const void* x, int xdt, int64_t m, const void* w, int wdt, int64_t K, int64_t n,
+                           void* y, int ydt, int64_t ldy) {
+  __m256 acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 xv = load8(x, xdt, m * K + k);
+    for (int j = 0; j < NR; ++j) acc[j] = _mm256_fmadd_ps(load8(w, wdt, (n + j) * K + k), xv, acc[j]);
+  }
+  for (int j = 0; j < NR; ++j) {
+    float s = hsum256_avx2(acc[j]);
+    for (int64_t t = k; t < K; ++t) s += load_f(x, xdt, m * K + t) * load_f(w, wdt, (n + j) * K + t);
+    store_f(y, ydt, m * ldy + n + j, s);
+  }
+}
+
+static void gemv256(const void* x, int xdt, int64_t M, const void* w, int wdt, int64_t K, int64_t n0, int64_t n1,
+                    void* y, int ydt, int64_t ldy) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)
+    for (int64_t m = 0; m < M; ++m) fdot256<4>(x, xdt, m, w, wdt, K, n, y, ydt, ldy);
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) fdot256<1>(x, xdt, m, w, wdt, K, n, y, ydt, ldy);
+}
+
+// -- 32-block formats in super-groups (SGAct): two 8-lane halves per super-group, lane j = block 8 h + j -------
+// Q8_0 is stored as q + 128; vpmaddubsw would saturate on it, so it is flipped back and multiplied with the sign
+// trick (|w| times sign(a, w)), which needs no offset term.
+
+static inline __m256i lanes_mask(int cnt) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __m256 load_h8(const uint8_t* p, int cnt) {  // cnt fp16 -> float32, zeros after
+  if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(h, p, size_t(cnt) * 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+template <int F, int MR, int NR>
+static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
+                              float (&out)[MR][NR]) {
+  using G = SG<F>;
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  const int64_t rs = a.nsg * 512;
+  for (int64_t g = 0; g * 16 < nb; ++g) {
+    const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
+    const uint8_t* p[NR];
+    for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * 16 * G::bytes;
+    const int64_t qoff = 2 * S * G::scales;
+    for (int h = 0; h * 8 < S; ++h) {
+      const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
+      const __m256i lm = lanes_mask(cnt);
+      const int8_t* ag = a.q + m0 * rs + g * 512 + 32 * h;
+      __m256i is[MR][NR];
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NR; ++n) is[m][n] = _mm256_setzero_si256();
+      if constexpr (F == dtn::Q8_0) {
+        for (int u = 0; u < 8; ++u) {
+          __m256i ws[NR], wa[NR];
+          for (int n = 0; n < NR; ++n) {
+            ws[n] = _mm256_xor_si256(
+                _mm256_maskload_epi32(reinterpret_cast<const int*>(p[n] + qoff + u * 4 * S + 32 * h), lm), flip);
+            wa[n] = _mm256_sign_epi8(ws[n], ws[n]);
+          }
+          for (int m = 0; m < MR; ++m) {
+            const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + u * 64));
+            for (int n = 0; n < NR; ++n)
+              is[m][n] = _mm256_add_epi32(
+                  is[m][n], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[n], _mm256_sign_epi8(av, ws[n])), ones));
+          }
+        }
+      } else {
+        for (int u = 0; u < 4; ++u) {
+          __m256i wl[NR], wh[NR];
+          for (int n = 0; n < NR; ++n) {
+            const __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(p[n] + qoff + u * 4 * S + 32 * h), lm);
+            wl[n] = _mm256_and_si256(v, lo4);
+            wh[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+          }
+          for (int m = 0; m < MR; ++m) {
+            const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + u * 64));
+            const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + (u + 4) * 64));
+            for (int n = 0; n < NR; ++n)  // each int16 is at most 2 * 15 * 127 per product: their sum fits
+              is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(_mm256_add_epi16(
+                  _mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones));
+          }
+        }
+      }
+      __m256 dw[NR], mw[NR];
+      for (int n = 0; n < NR; ++n) {
+        dw[n] = load_h8(p[n] + 16 * h, cnt);
+        mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h, cnt) : dw[n];
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 da = _mm256_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
+        const __m256 sa = _mm256_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
+        for (int n = 0; n < NR; ++n) {
+          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(is[m][n]), da);
+          if constexpr (F == dtn::Q4_1) {
+            acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
+          } else if constexpr (F == dtn::Q4_0) {
+            acc[m][n] = _mm256_fmadd_ps(dw[n], _mm256_fmadd_ps(sa, _mm256_set1_ps(G::offset), t), acc[m][n]);
+          } else {
+            acc[m][n] = _mm256_fmadd_ps(dw[n], t, acc[m][n]);
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) out[m][n] = hsum256_avx2(acc[m][n]);
+}
+
+template <int F, int MR, int NR>
+static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int64_t n, const void* bias, void* y,
+                               int ydt, int64_t ldy) {
+  const uint8_t* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
+  float o[MR][NR];
+  sg_tile256<F, MR, NR>(rows, a, m, w.K / 32, o);
+  for (int j = 0; j < NR; ++j) {
+    const float b = bias ? load_f(bias, ydt, n + j) : 0.f;
+    for (int r = 0; r < MR; ++r) store_f(y, ydt, (m + r) * ldy + n + j, o[r][j] + b);
+  }
+}
+
+template <int F>
+static void qgemm_sg256_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                            void* y, int ydt, int64_t ldy) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    if (M < 4 && n + 2 + kAhead <= n1)
+      for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) sg_block256<F, 2, 2>(w, a, m, n, bias, y, ydt, ldy);
+    for (; m < M; ++m) sg_block256<F, 1, 2>(w, a, m, n, bias, y, ydt, ldy);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1>(w, a, m, n, bias, y, ydt, ldy);
+}
+
+static void qgemm_sg256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                        void* y, int ydt, int64_t ldy) {
+  switch (w.fmt) {
+    case dtn::Q8_0: return qgemm_sg256_fmt<dtn::Q8_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_0: return qgemm_sg256_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_1: return qgemm_sg256_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  }
+}

@@ -1,0 +1,278 @@
+// Quantized products with AVX-512 VNNI. K-quants (QAct): per group of 128 weights, the unsigned quants of the L
+// and H halves (64 bytes each) meet the int8 activations in two vpdpbusd, giving 16 int32 lanes, lanes 4s..4s+3
+// summing sub-block s; the lanes are scaled in float32, and each sub-block's offset m meets the activation sums.
+// The 32-block formats (SGAct, at the end): one lane per block.
+// Included inside namespace DTN_ISA of isa_avx512.cpp.
+
+struct Row512 {
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint8_t* aux;
+  int64_t nb, nsup;  // sub-blocks of 32 and super-blocks of 256 per row
+};
+
+struct Dec512 {
+  __m512i wl, wh;  // unsigned quants of the L and H halves
+  __m512 dl, dh;   // lane 4s+t: scale of sub-block s for each half
+  __m256 m;        // offsets [L s0..s3, H s0..s3]
+};
+
+static inline __m512 rep4(__m128 v) {  // [a, b, c, d] -> [a x4, b x4, c x4, d x4]
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
+}
+
+static inline void nibbles(__m512i v, Dec512& o) {
+  const __m512i lo = _mm512_set1_epi8(0x0f);
+  o.wl = _mm512_and_si512(v, lo);
+  o.wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+}
+
+template <int F> struct Fmt512;
+
+static inline __m128 u8x4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(v)));
+}
+
+template <> struct Fmt512<dtn::Q4_K> {  // w = (d sc_s) q - dmin mn_s; a group is half a super-block
+  static constexpr bool split = false;
+  static inline void decode(const Row512& r, int64_t g, int, Dec512& o) {
+    nibbles(_mm512_loadu_si512(r.qs + g * 64), o);
+    const int64_t sup = g >> 1;
+    const uint8_t* a = r.aux + sup * 16 + (g & 1) * 4;
+    const __m128 d = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[sup])), u8x4(a));
+    const __m128 m = _mm_mul_ps(_mm_set1_ps(-_cvtsh_ss(r.d[r.nsup + sup])), u8x4(a + 8));
+    o.dl = o.dh = rep4(d);
+    o.m = _mm256_set_m128(m, m);
+  }
+};
+
+template <> struct Fmt512<dtn::Q6_K> {  // w = (d sc) (q - 32), sc per 16 weights: one per half sub-block
+  static constexpr bool split = true;
+  static inline void decode(const Row512& r, int64_t g, int, Dec512& o) {
+    const uint8_t* p = r.qs + g * 96;
+    nibbles(_mm512_loadu_si512(p), o);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+    const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    const __m512i three = _mm512_set1_epi8(3);
+    o.wl = _mm512_or_si512(o.wl, _mm512_slli_epi16(_mm512_and_si512(h, three), 4));
+    o.wh = _mm512_or_si512(o.wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), three), 4));
+    const __m256 d = _mm256_mul_ps(
+        _mm256_set1_ps(_cvtsh_ss(r.d[g >> 1])),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.aux + g * 8)))));
+    const __m512 d16 = _mm512_castps256_ps512(d);
+    o.dl = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), d16);
+    o.dh = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4), d16);
+    o.m = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
+  }
+};
+
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// MR activation rows m0.. against one weight row: each group is decoded once and used MR times
+template <int F, int MR>
+static inline void qdot512(const Row512& row, const QAct& a, int64_t m0, float* out) {
+  using W = Fmt512<F>;
+  const int64_t ng = a.ng;
+  __m512 acc[MR];
+  __m256 accm[MR];
+  for (int r = 0; r < MR; ++r) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
+  for (int64_t g = 0; g < ng; ++g) {
+    const int gs = int(row.nb - g * 4 < 4 ? row.nb - g * 4 : 4);
+    Dec512 w;
+    W::decode(row, g, gs, w);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* aq = a.q + (m0 + r) * ng * 128 + g * 128;  // zero padded: whole 64-byte loads are safe
+      const __m512i al = _mm512_loadu_si512(aq), ah = _mm512_loadu_si512(aq + 16 * gs);
+      const __m512 dr = _mm512_loadu_ps(a.darep + (m0 + r) * ng * 16 + g * 16);
+      if constexpr (W::split) {
+        const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.wl, al);
+        const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.wh, ah);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(w.dl, dr), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(w.dh, dr), acc[r]);
+      } else {
+        const __m512i i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.wl, al), w.wh, ah);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(w.dl, dr), acc[r]);
+      }
+      accm[r] = _mm256_fmadd_ps(w.m, _mm256_loadu_ps(a.asum + (m0 + r) * ng * 8 + g * 8), accm[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum256(accm[r]);
+}
+
+template <int F>
+static void qgemm512_fmt(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
+                         int ydt, int64_t ldy) {
+  float o[4];
+  for (int64_t n = n0; n < n1; ++n) {
+    const Row512 row{w.qs + n * w.qs_row, w.d + n * w.d_row, w.aux + n * w.aux_row, w.K / 32, w.K / 256};
+    if (n + kAhead < n1) prefetch_row(w, n + kAhead);
+    const float b = bias ? load_f(bias, ydt, n) : 0.f;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      qdot512<F, 4>(row, a, m, o);
+      for (int r = 0; r < 4; ++r) store_f(y, ydt, (m + r) * ldy + n, o[r] + b);
+    }
+    for (; m < M; ++m) {
+      qdot512<F, 1>(row, a, m, o);
+      store_f(y, ydt, m * ldy + n, o[0] + b);
+    }
+  }
+}
+
+static void qgemm512(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
+                     int ydt, int64_t ldy) {
+  switch (w.fmt) {
+    case dtn::Q4_K: return qgemm512_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q6_K: return qgemm512_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  }
+}
+
+// -- float32 / bf16 weights ------------------------------------------------------------------------------
+
+static inline __m512 load16(const void* p, int dt, int64_t i, __mmask16 k) {
+  if (dt == F32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + i);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// NR weight rows n.. against activation row m: y[m, n + j]
+template <int NR>
+static inline void fdot512(const void* x, int xdt, int64_t m, const void* w, int wdt, int64_t K, int64_t n,
+                           void* y, int ydt, int64_t ldy) {
+  __m512 acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mk = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+    const __m512 xv = load16(x, xdt, m * K + k, mk);
+    for (int j = 0; j < NR; ++j) acc[j] = _mm512_fmadd_ps(load16(w, wdt, (n + j) * K + k, mk), xv, acc[j]);
+  }
+  for (int j = 0; j < NR; ++j) store_f(y, ydt, m * ldy + n + j, _mm512_reduce_add_ps(acc[j]));
+}
+
+static void gemv512(const void* x, int xdt, int64_t M, const void* w, int wdt, int64_t K, int64_t n0, int64_t n1,
+                    void* y, int ydt, int64_t ldy) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)  // the 4 rows stay in L1 while every activation row passes
+    for (int64_t m = 0; m < M; ++m) fdot512<4>(x, xdt, m, w, wdt, K, n, y, ydt, ldy);
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) fdot512<1>(x, xdt, m, w, wdt, K, n, y, ydt, ldy);
+}
+
+// -- 32-block formats in super-groups (SGAct): lane j of every vector is block j of the super-group ----------
+// MR activation rows x NR weight rows: per step u, a 4 S byte load of each weight row meets a 64-byte load of
+// each activation row in one vpdpbusd; the scales apply once per super-group, without permutes.
+
+template <int F, int MR, int NR>
+static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
+                              float (&out)[MR][NR]) {
+  using G = SG<F>;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  const int64_t rs = a.nsg * 512;
+  for (int64_t g = 0; g * 16 < nb; ++g) {
+    const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
+    const __mmask16 lm = __mmask16((1u << S) - 1);
+    const __mmask64 bm = S == 16 ? ~0ull : (1ull << (4 * S)) - 1;
+    const uint8_t* p[NR];
+    for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * 16 * G::bytes;
+    const int64_t qoff = 2 * S * G::scales;
+    const int8_t* ag = a.q + m0 * rs + g * 512;
+    __m512i is[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) is[m][n] = _mm512_setzero_si512();
+    if constexpr (F == dtn::Q8_0) {
+      for (int u = 0; u < 8; ++u) {
+        __m512i wv[NR];
+        for (int n = 0; n < NR; ++n) wv[n] = _mm512_maskz_loadu_epi8(bm, p[n] + qoff + u * 4 * S);
+        for (int m = 0; m < MR; ++m) {
+          const __m512i av = _mm512_loadu_si512(ag + m * rs + u * 64);
+          for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
+        }
+      }
+    } else {
+      for (int u = 0; u < 4; ++u) {
+        __m512i wl[NR], wh[NR];
+        for (int n = 0; n < NR; ++n) {
+          const __m512i v = _mm512_maskz_loadu_epi8(bm, p[n] + qoff + u * 4 * S);
+          wl[n] = _mm512_and_si512(v, lo4);
+          wh[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m512i al = _mm512_loadu_si512(ag + m * rs + u * 64);
+          const __m512i ah = _mm512_loadu_si512(ag + m * rs + (u + 4) * 64);
+          for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
+        }
+      }
+    }
+    __m512 dw[NR], mw[NR];
+    for (int n = 0; n < NR; ++n) {
+      dw[n] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lm, p[n]));
+      mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lm, p[n] + 2 * S)) : dw[n];
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 da = _mm512_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16);
+      __m512 sa = _mm512_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16);
+      if constexpr (G::scales == 2) {
+        for (int n = 0; n < NR; ++n) {
+          acc[m][n] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(is[m][n]), da), dw[n], acc[m][n]);
+          acc[m][n] = _mm512_fmadd_ps(mw[n], sa, acc[m][n]);
+        }
+      } else {  // w = d (q + offset): d (da isum + offset sa)
+        sa = _mm512_mul_ps(sa, _mm512_set1_ps(G::offset));
+        for (int n = 0; n < NR; ++n)
+          acc[m][n] = _mm512_fmadd_ps(dw[n], _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m][n]), da, sa), acc[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) out[m][n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+template <int F, int MR, int NR>
+static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int64_t n, const void* bias, void* y,
+                               int ydt, int64_t ldy) {
+  const uint8_t* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
+  float o[MR][NR];
+  sg_tile512<F, MR, NR>(rows, a, m, w.K / 32, o);
+  for (int j = 0; j < NR; ++j) {
+    const float b = bias ? load_f(bias, ydt, n + j) : 0.f;
+    for (int r = 0; r < MR; ++r) store_f(y, ydt, (m + r) * ldy + n + j, o[r][j] + b);
+  }
+}
+
+template <int F>
+static void qgemm_sg512_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                            void* y, int ydt, int64_t ldy) {
+  int64_t n = n0;
+  for (; n + 4 <= n1 && M < 4; n += 4) {  // decode: 4 weight rows share each activation load
+    if (n + 4 + kAhead <= n1)
+      for (int j = 0; j < 4; ++j) prefetch_row(w, n + kAhead + j);
+    for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 4>(w, a, m, n, bias, y, ydt, ldy);
+  }
+  for (; n + 2 <= n1; n += 2) {  // prefill: 4 x 2 tiles; the two weight rows stay in L1 while x passes
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) sg_block512<F, 4, 2>(w, a, m, n, bias, y, ydt, ldy);
+    for (; m < M; ++m) sg_block512<F, 1, 2>(w, a, m, n, bias, y, ydt, ldy);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1>(w, a, m, n, bias, y, ydt, ldy);
+}
+
+static void qgemm_sg512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                        void* y, int ydt, int64_t ldy) {
+  switch (w.fmt) {
+    case dtn::Q8_0: return qgemm_sg512_fmt<dtn::Q8_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_0: return qgemm_sg512_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_1: return qgemm_sg512_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  }
+}

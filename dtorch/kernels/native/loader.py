@@ -1,0 +1,99 @@
+"""Loading the native kernels once per process, the reason when they cannot load, and the ISA choice.
+
+The ISA is chosen at load from ``isa_setting()`` ("auto" picks the best the CPU runs: avx512 > avx2 >
+portable) and can be forced later with ``set_isa`` / ``use_isa`` (tests run every path on one machine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+from dtorch.core import env
+from dtorch.core.errors import ArgumentError, DtorchError, DTypeError, LayoutError, ShapeError
+
+ISAS = ("avx512", "avx2", "portable")  # best first
+
+
+class NativeUnavailable(DtorchError, RuntimeError):
+    """The native kernels cannot be built or loaded here; the message says why and what to do."""
+
+_mod: ModuleType | None = None
+_reason: str | None = None
+
+
+def isa_setting() -> str:
+    """"auto" | "avx512" | "avx2" | "portable", from DTORCH_NATIVE_ISA."""
+    return env.native_isa()
+
+
+def load() -> ModuleType:
+    """The compiled module (built on first use if the cache lacks it); raises NativeUnavailable with the reason.
+
+    A failure is remembered: later calls raise the same reason without trying again.
+    """
+    global _mod, _reason
+    if _mod is not None:
+        return _mod
+    if _reason is not None:
+        raise NativeUnavailable(_reason)
+    from dtorch.kernels.native.build import build, import_library  # not at import: `-m ...build` runs it as main
+
+    try:
+        mod = import_library(build())
+        mod.set_errors(ShapeError, DTypeError, LayoutError, ArgumentError)
+        want = isa_setting()
+        try:
+            _set(mod, want)
+        except ArgumentError as e:
+            raise NativeUnavailable(f"DTORCH_NATIVE_ISA={want}: {e}") from None
+    except NativeUnavailable as e:
+        _reason = str(e)
+        raise
+    _mod = mod
+    return mod
+
+
+def unavailable_reason() -> str | None:
+    """None when the native kernels load, else why not (no compiler, a compile error, an unusable ISA setting)."""
+    try:
+        load()
+    except NativeUnavailable as e:
+        return str(e)
+    return None
+
+
+def available_isas() -> list[str]:
+    """The ISAs this CPU runs, best first."""
+    mod = load()
+    return [i for i in ISAS if mod.cpu_supports(i)]
+
+
+def _set(mod: ModuleType, name: str) -> None:
+    if name == "auto":
+        name = next(i for i in ISAS if mod.cpu_supports(i))
+    mod.set_isa(name)
+
+
+def isa() -> str:
+    """The ISA whose kernels run now."""
+    return load().isa()
+
+
+def set_isa(name: str) -> None:
+    """Force "avx512", "avx2" or "portable" (or "auto") for every later call in this process."""
+    if name not in (*ISAS, "auto"):
+        raise ArgumentError(f"set_isa: name must be one of auto, {', '.join(ISAS)}; got {name!r}")
+    _set(load(), name)
+
+
+@contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the block with the ``name`` kernels, then restore the previous choice."""
+    before = isa()
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(before)
