@@ -140,40 +140,69 @@ def test_layouts_name_what_is_wrong():
 # -- quantized products -----------------------------------------------------------------------------------
 # Error bound: NMSE = sum((got - ref)^2) / sum(ref^2) over every output of the shapes above, ref =
 # x @ gguf_dequantize(w).T in float64 (llama.cpp's test-backend-ops uses 5e-4 for its quantized mul_mat).
-# The error is the activations' rounding to int8 per 32 values (step amax/127: for Gaussian x, NMSE ~ 3e-5); the
-# weights enter exactly. Measured on these shapes (5 seeds, every ISA, which agree to float rounding): 2.6e-5 to
-# 3.6e-5 for every format with float32 x, ~3.2e-5 with bf16 x. The bound is 2x that, 12x under llama.cpp's 5e-4:
-# a wrong scale, offset or quant order in any group shows up far above it.
-NMSE_BOUND = {"gguf.q8_0": 6e-5, "gguf.q4_0": 6e-5, "gguf.q4_1": 6e-5, "gguf.q4_k": 7e-5, "gguf.q6_k": 6e-5}
+# Fewer than 16 rows (decode): x in two int8 levels per 32 values, x = d (hi + lo / 254) (csrc/generic.h), integer
+# dot products; 16 rows and more (prefill): the weight dequantized to float32 in panels and torch's GEMM, exact up to
+# float rounding. The weights enter exactly either way. Measured on these shapes (3 seeds, every ISA, which agree
+# to float rounding), float32 x, Gaussian / with outliers (x = randn, K / 128 channels per row times 50 randn):
+#
+# | format | int8 x alone (before) | two levels, < 16 rows | float path, >= 16 rows |
+# |---|---|---|---|
+# | q8_0, q4_0, q4_1 | 2.7e-5 / 0.97e-4..1.8e-4 | 3.9e-10..4.4e-10 / 2.2e-9..2.5e-9 | 6e-14..8e-14 |
+# | q4_k | 2.0e-5..2.5e-5 / 1.2e-4..1.7e-4 | 3.0e-10..4.6e-10 / 1.6e-9..3.2e-9 | 1.0e-13..1.2e-13 |
+# | q6_k | 2.6e-5 / 1.3e-4..1.6e-4 | 4.1e-10..5.0e-10 / 1.9e-9..2.7e-9 | 1.0e-13..1.3e-13 |
+#
+# int8 alone was the noise floor of llama.cpp's q8 activations: on the default model it flipped the chat answer
+# about France's capital (the down projection's input, silu(gate) * up, has heavy outliers). bf16 x: the one
+# rounding of the output to bf16 dominates, 2.0e-6..3.6e-6 on every path. The bounds are ~2x the worst measured.
+NMSE_BOUND = {  # (Gaussian, outliers) for float32 x, fewer than 16 rows
+    "gguf.q8_0": (1e-9, 6e-9), "gguf.q4_0": (1e-9, 6e-9), "gguf.q4_1": (1e-9, 6e-9), "gguf.q4_k": (1e-9, 7e-9),
+    "gguf.q6_k": (1e-9, 6e-9)}
+NMSE_FLOAT_PATH = 1e-12  # float32 x, 16 rows and more
+NMSE_BF16 = 8e-6         # bfloat16 x and out, either path
 
 
 def _nmse(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((got.double() - ref) ** 2).sum() / (ref ** 2).sum())
 
 
+def _x(m: int, k: int, outliers: bool) -> torch.Tensor:
+    x = torch.randn(m, k)
+    if outliers:
+        idx = torch.randint(0, k, (m, max(1, k // 128)))
+        x.scatter_(1, idx, 50 * torch.randn(idx.shape))
+    return x
+
+
+@pytest.mark.parametrize("outliers", [False, True], ids=["gaussian", "outliers"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", GGUF_LAYOUTS)
-def test_qlinear_matches_gguf_reference(fmt, dtype, isa):
+def test_qlinear_matches_gguf_reference(fmt, dtype, outliers, isa):
     gen = np.random.default_rng(2)
     torch.manual_seed(2)
-    err = ref_sq = 0.0
+    err = {False: [0.0, 0.0], True: [0.0, 0.0]}  # float path? -> [sum of squared errors, sum of squared refs]
     for n, k in _shapes(fmt):
         raw = _raw(fmt, n, k, gen)
         w = layouts.pack(torch.from_numpy(raw), fmt, k)
         wref = _reference(fmt, raw, n, k).double()
         for m in (1, 3, 17):
-            x = torch.randn(m, k).to(dtype)
+            x = _x(m, k, outliers).to(dtype)
             got = nk.qlinear(x, w, fmt)
             assert got.dtype == dtype and got.shape == (m, n)
             ref = x.double() @ wref.T
-            err += float(((got.double() - ref) ** 2).sum())
-            ref_sq += float((ref ** 2).sum())
-            if isa != "portable":  # the SIMD paths sum the same integers as the scalar one: equal to rounding
+            err[m >= 16][0] += float(((got.double() - ref) ** 2).sum())
+            err[m >= 16][1] += float((ref ** 2).sum())
+            if isa != "portable" and m < 16:  # the SIMD paths sum the same integers as the scalar one
                 with nk.use_isa("portable"):
                     plain = nk.qlinear(x, w, fmt)
                 bound = 1e-9 if dtype == torch.float32 else 2 ** -16  # bf16: a rounding may flip by one ulp
                 assert _nmse(got, plain.double()) < bound, (fmt, isa, n, k, m)
-    assert err / ref_sq < NMSE_BOUND[fmt], f"{fmt} {isa} {dtype}: NMSE {err / ref_sq:.2e}"
+    nmse_int, nmse_float = err[False][0] / err[False][1], err[True][0] / err[True][1]
+    if dtype == torch.bfloat16:
+        bounds = (NMSE_BF16, NMSE_BF16)
+    else:
+        bounds = (NMSE_BOUND[fmt][outliers], NMSE_FLOAT_PATH)
+    assert nmse_int < bounds[0], f"{fmt} {isa} {dtype}, < 16 rows: NMSE {nmse_int:.2e}"
+    assert nmse_float < bounds[1], f"{fmt} {isa} {dtype}, 16 rows and more: NMSE {nmse_float:.2e}"
 
 
 @native
@@ -312,6 +341,17 @@ def test_no_compiler_gives_a_reason(tmp_path):
     assert "no C++ compiler" in out.stdout and "no-such-c++" in out.stdout and "set CXX" in out.stdout
 
 
+def test_build_command_without_a_compiler_exits_0_unless_strict(tmp_path):
+    """The README's set-up command chains `python -m dtorch.kernels.native.build`: no compiler is not a failure."""
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), DTORCH_NATIVE_CACHE=str(tmp_path / "cache"))
+    for flags, rc in (([], 0), (["--strict"], 1)):
+        out = subprocess.run([sys.executable, "-m", "dtorch.kernels.native.build", *flags], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == rc, out.stderr
+        assert "native kernels unavailable: no C++ compiler" in out.stderr
+        assert "dtorch will run on its torch kernels" in out.stderr
+
+
 @native
 def test_forcing_an_isa_the_cpu_lacks_is_refused():
     missing = [i for i in nk.ISAS if i not in nk.available_isas()]
@@ -399,14 +439,15 @@ def test_dispatched_quantized_linear(fmt, isa):
     w = _packed(fmt, 19, k, 10)
     wref = layouts.dequantize(w, fmt, k).double()
     bias = torch.randn(19)
+    bound = 5 * NMSE_BOUND[fmt][0]  # a few dozen outputs: the measured NMSE varies more than over the big table
     for x in (torch.randn(5, k), torch.randn(2, 7, 2 * k)[..., ::2]):  # the second one strided
         out = x.new_empty(*x.shape[:-1], 19)
         d.select(KernelKey("matmul.linear", "cpu", torch.float32, fmt)).fn(_ctx(), (x, w, bias), (out,))
         ref = x.double() @ wref.T + bias.double()
-        assert _nmse(out, ref) < NMSE_BOUND[fmt], (fmt, isa)
+        assert _nmse(out, ref) < bound, (fmt, isa)
     out = torch.empty(19, 5).T  # a strided output
     d.select(KernelKey("matmul.linear", "cpu", torch.float32, fmt)).fn(_ctx(), (x[0, :5], w, None), (out,))
-    assert _nmse(out, x[0, :5].double() @ wref.T) < NMSE_BOUND[fmt]
+    assert _nmse(out, x[0, :5].double() @ wref.T) < bound
 
 
 def test_without_a_compiler_the_dispatcher_falls_back(tmp_path):

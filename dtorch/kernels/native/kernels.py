@@ -14,7 +14,7 @@ from dtorch.core.errors import DtorchError
 from dtorch.dispatch.registration import KernelSet
 from dtorch.kernels import layouts
 from dtorch.kernels.native import loader
-from dtorch.kernels.torch import llm as torch_llm
+from dtorch.kernels.torch import kv_cache as torch_kv_cache, llm as torch_llm, quantized as torch_quantized
 
 KERNELS = KernelSet(devices=("cpu",))
 ACTIVATIONS = (torch.float32, torch.bfloat16)
@@ -28,8 +28,9 @@ def _lib():
 
 # -- matmul.linear on GGUF weights -------------------------------------------------------------------------
 # inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
-# outputs: out [..., N]. x is quantized to int8 per 32 values inside (see ops.qlinear); the reference (torch
-# backend) dequantizes w with layouts.dequantize and runs F.linear.
+# outputs: out [..., N]. Under 16 rows x is quantized to two int8 levels per 32 values inside, else w is dequantized
+# in panels for torch's GEMM (see ops.qlinear); the reference (torch backend) dequantizes w with
+# layouts.dequantize and runs F.linear.
 
 def _linear_kernel(layout: str):
     code = layouts.format_code(layout)
@@ -58,7 +59,8 @@ def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | N
 
 for _layout in GGUF_LAYOUTS:
     KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
-                varies="int8 activations per 32 values; rows split over torch's intra-op threads")
+                varies="under 16 rows: activations in two int8 levels per 32 values (~16 bits), output rows split "
+                       "over torch's intra-op threads; 16 rows and more: float32 weight panels and torch's GEMM")
 
 
 # -- llm.rms_norm / llm.add_rms_norm -------------------------------------------------------------------------
@@ -108,3 +110,59 @@ def rope(ctx, inputs, outputs):
         except DtorchError:
             pass
     torch_llm.rope_reference(ctx, inputs, outputs)
+
+
+# == KV cache and quantized embedding ===========================================================================
+
+# -- llm.reshape_and_cache -------------------------------------------------------------------------------------
+# (key, value [T, Hkv, D], k_cache, v_cache [blocks, block_size, Hkv, D], slot_mapping int [T]) -> the caches
+# themselves (outputs alias inputs 2 and 3), row t to flat row slot_mapping[t], negative slots skipped. Row copies.
+
+@KERNELS.kernel("llm.reshape_and_cache", ACTIVATIONS, meta=torch_kv_cache.INPLACE, **NATIVE)
+def reshape_and_cache(ctx, inputs, outputs):
+    key, value, _, _, slots = inputs
+    try:
+        _lib().cache_store(key, value, outputs[0], outputs[1], slots)
+    except DtorchError:
+        torch_kv_cache.reshape_and_cache_reference(ctx, inputs, outputs)
+
+
+# -- llm.flash_attention_with_kvcache --------------------------------------------------------------------------
+# (q [T, H, D], k_cache, v_cache, cu_seqlens_q int32 [N + 1], seqlens_k int32 [N], block_table int32 [N, blocks])
+# -> (out [T, H, D],); params causal (bottom-right), scale. Items of (sequence, kv head, <= 16 query rows), keys in
+# chunks of 64 with an online softmax in float32 (csrc/attention.h). q/out may be token-strided views (a fused qkv
+# output's heads); head dims that are not a multiple of 16 up to 256 go to the torch backend's sdpa kernel.
+
+@KERNELS.kernel("llm.flash_attention_with_kvcache", ACTIVATIONS, **NATIVE,
+                varies="float32 online softmax over chunks of 64 keys; items split over torch's intra-op threads "
+                       "past ~130k multiply-adds")
+def flash_attention_with_kvcache(ctx, inputs, outputs):
+    q, kc, vc, cu_q, seqlens_k, block_table = inputs
+    p = ctx.params
+    try:
+        _lib().paged_attention(q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal, p.scale)
+    except DtorchError:
+        torch_kv_cache.flash_attention_with_kvcache_sdpa(ctx, inputs, outputs)
+
+
+# -- llm.embedding on GGUF weights ----------------------------------------------------------------------------
+# (w uint8 [V, row bytes], ids int [...]) -> (out [..., E],) in the key's dtype; params vocab_start (ids outside
+# [vocab_start, vocab_start + V) give zero rows). Each row dequantized as layouts.dequantize (the same float32
+# bits), then rounded once. The K-quant layouts stay on the torch backend's kernel.
+
+def _embedding_kernel(layout: str):
+    code, fallback = layouts.format_code(layout), torch_quantized._embedding(layout)
+
+    def kernel(ctx, inputs, outputs):
+        w, ids = inputs
+        try:
+            _lib().qembedding(w, ids, code, ctx.params.get("vocab_start"), outputs[0])
+        except DtorchError:
+            fallback(ctx, inputs, outputs)
+
+    kernel.__name__ = kernel.__qualname__ = f"embedding_{layout[5:]}"
+    return kernel
+
+
+for _layout in ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1"):
+    KERNELS.add("llm.embedding", _embedding_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE)

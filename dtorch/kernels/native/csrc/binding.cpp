@@ -5,6 +5,11 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/mm.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdio>
@@ -149,6 +154,57 @@ Sizes sizes(int fmt, int64_t K) {
   fail(g_arg_error, "qlinear: unknown format code " + std::to_string(fmt));
 }
 
+// Element k of the K inputs that position i of a dequantized row holds (Table::dequant): the packed order
+std::vector<int64_t> kernel_order(int64_t block, int64_t K) {
+  std::vector<int64_t> k(size_t(K), 0);
+  if (block == 32) {  // super-group g of S blocks: [v 0..7][block j][4] holds element 32 (16 g + j) + 4 v + t
+    for (int64_t g = 0, nb = K / 32; g * 16 < nb; ++g) {
+      const int64_t S = std::min<int64_t>(16, nb - g * 16);
+      for (int64_t v = 0; v < 8; ++v)
+        for (int64_t j = 0; j < S; ++j)
+          for (int64_t t = 0; t < 4; ++t) k[size_t(g * 512 + v * 4 * S + 4 * j + t)] = (16 * g + j) * 32 + 4 * v + t;
+    }
+  } else {  // group g of 128: half h, byte i holds element 128 g + 32 (i / 16) + 16 h + i % 16
+    for (int64_t i = 0; i < K; ++i) k[size_t(i)] = i / 128 * 128 + (i % 64) / 16 * 32 + (i % 128) / 64 * 16 + i % 16;
+  }
+  return k;
+}
+
+// From this many rows of x on, qlinear dequantizes panels of the weight to float32 and multiplies with torch's GEMM
+// (exact float products; the integer kernels' work grows with the rows, the dequantization does not)
+constexpr int64_t kFloatRows = 16;
+
+// y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights (they stay in L2)
+void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, int64_t block, const at::Tensor& x,
+                   const at::Tensor* bias, const at::Tensor& out, int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t kPanel = 512 << 10;
+  const int64_t rows = std::max<int64_t>(16, kPanel / (4 * K) / 16 * 16);
+  // x in the packed order and the weight panel live in a per-thread workspace: fresh pages each call cost more
+  // than small products
+  thread_local std::vector<float> t_xk, t_panel;
+  if (int64_t(t_xk.size()) < M * K) t_xk.resize(size_t(M * K));
+  if (int64_t(t_panel.size()) < rows * K) t_panel.resize(size_t(rows * K));
+  const std::vector<int64_t> order = kernel_order(block, K);
+  const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat);
+  const at::Tensor xk = at::from_blob(t_xk.data(), {M, K}, x2.options().dtype(at::kFloat));
+  at::index_select_out(const_cast<at::Tensor&>(xk), x2, 1,
+                       at::from_blob(const_cast<int64_t*>(order.data()), {K}, at::kLong));
+  const bool direct = out.scalar_type() == at::kFloat;
+  const at::Tensor y = direct ? out.view({M, N}) : at::empty({M, N}, xk.options());
+  const at::Tensor b32 = bias ? bias->to(at::kFloat) : at::Tensor();
+  float* pp = t_panel.data();
+  const at::Tensor panel = at::from_blob(pp, {std::min(rows, N), K}, xk.options());
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t nc = std::min(rows, N - n0);
+    parallel_rows(nc, 4 * K, [&](int64_t r0, int64_t r1) { tb->dequant(qw, n0 + r0, n0 + r1, pp + r0 * K); });
+    at::Tensor yv = y.narrow(1, n0, nc);
+    const at::Tensor wt = panel.narrow(0, 0, nc).t();
+    if (bias) at::addmm_out(yv, b32.narrow(0, n0, nc), xk, wt);
+    else at::mm_out(yv, xk, wt);
+  }
+  if (!direct) out.view({M, N}).copy_(y);
+}
+
 #define ENTRY(name) PyObject* name(PyObject*, PyObject* const* args, Py_ssize_t nargs) { try {
 #define EXIT } catch (const Fail&) { return nullptr; } catch (const std::exception& e) { \
     PyErr_SetString(PyExc_RuntimeError, e.what()); return nullptr; } }
@@ -192,10 +248,22 @@ ENTRY(py_qlinear)
   const void* bp = has_bias ? bias->data_ptr() : nullptr;
   const void* xp = x.data_ptr();
   void* yp = out.data_ptr();
+  if (M >= kFloatRows) {
+    std::string err;  // an ATen error must not unwind past the GIL release
+    Py_BEGIN_ALLOW_THREADS
+    try {
+      qlinear_float(tb, qw, sz.block, x, bias, out, M, N, K);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    Py_END_ALLOW_THREADS
+    need(err.empty(), PyExc_RuntimeError, "qlinear: " + err);
+    Py_RETURN_NONE;
+  }
   Workspace& ws = t_ws;
   if (sz.block == 32) {  // Q8_0 / Q4_0 / Q4_1: super-groups of 16 blocks
     const int64_t nsg = (K / 32 + 15) / 16;
-    if (int64_t(ws.q.size()) < M * nsg * 512) ws.q.resize(size_t(M * nsg * 512));
+    if (int64_t(ws.q.size()) < M * nsg * 1024) ws.q.resize(size_t(M * nsg * 1024));
     if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
     if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
     const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg};
@@ -208,7 +276,7 @@ ENTRY(py_qlinear)
     Py_RETURN_NONE;
   }
   const int64_t ng = (K / 32 + 3) / 4;
-  if (int64_t(ws.q.size()) < M * ng * 128) ws.q.resize(size_t(M * ng * 128));
+  if (int64_t(ws.q.size()) < M * ng * 256) ws.q.resize(size_t(M * ng * 256));
   if (int64_t(ws.darep.size()) < M * ng * 16) ws.darep.resize(size_t(M * ng * 16));
   if (int64_t(ws.asum.size()) < M * ng * 8) ws.asum.resize(size_t(M * ng * 8));
   const dtn::QAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), ng};
@@ -379,6 +447,11 @@ ENTRY(py_set_errors)
   Py_RETURN_NONE;
 EXIT
 
+// defined in the KV cache and embedding section at the end of this file
+PyObject* py_paged_attention(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* py_cache_store(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* py_qembedding(PyObject*, PyObject* const*, Py_ssize_t);
+
 PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)())py_qlinear, METH_FASTCALL, "y = x @ dequant(w).T into out"},
     {"gemv", (PyCFunction)(void (*)())py_gemv, METH_FASTCALL, "y = x @ w.T into out (float32/bf16 w)"},
@@ -389,6 +462,9 @@ PyMethodDef methods[] = {
     {"isa", (PyCFunction)(void (*)())py_isa, METH_FASTCALL, "the kernel table in use"},
     {"cpu_supports", (PyCFunction)(void (*)())py_cpu_supports, METH_FASTCALL, "whether this CPU runs an ISA"},
     {"set_errors", (PyCFunction)(void (*)())py_set_errors, METH_FASTCALL, "the dtorch error classes to raise"},
+    {"paged_attention", (PyCFunction)(void (*)())py_paged_attention, METH_FASTCALL, "attention over paged KV caches"},
+    {"cache_store", (PyCFunction)(void (*)())py_cache_store, METH_FASTCALL, "key/value rows into cache slots"},
+    {"qembedding", (PyCFunction)(void (*)())py_qembedding, METH_FASTCALL, "dequantized rows of a gguf weight"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CPU kernels", -1, methods};
@@ -401,3 +477,225 @@ PyMODINIT_FUNC PyInit__dtorch_native() {
                                                      : dtn::table_portable();
   return PyModule_Create(&module);
 }
+
+// ===== KV cache and quantized embedding: paged_attention, cache_store, qembedding ===========================
+// llm.flash_attention_with_kvcache runs in the ISA units (attention.h, their AttnTable); storing a step's keys and
+// gathering embedding rows are copies and a dequantization of a few rows, plain C++ here.
+namespace {
+
+// need() that builds its message only when the check fails (these run on every decode step)
+#define NEED(ok, type, msg) \
+  do {                      \
+    if (!(ok)) fail(type, msg); \
+  } while (0)
+
+const dtn::AttnTable* attn_table() {  // the AttnTable of the ISA g_table belongs to
+  static const dtn::Table* seen = nullptr;
+  static const dtn::AttnTable* at = nullptr;
+  if (g_table != seen) {
+    const std::string name = g_table->name;
+#if defined(__x86_64__)
+    at = name == "avx512" ? dtn::attn_table_avx512() : name == "avx2" ? dtn::attn_table_avx2()
+                                                                        : dtn::attn_table_portable();
+#else
+    at = dtn::attn_table_portable();
+#endif
+    seen = g_table;
+  }
+  return at;
+}
+
+// the row stride of a [T, H, D] view whose last dim is dense; its head stride goes to *head
+int64_t token_stride(const at::Tensor& t, int64_t* head, const char* op, const char* name) {
+  NEED(t.dim() == 3 && (t.stride(2) == 1 || t.size(2) == 1), g_layout_error,
+       std::string(op) + ": " + name + " " + dims(t) + " must be [T, H, D] with D dense");
+  *head = t.stride(1);
+  return t.stride(0);
+}
+
+thread_local std::vector<dtn::AttnItem> t_items;
+
+// paged_attention(q [T, H, D], k_cache, v_cache [blocks, block_size, Hkv, D], cu_seqlens_q int32 [N + 1],
+// seqlens_k int32 [N], block_table int32 [N, max_blocks], out [T, H, D], causal bool, scale float); q and out
+// may be token/head-strided views (D dense); D a multiple of 16 up to 256
+ENTRY(py_paged_attention)
+  const char* op = "paged_attention";
+  need_args(nargs, 9, op);
+  const at::Tensor& q = any_tensor(args[0], op, "q");
+  const at::Tensor& kc = tensor(args[1], op, "k_cache");
+  const at::Tensor& vc = tensor(args[2], op, "v_cache");
+  const at::Tensor& cu = tensor(args[3], op, "cu_seqlens_q");
+  const at::Tensor& lens = tensor(args[4], op, "seqlens_k");
+  const at::Tensor& table = tensor(args[5], op, "block_table");
+  const at::Tensor& out = any_tensor(args[6], op, "out");
+  const bool causal = PyObject_IsTrue(args[7]);
+  const double scale = PyFloat_AsDouble(args[8]);
+  if (scale == -1.0 && PyErr_Occurred()) throw Fail{};
+  const int dt = float_dt(q, op, "q");
+  for (const at::Tensor* t : {&kc, &vc, &out})
+    NEED(t->scalar_type() == q.scalar_type(), g_dtype_error, std::string(op) + ": caches and out must have q's "
+         "dtype " + dtype_name(q) + ", got " + dtype_name(*t));
+  for (const at::Tensor* t : {&cu, &lens, &table}) need_dtype(*t, at::kInt, op, "cu_seqlens_q/seqlens_k/block_table");
+  int64_t q_head = 0, o_head = 0;
+  const int64_t q_tok = token_stride(q, &q_head, op, "q"), o_tok = token_stride(out, &o_head, op, "out");
+  NEED(kc.dim() == 4 && vc.sizes() == kc.sizes() && out.sizes() == q.sizes(), g_shape_error,
+       std::string(op) + ": need caches [blocks, block_size, Hkv, D] of one shape and out like q; got q " + dims(q) +
+       ", k_cache " + dims(kc) + ", v_cache " + dims(vc) + ", out " + dims(out));
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), nblocks = kc.size(0), bs = kc.size(1), hkv = kc.size(2);
+  NEED(kc.size(3) == D && hkv > 0 && H % hkv == 0, g_shape_error, std::string(op) + ": q " + dims(q) +
+       " needs caches [..., Hkv, D] with H a multiple of Hkv; got " + dims(kc));
+  NEED(D % 16 == 0 && D > 0 && D <= 256, g_layout_error,
+       std::string(op) + ": head dim " + std::to_string(D) + " is not a multiple of 16 up to 256");
+  const int64_t N = lens.size(0);
+  NEED(lens.dim() == 1 && cu.dim() == 1 && cu.size(0) == N + 1 && table.dim() == 2 && table.size(0) == N,
+       g_shape_error, std::string(op) + ": need seqlens_k [N], cu_seqlens_q [N + 1], block_table [N, max_blocks]; "
+       "got " + dims(lens) + ", " + dims(cu) + ", " + dims(table));
+  // the values decide which memory is read: checked here (O(N + blocks used)), then trusted
+  const int32_t *cp = cu.data_ptr<int32_t>(), *lp = lens.data_ptr<int32_t>(), *tp = table.data_ptr<int32_t>();
+  const int64_t mb = table.size(1), G = H / hkv;
+  NEED(cp[0] == 0 && cp[N] == T, g_arg_error, std::string(op) + ": cu_seqlens_q must rise from 0 to T = " +
+       std::to_string(T));
+  std::vector<dtn::AttnItem>& items = t_items;
+  items.clear();
+  double work = 0;  // multiply-adds of QK^T (an upper bound under causal)
+  for (int64_t s = 0; s < N; ++s) {
+    const int64_t nq = cp[s + 1] - cp[s], n = lp[s], used = (n + bs - 1) / bs;
+    NEED(nq >= 0 && n >= 0 && used <= mb, g_arg_error, std::string(op) + ": sequence " + std::to_string(s) +
+         " has " + std::to_string(nq) + " queries and " + std::to_string(n) + " keys, more than its " +
+         std::to_string(mb) + " blocks of " + std::to_string(bs) + " hold (or a negative count)");
+    for (int64_t b = 0; b < used; ++b)
+      NEED(tp[s * mb + b] >= 0 && tp[s * mb + b] < nblocks, g_arg_error, std::string(op) + ": block_table[" +
+           std::to_string(s) + ", " + std::to_string(b) + "] = " + std::to_string(tp[s * mb + b]) +
+           " is outside 0.." + std::to_string(nblocks - 1));
+    const int64_t rows = nq * G;
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t r0 = 0; r0 < rows; r0 += 16)
+        items.push_back({int32_t(s), int32_t(h), int32_t(r0), int32_t(std::min<int64_t>(rows, r0 + 16))});
+    work += double(rows) * double(hkv) * double(n) * double(D);
+  }
+  const dtn::AttnCall c{q.data_ptr(), q_tok, q_head, kc.data_ptr(), vc.data_ptr(), bs, hkv, out.data_ptr(), o_tok,
+                        o_head, cp, lp, tp, mb, dt, D, G, float(scale), causal};
+  const dtn::AttnTable* at = attn_table();
+  const dtn::AttnItem* ip = items.data();
+  const int64_t ni = int64_t(items.size());
+  Py_BEGIN_ALLOW_THREADS
+  if (work < double(1 << 17) || ni < 2) {  // a decode step's few microseconds: no fork
+    at->attend(c, ip, 0, ni);
+  } else {
+    at::parallel_for(0, ni, 1, [&](int64_t i0, int64_t i1) { at->attend(c, ip, i0, i1); });
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+EXIT
+
+// cache_store(key, value [T, Hkv, D], k_cache, v_cache [blocks, block_size, Hkv, D], slots int32/int64 [T]):
+// row t to flat cache row slots[t]; a negative slot is skipped. key/value rows may be strided (heads dense).
+ENTRY(py_cache_store)
+  const char* op = "cache_store";
+  need_args(nargs, 5, op);
+  const at::Tensor& k = any_tensor(args[0], op, "key");
+  const at::Tensor& v = any_tensor(args[1], op, "value");
+  const at::Tensor& kc = tensor(args[2], op, "k_cache");
+  const at::Tensor& vc = tensor(args[3], op, "v_cache");
+  const at::Tensor& slots = tensor(args[4], op, "slot_mapping");
+  for (const at::Tensor* t : {&v, &kc, &vc})
+    NEED(t->scalar_type() == k.scalar_type(), g_dtype_error, std::string(op) + ": value and the caches must have "
+         "key's dtype " + dtype_name(k) + ", got " + dtype_name(*t));
+  NEED(slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt, g_dtype_error,
+       std::string(op) + ": slot_mapping must be int64 or int32, got " + dtype_name(slots));
+  NEED(k.dim() == 3 && v.sizes() == k.sizes() && kc.dim() == 4 && vc.sizes() == kc.sizes() &&
+       k.size(1) == kc.size(2) && k.size(2) == kc.size(3) && slots.dim() == 1 && slots.size(0) == k.size(0),
+       g_shape_error, std::string(op) + ": need key/value [T, Hkv, D], caches [blocks, block_size, Hkv, D] and "
+       "slot_mapping [T]; got " + dims(k) + ", " + dims(kc) + ", " + dims(slots));
+  const int64_t T = k.size(0), rows = kc.size(0) * kc.size(1);
+  const int64_t ldk = row_stride(k, 2, op, "key"), ldv = row_stride(v, 2, op, "value");
+  const int64_t esz = k.element_size(), width = k.size(1) * k.size(2);
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  char *kcp = static_cast<char*>(kc.data_ptr()), *vcp = static_cast<char*>(vc.data_ptr());
+  const bool wide = slots.scalar_type() == at::kLong;
+  const void* sp = slots.data_ptr();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = wide ? static_cast<const int64_t*>(sp)[t] : static_cast<const int32_t*>(sp)[t];
+    if (s < 0) continue;
+    NEED(s < rows, g_arg_error, std::string(op) + ": slot " + std::to_string(s) + " is past the cache's " +
+         std::to_string(rows) + " rows");
+    std::memcpy(kcp + s * width * esz, kp + t * ldk * esz, size_t(width * esz));
+    std::memcpy(vcp + s * width * esz, vp + t * ldv * esz, size_t(width * esz));
+  }
+  Py_RETURN_NONE;
+EXIT
+
+// one row of a Q8_0 / Q4_0 / Q4_1 weight packed as dtorch/kernels/layouts.py says (super-groups of 16 blocks of
+// 32: S fp16 d, then S fp16 m for Q4_1, then the quants as [step u][block j][4 bytes]) -> E floats, computed as
+// layouts.dequantize does (d * q, d * (q - 8), d * q + m: the same float32 operations, so the same bits)
+void dequant_row(int fmt, const uint8_t* row, int64_t E, float* x) {
+  const int64_t nb = E / 32, head = fmt == dtn::Q4_1 ? 4 : 2, qb = fmt == dtn::Q8_0 ? 32 : 16, ts = head + qb;
+  auto half = [](const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return c10::detail::fp16_ieee_to_fp32_value(h); };
+  for (int64_t g0 = 0; g0 < nb; g0 += 16) {
+    const int64_t S = std::min<int64_t>(16, nb - g0);
+    const uint8_t* sg = row + g0 * ts;
+    const uint8_t* qs = sg + head * S;
+    for (int64_t j = 0; j < S; ++j) {
+      const float d = half(sg + 2 * j), m = fmt == dtn::Q4_1 ? half(sg + 2 * S + 2 * j) : 0.f;
+      float* xb = x + (g0 + j) * 32;
+      for (int64_t b = 0; b < qb; ++b) {
+        const uint8_t byte = qs[(b / 4) * S * 4 + j * 4 + b % 4];
+        if (fmt == dtn::Q8_0) {
+          xb[b] = float(int8_t(byte ^ 0x80)) * d;
+        } else if (fmt == dtn::Q4_0) {
+          xb[b] = d * float(int(byte & 15) - 8);
+          xb[b + 16] = d * float(int(byte >> 4) - 8);
+        } else {
+          xb[b] = d * float(byte & 15) + m;
+          xb[b + 16] = d * float(byte >> 4) + m;
+        }
+      }
+    }
+  }
+}
+
+// qembedding(w uint8 [V, row bytes] (Q8_0 / Q4_0 / Q4_1), ids int32/int64 [...], fmt int, vocab_start int | None,
+// out [..., E] f32/bf16): out[t] = dequantize(w[ids[t] - vocab_start]); with vocab_start, ids outside
+// [vocab_start, vocab_start + V) give zero rows
+ENTRY(py_qembedding)
+  const char* op = "qembedding";
+  need_args(nargs, 5, op);
+  const at::Tensor& w = tensor(args[0], op, "w");
+  const at::Tensor& ids = tensor(args[1], op, "ids");
+  const long fmt = PyLong_AsLong(args[2]);
+  if (fmt == -1 && PyErr_Occurred()) throw Fail{};
+  const bool sharded = args[3] != Py_None;
+  const long long start = sharded ? PyLong_AsLongLong(args[3]) : 0;
+  if (start == -1 && PyErr_Occurred()) throw Fail{};
+  const at::Tensor& out = tensor(args[4], op, "out");
+  const int dt = float_dt(out, op, "out");
+  need_dtype(w, at::kByte, op, "w");
+  NEED(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, g_dtype_error,
+       std::string(op) + ": ids must be int64 or int32, got " + dtype_name(ids));
+  NEED(fmt == dtn::Q8_0 || fmt == dtn::Q4_0 || fmt == dtn::Q4_1, g_layout_error,
+       std::string(op) + ": format " + std::to_string(fmt) + " is not Q8_0, Q4_0 or Q4_1");
+  const int64_t E = out.dim() ? out.size(-1) : 0, V = w.dim() == 2 ? w.size(0) : 0, M = ids.numel();
+  const int64_t rb = E / 32 * (fmt == dtn::Q8_0 ? 34 : fmt == dtn::Q4_0 ? 18 : 20);
+  NEED(w.dim() == 2 && E > 0 && E % 32 == 0 && w.size(1) == rb && out.numel() == M * E, g_shape_error,
+       std::string(op) + ": need w [V, row bytes of E], out [..., E] with E a multiple of 32 and one row per id; "
+       "got w " + dims(w) + ", ids " + dims(ids) + ", out " + dims(out));
+  const bool wide = ids.scalar_type() == at::kLong;
+  const void* idp = ids.data_ptr();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  std::vector<float> buf(dt == dtn::F32 ? 0 : size_t(E));
+  for (int64_t t = 0; t < M; ++t) {
+    const int64_t r = (wide ? static_cast<const int64_t*>(idp)[t] : static_cast<const int32_t*>(idp)[t]) - start;
+    NEED(sharded || (r >= 0 && r < V), g_arg_error, std::string(op) + ": id " + std::to_string(r) +
+         " is outside the vocabulary of " + std::to_string(V));
+    float* x = dt == dtn::F32 ? out.data_ptr<float>() + t * E : buf.data();
+    if (r >= 0 && r < V) dequant_row(int(fmt), wp + r * rb, E, x);
+    else std::fill(x, x + E, 0.f);
+    if (dt == dtn::BF16) {
+      c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + t * E;
+      for (int64_t e = 0; e < E; ++e) o[e] = c10::BFloat16(x[e]);
+    }
+  }
+  Py_RETURN_NONE;
+EXIT
+
+}  // namespace

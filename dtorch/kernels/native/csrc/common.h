@@ -23,10 +23,10 @@ struct QWeight {
   const uint8_t* aux; int64_t aux_row;  // K-quant sub-block scales (bytes)
 };
 
-// Activations quantized to int8 per sub-block of 32, in the same group order as the weights.
-// Row r: q + r * ng * 128 (int8, group g at g * 128, zero padded), darep + r * ng * 16 (lane 4s+t of group g:
-// the scale of sub-block s, 0 past the row end), asum + r * ng * 8 (group g: scale * sum of q over
-// [L s0..s3, H s0..s3], 0 past the row end).
+// Activations quantized per sub-block of 32 to two int8 levels, x = d (hi + lo / 254) (generic.h), in the same
+// group order as the weights. Row r: q + r * ng * 256 (int8, group g at g * 256: hi, then lo at + 128, zero
+// padded), darep + r * ng * 16 (lane 4s+t of group g: the scale d of sub-block s, 0 past the row end),
+// asum + r * ng * 8 (group g: d * sum of (hi + lo / 254) over [L s0..s3, H s0..s3], 0 past the row end).
 struct QAct {
   const int8_t* q;
   const float* darep;
@@ -35,9 +35,10 @@ struct QAct {
 };
 
 // Activations for the 32-block formats (Q8_0, Q4_0, Q4_1), whose rows are super-groups of up to 16 blocks with
-// quants transposed to [step u][block j][4 bytes] (dtorch/kernels/layouts.py). Row r: q + r * nsg * 512 (int8,
-// super-group g at g * 512 as [u 0..7][lane j 0..15][4], zero padded past the row end), d + r * nsg * 16 (the
-// scale of block 16 g + j, 0 past the end), s + r * nsg * 16 (that scale times the sum of the block's q).
+// quants transposed to [step u][block j][4 bytes] (dtorch/kernels/layouts.py), in two levels as QAct. Row r:
+// q + r * nsg * 1024 (int8, super-group g at g * 1024: hi as [u 0..7][lane j 0..15][4], then lo alike at + 512,
+// zero padded past the row end), d + r * nsg * 16 (the scale of block 16 g + j, 0 past the end), s + r * nsg * 16
+// (that scale times the sum of the block's hi + lo / 254).
 struct SGAct {
   const int8_t* q;
   const float* d;
@@ -74,10 +75,43 @@ struct Table {
   // rows [r0, r1): out[r, i] = silu(gate[r, i]) * up[r, i], i < I; row strides ldg, ldu, I for out
   void (*silu_and_mul)(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
                        int64_t r1, int64_t I);
+  // rows [n0, n1) of a packed weight -> float32 out [n1 - n0, K] with K in the packed order (see kernel_order in
+  // binding.cpp), equal to gguf's dequantization
+  void (*dequant)(const QWeight& w, int64_t n0, int64_t n1, float* out);
 };
 
 const Table* table_avx512();
 const Table* table_avx2();
 const Table* table_portable();
+
+}  // namespace dtn
+
+// -- paged KV-cache attention (attention.h) ------------------------------------------------------------------
+namespace dtn {
+
+// One llm.flash_attention_with_kvcache call. q and out [T, H, D] (dt) with element strides per token and per
+// head (D dense); caches [blocks, block_size, Hkv, D] contiguous. Sequence s has queries cu_q[s]..cu_q[s + 1],
+// n = seqlens_k[s] keys held in blocks table[s * ld_table + 0 .. ceil(n / block_size)); query head hq reads kv
+// head hq / G. Causal is bottom-right: query i of nq sees keys j < n - nq + i + 1.
+struct AttnCall {
+  const void* q; int64_t q_tok, q_head;
+  const void* k; const void* v; int64_t block_size, hkv;
+  void* out; int64_t o_tok, o_head;
+  const int32_t* cu_q; const int32_t* seqlens_k; const int32_t* table; int64_t ld_table;
+  int dt; int64_t D, G; float scale; bool causal;
+};
+
+// A unit of work: rows [r0, r1) of sequence seq and kv head head, row r = i * G + g being query i of the
+// sequence on query head head * G + g (at most 16 rows).
+struct AttnItem { int32_t seq, head, r0, r1; };
+
+struct AttnTable {
+  // items [i0, i1) of c; D a multiple of 16 up to 256
+  void (*attend)(const AttnCall& c, const AttnItem* items, int64_t i0, int64_t i1);
+};
+
+const AttnTable* attn_table_avx512();
+const AttnTable* attn_table_avx2();
+const AttnTable* attn_table_portable();
 
 }  // namespace dtn

@@ -54,95 +54,98 @@ static inline float fp16_to_f32(uint16_t h) {  // exact; the SIMD paths use F16C
 }
 
 // -- activation quantization ------------------------------------------------------------------------------
-// One row x [K] -> int8 per sub-block of 32 (scale amax / 127), in group order (see common.h).
+// Two int8 levels per block of 32: hi = round(x / d) with d = amax / 127, then the residual x - d hi, at most d / 2,
+// as lo = round((x - d hi) / (d / 254)); x = d (hi + lo / 254) to 1/508 of d, about 16 bits (int8 alone: 1/2 of d,
+// NMSE ~3e-5 on Gaussian x, too coarse for the outliers of the down projection's input). The kernels take two
+// integer dot products per block, hi and lo, against the same weight bytes.
 
+static inline int8_t round_i8(float t) {  // round to nearest even: adding 1.5 * 2^23 leaves the integer in the low bits
+  const float u = t + 12582912.f;
+  int32_t bits;
+  std::memcpy(&bits, &u, 4);
+  return int8_t(bits - 0x4B400000);
+}
+
+// Block b of row r of x -> hi[32], lo[32]; returns d; sums[h] = d * sum over half h (16 values) of (hi + lo / 254)
+static inline float quantize_block(const void* x, int dt, int64_t off, int8_t* hi, int8_t* lo, float* sums) {
+  float v[32], amax = 0.f;
+  if (dt == F32) {
+    std::memcpy(v, static_cast<const float*>(x) + off, sizeof(v));
+  } else {
+    const uint16_t* xb = static_cast<const uint16_t*>(x) + off;
+#pragma omp simd
+    for (int j = 0; j < 32; ++j) v[j] = bf16_to_f32(xb[j]);
+  }
+#pragma omp simd reduction(max : amax)
+  for (int j = 0; j < 32; ++j) amax = std::fabs(v[j]) > amax ? std::fabs(v[j]) : amax;  // fmaxf is a libm call
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f, idl = id * 254.f;
+#pragma omp simd
+  for (int j = 0; j < 32; ++j) {
+    hi[j] = round_i8(v[j] * id);
+    const float t = (v[j] - d * float(hi[j])) * idl;  // |t| <= 127 up to rounding
+    lo[j] = round_i8(t > 127.f ? 127.f : t < -127.f ? -127.f : t);
+  }
+  for (int h = 0; h < 2; ++h) {
+    int sh = 0, sl = 0;
+#pragma omp simd reduction(+ : sh, sl)
+    for (int i = 0; i < 16; ++i) { sh += hi[16 * h + i]; sl += lo[16 * h + i]; }
+    sums[h] = d * (float(sh) + float(sl) * (1.f / 254.f));
+  }
+  return d;
+}
+
+// One row x [K] -> two int8 levels per sub-block of 32, in group order (see QAct in common.h).
 static void quantize_rows(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q,
                           float* darep, float* asum) {
   const int64_t nb = K / 32, ng = (nb + 3) / 4;
   for (int64_t r = r0; r < r1; ++r) {
-    int8_t* qr = q + r * ng * 128;
+    int8_t* qr = q + r * ng * 256;
     float* dr = darep + r * ng * 16;
     float* sr = asum + r * ng * 8;
     if (nb % 4) {  // the last group is partial: zero its padding (its loads are whole vectors)
-      std::memset(qr + (ng - 1) * 128, 0, 128);
+      std::memset(qr + (ng - 1) * 256, 0, 256);
       std::memset(dr + (ng - 1) * 16, 0, sizeof(float) * 16);
       std::memset(sr + (ng - 1) * 8, 0, sizeof(float) * 8);
     }
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t g = b / 4, s = b % 4, gs = (nb - g * 4) < 4 ? nb - g * 4 : 4;
-      float v[32], amax = 0.f;
-      if (dt == F32) {
-        std::memcpy(v, static_cast<const float*>(x) + r * ldx + b * 32, sizeof(v));
-      } else {
-        const uint16_t* xb = static_cast<const uint16_t*>(x) + r * ldx + b * 32;
-#pragma omp simd
-        for (int j = 0; j < 32; ++j) v[j] = bf16_to_f32(xb[j]);
-      }
-#pragma omp simd reduction(max : amax)
-      for (int j = 0; j < 32; ++j) amax = std::fabs(v[j]) > amax ? std::fabs(v[j]) : amax;  // fmaxf is a libm call
-      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-      int8_t qv[32];
-#pragma omp simd
-      for (int j = 0; j < 32; ++j) {  // round to nearest even: adding 1.5 * 2^23 leaves the integer in the low bits
-        const float t = v[j] * id + 12582912.f;
-        int32_t bits;
-        std::memcpy(&bits, &t, 4);
-        qv[j] = int8_t(bits - 0x4B400000);
-      }
-      int sum[2] = {0, 0};
+      int8_t hi[32], lo[32];
+      float sums[2];
+      const float d = quantize_block(x, dt, r * ldx + b * 32, hi, lo, sums);
       for (int h = 0; h < 2; ++h) {
-        int acc = 0;
-#pragma omp simd reduction(+ : acc)
-        for (int i = 0; i < 16; ++i) acc += qv[h * 16 + i];
-        sum[h] = acc;
-        std::memcpy(qr + g * 128 + h * 16 * gs + s * 16, qv + h * 16, 16);
+        std::memcpy(qr + g * 256 + h * 16 * gs + s * 16, hi + h * 16, 16);
+        std::memcpy(qr + g * 256 + 128 + h * 16 * gs + s * 16, lo + h * 16, 16);
       }
       for (int t = 0; t < 4; ++t) dr[g * 16 + s * 4 + t] = d;
-      sr[g * 8 + s] = d * float(sum[0]);
-      sr[g * 8 + 4 + s] = d * float(sum[1]);
+      sr[g * 8 + s] = sums[0];
+      sr[g * 8 + 4 + s] = sums[1];
     }
   }
 }
 
-// One row x [K] -> int8 per block of 32 in super-group order (see SGAct in common.h).
+// One row x [K] -> two int8 levels per block of 32 in super-group order (see SGAct in common.h).
 static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
                         float* s) {
   const int64_t nb = K / 32, nsg = (nb + 15) / 16;
   for (int64_t r = r0; r < r1; ++r) {
-    int8_t* qr = q + r * nsg * 512;
+    int8_t* qr = q + r * nsg * 1024;
     float* dr = d + r * nsg * 16;
     float* sr = s + r * nsg * 16;
     if (nb % 16) {  // the last super-group is partial: zero its padding lanes
-      std::memset(qr + (nsg - 1) * 512, 0, 512);
+      std::memset(qr + (nsg - 1) * 1024, 0, 1024);
       std::memset(dr + (nsg - 1) * 16, 0, sizeof(float) * 16);
       std::memset(sr + (nsg - 1) * 16, 0, sizeof(float) * 16);
     }
     for (int64_t b = 0; b < nb; ++b) {
-      float v[32], amax = 0.f;
-      if (dt == F32) {
-        std::memcpy(v, static_cast<const float*>(x) + r * ldx + b * 32, sizeof(v));
-      } else {
-        const uint16_t* xb = static_cast<const uint16_t*>(x) + r * ldx + b * 32;
-#pragma omp simd
-        for (int j = 0; j < 32; ++j) v[j] = bf16_to_f32(xb[j]);
+      int8_t hi[32], lo[32];
+      float sums[2];
+      dr[b] = quantize_block(x, dt, r * ldx + b * 32, hi, lo, sums);  // (b / 16) * 16 + b % 16 == b
+      sr[b] = sums[0] + sums[1];
+      int8_t* dst = qr + (b / 16) * 1024 + (b % 16) * 4;
+      for (int u = 0; u < 8; ++u) {
+        std::memcpy(dst + u * 64, hi + 4 * u, 4);
+        std::memcpy(dst + 512 + u * 64, lo + 4 * u, 4);
       }
-#pragma omp simd reduction(max : amax)
-      for (int j = 0; j < 32; ++j) amax = std::fabs(v[j]) > amax ? std::fabs(v[j]) : amax;
-      const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
-      int8_t qv[32];
-      int acc = 0;
-#pragma omp simd reduction(+ : acc)
-      for (int j = 0; j < 32; ++j) {  // round to nearest even, as quantize_rows
-        const float t = v[j] * id + 12582912.f;
-        int32_t bits;
-        std::memcpy(&bits, &t, 4);
-        qv[j] = int8_t(bits - 0x4B400000);
-        acc += qv[j];
-      }
-      int8_t* dst = qr + (b / 16) * 512 + (b % 16) * 4;
-      for (int u = 0; u < 8; ++u) std::memcpy(dst + u * 64, qv + 4 * u, 4);
-      dr[b] = db;  // (b / 16) * 16 + b % 16 == b
-      sr[b] = db * float(acc);
     }
   }
 }
@@ -170,23 +173,25 @@ static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, i
         const uint8_t* p = row + g * 16 * G::bytes;
         const uint16_t* dw = reinterpret_cast<const uint16_t*>(p);
         const uint8_t* q = p + 2 * S * G::scales;
-        const int8_t* aq = a.q + (m * a.nsg + g) * 512;
+        const int8_t* aq = a.q + (m * a.nsg + g) * 1024;  // hi levels, then lo at + 512
         const float* ad = a.d + (m * a.nsg + g) * 16;
         const float* as = a.s + (m * a.nsg + g) * 16;
         for (int j = 0; j < S; ++j) {
-          int32_t isum = 0;
-          for (int u = 0; u < G::qbytes / 4; ++u)
-            for (int b = 0; b < 4; ++b) {
-              const uint8_t v = q[u * 4 * S + j * 4 + b];
-              if constexpr (F == dtn::Q8_0) {
-                isum += int32_t(v) * aq[u * 64 + j * 4 + b];
-              } else {
-                isum += int32_t(v & 15) * aq[u * 64 + j * 4 + b] + int32_t(v >> 4) * aq[(u + 4) * 64 + j * 4 + b];
+          int32_t isum[2] = {0, 0};
+          for (int l = 0; l < 2; ++l)
+            for (int u = 0; u < G::qbytes / 4; ++u)
+              for (int b = 0; b < 4; ++b) {
+                const uint8_t v = q[u * 4 * S + j * 4 + b];
+                const int8_t* al = aq + 512 * l + j * 4 + b;
+                if constexpr (F == dtn::Q8_0) {
+                  isum[l] += int32_t(v) * al[u * 64];
+                } else {
+                  isum[l] += int32_t(v & 15) * al[u * 64] + int32_t(v >> 4) * al[(u + 4) * 64];
+                }
               }
-            }
           const float d = fp16_to_f32(dw[j]);
           const float m_ = G::scales == 2 ? fp16_to_f32(dw[S + j]) : G::offset * d;
-          acc += d * (ad[j] * float(isum)) + m_ * as[j];
+          acc += d * (ad[j] * (float(isum[0]) + float(isum[1]) * (1.f / 254.f))) + m_ * as[j];
         }
       }
       store_f(y, ydt, m * ldy + n, acc);
@@ -268,28 +273,103 @@ static void qgemm_portable(const QWeight& w, const QAct& a, int64_t M, int64_t n
   GroupS gr;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < M; ++m) {
-      const int8_t* aq = a.q + m * ng * 128;
+      const int8_t* aq = a.q + m * ng * 256;
       const float* dr = a.darep + m * ng * 16;
       const float* as = a.asum + m * ng * 8;
       float acc = bias ? load_f(bias, ydt, n) : 0.f;
       for (int64_t g = 0; g < ng; ++g) {
         const int gs = int(nb - g * 4 < 4 ? nb - g * 4 : 4);
         decode_group_scalar(w, n, g, gs, gr);
-        const int8_t* al = aq + g * 128;
+        const int8_t* al = aq + g * 256;  // hi levels, then lo at + 128
         const int8_t* ah = al + 16 * gs;
         for (int s = 0; s < gs; ++s) {
-          int32_t il = 0, ih = 0;
-          for (int i = 0; i < 16; ++i) {
-            il += int32_t(gr.wl[s * 16 + i]) * al[s * 16 + i];
-            ih += int32_t(gr.wh[s * 16 + i]) * ah[s * 16 + i];
-          }
-          acc += dr[g * 16 + 4 * s] * (gr.dl[s] * float(il) + gr.dh[s] * float(ih));
+          int32_t il[2] = {0, 0}, ih[2] = {0, 0};
+          for (int l = 0; l < 2; ++l)
+            for (int i = 0; i < 16; ++i) {
+              il[l] += int32_t(gr.wl[s * 16 + i]) * al[128 * l + s * 16 + i];
+              ih[l] += int32_t(gr.wh[s * 16 + i]) * ah[128 * l + s * 16 + i];
+            }
+          const float fl = float(il[0]) + float(il[1]) * (1.f / 254.f), fh = float(ih[0]) + float(ih[1]) * (1.f / 254.f);
+          acc += dr[g * 16 + 4 * s] * (gr.dl[s] * fl + gr.dh[s] * fh);
           acc += gr.m[s] * as[g * 8 + s] + gr.m[4 + s] * as[g * 8 + 4 + s];
         }
       }
       store_f(y, ydt, m * ldy + n, acc);
     }
   }
+}
+
+// -- dequantization for many-row products --------------------------------------------------------------------
+// A weight row comes out in its packed order, so every loop here is a plain vectorizable stream: a super-group of S
+// blocks as [v 0..7][block j][4] holding element 32 j + 4 v + t (Q4: v < 4 the low nibbles of step v, v >= 4 the
+// high nibbles of step v - 4), a K-quant group of 128 as its L half, then its H half. Values equal gguf's.
+
+template <int F>
+static void dequant_sg_fmt(const QWeight& w, int64_t n0, int64_t n1, float* out) {
+  using G = SG<F>;
+  const int64_t nb = w.K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.qs + n * w.qs_row;
+    float* o = out + (n - n0) * w.K;
+    for (int64_t g = 0; g * 16 < nb; ++g) {
+      const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16), L = 4 * S;
+      const uint8_t* p = row + g * 16 * G::bytes;
+      const uint16_t* dw = reinterpret_cast<const uint16_t*>(p);
+      const uint8_t* q = p + 2 * S * G::scales;
+      float* og = o + g * 512;
+      float ds[16], ms[16], d[64], m[64];  // d, m per lane l: those of block l / 4
+      for (int j = 0; j < S; ++j) {
+        ds[j] = fp16_to_f32(dw[j]);
+        ms[j] = G::scales == 2 ? fp16_to_f32(dw[S + j]) : 0.f;
+      }
+      for (int l = 0; l < L; ++l) {
+        d[l] = ds[l / 4];
+        m[l] = ms[l / 4];
+      }
+      for (int u = 0; u < G::qbytes / 4; ++u) {
+        const uint8_t* qu = q + u * L;
+        if constexpr (F == dtn::Q8_0) {
+#pragma omp simd
+          for (int l = 0; l < L; ++l) og[u * L + l] = d[l] * float(int8_t(qu[l] ^ 0x80));
+        } else if constexpr (F == dtn::Q4_0) {
+#pragma omp simd
+          for (int l = 0; l < L; ++l) {
+            og[u * L + l] = d[l] * float(int(qu[l] & 15) - 8);
+            og[(u + 4) * L + l] = d[l] * float(int(qu[l] >> 4) - 8);
+          }
+        } else {
+#pragma omp simd
+          for (int l = 0; l < L; ++l) {
+            og[u * L + l] = d[l] * float(qu[l] & 15) + m[l];
+            og[(u + 4) * L + l] = d[l] * float(qu[l] >> 4) + m[l];
+          }
+        }
+      }
+    }
+  }
+}
+
+static void dequant(const QWeight& w, int64_t n0, int64_t n1, float* out) {
+  switch (w.fmt) {
+    case dtn::Q8_0: return dequant_sg_fmt<dtn::Q8_0>(w, n0, n1, out);
+    case dtn::Q4_0: return dequant_sg_fmt<dtn::Q4_0>(w, n0, n1, out);
+    case dtn::Q4_1: return dequant_sg_fmt<dtn::Q4_1>(w, n0, n1, out);
+  }
+  GroupS gr;  // Q4_K, Q6_K: w = dl[s] u + m[s] (L half), dh[s] u + m[4 + s] (H half)
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t g = 0; g < w.K / 128; ++g) {
+      decode_group_scalar(w, n, g, 4, gr);
+      float* o = out + (n - n0) * w.K + g * 128;
+      for (int i = 0; i < 64; ++i) {
+        if (w.fmt == dtn::Q4_K) {  // gguf: (d sc) q - (dmin mn)
+          o[i] = gr.dl[i / 16] * float(gr.wl[i]) + gr.m[i / 16];
+          o[64 + i] = gr.dh[i / 16] * float(gr.wh[i]) + gr.m[4 + i / 16];
+        } else {  // Q6_K, gguf: (d sc) (q - 32)
+          o[i] = gr.dl[i / 16] * float(int(gr.wl[i]) - 32);
+          o[64 + i] = gr.dh[i / 16] * float(int(gr.wh[i]) - 32);
+        }
+      }
+    }
 }
 
 // -- portable float product -------------------------------------------------------------------------------

@@ -18,7 +18,19 @@ namespace dtn {
 const Table* table_avx512() {
   static const Table t{"avx512", DTN_ISA::quantize_rows, DTN_ISA::qgemm512, DTN_ISA::quantize_sg, DTN_ISA::qgemm_sg512,
                        DTN_ISA::gemv512, DTN_ISA::rms_norm, DTN_ISA::rope,
-                       DTN_ISA::silu_and_mul};
+                       DTN_ISA::silu_and_mul, DTN_ISA::dequant512};
+  return &t;
+}
+}  // namespace dtn
+
+// paged KV-cache attention (attention.h), its own table so the kernel table above stays as it is
+namespace DTN_ISA {
+#include "attention.h"
+}  // namespace DTN_ISA
+
+namespace dtn {
+const AttnTable* attn_table_avx512() {
+  static const AttnTable t{DTN_ISA::attend};
   return &t;
 }
 }  // namespace dtn

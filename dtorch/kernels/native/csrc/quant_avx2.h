@@ -76,6 +76,15 @@ static inline __m256 pair_scale(__m128 d4, int pp) {  // lanes [d[2p] x4, d[2p+1
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), idx);
 }
 
+static inline __m256i dot_u8s8(__m256i w, __m256i a) {  // 8 int32 lanes, each the sum of 4 products
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+
+// the two activation levels' integer sums as one float: hi + lo / 254 (as the portable kernels round it)
+static inline __m256 levels256(__m256i hi, __m256i lo) {
+  return _mm256_add_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(1.f / 254.f)));
+}
+
 static inline float hsum256_avx2(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -96,18 +105,23 @@ static inline void qdot256(const Row256& row, const QAct& a, int64_t m0, float* 
     for (int pp = 0; pp * 2 < gs; ++pp) {
       const __m256 dl = pair_scale(w.dl, pp), dh = W::split ? pair_scale(w.dh, pp) : dl;
       for (int r = 0; r < MR; ++r) {
-        const int8_t* aq = a.q + (m0 + r) * ng * 128 + g * 128;  // zero padded: whole 32-byte loads are safe
+        const int8_t* aq = a.q + (m0 + r) * ng * 256 + g * 256;  // zero padded: whole 32-byte loads are safe
+        const int8_t* lq = aq + 128;                              // the lo levels
         const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + 32 * pp));
         const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + 16 * gs + 32 * pp));
+        const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lq + 32 * pp));
+        const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lq + 16 * gs + 32 * pp));
         const __m256 dr = _mm256_loadu_ps(a.darep + (m0 + r) * ng * 16 + g * 16 + 8 * pp);
         if constexpr (W::split) {
-          const __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(w.wl[pp], al), ones);
-          const __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(w.wh[pp], ah), ones);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(dl, dr), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(dh, dr), acc[r]);
+          const __m256 fl = levels256(dot_u8s8(w.wl[pp], al), dot_u8s8(w.wl[pp], ll));
+          const __m256 fh = levels256(dot_u8s8(w.wh[pp], ah), dot_u8s8(w.wh[pp], lh));
+          acc[r] = _mm256_fmadd_ps(fl, _mm256_mul_ps(dl, dr), acc[r]);
+          acc[r] = _mm256_fmadd_ps(fh, _mm256_mul_ps(dh, dr), acc[r]);
         } else {  // 4-bit: each int16 pair sum is at most 2 * 15 * 127, so L + H cannot overflow
           const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.wl[pp], al), _mm256_maddubs_epi16(w.wh[pp], ah));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), _mm256_mul_ps(dl, dr), acc[r]);
+          const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.wl[pp], ll), _mm256_maddubs_epi16(w.wh[pp], lh));
+          const __m256 f = levels256(_mm256_madd_epi16(p16, ones), _mm256_madd_epi16(l16, ones));
+          acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dl, dr), acc[r]);
         }
       }
     }
@@ -203,7 +217,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
-  const int64_t rs = a.nsg * 512;
+  const int64_t rs = a.nsg * 1024;
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
     const uint8_t* p[NR];
@@ -212,10 +226,10 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
     for (int h = 0; h * 8 < S; ++h) {
       const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
       const __m256i lm = lanes_mask(cnt);
-      const int8_t* ag = a.q + m0 * rs + g * 512 + 32 * h;
-      __m256i is[MR][NR];
+      const int8_t* ag = a.q + m0 * rs + g * 1024 + 32 * h;  // hi levels, then lo at + 512
+      __m256i is[MR][NR], il[MR][NR];
       for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NR; ++n) is[m][n] = _mm256_setzero_si256();
+        for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm256_setzero_si256();
       if constexpr (F == dtn::Q8_0) {
         for (int u = 0; u < 8; ++u) {
           __m256i ws[NR], wa[NR];
@@ -226,9 +240,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           }
           for (int m = 0; m < MR; ++m) {
             const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + u * 64));
-            for (int n = 0; n < NR; ++n)
-              is[m][n] = _mm256_add_epi32(
-                  is[m][n], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[n], _mm256_sign_epi8(av, ws[n])), ones));
+            const __m256i lv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + 512 + u * 64));
+            for (int n = 0; n < NR; ++n) {
+              is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(wa[n], _mm256_sign_epi8(av, ws[n])));
+              il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wa[n], _mm256_sign_epi8(lv, ws[n])));
+            }
           }
         }
       } else {
@@ -240,11 +256,17 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             wh[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
           }
           for (int m = 0; m < MR; ++m) {
-            const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + u * 64));
-            const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + (u + 4) * 64));
-            for (int n = 0; n < NR; ++n)  // each int16 is at most 2 * 15 * 127 per product: their sum fits
+            const int8_t* am = ag + m * rs;
+            const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + u * 64));
+            const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + (u + 4) * 64));
+            const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + u * 64));
+            const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + (u + 4) * 64));
+            for (int n = 0; n < NR; ++n) {  // each int16 is at most 2 * 15 * 127 per product: their sum fits
               is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(_mm256_add_epi16(
                   _mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones));
+              il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(_mm256_add_epi16(
+                  _mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), ones));
+            }
           }
         }
       }
@@ -257,7 +279,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         const __m256 da = _mm256_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         const __m256 sa = _mm256_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         for (int n = 0; n < NR; ++n) {
-          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(is[m][n]), da);
+          const __m256 t = _mm256_mul_ps(levels256(is[m][n], il[m][n]), da);
           if constexpr (F == dtn::Q4_1) {
             acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (F == dtn::Q4_0) {

@@ -69,6 +69,11 @@ template <> struct Fmt512<dtn::Q6_K> {  // w = (d sc) (q - 32), sc per 16 weight
   }
 };
 
+// the two activation levels' integer sums as one float: hi + lo / 254 (as the portable kernels round it)
+static inline __m512 levels512(__m512i hi, __m512i lo) {
+  return _mm512_add_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(1.f / 254.f)));
+}
+
 static inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -88,17 +93,20 @@ static inline void qdot512(const Row512& row, const QAct& a, int64_t m0, float* 
     Dec512 w;
     W::decode(row, g, gs, w);
     for (int r = 0; r < MR; ++r) {
-      const int8_t* aq = a.q + (m0 + r) * ng * 128 + g * 128;  // zero padded: whole 64-byte loads are safe
+      const int8_t* aq = a.q + (m0 + r) * ng * 256 + g * 256;  // zero padded: whole 64-byte loads are safe
       const __m512i al = _mm512_loadu_si512(aq), ah = _mm512_loadu_si512(aq + 16 * gs);
+      const __m512i ll = _mm512_loadu_si512(aq + 128), lh = _mm512_loadu_si512(aq + 128 + 16 * gs);  // lo levels
       const __m512 dr = _mm512_loadu_ps(a.darep + (m0 + r) * ng * 16 + g * 16);
+      const __m512i z = _mm512_setzero_si512();
       if constexpr (W::split) {
-        const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.wl, al);
-        const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.wh, ah);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(w.dl, dr), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(w.dh, dr), acc[r]);
+        const __m512 fl = levels512(_mm512_dpbusd_epi32(z, w.wl, al), _mm512_dpbusd_epi32(z, w.wl, ll));
+        const __m512 fh = levels512(_mm512_dpbusd_epi32(z, w.wh, ah), _mm512_dpbusd_epi32(z, w.wh, lh));
+        acc[r] = _mm512_fmadd_ps(fl, _mm512_mul_ps(w.dl, dr), acc[r]);
+        acc[r] = _mm512_fmadd_ps(fh, _mm512_mul_ps(w.dh, dr), acc[r]);
       } else {
-        const __m512i i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.wl, al), w.wh, ah);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(w.dl, dr), acc[r]);
+        const __m512i i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w.wl, al), w.wh, ah);
+        const __m512i il = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w.wl, ll), w.wh, lh);
+        acc[r] = _mm512_fmadd_ps(levels512(i, il), _mm512_mul_ps(w.dl, dr), acc[r]);
       }
       accm[r] = _mm256_fmadd_ps(w.m, _mm256_loadu_ps(a.asum + (m0 + r) * ng * 8 + g * 8), accm[r]);
     }
@@ -177,7 +185,7 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
-  const int64_t rs = a.nsg * 512;
+  const int64_t rs = a.nsg * 1024;
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
     const __mmask16 lm = __mmask16((1u << S) - 1);
@@ -185,17 +193,21 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
     const uint8_t* p[NR];
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * 16 * G::bytes;
     const int64_t qoff = 2 * S * G::scales;
-    const int8_t* ag = a.q + m0 * rs + g * 512;
-    __m512i is[MR][NR];
+    const int8_t* ag = a.q + m0 * rs + g * 1024;  // hi levels, then lo at + 512
+    __m512i is[MR][NR], il[MR][NR];
     for (int m = 0; m < MR; ++m)
-      for (int n = 0; n < NR; ++n) is[m][n] = _mm512_setzero_si512();
+      for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm512_setzero_si512();
     if constexpr (F == dtn::Q8_0) {
       for (int u = 0; u < 8; ++u) {
         __m512i wv[NR];
         for (int n = 0; n < NR; ++n) wv[n] = _mm512_maskz_loadu_epi8(bm, p[n] + qoff + u * 4 * S);
         for (int m = 0; m < MR; ++m) {
           const __m512i av = _mm512_loadu_si512(ag + m * rs + u * 64);
-          for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
+          const __m512i lv = _mm512_loadu_si512(ag + m * rs + 512 + u * 64);
+          for (int n = 0; n < NR; ++n) {
+            is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
+            il[m][n] = _mm512_dpbusd_epi32(il[m][n], wv[n], lv);
+          }
         }
       }
     } else {
@@ -207,9 +219,13 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
           wh[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         }
         for (int m = 0; m < MR; ++m) {
-          const __m512i al = _mm512_loadu_si512(ag + m * rs + u * 64);
-          const __m512i ah = _mm512_loadu_si512(ag + m * rs + (u + 4) * 64);
-          for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
+          const int8_t* am = ag + m * rs;
+          const __m512i al = _mm512_loadu_si512(am + u * 64), ah = _mm512_loadu_si512(am + (u + 4) * 64);
+          const __m512i ll = _mm512_loadu_si512(am + 512 + u * 64), lh = _mm512_loadu_si512(am + 512 + (u + 4) * 64);
+          for (int n = 0; n < NR; ++n) {
+            is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
+            il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], wl[n], ll), wh[n], lh);
+          }
         }
       }
     }
@@ -223,13 +239,13 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
       __m512 sa = _mm512_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16);
       if constexpr (G::scales == 2) {
         for (int n = 0; n < NR; ++n) {
-          acc[m][n] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(is[m][n]), da), dw[n], acc[m][n]);
+          acc[m][n] = _mm512_fmadd_ps(_mm512_mul_ps(levels512(is[m][n], il[m][n]), da), dw[n], acc[m][n]);
           acc[m][n] = _mm512_fmadd_ps(mw[n], sa, acc[m][n]);
         }
       } else {  // w = d (q + offset): d (da isum + offset sa)
         sa = _mm512_mul_ps(sa, _mm512_set1_ps(G::offset));
         for (int n = 0; n < NR; ++n)
-          acc[m][n] = _mm512_fmadd_ps(dw[n], _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m][n]), da, sa), acc[m][n]);
+          acc[m][n] = _mm512_fmadd_ps(dw[n], _mm512_fmadd_ps(levels512(is[m][n], il[m][n]), da, sa), acc[m][n]);
       }
     }
   }
@@ -276,3 +292,72 @@ static void qgemm_sg512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q4_1: return qgemm_sg512_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
+
+// -- dequantization in the packed order (Table::dequant; see generic.h): 16 lanes = 4 blocks x 4 bytes per chunk ----
+
+template <int F>
+static void dequant_sg512_fmt(const QWeight& w, int64_t n0, int64_t n1, float* out) {
+  using G = SG<F>;
+  const int64_t nb = w.K / 32;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi32(8);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.qs + n * w.qs_row;
+    float* o = out + (n - n0) * w.K;
+    for (int64_t g = 0; g * 16 < nb; ++g) {
+      const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16), L = 4 * S, C = (L + 15) / 16;
+      const uint8_t* p = row + g * 16 * G::bytes;
+      const __mmask16 sm = __mmask16((1u << S) - 1);
+      const __mmask64 bm = S == 16 ? ~0ull : (1ull << L) - 1;
+      const __m512 ds = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p));
+      const __m512 ms = G::scales == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p + 2 * S)) : ds;
+      __m512 d[4], m[4];
+      __mmask16 km[4];
+      for (int c = 0; c < C; ++c) {  // chunk c: lanes 16 c.. = blocks 4 c + lane / 4
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * c),
+                                             _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+        d[c] = _mm512_permutexvar_ps(idx, ds);
+        m[c] = _mm512_permutexvar_ps(idx, ms);
+        km[c] = L - 16 * c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - 16 * c)) - 1);
+      }
+      const uint8_t* q = p + 2 * S * G::scales;
+      float* og = o + g * 512;
+      for (int u = 0; u < G::qbytes / 4; ++u) {
+        const __m512i v = _mm512_maskz_loadu_epi8(bm, q + u * L);
+        if constexpr (F == dtn::Q8_0) {
+          const __m512i sv = _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80)));
+          alignas(64) int8_t b[64];
+          _mm512_store_si512(b, sv);
+          for (int c = 0; c < C; ++c) {
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(b + 16 * c))));
+            _mm512_mask_storeu_ps(og + u * L + 16 * c, km[c], _mm512_mul_ps(d[c], f));
+          }
+        } else {
+          alignas(64) uint8_t b[2][64];
+          _mm512_store_si512(b[0], _mm512_and_si512(v, lo4));
+          _mm512_store_si512(b[1], _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
+          for (int h = 0; h < 2; ++h)
+            for (int c = 0; c < C; ++c) {
+              __m512i i = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(b[h] + 16 * c)));
+              __m512 f;
+              if constexpr (F == dtn::Q4_0) {
+                f = _mm512_mul_ps(d[c], _mm512_cvtepi32_ps(_mm512_sub_epi32(i, eight)));
+              } else {
+                f = _mm512_add_ps(_mm512_mul_ps(d[c], _mm512_cvtepi32_ps(i)), m[c]);
+              }
+              _mm512_mask_storeu_ps(og + (u + 4 * h) * L + 16 * c, km[c], f);
+            }
+        }
+      }
+    }
+  }
+}
+
+static void dequant512(const QWeight& w, int64_t n0, int64_t n1, float* out) {
+  switch (w.fmt) {
+    case dtn::Q8_0: return dequant_sg512_fmt<dtn::Q8_0>(w, n0, n1, out);
+    case dtn::Q4_0: return dequant_sg512_fmt<dtn::Q4_0>(w, n0, n1, out);
+    case dtn::Q4_1: return dequant_sg512_fmt<dtn::Q4_1>(w, n0, n1, out);
+  }
+  dequant(w, n0, n1, out);  // the K-quants: generic.h
+}
+

@@ -1,0 +1,206 @@
+// Paged KV-cache attention (llm.flash_attention_with_kvcache) for float32 / bf16 caches, one item (a sequence, a
+// kv head, up to 16 query rows) at a time: keys in chunks of 64, online softmax in float32, dot products and the
+// V accumulation on 16-float vectors (one zmm, two ymm, or a plain array the compiler vectorizes).
+// Included inside namespace DTN_ISA after generic.h and elementwise.h (bf16 helpers, exp_f32).
+
+// -- a vector of 16 floats in this unit's registers -----------------------------------------------------------
+#if defined(__AVX512F__)
+struct V16 { __m512 a; };
+static inline V16 v16_zero() { return {_mm512_setzero_ps()}; }
+static inline V16 v16_set1(float x) { return {_mm512_set1_ps(x)}; }
+static inline V16 v16_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline V16 v16_load(const uint16_t* p) {  // bf16 -> float32: the bits shifted up
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+static inline V16 v16_fma(V16 x, V16 y, V16 acc) { return {_mm512_fmadd_ps(x.a, y.a, acc.a)}; }
+static inline V16 v16_mul(V16 x, V16 y) { return {_mm512_mul_ps(x.a, y.a)}; }
+static inline V16 v16_add(V16 x, V16 y) { return {_mm512_add_ps(x.a, y.a)}; }
+static inline float v16_sum(V16 x) { return _mm512_reduce_add_ps(x.a); }
+// out[0..3] = the sums of a, b, c, d: 128-bit quarters folded pairwise, then within each quarter
+static inline void v16_sum4(V16 a, V16 b, V16 c, V16 d, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a.a, b.a, 0x44), _mm512_shuffle_f32x4(a.a, b.a, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c.a, d.a, 0x44), _mm512_shuffle_f32x4(c.a, d.a, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));  // quarter i: x_i
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));  // every element of quarter i: sum(x_i)
+  const __m512 firsts = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), s);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(firsts));
+}
+constexpr bool kTwoChains = true;  // 32 registers: two accumulator sets hide the FMA latency in P V
+static inline void v16_store(float* p, V16 x) { _mm512_storeu_ps(p, x.a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 { __m256 a, b; };
+static inline V16 v16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 v16_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline V16 v16_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline __m256 bf16x8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline V16 v16_load(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+static inline V16 v16_fma(V16 x, V16 y, V16 acc) {
+  return {_mm256_fmadd_ps(x.a, y.a, acc.a), _mm256_fmadd_ps(x.b, y.b, acc.b)};
+}
+static inline V16 v16_mul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline V16 v16_add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+static inline float v16_sum(V16 x) {
+  const __m256 s = _mm256_add_ps(x.a, x.b);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+static inline void v16_sum4(V16 a, V16 b, V16 c, V16 d, float* out) {  // out[0..3] = the sums of a, b, c, d
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_add_ps(a.a, a.b), _mm256_add_ps(b.a, b.b)),
+                                  _mm256_hadd_ps(_mm256_add_ps(c.a, c.b), _mm256_add_ps(d.a, d.b)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+static inline void v16_store(float* p, V16 x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+constexpr bool kTwoChains = false;  // 16 registers: one V16 is already two independent chains
+#else
+struct V16 { float a[16]; };
+static inline V16 v16_zero() { return V16{}; }
+static inline V16 v16_set1(float x) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x; return r; }
+static inline V16 v16_load(const float* p) { V16 r; std::memcpy(r.a, p, sizeof(r.a)); return r; }
+static inline V16 v16_load(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = bf16_to_f32(p[i]); return r; }
+static inline V16 v16_fma(V16 x, V16 y, V16 acc) { for (int i = 0; i < 16; ++i) acc.a[i] += x.a[i] * y.a[i]; return acc; }
+static inline V16 v16_mul(V16 x, V16 y) { for (int i = 0; i < 16; ++i) x.a[i] *= y.a[i]; return x; }
+static inline V16 v16_add(V16 x, V16 y) { for (int i = 0; i < 16; ++i) x.a[i] += y.a[i]; return x; }
+static inline float v16_sum(V16 x) {  // pairwise, as the SIMD paths
+  for (int w = 8; w; w /= 2)
+    for (int i = 0; i < w; ++i) x.a[i] += x.a[i + w];
+  return x.a[0];
+}
+static inline void v16_sum4(V16 a, V16 b, V16 c, V16 d, float* out) {
+  out[0] = v16_sum(a), out[1] = v16_sum(b), out[2] = v16_sum(c), out[3] = v16_sum(d);
+}
+static inline void v16_store(float* p, V16 x) { std::memcpy(p, x.a, sizeof(x.a)); }
+constexpr bool kTwoChains = false;
+#endif
+
+namespace attn {
+constexpr int kChunk = 64;  // keys per online-softmax step
+constexpr int kRows = 16;   // rows per item at most
+
+// One item: for each row, softmax(scale * q k^T) v over its visible keys, accumulated chunk by chunk.
+template <class T, int NV>
+static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
+  constexpr int D = 16 * NV;
+  const int64_t G = c.G, bs = c.block_size, row = c.hkv * D, h = it.head;
+  const int64_t q0 = c.cu_q[it.seq], nq = c.cu_q[it.seq + 1] - q0, n = c.seqlens_k[it.seq];
+  const int32_t* blocks = c.table + it.seq * c.ld_table;
+  const T* kc = static_cast<const T*>(c.k) + h * D;
+  const T* vc = static_cast<const T*>(c.v) + h * D;
+  const int nr = it.r1 - it.r0;
+  const float scale = c.scale;
+  const T* qp[kRows];
+  T* op[kRows];
+  int64_t lim[kRows], kmax = 0;
+  float m[kRows], l[kRows];
+  alignas(64) float acc[kRows][D];
+  for (int r = 0; r < nr; ++r) {
+    const int64_t rr = it.r0 + r, i = rr / G, hq = h * G + rr % G;
+    qp[r] = static_cast<const T*>(c.q) + (q0 + i) * c.q_tok + hq * c.q_head;
+    op[r] = static_cast<T*>(c.out) + (q0 + i) * c.o_tok + hq * c.o_head;
+    const int64_t seen = c.causal ? n - nq + i + 1 : n;  // keys [0, seen) visible
+    lim[r] = seen < 0 ? 0 : (seen > n ? n : seen);
+    kmax = lim[r] > kmax ? lim[r] : kmax;
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, v16_zero());
+  }
+  const T* kp[kChunk];
+  const T* vp[kChunk];
+  alignas(64) float p[kChunk];
+  for (int64_t j0 = 0; j0 < kmax; j0 += kChunk) {
+    const int64_t cn = kmax - j0 < kChunk ? kmax - j0 : kChunk;
+    int64_t b = j0 / bs, off = j0 % bs;  // this chunk's key rows through the block table (no division per key)
+    for (int64_t jj = 0; jj < cn; ++jj) {
+      const int64_t slot = int64_t(blocks[b]) * bs + off;
+      kp[jj] = kc + slot * row;
+      vp[jj] = vc + slot * row;
+      if (++off == bs) off = 0, ++b;
+    }
+    for (int r = 0; r < nr; ++r) {
+      const int64_t cr = lim[r] - j0 < cn ? lim[r] - j0 : cn;
+      if (cr <= 0) continue;
+      V16 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = v16_load(qp[r] + 16 * v);
+      int64_t jj = 0;
+      for (; jj + 4 <= cr; jj += 4) {  // scores of 4 keys, reduced together
+        V16 s0 = v16_mul(qv[0], v16_load(kp[jj])), s1 = v16_mul(qv[0], v16_load(kp[jj + 1]));
+        V16 s2 = v16_mul(qv[0], v16_load(kp[jj + 2])), s3 = v16_mul(qv[0], v16_load(kp[jj + 3]));
+        for (int v = 1; v < NV; ++v) {
+          s0 = v16_fma(qv[v], v16_load(kp[jj] + 16 * v), s0);
+          s1 = v16_fma(qv[v], v16_load(kp[jj + 1] + 16 * v), s1);
+          s2 = v16_fma(qv[v], v16_load(kp[jj + 2] + 16 * v), s2);
+          s3 = v16_fma(qv[v], v16_load(kp[jj + 3] + 16 * v), s3);
+        }
+        v16_sum4(s0, s1, s2, s3, p + jj);
+      }
+      for (; jj < cr; ++jj) {
+        V16 s0 = v16_mul(qv[0], v16_load(kp[jj]));
+        for (int v = 1; v < NV; ++v) s0 = v16_fma(qv[v], v16_load(kp[jj] + 16 * v), s0);
+        p[jj] = v16_sum(s0);
+      }
+      float mx = m[r];
+#pragma omp simd reduction(max : mx)
+      for (int64_t k = 0; k < cr; ++k) {
+        p[k] *= scale;
+        mx = p[k] > mx ? p[k] : mx;
+      }
+      const float alpha = m[r] == -INFINITY ? 0.f : exp_f32(m[r] - mx);  // rescales what came before
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t jj = 0; jj < cr; ++jj) {
+        p[jj] = exp_f32(p[jj] - mx);
+        sum += p[jj];
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mx;
+      V16 o[NV], o2[NV];
+      const V16 va = v16_set1(alpha);
+      for (int v = 0; v < NV; ++v) o[v] = v16_mul(v16_load(acc[r] + 16 * v), va), o2[v] = v16_zero();
+      int64_t j = 0;
+      if constexpr (kTwoChains) {
+        for (; j + 2 <= cr; j += 2) {
+          const V16 p0 = v16_set1(p[j]), p1 = v16_set1(p[j + 1]);
+          for (int v = 0; v < NV; ++v) {
+            o[v] = v16_fma(p0, v16_load(vp[j] + 16 * v), o[v]);
+            o2[v] = v16_fma(p1, v16_load(vp[j + 1] + 16 * v), o2[v]);
+          }
+        }
+      }
+      for (; j < cr; ++j) {
+        const V16 pj = v16_set1(p[j]);
+        for (int v = 0; v < NV; ++v) o[v] = v16_fma(pj, v16_load(vp[j] + 16 * v), o[v]);
+      }
+      if constexpr (kTwoChains)
+        for (int v = 0; v < NV; ++v) o[v] = v16_add(o[v], o2[v]);
+      for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, o[v]);
+    }
+  }
+  for (int r = 0; r < nr; ++r) {  // normalize; a row that sees no key gives zeros (as flash-attn)
+    const float inv = lim[r] > 0 ? 1.f / l[r] : 0.f;
+    float* a = acc[r];
+#pragma omp simd
+    for (int d = 0; d < D; ++d) {
+      if constexpr (sizeof(T) == 4) op[r][d] = a[d] * inv;
+      else op[r][d] = f32_to_bf16(a[d] * inv);
+    }
+  }
+}
+
+template <class T, int NV = 1>
+static void attend_items(const dtn::AttnCall& c, const dtn::AttnItem* items, int64_t i0, int64_t i1) {
+  if constexpr (NV < 16) {
+    if (c.D != 16 * NV) return attend_items<T, NV + 1>(c, items, i0, i1);
+  }
+  for (int64_t i = i0; i < i1; ++i) attend_item<T, NV>(c, items[i]);
+}
+}  // namespace attn
+
+static void attend(const dtn::AttnCall& c, const dtn::AttnItem* items, int64_t i0, int64_t i1) {
+  if (c.dt == F32) attn::attend_items<float>(c, items, i0, i1);
+  else attn::attend_items<uint16_t>(c, items, i0, i1);
+}
