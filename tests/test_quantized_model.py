@@ -141,6 +141,31 @@ def test_the_quantized_model_agrees_with_its_dequantized_form(models, native):
     assert agree >= 0.97, f"top-1 agreement {agree:.3f} over 256 positions"
 
 
+def _stepwise_logits(llm, ids: list[int]) -> torch.Tensor:
+    """Logits of every position computed one token per step, as decode runs (each product has one row, which
+    the native kernels compute on integer activations; a whole-text pass takes their float path instead)."""
+    from dtorch.models.executor import StepPlan
+
+    cache = llm._cache_for(1, len(ids))
+    slot = cache.alloc()
+    try:
+        rows = []
+        for at, token in enumerate(ids):
+            cache.reserve(slot, 1)
+            rows.append(llm.executor.step(StepPlan([token], [1], [at], [slot]), all_logits=True))
+        return torch.cat(rows)
+    finally:
+        cache.release(slot)
+
+
+def test_the_decode_path_agrees_with_the_dequantized_form(models):
+    quantized, floats = models
+    ids = quantized.tokenizer.encode(TEXT)[:256]
+    want = floats.logits(ids).argmax(-1)
+    agree = (_stepwise_logits(quantized, ids).argmax(-1) == want).float().mean().item()
+    assert agree >= 0.97, f"top-1 agreement {agree:.3f} over 256 one-token steps"
+
+
 def test_the_quantized_model_still_knows_paris(models):
     quantized, _ = models
     from dtorch.models.sampling import SamplingParams
