@@ -10,15 +10,15 @@ work the calling thread queued on its own current CUDA streams (feeds and params
 ``shutdown()`` (also at interpreter exit).
 
 Threads: each CPU compute stream sets its own intra-op thread count (``torch.set_num_threads`` in the
-stream thread sets that thread's OpenMP team size) to a fair share of the cores, cores // devices, or
-``DTORCH_THREADS``; communicate streams use one thread.
+stream thread sets that thread's OpenMP team size) to a fair share of the creating thread's
+``torch.get_num_threads()`` over the process's devices, or ``DTORCH_THREADS``; communicate streams use one
+thread.
 """
 
 from __future__ import annotations
 
 import atexit
 import enum
-import os
 import queue
 import threading
 import time
@@ -231,12 +231,12 @@ class StreamManager:
         _MANAGERS.add(self)
 
     def compute_threads(self) -> int:
-        """Intra-op threads of each CPU compute stream: ``DTORCH_THREADS`` or a fair share of the cores."""
+        """Intra-op threads of each CPU compute stream: ``DTORCH_THREADS``, or a fair share of the threads the
+        creating thread has (``torch.set_num_threads``, the CLI's ``--threads``) among this process's devices."""
         fixed = env.threads_per_device()
         if fixed > 0:
             return fixed
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores // self.devices_per_process)
+        return max(1, torch.get_num_threads() // self.devices_per_process)
 
     def stream(self, device: Device, stream_type: StreamType) -> KernelStream:
         """The stream of (device, type), created on first use."""
