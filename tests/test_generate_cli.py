@@ -45,3 +45,14 @@ def test_generate_tensor_parallel_in_one_process_records_its_trace(tmp_path):
             by_kind[e["cat"]].add(e["name"].split("#")[0])
     assert by_kind["communicate"] == {"all_reduce", "all_gather"}
     assert {"matmul.linear", "llm.flash_attention_with_kvcache"} <= by_kind["compute"]  # on weights as stored
+
+
+def test_threads_option_sets_the_intra_op_threads_and_is_checked():
+    code = ("import sys, torch, dtorch.cli; dtorch.cli.main(['generate', '--threads', '1', '--max-tokens', '2', 'hi']);"
+            " print('threads', torch.get_num_threads(), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert "threads 1" in proc.stderr  # the run used (and left) the thread count it was given
+    bad = _run("hi", "--threads", "0")
+    assert bad.returncode == 2 and "--threads must be >= 1, got 0" in bad.stderr and "Traceback" not in bad.stderr

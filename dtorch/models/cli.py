@@ -24,6 +24,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="devices to split the model over (default: the world size under torchrun, else 1)")
     parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="intra-op CPU threads (torch.set_num_threads; shared among the devices of -tp); "
+                             "default: torch's, one per core")
     parser.add_argument("--dequantize", action="store_true",
                         help="turn a GGUF's quantized weights into --dtype at load (the float path) instead of "
                              "running on them as stored")
@@ -60,6 +63,12 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
     from dtorch.models.parallel import launched_by_torchrun
     from dtorch.models.sampling import SamplingParams
 
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise DtorchError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
