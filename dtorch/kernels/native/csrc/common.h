@@ -36,8 +36,9 @@ struct QAct {
 
 // Activations for the 32-block formats (Q8_0, Q4_0, Q4_1), whose rows are super-groups of up to 16 blocks with
 // quants transposed to [step u][block j][4 bytes] (dtorch/kernels/layouts.py), in two levels as QAct. Row r:
-// q + r * nsg * 1024 (int8, super-group g at g * 1024: hi as [u 0..7][lane j 0..15][4], then lo alike at + 512,
-// zero padded past the row end), d + r * nsg * 16 (the scale of block 16 g + j, 0 past the end), s + r * nsg * 16
+// q + r * nsg * 1024 (int8, super-group g at g * 1024: hi as [u 0..7][lane j 0..P-1][4], then lo alike at + 512,
+// zero padded past the row end; P = 16, or for the row's last super-group of S < 16 blocks S rounded up to a power
+// of two, so its steps lie P lanes apart and a vector holds 16 / P of them), d + r * nsg * 16 (the scale of block 16 g + j, 0 past the end), s + r * nsg * 16
 // (that scale times the sum of the block's hi + lo / 254).
 struct SGAct {
   const int8_t* q;

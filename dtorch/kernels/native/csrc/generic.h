@@ -123,6 +123,13 @@ static void quantize_rows(const void* x, int dt, int64_t ldx, int64_t r0, int64_
   }
 }
 
+// Lane period of a super-group of S blocks in SGAct: S rounded up to a power of two (16 for whole ones)
+static inline int sg_period(int S) {
+  int p = 1;
+  while (p < S) p <<= 1;
+  return p;
+}
+
 // One row x [K] -> two int8 levels per block of 32 in super-group order (see SGAct in common.h).
 static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
                         float* s) {
@@ -141,10 +148,11 @@ static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t 
       float sums[2];
       dr[b] = quantize_block(x, dt, r * ldx + b * 32, hi, lo, sums);  // (b / 16) * 16 + b % 16 == b
       sr[b] = sums[0] + sums[1];
+      const int64_t P = sg_period(int(nb - b / 16 * 16 < 16 ? nb - b / 16 * 16 : 16));
       int8_t* dst = qr + (b / 16) * 1024 + (b % 16) * 4;
       for (int u = 0; u < 8; ++u) {
-        std::memcpy(dst + u * 64, hi + 4 * u, 4);
-        std::memcpy(dst + 512 + u * 64, lo + 4 * u, 4);
+        std::memcpy(dst + u * 4 * P, hi + 4 * u, 4);
+        std::memcpy(dst + 512 + u * 4 * P, lo + 4 * u, 4);
       }
     }
   }
@@ -176,6 +184,7 @@ static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, i
         const int8_t* aq = a.q + (m * a.nsg + g) * 1024;  // hi levels, then lo at + 512
         const float* ad = a.d + (m * a.nsg + g) * 16;
         const float* as = a.s + (m * a.nsg + g) * 16;
+        const int64_t st = 4 * sg_period(S);  // activation bytes per step
         for (int j = 0; j < S; ++j) {
           int32_t isum[2] = {0, 0};
           for (int l = 0; l < 2; ++l)
@@ -184,9 +193,9 @@ static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, i
                 const uint8_t v = q[u * 4 * S + j * 4 + b];
                 const int8_t* al = aq + 512 * l + j * 4 + b;
                 if constexpr (F == dtn::Q8_0) {
-                  isum[l] += int32_t(v) * al[u * 64];
+                  isum[l] += int32_t(v) * al[u * st];
                 } else {
-                  isum[l] += int32_t(v & 15) * al[u * 64] + int32_t(v >> 4) * al[(u + 4) * 64];
+                  isum[l] += int32_t(v & 15) * al[u * st] + int32_t(v >> 4) * al[(u + 4) * st];
                 }
               }
           const float d = fp16_to_f32(dw[j]);

@@ -223,6 +223,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
     const uint8_t* p[NR];
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * 16 * G::bytes;
     const int64_t qoff = 2 * S * G::scales;
+    auto group = [&](auto st) {  // st: activation bytes per step (a constant for whole super-groups)
     for (int h = 0; h * 8 < S; ++h) {
       const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
       const __m256i lm = lanes_mask(cnt);
@@ -239,8 +240,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             wa[n] = _mm256_sign_epi8(ws[n], ws[n]);
           }
           for (int m = 0; m < MR; ++m) {
-            const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + u * 64));
-            const __m256i lv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + 512 + u * 64));
+            const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + u * st));
+            const __m256i lv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + 512 + u * st));
             for (int n = 0; n < NR; ++n) {
               is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(wa[n], _mm256_sign_epi8(av, ws[n])));
               il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wa[n], _mm256_sign_epi8(lv, ws[n])));
@@ -257,10 +258,10 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           }
           for (int m = 0; m < MR; ++m) {
             const int8_t* am = ag + m * rs;
-            const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + u * 64));
-            const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + (u + 4) * 64));
-            const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + u * 64));
-            const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + (u + 4) * 64));
+            const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + u * st));
+            const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + (u + 4) * st));
+            const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + u * st));
+            const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + (u + 4) * st));
             for (int n = 0; n < NR; ++n) {  // each int16 is at most 2 * 15 * 127 per product: their sum fits
               is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(_mm256_add_epi16(
                   _mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones));
@@ -290,6 +291,9 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         }
       }
     }
+    };
+    if (S == 16) group(std::integral_constant<int64_t, 64>{});
+    else group(int64_t(4 * sg_period(S)));
   }
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) out[m][n] = hsum256_avx2(acc[m][n]);

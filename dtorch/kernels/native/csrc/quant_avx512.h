@@ -176,6 +176,77 @@ static void gemv512(const void* x, int xdt, int64_t M, const void* w, int wdt, i
 // -- 32-block formats in super-groups (SGAct): lane j of every vector is block j of the super-group ----------
 // MR activation rows x NR weight rows: per step u, a 4 S byte load of each weight row meets a 64-byte load of
 // each activation row in one vpdpbusd; the scales apply once per super-group, without permutes.
+// A row's last super-group of S < 16 blocks is compact: its activations lie P = sg_period(S) lanes per step, so a
+// vector holds 16 / P steps (lane l: block l % P) and the weights' 4 S bytes per step are expanded to P lanes; it
+// costs ceil(steps P / 16) vectors instead of a whole super-group's steps. Its integer sums are scaled per lane
+// (the scales permuted to lane l % P); the per-block offset terms apply unreplicated.
+
+template <int F, int MR, int NR>
+static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t rs, const float* ad, const float* as,
+                              int64_t ars, int S, __m512 (&acc)[MR][NR]) {
+  using G = SG<F>;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  const int P = sg_period(S), T = (F == dtn::Q8_0 ? 8 : 4) * P;  // T: dword lanes of weights in all
+  const int nch = (T + 15) / 16, per = 16 / P * S;                 // vectors; weight dwords per whole vector
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i idx = _mm512_and_si512(iota, _mm512_set1_epi32(P - 1));
+  const __mmask16 pat = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(S));
+  const int64_t qoff = 2 * S * G::scales;
+  __m512i is[MR][NR], il[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm512_setzero_si512();
+  for (int c = 0; c < nch; ++c) {
+    const __mmask16 km = __mmask16(pat & (T - 16 * c >= 16 ? 0xffffu : (1u << (T - 16 * c)) - 1));
+    const int cnt = __builtin_popcount(unsigned(km));
+    const __mmask16 lm = __mmask16(cnt == 16 ? 0xffffu : (1u << cnt) - 1);
+    __m512i wv[NR];
+    for (int n = 0; n < NR; ++n) {
+      wv[n] = _mm512_maskz_loadu_epi32(lm, p[n] + qoff + int64_t(c) * per * 4);
+      if (S != P) wv[n] = _mm512_maskz_expand_epi32(km, wv[n]);
+    }
+    if constexpr (F == dtn::Q8_0) {
+      for (int m = 0; m < MR; ++m) {
+        const __m512i av = _mm512_loadu_si512(ag + m * rs + 64 * c);
+        const __m512i lv = _mm512_loadu_si512(ag + m * rs + 512 + 64 * c);
+        for (int n = 0; n < NR; ++n) {
+          is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
+          il[m][n] = _mm512_dpbusd_epi32(il[m][n], wv[n], lv);
+        }
+      }
+    } else {
+      __m512i wl[NR], wh[NR];
+      for (int n = 0; n < NR; ++n) {
+        wl[n] = _mm512_and_si512(wv[n], lo4);
+        wh[n] = _mm512_and_si512(_mm512_srli_epi16(wv[n], 4), lo4);
+      }
+      for (int m = 0; m < MR; ++m) {  // a low nibble meets step u, a high one step u + 4 (16 P bytes on)
+        const int8_t* am = ag + m * rs + 64 * c;
+        const __m512i al = _mm512_loadu_si512(am), ah = _mm512_loadu_si512(am + 16 * P);
+        const __m512i ll = _mm512_loadu_si512(am + 512), lh = _mm512_loadu_si512(am + 512 + 16 * P);
+        for (int n = 0; n < NR; ++n) {
+          is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
+          il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], wl[n], ll), wh[n], lh);
+        }
+      }
+    }
+  }
+  const __mmask16 sm = __mmask16((1u << S) - 1);
+  __m512 dw[NR], dwr[NR], mw[NR];
+  for (int n = 0; n < NR; ++n) {
+    dw[n] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p[n]));
+    dwr[n] = _mm512_permutexvar_ps(idx, dw[n]);
+    mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p[n] + 2 * S))
+                           : _mm512_mul_ps(dw[n], _mm512_set1_ps(G::offset));
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m512 dar = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(ad + m * ars));
+    const __m512 sa = _mm512_loadu_ps(as + m * ars);
+    for (int n = 0; n < NR; ++n) {
+      acc[m][n] = _mm512_fmadd_ps(_mm512_mul_ps(levels512(is[m][n], il[m][n]), dar), dwr[n], acc[m][n]);
+      if (G::scales == 2 || G::offset != 0.f) acc[m][n] = _mm512_fmadd_ps(mw[n], sa, acc[m][n]);
+    }
+  }
+}
 
 template <int F, int MR, int NR>
 static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
@@ -194,6 +265,11 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * 16 * G::bytes;
     const int64_t qoff = 2 * S * G::scales;
     const int8_t* ag = a.q + m0 * rs + g * 1024;  // hi levels, then lo at + 512
+    if (S < 16) {
+      sg_tail512<F, MR, NR>(p, ag, rs, a.d + m0 * a.nsg * 16 + g * 16, a.s + m0 * a.nsg * 16 + g * 16, a.nsg * 16, S,
+                            acc);
+      continue;
+    }
     __m512i is[MR][NR], il[MR][NR];
     for (int m = 0; m < MR; ++m)
       for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm512_setzero_si512();
