@@ -178,3 +178,31 @@ LLM_ROWS += [
 LLM_NOT_IN_TABLE["llm.add_rms_norm"] = ("two outputs (normed, updated residual); tested in tests/test_llm_ops.py "
                                         "against transformers' LlamaRMSNorm of residual + x")
 
+
+
+# -- llm.moe_experts: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights [T, k], ids [T, k] -------------
+# E = 8, k = 2, H = 8, I = 6. "size1" (T*k <= E/4) takes the torch kernel's gathered path, "contig" and "strided"
+# its grouped one. The router has two outputs: tests/test_moe.py.
+
+MOE_TOKENS = {"contig": 5, "strided": 5, "size1": 1, "empty": 0}
+
+
+def _moe_inputs(dtype: torch.dtype, case: str) -> list:
+    t, strided = MOE_TOKENS[case], case == "strided"
+    ids = torch.rand(t, 8).argsort(-1)[:, :2]  # two distinct experts per token
+    return [rand((t, 8), dtype, strided), rand((8, 12, 8), dtype, strided, -0.5, 0.5),
+            rand((8, 8, 6), dtype, strided, -0.5, 0.5), rand((t, 2), dtype, low=0.0, high=1.0), ids]
+
+
+def _moe_ref(inputs: list, p: dict) -> torch.Tensor:
+    """sum_j weights[t, j] * down(silu(gate(x)) * up(x)) of expert ids[t, j], in float64 from the math."""
+    x, wgu, wd, w = (t.double() for t in inputs[:4])
+    ids = inputs[4]
+    gate, up = torch.einsum("th,tkih->tki", x, wgu[ids]).chunk(2, -1)  # [T, k, I] each
+    y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[ids])      # [T, k, H]
+    return (w.unsqueeze(-1) * y).sum(1).to(inputs[0].dtype)
+
+
+LLM_ROWS.append(Row("llm.moe_experts", _moe_inputs, _moe_ref, tol=HALF_TOL, cases=tuple(MOE_TOKENS)))
+LLM_NOT_IN_TABLE["llm.moe_router"] = ("two outputs (weights, int64 ids); tested in tests/test_moe.py against "
+                                      "torch math and transformers' Qwen3MoeTopKRouter")

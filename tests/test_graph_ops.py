@@ -88,6 +88,7 @@ def sharded(c: GraphCall) -> tuple[list, object] | None:
         "llm.rope": ([S(2), R], S(2)),  # heads
         "llm.flash_attention": ([S(2)] * 3, S(2)),  # q heads and kv heads together
         "llm.flash_attention_varlen": ([S(1)] * 3 + [R, R], S(1)),
+        "llm.moe_experts": ([R, S(0), S(0), R, R], P),  # expert parallel: each device its experts, partial sums
     }
     if op == "matmul.linear":
         if shapes[2] is not None:

@@ -97,6 +97,8 @@ NO_PREPARED: dict[str, str] = {
        for row in ALL_ROWS if row.op.endswith("_scalar")},
     "conv.conv1d": "no PreparedOperator class yet (no model calls a convolution per step; conv1d_out serves)",
     "conv.conv2d": "no PreparedOperator class yet (no model calls a convolution per step; conv2d_out serves)",
+    "llm.moe_experts": "no PreparedOperator class yet: a MoE layer calls moe_experts_out, whose checks are shapes "
+                       "and dtypes only (the ids' values are read on cpu alone)",
     "llm.softmax_last_dim": "no PreparedOperator class: attention kernels fuse their softmax; softmax_last_dim_out "
                             "serves the rest",
 }

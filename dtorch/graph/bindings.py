@@ -33,9 +33,9 @@ from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.graph.operand import Operand
 
 # the wrappers' modules (``dtorch.ops.rope`` etc. are shadowed by functions of those names in ``dtorch.ops``)
-_attention, _binary, _conv1d, _conv, _creation, _gdn, _llm, _reduce, _rope, _unary = (
+_attention, _binary, _conv1d, _conv, _creation, _gdn, _llm, _moe, _reduce, _rope, _unary = (
     importlib.import_module(f"dtorch.ops.{m}") for m in ("attention", "binary", "causal_conv1d", "conv", "creation",
-                                                         "gated_delta_net", "llm", "reduce", "rope", "unary"))
+                                                         "gated_delta_net", "llm", "moe", "reduce", "rope", "unary"))
 
 Infer = Callable[[Sequence["torch.Tensor | None"]], "torch.Tensor | tuple[torch.Tensor, ...]"]
 Args = dict[str, Any]  # the wrapper's arguments by name, defaults applied; Operands where it takes tensors
@@ -144,6 +144,10 @@ def _activation(op: str, a: Args) -> KernelParams:
     return _conv1d._params(op, a["activation"])
 
 
+def _router(op: str, a: Args) -> KernelParams:
+    return _moe.router_params(a["logits"], a["top_k"], a["norm_topk_prob"])
+
+
 def _scalar_params(op: str, a: Args) -> KernelParams:
     return NO_PARAMS if isinstance(a["b"], Operand) else _binary._scalar_params(f"{op}_scalar", a["b"])
 
@@ -189,6 +193,8 @@ SPECS: dict[str, Spec] = {
     # the kernel reads conv_state as outputs[1]; naming it as a 4th input lets the graph see it read
     "llm.causal_conv1d_update": Spec(("x", "weight", "bias", "conv_state"), _activation, lambda a: 2,
                                      lambda r, a: (r, a["conv_state"]), always_inplace=(None, 3)),
+    "llm.moe_router": Spec(("logits",), _router, lambda a: 2, result=lambda r, a: tuple(r)),  # (weights, ids)
+    "llm.moe_experts": Spec(("x", "w_gate_up", "w_down", "weights", "ids")),
 }
 
 

@@ -278,6 +278,27 @@ def _embedding(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[St
     return out + [Strategy((Shard(0), R), P, vocab_start)]
 
 
+def _moe_router(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # logits [T, E] -> (weights [T, k], ids [T, k]): every token routed alone
+    return [Strategy((R,), (R, R)), Strategy((Shard(0),), (Shard(0), Shard(0)))]
+
+
+def _moe_experts(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights [T, k], ids [T, k] -> [T, H]
+    experts, i2 = shapes[1][0], shapes[1][1]
+
+    def expert_start(p: KernelParams, rank: int, n: int) -> KernelParams:
+        return p.replace(expert_start=shard_offsets(experts, n)[rank])
+
+    return [Strategy((R,) * 5, R),
+            Strategy((Shard(0), R, R, Shard(0), Shard(0)), Shard(0)),  # tokens
+            # expert parallel: each device runs the pairs routed to its experts; the sum over devices is whole
+            Strategy((R, Shard(0), Shard(0), R, R), P, expert_start),
+            # tensor parallel: each device its features of every expert, [gate_r | up_r] (blocked, as the fused
+            # silu_and_mul) and the matching columns of down: partial sums
+            Strategy((R, Shard(1, (i2 // 2, i2 // 2)), Shard(2), R, R), P)]
+
+
 # -- the table --------------------------------------------------------------------------------------
 
 _FAMILY_RULES: dict[str, Rule] = {"unary": _unary, "binary": _binary, "reduce": _reduce, "conv": _conv,
@@ -290,6 +311,7 @@ RULES: dict[str, Rule] = {
     "llm.reshape_and_cache": _kv_cache, "llm.flash_attention_with_kvcache": _kv_cache,
     "llm.gated_delta_net": _gated_delta_net,
     "llm.causal_conv1d": _causal_conv1d, "llm.causal_conv1d_update": _causal_conv1d,
+    "llm.moe_router": _moe_router, "llm.moe_experts": _moe_experts,
 }
 
 

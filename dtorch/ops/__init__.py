@@ -19,6 +19,7 @@ from dtorch.ops.gated_delta_net import *  # noqa: F403
 from dtorch.ops.kv_cache import *  # noqa: F403
 from dtorch.ops.llm import *  # noqa: F403
 from dtorch.ops.matmul import *  # noqa: F403
+from dtorch.ops.moe import *  # noqa: F403
 from dtorch.ops.prepared import PreparedOperator
 from dtorch.ops.reduce import *  # noqa: F403
 from dtorch.ops.unary import *  # noqa: F403
@@ -26,6 +27,6 @@ from dtorch.ops.unary import *  # noqa: F403
 # Modules looked up by name: a family may export a function named like its module (``copy``, ``causal_conv1d``),
 # which the star imports above bind over the module's name here.
 _FAMILIES = ("attention", "binary", "causal_conv1d", "conv", "copy", "creation", "gated_delta_net", "kv_cache", "llm",
-             "matmul", "reduce", "unary")
+             "matmul", "moe", "reduce", "unary")
 __all__ = ["OperatorInitContext", "PreparedOperator", "RuntimeContext", "invoke"] + [
     name for fam in _FAMILIES for name in sys.modules[f"dtorch.ops.{fam}"].__all__]
