@@ -1,8 +1,9 @@
-"""Model configuration: one slotted dataclass for the Llama, Qwen2 and Qwen3 families, plus presets.
+"""Model configuration: one slotted dataclass for the Llama, Qwen2, Qwen3 and Qwen3-MoE families, plus presets.
 
 The families differ only by configuration: Qwen2 has q/k/v projection biases (``attention_bias``),
 Qwen3 has per-head RMS norms on q and k (``qk_norm``), Llama 3 scales its RoPE frequencies
-(``rope_scaling`` of type "llama3").
+(``rope_scaling`` of type "llama3"), Qwen3-MoE is Qwen3 whose MLPs are sparse mixtures of experts on the layers
+``is_sparse`` names (``num_experts`` > 0, ``decoder_sparse_step``, ``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from dtorch.core.errors import ModelError
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # rope type -> the keys its scaling mapping must hold (besides "rope_type")
 _ROPE_TYPES: dict[str, tuple[str, ...]] = {
@@ -50,6 +51,14 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMS norm over head_dim on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    # Qwen3-MoE: layer l has a sparse MoE block (a softmax top-k router over ``num_experts`` SwiGLU experts of width
+    # ``moe_intermediate_size``) when ``is_sparse(l)``; the other layers a dense MLP of ``intermediate_size``
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -83,6 +92,39 @@ class ModelConfig:
                 raise ModelError(f"ModelConfig: token ids must be ints in [0, vocab_size={self.vocab_size}), "
                                  f"got bos_token_id={self.bos_token_id!r}, eos_token_ids={eos!r}")
         object.__setattr__(self, "eos_token_ids", eos)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ModelError(f"ModelConfig: {name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ModelError(f"ModelConfig: norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        step = self.decoder_sparse_step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ModelError(f"ModelConfig: decoder_sparse_step must be an int >= 1, got {step!r}")
+        only = tuple(self.mlp_only_layers)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in only):
+            raise ModelError(f"ModelConfig: mlp_only_layers must be layer indices in [0, num_layers={self.num_layers}),"
+                             f" got {list(only)}")
+        object.__setattr__(self, "mlp_only_layers", only)
+        if self.num_experts == 0:
+            return
+        if self.family != "qwen3_moe":
+            raise ModelError(f"ModelConfig: num_experts={self.num_experts} needs family 'qwen3_moe', got "
+                             f"{self.family!r}; use num_experts=0 for a dense model")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelError(f"ModelConfig: num_experts_per_tok must be in 1..num_experts={self.num_experts}, got "
+                             f"{self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ModelError(f"ModelConfig: moe_intermediate_size must be a positive int with num_experts > 0, got "
+                             f"{self.moe_intermediate_size}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer`` has the sparse MoE block (else a dense MLP), as transformers' Qwen3-MoE decides."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -101,9 +143,12 @@ class ModelConfig:
         family = c.get("model_type")
         if family not in FAMILIES:
             raise ModelError(f"config.json: model_type {family!r} is not supported; expected one of {FAMILIES}")
-        for flag in ("mlp_bias", "attention_bias"):  # Llama's biases (o_proj included) are not modelled
-            if family == "llama" and c.get(flag):
-                raise ModelError(f"config.json: {flag}=true is not supported for llama models; expected false")
+        for flag in ("mlp_bias", "attention_bias"):  # Llama's / Qwen3-MoE's biases (o_proj included) are not modelled
+            if family in ("llama", "qwen3_moe") and c.get(flag):
+                raise ModelError(f"config.json: {flag}=true is not supported for {family} models; expected false")
+        if family == "qwen3_moe" and c.get("use_sliding_window"):
+            raise ModelError("config.json: use_sliding_window=true is not supported for qwen3_moe models; "
+                             "expected false (full attention on every layer)")
         try:
             hidden, heads = c["hidden_size"], c["num_attention_heads"]
             head_dim = c.get("head_dim") or hidden // heads
@@ -127,7 +172,8 @@ class ModelConfig:
                 max_position_embeddings=c.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                 attention_bias=family == "qwen2",  # Qwen2 always has q/k/v biases, the others none
-                qk_norm=family == "qwen3", bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
+                qk_norm=family in ("qwen3", "qwen3_moe"), bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
+                **(_moe_fields(c) if family == "qwen3_moe" else {}),
             )
         except KeyError as e:
             raise ModelError(f"config.json: missing key {e.args[0]!r} needed for a {family} model") from None
@@ -138,6 +184,17 @@ class ModelConfig:
         if name not in PRESETS:
             raise ModelError(f"ModelConfig.preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
+
+
+def _moe_fields(c: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE ``config.json`` (transformers' defaults where absent; transformers 5 writes
+    ``num_experts`` as ``num_local_experts``)."""
+    return dict(num_experts=c.get("num_experts", c.get("num_local_experts", 128)),
+                num_experts_per_tok=c.get("num_experts_per_tok", 8),
+                moe_intermediate_size=c.get("moe_intermediate_size", 768),
+                norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                decoder_sparse_step=c.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(c.get("mlp_only_layers") or ()))
 
 
 def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Mapping[str, Any] | None:

@@ -7,7 +7,10 @@ The standard (Megatron) layout, as placements of the graph:
   sums that the graph all-reduces;
 - heads split by whole KV groups: device r holds KV heads ``shard_sizes(Hkv, n)[r]`` and the G = H / Hkv
   query heads of each, so n need not divide the heads, only not exceed the KV heads;
-- the vocabulary split for the embedding (partial sums) and the LM head (gathered logits).
+- the vocabulary split for the embedding (partial sums) and the LM head (gathered logits);
+- MoE experts (``experts_gate_up`` [E, 2I, H], ``experts_down`` [E, H, I]) split over experts (expert parallel,
+  ``Shard(0)``) when n divides E, else each expert's matrices split like gate_up / down (tensor parallel); either
+  way their output is a partial sum the graph all-reduces. The router stays replicated.
 
 Weights are stored transposed (``Wt [in, out]``, contiguous per device): a decode row then streams each
 weight front to back, which is what CPU BLAS reads fastest.
@@ -39,6 +42,15 @@ class Layout:
             raise ModelError(f"tensor_parallel_size {n} exceeds the model's {c.num_kv_heads} KV heads "
                              f"({c.num_heads} attention heads): each device needs at least one KV head and its "
                              f"{c.num_heads // c.num_kv_heads} query heads; use at most {c.num_kv_heads} devices")
+        if c.num_experts and not self.expert_parallel and n > c.moe_intermediate_size:
+            raise ModelError(f"tensor_parallel_size {n} neither divides the model's {c.num_experts} experts (for "
+                             f"expert parallelism) nor fits their moe_intermediate_size {c.moe_intermediate_size} "
+                             f"(for tensor parallelism); use a divisor of {c.num_experts}")
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the MoE experts are split whole over the devices (n > 1 divides num_experts)."""
+        return self.n > 1 and self.config.num_experts > 0 and self.config.num_experts % self.n == 0
 
     @property
     def group(self) -> int:
@@ -58,5 +70,8 @@ class Layout:
             "qkv": Shard(1, qkv, units), "qkv_bias": Shard(0, qkv, units), "o": Shard(0, None, g * d),
             "gate_up": Shard(1, (c.intermediate_size, c.intermediate_size)), "down": Shard(0),
             "k_cache": Shard(2), "v_cache": Shard(2),
+            "experts_gate_up": Shard(1, (c.moe_intermediate_size, c.moe_intermediate_size)), "experts_down": Shard(2),
         }
+        if self.expert_parallel:
+            table |= {"experts_gate_up": Shard(0), "experts_down": Shard(0)}
         return table.get(name, R)

@@ -1,4 +1,4 @@
-"""One decoder-only transformer for Llama, Qwen2 and Qwen3, written once as a graph with placements.
+"""One decoder-only transformer for Llama, Qwen2, Qwen3 and Qwen3-MoE, written once as a graph with placements.
 
 ``Transformer`` holds the weights placed once on a ``DeviceMesh`` (``DistTensor`` s, one piece per device)
 and builds the step graph of one shape bucket: T rows (tokens) of N sequences packed together, reading
@@ -6,7 +6,8 @@ and writing the KV cache in place. A mesh of one device is the same graph; on n 
 of ``Layout`` make it tensor parallel and the graph inserts the all-reduces and the logits' all-gather.
 
 Family differences are configuration: ``attention_bias`` (Qwen2's q/k/v biases), ``qk_norm``
-(Qwen3's per-head RMS norms on q and k), ``tie_word_embeddings``, ``rope_scaling``.
+(Qwen3's per-head RMS norms on q and k), ``tie_word_embeddings``, ``rope_scaling``, and the layers whose MLP is a
+sparse mixture of experts (``ModelConfig.is_sparse``: Qwen3-MoE's router and experts ops).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Transformer:
         """
         layout = Layout(config, mesh.size)
         weights: dict[str, DistTensor] = {}
-        for name, sources, combine, shape in _tensors(config):
+        for name, sources, combine, shape in _tensors(config, layout):
             kind = _kind(name)
             if get_packed is not None and kind in PACKABLE:
                 if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
@@ -178,8 +179,14 @@ class Transformer:
             a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, cu_q, lens_k, table, causal=True, scale=scale)
             o = g.redistribute(_proj(g, g.view(a, (T, H * D)), w[p + "o"]), Replicate())
             h, x = g.call("llm.add_rms_norm", o, x, w[p + "post_norm"], eps=eps)
-            gate, up = g.split(_proj(g, h, w[p + "gate_up"]), (inter, inter), 1)
-            o = g.redistribute(_proj(g, g.call("llm.silu_and_mul", gate, up), w[p + "down"]), Replicate())
+            if c.is_sparse(i):  # route each row to its top-k experts; each device's experts give a partial sum
+                weights, ids = g.call("llm.moe_router", _proj(g, h, w[p + "router"]), c.num_experts_per_tok,
+                                      c.norm_topk_prob)  # [T, k] each, from the replicated logits [T, E]
+                o = g.call("llm.moe_experts", h, w[p + "experts_gate_up"], w[p + "experts_down"], weights, ids)
+            else:
+                gate, up = g.split(_proj(g, h, w[p + "gate_up"]), (inter, inter), 1)
+                o = _proj(g, g.call("llm.silu_and_mul", gate, up), w[p + "down"])
+            o = g.redistribute(o, Replicate())
         h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
         if not bucket.all_logits and T != N:  # the last row of each sequence
             h = g.call("llm.embedding", g.input("last_rows", (N,), torch.int64), h)
@@ -263,7 +270,11 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, 0) if len(parts) > 1 else parts[0]
 
 
-def _tensors(c: ModelConfig):
+def _cat_1(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, 1)
+
+
+def _tensors(c: ModelConfig, layout: Layout):
     """(model name, [(HF name, HF dim it is split on or None, unit)], combine, global shape) of every weight."""
     H, Hkv, D, E, inter, V = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.vocab_size
     G = H // Hkv
@@ -286,5 +297,21 @@ def _tensors(c: ModelConfig):
             yield n + "q_norm", [(a + "q_norm.weight", None, 1)], _cat, (D,)
             yield n + "k_norm", [(a + "k_norm.weight", None, 1)], _cat, (D,)
         yield n + "o", [(a + "o_proj.weight", 1, G * D)], _cat_t, (H * D, E)
+        if c.is_sparse(i):
+            yield from _moe_tensors(c, layout, n, m)
+            continue
         yield n + "gate_up", [(m + "gate_proj.weight", 0, 1), (m + "up_proj.weight", 0, 1)], _cat_t, (E, 2 * inter)
         yield n + "down", [(m + "down_proj.weight", 1, 1)], _cat_t, (inter, E)
+
+
+def _moe_tensors(c: ModelConfig, layout: Layout, n: str, m: str):
+    """A sparse layer's router Wt [H, E] and experts [E, 2I, H] ([gate | up] rows, as llm.moe_experts takes them) and
+    [E, H, I]: the stacked checkpoint tensors split on the dim of their layout placement (experts or features)."""
+    E, H, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    x = m + "experts."
+    yield n + "router", [(m + "gate.weight", None, 1)], _cat_t, (H, E)
+    gu = layout.placement("experts_gate_up")
+    d = gu.dim if isinstance(gu, Shard) else None  # 0: experts; 1: each expert's rows of gate and of up
+    yield n + "experts_gate_up", [(x + "gate_proj", d, 1), (x + "up_proj", d, 1)], _cat_1, (E, 2 * inter, H)
+    dn = layout.placement("experts_down")
+    yield n + "experts_down", [(x + "down_proj", dn.dim if isinstance(dn, Shard) else None, 1)], _cat, (E, H, inter)

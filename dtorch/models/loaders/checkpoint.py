@@ -38,7 +38,9 @@ class Checkpoint:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a model of ``config`` needs, by Hugging Face name, with its shape."""
+    """Every tensor a model of ``config`` needs, by Hugging Face name, with its shape. A sparse layer's experts are
+    three stacked tensors, ``mlp.experts.gate_proj`` / ``up_proj`` [E, I, H] and ``down_proj`` [E, H, I] (no
+    ``.weight``: the loader stacks a file's per-expert ``mlp.experts.{e}.gate_proj.weight`` ... into them)."""
     h, q, kv, ff = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
                                           "model.norm.weight": (h,)}
@@ -50,8 +52,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h), p + "mlp.down_proj.weight": (h, ff),
         }
+        if config.is_sparse(i):  # the experts' matrices stacked [E, ...] (see ``hf.stack_experts``)
+            e, fe = config.num_experts, config.moe_intermediate_size
+            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj": (e, fe, h),
+                       p + "mlp.experts.up_proj": (e, fe, h), p + "mlp.experts.down_proj": (e, h, fe)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                       p + "mlp.down_proj.weight": (h, ff)}
         if config.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}

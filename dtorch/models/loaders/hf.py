@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,50 @@ def _open_safetensors(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Re
     return shapes, read
 
 
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(shapes: dict[str, tuple[int, ...]], read: Reader, num_experts: int,
+                  source: str) -> tuple[dict[str, tuple[int, ...]], Reader]:
+    """A file's per-expert ``{prefix}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`` tensors (as
+    transformers' ``save_pretrained`` and the published Qwen3-MoE checkpoints store them) presented as three stacked
+    ones per layer, ``{prefix}.mlp.experts.gate_proj`` [E, I, H] and so on, for experts 0..``num_experts``-1; other
+    tensors pass through. Reading a slice of dim 0 reads only those experts' tensors."""
+    groups: dict[str, dict[int, tuple[int, ...]]] = {}
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        m = _EXPERT_RE.match(name)
+        if m is None or int(m.group(2)) >= num_experts:  # experts beyond the config stay, and are refused later
+            out[name] = shape
+            continue
+        groups.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = shape
+    parts: dict[str, list[str]] = {}  # stacked name -> its experts' tensor names, in order
+    for stacked, found in groups.items():
+        prefix, _, proj = stacked.rpartition(".")
+        names = [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
+        missing = [n for e, n in enumerate(names) if e not in found]
+        if missing:
+            raise ModelError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} of the {num_experts} experts' "
+                             f"{proj} tensors of {prefix} are absent)")
+        if len(set(found.values())) != 1:
+            raise ModelError(f"{source}: the experts' {proj} tensors of {prefix} differ in shape "
+                             f"({sorted(set(found.values()))}); expected one shape for all {num_experts}")
+        out[stacked] = (num_experts, *found[0])
+        parts[stacked] = names
+
+    def read_stacked(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+        names = parts.get(name)
+        if names is None:
+            return read(name, dim, runs)
+        if dim is None:
+            return torch.stack([read(n, None, []) for n in names])
+        if dim == 0:  # only these experts
+            return torch.stack([read(names[e], None, []) for a, k in runs for e in range(a, a + k)])
+        return torch.stack([read(n, dim - 1, runs) for n in names])
+
+    return out, read_stacked
+
+
 def _chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
     jinja = directory / "chat_template.jinja"  # transformers 5 writes the template beside tokenizer_config.json
     if jinja.exists():
@@ -101,6 +146,8 @@ def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> LazyCh
         cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
     config = ModelConfig.from_hf(cfg_json)
     shapes, read = _open_safetensors(_shards(directory))
+    if config.num_experts:
+        shapes, read = stack_experts(shapes, read, config.num_experts, str(directory))
     shapes = used_shapes(shapes, config, dtype, str(directory))
 
     tokenizer, template = None, None
