@@ -1,4 +1,8 @@
-"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized with the ``gguf`` package -> HF names."""
+"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized with the ``gguf`` package -> HF names.
+
+Architectures: llama, qwen2, qwen3 and qwen3moe (family ``qwen3_moe``: the router ``ffn_gate_inp`` and the stacked
+experts ``ffn_{gate,up,down}_exps`` of each sparse layer, as ``convert_hf_to_gguf.py`` writes them).
+"""
 
 from __future__ import annotations
 
@@ -31,7 +35,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE's router [E, H]
 }
+# llama.cpp's stacked experts [E, I, H] / [E, H, I] -> the loaders' stacked names (no ``.weight``: see expected_shapes)
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# general.architecture -> ModelConfig family
+_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -42,6 +55,8 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 def hf_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a llama.cpp tensor name, or None for tensors the model does not use."""
     m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _EXPERT_NAMES:
+        return f"model.layers.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}" if m.group(3) == "weight" else None
     if m:
         base = _LAYER_NAMES.get(m.group(2))
         return None if base is None else f"model.layers.{m.group(1)}.{base}.{m.group(3)}"
@@ -87,10 +102,17 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
     """A ModelConfig from ``{arch}.*`` metadata keys; tied embeddings when there is no ``output.weight``.
 
     ``rope_freqs``: llama.cpp's per-frequency RoPE divisors ([head_dim / 2], Llama 3 scaling), if the file has them.
+
+    qwen3moe: ``expert_count``, ``expert_used_count`` and ``expert_feed_forward_length`` give the experts; a layer is
+    sparse when the file has its router ``blk.N.ffn_gate_inp.weight`` (the others are ``mlp_only_layers``, dense
+    MLPs of ``feed_forward_length``). llama.cpp always renormalizes Qwen3-MoE's top-k weights (its converter writes
+    no ``norm_topk_prob``), so ``norm_topk_prob`` is true unless the file says ``{arch}.expert_weights_norm`` false.
     """
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ModelError(f"{path}: general.architecture {arch!r} is not supported; expected llama, qwen2 or qwen3")
+    if arch not in _FAMILIES:
+        raise ModelError(f"{path}: general.architecture {arch!r} is not supported; expected one of "
+                         f"{', '.join(_FAMILIES)}")
+    family = _FAMILIES[arch]
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in meta:
@@ -102,9 +124,22 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
     if not vocab:
         raise ModelError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    layers = int(need("block_count"))
+    moe: dict[str, Any] = {}
+    if family == "qwen3_moe":
+        dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+        moe = dict(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                   moe_intermediate_size=int(need("expert_feed_forward_length")),
+                   norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)), decoder_sparse_step=1,
+                   mlp_only_layers=dense)
+        # the dense layers' width; with every layer sparse it is unused (and feed_forward_length may be absent)
+        ff = int(need("feed_forward_length") if dense
+                 else meta.get(f"{arch}.feed_forward_length", moe["moe_intermediate_size"]))
+    else:
+        ff = int(need("feed_forward_length"))
     return ModelConfig(
-        family=arch, vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")), num_heads=heads,
+        family=family, vocab_size=int(vocab), hidden_size=hidden, intermediate_size=ff,
+        num_layers=layers, num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -112,8 +147,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),
+        attention_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)), **moe,
     )
 
 
@@ -138,24 +173,29 @@ def _dequantize(t: Any, data: np.ndarray, shape: tuple[int, ...], path: Path) ->
 
 
 def _read_runs(t: Any, dim: int | None, runs: list[tuple[int, int]], path: Path) -> torch.Tensor:
-    """The rows/columns ``runs`` of dim ``dim`` of GGUF tensor ``t`` as float32, dequantizing only the blocks they
-    cover: rows are whole rows of blocks, columns are whole blocks when aligned (else the tensor is read whole)."""
+    """The runs ``runs`` of dim ``dim`` of GGUF tensor ``t`` (2-D, or 3-D stacked experts [E, rows, cols]) as
+    float32, dequantizing only the blocks they cover: any dim but the last takes whole rows of blocks (dim 0 of
+    stacked experts: only those experts' bytes), the last takes whole blocks when aligned (else the tensor is read
+    whole)."""
     import gguf
 
     shape = tuple(int(s) for s in reversed(t.shape))
-    data = t.data  # a map of the file: [rows, bytes (or items) of one row]; slicing it reads only those pages
-    if dim is None or len(shape) != 2:
+    data = t.data  # a map of the file: [..., rows, bytes (or items) of one row]; slicing it reads only those pages
+    if dim is None or len(shape) not in (2, 3):
         return narrow_runs(_dequantize(t, data, shape, path), dim, runs)
-    if dim == 0:
-        parts = [_dequantize(t, data[a:a + n], (n, shape[1]), path) for a, n in runs]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    last = len(shape) - 1
+    if dim < last:
+        lead = (slice(None),) * dim
+        parts = [_dequantize(t, data[(*lead, slice(a, a + n))], (*shape[:dim], n, *shape[dim + 1:]), path)
+                 for a, n in runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
     block = gguf.GGML_QUANT_SIZES[t.tensor_type][0] if t.tensor_type in gguf.GGML_QUANT_SIZES else 0
-    per_block = data.shape[-1] * block // shape[1] if block else 0  # items of ``data`` per block of a row
+    per_block = data.shape[-1] * block // shape[-1] if block else 0  # items of ``data`` per block of a row
     if not block or any(a % block or n % block for a, n in runs):
         return narrow_runs(_dequantize(t, data, shape, path), dim, runs)
-    parts = [_dequantize(t, data[:, a // block * per_block:(a + n) // block * per_block], (shape[0], n), path)
+    parts = [_dequantize(t, data[..., a // block * per_block:(a + n) // block * per_block], (*shape[:-1], n), path)
              for a, n in runs]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def _gguf_reader(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, tuple[int, ...]], Reader, Any]:
@@ -243,7 +283,8 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheck
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a GGUF file: config from its metadata, weights dequantized (Llama q/k un-permuted), its tokenizer."""
+    """Load a GGUF file: config from its metadata, weights dequantized (Llama q/k un-permuted; Qwen2/Qwen3 q/k are
+    stored as transformers has them), its tokenizer."""
     with open_gguf(path, dtype) as lazy:
         return lazy.load()
 
