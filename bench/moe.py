@@ -3,8 +3,9 @@
     python bench/moe.py [--threads 4] [--repeat 20] [--hidden 576] [--inter 256] [--dtype float32]
 
 For E experts with top-k routing (random router logits) it prints the median ms of ``llm.moe_experts`` with only
-the reference or only the torch provider, for T = 1 (decode: the torch kernel's gathered path, no host read) and
-T = 512 (prefill: grouped by expert), the speed-up and the largest output difference.
+the reference or only the torch provider, for T = 1 (decode: on cpu the torch kernel's host path, each selected
+expert on views of its own matrices; off cpu its gathered path, no host read) and T = 512 (prefill: grouped by
+expert), the speed-up and the largest output difference.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import dtorch
 from dtorch import ops
 from dtorch.dispatch.key import KernelKey
 from dtorch.graph import DeviceMesh, LogicalGraph, Partial, Replicate, Shard
+from dtorch.kernels.torch import moe as moe_kernels
 from dtorch.runtime import Runner
 
 R, P, S = Replicate(), Partial(), Shard
@@ -124,21 +125,52 @@ def test_expert_start_pieces_sum_to_the_whole(provider, tokens) -> None:
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-4)
 
 
-def test_decode_reads_nothing_back_from_the_device(monkeypatch) -> None:
-    """The torch kernel's decode path (T * k <= E / 4) never calls .tolist() / .item() on a tensor."""
+@pytest.mark.parametrize("start", [0, 2])
+def test_decode_reads_nothing_back_from_the_device(monkeypatch, start) -> None:
+    """The torch kernel's decode path for accelerators (T * k <= E / 4, off cpu) never calls .tolist() / .item()
+    on a tensor. On cpu the kernel takes _experts_host instead, whose host read of the ids is free there; so this
+    calls the accelerators' path, _experts_gathered, directly (with cpu tensors) rather than through dispatch."""
     x, wgu, wd = torch.randn(1, 16), torch.randn(8, 16, 16), torch.randn(8, 16, 8)
-    w, ids = ops.moe_router(torch.randn(1, 8), 2, True)
-    want = ops.moe_experts(x, wgu, wd, w, ids)
+    w, ids = ops.moe_router(torch.randn(1, 10), 2, True)
+    want = torch.empty_like(x)
+    with only("reference"):
+        ops.invoke("llm.moe_experts", [x, wgu, wd, w, ids], [want], {"expert_start": start})
 
     def host_read(*a, **k):
         raise AssertionError("host read of a device value in the decode step")
 
     monkeypatch.setattr(torch.Tensor, "tolist", host_read)
     monkeypatch.setattr(torch.Tensor, "item", host_read)
+    assert ids.numel() * moe_kernels.GATHER_EXPERTS_PER_PAIR <= wgu.shape[0]  # the size the kernel sends there
+    flat, wf = moe_kernels._local_ids(ids, w, start, wgu.shape[0])
     out = torch.empty_like(x)
-    with only("torch"):
-        ops.invoke("llm.moe_experts", [x, wgu, wd, w, ids], [out])
+    moe_kernels._experts_gathered(x, wgu, wd, flat, wf, out)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (1, 8, 4), (2, 16, 4), (4, 64, 8), (3, 8, 2)])
+def test_cpu_paths_agree(tokens, experts, top_k, dtype) -> None:
+    # the torch kernel on cpu (host path for few pairs, grouped beyond) against the accelerators' gathered path
+    # and the reference, repeated experts across tokens and an expert-parallel piece included
+    torch.manual_seed(1)
+    x = torch.randn(tokens, 16, dtype=dtype)
+    wgu, wd = torch.randn(experts, 12, 16, dtype=dtype) * 0.25, torch.randn(experts, 16, 6, dtype=dtype) * 0.25
+    ids = torch.randint(0, experts + 3, (tokens, top_k))
+    ids[:, 0] = ids[0, 0].clamp(3, experts + 2)  # every token on one expert (a group of several tokens)
+    w = torch.rand(tokens, top_k, dtype=dtype)
+    for start in (0, 3):
+        want, got = torch.empty_like(x), torch.empty_like(x)
+        with only("reference"):
+            ops.invoke("llm.moe_experts", [x, wgu, wd, w, ids], [want], {"expert_start": start})
+        with only("torch"):
+            ops.invoke("llm.moe_experts", [x, wgu, wd, w, ids], [got], {"expert_start": start})
+        flat, wf = moe_kernels._local_ids(ids, w, start, experts)
+        gathered = torch.empty_like(x)
+        moe_kernels._experts_gathered(x, wgu, wd, flat, wf, gathered)
+        rtol, atol = HALF.get(dtype, (1e-5, 1e-5))
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+        torch.testing.assert_close(gathered, want, rtol=rtol, atol=atol)
 
 
 def test_torch_kernels_win_on_cpu() -> None:
