@@ -51,3 +51,14 @@ def table(head: list[str], rows: list[list[object]]) -> str:
              for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def median_ms(fn: Callable[[], object], repeat: int) -> float:
+    """Milliseconds per call of ``fn``: the median of ``repeat`` timed calls after one warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)

@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import table  # noqa: E402
+from _timing import median_ms, table  # noqa: E402
 
 import dtorch  # noqa: E402
-
-
-def median_ms(fn, repeat: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
 
 
 def main() -> None:

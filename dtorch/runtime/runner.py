@@ -15,7 +15,6 @@ nothing, and fed inputs are copied into their buffers on each device's compute s
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -319,14 +318,8 @@ class Runner:
 
     def _run_inline(self, stream: Any, state: RunState) -> None:
         """Execute the program's items here, in order, as ``stream``'s thread would (failures land in ``state``)."""
-        tracer, clock = stream.tracer, time.perf_counter_ns
         for _, _, item in self._program:
-            if tracer is None or not getattr(item, "traced", True):
-                item.execute(stream, state)
-            else:
-                t0 = clock()
-                item.execute(stream, state)
-                tracer.add(stream, item.label, t0, clock())
+            stream.execute(item, state)
 
     def _place_feeds(self, feeds: dict[str, torch.Tensor], state: RunState) -> None:
         n = self.mesh.size

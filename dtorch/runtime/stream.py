@@ -157,20 +157,25 @@ class KernelStream:
 
     def _loop(self) -> None:
         self._setup_thread()
-        get, done, clock = self._queue.get, self.in_flight.popleft, time.perf_counter_ns
+        get, done = self._queue.get, self.in_flight.popleft
         while True:
             item, state = get()
             if item is None:
                 break
-            tracer = self.tracer
-            if tracer is None or not getattr(item, "traced", True):
-                item.execute(self, state)
-            else:
-                t0 = clock()
-                item.execute(self, state)
-                tracer.add(self, item.label, t0, clock())
+            self.execute(item, state)
             done()
             item = state = None  # release the kernel's references right after it ran
+
+    def execute(self, item: Any, state: Any) -> None:
+        """Run ``item`` as this stream does (traced when a tracer is set); the stream's thread calls this, and so
+        does a Runner that executes a one-device plan inline on the caller's thread."""
+        tracer = self.tracer
+        if tracer is None or not getattr(item, "traced", True):
+            item.execute(self, state)
+            return
+        t0 = time.perf_counter_ns()
+        item.execute(self, state)
+        tracer.add(self, item.label, t0, time.perf_counter_ns())
 
     def close(self, timeout: float = 5.0) -> bool:
         """Stop after the queued items; True if the thread has ended within ``timeout``."""
