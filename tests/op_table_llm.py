@@ -20,12 +20,18 @@ LLM_ROWS: list = []
 # llm.* ops that do not fit a Row (several outputs, optional None inputs, in-place state, host-read offsets),
 # with where they are tested instead.
 LLM_NOT_IN_TABLE: dict[str, str] = {
-    "llm.gated_delta_net": "two outputs (o, final state), optional initial_state/cu_seqlens inputs, two providers; "
+    "llm.gated_delta_net": "two outputs (o, final state), optional initial_state/cu_seqlens/state_indices inputs, "
+                           "two providers; "
                            "tested in tests/test_gated_delta_net.py against a per-step recurrence and transformers",
     "llm.causal_conv1d": "optional bias/initial_states inputs and an optional second output (final states); "
                          "tested in tests/test_causal_conv1d.py against torch conv1d",
-    "llm.causal_conv1d_update": "updates conv_state in place (output 1 is read and written); tested step by step "
-                                "against the full form in tests/test_causal_conv1d.py",
+    "llm.causal_conv1d_update": "updates conv_state (or pool rows named by state_indices) in place (output 1 is "
+                                "read and written); tested step by step against the full form in "
+                                "tests/test_causal_conv1d.py",
+    "llm.causal_conv1d_varlen": "packed segments with host-read cu_seqlens, a state pool written in place; tested "
+                                "in tests/test_causal_conv1d.py against transformers' causal_conv1d_fn per sequence",
+    "llm.gdn_gates": "two outputs (g float32, beta); tested in tests/test_gdn_gates.py against transformers' "
+                     "Qwen3NextGatedDeltaNet formula",
     "llm.reshape_and_cache": "writes its two cache inputs in place through a slot mapping; tested in "
                              "tests/test_kv_cache_ops.py against plain indexing",
     "llm.flash_attention_with_kvcache": "reads keys through a block table with host-read lengths; tested in "

@@ -156,3 +156,135 @@ def test_empty_sequence_passes_the_state_through(provider):
         out, final = ops.causal_conv1d(x, w, initial_states=s0, return_final_states=True)
     assert out.shape == (2, 3, 0)
     torch.testing.assert_close(final, s0)
+
+
+# -- state pools: causal_conv1d_update with state_indices, causal_conv1d_varlen ----------------------------
+
+def _varlen_case(lengths=(0, 1, 2, 5, 17), d=6, width=4, keep=3, rows=8, dtype=torch.float32, columns=None):
+    """x [T, D] (a column view of a wider [T, C] when ``columns``), weight, bias, a pool, cu_seqlens, shuffled
+    indices."""
+    t = sum(lengths)
+    wide = torch.randn(t, columns or d, dtype=dtype)
+    x = wide[:, 1:1 + d] if columns else wide
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    idx = torch.randperm(rows)[:len(lengths)]
+    return x, torch.randn(d, width, dtype=dtype), torch.randn(d, dtype=dtype), \
+        torch.randn(rows, d, keep, dtype=dtype), cu, idx
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keep,columns", [(3, None), (4, 11)])  # S = W - 1; S = W (Qwen3-Next) on a column view
+def test_varlen_matches_transformers_per_sequence(provider, dtype, keep, columns):
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    lengths = (0, 1, 2, 5, 17)
+    x, w, bb, pool, cu, idx = _varlen_case(lengths, dtype=dtype, keep=keep, columns=columns)
+    before = pool.clone()
+    with only(provider):
+        out = ops.causal_conv1d_varlen(x, w, pool, cu, idx, bb, activation="silu")
+    assert out.shape == x.shape and out.dtype == dtype
+    # every sequence behind its state's last W-1 inputs, right-padded to one batch (a causal conv ignores the pad)
+    spans = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+    seqs = torch.zeros(len(spans), 6, 3 + max(lengths), dtype=torch.float64)
+    for n, (a, e) in enumerate(spans):
+        seqs[n, :, :3 + e - a] = torch.cat([before[int(idx[n]), :, keep - 3:], x[a:e].t()], -1)
+    want = qwen3_next.causal_conv1d_fn(seqs, w.double(), bb.double(), activation="silu")[..., 3:]
+    for n, (a, e) in enumerate(spans):
+        row = int(idx[n])
+        close(out[a:e].t(), want[n, :, :e - a], dtype)
+        last = torch.cat([before[row], x[a:e].t()], -1)[:, -keep:]      # older state entries when L < S
+        assert torch.equal(pool[row], last if e > a else before[row])
+    untouched = sorted(set(range(8)) - set(idx.tolist()))
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_varlen_one_token_and_pooled_decode_agree(provider):
+    x, w, bb, pool, cu, idx = _varlen_case((1, 1, 1), rows=5)           # T = 3 one-token segments
+    pool_update = pool.clone()
+    with only(provider):
+        out = ops.causal_conv1d_varlen(x, w, pool, cu, idx, bb, "silu")
+        step = ops.causal_conv1d_update(x, pool_update, w, bb, "silu", state_indices=idx)   # x [B, D]
+    torch.testing.assert_close(step, out)
+    torch.testing.assert_close(pool_update, pool)
+    one = ops.causal_conv1d_varlen(x[:1], w, pool.clone(), torch.tensor([0, 1]), idx[:1], bb)
+    assert one.shape == (1, 6)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_update_with_indices_equals_per_row_updates(provider):
+    x, w, bb = torch.randn(3, 6, 2), torch.randn(6, 4), torch.randn(6)
+    pool = torch.randn(5, 6, 4)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    want_pool = pool.clone()
+    want = torch.stack([ops.causal_conv1d_update(x[b:b + 1], want_pool[r:r + 1], w, bb, "silu")[0]
+                        for b, r in enumerate(idx.tolist())])
+    with only(provider):
+        got = ops.causal_conv1d_update(x, pool, w, bb, "silu", state_indices=idx)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(pool, want_pool)
+    prepared = CausalConv1d(activation="silu").prepare(OperatorInitContext("cpu"))
+    torch.testing.assert_close(prepared.update(x, pool, w, bb, idx), ops.causal_conv1d_update(
+        x, want_pool, w, bb, "silu", state_indices=idx))
+    assert torch.equal(pool, want_pool)
+
+
+def test_update_with_duplicate_scratch_rows():
+    x, w = torch.randn(3, 6), torch.randn(6, 4)
+    pool = torch.randn(4, 6, 3)
+    before = pool.clone()
+    ops.causal_conv1d_update(x, pool, w, state_indices=torch.tensor([2, 0, 0]))
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])
+    assert torch.equal(pool[2], torch.cat([before[2], x[0, :, None]], -1)[:, 1:])
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p[:, :, :2], cu, i), dtorch.ShapeError, "'conv_states'"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p[:, :5], cu, i), dtorch.ShapeError, "'conv_states'"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p, cu, i.float()), dtorch.DTypeError, "'state_indices'"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p, cu, i[None]), dtorch.ShapeError, "'state_indices'"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p, cu, i[:2]), dtorch.ShapeError, "'state_indices'"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p, cu, i + 8), dtorch.ArgumentError,
+     r"'state_indices' must lie in \[0, 8\)"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p, cu[:-1], i[:-1]), dtorch.ArgumentError, "end at T"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p, cu.float(), i), dtorch.DTypeError, "'cu_seqlens'"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x[None], w, p, cu, i), dtorch.ShapeError, "rank 2"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p.double(), cu, i), dtorch.DTypeError, "disagree"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_varlen(x, w, p, cu, i, activation="relu"), dtorch.ArgumentError,
+     "'activation'"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_update(x[:3], p, w, state_indices=i[:2]), dtorch.ShapeError,
+     r"'state_indices' must have shape \[3\]"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_update(x[:3], p, w, state_indices=i[:3] + 8), dtorch.ArgumentError,
+     "'state_indices'"),
+    (lambda x, w, p, cu, i: ops.causal_conv1d_update(x[:3], p[:, :, :2], w, state_indices=i[:3]), dtorch.ShapeError,
+     "'conv_state'"),
+])
+def test_bad_pools_name_the_argument(call, error, words):
+    x, w, _, pool, cu, idx = _varlen_case((2, 3, 4))
+    with pytest.raises(error, match=words) as info:
+        call(x, w, pool, cu, idx)
+    assert "llm.causal_conv1d" in str(info.value)
+
+
+def test_varlen_meta_shapes():
+    x, w, bb, pool, cu, idx = (t.to("meta") for t in _varlen_case((2, 3)))
+    assert ops.causal_conv1d_varlen(x, w, pool, cu, idx, bb).shape == (5, 6)
+
+
+def test_pooled_update_reads_no_device_value_on_the_host(monkeypatch):
+    x, w, bb, pool = torch.randn(3, 6), torch.randn(6, 4), torch.randn(6), torch.randn(5, 6, 3)
+    idx = torch.tensor([4, 0, 2])
+    want_pool = pool.clone()
+    want = ops.causal_conv1d_update(x, want_pool, w, bb, "silu", state_indices=idx)
+    from dtorch.kernels.torch.causal_conv1d import causal_conv1d_update_reference as kernel
+
+    class Ctx:
+        params = {"activation": "silu"}
+
+    out = torch.empty_like(x)
+    for name in ("tolist", "item", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, name=name: pytest.fail(f"host read: Tensor.{name}"))
+    kernel(Ctx, (x, w, bb, pool, idx), (out, pool))
+    monkeypatch.undo()
+    torch.testing.assert_close(out, want)
+    assert torch.equal(pool, want_pool)

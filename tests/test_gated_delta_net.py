@@ -223,3 +223,192 @@ def test_empty_sequence_and_segments_keep_their_state(mode):
     torch.testing.assert_close(s, s0.float())
     o, s = ops.gated_delta_net(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 0], dtype=torch.int32), mode=mode)
     assert s.shape == (1, 2, 8, 6) and not s.any()
+
+
+# -- state pools (state_indices) ----------------------------------------------------------------------
+
+def _pool(s=6, h=2, kd=8, vd=6, dtype=torch.float32):
+    return torch.randn(s, h, kd, vd, dtype=dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_varlen_pool_rows_in_shuffled_order_equal_runs_alone(mode, index_dtype):
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    cu = [0, 5, 5, 6, 17, 30]                                   # an empty and a one-token segment
+    (q, k, v, g, beta), _ = make(b=1, t=cu[-1], hk=2, h=4, normalize=False, init=False)
+    pool = _pool(7, h=4)
+    idx = torch.tensor([5, 0, 3, 6, 1], dtype=index_dtype)
+    o, new = ops.gated_delta_net(q, k, v, g, beta, initial_state=pool, use_qk_l2norm=True, mode=mode, chunk_size=4,
+                                 cu_seqlens=torch.tensor(cu, dtype=torch.int32), state_indices=idx)
+    assert new.shape == pool.shape
+    for n, (a, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        row = int(idx[n])
+        seg = [x[:, a:e] for x in (q, k, v, g, beta)]
+        want_o, want_s = qwen3_next.torch_recurrent_gated_delta_rule(
+            *seg, initial_state=pool[row:row + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        close(o[:, a:e], want_o, torch.float32)
+        close(new[row], want_s[0], torch.float32)
+    for row in (2, 4):                                          # not named: bit-identical
+        assert torch.equal(new[row], pool[row])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_pool_in_place_equals_single_token_calls(mode, dtype):
+    (q, k, v, g, beta), _ = make(b=4, t=1, hk=2, h=4, dtype=dtype, normalize=False, init=False)
+    g = g.float()                                               # as gdn_gates gives it
+    pool = _pool(6, h=4)
+    before = pool.clone()
+    idx = torch.tensor([3, 0, 5, 1])
+    out = torch.empty_like(v)
+    o, s = ops.gated_delta_net_out(q, k, v, g, beta, initial_state=pool, use_qk_l2norm=True, state_indices=idx,
+                                   mode=mode, out=out, final_state_out=pool)
+    assert o is out and s is pool
+    for b in range(4):
+        row = int(idx[b])
+        one = [x[b:b + 1] for x in (q, k, v, g, beta)]
+        want_o, want_s = ops.gated_delta_net(*one, initial_state=before[row:row + 1], use_qk_l2norm=True,
+                                             mode="recurrent", chunk_size=8)
+        want_n, _ = naive(*one, s0=before[row:row + 1], l2=True)
+        close(out[b:b + 1], want_n, dtype)
+        torch.testing.assert_close(out[b:b + 1], want_o)
+        torch.testing.assert_close(pool[row], want_s[0])
+    assert torch.equal(pool[[2, 4]], before[[2, 4]])
+
+
+def test_decode_duplicate_scratch_rows_leave_the_others_alone():
+    (q, k, v, g, beta), _ = make(b=4, t=1, init=False)
+    pool = _pool(5)
+    before = pool.clone()
+    idx = torch.tensor([1, 0, 0, 3])                            # two padding sequences share scratch row 0
+    ops.gated_delta_net_out(q, k, v, g, beta, initial_state=pool, state_indices=idx, out=torch.empty_like(v),
+                            final_state_out=pool)
+    for b, row in ((0, 1), (3, 3)):
+        want = ops.gated_delta_net(*(x[b:b + 1] for x in (q, k, v, g, beta)), initial_state=before[row:row + 1])[1]
+        torch.testing.assert_close(pool[row], want[0])
+    assert torch.equal(pool[[2, 4]], before[[2, 4]])
+    assert torch.isfinite(pool[0]).all()
+
+
+def test_decode_reads_no_device_value_on_the_host(monkeypatch):
+    (q, k, v, g, beta), _ = make(b=3, t=1, init=False)
+    pool, idx = _pool(4), torch.tensor([2, 0, 1])
+    want = ops.gated_delta_net(q, k, v, g, beta, initial_state=pool, state_indices=idx)
+    metas = [x.to("meta") for x in (q, k, v, g, beta, pool, idx)]
+    for name in ("tolist", "item", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, name=name: pytest.fail(f"host read: Tensor.{name}"))
+    ops.gated_delta_net(*metas[:5], initial_state=metas[5], state_indices=metas[6])    # wrapper: meta passes
+    from dtorch.kernels.torch.gated_delta_net import _step
+    o, s = torch.empty_like(v), pool.clone()
+    _step({"use_qk_l2norm": False}, (q, k, v, g, beta, s, None, idx), idx, (o, s))     # the kernel's decode form
+    monkeypatch.undo()
+    torch.testing.assert_close(o, want[0])
+    torch.testing.assert_close(s, want[1])
+
+
+def test_strided_column_views_as_q_k_v():
+    t, hk, h, kd = 9, 2, 4, 8
+    mixed = torch.randn(t, 2 * hk * kd + h * kd)                # [T, C] = [q | k | v], as after the conv
+    q, k, v = (x.view(1, t, -1, kd) for x in mixed.split([hk * kd, hk * kd, h * kd], dim=1))
+    g, beta = -torch.rand(1, t, h), torch.rand(1, t, h)
+    pool, idx, cu = _pool(3, h=h, vd=kd), torch.tensor([2, 0]), torch.tensor([0, 4, 9])
+    o, s = ops.gated_delta_net(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, state_indices=idx,
+                               use_qk_l2norm=True)
+    dense = ops.gated_delta_net(*(x.contiguous() for x in (q, k, v)), g, beta, initial_state=pool, cu_seqlens=cu,
+                                state_indices=idx, use_qk_l2norm=True)
+    torch.testing.assert_close(o, dense[0])
+    torch.testing.assert_close(s, dense[1])
+    step = [x[:, :1].transpose(0, 1) for x in (q, k, v, g, beta)]    # decode: B = 1 token each, strided
+    o1, s1 = ops.gated_delta_net(*step, initial_state=pool, state_indices=idx[:1], use_qk_l2norm=True)
+    torch.testing.assert_close(o1[0, 0], o[0, 0])
+
+
+def test_pool_meta_and_prepared():
+    (q, k, v, g, beta), _ = make(b=2, t=1, init=False)
+    pool, idx = _pool(5), torch.tensor([4, 1])
+    o, s = ops.gated_delta_net(*(x.to("meta") for x in (q, k, v, g, beta)), initial_state=pool.to("meta"),
+                               state_indices=idx.to("meta"))
+    assert o.shape == (2, 1, 2, 6) and s.shape == pool.shape
+    op = GatedDeltaNet().prepare(OperatorInitContext("cpu"))
+    want = ops.gated_delta_net(q, k, v, g, beta, initial_state=pool, state_indices=idx)
+    got = op.forward(q, k, v, g, beta, pool, None, idx)
+    torch.testing.assert_close(got[1], want[1])
+    op.forward_out(q, k, v, g, beta, pool, None, idx, out=torch.empty_like(v), final_state_out=pool)
+    torch.testing.assert_close(pool, want[1])
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(initial_state=None), dtorch.ArgumentError, "needs 'initial_state'"),
+    (dict(initial_state=torch.randn(4, 2, 8, 5)), dtorch.ShapeError, "'initial_state' must be a pool"),
+    (dict(initial_state=torch.randn(0, 2, 8, 6)), dtorch.ShapeError, "S >= 1"),
+    (dict(initial_state=torch.randn(4, 2, 8, 6, dtype=torch.float64)), dtorch.DTypeError, "state dtype"),
+    (dict(state_indices=torch.tensor([0.0, 1.0])), dtorch.DTypeError, "'state_indices'"),
+    (dict(state_indices=torch.tensor([[0, 1]])), dtorch.ShapeError, "'state_indices'"),
+    (dict(state_indices=torch.tensor([0, 1, 2])), dtorch.ShapeError, "'state_indices'"),
+    (dict(state_indices=torch.tensor([0, 4])), dtorch.ArgumentError, r"'state_indices' must lie in \[0, S=4\)"),
+    (dict(state_indices=torch.tensor([-1, 0])), dtorch.ArgumentError, "'state_indices'"),
+])
+def test_bad_pools_and_indices_name_the_argument(change, error, words):
+    (q, k, v, g, beta), _ = make(b=2, t=1, init=False)
+    args = dict(initial_state=_pool(4), state_indices=torch.tensor([0, 3])) | change
+    with pytest.raises(error, match=words) as info:
+        ops.gated_delta_net(q, k, v, g, beta, **args)
+    assert "llm.gated_delta_net" in str(info.value)
+
+
+# -- the linear-attention block's ops in a graph: conv (varlen, pooled) -> split -> gated delta rule (pooled) ----
+
+def _block_graph(n: int, feeds: dict, conv_pool: torch.Tensor, pool: torch.Tensor, w: torch.Tensor,
+                 hk: int, h: int, kd: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """On a mesh of n: heads split when n > 1 (conv channels in blocks [q | k | v] of whole heads, pools on heads)."""
+    from dtorch.graph import DeviceMesh, LogicalGraph, Replicate, Shard
+    from dtorch.runtime import DistTensor, Runner
+
+    t = feeds["x"].shape[0]
+    blocks = (hk * kd, hk * kd, h * kd)
+    split = n > 1
+    chan = Shard(1, blocks, kd) if split else Replicate()
+    g = LogicalGraph(DeviceMesh.cpu(n))
+    x = g.input("x", feeds["x"].shape, placement=chan)
+    gate = {k: g.input(k, feeds[k].shape, placement=Shard(2) if split else Replicate()) for k in ("g", "beta")}
+    cu, idx = (g.input(k, feeds[k].shape, feeds[k].dtype) for k in ("cu", "idx"))
+    weight = g.param("w", w, Shard(0, blocks, kd) if split else Replicate())
+
+    def state(name, value, placement):
+        if not split:
+            return g.state(name, DistTensor.from_local([value.clone()], g.mesh, Replicate()))
+        return g.state(name, DistTensor.from_full(value.clone(), g.mesh, placement))
+
+    cpool, spool = state("conv", conv_pool, chan), state("ssm", pool, Shard(1))
+    mixed, _ = g.call("llm.causal_conv1d_varlen", x, weight, cpool, cu, idx, activation="silu")
+    q, k, v = (g.view(p, (1, t, -1, kd)) for p in g.split(mixed, blocks, dim=1))
+    o, new = g.call("llm.gated_delta_net", q, k, v, gate["g"], gate["beta"], initial_state=spool, cu_seqlens=cu,
+                    state_indices=idx, use_qk_l2norm=True, final_state_out=spool)
+    assert o.placement == (Shard(2) if split else Replicate())
+    g.output("o", o)
+    with Runner(g) as r:
+        got = r.run(feeds)
+    return got, g.states["conv"][1].full(), g.states["ssm"][1].full()
+
+
+def test_graph_conv_varlen_split_gated_delta_net_on_two_devices_equals_one():
+    hk, h, kd, width = 2, 4, 8, 4
+    lengths = [3, 0, 1, 6]
+    t, c = sum(lengths), 2 * hk * kd + h * kd
+    feeds = {"x": torch.randn(t, c), "g": -torch.rand(1, t, h), "beta": torch.rand(1, t, h),
+             "cu": torch.tensor([0, 3, 3, 4, 10], dtype=torch.int32), "idx": torch.tensor([4, 0, 2, 1])}
+    conv_pool, pool, w = torch.randn(5, c, width - 1), torch.randn(5, h, kd, kd), torch.randn(c, width)
+    # the same with plain op calls
+    cp, sp = conv_pool.clone(), pool.clone()
+    mixed = ops.causal_conv1d_varlen(feeds["x"], w, cp, feeds["cu"], feeds["idx"], activation="silu")
+    q, k, v = (p.view(1, t, -1, kd) for p in mixed.split([hk * kd, hk * kd, h * kd], dim=1))
+    o_want, _ = ops.gated_delta_net_out(q, k, v, feeds["g"], feeds["beta"], initial_state=sp, cu_seqlens=feeds["cu"],
+                                        state_indices=feeds["idx"], use_qk_l2norm=True, out=torch.empty_like(v),
+                                        final_state_out=sp)
+    for n in (1, 2):
+        got, conv_after, pool_after = _block_graph(n, feeds, conv_pool, pool, w, hk, h, kd)
+        torch.testing.assert_close(got["o"], o_want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(conv_after, cp, rtol=0, atol=0)
+        torch.testing.assert_close(pool_after, sp, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool_after[3], pool[3])                    # not named

@@ -10,8 +10,8 @@ wrapper's message. Each op's mapping is one ``Spec`` row of ``SPECS``.
 
 In place: ``out=x`` (rms_norm, softmax_last_dim, rope), ``residual_out=residual`` (add_rms_norm) and
 ``final_state_out=initial_state`` (gated_delta_net) mirror the wrappers' ``*_out`` forms: that output is
-written into the named input's storage (``Bound.aliases``); causal_conv1d_update always advances its
-conv_state in place and returns (out, conv_state). Where the wrapper transforms inputs before the kernel
+written into the named input's storage (``Bound.aliases``); causal_conv1d_update (and _varlen) always advance
+their conv state (pool) in place and return (out, conv state). Where the wrapper transforms inputs before the kernel
 (rope gathers cos/sin from positions, silu_and_mul splits [gate | up]), the kernel has a form that takes
 what the graph has (rope: positions and an ``inv_freq`` param; silu_and_mul: the fused x and None).
 """
@@ -185,14 +185,19 @@ SPECS: dict[str, Spec] = {
                                   result=lambda r, a: tuple(r), always_inplace=(2, 3)),
     "llm.flash_attention_with_kvcache": Spec(("q", "key_cache", "value_cache", "cu_seqlens_q", "seqlens_k",
                                               "block_table"), _dense),
-    "llm.gated_delta_net": Spec(("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"), _gdn_params,
+    "llm.gated_delta_net": Spec(("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "state_indices"),
+                                _gdn_params,
                                 lambda a: 2 if a["output_final_state"] else 1, _pair,
                                 inplace=(("final_state_out", 1, "initial_state"),)),
     "llm.causal_conv1d": Spec(("x", "weight", "bias", "initial_states"), _activation,
                               lambda a: 2 if a["return_final_states"] else 1, _pair),
     # the kernel reads conv_state as outputs[1]; naming it as a 4th input lets the graph see it read
-    "llm.causal_conv1d_update": Spec(("x", "weight", "bias", "conv_state"), _activation, lambda a: 2,
+    "llm.causal_conv1d_update": Spec(("x", "weight", "bias", "conv_state", "state_indices"), _activation, lambda a: 2,
                                      lambda r, a: (r, a["conv_state"]), always_inplace=(None, 3)),
+    "llm.causal_conv1d_varlen": Spec(("x", "weight", "bias", "conv_states", "cu_seqlens", "state_indices"),
+                                     _activation, lambda a: 2, lambda r, a: (r, a["conv_states"]),
+                                     always_inplace=(None, 3)),
+    "llm.gdn_gates": Spec(("a", "b", "A_log", "dt_bias"), outputs=lambda a: 2, result=lambda r, a: tuple(r)),
     "llm.moe_router": Spec(("logits",), _router, lambda a: 2, result=lambda r, a: tuple(r)),  # (weights, ids)
     "llm.moe_experts": Spec(("x", "w_gate_up", "w_down", "weights", "ids")),
 }

@@ -245,24 +245,36 @@ def _kv_cache(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Str
 
 
 def _gated_delta_net(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
-    # q, k [B, T, Hk, K]; v [B, T, H, V]; g, beta [B, T, H]; state [N, H, K, V]?; cu_seqlens [N + 1]?
-    # -> (o [B, T, H, V], final state [N, H, K, V])
-    q, v, state, cu = shapes[0], shapes[2], shapes[5], shapes[6]
+    # q, k [B, T, Hk, K]; v [B, T, H, V]; g, beta [B, T, H]; state [N, H, K, V]? (with state_indices [N]: a pool
+    # [S, H, K, V]); cu_seqlens [N + 1]? -> (o [B, T, H, V], final state [N or S, H, K, V])
+    q, v, state, cu, idx = shapes[0], shapes[2], shapes[5], shapes[6], shapes[7] if len(shapes) > 7 else None
+    ints = (_opt(cu, R),) + ((_opt(idx, R),) if len(shapes) > 7 else ())
     out = [Strategy(_same(shapes, R), (R, R))]
     if _heads_split(v[2], q[2], n):
-        out.append(Strategy((Shard(2),) * 5 + (_opt(state, Shard(1)), _opt(cu, R)), (Shard(2), Shard(1))))
-    if cu is None:  # packed sequences (cu_seqlens) have B == 1
-        out.append(Strategy((Shard(0),) * 5 + (_opt(state, Shard(0)), None), (Shard(0), Shard(0))))
+        out.append(Strategy((Shard(2),) * 5 + (_opt(state, Shard(1)),) + ints, (Shard(2), Shard(1))))
+    if cu is None and idx is None:  # packed sequences (cu_seqlens) have B == 1; a pool's rows are not the batch
+        out.append(Strategy((Shard(0),) * 5 + (_opt(state, Shard(0)),) + (None,) * len(ints), (Shard(0), Shard(0))))
     return out
 
 
 def _causal_conv1d(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
     # x [B, D, L], weight [D, W], bias [D]?, initial_states [B, D, W-1]? -> (out [B, D, L], final [B, D, W-1])
-    # update: x [B, D(, L)], weight, bias?, conv_state [B, D, S] -> (out like x, conv_state written in place)
-    bias, states = shapes[2], shapes[3]
-    return [Strategy(_same(shapes, R), (R, R)),
-            Strategy((Shard(1), Shard(0), _opt(bias, Shard(0)), _opt(states, Shard(1))), (Shard(1), Shard(1))),
-            Strategy((Shard(0), R, _opt(bias, R), _opt(states, Shard(0))), (Shard(0), Shard(0)))]
+    # update: x [B, D(, L)], weight, bias?, conv_state [B, D, S] (a pool [P, D, S] with state_indices [B]),
+    #   state_indices? -> (out like x, conv_state written in place)
+    # varlen: x [T, D], weight, bias?, conv_states [P, D, S], cu_seqlens [N + 1], state_indices [N]
+    #   -> (out [T, D], conv_states written in place)
+    bias, states, ints = shapes[2], shapes[3], tuple(_opt(s, R) for s in shapes[4:])
+    out = [Strategy(_same(shapes, R), (R, R)),
+           Strategy((Shard(1), Shard(0), _opt(bias, Shard(0)), _opt(states, Shard(1))) + ints, (Shard(1), Shard(1)))]
+    if not any(ints):  # batch (a pool's rows, or packed tokens, are not the batch)
+        out.append(Strategy((Shard(0), R, _opt(bias, R), _opt(states, Shard(0))) + ints, (Shard(0), Shard(0))))
+    return out
+
+
+def _gdn_gates(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # a, b [T, H], A_log [H], dt_bias [H] -> (g [T, H], beta [T, H]): per token and head
+    return [Strategy((R,) * 4, (R, R)), Strategy((Shard(0), Shard(0), R, R), (Shard(0), Shard(0))),
+            Strategy((Shard(1), Shard(1), Shard(0), Shard(0)), (Shard(1), Shard(1)))]
 
 
 def _embedding(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
@@ -311,6 +323,7 @@ RULES: dict[str, Rule] = {
     "llm.reshape_and_cache": _kv_cache, "llm.flash_attention_with_kvcache": _kv_cache,
     "llm.gated_delta_net": _gated_delta_net,
     "llm.causal_conv1d": _causal_conv1d, "llm.causal_conv1d_update": _causal_conv1d,
+    "llm.causal_conv1d_varlen": _causal_conv1d, "llm.gdn_gates": _gdn_gates,
     "llm.moe_router": _moe_router, "llm.moe_experts": _moe_experts,
 }
 

@@ -1,9 +1,13 @@
-"""Model configuration: one slotted dataclass for the Llama, Qwen2, Qwen3 and Qwen3-MoE families, plus presets.
+"""Model configuration: one slotted dataclass for the Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next and Qwen3.5 families.
 
 The families differ only by configuration: Qwen2 has q/k/v projection biases (``attention_bias``),
 Qwen3 has per-head RMS norms on q and k (``qk_norm``), Llama 3 scales its RoPE frequencies
 (``rope_scaling`` of type "llama3"), Qwen3-MoE is Qwen3 whose MLPs are sparse mixtures of experts on the layers
-``is_sparse`` names (``num_experts`` > 0, ``decoder_sparse_step``, ``mlp_only_layers``).
+``is_sparse`` names (``num_experts`` > 0, ``decoder_sparse_step``, ``mlp_only_layers``). The hybrid families
+(Qwen3-Next, and Qwen3.5's text model) schedule gated delta net layers among the attention layers
+(``layer_types``), gate the attention output (``attn_output_gate``), rotate part of each head
+(``partial_rotary_factor``) and scale their RMS norms by ``1 + weight`` (``norm_plus_one``); Qwen3-Next's sparse
+MoE blocks add a shared expert (``shared_expert_intermediate_size``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import torch
 
 from dtorch.core.errors import ModelError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_next")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text")
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 # rope type -> the keys its scaling mapping must hold (besides "rope_type")
 _ROPE_TYPES: dict[str, tuple[str, ...]] = {
@@ -59,6 +66,19 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen3-Next: a sigmoid-gated SwiGLU expert every token goes through
+    # hybrid models: the mixer of each layer (``LAYER_TYPES``; empty: full attention everywhere), and the gated delta
+    # net's shapes: a causal conv of ``linear_conv_kernel_dim`` taps over [q | k | v], then ``linear_num_value_heads``
+    # heads of state [key dim, value dim], each q/k head serving num_value_heads / num_key_heads value heads
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * factor dims of each head, passes the rest
+    attn_output_gate: bool = False  # q_proj also gives a gate per head: attention output * sigmoid(gate)
+    norm_plus_one: bool = False  # RMS norms scale by (1 + weight) (zero-centred weights); the gated norm does not
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -93,6 +113,7 @@ class ModelConfig:
                                  f"got bos_token_id={self.bos_token_id!r}, eos_token_ids={eos!r}")
         object.__setattr__(self, "eos_token_ids", eos)
         self._check_moe()
+        self._check_hybrid()
 
     def _check_moe(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -111,8 +132,8 @@ class ModelConfig:
         object.__setattr__(self, "mlp_only_layers", only)
         if self.num_experts == 0:
             return
-        if self.family != "qwen3_moe":
-            raise ModelError(f"ModelConfig: num_experts={self.num_experts} needs family 'qwen3_moe', got "
+        if self.family not in MOE_FAMILIES:
+            raise ModelError(f"ModelConfig: num_experts={self.num_experts} needs a family of {MOE_FAMILIES}, got "
                              f"{self.family!r}; use num_experts=0 for a dense model")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelError(f"ModelConfig: num_experts_per_tok must be in 1..num_experts={self.num_experts}, got "
@@ -120,6 +141,77 @@ class ModelConfig:
         if self.moe_intermediate_size < 1:
             raise ModelError(f"ModelConfig: moe_intermediate_size must be a positive int with num_experts > 0, got "
                              f"{self.moe_intermediate_size}")
+
+    def _check_hybrid(self) -> None:
+        for name in ("attn_output_gate", "norm_plus_one"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+            raise ModelError(f"ModelConfig: partial_rotary_factor must be a number in (0, 1], got {f!r}")
+        object.__setattr__(self, "partial_rotary_factor", float(f))
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ModelError(f"ModelConfig: head_dim * partial_rotary_factor = {self.head_dim} * {f} must give an "
+                             f"even rotary dim >= 2, got {self.rotary_dim}")
+        v = self.shared_expert_intermediate_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ModelError(f"ModelConfig: shared_expert_intermediate_size must be an int >= 0, got {v!r}")
+        if v and not self.num_experts:
+            raise ModelError("ModelConfig: shared_expert_intermediate_size > 0 needs num_experts > 0 (the shared "
+                             "expert sits in the sparse MoE blocks)")
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        if not types:
+            return
+        if len(types) != self.num_layers:
+            raise ModelError(f"ModelConfig: layer_types has {len(types)} entries, expected one per layer "
+                             f"(num_layers={self.num_layers})")
+        bad = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+        if bad:
+            raise ModelError(f"ModelConfig: layer_types holds {bad}; each entry must be one of {LAYER_TYPES}")
+        if "linear_attention" in types and self.family not in HYBRID_FAMILIES:
+            raise ModelError(f"ModelConfig: linear_attention layers need a family of {HYBRID_FAMILIES}, got "
+                             f"{self.family!r}")
+        if "linear_attention" not in types:
+            return
+        for name in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelError(f"ModelConfig: {name} must be a positive int when layer_types has "
+                                 f"linear_attention layers, got {v!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelError(f"ModelConfig: linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
+                             f"of linear_num_key_heads ({self.linear_num_key_heads})")
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer ``layer`` mixes tokens with the gated delta net (else with full attention)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The gated delta net layers, in order."""
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The full-attention layers (they alone use the KV cache), in order."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE turns: head_dim * partial_rotary_factor."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        """Width of the gated delta net's q and k: linear_num_key_heads * linear_key_head_dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        """Width of its v, z and output: linear_num_value_heads * linear_value_head_dim."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer`` has the sparse MoE block (else a dense MLP), as transformers' Qwen3-MoE decides."""
@@ -144,7 +236,7 @@ class ModelConfig:
         if family not in FAMILIES:
             raise ModelError(f"config.json: model_type {family!r} is not supported; expected one of {FAMILIES}")
         for flag in ("mlp_bias", "attention_bias"):  # Llama's / Qwen3-MoE's biases (o_proj included) are not modelled
-            if family in ("llama", "qwen3_moe") and c.get(flag):
+            if family != "qwen2" and c.get(flag):
                 raise ModelError(f"config.json: {flag}=true is not supported for {family} models; expected false")
         if family == "qwen3_moe" and c.get("use_sliding_window"):
             raise ModelError("config.json: use_sliding_window=true is not supported for qwen3_moe models; "
@@ -157,7 +249,12 @@ class ModelConfig:
                 rope = dict(c.get("rope_scaling") or {})
                 rope.setdefault("rope_theta", c.get("rope_theta", 10000.0))
             theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+            # partial rotary is not a scaling; Qwen3.5's multimodal rope sections are all one position for text
+            partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor",
+                                                              0.25 if family in HYBRID_FAMILIES else 1.0))
+            scaling = {k: v for k, v in rope.items()
+                       if k not in ("rope_theta", "type", "partial_rotary_factor", "mrope_section",
+                                    "mrope_interleaved")}
             if "type" in rope and "rope_type" not in scaling:  # old spelling
                 scaling["rope_type"] = rope["type"]
             if scaling.get("rope_type", "default") == "default":
@@ -172,8 +269,10 @@ class ModelConfig:
                 max_position_embeddings=c.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                 attention_bias=family == "qwen2",  # Qwen2 always has q/k/v biases, the others none
-                qk_norm=family in ("qwen3", "qwen3_moe"), bos_token_id=c.get("bos_token_id"), eos_token_ids=eos,
-                **(_moe_fields(c) if family == "qwen3_moe" else {}),
+                qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES), bos_token_id=c.get("bos_token_id"),
+                eos_token_ids=eos, partial_rotary_factor=partial,
+                **(_moe_fields(c) if family in MOE_FAMILIES else {}),
+                **(_hybrid_fields(c) if family in HYBRID_FAMILIES else {}),
             )
         except KeyError as e:
             raise ModelError(f"config.json: missing key {e.args[0]!r} needed for a {family} model") from None
@@ -189,12 +288,34 @@ class ModelConfig:
 def _moe_fields(c: Mapping[str, Any]) -> dict[str, Any]:
     """The MoE fields of a Qwen3-MoE ``config.json`` (transformers' defaults where absent; transformers 5 writes
     ``num_experts`` as ``num_local_experts``)."""
-    return dict(num_experts=c.get("num_experts", c.get("num_local_experts", 128)),
-                num_experts_per_tok=c.get("num_experts_per_tok", 8),
-                moe_intermediate_size=c.get("moe_intermediate_size", 768),
-                norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+    nxt = c.get("model_type") == "qwen3_next"  # transformers' defaults differ between the two
+    return dict(num_experts=c.get("num_experts", c.get("num_local_experts", 512 if nxt else 128)),
+                num_experts_per_tok=c.get("num_experts_per_tok", 10 if nxt else 8),
+                moe_intermediate_size=c.get("moe_intermediate_size", 512 if nxt else 768),
+                norm_topk_prob=bool(c.get("norm_topk_prob", nxt)),
                 decoder_sparse_step=c.get("decoder_sparse_step", 1),
                 mlp_only_layers=tuple(c.get("mlp_only_layers") or ()))
+
+
+def _hybrid_fields(c: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a Qwen3-Next / Qwen3.5 text ``config.json``: the layer schedule (transformers' default: every
+    ``full_attention_interval``-th layer full attention) and the gated delta net's shapes."""
+    layers = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types is None:
+        interval = c.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if c.get("hidden_act", "silu") != "silu":
+        raise ModelError(f"config.json: hidden_act={c.get('hidden_act')!r} is not supported; expected 'silu'")
+    out = dict(layer_types=tuple(types), attn_output_gate=True, norm_plus_one=True,
+               linear_conv_kernel_dim=c.get("linear_conv_kernel_dim", 4),
+               linear_num_key_heads=c.get("linear_num_key_heads", 16),
+               linear_num_value_heads=c.get("linear_num_value_heads", 32),
+               linear_key_head_dim=c.get("linear_key_head_dim", 128),
+               linear_value_head_dim=c.get("linear_value_head_dim", 128))
+    if c.get("model_type") == "qwen3_next":
+        out["shared_expert_intermediate_size"] = c.get("shared_expert_intermediate_size", 512)
+    return out
 
 
 def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Mapping[str, Any] | None:
@@ -227,12 +348,12 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Map
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, ``[head_dim // 2]`` float32, with the config's scaling applied.
+    """RoPE inverse frequencies, ``[rotary_dim // 2]`` float32, with the config's scaling applied.
 
     Rotation i of a head turns by ``position * inv_freq[i]`` (the "rotate half" pairing: dims i and
-    i + head_dim/2).
+    i + rotary_dim/2; rotary_dim is head_dim unless the config rotates only part of each head).
     """
-    dim = config.head_dim
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = config.rope_scaling
     kind = "default" if s is None else s["rope_type"]

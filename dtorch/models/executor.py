@@ -4,7 +4,8 @@ A step is described on the host (``StepPlan``: each sequence's slot, first posit
 executor pads it to its bucket (``bucket_for``), builds the bucket's graph once (``Transformer.graph``) and
 runs it with ``Runner(static=True)``: every bucket graph shares the placed weights, the KV cache, the
 communicator and the stream threads, so a new bucket costs one graph build and its activation buffers.
-Padding rows form one extra sequence with no keys (its rows attend to nothing and write no cache slot).
+Padding rows form one extra sequence with no keys (its rows attend to nothing and write no cache slot, and
+its gated delta net states live in the state cache's scratch row).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class Executor:
             "seqlens_k": torch.tensor(lens, dtype=torch.int32),
             "block_table": torch.tensor(slots + [0] * (N - n), dtype=torch.int32).view(N, 1),
         }
+        if self.model.config.linear_layers:  # padding sequences read and write the scratch row of the state cache
+            feeds["state_slots"] = torch.tensor(slots + [self.cache.scratch] * (N - n), dtype=torch.int64)
         if not bucket.all_logits and T != N:
             feeds["last_rows"] = torch.tensor([cu[i + 1] - 1 for i in range(n)] + [0] * (N - n), dtype=torch.int64)
         return feeds

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for Llama, Qwen2, Qwen3 and Qwen3-MoE, written once as a graph with placements.
+"""One decoder-only transformer for Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next and Qwen3.5, written once as a graph
+with placements.
 
 ``Transformer`` holds the weights placed once on a ``DeviceMesh`` (``DistTensor`` s, one piece per device)
 and builds the step graph of one shape bucket: T rows (tokens) of N sequences packed together, reading
@@ -7,7 +8,11 @@ of ``Layout`` make it tensor parallel and the graph inserts the all-reduces and 
 
 Family differences are configuration: ``attention_bias`` (Qwen2's q/k/v biases), ``qk_norm``
 (Qwen3's per-head RMS norms on q and k), ``tie_word_embeddings``, ``rope_scaling``, and the layers whose MLP is a
-sparse mixture of experts (``ModelConfig.is_sparse``: Qwen3-MoE's router and experts ops).
+sparse mixture of experts (``ModelConfig.is_sparse``: the router and experts ops, and Qwen3-Next's shared
+expert), and the hybrid families' schedule of gated delta net layers (``ModelConfig.is_linear``): a fused input
+projection, the short causal conv over [q | k | v] and the delta rule, both reading and advancing the sequence's
+rows of the state cache, then the gated RMS norm. Their attention layers gate the output and rotate part of
+each head; their RMS norms scale by ``1 + weight`` (folded into the weights at load).
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ PackedGetter = Callable[[str, "int | None", "list[tuple[int, int]]"], "tuple[str
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """A step shape: ``tokens`` rows of ``seqs`` sequences (padded); ``all_logits``: logits of every row."""
+    """A step shape: ``tokens`` rows of ``seqs`` sequences (padded); ``all_logits``: logits of every row;
+    ``decode``: every sequence has exactly one row (the gated delta net layers then take their per-step form)."""
 
     tokens: int
     seqs: int
     all_logits: bool = False
+    decode: bool = False
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -56,7 +63,7 @@ def bucket_for(tokens: int, seqs: int, all_logits: bool = False) -> Bucket:
     """
     if tokens == seqs and not all_logits:
         b = _pow2(seqs)
-        return Bucket(b, b)
+        return Bucket(b, b, decode=True)
     t = _pow2(tokens, 16)
     return Bucket(t, _pow2(seqs + (t > tokens)), all_logits)
 
@@ -75,9 +82,9 @@ class Transformer:
         self.dtype = dtype
         self.layout = Layout(config, mesh.size)
         self.weights = dict(weights)
-        inv_freq = rope_inv_freq(config)  # float32 [D / 2], scaled as the config says
+        inv_freq = rope_inv_freq(config)  # float32 [R / 2] (R: the rotary dims), scaled as the config says
         angles = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq
-        self.rope_table = torch.stack([angles.cos(), angles.sin()], 1)  # [positions, 2, D / 2]: one gather a step
+        self.rope_table = torch.stack([angles.cos(), angles.sin()], 1)  # [positions, 2, R / 2]: one gather a step
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -97,25 +104,28 @@ class Transformer:
                 if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
                     weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
                     continue
-                packed = _load_packed(config, get_packed, mesh, local_ids, dtype, sources, shape, kind,
+                packed = _load_packed(config, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
                                       layout.placement(kind))
                 if packed is not None:
                     weights[name] = packed
                     continue
             pl = layout.placement(kind)
+            wdtype = torch.float32 if kind in FLOAT32 else dtype
             blobs = {}
             for i in local_ids:
                 parts = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(config, sources, mesh, i)]
-                t = combine(parts).to(device=mesh.device(i).torch, dtype=dtype).contiguous()
+                t = combine(parts).to(device=mesh.device(i).torch, dtype=wdtype).contiguous()
                 blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
-            weights[name] = DistTensor(mesh, pl, shape, dtype, blobs)
+            weights[name] = DistTensor(mesh, pl, shape, wdtype, blobs)
         return cls(config, weights, mesh, dtype)
 
     def linear_provider(self) -> str:
         """Which kernel the first layer's q/k/v projection runs: "provider" or "provider (layout)"."""
         from dtorch.dispatch import KernelKey, dispatcher
 
-        w = self.weights["layers.0.qkv"]
+        c = self.config
+        w = self.weights[f"layers.{c.attention_layers[0]}.qkv" if c.attention_layers else
+                         f"layers.{c.linear_layers[0]}.lin_in"]
         device = self.mesh.device(self.mesh.ids[0]).type
         if w.layout == "strided":
             return dispatcher.explain(KernelKey("matmul.mm", device, self.dtype)).winner.provider
@@ -134,24 +144,29 @@ class Transformer:
     # -- the step graph ------------------------------------------------------------------------
 
     def graph(self, bucket: Bucket, cache: Mapping[str, DistTensor]) -> LogicalGraph:
-        """The step graph of ``bucket``: inputs ids [T] int64, cos/sin [T, D/2] float32 (RoPE rows of the step's
-        positions), slot_mapping [T] int64,
-        cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table [N, 1] int32, and (unless every row is a
-        sequence's last) last_rows [N] int64; output "logits" [N, V] (or [T, V] with ``all_logits``).
-        ``cache``: "k_cache.{l}" / "v_cache.{l}" -> [slots, max_len, Hkv, D] placed by the layout."""
+        """The step graph of ``bucket``: inputs ids [T] int64, cos/sin [T, R/2] float32 (RoPE rows of the step's
+        positions), slot_mapping [T] int64, cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table [N, 1] int32,
+        (unless every row is a sequence's last) last_rows [N] int64, and (with gated delta net layers) state_slots
+        [N] int64, each sequence's row of the state cache; output "logits" [N, V] (or [T, V] with ``all_logits``).
+        ``cache``: "k_cache.{l}" / "v_cache.{l}" -> [slots, max_len, Hkv, D] for attention layers, "conv_state.{l}"
+        / "ssm_state.{l}" -> [slots + 1, C, W - 1] / [slots + 1, Hv, Dk, Dv] for gated delta net layers, placed
+        by the layout."""
         c = self.config
         g = LogicalGraph(self.mesh)
         T, N = bucket.tokens, bucket.seqs
-        H, Hkv, D, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        inter, R = c.intermediate_size, c.rotary_dim
         ids = g.input("ids", (T,), torch.int64)
-        cos = g.input("cos", (T, D // 2), torch.float32)  # the rows of the step's positions, gathered once
-        sin = g.input("sin", (T, D // 2), torch.float32)
-        slots = g.input("slot_mapping", (T,), torch.int64)
-        cu_q = g.input("cu_seqlens_q", (N + 1,), torch.int32)
-        lens_k = g.input("seqlens_k", (N,), torch.int32)
-        table = g.input("block_table", (N, 1), torch.int32)
+        step = _Step(
+            cos=g.input("cos", (T, R // 2), torch.float32),  # the rows of the step's positions, gathered once
+            sin=g.input("sin", (T, R // 2), torch.float32),
+            slots=g.input("slot_mapping", (T,), torch.int64),
+            cu_q=g.input("cu_seqlens_q", (N + 1,), torch.int32),
+            lens_k=g.input("seqlens_k", (N,), torch.int32),
+            table=g.input("block_table", (N, 1), torch.int32),
+            state_slots=g.input("state_slots", (N,), torch.int64) if c.linear_layers else None,
+            bucket=bucket)
         w = {name: g.param(name, t) for name, t in self.weights.items()}
-        eps, scale = c.rms_norm_eps, D ** -0.5
+        eps = c.rms_norm_eps
         # row-parallel results (partial sums on n > 1 devices) are all-reduced into the replicated residual stream
         x = g.redistribute(g.call("llm.embedding", ids, w["embed"]), Replicate())
         o = None
@@ -161,28 +176,14 @@ class Transformer:
                 h = g.call("llm.rms_norm", x, w[p + "input_norm"], eps=eps)
             else:  # x += the previous block's output; h = norm(x)
                 h, x = g.call("llm.add_rms_norm", o, x, w[p + "input_norm"], eps=eps)
-            qkv = _proj(g, h, w[p + "qkv"])  # [T, (H + 2 Hkv) D], each device [q_r | k_r | v_r]
-            if c.attention_bias:
-                qkv = g.call("binary.add", qkv, w[p + "qkv_bias"])
-            if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
-                q, k, v = g.split(qkv, (c.q_size, c.kv_size, c.kv_size), 1)
-                q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
-                q = g.call("llm.rope_cached", g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps), cos, sin)
-                k = g.call("llm.rope_cached", g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps), cos, sin)
-            else:  # q and k heads side by side (each device's [q_r | k_r]), rotated by one call
-                qk, v = g.split(qkv, (c.q_size + c.kv_size, c.kv_size), 1)
-                qk = g.call("llm.rope_cached", g.view(qk, (T, H + Hkv, D)), cos, sin)
-                q, k = g.split(qk, (H, Hkv), 1)
-                v = g.view(v, (T, Hkv, D))
-            kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
-            kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, slots)
-            a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, cu_q, lens_k, table, causal=True, scale=scale)
-            o = g.redistribute(_proj(g, g.view(a, (T, H * D)), w[p + "o"]), Replicate())
+            if c.is_linear(i):
+                o = self._delta_net(g, i, h, w, cache, step)
+            else:
+                o = self._attention(g, i, h, w, cache, step)
+            o = g.redistribute(o, Replicate())
             h, x = g.call("llm.add_rms_norm", o, x, w[p + "post_norm"], eps=eps)
-            if c.is_sparse(i):  # route each row to its top-k experts; each device's experts give a partial sum
-                weights, ids = g.call("llm.moe_router", _proj(g, h, w[p + "router"]), c.num_experts_per_tok,
-                                      c.norm_topk_prob)  # [T, k] each, from the replicated logits [T, E]
-                o = g.call("llm.moe_experts", h, w[p + "experts_gate_up"], w[p + "experts_down"], weights, ids)
+            if c.is_sparse(i):
+                o = self._moe(g, i, h, w)
             else:
                 gate, up = g.split(_proj(g, h, w[p + "gate_up"]), (inter, inter), 1)
                 o = _proj(g, g.call("llm.silu_and_mul", gate, up), w[p + "down"])
@@ -194,22 +195,127 @@ class Transformer:
         g.output("logits", g.redistribute(logits, Replicate()))
         return g
 
+    def _attention(self, g: LogicalGraph, i: int, h, w, cache, step: _Step):
+        """Full attention of layer ``i`` on h [T, E]: its KV cache rows written, then read; a partial sum on n > 1."""
+        c = self.config
+        T = step.bucket.tokens
+        H, Hkv, D, p = c.num_heads, c.num_kv_heads, c.head_dim, f"layers.{i}."
+        eps, rot = c.rms_norm_eps, dict(rotary_dim=c.rotary_dim)
+        qkv = _proj(g, h, w[p + "qkv"])  # [T, (H + 2 Hkv) D], each device [q_r | k_r | v_r] ([q_r | gate_r | ...])
+        if c.attention_bias:
+            qkv = g.call("binary.add", qkv, w[p + "qkv_bias"])
+        gate = None
+        if c.attn_output_gate:
+            q, gate, k, v = g.split(qkv, (c.q_size, c.q_size, c.kv_size, c.kv_size), 1)
+        else:
+            q, k, v = g.split(qkv, (c.q_size, c.kv_size, c.kv_size), 1)
+        if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
+            q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
+            cos, sin = step.cos, step.sin
+            q = g.call("llm.rope_cached", g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps), cos, sin, **rot)
+            k = g.call("llm.rope_cached", g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps), cos, sin, **rot)
+        else:  # q and k heads side by side (each device's [q_r | k_r]), rotated by one call
+            qk, v = g.split(qkv, (c.q_size + c.kv_size, c.kv_size), 1)
+            qk = g.call("llm.rope_cached", g.view(qk, (T, H + Hkv, D)), step.cos, step.sin, **rot)
+            q, k = g.split(qk, (H, Hkv), 1)
+            v = g.view(v, (T, Hkv, D))
+        kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
+        kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, step.slots)
+        a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, step.cu_q, step.lens_k, step.table, causal=True,
+                   scale=D ** -0.5)
+        a = g.view(a, (T, H * D))
+        if gate is not None:  # Qwen3-Next / Qwen3.5: each head's output scaled by sigmoid(gate)
+            a = g.call("binary.mul", a, g.call("unary.sigmoid", gate))
+        return _proj(g, a, w[p + "o"])
+
+    def _delta_net(self, g: LogicalGraph, i: int, h, w, cache, step: _Step):
+        """The gated delta net of layer ``i`` on h [T, E]; a partial sum on n > 1.
+
+        Prefill (packed sequences) runs the conv and the chunked delta rule over each sequence's rows, starting from
+        and advancing its rows of the state cache; a decode step (one row per sequence) runs their per-step forms.
+        """
+        c = self.config
+        T, N = step.bucket.tokens, step.bucket.seqs
+        Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
+        kd, vd, p = c.linear_key_dim, c.linear_value_dim, f"layers.{i}."
+        proj = _proj(g, h, w[p + "lin_in"])  # [T, 2 kd + 2 vd + 2 Hv]: each device [q_r | k_r | v_r | z_r | b_r | a_r]
+        qkv, z, b, a = g.split(proj, (2 * kd + vd, vd, Hv, Hv), 1)
+        conv = g.state(f"conv_state.{i}", cache[f"conv_state.{i}"])
+        ssm = g.state(f"ssm_state.{i}", cache[f"ssm_state.{i}"])
+        if step.bucket.decode:
+            qkv, _ = g.call("llm.causal_conv1d_update", qkv, conv_state=conv, weight=w[p + "lin_conv"],
+                            activation="silu", state_indices=step.state_slots)
+            batch, cu = (N, 1), None
+        else:
+            qkv, _ = g.call("llm.causal_conv1d_varlen", qkv, w[p + "lin_conv"], conv_states=conv, cu_seqlens=step.cu_q,
+                            state_indices=step.state_slots, activation="silu")
+            batch, cu = (1, T), step.cu_q
+        q, k, v = g.split(qkv, (kd, kd, vd), 1)
+        decay, beta = g.call("llm.gdn_gates", a, b, w[p + "lin_A_log"], w[p + "lin_dt_bias"])
+        o, _ = g.call("llm.gated_delta_net", g.view(q, (*batch, Hk, Dk)), g.view(k, (*batch, Hk, Dk)),
+                      g.view(v, (*batch, Hv, Dv)), g.view(decay, (*batch, Hv)), g.view(beta, (*batch, Hv)),
+                      initial_state=ssm, cu_seqlens=cu, state_indices=step.state_slots, use_qk_l2norm=True,
+                      final_state_out=ssm)
+        # the gated RMS norm: norm(o) * weight * silu(z), per value head
+        o = g.call("llm.rms_norm", g.view(o, (T, Hv, Dv)), w[p + "lin_norm"], eps=c.rms_norm_eps)
+        o = g.call("llm.silu_and_mul", g.view(z, (T, Hv, Dv)), o)
+        return _proj(g, g.view(o, (T, vd)), w[p + "lin_out"])
+
+    def _moe(self, g: LogicalGraph, i: int, h, w):
+        """The sparse MoE block of layer ``i`` on h [T, E]: route each row to its top-k experts (each device's experts
+        give a partial sum), plus the shared expert scaled by its sigmoid gate where the family has one."""
+        c = self.config
+        p = f"layers.{i}."
+        logits = _proj(g, h, w[p + "router"])  # [T, E] (+ the shared expert's gate column), replicated
+        shared = c.shared_expert_intermediate_size
+        if shared:
+            logits, sg = g.split(logits, (c.num_experts, 1), 1)
+        weights, ids = g.call("llm.moe_router", logits, c.num_experts_per_tok, c.norm_topk_prob)  # [T, k] each
+        o = g.call("llm.moe_experts", h, w[p + "experts_gate_up"], w[p + "experts_down"], weights, ids)
+        if not shared:
+            return o
+        gate, up = g.split(_proj(g, h, w[p + "shared_gate_up"]), (shared, shared), 1)
+        s = _proj(g, g.call("llm.silu_and_mul", gate, up), w[p + "shared_down"])
+        return g.call("binary.add", o, g.call("binary.mul", s, g.call("unary.sigmoid", sg)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """The step inputs every layer reads."""
+
+    cos: object
+    sin: object
+    slots: object
+    cu_q: object
+    lens_k: object
+    table: object
+    state_slots: object
+    bucket: Bucket
+
 
 # Weights that may stay in a block format, as W [N, K] (the checkpoint's own orientation) for matmul.linear.
-PACKABLE = ("embed", "lm_head", "qkv", "o", "gate_up", "down")
+PACKABLE = ("embed", "lm_head", "qkv", "o", "gate_up", "down", "lin_in", "lin_out", "shared_gate_up", "shared_down")
+# Weights kept in float32 whatever the model's dtype: the gated delta net's decay parameters (transformers computes
+# with them in float32 too)
+FLOAT32 = ("lin_A_log", "lin_dt_bias")
 
 
 def _slices(config: ModelConfig, sources, mesh: DeviceMesh, device_id: int):
     """(HF name, dim, runs) of device ``device_id``'s piece of each source of a weight."""
     rank = mesh.rank(device_id)
-    for hf, dim, unit in sources:
-        runs = [] if dim is None or mesh.size == 1 else \
-            piece_ranges(Shard(dim, None, unit), _hf_shape(config, hf)[dim], rank, mesh.size)
+    for hf, dim, unit in sources:  # unit: an int, or the Shard itself for a tensor split in blocks
+        if dim is None or mesh.size == 1:
+            runs = []
+        else:
+            shard = unit if isinstance(unit, Shard) else Shard(dim, None, unit)
+            runs = piece_ranges(shard, _hf_shape(config, hf)[dim], rank, mesh.size)
         yield hf, dim, runs
 
 
 def _load_packed(config: ModelConfig, get_packed: PackedGetter, mesh: DeviceMesh, local_ids: tuple[int, ...],
-                 dtype: torch.dtype, sources, shape: tuple[int, ...], kind: str, placement) -> DistTensor | None:
+                 dtype: torch.dtype, sources, combine, shape: tuple[int, ...], kind: str,
+                 placement) -> DistTensor | None:
     """A projection kept in its block format: W [N, K] (logical) whose pieces are packed rows, or None when a
     source is stored as floats, the sources' formats differ, or a piece would cut a block."""
     from dtorch.kernels.layouts import pack
@@ -224,7 +330,8 @@ def _load_packed(config: ModelConfig, get_packed: PackedGetter, mesh: DeviceMesh
                 return None
             fmt = got[0]
             parts.append(got[1])
-        raw = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+        rows = getattr(combine, "rows", None)  # a combine that reorders rows does the same to the packed rows
+        raw = rows(parts) if rows is not None else torch.cat(parts, 0) if len(parts) > 1 else parts[0]
         k_local = k
         if sources[0][1] == 1 and mesh.size > 1:  # split on K (row parallel): this device's columns
             k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0][2]), k, mesh.rank(i), mesh.size))
@@ -274,29 +381,79 @@ def _cat_1(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, 1)
 
 
+def _plus_one(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A zero-centred RMS norm weight as the scale it stands for: 1 + weight (in float32)."""
+    return parts[0].float() + 1
+
+
+def _first_channel(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A depthwise conv1d weight [C, 1, W] as [C, W]."""
+    return parts[0][:, 0]
+
+
+def _transposed_rows(rows):
+    """A combine that reorders the parts' rows with ``rows`` and transposes (Wt [K, N]); ``rows`` also reorders
+    block-format rows (``_load_packed``)."""
+    def combine(parts: list[torch.Tensor]) -> torch.Tensor:
+        return rows(parts).t()
+
+    combine.rows = rows
+    return combine
+
+
+def _gated_q_rows(d: int):
+    """q_proj's rows [q_h | gate_h] per head (and k, v after it) -> [q | gate | k | v]."""
+    def rows(parts: list[torch.Tensor]) -> torch.Tensor:
+        qg = parts[0].reshape(-1, 2, d, parts[0].shape[-1])
+        return torch.cat([qg[:, 0].flatten(0, 1), qg[:, 1].flatten(0, 1), *parts[1:]], 0)
+
+    return rows
+
+
+def _qkvz_ba_rows(dk: int, dv: int, group: int):
+    """Qwen3-Next's in_proj_qkvz rows [q_h | k_h | v_h | z_h] and in_proj_ba rows [b_h | a_h] per key head h (its
+    ``group`` value heads each) -> [q | k | v | z | b | a], each part in head order."""
+    def rows(parts: list[torch.Tensor]) -> torch.Tensor:
+        qkvz, ba = parts
+        width = qkvz.shape[-1]
+        qkvz = qkvz.reshape(-1, 2 * dk + 2 * group * dv, width).split((dk, dk, group * dv, group * dv), 1)
+        ba = ba.reshape(-1, 2 * group, width).split((group, group), 1)
+        return torch.cat([x.flatten(0, 1) for x in (*qkvz, *ba)], 0)
+
+    return rows
+
+
 def _tensors(c: ModelConfig, layout: Layout):
     """(model name, [(HF name, HF dim it is split on or None, unit)], combine, global shape) of every weight."""
     H, Hkv, D, E, inter, V = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.vocab_size
     G = H // Hkv
     head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    norm = _plus_one if c.norm_plus_one else _cat
     yield "embed", [("model.embed_tokens.weight", 0, 1)], _cat, (V, E)
     yield "lm_head", [(head, 0, 1)], _cat_t, (E, V)
-    yield "final_norm", [("model.norm.weight", None, 1)], _cat, (E,)
+    yield "final_norm", [("model.norm.weight", None, 1)], norm, (E,)
     Q = (H + 2 * Hkv) * D
     for i in range(c.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         n = f"layers.{i}."
-        yield n + "input_norm", [(p + "input_layernorm.weight", None, 1)], _cat, (E,)
-        yield n + "post_norm", [(p + "post_attention_layernorm.weight", None, 1)], _cat, (E,)
-        yield n + "qkv", [(a + "q_proj.weight", 0, G * D), (a + "k_proj.weight", 0, D),
-                          (a + "v_proj.weight", 0, D)], _cat_t, (E, Q)
+        yield n + "input_norm", [(p + "input_layernorm.weight", None, 1)], norm, (E,)
+        yield n + "post_norm", [(p + "post_attention_layernorm.weight", None, 1)], norm, (E,)
+        if c.is_linear(i):
+            yield from _delta_net_tensors(c, layout, n, p + "linear_attn.")
+        elif c.attn_output_gate:  # q_proj gives [q_h | gate_h] per head: whole groups of 2 G D rows per device
+            yield n + "qkv", [(a + "q_proj.weight", 0, 2 * G * D), (a + "k_proj.weight", 0, D),
+                              (a + "v_proj.weight", 0, D)], _transposed_rows(_gated_q_rows(D)), (E, Q + H * D)
+        else:
+            yield n + "qkv", [(a + "q_proj.weight", 0, G * D), (a + "k_proj.weight", 0, D),
+                              (a + "v_proj.weight", 0, D)], _cat_t, (E, Q)
         if c.attention_bias:
             yield n + "qkv_bias", [(a + "q_proj.bias", 0, G * D), (a + "k_proj.bias", 0, D),
                                    (a + "v_proj.bias", 0, D)], _cat, (Q,)
-        if c.qk_norm:
-            yield n + "q_norm", [(a + "q_norm.weight", None, 1)], _cat, (D,)
-            yield n + "k_norm", [(a + "k_norm.weight", None, 1)], _cat, (D,)
-        yield n + "o", [(a + "o_proj.weight", 1, G * D)], _cat_t, (H * D, E)
+        if not c.is_linear(i):
+            if c.qk_norm:
+                yield n + "q_norm", [(a + "q_norm.weight", None, 1)], norm, (D,)
+                yield n + "k_norm", [(a + "k_norm.weight", None, 1)], norm, (D,)
+            yield n + "o", [(a + "o_proj.weight", 1, G * D)], _cat_t, (H * D, E)
         if c.is_sparse(i):
             yield from _moe_tensors(c, layout, n, m)
             continue
@@ -309,9 +466,38 @@ def _moe_tensors(c: ModelConfig, layout: Layout, n: str, m: str):
     [E, H, I]: the stacked checkpoint tensors split on the dim of their layout placement (experts or features)."""
     E, H, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
     x = m + "experts."
-    yield n + "router", [(m + "gate.weight", None, 1)], _cat_t, (H, E)
+    fs = c.shared_expert_intermediate_size
+    if fs:  # the shared expert's gate is one more router column: [T, E + 1] from one product
+        yield n + "router", [(m + "gate.weight", None, 1), (m + "shared_expert_gate.weight", None, 1)], _cat_t, \
+            (H, E + 1)
+        s = m + "shared_expert."
+        yield n + "shared_gate_up", [(s + "gate_proj.weight", 0, 1), (s + "up_proj.weight", 0, 1)], _cat_t, (H, 2 * fs)
+        yield n + "shared_down", [(s + "down_proj.weight", 1, 1)], _cat_t, (fs, H)
+    else:
+        yield n + "router", [(m + "gate.weight", None, 1)], _cat_t, (H, E)
     gu = layout.placement("experts_gate_up")
     d = gu.dim if isinstance(gu, Shard) else None  # 0: experts; 1: each expert's rows of gate and of up
     yield n + "experts_gate_up", [(x + "gate_proj", d, 1), (x + "up_proj", d, 1)], _cat_1, (E, 2 * inter, H)
     dn = layout.placement("experts_down")
     yield n + "experts_down", [(x + "down_proj", dn.dim if isinstance(dn, Shard) else None, 1)], _cat, (E, H, inter)
+
+
+def _delta_net_tensors(c: ModelConfig, layout: Layout, n: str, a: str):
+    """A gated delta net layer's weights: the fused input projection Wt [E, 2 kd + 2 vd + 2 Hv] ([q | k | v | z | b |
+    a], each device its key heads' share of every part), the conv weight [C, W] over [q | k | v], A_log and dt_bias
+    [Hv] (float32), the gated norm's weight [Dv] and the output projection Wt [vd, E]."""
+    E, kd, vd, hv = c.hidden_size, c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
+    dk, dv, gl = c.linear_key_head_dim, c.linear_value_head_dim, layout.linear_group
+    blocks = Shard(0, (kd, kd, vd), (dk, dk, gl * dv))  # [q | k | v] rows, split by whole key heads
+    shape = (E, 2 * kd + 2 * vd + 2 * hv)
+    if c.family == "qwen3_next":  # interleaved per key head
+        sources = [(a + "in_proj_qkvz.weight", 0, 2 * dk + 2 * gl * dv), (a + "in_proj_ba.weight", 0, 2 * gl)]
+        yield n + "lin_in", sources, _transposed_rows(_qkvz_ba_rows(dk, dv, gl)), shape
+    else:
+        yield n + "lin_in", [(a + "in_proj_qkv.weight", 0, blocks), (a + "in_proj_z.weight", 0, gl * dv),
+                             (a + "in_proj_b.weight", 0, gl), (a + "in_proj_a.weight", 0, gl)], _cat_t, shape
+    yield n + "lin_conv", [(a + "conv1d.weight", 0, blocks)], _first_channel, (2 * kd + vd, c.linear_conv_kernel_dim)
+    yield n + "lin_A_log", [(a + "A_log", 0, gl)], _cat, (hv,)
+    yield n + "lin_dt_bias", [(a + "dt_bias", 0, gl)], _cat, (hv,)
+    yield n + "lin_norm", [(a + "norm.weight", None, 1)], _cat, (dv,)
+    yield n + "lin_out", [(a + "out_proj.weight", 1, gl * dv)], _cat_t, (vd, E)

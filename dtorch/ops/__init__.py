@@ -16,6 +16,7 @@ from dtorch.ops.conv import *  # noqa: F403
 from dtorch.ops.copy import *  # noqa: F403
 from dtorch.ops.creation import *  # noqa: F403
 from dtorch.ops.gated_delta_net import *  # noqa: F403
+from dtorch.ops.gdn_gates import *  # noqa: F403
 from dtorch.ops.kv_cache import *  # noqa: F403
 from dtorch.ops.llm import *  # noqa: F403
 from dtorch.ops.matmul import *  # noqa: F403
@@ -26,7 +27,7 @@ from dtorch.ops.unary import *  # noqa: F403
 
 # Modules looked up by name: a family may export a function named like its module (``copy``, ``causal_conv1d``),
 # which the star imports above bind over the module's name here.
-_FAMILIES = ("attention", "binary", "causal_conv1d", "conv", "copy", "creation", "gated_delta_net", "kv_cache", "llm",
-             "matmul", "moe", "reduce", "unary")
+_FAMILIES = ("attention", "binary", "causal_conv1d", "conv", "copy", "creation", "gated_delta_net", "gdn_gates",
+             "kv_cache", "llm", "matmul", "moe", "reduce", "unary")
 __all__ = ["OperatorInitContext", "PreparedOperator", "RuntimeContext", "invoke"] + [
     name for fam in _FAMILIES for name in sys.modules[f"dtorch.ops.{fam}"].__all__]

@@ -3,6 +3,10 @@
 Conventions follow Dao-AILab's ``causal_conv1d_fn`` / ``causal_conv1d_update``: x is channels-first [B, D, L],
 weight [D, W]; ``activation`` is None, "silu" or "swish" (the same function). The update step's conv_state
 keeps the last S >= W - 1 inputs (Qwen3-Next allocates S = W) and is shifted in place.
+
+For a serving engine's state pools (vLLM's ``conv_state_indices``): the update step with ``state_indices`` [B]
+advances pool rows instead of a [B, D, S] state, and ``causal_conv1d_varlen`` runs sequences packed along T
+(token-major x [T, D], ``cu_seqlens``) from and into pool rows. Index values are range-checked on cpu only.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dtorch.ops.prepared import PreparedOperator
 
 OP = "llm.causal_conv1d"
 OP_UPDATE = "llm.causal_conv1d_update"
+OP_VARLEN = "llm.causal_conv1d_varlen"
+_INTS = (torch.int32, torch.int64)
 _ACTIVATIONS = {None: None, "silu": "silu", "swish": "silu"}
 _PARAMS = {a: KernelParams(activation=a) for a in (None, "silu")}
 
@@ -68,18 +74,66 @@ def _validate(x, weight, bias, initial_states, device: Device | None) -> Device:
     return _checks.same_device(OP, named, device)
 
 
-def _validate_update(x, conv_state, weight, bias, device: Device | None) -> Device:
+def _check_indices(op: str, indices: object, n: int, rows: int) -> None:
+    """state_indices [n] int32/int64, each in [0, rows) (values checked on cpu only: no host read elsewhere)."""
+    _checks.tensor(op, "state_indices", indices)
+    _checks.rank(op, "state_indices", indices, 1)
+    _checks.dtype_in(op, "state_indices", indices, _INTS)
+    if indices.shape[0] != n:
+        raise ShapeError(f"{op}: 'state_indices' must have shape [{n}] (one per sequence), got {list(indices.shape)}")
+    if indices.device.type == "cpu" and n:
+        lo, hi = indices.aminmax()
+        if lo < 0 or hi >= rows:
+            raise ArgumentError(f"{op}: 'state_indices' must lie in [0, {rows}) (the pool's rows), got values "
+                                f"{int(lo)}..{int(hi)}")
+
+
+def _check_pool(op: str, name: str, pool: object, d: int, width: int, batch: int | None) -> None:
+    """A state [batch, D, S >= W - 1], or (batch None) a pool [P >= 1, D, S >= W - 1]."""
+    _checks.tensor(op, name, pool)
+    _checks.rank(op, name, pool, 3)
+    lead = pool.shape[0] == batch if batch is not None else pool.shape[0] >= 1
+    if not lead or pool.shape[1] != d or pool.shape[2] < width - 1:
+        rows = f"B = {batch}" if batch is not None else "P >= 1 pool rows"
+        raise ShapeError(f"{op}: {name!r} must have shape [{'B' if batch is not None else 'P'}, D, S] with {rows}, "
+                         f"D = {d}, S >= W - 1 = {width - 1}, got {tuple(pool.shape)}")
+
+
+def _validate_update(x, conv_state, weight, bias, device: Device | None, state_indices=None) -> Device:
     _checks.tensor(OP_UPDATE, "x", x)
     _checks.rank(OP_UPDATE, "x", x, 2, 3)
     width = _weights(OP_UPDATE, x, weight, bias)
-    _checks.tensor(OP_UPDATE, "conv_state", conv_state)
-    _checks.rank(OP_UPDATE, "conv_state", conv_state, 3)
-    if conv_state.shape[:2] != x.shape[:2] or conv_state.shape[2] < width - 1:
-        raise ShapeError(f"{OP_UPDATE}: 'conv_state' must have shape [B, D, S] = [{x.shape[0]}, {x.shape[1]}, S] "
-                         f"with S >= W - 1 = {width - 1}, got {tuple(conv_state.shape)}")
+    _check_pool(OP_UPDATE, "conv_state", conv_state, x.shape[1], width, None if state_indices is not None
+                else x.shape[0])
     named = {"x": x, "conv_state": conv_state, "weight": weight} | ({"bias": bias} if bias is not None else {})
     _checks.same_dtype(OP_UPDATE, named)
+    if state_indices is not None:
+        _check_indices(OP_UPDATE, state_indices, x.shape[0], conv_state.shape[0])
+        named["state_indices"] = state_indices
     return _checks.same_device(OP_UPDATE, named, device)
+
+
+def _validate_varlen(x, weight, bias, conv_states, cu_seqlens, state_indices, device: Device | None) -> Device:
+    _checks.tensor(OP_VARLEN, "x", x)
+    _checks.rank(OP_VARLEN, "x", x, 2)
+    width = _weights(OP_VARLEN, x, weight, bias)  # x [T, D]: channels are dim 1, as in [B, D, L]
+    _check_pool(OP_VARLEN, "conv_states", conv_states, x.shape[1], width, None)
+    _checks.tensor(OP_VARLEN, "cu_seqlens", cu_seqlens)
+    _checks.rank(OP_VARLEN, "cu_seqlens", cu_seqlens, 1)
+    _checks.dtype_in(OP_VARLEN, "cu_seqlens", cu_seqlens, _INTS)
+    if cu_seqlens.shape[0] < 2:
+        raise ShapeError(f"{OP_VARLEN}: 'cu_seqlens' must hold N + 1 >= 2 offsets, got shape "
+                         f"{list(cu_seqlens.shape)}")
+    if cu_seqlens.device.type == "cpu":
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != x.shape[0] or any(a > b for a, b in zip(cu[:-1], cu[1:], strict=True)):
+            raise ArgumentError(f"{OP_VARLEN}: 'cu_seqlens' must start at 0, never decrease and end at "
+                                f"T={x.shape[0]}, got {cu if len(cu) <= 12 else cu[:6] + ['...'] + cu[-3:]}")
+    _check_indices(OP_VARLEN, state_indices, cu_seqlens.shape[0] - 1, conv_states.shape[0])
+    named = {"x": x, "weight": weight, "conv_states": conv_states} | ({"bias": bias} if bias is not None else {})
+    _checks.same_dtype(OP_VARLEN, named)
+    named |= {"cu_seqlens": cu_seqlens, "state_indices": state_indices}
+    return _checks.same_device(OP_VARLEN, named, device)
 
 
 def _final_out(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -123,25 +177,58 @@ def _outs(op: str, x: torch.Tensor, width: int, out: torch.Tensor, final: torch.
 
 
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
-    """One decode step: x [B, D] or [B, D, L]; conv_state [B, D, S >= W-1] is shifted in place.
+                         bias: torch.Tensor | None = None, activation: str | None = None,
+                         state_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step: x [B, D] or [B, D, L]; conv_state [B, D, S >= W-1] is shifted in place (with
+    ``state_indices`` [B]: a pool [P, D, S] whose row state_indices[b] batch row b reads and advances).
 
     Returns out shaped like x: the conv of (conv_state's last W-1 inputs, then x).
     """
     _checks.tensor(OP_UPDATE, "x", x)
-    return causal_conv1d_update_out(x, conv_state, weight, bias, activation, out=torch.empty_like(x))
+    return causal_conv1d_update_out(x, conv_state, weight, bias, activation, state_indices, out=torch.empty_like(x))
 
 
 def causal_conv1d_update_out(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None = None, activation: str | None = None, *,
-                             out: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
-    """``causal_conv1d_update`` into ``out`` (shaped like x); conv_state is updated in place."""
+                             bias: torch.Tensor | None = None, activation: str | None = None,
+                             state_indices: torch.Tensor | None = None, *, out: torch.Tensor,
+                             ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``causal_conv1d_update`` into ``out`` (shaped like x); conv_state (or its named pool rows) is updated in
+    place."""
     params = _params(OP_UPDATE, activation)
-    device = _validate_update(x, conv_state, weight, bias, ctx.device if ctx is not None else None)
+    device = _validate_update(x, conv_state, weight, bias, ctx.device if ctx is not None else None, state_indices)
     _checks.out(OP_UPDATE, out, x.shape, x.dtype, x.device)
     x3, out3 = (x.unsqueeze(-1), out.unsqueeze(-1)) if x.dim() == 2 else (x, out)
-    run(OP_UPDATE, device, x.dtype, (x3, weight, bias), (out3, conv_state), params,
+    run(OP_UPDATE, device, x.dtype, (x3, weight, bias, conv_state, state_indices), (out3, conv_state), params,
         ctx.stream if ctx is not None else None, ctx.workspace if ctx is not None else None)
+    return out
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                         state_indices: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str | None = None) -> torch.Tensor:
+    """Causal conv over sequences packed along T, each starting from and advancing a row of a state pool.
+
+    x [T, D] token-major (a column view of a wider tensor is fine); weight [D, W]; conv_states [P, D, S >= W-1],
+    x's dtype, updated in place; cu_seqlens int [N + 1] (segment n is tokens cu[n]:cu[n+1]); state_indices int
+    [N]: segment n is preceded by the last W-1 columns of pool row state_indices[n], which then holds the last S
+    inputs (an empty segment leaves it untouched); bias [D] or None. Returns out [T, D] in x's dtype.
+    """
+    _checks.tensor(OP_VARLEN, "x", x)
+    return causal_conv1d_varlen_out(x, weight, conv_states, cu_seqlens, state_indices, bias, activation,
+                                    out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
+
+
+def causal_conv1d_varlen_out(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                             cu_seqlens: torch.Tensor, state_indices: torch.Tensor, bias: torch.Tensor | None = None,
+                             activation: str | None = None, *, out: torch.Tensor,
+                             ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``causal_conv1d_varlen`` into ``out`` [T, D]; conv_states is updated in place."""
+    params = _params(OP_VARLEN, activation)
+    device = _validate_varlen(x, weight, bias, conv_states, cu_seqlens, state_indices,
+                              ctx.device if ctx is not None else None)
+    _checks.out(OP_VARLEN, out, x.shape, x.dtype, x.device)
+    run(OP_VARLEN, device, x.dtype, (x, weight, bias, conv_states, cu_seqlens, state_indices), (out, conv_states),
+        params, ctx.stream if ctx is not None else None, ctx.workspace if ctx is not None else None)
     return out
 
 
@@ -187,25 +274,28 @@ class CausalConv1d(PreparedOperator):
         return out, outs[1] if return_final_states else None
 
     def update_out(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None, *, out: torch.Tensor,
-                   ctx: RuntimeContext | None = None) -> torch.Tensor:
-        """The decode step into ``out`` (shaped like x [B, D] or [B, D, L]); conv_state is shifted in place."""
+                   bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None, *,
+                   out: torch.Tensor, ctx: RuntimeContext | None = None) -> torch.Tensor:
+        """The decode step into ``out`` (shaped like x [B, D] or [B, D, L]); conv_state (with ``state_indices``
+        [B]: its named pool rows) is shifted in place."""
         self._check_like("x", x)
-        _validate_update(x, conv_state, weight, bias, ctx.device if ctx is not None else None)
+        _validate_update(x, conv_state, weight, bias, ctx.device if ctx is not None else None, state_indices)
         _checks.out(OP_UPDATE, out, x.shape, x.dtype, x.device)
         x3, out3 = (x.unsqueeze(-1), out.unsqueeze(-1)) if x.dim() == 2 else (x, out)
         kernel = self.update_kernel
         try:
-            kernel(self._context(ctx), (x3, weight, bias), (out3, conv_state))
+            kernel(self._context(ctx), (x3, weight, bias, conv_state, state_indices), (out3, conv_state))
         except Exception as exc:
             self._failed(exc, kernel)
         return out
 
     def update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step: x [B, D] or [B, D, L] -> out shaped like x; conv_state is shifted in place."""
+               bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step: x [B, D] or [B, D, L] -> out shaped like x; conv_state (or its pool rows named by
+        ``state_indices``) is shifted in place."""
         self._check_like("x", x)  # before empty_like, so a non-tensor x is a DtorchError
-        return self.update_out(x, conv_state, weight, bias, out=torch.empty_like(x))
+        return self.update_out(x, conv_state, weight, bias, state_indices, out=torch.empty_like(x))
 
 
-__all__ = ["CausalConv1d", "causal_conv1d", "causal_conv1d_out", "causal_conv1d_update", "causal_conv1d_update_out"]
+__all__ = ["CausalConv1d", "causal_conv1d", "causal_conv1d_out", "causal_conv1d_update", "causal_conv1d_update_out",
+           "causal_conv1d_varlen", "causal_conv1d_varlen_out"]

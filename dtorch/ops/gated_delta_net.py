@@ -4,6 +4,13 @@ Layout and conventions follow flash-linear-attention's ``chunk_gated_delta_rule`
 v [B, T, H, V] (H a multiple of Hk), g (log-space decay) and beta [B, T, H], state [N, H, K, V]. The final
 state is float32 (float64 for float64 inputs) whatever the input dtype. ``mode="chunked"`` (default) runs the
 chunked provider, ``mode="recurrent"`` the per-step reference; both give the same result.
+
+State pools (a serving engine's cache slots, vLLM's ``ssm_state_indices``): with ``state_indices`` [N],
+``initial_state`` is a pool [S, H, K, V] of the state dtype, sequence n starts from row state_indices[n] and its
+final state goes back to that row; other rows are untouched. ``gated_delta_net_out(..., final_state_out=pool)``
+advances the pool in place; ``gated_delta_net`` returns an updated copy of it. Padding sequences may share one
+scratch row (which of them lands there is unspecified). Index values are range-checked on cpu only: the decode
+form (no cu_seqlens, T == 1) reads no device value on the host.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ def _check_cu_seqlens(cu: torch.Tensor, b: int, t: int) -> int:
         raise ShapeError(f"{OP}: 'cu_seqlens' must hold N + 1 >= 2 offsets, got shape {list(cu.shape)}")
     if b != 1:
         raise ShapeError(f"{OP}: with 'cu_seqlens' the sequences are packed along T, so B must be 1, got B={b}")
-    if cu.device.type != "meta":
+    if cu.device.type == "cpu":  # values are read on the host only where that is free
         vals = cu.tolist()
         if vals[0] != 0 or vals[-1] != t or any(a > c for a, c in zip(vals[:-1], vals[1:], strict=True)):
             shown = vals if len(vals) <= 12 else vals[:6] + ["..."] + vals[-3:]
@@ -69,8 +76,35 @@ def _check_cu_seqlens(cu: torch.Tensor, b: int, t: int) -> int:
     return cu.shape[0] - 1
 
 
-def _validate(q, k, v, g, beta, initial_state, cu_seqlens, device: Device | None) -> tuple[Device, tuple]:
-    """Checks every argument; returns the device and the state shape (N, H, K, V)."""
+def _check_pool(pool: torch.Tensor | None, indices: torch.Tensor, n: int, h: int, kd: int, vd: int,
+                q: torch.Tensor) -> tuple[int, ...]:
+    """initial_state is a pool [S, H, K, V] of the state dtype; state_indices [N] int names rows of it."""
+    if pool is None:
+        raise ArgumentError(f"{OP}: 'state_indices' needs 'initial_state', the pool [S, H, K, V] its rows index")
+    _checks.tensor(OP, "initial_state", pool)
+    _checks.tensor(OP, "state_indices", indices)
+    _checks.rank(OP, "state_indices", indices, 1)
+    if indices.dtype not in _SEQLEN_DTYPES:
+        raise DTypeError(f"{OP}: 'state_indices' must be int32 or int64, got {dtype_name(indices.dtype)}")
+    _shape("state_indices", indices, (n,), "N")
+    _checks.rank(OP, "initial_state", pool, 4)
+    if pool.shape[0] < 1 or tuple(pool.shape[1:]) != (h, kd, vd):
+        raise ShapeError(f"{OP}: with 'state_indices', 'initial_state' must be a pool [S, H, K, V] = "
+                         f"[S >= 1, {h}, {kd}, {vd}], got {list(pool.shape)}")
+    if pool.dtype != state_dtype(q.dtype):
+        raise DTypeError(f"{OP}: with 'state_indices', 'initial_state' (the pool, written back) must have the state "
+                         f"dtype {dtype_name(state_dtype(q.dtype))}, got {dtype_name(pool.dtype)}")
+    if indices.device.type == "cpu" and n:
+        lo, hi = indices.aminmax()
+        if lo < 0 or hi >= pool.shape[0]:
+            raise ArgumentError(f"{OP}: 'state_indices' must lie in [0, S={pool.shape[0]}), got values "
+                                f"{int(lo)}..{int(hi)}")
+    return tuple(pool.shape)
+
+
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens, device: Device | None,
+              state_indices=None) -> tuple[Device, tuple]:
+    """Checks every argument; returns the device and the final state's shape: (N, H, K, V), or the pool's."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _checks.tensor(OP, name, t)
     _checks.rank(OP, "q", q, 4)
@@ -91,6 +125,10 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, device: Device | None
     n = b if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, b, t)
     if cu_seqlens is not None:
         named["cu_seqlens"] = cu_seqlens
+    if state_indices is not None:
+        state_shape = _check_pool(initial_state, state_indices, n, h, kd, vd, q)
+        named |= {"initial_state": initial_state, "state_indices": state_indices}
+        return _checks.same_device(OP, named, device), state_shape
     if initial_state is not None:
         _checks.tensor(OP, "initial_state", initial_state)
         _shape("initial_state", initial_state, (n, h, kd, vd), "N, H, K, V" if cu_seqlens is not None else "B, H, K, V")
@@ -109,39 +147,45 @@ def _state_out(final: object, shape: tuple, q: torch.Tensor) -> torch.Tensor | N
 def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     scale: float | None = None, initial_state: torch.Tensor | None = None,
                     output_final_state: bool = True, use_qk_l2norm: bool = False,
-                    cu_seqlens: torch.Tensor | None = None, mode: str = "chunked",
-                    chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    cu_seqlens: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+                    mode: str = "chunked", chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule over a sequence (or packed sequences with ``cu_seqlens``).
 
     q, k [B, T, Hk, K]; v [B, T, H, V]; g, beta [B, T, H]; initial_state [N, H, K, V] (N = B, or the number
-    of segments); cu_seqlens int [N + 1] with B == 1. Returns (o [B, T, H, V] in q's dtype, final_state
-    [N, H, K, V] float32 — float64 for float64 inputs — or None when ``output_final_state`` is False).
+    of segments); cu_seqlens int [N + 1] with B == 1; state_indices int [N]: initial_state is then a pool
+    [S, H, K, V] (see the module doc). Returns (o [B, T, H, V] in q's dtype, final_state [N, H, K, V] float32 —
+    float64 for float64 inputs — or, with state_indices, a new pool [S, H, K, V] with the named rows advanced;
+    None when ``output_final_state`` is False).
     """
     params = _params(scale, use_qk_l2norm, mode, chunk_size)
-    device, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, None)
+    device, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, None, state_indices)
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     final = torch.empty(state_shape, dtype=state_dtype(q.dtype), device=q.device) if output_final_state else None
-    run(OP, device, q.dtype, (q, k, v, g, beta, initial_state, cu_seqlens), (o,) if final is None else (o, final),
-        params)
+    run(OP, device, q.dtype, (q, k, v, g, beta, initial_state, cu_seqlens, state_indices),
+        (o,) if final is None else (o, final), params)
     return o, final
 
 
 def gated_delta_net_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         scale: float | None = None, initial_state: torch.Tensor | None = None,
-                        use_qk_l2norm: bool = False, cu_seqlens: torch.Tensor | None = None, mode: str = "chunked",
-                        chunk_size: int = 64, *, out: torch.Tensor, final_state_out: torch.Tensor | None = None,
+                        use_qk_l2norm: bool = False, cu_seqlens: torch.Tensor | None = None,
+                        state_indices: torch.Tensor | None = None, mode: str = "chunked", chunk_size: int = 64, *,
+                        out: torch.Tensor, final_state_out: torch.Tensor | None = None,
                         ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``gated_delta_net`` into ``out`` [B, T, H, V] and, when given, ``final_state_out`` [N, H, K, V].
+    """``gated_delta_net`` into ``out`` [B, T, H, V] and, when given, ``final_state_out`` [N, H, K, V] (with
+    ``state_indices``: the pool's shape [S, H, K, V]).
 
-    ``final_state_out`` may be ``initial_state`` itself: the state is then advanced in place.
+    ``final_state_out`` may be ``initial_state`` itself: the state (or the pool's named rows) is then advanced
+    in place.
     """
     params = _params(scale, use_qk_l2norm, mode, chunk_size)
     device = ctx.device if ctx is not None else None
-    device, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, device)
+    device, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, device, state_indices)
     _checks.out(OP, out, v.shape, q.dtype, q.device)
     final = _state_out(final_state_out, state_shape, q)
-    run(OP, device, q.dtype, (q, k, v, g, beta, initial_state, cu_seqlens), (out,) if final is None else (out, final),
-        params, ctx.stream if ctx is not None else None, ctx.workspace if ctx is not None else None)
+    run(OP, device, q.dtype, (q, k, v, g, beta, initial_state, cu_seqlens, state_indices),
+        (out,) if final is None else (out, final), params, ctx.stream if ctx is not None else None,
+        ctx.workspace if ctx is not None else None)
     return out, final
 
 
@@ -162,28 +206,33 @@ class GatedDeltaNet(PreparedOperator):
         self.output_final_state = output_final_state
 
     def forward_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    initial_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, *,
-                    out: torch.Tensor, final_state_out: torch.Tensor | None = None,
+                    initial_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                    state_indices: torch.Tensor | None = None, *, out: torch.Tensor,
+                    final_state_out: torch.Tensor | None = None,
                     ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Into ``out`` [B, T, H, V] and ``final_state_out`` [N, H, K, V] (may be ``initial_state``)."""
+        """Into ``out`` [B, T, H, V] and ``final_state_out`` [N, H, K, V] (may be ``initial_state``; with
+        ``state_indices`` the pool [S, H, K, V] itself, advanced in place)."""
         self._check_like("q", q)
         device = ctx.device if ctx is not None else None
-        _, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, device)
+        _, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, device, state_indices)
         _checks.out(OP, out, v.shape, q.dtype, q.device)
         final = _state_out(final_state_out, state_shape, q)
-        self._run((q, k, v, g, beta, initial_state, cu_seqlens), (out,) if final is None else (out, final), ctx)
+        self._run((q, k, v, g, beta, initial_state, cu_seqlens, state_indices),
+                  (out,) if final is None else (out, final), ctx)
         return out, final
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                initial_state: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (o [B, T, H, V], final_state [N, H, K, V] or None when built with output_final_state=False)."""
+                initial_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                state_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (o [B, T, H, V], final_state [N, H, K, V] — with ``state_indices`` an updated copy of the pool —
+        or None when built with output_final_state=False)."""
         self._check_like("q", q)
-        _, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, None)
+        _, state_shape = _validate(q, k, v, g, beta, initial_state, cu_seqlens, None, state_indices)
         o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
         final = (torch.empty(state_shape, dtype=state_dtype(q.dtype), device=q.device)
                  if self.output_final_state else None)
-        self._run((q, k, v, g, beta, initial_state, cu_seqlens), (o,) if final is None else (o, final), None)
+        self._run((q, k, v, g, beta, initial_state, cu_seqlens, state_indices),
+                  (o,) if final is None else (o, final), None)
         return o, final
 
 

@@ -7,11 +7,20 @@ the W - 1 previous inputs (initial_states, or zeros) in front.
 ``llm.causal_conv1d_update``: the decode step, Dao-AILab's ``causal_conv1d_update`` convention: the state
 holds the last S >= W - 1 inputs (Qwen3-Next keeps S = W) and is shifted in place.
     inputs:  x [B, D, L] (L small, often 1) or [B, D] (L = 1); weight [D, W]; bias [D] or None; optionally
-             conv_state itself as a 4th input (a graph names every tensor an op reads; it is outputs[1])
-    outputs: out like x; conv_state [B, D, S], read and written (its old contents precede x)
+             conv_state itself as a 4th input (a graph names every tensor an op reads; it is outputs[1]) and
+             state_indices [B] int32/int64 or None as a 5th
+    outputs: out like x; conv_state [B, D, S], read and written (its old contents precede x); with state_indices
+             a pool [P, D, S] whose row state_indices[b] batch row b reads and advances (no host reads)
+``llm.causal_conv1d_varlen``: sequences packed along T (a serving engine's prefill), states in a pool.
+    inputs:  x [T, D] token-major (may be a column view of a wider tensor); weight [D, W]; bias [D] or None;
+             conv_states [P, D, S >= W-1] (also outputs[1]); cu_seqlens [N + 1]; state_indices [N]
+    outputs: out [T, D]; conv_states: segment n (tokens cu[n]:cu[n+1]) is preceded by the last W-1 columns of
+             row state_indices[n], and that row then holds the last S inputs of (row, segment); an empty
+             segment leaves its row untouched. cu_seqlens is read on the host.
 params: activation None or "silu". Low precision computes in float32 (float64 stays float64).
 
-The reference kernels sum the W taps by hand; torch's grouped ``conv1d`` is registered over the full form.
+The reference kernels sum the W taps by hand; torch's grouped ``conv1d`` is registered over the full form and
+over varlen (one conv over all segments laid end to end, each behind its state).
 """
 
 from __future__ import annotations
@@ -74,15 +83,76 @@ def causal_conv1d_torch(ctx, inputs, outputs) -> None:
     _write(xp, _finish(out, ctx.params.get("activation")), weight.shape[1], outputs)
 
 
+def _indices(inputs) -> torch.Tensor | None:
+    return inputs[4] if len(inputs) > 4 else None
+
+
 @KERNELS.kernel("llm.causal_conv1d_update", FLOATS, meta=KernelMeta(inplace=True))
 def causal_conv1d_update_reference(ctx, inputs, outputs) -> None:
     x, weight, bias = inputs[:3]
-    out, state = outputs
+    indices = _indices(inputs)
+    out, pool = outputs
     if x.dim() == 2:  # [B, D]: one step
         x, out = x.unsqueeze(-1), out.unsqueeze(-1)
     cd = _compute_dtype(x.dtype)
+    state = pool if indices is None else pool.index_select(0, indices)  # [B, D, S]
     width, keep, length = weight.shape[1], state.shape[-1], x.shape[-1]
     xs = torch.cat([state.to(cd), x.to(cd)], dim=-1)                     # [B, D, S + L], a new tensor
     y = _taps(xs[..., keep - (width - 1):], weight.to(cd), None if bias is None else bias.to(cd), length)
-    state.copy_(xs[..., length:])
+    if indices is None:
+        pool.copy_(xs[..., length:])
+    else:
+        pool.index_put_((indices,), xs[..., length:].to(pool.dtype))
     out.copy_(_finish(y, ctx.params.get("activation")))
+
+
+# -- varlen ------------------------------------------------------------------------------------------
+# inputs (x [T, D], weight [D, W], bias [D]?, conv_states [P, D, S], cu_seqlens [N + 1], state_indices [N]);
+# outputs (out [T, D], conv_states).
+
+def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(segment, start, end) of each non-empty segment: cu_seqlens read on the host (prefill)."""
+    cu = cu_seqlens.tolist()
+    return [(n, s, e) for n, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)) if e > s]
+
+
+@KERNELS.kernel("llm.causal_conv1d_varlen", FLOATS, meta=KernelMeta(inplace=True, capture_safe=False))
+def causal_conv1d_varlen_reference(ctx, inputs, outputs) -> None:
+    x, weight, bias, _, cu_seqlens, indices = inputs
+    out, pool = outputs
+    cd = _compute_dtype(x.dtype)
+    weight, bias = weight.to(cd), None if bias is None else bias.to(cd)
+    width, keep = weight.shape[1], pool.shape[-1]
+    for n, s, e in _segments(cu_seqlens):
+        row = indices[n:n + 1]
+        xs = torch.cat([pool.index_select(0, row).to(cd), x[s:e].t().to(cd)[None]], dim=-1)  # [1, D, S + L]
+        y = _taps(xs[..., keep - (width - 1):], weight, bias, e - s)
+        out[s:e].copy_(_finish(y, ctx.params.get("activation"))[0].t())
+        pool.index_put_((row,), xs[..., e - s:].to(pool.dtype))
+
+
+@KERNELS.kernel("llm.causal_conv1d_varlen", FLOATS, provider="torch",
+                meta=KernelMeta(inplace=True, capture_safe=False))
+def causal_conv1d_varlen_torch(ctx, inputs, outputs) -> None:
+    # The M non-empty segments end to end in one xp [D, T + M S], each behind its state's S columns: segment i
+    # (starting at token s_i) takes columns s_i + i S .. s_i + (i + 1) S + L_i. One grouped conv1d over xp; then
+    # the outputs at the tokens' columns, and each segment's last S columns (its new state) back to the pool.
+    x, weight, bias, _, cu_seqlens, indices = inputs
+    out, pool = outputs
+    segs = _segments(cu_seqlens)
+    if not segs:
+        return
+    cd = _compute_dtype(x.dtype)
+    (t, d), width, keep, m = x.shape, weight.shape[1], pool.shape[-1], len(segs)
+    lengths = torch.tensor([e - s for _, s, e in segs])                   # index maths on the host, then moved
+    token_cols = torch.arange(t) + keep * torch.repeat_interleave(torch.arange(1, m + 1), lengths)   # [T]
+    state_cols = (torch.tensor([s for _, s, _ in segs]) + keep * torch.arange(m))[:, None] + torch.arange(keep)
+    token_cols, state_cols, new_cols = (c.to(x.device) for c in (token_cols, state_cols, state_cols + lengths[:, None]))
+    rows = indices if m == len(indices) else indices.index_select(0, torch.tensor([n for n, _, _ in segs],
+                                                                                  device=indices.device))
+    xp = x.new_empty(d, t + m * keep, dtype=cd)
+    xp.index_copy_(1, state_cols.flatten(), pool.index_select(0, rows).to(cd).transpose(0, 1).reshape(d, -1))
+    xp.index_copy_(1, token_cols, x.t().to(cd))
+    y = F.conv1d(xp[None], weight.to(cd).unsqueeze(1), None if bias is None else bias.to(cd), groups=d)[0]
+    out.copy_(_finish(y.index_select(1, token_cols - (width - 1)), ctx.params.get("activation")).t())
+    pool.index_put_((rows,), xp[:, new_cols].transpose(0, 1).to(pool.dtype))

@@ -1,12 +1,16 @@
 """GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized with the ``gguf`` package -> HF names.
 
 Architectures: llama, qwen2, qwen3 and qwen3moe (family ``qwen3_moe``: the router ``ffn_gate_inp`` and the stacked
-experts ``ffn_{gate,up,down}_exps`` of each sparse layer, as ``convert_hf_to_gguf.py`` writes them).
+experts ``ffn_{gate,up,down}_exps`` of each sparse layer, as ``convert_hf_to_gguf.py`` writes them), and the hybrid
+qwen3next (``qwen3_next``) and qwen35 (``qwen3_5_text``): their gated delta net tensors ``ssm_*`` / ``attn_qkv`` /
+``attn_gate`` are served as transformers holds them, undoing the converter's changes (see ``_hybrid_views``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,7 @@ import numpy as np
 import torch
 
 from dtorch.core.errors import ModelError
-from dtorch.models.config import ModelConfig
+from dtorch.models.config import HYBRID_FAMILIES, ModelConfig
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, narrow_runs, used_shapes
 
 # llama.cpp tensor name -> Hugging Face name; "{i}" is the layer index
@@ -36,7 +40,24 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE's router [E, H]
+    # the hybrids (qwen3next, qwen35); attn_qkv / attn_gate are Qwen3.5's in_proj_qkv / in_proj_z (Qwen3-Next's
+    # in_proj_qkvz is split into them by the converter: ``_hybrid_views`` joins them back)
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [1, H]
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",  # [C, W]; transformers' Conv1d has [C, 1, W]
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
 }
+# parameters without a ``.weight``: ssm_a holds -exp(A_log), ssm_dt.bias is dt_bias renamed
+_PARAM_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 # llama.cpp's stacked experts [E, I, H] / [E, H, I] -> the loaders' stacked names (no ``.weight``: see expected_shapes)
 _EXPERT_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
@@ -44,8 +65,10 @@ _EXPERT_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 # general.architecture -> ModelConfig family
-_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen3next": "qwen3_next",
+             "qwen35": "qwen3_5_text"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_PARAM_RE = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 # quantization types this loader promises (the gguf package dequantizes more; those are let through too)
@@ -54,6 +77,9 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 def hf_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a llama.cpp tensor name, or None for tensors the model does not use."""
+    m = _PARAM_RE.match(gguf_name)
+    if m:
+        return f"model.layers.{m.group(1)}.{_PARAM_NAMES[m.group(2)]}"
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in _EXPERT_NAMES:
         return f"model.layers.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}" if m.group(3) == "weight" else None
@@ -107,6 +133,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
     sparse when the file has its router ``blk.N.ffn_gate_inp.weight`` (the others are ``mlp_only_layers``, dense
     MLPs of ``feed_forward_length``). llama.cpp always renormalizes Qwen3-MoE's top-k weights (its converter writes
     no ``norm_topk_prob``), so ``norm_topk_prob`` is true unless the file says ``{arch}.expert_weights_norm`` false.
+    qwen3next adds ``expert_shared_feed_forward_length`` (the shared expert); the hybrids see ``_hybrid_fields``.
     """
     arch = meta.get("general.architecture")
     if arch not in _FAMILIES:
@@ -126,30 +153,64 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     layers = int(need("block_count"))
     moe: dict[str, Any] = {}
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen3_next"):
         dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
         moe = dict(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
                    moe_intermediate_size=int(need("expert_feed_forward_length")),
                    norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)), decoder_sparse_step=1,
                    mlp_only_layers=dense)
+        if family == "qwen3_next":
+            moe["shared_expert_intermediate_size"] = int(need("expert_shared_feed_forward_length"))
         # the dense layers' width; with every layer sparse it is unused (and feed_forward_length may be absent)
         ff = int(need("feed_forward_length") if dense
                  else meta.get(f"{arch}.feed_forward_length", moe["moe_intermediate_size"]))
     else:
         ff = int(need("feed_forward_length"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    hybrid = _hybrid_fields(need, layers, head_dim, arch, path) if family in HYBRID_FAMILIES else {}
     return ModelConfig(
         family=family, vocab_size=int(vocab), hidden_size=hidden, intermediate_size=ff,
         num_layers=layers, num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=None if rope_freqs is None else {"rope_type": "factors", "factors": rope_freqs.tolist()},
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+        attention_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)), **moe,
+        **hybrid,
     )
+
+
+def _hybrid_fields(need: Callable[[str], Any], layers: int, head_dim: int, arch: str, path: Path) -> dict[str, Any]:
+    """The hybrid fields of a qwen3next / qwen35 file. The converter writes the gated delta net's shapes as SSM keys:
+    ``ssm.conv_kernel`` (conv taps), ``ssm.state_size`` (key head dim), ``ssm.group_count`` (key heads),
+    ``ssm.time_step_rank`` (value heads), ``ssm.inner_size`` (value heads * value head dim); the layer schedule as
+    ``full_attention_interval`` (layer i is full attention when (i + 1) % interval == 0, as llama.cpp reads it);
+    the partial rotary as ``rope.dimension_count`` (rotated dims of each head)."""
+    def positive(key: str) -> int:
+        v = need(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelError(f"{path}: metadata key {arch}.{key} is {v!r}; expected a positive integer")
+        return v
+
+    interval, v_heads, inner = positive("full_attention_interval"), positive("ssm.time_step_rank"), \
+        positive("ssm.inner_size")
+    if inner % v_heads:
+        raise ModelError(f"{path}: metadata key {arch}.ssm.inner_size ({inner}) is not a multiple of "
+                         f"{arch}.ssm.time_step_rank ({v_heads}, the value heads); expected heads * head dim")
+    rope_dim = positive("rope.dimension_count")
+    if rope_dim > head_dim or rope_dim % 2:
+        raise ModelError(f"{path}: metadata key {arch}.rope.dimension_count is {rope_dim}; expected an even number "
+                         f"of rotated dims <= the head dim {head_dim}")
+    return dict(layer_types=tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                  for i in range(layers)),
+                linear_conv_kernel_dim=positive("ssm.conv_kernel"), linear_num_key_heads=positive("ssm.group_count"),
+                linear_num_value_heads=v_heads, linear_key_head_dim=positive("ssm.state_size"),
+                linear_value_head_dim=inner // v_heads, partial_rotary_factor=rope_dim / head_dim,
+                attn_output_gate=True, norm_plus_one=True)
 
 
 def dequantize(t: Any, path: Path) -> torch.Tensor:
@@ -198,21 +259,142 @@ def _read_runs(t: Any, dim: int | None, runs: list[tuple[int, int]], path: Path)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _gguf_reader(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, tuple[int, ...]], Reader, Any]:
-    """The HF-named shapes of the file's tensors and a ``Reader`` of their slices (Llama q/k un-permuted)."""
-    by_name = {}
+@dataclass(frozen=True, slots=True)
+class _View:
+    """A Hugging Face tensor made of GGUF tensors: the rows of ``parts`` concatenated (a 1-D tensor's rows are its
+    items), row i of the result taken from row ``rows[i]`` (None: in order), column j of a 2-D one from column
+    ``cols[j]``, then ``value`` applied (undoing an elementwise change) and reshaped to ``shape``."""
+
+    parts: tuple[Any, ...]
+    shape: tuple[int, ...]
+    rows: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+    value: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Whether the tensor is one GGUF tensor as stored."""
+        return len(self.parts) == 1 and self.rows is None and self.cols is None and self.value is None and \
+            self.shape == _shape(self.parts[0])
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest first
+
+
+def _read_view(v: _View, dim: int | None, runs: list[tuple[int, int]], path: Path) -> torch.Tensor:
+    """``_read_runs`` of a view; columns of a 2-D view whose columns stay in place are read alone, anything else
+    whole (these are the hybrids' small or per-layer tensors)."""
+    cols_only = dim == 1 and len(v.shape) == 2 and v.cols is None
+    parts = [_read_runs(t, 1, runs, path) if cols_only else dequantize(t, path) for t in v.parts]
+    x = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    if v.rows is not None:
+        x = x[v.rows]
+    if v.cols is not None:
+        x = x[:, v.cols]
+    if v.value is not None:
+        x = v.value(x)
+    return x if cols_only else narrow_runs(x.reshape(v.shape), dim, runs)
+
+
+def _v_head_rows(k_heads: int, v_heads: int, dim: int) -> torch.Tensor:
+    """Where Qwen3.5's converter put each row of ``v_heads`` value heads of ``dim`` rows: transformers groups them by
+    key head (head g * r + j, r = v_heads / k_heads), the GGUF tiles them (at j * k_heads + g) so that llama.cpp can
+    broadcast the key heads; [v_heads * dim] stored row of each transformers row."""
+    r = v_heads // k_heads
+    h = torch.arange(v_heads)
+    return ((h % r * k_heads + h // r)[:, None] * dim + torch.arange(dim)).reshape(-1)
+
+
+def _hybrid_views(views: dict[str, _View], config: ModelConfig, path: Path) -> None:
+    """Undo what ``convert_hf_to_gguf.py`` changes in the hybrids' tensors (in place on ``views``):
+
+    - the (1 + weight) RMS norms (all but the gated ``linear_attn.norm``) are stored with 1 added: subtract it;
+    - ``A_log`` is stored as A = -exp(A_log) (``ssm_a``): take log(-A); ``conv1d`` [C, 1, W] is stored squeezed;
+    - qwen3next: ``in_proj_qkvz`` (per key head g: q_g, k_g, v_g, z_g) is stored as ``attn_qkv`` [all q | all k |
+      all v] and ``attn_gate`` [all z]: interleave them back; ``in_proj_ba`` is stored as it is (``ssm_ba``);
+    - qwen35: the value heads of in_proj_qkv's v rows, in_proj_z, in_proj_b / a, A_log, dt_bias, conv1d's v
+      channels and out_proj's columns are tiled (``_v_head_rows``): put them back in grouped order.
+    """
+    c = config
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    kd, vd = c.linear_key_dim, c.linear_value_dim
+    qwen35 = c.family == "qwen3_5_text"
+    v_rows = _v_head_rows(nk, nv, dv) if qwen35 else torch.arange(vd)
+    h_rows = _v_head_rows(nk, nv, 1) if qwen35 else None  # one row per value head
+    qkv_rows = torch.cat([torch.arange(2 * kd), 2 * kd + v_rows])  # in_proj_qkv and the conv channels
+
+    def change(name: str, **kw: Any) -> None:
+        if name in views:
+            old = views[name]
+            views[name] = _View(old.parts, kw.pop("shape", old.shape), **kw)
+
+    for name in [n for n in views if n.endswith("norm.weight") and ".linear_attn." not in n]:
+        change(name, value=lambda w: w - 1)
+    for i in c.linear_layers:
+        p = f"model.layers.{i}.linear_attn."
+        change(p + "A_log", rows=h_rows, value=lambda a: torch.log(-a))
+        conv = views.get(p + "conv1d.weight")
+        if conv is not None:
+            change(p + "conv1d.weight", shape=(conv.shape[0], 1, conv.shape[-1]), rows=qkv_rows if qwen35 else None)
+        if qwen35:
+            change(p + "in_proj_qkv.weight", rows=qkv_rows)
+            change(p + "in_proj_z.weight", rows=v_rows)
+            for n in ("in_proj_b.weight", "in_proj_a.weight", "dt_bias"):
+                change(p + n, rows=h_rows)
+            change(p + "out_proj.weight", cols=v_rows)
+        elif p + "in_proj_qkv.weight" in views or p + "in_proj_z.weight" in views:
+            if p + "in_proj_qkv.weight" not in views or p + "in_proj_z.weight" not in views:
+                raise ModelError(f"{path}: layer {i} has only one of blk.{i}.attn_qkv.weight and "
+                                 f"blk.{i}.attn_gate.weight; a qwen3next file needs both (they make in_proj_qkvz)")
+            qkv, z = views.pop(p + "in_proj_qkv.weight"), views.pop(p + "in_proj_z.weight")
+            r = nv // nk
+            rows = torch.cat([torch.cat([g * dk + torch.arange(dk), kd + g * dk + torch.arange(dk),
+                                         2 * kd + g * r * dv + torch.arange(r * dv),
+                                         2 * kd + vd + g * r * dv + torch.arange(r * dv)]) for g in range(nk)])
+            views[p + "in_proj_qkvz.weight"] = _View(qkv.parts + z.parts, (2 * kd + 2 * vd, qkv.shape[1]), rows=rows)
+
+
+def _packed_rows(data: np.ndarray, shape: tuple[int, ...], layout: str, dim: int | None,
+                 runs: list[tuple[int, int]]) -> torch.Tensor | None:
+    """GGUF block bytes ``data`` [rows, row bytes] of a 2-D tensor ``shape``, sliced: uint8 torch, or None when the
+    slice cuts blocks."""
+    from dtorch.kernels.layouts import block_size
+
+    if dim == 1:
+        block = block_size(layout)
+        per_block = data.shape[1] * block // shape[1]
+        if any(a % block or n % block for a, n in runs):
+            return None
+        data = np.concatenate([data[:, a // block * per_block:(a + n) // block * per_block] for a, n in runs], 1)
+    elif dim == 0 and runs:
+        data = np.concatenate([data[a:a + n] for a, n in runs], 0)
+    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))  # the map is read-only: one tensor's copy
+
+
+def _gguf_reader(reader: Any, config: ModelConfig,
+                 path: Path) -> tuple[dict[str, tuple[int, ...]], Reader, Any, dict[str, str]]:
+    """The HF-named shapes of the file's tensors, a ``Reader`` of their slices (Llama q/k un-permuted, the hybrids'
+    tensors as transformers holds them), its packed reader and each tensor's quantization type."""
+    views = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is not None:
-            by_name[name] = t
-    shapes = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in by_name.items()}
+            views[name] = _View((t,), _shape(t))
+    if config.family in HYBRID_FAMILIES:
+        _hybrid_views(views, config, path)
+    shapes = {name: v.shape for name, v in views.items()}
+    types = {name: v.parts[0].tensor_type.name for name, v in views.items()}
     heads = {}
     if config.family == "llama":  # llama.cpp permutes each head's rows of q and k; a run of whole heads undoes alone
-        heads = {n: (config.num_heads if ".q_proj." in n else config.num_kv_heads) for n in by_name
+        heads = {n: (config.num_heads if ".q_proj." in n else config.num_kv_heads) for n in views
                  if ".self_attn.q_proj." in n or ".self_attn.k_proj." in n}
 
     def read(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
-        t, d = by_name[name], config.head_dim
+        v, d = views[name], config.head_dim
+        if not v.plain:
+            return _read_view(v, dim, runs, path)
+        t = v.parts[0]
         if name not in heads:
             return _read_runs(t, dim, runs, path)
         if dim == 0 and all(a % d == 0 and n % d == 0 for a, n in runs):
@@ -222,35 +404,28 @@ def _gguf_reader(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str
 
     def read_packed(name: str, dim: int | None, runs: list[tuple[int, int]]) -> tuple[str, torch.Tensor] | None:
         """(layout, GGUF bytes uint8 [rows, row bytes]) of the slice, or None when the tensor is not in a block
-        format the kernels keep (or the slice cuts its blocks): then ``read`` dequantizes it instead."""
-        from dtorch.kernels.layouts import block_size, layout_of_gguf
+        format the kernels keep (or the slice cuts its blocks, or its values are changed): then ``read``
+        dequantizes it instead. A view that only reorders or joins rows is served packed."""
+        from dtorch.kernels.layouts import layout_of_gguf
 
-        t = by_name[name]
-        layout = layout_of_gguf(t.tensor_type)
-        shape = tuple(int(s) for s in reversed(t.shape))
-        if layout is None or len(shape) != 2:
+        v = views[name]
+        layouts = {layout_of_gguf(t.tensor_type) for t in v.parts}
+        layout = layouts.pop() if len(layouts) == 1 else None
+        if layout is None or len(v.shape) != 2 or v.cols is not None or v.value is not None:
             return None
-        data = t.data  # [rows, bytes of one row]: a map of the file, read only where sliced
-        if dim == 1:
-            block = block_size(layout)
-            per_block = data.shape[1] * block // shape[1]
-            if any(a % block or n % block for a, n in runs):
-                return None
-            raw = np.concatenate([data[:, a // block * per_block:(a + n) // block * per_block] for a, n in runs], 1)
-        elif dim == 0:
-            raw = np.concatenate([data[a:a + n] for a, n in runs], 0) if runs else data
-        else:
-            raw = data
-        rows = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # the map is read-only: one tensor's copy
+        data = v.parts[0].data if len(v.parts) == 1 else np.concatenate([t.data for t in v.parts], 0)
+        if v.rows is not None:
+            data = data[v.rows.numpy()]
         if name in heads:
             d = config.head_dim
             if dim == 0 and not all(a % d == 0 and n % d == 0 for a, n in runs):
                 return None
-            n_heads = rows.shape[0] // d
-            rows = unpermute_qk(rows, n_heads).contiguous()
-        return layout, rows
+            rows = _packed_rows(data, v.shape, layout, dim, runs)
+            return None if rows is None else (layout, unpermute_qk(rows, rows.shape[0] // d).contiguous())
+        rows = _packed_rows(data, v.shape, layout, dim, runs)
+        return None if rows is None else (layout, rows)
 
-    return shapes, read, read_packed
+    return shapes, read, read_packed, types
 
 
 def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheckpoint:
@@ -270,9 +445,9 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheck
     reader.fields.clear()  # read: its views of every vocabulary string (~80 MB for 49k tokens) go before the weights
     freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
-    shapes, read, read_packed = _gguf_reader(reader, config, path)
+    shapes, read, read_packed, types = _gguf_reader(reader, config, path)
     shapes = used_shapes(shapes, config, dtype, str(path))
-    types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors if hf_name(t.name) in shapes}
+    types = {name: types[name] for name in shapes}
     template = meta.get("tokenizer.chat_template")
     tokenizer = Tokenizer.from_gguf(meta, chat_template=template, source=str(path)) \
         if "tokenizer.ggml.tokens" in meta else None
