@@ -213,3 +213,36 @@ def test_bad_hybrid_configs_are_clear_errors():
         ModelConfig("qwen3_5_text", layer_types=("linear_attention",) * 2, **(base | {"linear_key_head_dim": 0}))
     with pytest.raises(dtorch.ModelError, match="partial_rotary_factor must be a number in"):
         ModelConfig("qwen3_5_text", **(base | {"partial_rotary_factor": 1.5}))
+
+
+def _char_tokenizer(path) -> None:
+    """A character-level tokenizer.json over ids 3..VOCAB-1 (0..2: pad, bos, eos), for the CLI."""
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,?!'"
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {ch: 3 + i for i, ch in enumerate(chars)}
+    vocab |= {f"<x{i}>": i for i in range(len(vocab), VOCAB)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_the_generate_command_runs_the_model(model, tmp_path):
+    import dataclasses
+    import subprocess
+    import sys
+
+    _, _, path, _ = model
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    _char_tokenizer(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "dtorch", "generate", "--model", str(tmp_path), "--raw",
+                           "--max-tokens", "12", "--ignore-eos", "What is the capital of France?"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    llm = LLM(str(tmp_path))
+    try:
+        want = llm.generate(["What is the capital of France?"], dataclasses.replace(GREEDY, max_tokens=12))[0]
+    finally:
+        llm.close()
+    assert len(want.token_ids) == 12 and proc.stdout.strip() == want.text.strip()
+    assert "decode" in proc.stderr and "tok/s" in proc.stderr
