@@ -41,31 +41,74 @@ def _shards(directory: Path) -> list[Path]:
     raise ModelError(f"{directory}: no weights found; expected model.safetensors or model.safetensors.index.json")
 
 
+# safetensors dtype names -> torch dtypes (the ones checkpoints hold)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _layout(f: Path) -> tuple[int, dict[str, Any]]:
+    """(where the data starts, the header: name -> {"dtype", "shape", "data_offsets"}) of a safetensors file."""
+    with open(f, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+def _pread(f: Path, offset: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes of ``f`` from ``offset`` into memory of their own (uint8): read with pread, not mapped, so
+    the file's pages never count in this process's resident memory (a map of a whole checkpoint doubles the peak)."""
+    import os
+
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy()).cast("B")
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        got = 0
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise OSError(f"the file ends {nbytes - got} bytes early")
+            got += n
+    finally:
+        os.close(fd)
+    return buf
+
+
 def _open_safetensors(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Reader]:
     """Every tensor's shape (from the headers; no data is read) and a ``Reader`` of slices of them."""
     from safetensors import SafetensorError, safe_open
 
-    handles: dict[str, Any] = {}  # tensor name -> the open file that holds it
+    where: dict[str, tuple[Path, int, dict[str, Any]]] = {}  # tensor name -> (file, data start, header entry)
     shapes: dict[str, tuple[int, ...]] = {}
-    errors = (SafetensorError, OSError, RuntimeError, ValueError)
+    errors = (SafetensorError, OSError, RuntimeError, ValueError, KeyError, TypeError)
     for f in files:
         try:
-            st = safe_open(str(f), framework="pt")
-            for k in st.keys():
-                handles[k] = (f, st)
-                shapes[k] = tuple(int(d) for d in st.get_slice(k).get_shape())
+            with safe_open(str(f), framework="pt") as st:  # validates the header (offsets, sizes, dtypes)
+                names = list(st.keys())
+            start, header = _layout(f)
+            for k in names:
+                where[k] = (f, start, header[k])
+                shapes[k] = tuple(int(d) for d in header[k]["shape"])
         except errors as e:
             raise ModelError(f"{f}: not a readable safetensors file ({e}); expected a complete safetensors "
                              "file as written by safetensors.torch.save_file") from None
 
     def read(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
-        f, st = handles[name]
+        f, start, entry = where[name]
         try:
-            sl = st.get_slice(name)  # a view of the file's map: slicing touches only the pages of those rows
+            dtype = _DTYPES[entry["dtype"]]
+            shape = tuple(entry["shape"])
+            lo, hi = entry["data_offsets"]
+            row = (hi - lo) // shape[0] if shape and shape[0] else 0  # bytes of one index of dim 0
+            if dim == 0:  # rows: read only those
+                parts = [_pread(f, start + lo + a * row, n * row).view(dtype).view(n, *shape[1:]) for a, n in runs]
+                return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+            whole = _pread(f, start + lo, hi - lo).view(dtype).view(shape)
             if dim is None:
-                return sl[:].clone()
-            lead = (slice(None),) * dim
-            parts = [sl[lead + (slice(a, a + n),)] for a, n in runs]
+                return whole
+            parts = [whole.narrow(dim, a, n) for a, n in runs]
             return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim)
         except errors as e:
             raise ModelError(f"{f}: tensor {name!r} is unreadable ({e}); the file may be damaged") from None
