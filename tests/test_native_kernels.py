@@ -470,3 +470,21 @@ def test_forced_isa_setting_reaches_the_kernels(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "portable"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+def test_dispatched_float_linear_matches_float64(rows, isa):
+    """matmul.linear on a bf16 W [N, K]: our GEMV up to 8 rows (x a strided view, a bias, leading dims), torch's
+    kernels beyond; every path within bf16 rounding of the float64 product."""
+    d = Dispatcher()
+    key = KernelKey("matmul.linear", "cpu", torch.bfloat16)
+    assert d.explain(key).winner.provider == "native"
+    torch.manual_seed(rows)
+    wide = torch.randn(rows, 1, 160).bfloat16()
+    x, w, bias = wide[..., :130], (torch.randn(70, 130) * 0.1).bfloat16(), torch.randn(70).bfloat16()
+    want = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    for b in (None, bias):
+        out = torch.empty(rows, 1, 70, dtype=torch.bfloat16)
+        d.select(key).fn(_ctx(), (x, w, b), (out,))
+        ref = want if b is not None else want - bias.double()
+        torch.testing.assert_close(out.double(), ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max()))

@@ -17,7 +17,7 @@ each head; their RMS norms scale by ``1 + weight`` (folded into the weights at l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +76,11 @@ class Transformer:
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, DistTensor], mesh: DeviceMesh,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, linear_weights: Iterable[str] = ()) -> None:
         self.config = config
+        # float projections stored as W [N, K] (the checkpoint's orientation) for ``matmul.linear``; the others as
+        # Wt [K, N] for ``matmul.mm`` (block-format weights are W [N, K] and run ``matmul.linear`` too)
+        self.linear_weights = frozenset(linear_weights)
         self.mesh = mesh
         self.dtype = dtype
         self.layout = Layout(config, mesh.size)
@@ -98,8 +101,15 @@ class Transformer:
         """
         layout = Layout(config, mesh.size)
         weights: dict[str, DistTensor] = {}
+        linear: set[str] = set()
+        rows_first = _float_linear(mesh, dtype)
         for name, sources, combine, shape in _tensors(config, layout):
             kind = _kind(name)
+            if rows_first and kind == "lm_head" and config.tie_word_embeddings and name not in weights \
+                    and weights["embed"].layout == "strided":
+                weights[name] = weights["embed"]  # tied: the embedding rows [V, E] are the head's W
+                linear.add(name)
+                continue
             if get_packed is not None and kind in PACKABLE:
                 if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
                     weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
@@ -111,22 +121,29 @@ class Transformer:
                     continue
             pl = layout.placement(kind)
             wdtype = torch.float32 if kind in FLOAT32 else dtype
+            as_w = rows_first and kind in PACKABLE and kind != "embed"  # W [N, K] rather than Wt [K, N]
             blobs = {}
             for i in local_ids:
                 parts = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(config, sources, mesh, i)]
-                t = combine(parts).to(device=mesh.device(i).torch, dtype=wdtype).contiguous()
+                t = combine(parts)
+                t = (t.t() if as_w else t).to(device=mesh.device(i).torch, dtype=wdtype).contiguous()
                 blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
+            if as_w:
+                pl, shape = _transposed(pl), (shape[1], shape[0])
+                linear.add(name)
             weights[name] = DistTensor(mesh, pl, shape, wdtype, blobs)
-        return cls(config, weights, mesh, dtype)
+        return cls(config, weights, mesh, dtype, linear)
 
     def linear_provider(self) -> str:
         """Which kernel the first layer's q/k/v projection runs: "provider" or "provider (layout)"."""
         from dtorch.dispatch import KernelKey, dispatcher
 
         c = self.config
-        w = self.weights[f"layers.{c.attention_layers[0]}.qkv" if c.attention_layers else
-                         f"layers.{c.linear_layers[0]}.lin_in"]
+        name = f"layers.{c.attention_layers[0]}.qkv" if c.attention_layers else f"layers.{c.linear_layers[0]}.lin_in"
+        w = self.weights[name]
         device = self.mesh.device(self.mesh.ids[0]).type
+        if w.layout == "strided" and name in self.linear_weights:
+            return f"{dispatcher.explain(KernelKey('matmul.linear', device, self.dtype)).winner.provider} (W [N, K])"
         if w.layout == "strided":
             return dispatcher.explain(KernelKey("matmul.mm", device, self.dtype)).winner.provider
         return f"{dispatcher.explain(KernelKey('matmul.linear', device, self.dtype, w.layout)).winner.provider} " \
@@ -185,15 +202,23 @@ class Transformer:
             if c.is_sparse(i):
                 o = self._moe(g, i, h, w)
             else:
-                gate, up = g.split(_proj(g, h, w[p + "gate_up"]), (inter, inter), 1)
-                o = _proj(g, g.call("llm.silu_and_mul", gate, up), w[p + "down"])
+                gate, up = g.split(self._proj(g, h, w, p + "gate_up"), (inter, inter), 1)
+                o = self._proj(g, g.call("llm.silu_and_mul", gate, up), w, p + "down")
             o = g.redistribute(o, Replicate())
         h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
         if not bucket.all_logits and T != N:  # the last row of each sequence
             h = g.call("llm.embedding", g.input("last_rows", (N,), torch.int64), h)
-        logits = _proj(g, h, w["lm_head"])
+        logits = self._proj(g, h, w, "lm_head")
         g.output("logits", g.redistribute(logits, Replicate()))
         return g
+
+    def _proj(self, g: LogicalGraph, x, w, name: str):
+        """x [T, K] times weight ``name``: Wt [K, N] through ``matmul.mm``; W [N, K] (block format, or float stored
+        as the checkpoint has it) through ``matmul.linear``."""
+        t = w[name]
+        if t.layout == "strided" and name not in self.linear_weights:
+            return g.call("matmul.mm", x, t)
+        return g.call("matmul.linear", x, t, None)
 
     def _attention(self, g: LogicalGraph, i: int, h, w, cache, step: _Step):
         """Full attention of layer ``i`` on h [T, E]: its KV cache rows written, then read; a partial sum on n > 1."""
@@ -201,7 +226,7 @@ class Transformer:
         T = step.bucket.tokens
         H, Hkv, D, p = c.num_heads, c.num_kv_heads, c.head_dim, f"layers.{i}."
         eps, rot = c.rms_norm_eps, dict(rotary_dim=c.rotary_dim)
-        qkv = _proj(g, h, w[p + "qkv"])  # [T, (H + 2 Hkv) D], each device [q_r | k_r | v_r] ([q_r | gate_r | ...])
+        qkv = self._proj(g, h, w, p + "qkv")  # [T, (H + 2 Hkv) D]: each device [q_r | k_r | v_r] ([q_r | gate_r | ..])
         if c.attention_bias:
             qkv = g.call("binary.add", qkv, w[p + "qkv_bias"])
         gate = None
@@ -226,7 +251,7 @@ class Transformer:
         a = g.view(a, (T, H * D))
         if gate is not None:  # Qwen3-Next / Qwen3.5: each head's output scaled by sigmoid(gate)
             a = g.call("binary.mul", a, g.call("unary.sigmoid", gate))
-        return _proj(g, a, w[p + "o"])
+        return self._proj(g, a, w, p + "o")
 
     def _delta_net(self, g: LogicalGraph, i: int, h, w, cache, step: _Step):
         """The gated delta net of layer ``i`` on h [T, E]; a partial sum on n > 1.
@@ -239,7 +264,8 @@ class Transformer:
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
         Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         kd, vd, p = c.linear_key_dim, c.linear_value_dim, f"layers.{i}."
-        proj = _proj(g, h, w[p + "lin_in"])  # [T, 2 kd + 2 vd + 2 Hv]: each device [q_r | k_r | v_r | z_r | b_r | a_r]
+        proj = self._proj(g, h, w, p + "lin_in")  # [T, 2 kd + 2 vd + 2 Hv]: each device [q_r | k_r | v_r | z_r | b_r
+        # | a_r]
         qkv, z, b, a = g.split(proj, (2 * kd + vd, vd, Hv, Hv), 1)
         conv = g.state(f"conv_state.{i}", cache[f"conv_state.{i}"])
         ssm = g.state(f"ssm_state.{i}", cache[f"ssm_state.{i}"])
@@ -260,14 +286,14 @@ class Transformer:
         # the gated RMS norm: norm(o) * weight * silu(z), per value head
         o = g.call("llm.rms_norm", g.view(o, (T, Hv, Dv)), w[p + "lin_norm"], eps=c.rms_norm_eps)
         o = g.call("llm.silu_and_mul", g.view(z, (T, Hv, Dv)), o)
-        return _proj(g, g.view(o, (T, vd)), w[p + "lin_out"])
+        return self._proj(g, g.view(o, (T, vd)), w, p + "lin_out")
 
     def _moe(self, g: LogicalGraph, i: int, h, w):
         """The sparse MoE block of layer ``i`` on h [T, E]: route each row to its top-k experts (each device's experts
         give a partial sum), plus the shared expert scaled by its sigmoid gate where the family has one."""
         c = self.config
         p = f"layers.{i}."
-        logits = _proj(g, h, w[p + "router"])  # [T, E] (+ the shared expert's gate column), replicated
+        logits = self._proj(g, h, w, p + "router")  # [T, E] (+ the shared expert's gate column), replicated
         shared = c.shared_expert_intermediate_size
         if shared:
             logits, sg = g.split(logits, (c.num_experts, 1), 1)
@@ -275,8 +301,8 @@ class Transformer:
         o = g.call("llm.moe_experts", h, w[p + "experts_gate_up"], w[p + "experts_down"], weights, ids)
         if not shared:
             return o
-        gate, up = g.split(_proj(g, h, w[p + "shared_gate_up"]), (shared, shared), 1)
-        s = _proj(g, g.call("llm.silu_and_mul", gate, up), w[p + "shared_down"])
+        gate, up = g.split(self._proj(g, h, w, p + "shared_gate_up"), (shared, shared), 1)
+        s = self._proj(g, g.call("llm.silu_and_mul", gate, up), w, p + "shared_down")
         return g.call("binary.add", o, g.call("binary.mul", s, g.call("unary.sigmoid", sg)))
 
 
@@ -348,11 +374,14 @@ def _transposed(pl):
     return pl
 
 
-def _proj(g: LogicalGraph, x, w):
-    """x [T, K] times a weight: Wt [K, N] through ``matmul.mm``, a block-format W [N, K] through ``matmul.linear``."""
-    if w.layout == "strided":
-        return g.call("matmul.mm", x, w)
-    return g.call("matmul.linear", x, w, None)
+def _float_linear(mesh: DeviceMesh, dtype: torch.dtype) -> bool:
+    """Whether float projections run faster as W [N, K] through ``matmul.linear``: where a native one-row kernel of
+    the registry is its active provider (bf16 on cpu: it streams W at about 1.6x torch's bf16 GEMV of Wt)."""
+    from dtorch.dispatch import KernelKey, dispatcher
+
+    device = mesh.device(mesh.ids[0]).type
+    return dtype == torch.bfloat16 and device == "cpu" and \
+        dispatcher.explain(KernelKey("matmul.linear", device, dtype)).winner.provider == "native"
 
 
 def _kind(name: str) -> str:

@@ -159,3 +159,30 @@ def linear_blas(ctx, inputs, outputs):
     if x.dim() == 1:  # torch's linear.out would resize a [N] out to [1, N]
         x, out = x[None], out[None]
     torch._C._nn.linear(x, inputs[1], inputs[2], out=out)
+
+
+def _linear_upcast_check(call: Call) -> str | None:
+    if native_bf16_matmul():
+        return "this CPU has native bf16 matmul (AVX512-BF16 or AMX)"
+    if call.inputs is not None:
+        x, w = call.inputs[0].shape, call.inputs[1].shape
+        rows = math.prod(x[:-1])
+        if not upcast_pays(rows, w[1], w[0]):
+            return f"[{rows}, {w[1]}] @ [{w[0]}, {w[1]}].T: too few rows for the upcast to pay (bf16 linear is faster)"
+    return None
+
+
+@KERNELS.kernel("matmul.linear", (torch.bfloat16,), devices=("cpu",), provider="upcast", priority=25,
+                check=_linear_upcast_check, meta=ALLOCATES,
+                varies=f"torch's bf16 linear below {UPCAST_MIN_ROWS} rows or when the weight pass would not pay")
+def linear_upcast(ctx, inputs, outputs):
+    # x [..., K] bf16, w [N, K] bf16, bias [N] or None -> out [..., N] bf16: ``mm_upcast`` for a weight stored as
+    # the checkpoint has it (the same rule; a prepared Linear binds this kernel for every row count)
+    x, w, bias = inputs
+    out = outputs[0]
+    if w.dtype != x.dtype or out.dtype != x.dtype:
+        raise TypeError(f"linear_upcast: dtypes disagree: x {x.dtype}, w {w.dtype}, out {out.dtype}")
+    if upcast_pays(math.prod(x.shape[:-1]), w.shape[1], w.shape[0]):
+        out.copy_(torch._C._nn.linear(x.float(), w.float(), None if bias is None else bias.float()))
+    else:
+        linear_blas(ctx, inputs, outputs)
