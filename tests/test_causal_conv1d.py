@@ -271,12 +271,17 @@ def test_varlen_meta_shapes():
     assert ops.causal_conv1d_varlen(x, w, pool, cu, idx, bb).shape == (5, 6)
 
 
-def test_pooled_update_reads_no_device_value_on_the_host(monkeypatch):
-    x, w, bb, pool = torch.randn(3, 6), torch.randn(6, 4), torch.randn(6), torch.randn(5, 6, 3)
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("keep", [3, 4, 6])                      # S = W - 1, W (Qwen3-Next) and wider
+def test_pooled_update_reads_no_device_value_on_the_host(monkeypatch, provider, keep):
+    x, w, bb, pool = torch.randn(3, 6), torch.randn(6, 4), torch.randn(6), torch.randn(5, 6, keep)
     idx = torch.tensor([4, 0, 2])
     want_pool = pool.clone()
-    want = ops.causal_conv1d_update(x, want_pool, w, bb, "silu", state_indices=idx)
-    from dtorch.kernels.torch.causal_conv1d import causal_conv1d_update_reference as kernel
+    want = torch.stack([ops.causal_conv1d_update(x[b:b + 1], want_pool[r:r + 1], w, bb, "silu")[0]
+                        for b, r in enumerate(idx.tolist())])   # unpooled, one row at a time
+    from dtorch.kernels.torch import causal_conv1d as kernels
+    kernel = {"reference": kernels.causal_conv1d_update_reference, "torch": kernels.causal_conv1d_update_torch}[
+        provider]
 
     class Ctx:
         params = {"activation": "silu"}

@@ -277,6 +277,30 @@ def test_decode_pool_in_place_equals_single_token_calls(mode, dtype):
     assert torch.equal(pool[[2, 4]], before[[2, 4]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alias", [True, False])
+def test_one_sequence_pool_decode_equals_the_plain_state_step(dtype, alias):
+    # one sequence decoding from its pool row (final pool aliased or not): the same step on the row alone as a plain
+    # state and the naive recurrence agree with it, and the other rows stay bit-identical
+    (q, k, v, g, beta), _ = make(b=1, t=1, hk=2, h=4, dtype=dtype, normalize=False, init=False)
+    g = g.float()
+    pool, idx = _pool(5, h=4), torch.tensor([3], dtype=torch.int32)
+    before = pool.clone()
+    final = pool if alias else torch.empty_like(pool)
+    o, s = ops.gated_delta_net_out(q, k, v, g, beta, initial_state=pool, use_qk_l2norm=True, state_indices=idx,
+                                   out=torch.empty_like(v), final_state_out=final)
+    assert s is final
+    want_o, want_s = ops.gated_delta_net(q, k, v, g, beta, initial_state=before[3:4], use_qk_l2norm=True)
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(s[3], want_s[0])
+    want_n, want_ns = naive(q, k, v, g, beta, s0=before[3:4], l2=True)
+    close(o, want_n, dtype)
+    close(s[3], want_ns[0], torch.float32)
+    assert torch.equal(s[[0, 1, 2, 4]], before[[0, 1, 2, 4]])
+    if not alias:
+        assert torch.equal(pool, before)
+
+
 def test_decode_duplicate_scratch_rows_leave_the_others_alone():
     (q, k, v, g, beta), _ = make(b=4, t=1, init=False)
     pool = _pool(5)

@@ -137,37 +137,52 @@ def test_two_devices_equal_one(model):
         llm.close()
 
 
-def test_the_decode_step_reads_no_device_values(model, monkeypatch):
-    """No .tolist() / .item() / bool() / int() on tensors inside a decode step (on a GPU each would stall).
+def _where() -> str:
+    """The innermost dtorch frame of the caller: file:function."""
+    import traceback
 
-    On cpu the MoE experts kernel reads the ids on the host by choice (free there, and faster than gathering the
-    experts' weights); its accelerator path, which reads nothing, is forced here."""
+    frames = [f for f in traceback.extract_stack()[:-2] if "/dtorch/" in f.filename]
+    return f"{frames[-1].filename.rpartition('/dtorch/')[2]}:{frames[-1].name}" if frames else "?"
+
+
+def test_the_decode_step_reads_no_device_values(model, monkeypatch):
+    """The kernels of the hybrid layers (gated delta net, conv, gates, MoE) read no tensor on the host in a decode
+    step (.tolist() / .item() / bool() / int(): on a GPU each would stall the stream).
+
+    On cpu the MoE experts kernels read the ids on the host by choice (free there, and faster than gathering the
+    experts' weights): the native one runs only on cpu, and the torch one's accelerator path, which reads nothing,
+    is forced here, so these are the kernels an accelerator would run. (The cpu attention and KV cache kernels of
+    the torch backend read their sequence lengths; the GPU backend's are another issue's.)"""
     import dtorch.kernels.torch.moe as moe
     from dtorch.models.executor import StepPlan
     from dtorch.models.model import bucket_for
 
-    _, _, _, llm = model
-    llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # the graphs built
-    cache = llm._cache
-    slot = cache.alloc()
-    try:
-        llm.executor.step(StepPlan([3, 4, 5], [3], [cache.reserve(slot, 3)], [slot]))
-        bucket = bucket_for(1, 1)
-        assert bucket.decode
-        feeds = llm.executor.feeds(StepPlan([6], [1], [cache.reserve(slot, 1)], [slot]), bucket)
-        runner = llm.executor.runner(bucket)
-        reads = []
-        monkeypatch.setattr(moe, "_experts_host", moe._experts_gathered)
-        for name in ("tolist", "item", "__bool__", "__int__", "__index__"):
-            real = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _n=name, **k:
-                                reads.append(_n) or _real(self, *a, **k))
-        runner.run(feeds)
-        monkeypatch.undo()
-        assert reads == []
-    finally:
-        monkeypatch.undo()
-        cache.release(slot)
+    _, _, path, _ = model
+    monkeypatch.setattr(moe, "_experts_host", moe._experts_gathered)
+    with dtorch.dispatcher.disabled("native"):
+        llm = LLM(path, max_num_seqs=2)
+        try:
+            cache = llm._cache_for(1, 16)
+            slot = cache.alloc()
+            llm.executor.step(StepPlan([3, 4, 5], [3], [cache.reserve(slot, 3)], [slot]))
+            bucket = bucket_for(1, 1)
+            assert bucket.decode
+            feeds = llm.executor.feeds(StepPlan([6], [1], [cache.reserve(slot, 1)], [slot]), bucket)
+            runner = llm.executor.runner(bucket)
+            reads = []
+            for name in ("tolist", "item", "__bool__", "__int__", "__index__"):
+                real = getattr(torch.Tensor, name)
+                monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _n=name, **k:
+                                    reads.append((_n, _where())) or _real(self, *a, **k))
+            runner.run(feeds)
+            monkeypatch.undo()
+            ops = {node.op for node in runner.graph.operators}
+            assert {"llm.gated_delta_net", "llm.causal_conv1d_update", "llm.gdn_gates"} <= ops
+            hybrid = ("gated_delta_net.py", "causal_conv1d.py", "gdn_gates.py", "moe.py")
+            assert [r for r in reads if r[1].split(":")[0].endswith(hybrid)] == []
+        finally:
+            monkeypatch.undo()
+            llm.close()
 
 
 def _copy_without(path, tmp_path, drop: str | None = None, config: dict | None = None):

@@ -173,9 +173,39 @@ def test_cpu_paths_agree(tokens, experts, top_k, dtype) -> None:
         torch.testing.assert_close(gathered, want, rtol=rtol, atol=atol)
 
 
-def test_torch_kernels_win_on_cpu() -> None:
-    for op in ("llm.moe_router", "llm.moe_experts"):
-        assert dtorch.dispatcher.explain(KernelKey(op, "cpu", torch.bfloat16)).winner.provider == "torch"
+def test_the_faster_kernels_win_on_cpu() -> None:
+    native = "native" not in dtorch.dispatcher.unavailable("cpu")
+    assert dtorch.dispatcher.explain(KernelKey("llm.moe_router", "cpu", torch.bfloat16)).winner.provider == "torch"
+    experts = dtorch.dispatcher.explain(KernelKey("llm.moe_experts", "cpu", torch.bfloat16))
+    assert experts.winner.provider == ("native" if native else "torch")
+    with dtorch.dispatcher.disabled("native"):
+        assert dtorch.dispatcher.explain(KernelKey("llm.moe_experts", "cpu", torch.bfloat16)).winner.provider == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "start"), [(1, 0), (3, 0), (8, 0), (1, 4), (40, 0)])
+def test_every_experts_kernel_matches_the_reference(dtype, tokens, start) -> None:
+    """Each cpu provider (native: few tokens through our GEMV, many handed to torch's grouped kernel; torch;
+    reference) on one device's piece of the experts (``expert_start``: ids outside it add nothing)."""
+    from dtorch.core.device import Device
+    from dtorch.dispatch.context import KernelContext, KernelParams
+
+    torch.manual_seed(tokens + start)
+    e, h, inter, k = 8, 48, 24, 2
+    x = torch.randn(tokens, h).to(dtype)
+    wgu, wd = (torch.randn(e, 2 * inter, h) * 0.2).to(dtype), (torch.randn(e, h, inter) * 0.2).to(dtype)
+    ids = torch.stack([torch.randperm(e + start)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k).to(dtype)
+    key = KernelKey("llm.moe_experts", "cpu", dtype)
+    ctx = KernelContext(Device("cpu"), None, None, KernelParams(expert_start=start))
+    want = torch.empty(tokens, h, dtype=dtype)
+    ref = next(c for c, _ in dtorch.dispatcher.explain(key).rows if c.provider == "reference")
+    ref.fn(ctx, (x, wgu, wd, w, ids), (want,))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2 ** -6)
+    for cand, _ in dtorch.dispatcher.explain(key).rows:
+        got = torch.empty_like(want)
+        cand.fn(ctx, (x, wgu, wd, w, ids), (got,))
+        torch.testing.assert_close(got, want, **tol, msg=f"{cand.provider}")
 
 
 # -- graphs ----------------------------------------------------------------------------------------

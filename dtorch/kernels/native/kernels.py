@@ -14,7 +14,12 @@ from dtorch.core.errors import DtorchError
 from dtorch.dispatch.registration import KernelSet
 from dtorch.kernels import layouts
 from dtorch.kernels.native import loader
-from dtorch.kernels.torch import kv_cache as torch_kv_cache, llm as torch_llm, quantized as torch_quantized
+from dtorch.kernels.torch import (
+    kv_cache as torch_kv_cache,
+    llm as torch_llm,
+    moe as torch_moe,
+    quantized as torch_quantized,
+)
 
 KERNELS = KernelSet(devices=("cpu",))
 ACTIVATIONS = (torch.float32, torch.bfloat16)
@@ -93,6 +98,55 @@ def _torch_linear(ctx, inputs, outputs):
 
 KERNELS.add("matmul.linear", _gemv_linear, (torch.bfloat16,), **NATIVE, priority=30,
             varies=f"up to {GEMV_ROWS} rows our GEMV streams the weight once; more rows: torch's upcast or blas")
+
+
+# -- llm.moe_experts for few tokens ---------------------------------------------------------------------------
+# inputs: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I] (x's dtype), weights [T, k], ids [T, k] int64; params
+# expert_start (this device's first expert); outputs: out [T, H]. With at most MOE_PAIRS_PER_EXPERT (token, slot)
+# pairs per expert on average (decode), the ids are read on the host (free on cpu), the pairs grouped by expert, and
+# each selected expert's two products run as our GEMV on views of its own matrices (W [N, K] already: transformers'
+# layout), the router weight applied between them (down is linear) and the rows summed in float32. Many tokens
+# (prefill) go to the torch backend's grouped kernel.
+MOE_PAIRS_PER_EXPERT = 2
+
+
+def _moe_experts(ctx, inputs, outputs):
+    x, w_gate_up, w_down, weights, ids = inputs
+    out = outputs[0]
+    e, inter = w_gate_up.shape[0], w_down.shape[2]
+    if (ids.numel() > MOE_PAIRS_PER_EXPERT * e or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype
+            or not (x.is_contiguous() and w_gate_up.is_contiguous() and w_down.is_contiguous())):
+        return torch_moe.moe_experts_torch(ctx, inputs, outputs)
+    k = ids.shape[1]
+    start = ctx.params.get("expert_start") or 0
+    groups: dict[int, list[int]] = {}
+    for n, i in enumerate(ids.reshape(-1).tolist()):
+        if 0 <= i - start < e:
+            groups.setdefault(i - start, []).append(n)
+    lib, flat_w = _lib(), weights.reshape(-1)
+    acc = torch.zeros(out.shape, dtype=torch.float32)
+    for i, pairs in groups.items():
+        if len(pairs) == 1:
+            n = pairs[0]
+            xs, w = x[n // k:n // k + 1], flat_w[n:n + 1]
+        else:
+            sel = torch.tensor(pairs)
+            xs, w = x.index_select(0, sel // k), flat_w.index_select(0, sel)
+        gu = x.new_empty(len(pairs), 2 * inter)
+        lib.gemv(xs, w_gate_up[i], gu)
+        h = torch.nn.functional.silu(gu[:, :inter]).mul_(gu[:, inter:]).mul_(w[:, None])
+        y = x.new_empty(len(pairs), x.shape[1])
+        lib.gemv(h, w_down[i], y)
+        if len(pairs) == 1:
+            acc[pairs[0] // k].add_(y[0])
+        else:
+            acc.index_add_(0, sel // k, y.float())
+    out.copy_(acc)
+
+
+KERNELS.add("llm.moe_experts", _moe_experts, ACTIVATIONS, **NATIVE, priority=20,
+            varies=f"up to {MOE_PAIRS_PER_EXPERT} (token, slot) pairs per expert: our GEMV per selected expert; "
+                   "more: torch's grouped kernel")
 
 
 # -- llm.rms_norm / llm.add_rms_norm -------------------------------------------------------------------------

@@ -20,7 +20,8 @@ holds the last S >= W - 1 inputs (Qwen3-Next keeps S = W) and is shifted in plac
 params: activation None or "silu". Low precision computes in float32 (float64 stays float64).
 
 The reference kernels sum the W taps by hand; torch's grouped ``conv1d`` is registered over the full form and
-over varlen (one conv over all segments laid end to end, each behind its state).
+over varlen (one conv over all segments laid end to end, each behind its state), and a "torch" update over the
+reference one (fewer passes over the state's short rows, see ``causal_conv1d_update_torch``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,63 @@ def causal_conv1d_update_reference(ctx, inputs, outputs) -> None:
         pool.copy_(xs[..., length:])
     else:
         pool.index_put_((indices,), xs[..., length:].to(pool.dtype))
+    out.copy_(_finish(y, ctx.params.get("activation")))
+
+
+def _advanced(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The last S columns of (state || x): state [B, D, S] contiguous, x [B, D, L] -> a new [B, D, S] contiguous.
+
+    Flat, a shift by L is one contiguous copy (each row's first L columns land in the previous row's tail), then x
+    overwrites the last L columns: cpu runs these ~2x faster than a cat along a dim of 3-4 columns.
+    """
+    keep, length = state.shape[-1], x.shape[-1]
+    if length >= keep:
+        return x[..., length - keep:].to(state.dtype, memory_format=torch.contiguous_format)
+    new = torch.empty_like(state, memory_format=torch.contiguous_format)
+    new.view(-1)[:-length].copy_(state.view(-1)[length:])
+    new[..., keep - length:].copy_(x)
+    return new
+
+
+def _step_taps(state: torch.Tensor, new: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One step's taps: the window is the last W columns of (state || x), of which ``new`` [B, D, S] holds the
+    last min(W, S) and ``state`` the rest. weight [D, W] in the compute dtype -> [B, D, 1].
+
+    A product and a matrix-vector sum against ones: cpu runs a reduction over a last dim of 3-4 ~2x slower.
+    """
+    (b, d, keep), width = state.shape, weight.shape[1]
+    m = min(width, keep)
+    prod = new[..., keep - m:].to(weight.dtype) * weight[:, width - m:]    # [B, D, m], contiguous
+    y = torch.mv(prod.view(-1, m), prod.new_ones(m)).view(b, d, 1)
+    for c in range(width - m):  # the window's oldest inputs (S = W - 1), which the step dropped from the state
+        y.addcmul_(state[..., keep + 1 - width + c, None].to(weight.dtype), weight[:, c, None])
+    return y
+
+
+@KERNELS.kernel("llm.causal_conv1d_update", FLOATS, provider="torch", meta=KernelMeta(inplace=True))
+def causal_conv1d_update_torch(ctx, inputs, outputs) -> None:
+    # The same step in fewer whole-tensor passes, no host read: the rows gathered once, the new state built on
+    # flat rows and copied back contiguous (index_copy_ from a strided source is ~4x slower), no cat for one step.
+    x, weight, bias = inputs[:3]
+    indices = _indices(inputs)
+    out, pool = outputs
+    if x.dim() == 2:  # [B, D]: one step
+        x, out = x.unsqueeze(-1), out.unsqueeze(-1)
+    cd = _compute_dtype(x.dtype)
+    state = pool.contiguous() if indices is None else pool.index_select(0, indices)  # [B, D, S]
+    keep, width, length = state.shape[-1], weight.shape[1], x.shape[-1]
+    new = _advanced(state, x)
+    bias = None if bias is None else bias.to(cd)
+    if length == 1:
+        y = _step_taps(state, new, weight.to(cd))
+        y = y if bias is None else y.add_(bias[:, None])
+    else:
+        xs = torch.cat([state[..., keep - (width - 1):], x], -1).to(cd)  # [B, D, W - 1 + L]
+        y = _taps(xs, weight.to(cd), bias, length)
+    if indices is None:
+        pool.copy_(new)
+    else:
+        pool.index_copy_(0, indices.long(), new)  # index_copy_ takes int64 only
     out.copy_(_finish(y, ctx.params.get("activation")))
 
 

@@ -124,9 +124,32 @@ def _experts_grouped(x, w_gate_up, w_down, flat, w, out) -> None:
     out.copy_(acc)
 
 
+def _experts_one_token(x, w_gate_up, w_down, ids: list[int], w, out) -> None:
+    # cpu decode, x [1, H], ids the k local expert ids read on the host (E: outside this piece, skipped): each
+    # selected expert's gate/up a matrix-vector product into one [k, 2I] buffer (mv beats a [1, H] matmul there),
+    # one silu-and-mul over [k, I], the router weights [k] applied to those rows (down is linear: the same sum,
+    # rounded once less in low precision), the down products accumulated into out
+    e, inter = w_gate_up.shape[0], w_down.shape[2]
+    pairs = [(n, i) for n, i in enumerate(ids) if i != e]
+    if not pairs:
+        out.zero_()
+        return
+    gu = x.new_empty(len(pairs), 2 * inter)
+    for row, (_, i) in zip(gu, pairs, strict=True):
+        torch.mv(w_gate_up[i], x[0], out=row)
+    h = F.silu(gu[:, :inter]).mul_(gu[:, inter:])                                  # [k, I]
+    h.mul_((w if len(pairs) == len(ids) else w[[n for n, _ in pairs]]).unsqueeze(-1))
+    torch.mm(h[:1], w_down[pairs[0][1]].t(), out=out)  # down: [1, I] matmuls beat mv with 2 threads
+    for j, (_, i) in enumerate(pairs[1:], 1):
+        out.addmm_(h[j:j + 1], w_down[i].t())
+
+
 def _experts_host(x, w_gate_up, w_down, flat, w, out) -> None:
     # cpu only: the ids read on the host (free there), the pairs grouped by expert in Python and each expert's
     # two products run on views of its own matrices: no weight copies, each selected expert's weights read once
+    if x.shape[0] == 1:
+        _experts_one_token(x, w_gate_up, w_down, flat.tolist(), w, out)
+        return
     e, k = w_gate_up.shape[0], flat.numel() // max(x.shape[0], 1)
     groups: dict[int, list[int]] = {}
     for n, i in enumerate(flat.tolist()):
