@@ -17,24 +17,16 @@ each head; their RMS norms scale by ``1 + weight`` (folded into the weights at l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from dtorch.core.errors import ModelError
-from dtorch.core.memory import MemoryKind, adopt
-from dtorch.graph import DeviceMesh, LogicalGraph, Replicate, Shard
-from dtorch.graph.placement import piece_ranges
+from dtorch.graph import DeviceMesh, LogicalGraph, Replicate
 from dtorch.models.config import ModelConfig, rope_inv_freq
 from dtorch.models.layout import Layout
-from dtorch.runtime.blob import Blob, DistTensor
-
-# getter(hf_name, dim, runs) -> the rows/columns ``runs`` [(start, length)] of dim ``dim`` of a checkpoint tensor
-# (the whole tensor when ``dim`` is None)
-Getter = Callable[[str, "int | None", "list[tuple[int, int]]"], torch.Tensor]
-# the same, as stored: (layout, GGUF block bytes uint8 [rows, row bytes]), or None where the tensor is float
-PackedGetter = Callable[[str, "int | None", "list[tuple[int, int]]"], "tuple[str, torch.Tensor] | None"]
+from dtorch.models.weights import Getter, PackedGetter, load_weights
+from dtorch.runtime.blob import DistTensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,39 +91,7 @@ class Transformer:
         With ``get_packed``, the projections and the embedding stay in their GGUF block format where the file
         has one (packed once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``.
         """
-        layout = Layout(config, mesh.size)
-        weights: dict[str, DistTensor] = {}
-        linear: set[str] = set()
-        rows_first = _float_linear(mesh, dtype)
-        for name, sources, combine, shape in _tensors(config, layout):
-            kind = _kind(name)
-            if rows_first and kind == "lm_head" and config.tie_word_embeddings and name not in weights \
-                    and weights["embed"].layout == "strided":
-                weights[name] = weights["embed"]  # tied: the embedding rows [V, E] are the head's W
-                linear.add(name)
-                continue
-            if get_packed is not None and kind in PACKABLE:
-                if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
-                    weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
-                    continue
-                packed = _load_packed(config, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
-                                      layout.placement(kind))
-                if packed is not None:
-                    weights[name] = packed
-                    continue
-            pl = layout.placement(kind)
-            wdtype = torch.float32 if kind in FLOAT32 else dtype
-            as_w = rows_first and kind in PACKABLE and kind != "embed"  # W [N, K] rather than Wt [K, N]
-            blobs = {}
-            for i in local_ids:
-                parts = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(config, sources, mesh, i)]
-                t = combine(parts)
-                t = (t.t() if as_w else t).to(device=mesh.device(i).torch, dtype=wdtype).contiguous()
-                blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
-            if as_w:
-                pl, shape = _transposed(pl), (shape[1], shape[0])
-                linear.add(name)
-            weights[name] = DistTensor(mesh, pl, shape, wdtype, blobs)
+        weights, linear = load_weights(config, get, mesh, local_ids, dtype, get_packed)
         return cls(config, weights, mesh, dtype, linear)
 
     def linear_provider(self) -> str:
@@ -318,215 +278,3 @@ class _Step:
     table: object
     state_slots: object
     bucket: Bucket
-
-
-# Weights that may stay in a block format, as W [N, K] (the checkpoint's own orientation) for matmul.linear.
-PACKABLE = ("embed", "lm_head", "qkv", "o", "gate_up", "down", "lin_in", "lin_out", "shared_gate_up", "shared_down")
-# Weights kept in float32 whatever the model's dtype: the gated delta net's decay parameters (transformers computes
-# with them in float32 too)
-FLOAT32 = ("lin_A_log", "lin_dt_bias")
-
-
-def _slices(config: ModelConfig, sources, mesh: DeviceMesh, device_id: int):
-    """(HF name, dim, runs) of device ``device_id``'s piece of each source of a weight."""
-    rank = mesh.rank(device_id)
-    for hf, dim, unit in sources:  # unit: an int, or the Shard itself for a tensor split in blocks
-        if dim is None or mesh.size == 1:
-            runs = []
-        else:
-            shard = unit if isinstance(unit, Shard) else Shard(dim, None, unit)
-            runs = piece_ranges(shard, _hf_shape(config, hf)[dim], rank, mesh.size)
-        yield hf, dim, runs
-
-
-def _load_packed(config: ModelConfig, get_packed: PackedGetter, mesh: DeviceMesh, local_ids: tuple[int, ...],
-                 dtype: torch.dtype, sources, combine, shape: tuple[int, ...], kind: str,
-                 placement) -> DistTensor | None:
-    """A projection kept in its block format: W [N, K] (logical) whose pieces are packed rows, or None when a
-    source is stored as floats, the sources' formats differ, or a piece would cut a block."""
-    from dtorch.kernels.layouts import pack
-
-    n, k = (shape[1], shape[0]) if kind not in ("embed",) else shape  # Wt [K, N] in the float model
-    blobs, fmt = {}, None
-    for i in local_ids:
-        parts = []
-        for hf, dim, runs in _slices(config, sources, mesh, i):
-            got = get_packed(hf, dim if runs else None, runs)
-            if got is None or (fmt is not None and got[0] != fmt):
-                return None
-            fmt = got[0]
-            parts.append(got[1])
-        rows = getattr(combine, "rows", None)  # a combine that reorders rows does the same to the packed rows
-        raw = rows(parts) if rows is not None else torch.cat(parts, 0) if len(parts) > 1 else parts[0]
-        k_local = k
-        if sources[0][1] == 1 and mesh.size > 1:  # split on K (row parallel): this device's columns
-            k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0][2]), k, mesh.rank(i), mesh.size))
-        t = pack(raw, fmt, k_local).to(mesh.device(i).torch)
-        blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
-    placement = placement if kind == "embed" else _transposed(placement)  # embed is [V, E] either way
-    return DistTensor(mesh, placement, (n, k), dtype, blobs, layout=fmt)
-
-
-def _transposed(pl):
-    """The placement of W [N, K] for that of Wt [K, N]: a shard of dim d becomes one of dim 1 - d."""
-    if isinstance(pl, Shard):
-        return Shard(1 - pl.dim, pl.blocks, pl.unit)
-    return pl
-
-
-def _float_linear(mesh: DeviceMesh, dtype: torch.dtype) -> bool:
-    """Whether float projections run faster as W [N, K] through ``matmul.linear``: where a native one-row kernel of
-    the registry is its active provider (bf16 on cpu: it streams W at about 1.6x torch's bf16 GEMV of Wt)."""
-    from dtorch.dispatch import KernelKey, dispatcher
-
-    device = mesh.device(mesh.ids[0]).type
-    return dtype == torch.bfloat16 and device == "cpu" and \
-        dispatcher.explain(KernelKey("matmul.linear", device, dtype)).winner.provider == "native"
-
-
-def _kind(name: str) -> str:
-    """The layout entry of a model tensor name ("layers.3.qkv" -> "qkv")."""
-    return name.rpartition(".")[2] if name.startswith("layers.") else name
-
-
-def _hf_shape(c: ModelConfig, hf: str) -> tuple[int, ...]:
-    from dtorch.models.loaders.checkpoint import expected_shapes
-
-    shapes = expected_shapes(c)
-    if hf not in shapes:
-        raise ModelError(f"no tensor {hf!r} in a {c.family} model with this config")
-    return shapes[hf]
-
-
-def _cat_t(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, 0).t() if len(parts) > 1 else parts[0].t()
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, 0) if len(parts) > 1 else parts[0]
-
-
-def _cat_1(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, 1)
-
-
-def _plus_one(parts: list[torch.Tensor]) -> torch.Tensor:
-    """A zero-centred RMS norm weight as the scale it stands for: 1 + weight (in float32)."""
-    return parts[0].float() + 1
-
-
-def _first_channel(parts: list[torch.Tensor]) -> torch.Tensor:
-    """A depthwise conv1d weight [C, 1, W] as [C, W]."""
-    return parts[0][:, 0]
-
-
-def _transposed_rows(rows):
-    """A combine that reorders the parts' rows with ``rows`` and transposes (Wt [K, N]); ``rows`` also reorders
-    block-format rows (``_load_packed``)."""
-    def combine(parts: list[torch.Tensor]) -> torch.Tensor:
-        return rows(parts).t()
-
-    combine.rows = rows
-    return combine
-
-
-def _gated_q_rows(d: int):
-    """q_proj's rows [q_h | gate_h] per head (and k, v after it) -> [q | gate | k | v]."""
-    def rows(parts: list[torch.Tensor]) -> torch.Tensor:
-        qg = parts[0].reshape(-1, 2, d, parts[0].shape[-1])
-        return torch.cat([qg[:, 0].flatten(0, 1), qg[:, 1].flatten(0, 1), *parts[1:]], 0)
-
-    return rows
-
-
-def _qkvz_ba_rows(dk: int, dv: int, group: int):
-    """Qwen3-Next's in_proj_qkvz rows [q_h | k_h | v_h | z_h] and in_proj_ba rows [b_h | a_h] per key head h (its
-    ``group`` value heads each) -> [q | k | v | z | b | a], each part in head order."""
-    def rows(parts: list[torch.Tensor]) -> torch.Tensor:
-        qkvz, ba = parts
-        width = qkvz.shape[-1]
-        qkvz = qkvz.reshape(-1, 2 * dk + 2 * group * dv, width).split((dk, dk, group * dv, group * dv), 1)
-        ba = ba.reshape(-1, 2 * group, width).split((group, group), 1)
-        return torch.cat([x.flatten(0, 1) for x in (*qkvz, *ba)], 0)
-
-    return rows
-
-
-def _tensors(c: ModelConfig, layout: Layout):
-    """(model name, [(HF name, HF dim it is split on or None, unit)], combine, global shape) of every weight."""
-    H, Hkv, D, E, inter, V = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.vocab_size
-    G = H // Hkv
-    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    norm = _plus_one if c.norm_plus_one else _cat
-    yield "embed", [("model.embed_tokens.weight", 0, 1)], _cat, (V, E)
-    yield "lm_head", [(head, 0, 1)], _cat_t, (E, V)
-    yield "final_norm", [("model.norm.weight", None, 1)], norm, (E,)
-    Q = (H + 2 * Hkv) * D
-    for i in range(c.num_layers):
-        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        n = f"layers.{i}."
-        yield n + "input_norm", [(p + "input_layernorm.weight", None, 1)], norm, (E,)
-        yield n + "post_norm", [(p + "post_attention_layernorm.weight", None, 1)], norm, (E,)
-        if c.is_linear(i):
-            yield from _delta_net_tensors(c, layout, n, p + "linear_attn.")
-        elif c.attn_output_gate:  # q_proj gives [q_h | gate_h] per head: whole groups of 2 G D rows per device
-            yield n + "qkv", [(a + "q_proj.weight", 0, 2 * G * D), (a + "k_proj.weight", 0, D),
-                              (a + "v_proj.weight", 0, D)], _transposed_rows(_gated_q_rows(D)), (E, Q + H * D)
-        else:
-            yield n + "qkv", [(a + "q_proj.weight", 0, G * D), (a + "k_proj.weight", 0, D),
-                              (a + "v_proj.weight", 0, D)], _cat_t, (E, Q)
-        if c.attention_bias:
-            yield n + "qkv_bias", [(a + "q_proj.bias", 0, G * D), (a + "k_proj.bias", 0, D),
-                                   (a + "v_proj.bias", 0, D)], _cat, (Q,)
-        if not c.is_linear(i):
-            if c.qk_norm:
-                yield n + "q_norm", [(a + "q_norm.weight", None, 1)], norm, (D,)
-                yield n + "k_norm", [(a + "k_norm.weight", None, 1)], norm, (D,)
-            yield n + "o", [(a + "o_proj.weight", 1, G * D)], _cat_t, (H * D, E)
-        if c.is_sparse(i):
-            yield from _moe_tensors(c, layout, n, m)
-            continue
-        yield n + "gate_up", [(m + "gate_proj.weight", 0, 1), (m + "up_proj.weight", 0, 1)], _cat_t, (E, 2 * inter)
-        yield n + "down", [(m + "down_proj.weight", 1, 1)], _cat_t, (inter, E)
-
-
-def _moe_tensors(c: ModelConfig, layout: Layout, n: str, m: str):
-    """A sparse layer's router Wt [H, E] and experts [E, 2I, H] ([gate | up] rows, as llm.moe_experts takes them) and
-    [E, H, I]: the stacked checkpoint tensors split on the dim of their layout placement (experts or features)."""
-    E, H, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    x = m + "experts."
-    fs = c.shared_expert_intermediate_size
-    if fs:  # the shared expert's gate is one more router column: [T, E + 1] from one product
-        yield n + "router", [(m + "gate.weight", None, 1), (m + "shared_expert_gate.weight", None, 1)], _cat_t, \
-            (H, E + 1)
-        s = m + "shared_expert."
-        yield n + "shared_gate_up", [(s + "gate_proj.weight", 0, 1), (s + "up_proj.weight", 0, 1)], _cat_t, (H, 2 * fs)
-        yield n + "shared_down", [(s + "down_proj.weight", 1, 1)], _cat_t, (fs, H)
-    else:
-        yield n + "router", [(m + "gate.weight", None, 1)], _cat_t, (H, E)
-    gu = layout.placement("experts_gate_up")
-    d = gu.dim if isinstance(gu, Shard) else None  # 0: experts; 1: each expert's rows of gate and of up
-    yield n + "experts_gate_up", [(x + "gate_proj", d, 1), (x + "up_proj", d, 1)], _cat_1, (E, 2 * inter, H)
-    dn = layout.placement("experts_down")
-    yield n + "experts_down", [(x + "down_proj", dn.dim if isinstance(dn, Shard) else None, 1)], _cat, (E, H, inter)
-
-
-def _delta_net_tensors(c: ModelConfig, layout: Layout, n: str, a: str):
-    """A gated delta net layer's weights: the fused input projection Wt [E, 2 kd + 2 vd + 2 Hv] ([q | k | v | z | b |
-    a], each device its key heads' share of every part), the conv weight [C, W] over [q | k | v], A_log and dt_bias
-    [Hv] (float32), the gated norm's weight [Dv] and the output projection Wt [vd, E]."""
-    E, kd, vd, hv = c.hidden_size, c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
-    dk, dv, gl = c.linear_key_head_dim, c.linear_value_head_dim, layout.linear_group
-    blocks = Shard(0, (kd, kd, vd), (dk, dk, gl * dv))  # [q | k | v] rows, split by whole key heads
-    shape = (E, 2 * kd + 2 * vd + 2 * hv)
-    if c.family == "qwen3_next":  # interleaved per key head
-        sources = [(a + "in_proj_qkvz.weight", 0, 2 * dk + 2 * gl * dv), (a + "in_proj_ba.weight", 0, 2 * gl)]
-        yield n + "lin_in", sources, _transposed_rows(_qkvz_ba_rows(dk, dv, gl)), shape
-    else:
-        yield n + "lin_in", [(a + "in_proj_qkv.weight", 0, blocks), (a + "in_proj_z.weight", 0, gl * dv),
-                             (a + "in_proj_b.weight", 0, gl), (a + "in_proj_a.weight", 0, gl)], _cat_t, shape
-    yield n + "lin_conv", [(a + "conv1d.weight", 0, blocks)], _first_channel, (2 * kd + vd, c.linear_conv_kernel_dim)
-    yield n + "lin_A_log", [(a + "A_log", 0, gl)], _cat, (hv,)
-    yield n + "lin_dt_bias", [(a + "dt_bias", 0, gl)], _cat, (hv,)
-    yield n + "lin_norm", [(a + "norm.weight", None, 1)], _cat, (dv,)
-    yield n + "lin_out", [(a + "out_proj.weight", 1, gl * dv)], _cat_t, (vd, E)
