@@ -24,10 +24,16 @@ from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import ArgumentError, DTypeError, LayoutError, ShapeError
 from dtorch.dispatch.context import KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
+from dtorch.dispatch.meta import Call
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.kernels import layouts
 from dtorch.kernels.native.build import cache_key
-from dtorch.kernels.torch import llm as torch_llm
+from dtorch.kernels.torch import (
+    causal_conv1d as torch_conv,
+    gated_delta_net as torch_gdn,
+    llm as torch_llm,
+    moe as torch_moe,
+)
 
 _REASON = nk.unavailable_reason()
 # the tests of the compiled kernels; the layouts and the fallback path run without them
@@ -488,3 +494,170 @@ def test_dispatched_float_linear_matches_float64(rows, isa):
         d.select(key).fn(_ctx(), (x, w, b), (out,))
         ref = want if b is not None else want - bias.double()
         torch.testing.assert_close(out.double(), ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max()))
+
+
+# -- the hybrid models' decode steps: causal_conv1d_update, gated_delta_net (T == 1), moe_experts (one token) -------
+# Each against the torch backend's reference kernel for the key: float32 to float32 rounding, bfloat16 within one
+# bf16 rounding. Pools: rows the step does not name stay as they were; padding rows that share a pool row (the
+# duplicate index) give the others' results unchanged.
+STEP_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7)}
+
+
+def _select(op: str, dtype: torch.dtype, call: Call | None = None, provider: str = "native"):
+    d = Dispatcher()
+    key = KernelKey(op, "cpu", dtype)
+    assert d.explain(key, call).winner.provider == provider, str(d.explain(key, call))
+    return d.select(key, call).fn
+
+
+def _conv_case(dtype, width, keep, bias, pooled, seed=0):
+    torch.manual_seed(seed)
+    b, d = 3, 200
+    wide = torch.randn(b, d + 30).to(dtype)
+    x = wide[:, 10:10 + d]                                   # a column view of a projection's output
+    weight, bias_t = torch.randn(d, width).to(dtype), torch.randn(d).to(dtype) if bias else None
+    if pooled:
+        state, idx = torch.randn(7, d, keep).to(dtype), torch.tensor([5, 2, 5])  # 5: two padding rows
+        return (x, weight, bias_t, state, idx)
+    return (x, weight, bias_t, torch.randn(b, d, keep).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width, keep", [(4, 3), (4, 4), (3, 5), (1, 1)])
+def test_conv1d_update_step_matches_reference(dtype, width, keep, isa):
+    fn = _select("llm.causal_conv1d_update", dtype)
+    for bias, pooled, act in [(False, True, "silu"), (True, True, None), (True, False, "silu")]:
+        inputs = _conv_case(dtype, width, keep, bias, pooled)
+        x, state = inputs[0], inputs[3]
+        got_state, want_state = state.clone(), state.clone()
+        got, want = x.new_empty(x.shape), x.new_empty(x.shape)
+        fn(_ctx(activation=act), (*inputs[:3], got_state, *inputs[4:]), (got, got_state))
+        torch_conv.causal_conv1d_update_reference(_ctx(activation=act), (*inputs[:3], want_state, *inputs[4:]),
+                                                   (want, want_state))
+        torch.testing.assert_close(got, want, **STEP_TOL[dtype], msg=f"{isa} bias={bias} pooled={pooled}")
+        if not pooled:
+            torch.testing.assert_close(got_state, want_state, rtol=0, atol=0)  # copies: exact
+            continue
+        # row 5, named by batch rows 0 and 2 (padding): either one's step lands (the reference's index_put_ picks
+        # either too); the other rows exact, the ones not named untouched
+        others = [0, 1, 2, 3, 4, 6]
+        torch.testing.assert_close(got_state[others], want_state[others], rtol=0, atol=0)
+        assert torch.equal(got_state[[0, 1, 3, 4, 6]], state[[0, 1, 3, 4, 6]])
+        assert any(torch.equal(got_state[5], torch.cat([state[5, :, 1:], x[b, :, None]], -1)) for b in (0, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv1d_update_other_forms_go_to_torch(dtype, isa):
+    """x [B, D, 1] runs the step; x [B, D, 2] and a bias of another dtype run the torch backend's update."""
+    fn = _select("llm.causal_conv1d_update", dtype)
+    torch.manual_seed(1)
+    weight, bias, state = torch.randn(64, 4).to(dtype), torch.randn(64), torch.randn(2, 64, 3).to(dtype)
+    for x, b in [(torch.randn(2, 64, 1).to(dtype), None), (torch.randn(2, 64, 2).to(dtype), None),
+                 (torch.randn(2, 64, 1).to(dtype), bias)]:
+        got_state, want_state = state.clone(), state.clone()
+        got, want = torch.empty_like(x), torch.empty_like(x)
+        fn(_ctx(activation="silu"), (x, weight, b, got_state), (got, got_state))
+        torch_conv.causal_conv1d_update_reference(_ctx(activation="silu"), (x, weight, b, want_state),
+                                                   (want, want_state))
+        torch.testing.assert_close(got, want, **STEP_TOL[dtype])
+        torch.testing.assert_close(got_state, want_state, rtol=0, atol=0)
+
+
+def _gdn_inputs(dtype, b=3, t=1, hk=2, h=4, kd=32, vd=48, seed=0):
+    """q, k as head views of a fused qkv projection (row-strided), v, g (float32), beta."""
+    torch.manual_seed(seed)
+    qkv = torch.randn(b, t, 2 * hk * kd + h * vd + 8).to(dtype)
+    q = qkv[..., :hk * kd].unflatten(-1, (hk, kd))
+    k = qkv[..., hk * kd:2 * hk * kd].unflatten(-1, (hk, kd))
+    v = qkv[..., 2 * hk * kd:2 * hk * kd + h * vd].unflatten(-1, (h, vd))
+    g = -torch.rand(b, t, h) * 2
+    beta = torch.rand(b, t, h).to(dtype)
+    return q, k, v, g, beta
+
+
+def _gdn_run(fn, params, inputs, initial, indices, final, provider=None):
+    """Runs fn on copies of the states; returns (o, final state or None). With a provider, fn is the dispatcher's
+    choice for this call, which must be that provider's kernel."""
+    if provider is not None:
+        call = Call(CPU, inputs[0].dtype, KernelParams(**params), (*inputs, initial, None, indices))
+        fn = _select("llm.gated_delta_net", inputs[0].dtype, call, provider)
+    initial = None if initial is None else initial.clone()
+    if final == "alias":
+        final = initial
+    elif final is not None:
+        final = final.clone()
+    o = inputs[2].new_empty(inputs[2].shape)
+    extra = () if indices is None else (indices,)
+    fn(_ctx(**params), (*inputs, initial, None, *extra), (o, final) if final is not None else (o,))
+    return o, final
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_net_step_matches_reference(dtype, isa):
+    inputs = _gdn_inputs(dtype)
+    b, h, kd, vd = 3, 4, 32, 48
+    pool = torch.randn(6, h, kd, vd) * 0.3
+    idx = torch.tensor([4, 0, 4])  # 4: two padding rows
+    states = torch.randn(b, h, kd, vd) * 0.3
+    cases = [  # (params, initial, indices, final)
+        (dict(use_qk_l2norm=True), pool, idx, "alias"),                      # the model's in-place pool
+        (dict(use_qk_l2norm=True, scale=0.3), pool, idx, torch.zeros_like(pool)),  # a separate pool: a copy first
+        (dict(), states, None, torch.zeros_like(states)),
+        (dict(use_qk_l2norm=True), states, None, None),                      # no final output
+        (dict(use_qk_l2norm=True), None, None, torch.zeros_like(states)),    # zero initial state
+        (dict(use_qk_l2norm=True, mode="recurrent"), states, None, "alias"),
+    ]
+    for params, initial, indices, final in cases:
+        got_o, got_s = _gdn_run(None, params, inputs, initial, indices, final, provider="native")
+        want_o, want_s = _gdn_run(torch_gdn.gated_delta_net_recurrent, params, inputs, initial, indices, final)
+        msg = f"{isa} {params} pooled={indices is not None}"
+        torch.testing.assert_close(got_o, want_o, **STEP_TOL[dtype], msg=msg)
+        if indices is None:
+            if got_s is not None:
+                torch.testing.assert_close(got_s, want_s, **STEP_TOL[torch.float32], msg=msg)
+            continue
+        # row 4, named by batch rows 0 and 2 (padding): either one's step lands (the reference's index_put_ picks
+        # either too); rows not named stay as they were
+        torch.testing.assert_close(got_s[:4], want_s[:4], **STEP_TOL[torch.float32], msg=msg)
+        assert torch.equal(got_s[[1, 2, 3, 5]], pool[[1, 2, 3, 5]])
+        alone = [_gdn_run(torch_gdn.gated_delta_net_recurrent, params, [x[b:b + 1] for x in inputs], initial,
+                          indices[b:b + 1], final)[1][4] for b in (0, 2)]
+        assert any(torch.allclose(got_s[4], a, **STEP_TOL[torch.float32]) for a in alone), msg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_net_other_calls_go_to_torch(dtype, isa):
+    """Several tokens (or a prepared operator's bare call) pick the chunked torch kernel, or the reference recurrence
+    under mode="recurrent"; the native kernel called with them hands them to the same kernel."""
+    inputs = _gdn_inputs(dtype, b=2, t=5)
+    states = torch.randn(2, 4, 32, 48) * 0.3
+    native_fn = Dispatcher().select(KernelKey("llm.gated_delta_net", "cpu", dtype),
+                                    Call(CPU, dtype, KernelParams(), (*(x[:, :1] for x in inputs), None, None)))
+    assert native_fn.provider == "native"
+    for params, provider, ref in [(dict(use_qk_l2norm=True), "chunked", torch_gdn.gated_delta_net_chunked),
+                                  (dict(use_qk_l2norm=True, mode="recurrent"), "reference",
+                                   torch_gdn.gated_delta_net_recurrent)]:
+        want_o, want_s = _gdn_run(ref, params, inputs, states, None, "alias")
+        _select("llm.gated_delta_net", dtype, Call(CPU, dtype, KernelParams(**params)), provider)
+        for got_o, got_s in (_gdn_run(None, params, inputs, states, None, "alias", provider=provider),
+                             _gdn_run(native_fn.fn, params, inputs, states, None, "alias")):
+            assert torch.equal(got_o, want_o) and torch.equal(got_s, want_s), params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_one_token_matches_reference(dtype, isa):
+    """One token through the selected local experts (ids past this device's experts skipped) in one call."""
+    fn = _select("llm.moe_experts", dtype)
+    torch.manual_seed(3)
+    e, hd, inter, start = 6, 70, 24, 10
+    x = torch.randn(1, hd).to(dtype)
+    w_gate_up, w_down = (torch.randn(e, 2 * inter, hd) * 0.2).to(dtype), (torch.randn(e, hd, inter) * 0.2).to(dtype)
+    for ids in ([[12, 10, 15]], [[13, 3, 17]], [[1, 2, 30]]):  # all local; one outside; none local
+        ids = torch.tensor(ids)
+        weights = torch.rand(1, 3).to(dtype)
+        got, want = x.new_empty(x.shape), x.new_empty(x.shape)
+        fn(_ctx(expert_start=start), (x, w_gate_up, w_down, weights, ids), (got,))
+        torch_moe.moe_experts_reference(_ctx(expert_start=start), (x, w_gate_up, w_down, weights, ids), (want,))
+        scale = float(want.abs().max()) or 1.0
+        tol = STEP_TOL[dtype]
+        torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=f"{isa} {ids}")

@@ -11,10 +11,13 @@ import torch
 
 from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import DtorchError
+from dtorch.dispatch.meta import Call, KernelMeta
 from dtorch.dispatch.registration import KernelSet
 from dtorch.kernels import layouts
 from dtorch.kernels.native import loader
 from dtorch.kernels.torch import (
+    causal_conv1d as torch_conv,
+    gated_delta_net as torch_gdn,
     kv_cache as torch_kv_cache,
     llm as torch_llm,
     moe as torch_moe,
@@ -119,6 +122,12 @@ def _moe_experts(ctx, inputs, outputs):
         return torch_moe.moe_experts_torch(ctx, inputs, outputs)
     k = ids.shape[1]
     start = ctx.params.get("expert_start") or 0
+    if x.shape[0] == 1 and out.is_contiguous():  # one token: the whole MLP in one call (csrc/binding.cpp)
+        try:
+            _lib().moe_decode(x, w_gate_up, w_down, weights, ids, start, out)
+            return
+        except DtorchError:
+            pass
     groups: dict[int, list[int]] = {}
     for n, i in enumerate(ids.reshape(-1).tolist()):
         if 0 <= i - start < e:
@@ -147,6 +156,74 @@ def _moe_experts(ctx, inputs, outputs):
 KERNELS.add("llm.moe_experts", _moe_experts, ACTIVATIONS, **NATIVE, priority=20,
             varies=f"up to {MOE_PAIRS_PER_EXPERT} (token, slot) pairs per expert: our GEMV per selected expert; "
                    "more: torch's grouped kernel")
+
+
+# -- the recurrent mixers' decode steps (csrc/recurrent.h) -------------------------------------------------------
+# llm.causal_conv1d_update: (x [B, D] or [B, D, 1], weight [D, W], bias [D] or None, conv_state, state_indices [B]
+# or absent) -> (out like x, conv_state [B, D, S] or a pool [P, D, S] (outputs[1], advanced in place)); params
+# activation. One pass over the state rows in float32; x and out may be row-strided views (a qkv projection's
+# columns). Longer x (L > 1), mixed dtypes and other strides go to the torch backend's update kernel.
+CONV_META = KernelMeta(inplace=True)
+
+
+@KERNELS.kernel("llm.causal_conv1d_update", ACTIVATIONS, meta=CONV_META, **NATIVE,
+                varies="one step (x [B, D] or [B, D, 1]): our kernel; longer x: torch's update")
+def causal_conv1d_update(ctx, inputs, outputs):
+    x, weight, bias = inputs[:3]
+    indices = inputs[4] if len(inputs) > 4 else None
+    out, state = outputs
+    if x.dim() == 3 and x.shape[-1] == 1:
+        x, out = x[..., 0], out[..., 0]
+    if x.dim() == 2:
+        try:
+            _lib().conv_update(x, weight, bias, state, indices, out, ctx.params.get("activation") == "silu")
+            return
+        except DtorchError:
+            pass
+    torch_conv.causal_conv1d_update_torch(ctx, inputs, outputs)
+
+
+# llm.gated_delta_net's decode step (cu_seqlens None, T == 1): q, k [B, 1, Hk, K], v [B, 1, H, V], g [B, 1, H]
+# float32, beta [B, 1, H], initial_state float32 [B, H, K, V], a pool [P, H, K, V] with state_indices [B], or None
+# -> (o [B, 1, H, V], final state) with the final state the pool itself (in place) or a copy. Each (sequence, head)
+# reads its state row twice (both products, then the update from L2), heads split over threads. The check declines
+# every other call (a prefill, varlen, a prepared operator that knows only its params), so the dispatcher picks
+# what the key runs without us: the chunked scan, or the per-step reference under mode="recurrent"; calls the
+# compiled step does not take (a float64 state, V not a multiple of 16) go to that kernel from here.
+
+def _gdn_decode_step(call: Call) -> str | None:
+    if call.inputs is None:
+        return "the decode step is chosen on the call's shapes (one token per sequence, no cu_seqlens)"
+    if len(call.inputs) > 6 and call.inputs[6] is not None:
+        return "cu_seqlens given: packed sequences, not a decode step"
+    tokens = call.inputs[0].shape[1]
+    return None if tokens == 1 else f"{tokens} tokens per sequence, not a decode step"
+
+
+def _gdn_torch(ctx, inputs, outputs):
+    if ctx.params.get("mode", "chunked") == "recurrent":
+        return torch_gdn.gated_delta_net_recurrent(ctx, inputs, outputs)
+    return torch_gdn.gated_delta_net_chunked(ctx, inputs, outputs)
+
+
+@KERNELS.kernel("llm.gated_delta_net", ACTIVATIONS, meta=torch_gdn.META, **NATIVE, priority=20,
+                check=_gdn_decode_step)
+def gated_delta_net(ctx, inputs, outputs):
+    q, k, v, g, beta, initial, cu_seqlens = inputs[:7]
+    indices = inputs[7] if len(inputs) > 7 else None
+    final = outputs[1] if len(outputs) > 1 else None
+    if cu_seqlens is not None or q.shape[1] != 1 or (indices is not None and initial is None):
+        return _gdn_torch(ctx, inputs, outputs)
+    p = ctx.params
+    scale = p.get("scale")
+    try:
+        if indices is not None and final is not None and final.data_ptr() != initial.data_ptr():
+            final.copy_(initial)  # a pool copy: the step then advances its named rows in place
+            initial = final
+        _lib().gdn_step(q, k, v, g, beta, initial, final, indices, outputs[0],
+                        q.shape[-1] ** -0.5 if scale is None else float(scale), bool(p.get("use_qk_l2norm", False)))
+    except DtorchError:
+        _gdn_torch(ctx, inputs, outputs)
 
 
 # -- llm.rms_norm / llm.add_rms_norm -------------------------------------------------------------------------

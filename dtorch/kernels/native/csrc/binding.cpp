@@ -12,6 +12,7 @@
 #include <ATen/ops/mm.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -451,6 +452,10 @@ EXIT
 PyObject* py_paged_attention(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_cache_store(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_qembedding(PyObject*, PyObject* const*, Py_ssize_t);
+// defined in the decode steps section at the end of this file
+PyObject* py_conv_update(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* py_gdn_step(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* py_moe_decode(PyObject*, PyObject* const*, Py_ssize_t);
 
 PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)())py_qlinear, METH_FASTCALL, "y = x @ dequant(w).T into out"},
@@ -465,6 +470,9 @@ PyMethodDef methods[] = {
     {"paged_attention", (PyCFunction)(void (*)())py_paged_attention, METH_FASTCALL, "attention over paged KV caches"},
     {"cache_store", (PyCFunction)(void (*)())py_cache_store, METH_FASTCALL, "key/value rows into cache slots"},
     {"qembedding", (PyCFunction)(void (*)())py_qembedding, METH_FASTCALL, "dequantized rows of a gguf weight"},
+    {"conv_update", (PyCFunction)(void (*)())py_conv_update, METH_FASTCALL, "one causal conv1d update step"},
+    {"gdn_step", (PyCFunction)(void (*)())py_gdn_step, METH_FASTCALL, "one gated delta rule decode step"},
+    {"moe_decode", (PyCFunction)(void (*)())py_moe_decode, METH_FASTCALL, "one token through its experts"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CPU kernels", -1, methods};
@@ -695,6 +703,250 @@ ENTRY(py_qembedding)
       for (int64_t e = 0; e < E; ++e) o[e] = c10::BFloat16(x[e]);
     }
   }
+  Py_RETURN_NONE;
+EXIT
+
+}  // namespace
+
+// ===== decode steps of hybrid models: conv_update, gdn_step (recurrent.h), moe_decode ========================
+namespace {
+
+const dtn::StateTable* state_table() {  // the StateTable of the ISA g_table belongs to
+  const std::string name = g_table->name;
+#if defined(__x86_64__)
+  if (name == "avx512") return dtn::state_table_avx512();
+  if (name == "avx2") return dtn::state_table_avx2();
+#endif
+  return dtn::state_table_portable();
+}
+
+// Pool rows of a step's B batch rows: indices [B] int32/int64 (each in 0..P-1), or b itself when args is None;
+// write[b] = 1 unless a later batch row names the same row (padding rows may share one: the last one writes)
+void step_rows(PyObject* arg, int64_t B, int64_t P, const char* op, std::vector<int64_t>& rows,
+               std::vector<uint8_t>& write) {
+  rows.resize(size_t(B));
+  write.assign(size_t(B), 1);
+  if (arg == Py_None) {
+    NEED(P == B, g_shape_error, std::string(op) + ": without state_indices the state holds one row per batch row (" +
+         std::to_string(B) + "), got " + std::to_string(P));
+    for (int64_t b = 0; b < B; ++b) rows[size_t(b)] = b;
+    return;
+  }
+  const at::Tensor& idx = tensor(arg, op, "state_indices");
+  NEED(idx.scalar_type() == at::kLong || idx.scalar_type() == at::kInt, g_dtype_error,
+       std::string(op) + ": state_indices must be int64 or int32, got " + dtype_name(idx));
+  NEED(idx.dim() == 1 && idx.size(0) == B, g_shape_error, std::string(op) + ": state_indices must be [B = " +
+       std::to_string(B) + "], got " + dims(idx));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t r = idx.scalar_type() == at::kLong ? idx.data_ptr<int64_t>()[b] : idx.data_ptr<int32_t>()[b];
+    NEED(r >= 0 && r < P, g_arg_error, std::string(op) + ": state_indices[" + std::to_string(b) + "] = " +
+         std::to_string(r) + " is outside the pool's rows 0.." + std::to_string(P - 1));
+    rows[size_t(b)] = r;
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = b + 1; c < B && write[size_t(b)]; ++c) write[size_t(b)] = rows[size_t(c)] != rows[size_t(b)];
+}
+
+thread_local std::vector<int64_t> t_rows;
+thread_local std::vector<uint8_t> t_write;
+
+// conv_update(x [B, D], weight [D, W], bias [D] | None, state [P, D, S], state_indices [B] | None, out [B, D],
+// silu bool): one step of llm.causal_conv1d_update (dtn::ConvCall); x and out may be row-strided, one dtype for all
+ENTRY(py_conv_update)
+  const char* op = "conv_update";
+  need_args(nargs, 7, op);
+  const at::Tensor& x = any_tensor(args[0], op, "x");
+  const at::Tensor& w = tensor(args[1], op, "weight");
+  const bool has_bias = args[2] != Py_None;
+  const at::Tensor* bias = has_bias ? &tensor(args[2], op, "bias") : nullptr;
+  const at::Tensor& state = tensor(args[3], op, "conv_state");
+  const at::Tensor& out = any_tensor(args[5], op, "out");
+  const bool silu = PyObject_IsTrue(args[6]);
+  const int dt = float_dt(x, op, "x");
+  for (const at::Tensor* t : {&w, bias, &state, &out})
+    NEED(!t || t->scalar_type() == x.scalar_type(), g_dtype_error, std::string(op) + ": weight, bias, conv_state "
+         "and out must have x's dtype " + dtype_name(x) + ", got " + dtype_name(*t));
+  NEED(x.dim() == 2 && w.dim() == 2 && state.dim() == 3 && out.sizes() == x.sizes() && w.size(0) == x.size(1) &&
+       state.size(1) == x.size(1) && w.size(1) >= 1 && state.size(2) >= w.size(1) - 1 && state.size(2) >= 1 &&
+       (!bias || (bias->dim() == 1 && bias->size(0) == x.size(1))), g_shape_error,
+       std::string(op) + ": need x and out [B, D], weight [D, W], bias [D], conv_state [P, D, S >= max(W - 1, 1)]; "
+       "got x " + dims(x) + ", weight " + dims(w) + ", conv_state " + dims(state) + ", out " + dims(out));
+  const int64_t B = x.size(0), D = x.size(1);
+  const int64_t ldx = row_stride(x, 1, op, "x"), ldo = row_stride(out, 1, op, "out");
+  step_rows(args[4], B, state.size(0), op, t_rows, t_write);
+  const dtn::ConvCall c{x.data_ptr(), ldx, w.data_ptr(), has_bias ? bias->data_ptr() : nullptr, w.size(1),
+                        state.data_ptr(), state.size(2), t_rows.data(), t_write.data(), out.data_ptr(), ldo, dt, B, D,
+                        silu};
+  const dtn::StateTable* st = state_table();
+  Py_BEGIN_ALLOW_THREADS
+  if (B * D < (1 << 15)) {  // a decode step's few microseconds: no fork
+    st->conv_update(c, 0, D);
+  } else {
+    at::parallel_for(0, D, std::max<int64_t>(64, (int64_t(1) << 14) / std::max<int64_t>(1, B)),
+                     [&](int64_t d0, int64_t d1) { st->conv_update(c, d0, d1); });
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+EXIT
+
+// the element strides of t [B, 1, N, L] per batch row and per head (dim 2); L dense
+void step_strides(const at::Tensor& t, int64_t* sb, int64_t* sh, const char* op, const char* name) {
+  NEED(t.dim() >= 3 && t.size(1) == 1 && (t.dim() == 3 || t.stride(3) == 1 || t.size(3) == 1), g_layout_error,
+       std::string(op) + ": " + name + " " + dims(t) + " must be [B, 1, heads(, dim)] with the last dim dense");
+  *sb = t.stride(0);
+  *sh = t.stride(2);
+}
+
+thread_local std::vector<int64_t> t_items_gdn;
+
+// gdn_step(q, k [B, 1, Hk, K], v [B, 1, H, V], g [B, 1, H] f32, beta [B, 1, H], state_in [N, H, K, V] f32 | None,
+// state_out like state_in | None, state_indices [B] | None, o [B, 1, H, V], scale float, l2norm bool): one step
+// of llm.gated_delta_net (dtn::GdnCall); q/k/v/g/beta/o may be strided views, the last dim dense. With
+// state_indices, state_out is state_in (in place) or None.
+ENTRY(py_gdn_step)
+  const char* op = "gdn_step";
+  need_args(nargs, 11, op);
+  const at::Tensor& q = any_tensor(args[0], op, "q");
+  const at::Tensor& k = any_tensor(args[1], op, "k");
+  const at::Tensor& v = any_tensor(args[2], op, "v");
+  const at::Tensor& g = any_tensor(args[3], op, "g");
+  const at::Tensor& beta = any_tensor(args[4], op, "beta");
+  const at::Tensor* sin = args[5] != Py_None ? &tensor(args[5], op, "initial_state") : nullptr;
+  const at::Tensor* sout = args[6] != Py_None ? &tensor(args[6], op, "final_state") : nullptr;
+  const at::Tensor& o = any_tensor(args[8], op, "o");
+  const double scale = PyFloat_AsDouble(args[9]);
+  if (scale == -1.0 && PyErr_Occurred()) throw Fail{};
+  const bool l2norm = PyObject_IsTrue(args[10]);
+  const int dt = float_dt(q, op, "q"), beta_dt = float_dt(beta, op, "beta");
+  for (const at::Tensor* t : {&k, &v, &o})
+    NEED(t->scalar_type() == q.scalar_type(), g_dtype_error, std::string(op) + ": k, v and o must have q's dtype " +
+         dtype_name(q) + ", got " + dtype_name(*t));
+  need_dtype(g, at::kFloat, op, "g");
+  for (const at::Tensor* t : {sin, sout})
+    if (t) need_dtype(*t, at::kFloat, op, "initial_state/final_state");
+  NEED(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && o.sizes() == v.sizes() && v.size(0) == q.size(0) &&
+       g.dim() == 3 && beta.sizes() == g.sizes() && g.size(0) == q.size(0) && g.size(2) == v.size(2) &&
+       q.size(2) > 0 && v.size(2) % q.size(2) == 0, g_shape_error,
+       std::string(op) + ": need q, k [B, 1, Hk, K], v and o [B, 1, H, V] (H a multiple of Hk), g and beta [B, 1, H]; "
+       "got q " + dims(q) + ", k " + dims(k) + ", v " + dims(v) + ", g " + dims(g) + ", beta " + dims(beta) +
+       ", o " + dims(o));
+  const int64_t B = q.size(0), Hk = q.size(2), K = q.size(3), H = v.size(2), V = v.size(3);
+  NEED(K <= dtn::kGdnMaxDim && V <= dtn::kGdnMaxDim && V % 16 == 0 && K > 0 && V > 0, g_layout_error,
+       std::string(op) + ": K = " + std::to_string(K) + " and V = " + std::to_string(V) + " must be at most " +
+       std::to_string(dtn::kGdnMaxDim) + ", V a multiple of 16");
+  const at::Tensor* st = sin ? sin : sout;
+  NEED(!st || (st->dim() == 4 && st->size(1) == H && st->size(2) == K && st->size(3) == V &&
+               (!sin || !sout || sout->sizes() == sin->sizes())), g_shape_error,
+       std::string(op) + ": the states must be [N, H, K, V] = [N, " + std::to_string(H) + ", " + std::to_string(K) +
+       ", " + std::to_string(V) + "], both of one shape; got " + dims(*st));
+  const bool pooled = args[7] != Py_None;
+  NEED(!pooled || !sout || (sin && sin->data_ptr() == sout->data_ptr()), g_arg_error,
+       std::string(op) + ": with state_indices the final state must be the initial state (in place) or None");
+  step_rows(args[7], B, st ? st->size(0) : B, op, t_rows, t_write);
+  dtn::GdnCall c{};
+  step_strides(q, &c.q_b, &c.q_h, op, "q");
+  step_strides(k, &c.k_b, &c.k_h, op, "k");
+  step_strides(v, &c.v_b, &c.v_h, op, "v");
+  step_strides(o, &c.o_b, &c.o_h, op, "o");
+  step_strides(g, &c.g_b, &c.g_h, op, "g");
+  step_strides(beta, &c.beta_b, &c.beta_h, op, "beta");
+  c.q = q.data_ptr(), c.k = k.data_ptr(), c.v = v.data_ptr(), c.g = g.data_ptr<float>(), c.beta = beta.data_ptr();
+  c.beta_dt = beta_dt;
+  c.state_in = sin ? sin->data_ptr<float>() : nullptr;
+  c.state_out = sout ? sout->data_ptr<float>() : nullptr;
+  c.rows = t_rows.data(), c.write = t_write.data(), c.o = o.data_ptr();
+  c.dt = dt, c.H = H, c.Hk = Hk, c.K = K, c.V = V, c.scale = float(scale), c.l2norm = l2norm;
+  // items b * H + h: the rows that are only read first, then those written (padding rows that share a pool row)
+  std::vector<int64_t>& items = t_items_gdn;
+  items.clear();
+  for (int pass = 0; pass < 2; ++pass)
+    for (int64_t b = 0; b < B; ++b)
+      if (bool(t_write[size_t(b)]) == bool(pass))
+        for (int64_t h = 0; h < H; ++h) items.push_back(b * H + h);
+  const int64_t split = int64_t(std::count(t_write.begin(), t_write.end(), 0)) * H, n = B * H;
+  const dtn::StateTable* tb = state_table();
+  const int64_t* ip = items.data();
+  Py_BEGIN_ALLOW_THREADS
+  for (auto [i0, i1] : {std::pair<int64_t, int64_t>{0, split}, {split, n}}) {
+    if (i1 - i0 < 2) tb->gdn_step(c, ip, i0, i1);
+    else at::parallel_for(i0, i1, 1, [&](int64_t a, int64_t e) { tb->gdn_step(c, ip, a, e); });
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+EXIT
+
+thread_local std::vector<float> t_moe;
+
+// moe_decode(x [1, H], w_gate_up [E, 2I, H], w_down [E, H, I] (x's dtype), weights [1, k] f32/bf16, ids [1, k]
+// int64/int32, expert_start int, out [1, H]): one token through its selected experts, ids outside
+// expert_start .. expert_start + E - 1 skipped: out = sum_j weights[j] W_down (silu(W_gate x) * (W_up x)) in
+// float32, rounded once. The gate/up rows of all experts are one split over threads, then the down rows.
+ENTRY(py_moe_decode)
+  const char* op = "moe_decode";
+  need_args(nargs, 7, op);
+  const at::Tensor& x = tensor(args[0], op, "x");
+  const at::Tensor& wgu = tensor(args[1], op, "w_gate_up");
+  const at::Tensor& wd = tensor(args[2], op, "w_down");
+  const at::Tensor& rw = tensor(args[3], op, "weights");
+  const at::Tensor& ids = tensor(args[4], op, "ids");
+  const long long start = PyLong_AsLongLong(args[5]);
+  if (start == -1 && PyErr_Occurred()) throw Fail{};
+  const at::Tensor& out = tensor(args[6], op, "out");
+  const int xdt = float_dt(x, op, "x"), rdt = float_dt(rw, op, "weights");
+  for (const at::Tensor* t : {&wgu, &wd, &out})
+    NEED(t->scalar_type() == x.scalar_type(), g_dtype_error, std::string(op) + ": w_gate_up, w_down and out must "
+         "have x's dtype " + dtype_name(x) + ", got " + dtype_name(*t));
+  NEED(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, g_dtype_error,
+       std::string(op) + ": ids must be int64 or int32, got " + dtype_name(ids));
+  NEED(x.dim() == 2 && x.size(0) == 1 && wgu.dim() == 3 && wd.dim() == 3 && wgu.size(0) == wd.size(0) &&
+       wgu.size(2) == x.size(1) && wd.size(1) == x.size(1) && wgu.size(1) == 2 * wd.size(2) &&
+       out.sizes() == x.sizes() && ids.dim() == 2 && ids.size(0) == 1 && rw.sizes() == ids.sizes(), g_shape_error,
+       std::string(op) + ": need x and out [1, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights and ids [1, k]; "
+       "got x " + dims(x) + ", w_gate_up " + dims(wgu) + ", w_down " + dims(wd) + ", ids " + dims(ids) +
+       ", out " + dims(out));
+  const int64_t H = x.size(1), E = wgu.size(0), I = wd.size(2), k = ids.size(1);
+  std::vector<int64_t> ex;  // the selected local experts and their router weights
+  std::vector<float> ew;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t e = (ids.scalar_type() == at::kLong ? ids.data_ptr<int64_t>()[j] : ids.data_ptr<int32_t>()[j]) -
+                      start;
+    if (e < 0 || e >= E) continue;
+    ex.push_back(e);
+    ew.push_back(rdt == dtn::F32 ? rw.data_ptr<float>()[j] : float(rw.data_ptr<c10::BFloat16>()[j]));
+  }
+  const int64_t n = int64_t(ex.size());
+  std::vector<float>& ws = t_moe;  // gate_up [n, 2I], h [n, I], y [n, H], float32
+  if (int64_t(ws.size()) < n * (3 * I + H)) ws.resize(size_t(n * (3 * I + H)));
+  float *gu = ws.data(), *hp = gu + n * 2 * I, *y = hp + n * I;
+  const dtn::Table* tb = g_table;
+  const int64_t esz = xdt == dtn::F32 ? 4 : 2;
+  const void* xp = x.data_ptr();
+  const char *gup = static_cast<const char*>(wgu.data_ptr()), *dp = static_cast<const char*>(wd.data_ptr());
+  void* op_ = out.data_ptr();
+  const int64_t* exp_ = ex.data();
+  const float* ewp = ew.data();
+  Py_BEGIN_ALLOW_THREADS
+  // rows r of the n stacked [2I, H] gate/up matrices
+  parallel_rows(n * 2 * I, H, [&](int64_t r0, int64_t r1) {
+    for (int64_t j = r0 / (2 * I); j < n && j * 2 * I < r1; ++j) {
+      const int64_t a = std::max(r0, j * 2 * I) - j * 2 * I, b = std::min(r1, (j + 1) * 2 * I) - j * 2 * I;
+      tb->gemv(xp, xdt, 1, gup + exp_[j] * 2 * I * H * esz, xdt, H, a, b, gu + j * 2 * I, dtn::F32, 2 * I);
+    }
+  });
+  tb->silu_and_mul(gu, gu + I, 2 * I, 2 * I, hp, dtn::F32, 0, n, I);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < I; ++i) hp[j * I + i] *= ewp[j];
+  parallel_rows(H, n * I, [&](int64_t r0, int64_t r1) {
+    for (int64_t j = 0; j < n; ++j)
+      tb->gemv(hp + j * I, dtn::F32, 1, dp + exp_[j] * H * I * esz, xdt, I, r0, r1, y + j * H, dtn::F32, H);
+    for (int64_t r = r0; r < r1; ++r) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) acc += y[j * H + r];
+      if (xdt == dtn::F32) static_cast<float*>(op_)[r] = acc;
+      else static_cast<c10::BFloat16*>(op_)[r] = c10::BFloat16(acc);
+    }
+  });
+  Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 EXIT
 

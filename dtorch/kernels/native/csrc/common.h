@@ -116,3 +116,49 @@ const AttnTable* attn_table_avx2();
 const AttnTable* attn_table_portable();
 
 }  // namespace dtn
+
+// -- decode steps of the recurrent mixers (recurrent.h) --------------------------------------------------------
+namespace dtn {
+
+// One llm.causal_conv1d_update step: batch row b reads and advances the state row rows[b] ([D, S] at
+// state + rows[b] * D * S, S >= W - 1): out[b, d] = act(bias[d] + sum_w weight[d, w] xs[d, S + 1 - W + w]) with
+// xs = (state row || x[b, d]), then the row shifts left by one and takes x[b, d] last. Every tensor has dtype dt;
+// x and out rows lie ldx / ldo elements apart. write[b] == 0: the row is read, not advanced (a later batch row
+// names it too, and only the last one writes, from the state before the step).
+struct ConvCall {
+  const void* x; int64_t ldx;
+  const void* weight; const void* bias; int64_t W;
+  void* state; int64_t S;
+  const int64_t* rows; const uint8_t* write;
+  void* out; int64_t ldo;
+  int dt; int64_t B, D; bool silu;
+};
+
+// One llm.gated_delta_net decode step (T == 1). q, k [B, Hk, K], v and o [B, H, V], g and beta [B, H]: element
+// strides per batch row (_b) and head (_h), the last dim dense; g float32, q/k/v/o dtype dt, beta dtype beta_dt.
+// State rows [H, K, V] float32: batch row b reads state_in + rows[b] H K V (zeros when state_in is null) and, when
+// state_out is set and write[b], writes state_out + rows[b] H K V (may be state_in: in place).
+struct GdnCall {
+  const void* q; int64_t q_b, q_h;
+  const void* k; int64_t k_b, k_h;
+  const void* v; int64_t v_b, v_h;
+  const float* g; int64_t g_b, g_h;
+  const void* beta; int64_t beta_b, beta_h; int beta_dt;
+  const float* state_in; float* state_out; const int64_t* rows; const uint8_t* write;
+  void* o; int64_t o_b, o_h;
+  int dt; int64_t H, Hk, K, V; float scale; bool l2norm;
+};
+constexpr int64_t kGdnMaxDim = 256;  // K and V up to this (V a multiple of 16)
+
+struct StateTable {
+  // channels [d0, d1) of every batch row
+  void (*conv_update)(const ConvCall& c, int64_t d0, int64_t d1);
+  // items [i0, i1) of the list, item = b * H + h
+  void (*gdn_step)(const GdnCall& c, const int64_t* items, int64_t i0, int64_t i1);
+};
+
+const StateTable* state_table_avx512();
+const StateTable* state_table_avx2();
+const StateTable* state_table_portable();
+
+}  // namespace dtn

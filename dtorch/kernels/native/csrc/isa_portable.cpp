@@ -23,14 +23,23 @@ const Table* table_portable() {
 }
 }  // namespace dtn
 
-// paged KV-cache attention (attention.h), its own table so the kernel table above stays as it is
+// paged KV-cache attention (attention.h) and the recurrent mixers' decode steps (recurrent.h), tables of their own
+// so the kernel table above stays as it is
 namespace DTN_ISA {
 #include "attention.h"
+#include "recurrent.h"
 }  // namespace DTN_ISA
 
 namespace dtn {
 const AttnTable* attn_table_portable() {
   static const AttnTable t{DTN_ISA::attend};
+  return &t;
+}
+}  // namespace dtn
+
+namespace dtn {
+const StateTable* state_table_portable() {
+  static const StateTable t{DTN_ISA::conv_update, DTN_ISA::gdn_step};
   return &t;
 }
 }  // namespace dtn
