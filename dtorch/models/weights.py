@@ -55,7 +55,7 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
                 continue
         pl = layout.placement(kind)
         wdtype = torch.float32 if kind in FLOAT32 else dtype
-        as_w = rows_first and kind in PACKABLE and kind != "embed"  # W [N, K] rather than Wt [K, N]
+        as_w = rows_first and kind in (*PACKABLE, "router") and kind != "embed"  # W [N, K] rather than Wt [K, N]
         blobs = {}
         for i in local_ids:
             parts = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(config, sources, mesh, i)]
