@@ -21,13 +21,17 @@ from dtorch.kernels.torch import moe as moe_kernels
 from dtorch.runtime import Runner
 
 R, P, S = Replicate(), Partial(), Shard
-PROVIDERS = ("reference", "torch")
+ALL_PROVIDERS = ("reference", "torch", "native")
+PROVIDERS = tuple(p for p in ALL_PROVIDERS if p not in dtorch.dispatcher.unavailable("cpu"))
+ROUTER_PROVIDERS = ("reference", "torch")  # the router has no native kernel
 HALF = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 5e-2), torch.float16: (1e-2, 2e-2)}
 
 
 def only(provider: str):
-    """Every other provider of the MoE ops disabled."""
-    return dtorch.dispatcher.disabled(*(set(PROVIDERS) - {provider}))
+    """Every other provider of the MoE ops disabled (with "native", which has only the experts op, the router keeps
+    its torch kernel, below native's priority)."""
+    keep = {provider, "torch"} if provider == "native" else {provider}
+    return dtorch.dispatcher.disabled(*(set(ALL_PROVIDERS) - keep))
 
 
 def _config(experts=8, top_k=2, norm=True, hidden=16, inter=8) -> Qwen3MoeConfig:
@@ -53,7 +57,7 @@ def _router_math(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
     return (top / top.sum(-1, keepdim=True) if norm else top).to(logits.dtype), ids
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("provider", ROUTER_PROVIDERS)
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("tokens", [1, 7, 0])
@@ -69,7 +73,7 @@ def test_router_matches_torch_math(provider, norm, dtype, tokens) -> None:
     torch.testing.assert_close(w2, w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("provider", ROUTER_PROVIDERS)
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_router_equals_transformers_ties_included(provider, norm, dtype) -> None:
@@ -176,10 +180,10 @@ def test_cpu_paths_agree(tokens, experts, top_k, dtype) -> None:
 def test_the_faster_kernels_win_on_cpu() -> None:
     native = "native" not in dtorch.dispatcher.unavailable("cpu")
     assert dtorch.dispatcher.explain(KernelKey("llm.moe_router", "cpu", torch.bfloat16)).winner.provider == "torch"
-    experts = dtorch.dispatcher.explain(KernelKey("llm.moe_experts", "cpu", torch.bfloat16))
-    assert experts.winner.provider == ("native" if native else "torch")
+    key = KernelKey("llm.moe_experts", "cpu", torch.bfloat16)
+    assert dtorch.dispatcher.explain(key).winner.provider == ("native" if native else "torch")
     with dtorch.dispatcher.disabled("native"):
-        assert dtorch.dispatcher.explain(KernelKey("llm.moe_experts", "cpu", torch.bfloat16)).winner.provider == "torch"
+        assert dtorch.dispatcher.explain(key).winner.provider == "torch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

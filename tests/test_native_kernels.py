@@ -661,3 +661,27 @@ def test_moe_experts_one_token_matches_reference(dtype, isa):
         scale = float(want.abs().max()) or 1.0
         tol = STEP_TOL[dtype]
         torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=f"{isa} {ids}")
+
+
+# -- llm.gdn_gates: beta is at::sigmoid_out, exact; g our float32 loop, within an ulp or two ---------------------
+
+@pytest.mark.parametrize("dtype, param_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float64)])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_gdn_gates_match_the_torch_kernel(dtype, param_dtype, tokens, isa):
+    """a and b as column views of one projection; a float64 A_log goes to the torch kernel."""
+    from dtorch.kernels.torch import gdn_gates as torch_gates
+
+    fn = _select("llm.gdn_gates", dtype)
+    torch.manual_seed(tokens)
+    h = 16
+    ab = (torch.randn(tokens, 2 * h + 3) * 8).to(dtype)  # |a + dt_bias| past softplus' threshold 20 at times
+    ab[0, 0] = 25.0
+    a, b = ab[:, :h], ab[:, h:2 * h]
+    a_log, dt_bias = torch.randn(h, dtype=param_dtype), torch.randn(h, dtype=param_dtype)
+    got = (torch.empty(tokens, h), torch.empty(tokens, h, dtype=dtype))
+    want = (torch.empty(tokens, h), torch.empty(tokens, h, dtype=dtype))
+    fn(_ctx(), (a, b, a_log, dt_bias), got)
+    torch_gates.gdn_gates_torch(_ctx(), (a, b, a_log, dt_bias), want)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6, msg=isa)
+    assert torch.equal(got[1], want[1]), isa

@@ -18,6 +18,7 @@ from dtorch.kernels.native import loader
 from dtorch.kernels.torch import (
     causal_conv1d as torch_conv,
     gated_delta_net as torch_gdn,
+    gdn_gates as torch_gdn_gates,
     kv_cache as torch_kv_cache,
     llm as torch_llm,
     moe as torch_moe,
@@ -224,6 +225,19 @@ def gated_delta_net(ctx, inputs, outputs):
                         q.shape[-1] ** -0.5 if scale is None else float(scale), bool(p.get("use_qk_l2norm", False)))
     except DtorchError:
         _gdn_torch(ctx, inputs, outputs)
+
+
+# -- llm.gdn_gates (csrc/binding.cpp) ---------------------------------------------------------------------------
+# a, b [T, H] (one dtype, last dim dense), A_log, dt_bias [H] -> g [T, H] float32, beta [T, H]. Under torch a few
+# tiny ops (7-9 us per call at T = 1 on 2 threads); here one call (~1.4 us). beta is at::sigmoid_out (torch's
+# bits); g our float32 loop, within an ulp or two of torch's.
+
+@KERNELS.kernel("llm.gdn_gates", ACTIVATIONS, **NATIVE)
+def gdn_gates(ctx, inputs, outputs):
+    try:
+        _lib().gdn_gates(*inputs, *outputs)
+    except DtorchError:
+        torch_gdn_gates.gdn_gates_torch(ctx, inputs, outputs)
 
 
 # -- llm.rms_norm / llm.add_rms_norm -------------------------------------------------------------------------

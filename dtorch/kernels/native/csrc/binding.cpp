@@ -10,10 +10,15 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/_softmax.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/sum.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -452,10 +457,11 @@ EXIT
 PyObject* py_paged_attention(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_cache_store(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_qembedding(PyObject*, PyObject* const*, Py_ssize_t);
-// defined in the decode steps section at the end of this file
+// defined in the decode steps and gates sections at the end of this file
 PyObject* py_conv_update(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_gdn_step(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_moe_decode(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* py_gdn_gates(PyObject*, PyObject* const*, Py_ssize_t);
 
 PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)())py_qlinear, METH_FASTCALL, "y = x @ dequant(w).T into out"},
@@ -473,6 +479,7 @@ PyMethodDef methods[] = {
     {"conv_update", (PyCFunction)(void (*)())py_conv_update, METH_FASTCALL, "one causal conv1d update step"},
     {"gdn_step", (PyCFunction)(void (*)())py_gdn_step, METH_FASTCALL, "one gated delta rule decode step"},
     {"moe_decode", (PyCFunction)(void (*)())py_moe_decode, METH_FASTCALL, "one token through its experts"},
+    {"gdn_gates", (PyCFunction)(void (*)())py_gdn_gates, METH_FASTCALL, "gated delta net decay g and beta"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CPU kernels", -1, methods};
@@ -947,6 +954,55 @@ ENTRY(py_moe_decode)
     }
   });
   Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+EXIT
+
+}  // namespace
+
+// ===== a decode step's small gates: gdn_gates ================================================================
+// Tiny [T, H] math whose cost under torch is its ops' overheads. Where the torch kernel's exact bits are the
+// contract (beta = b.sigmoid()), the same ATen code computes them (at::sigmoid_out).
+
+namespace {
+
+// element i of a float32 / bf16 array
+inline float elem(const void* p, int dt, int64_t i) {
+  return dt == dtn::F32 ? static_cast<const float*>(p)[i] : float(static_cast<const c10::BFloat16*>(p)[i]);
+}
+
+// gdn_gates(a, b [T, H] (one dtype f32/bf16, last dim dense, any row stride), A_log [H], dt_bias [H] (f32/bf16),
+// g [T, H] f32, beta [T, H] (b's dtype)): llm.gdn_gates. g = -exp(A_log) * softplus(a + dt_bias) in float32
+// (softplus as torch: x > 20 ? x : log1p(exp(x))); beta = sigmoid(b) by at::sigmoid_out, torch's bits.
+ENTRY(py_gdn_gates)
+  const char* op = "gdn_gates";
+  need_args(nargs, 6, op);
+  const at::Tensor& a = any_tensor(args[0], op, "a");
+  const at::Tensor& b = any_tensor(args[1], op, "b");
+  const at::Tensor& alog = tensor(args[2], op, "A_log");
+  const at::Tensor& dtb = tensor(args[3], op, "dt_bias");
+  const at::Tensor& g = any_tensor(args[4], op, "g");
+  const at::Tensor& beta = any_tensor(args[5], op, "beta");
+  const int dt = float_dt(a, op, "a"), adt = float_dt(alog, op, "A_log"), bdt = float_dt(dtb, op, "dt_bias");
+  need_dtype(b, a.scalar_type(), op, "b");
+  need_dtype(beta, a.scalar_type(), op, "beta");
+  need_dtype(g, at::kFloat, op, "g");
+  NEED(a.dim() == 2 && b.sizes() == a.sizes() && g.sizes() == a.sizes() && beta.sizes() == a.sizes() &&
+       alog.dim() == 1 && alog.size(0) == a.size(1) && dtb.sizes() == alog.sizes(), g_shape_error,
+       std::string(op) + ": need a, b, g, beta [T, H], A_log and dt_bias [H]; got a " + dims(a) + ", b " + dims(b) +
+       ", A_log " + dims(alog) + ", dt_bias " + dims(dtb) + ", g " + dims(g) + ", beta " + dims(beta));
+  const int64_t T = a.size(0), H = a.size(1);
+  const int64_t lda = row_stride(a, 1, op, "a"), ldg = row_stride(g, 1, op, "g");
+  const void *ap = a.data_ptr(), *lp = alog.data_ptr(), *bp = dtb.data_ptr();
+  float* gp = g.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    const float decay = -std::exp(elem(lp, adt, h)), bias = elem(bp, bdt, h);
+    for (int64_t t = 0; t < T; ++t) {
+      const float x = elem(ap, dt, t * lda + h) + bias;
+      gp[t * ldg + h] = (x > 20.f ? x : std::log1p(std::exp(x))) * decay;
+    }
+  }
+  at::Tensor out = beta;  // sigmoid_out takes a mutable reference
+  at::sigmoid_out(out, b);
   Py_RETURN_NONE;
 EXIT
 
