@@ -16,6 +16,7 @@ import dtorch
 from dtorch.models import open_checkpoint
 from dtorch.models.config import ModelConfig
 from dtorch.models.llm import LLM
+from tests.tiny_models import random_hybrid
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,17 +35,6 @@ FAMILIES = {  # dtorch family -> (GGUF architecture, transformers config)
 # the 2-D / 3-D projections the Q8_0 files quantize (llama.cpp keeps norms, ssm_a, ssm_dt and the conv in F32)
 _QUANTIZED = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_gate", "ssm_out", "ffn_gate", "ffn_up",
               "ffn_down", "_exps", "_shexp")
-
-
-def _random_model(config):
-    """A random transformers model with every norm, A_log and dt_bias moved off its initial value."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith(("dt_bias", "A_log")):
-                p.add_(torch.randn_like(p) * 0.3)
-    return hf
 
 
 def _v_heads_tiled(t: torch.Tensor, dim: int, c) -> torch.Tensor:
@@ -163,7 +153,7 @@ def files(request, tmp_path_factory):
     """(family, transformers model, F32 GGUF, Q8_0-projections GGUF)."""
     arch, config = FAMILIES[request.param]
     directory = tmp_path_factory.mktemp(request.param)
-    hf = _random_model(config())
+    hf = random_hybrid(transformers, config())
     f32, q8 = directory / "f32.gguf", directory / "q8_0.gguf"
     _convert(hf, arch, f32, quantize=False)
     _convert(hf, arch, q8, quantize=True)
@@ -284,7 +274,7 @@ def test_a_q8_0_file_on_two_devices_equals_one(files):
 
 def _write_bad(tmp_path, drop: str = "", **override) -> str:
     """A qwen3next F32 file without tensor ``drop`` and with metadata ``override``."""
-    hf = _random_model(FAMILIES["qwen3_next"][1]())
+    hf = random_hybrid(transformers, FAMILIES["qwen3_next"][1]())
     path = tmp_path / "bad.gguf"
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, 4)
     w = gguf.GGUFWriter(str(path), "qwen3next")

@@ -13,6 +13,7 @@ import dtorch
 from dtorch.models.config import ModelConfig
 from dtorch.models.llm import LLM, PREFILL_TOKENS
 from dtorch.models.sampling import SamplingParams
+from tests.tiny_models import hf_greedy, random_hybrid
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,14 +34,8 @@ FAMILIES = {
 
 
 def save_hybrid(config, path):
-    """A random model of ``config`` saved to ``path``: every norm, A_log and dt_bias moved off its initial value
-    (a norm of zeros, i.e. a scale of 1, would hide a missing ``1 +``); returns the transformers model."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith(("dt_bias", "A_log")):
-                p.add_(torch.randn_like(p) * 0.3)
+    """A random model of ``config`` (``random_hybrid``) saved to ``path``; returns the transformers model."""
+    hf = random_hybrid(transformers, config)
     hf.save_pretrained(path)
     return hf
 
@@ -53,14 +48,6 @@ def model(request, tmp_path_factory):
     llm = LLM(str(path), max_num_seqs=4)
     yield request.param, hf, str(path), llm
     llm.close()
-
-
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:
@@ -106,7 +93,7 @@ def test_logits_of_a_long_prompt_match_transformers(model, length):
 def test_greedy_ids_match_transformers_alone_and_in_a_batch(model):
     _, hf, _, llm = model
     prompts = [[5, 17, 99, 3, 64, 120, 7, 8, 9], _prompt(70, seed=2)]  # different lengths, one past a chunk
-    want = [_hf_greedy(hf, p, 16) for p in prompts]
+    want = [hf_greedy(hf, p, 16) for p in prompts]
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == want
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
 
@@ -261,3 +248,25 @@ def test_the_generate_command_runs_the_model(model, tmp_path):
         llm.close()
     assert len(want.token_ids) == 12 and proc.stdout.strip() == want.text.strip()
     assert "decode" in proc.stderr and "tok/s" in proc.stderr
+
+
+def test_bf16_projections_run_either_way(model):
+    """bf16 weights are stored as W [N, K] for matmul.linear when the native one-row kernel is its provider, else
+    as Wt [K, N] for matmul.mm: both ways give the same logits and greedy ids, within bf16 rounding."""
+    family, _, path, _ = model
+    ids = _prompt(40)
+    native = "native" not in dtorch.dispatcher.unavailable("cpu")
+    with dtorch.dispatcher.disabled("native"):
+        mm = LLM(path, dtype=torch.bfloat16)
+    linear = LLM(path, dtype=torch.bfloat16)
+    try:
+        assert not mm.model.linear_weights and "(W [N, K])" not in mm.model.linear_provider()
+        assert bool(linear.model.linear_weights) == native
+        if native:
+            assert "layers.0.lin_in" in linear.model.linear_weights
+            assert ("layers.0.router" in linear.model.linear_weights) == (family == "qwen3_next")
+        want = mm.logits(ids)
+        torch.testing.assert_close(linear.logits(ids), want, rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
+    finally:
+        mm.close()
+        linear.close()

@@ -8,7 +8,7 @@ import torch
 import dtorch
 from dtorch.models.llm import LLM
 from dtorch.models.sampling import SamplingParams
-from tests.tiny_models import families, save_random
+from tests.tiny_models import families, hf_greedy, save_random
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,14 +20,6 @@ def pair(request, tmp_path_factory):
     """(transformers model, dtorch LLM) of the same random weights."""
     hf = save_random(transformers, FAMILIES[request.param](), path := tmp_path_factory.mktemp(request.param))
     return hf, LLM(str(path), max_num_seqs=4)
-
-
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
 
 
 def test_logits_match_transformers(pair):
@@ -44,7 +36,7 @@ def test_greedy_20_tokens_match_transformers(pair):
     hf, llm = pair
     ids = torch.randint(3, 128, (9,)).tolist()
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
-    assert out.token_ids == _hf_greedy(hf, ids, 20)
+    assert out.token_ids == hf_greedy(hf, ids, 20)
     assert out.finish_reason == "length"
 
 

@@ -12,7 +12,7 @@ from dtorch.models.config import ModelConfig
 from dtorch.models.layout import Layout
 from dtorch.models.llm import LLM, PREFILL_TOKENS
 from dtorch.models.sampling import SamplingParams
-from tests.tiny_models import save_random
+from tests.tiny_models import hf_greedy, save_random
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,14 +40,6 @@ def model(request, tmp_path_factory):
     llm = LLM(str(path), max_num_seqs=4)
     yield hf, str(path), llm
     llm.close()
-
-
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
 
 
 def _long_prompt() -> list[int]:
@@ -79,7 +71,7 @@ def test_logits_of_a_prompt_longer_than_a_chunk_match_transformers(model):
 def test_greedy_ids_match_transformers_alone_and_in_a_batch(model):
     hf, _, llm = model
     prompts = [[5, 17, 99, 3, 64, 120, 7, 8, 9], [42] * 11 + list(range(10, 22))]
-    want = [_hf_greedy(hf, p, 16) for p in prompts]
+    want = [hf_greedy(hf, p, 16) for p in prompts]
     assert llm.generate([prompts[0]], GREEDY)[0].token_ids == want[0]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
 

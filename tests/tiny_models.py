@@ -30,3 +30,24 @@ def save_random(transformers, config, path: Path):
                 p.add_(torch.randn_like(p) * 0.3)
     hf.save_pretrained(path)
     return hf
+
+
+def random_hybrid(transformers, config):
+    """A random Qwen3-Next / Qwen3.5 transformers model (eval, float32) with every norm, A_log and dt_bias moved off
+    its initial value (a norm of zeros, i.e. a scale of 1, would hide a missing ``1 +``)."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith(("dt_bias", "A_log")):
+                p.add_(torch.randn_like(p) * 0.3)
+    return hf
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` by ``n`` tokens (a full forward per token, no cache)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
