@@ -46,8 +46,8 @@ def _prompt(vocab: int) -> list[int]:
 def _worker_dtorch(model: str, threads: int, runs: int, dequantize: bool) -> dict:
     import torch
 
-    from dtorch.models.llm import LLM
-    from dtorch.models.sampling import SamplingParams
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     base = _current_rss_mib()

@@ -273,7 +273,7 @@ def check_torchrun() -> list[Row]:
 
 def check_llm(n: int) -> list[Row]:
     from dtorch.core.errors import ModelError
-    from dtorch.models import LLM, SamplingParams
+    from dtorch.engine import LLM, SamplingParams
 
     try:
         from dtorch.models.default import default_model_path

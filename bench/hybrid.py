@@ -167,8 +167,8 @@ def worker_dtorch(model: str, new: int, repeat: int) -> dict:
     import torch
 
     import dtorch
-    from dtorch.models.llm import LLM
-    from dtorch.models.sampling import SamplingParams
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
 
     base = _rss_mib()
     llm = LLM(model, dtype=torch.bfloat16, max_num_seqs=max(BATCHES))

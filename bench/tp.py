@@ -64,12 +64,12 @@ class Direct:
 
 class Runtime:
     def __init__(self, tp: int) -> None:
-        from dtorch.models.llm import LLM
+        from dtorch.engine.llm import LLM
 
         self.llm = LLM(tensor_parallel_size=tp)
 
     def decode(self, prompt: list[int], new: int) -> tuple[float, list[int]]:
-        from dtorch.models.sampling import SamplingParams
+        from dtorch.engine.sampling import SamplingParams
 
         out = self.llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))[0]
         return self.llm.stats.decode_tps, out.token_ids
@@ -125,8 +125,8 @@ def gloo(tp: int, prompt: int, new: int) -> float | None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from dtorch.models.llm import LLM
-    from dtorch.models.sampling import SamplingParams
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
 
     llm = LLM(tensor_parallel_size=args.tp)
     p = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)

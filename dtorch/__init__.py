@@ -11,6 +11,7 @@ from dtorch.core.errors import (
     ConfigError as ConfigError,
     DeviceError as DeviceError,
     DtorchError as DtorchError,
+    EngineBusy as EngineBusy,
     DTypeError as DTypeError,
     GraphError as GraphError,
     KernelFailure as KernelFailure,
@@ -52,7 +53,7 @@ from dtorch.graph import (
     Replicate as Replicate,
     Shard as Shard,
 )
-from dtorch.models import LLM as LLM, RequestOutput as RequestOutput, SamplingParams as SamplingParams
+from dtorch.engine import LLM as LLM, RequestOutput as RequestOutput, SamplingParams as SamplingParams
 from dtorch.ops import (
     OperatorInitContext as OperatorInitContext,
     PreparedOperator as PreparedOperator,

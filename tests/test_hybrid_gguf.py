@@ -13,9 +13,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import dtorch
+from dtorch.engine.llm import LLM
 from dtorch.models import open_checkpoint
 from dtorch.models.config import ModelConfig
-from dtorch.models.llm import LLM
 from tests.tiny_models import random_hybrid
 
 transformers = pytest.importorskip("transformers")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import dtorch
+from dtorch.engine.llm import LLM, PREFILL_TOKENS
+from dtorch.engine.sampling import SamplingParams
 from dtorch.models.config import ModelConfig
-from dtorch.models.llm import LLM, PREFILL_TOKENS
-from dtorch.models.sampling import SamplingParams
 from tests.tiny_models import hf_greedy, random_hybrid
 
 transformers = pytest.importorskip("transformers")
@@ -71,12 +71,13 @@ def test_the_config_is_transformers(model):
     else:
         assert c.num_experts == 0
     # the KV cache holds the attention layers only; the state cache the linear ones, one row more than the slots
-    cache = llm._cache_for(2, 64)
+    cache = llm.cache
     assert sorted(cache.tensors) == ["conv_state.0", "conv_state.2", "k_cache.1", "k_cache.3", "ssm_state.0",
                                      "ssm_state.2", "v_cache.1", "v_cache.3"]
-    assert cache.tensors["ssm_state.0"].shape == (cache.num_slots + 1, 4, 16, 16)
+    assert cache.tensors["ssm_state.0"].shape == (cache.num_state_slots + 1, 4, 16, 16)
     assert cache.tensors["ssm_state.0"].dtype == torch.float32
-    assert cache.tensors["conv_state.2"].shape == (cache.num_slots + 1, 2 * 32 + 64, 3)
+    assert cache.tensors["conv_state.2"].shape == (cache.num_state_slots + 1, 2 * 32 + 64, 3)
+    assert cache.tensors["k_cache.1"].shape == (cache.num_blocks, cache.block_size, c.num_kv_heads, c.head_dim)
 
 
 @pytest.mark.parametrize("length", [150, PREFILL_TOKENS + 77])  # one step past a 64-token chunk; two steps
@@ -118,7 +119,7 @@ def test_two_devices_equal_one(model):
         # each device holds one key head's share of every gated delta net tensor and state
         assert [b.tensor.shape for b in llm.model.weights["layers.0.lin_in"].blobs.values()] == [(64, 100)] * 2
         assert [b.tensor.shape for b in llm.model.weights["layers.0.lin_A_log"].blobs.values()] == [(2,)] * 2
-        states = llm._cache.tensors["ssm_state.0"].blobs.values()
+        states = llm.cache.tensors["ssm_state.0"].blobs.values()
         assert [b.tensor.shape[1:] for b in states] == [(2, 16, 16)] * 2
     finally:
         llm.close()
@@ -149,12 +150,12 @@ def test_the_decode_step_reads_no_device_values(model, monkeypatch):
     with dtorch.dispatcher.disabled("native"):
         llm = LLM(path, max_num_seqs=2)
         try:
-            cache = llm._cache_for(1, 16)
-            slot = cache.alloc()
-            llm.executor.step(StepPlan([3, 4, 5], [3], [cache.reserve(slot, 3)], [slot]))
+            blocks = llm.engine.blocks.allocate(1)
+            llm.cache.reset_state(0)
+            llm.executor.step(StepPlan([3, 4, 5], [3], [0], [blocks], [0]))
             bucket = bucket_for(1, 1)
             assert bucket.decode
-            feeds = llm.executor.feeds(StepPlan([6], [1], [cache.reserve(slot, 1)], [slot]), bucket)
+            feeds = llm.executor.feeds(StepPlan([6], [1], [3], [blocks], [0]), bucket)
             runner = llm.executor.runner(bucket)
             reads = []
             for name in ("tolist", "item", "__bool__", "__int__", "__index__"):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.models.llm import LLM
-from dtorch.models.sampling import SamplingParams
+from dtorch.engine.llm import LLM
+from dtorch.engine.sampling import SamplingParams
 from tests.tiny_models import families, hf_greedy, save_random
 
 transformers = pytest.importorskip("transformers")
@@ -111,7 +111,7 @@ def test_kv_cache_and_weights_are_tagged_memory(pair):
 
     _, llm = pair
     llm.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    cache = llm._cache
+    cache = llm.cache
     pieces = [b.tensor for t in cache.tensors.values() for b in t.blobs.values()]
     assert pieces and all(memory.kind_of(t) is MemoryKind.KV_CACHE for t in pieces)
     assert memory.live_bytes(MemoryKind.KV_CACHE) >= cache.nbytes

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dtorch.engine.llm import LLM
+from dtorch.engine.sampling import SamplingParams
 from dtorch.models.default import default_model_path
-from dtorch.models.llm import LLM
-from dtorch.models.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -112,7 +112,7 @@ def test_the_quantized_keys_are_listed():
 
 @pytest.fixture(scope="module")
 def models():
-    from dtorch.models.llm import LLM
+    from dtorch.engine.llm import LLM
 
     quantized, floats = LLM(), LLM(dequantize=True)
     yield quantized, floats
@@ -146,16 +146,14 @@ def _stepwise_logits(llm, ids: list[int]) -> torch.Tensor:
     the native kernels compute on integer activations; a whole-text pass takes their float path instead)."""
     from dtorch.models.executor import StepPlan
 
-    cache = llm._cache_for(1, len(ids))
-    slot = cache.alloc()
+    blocks = llm.engine.blocks.allocate(llm.engine.blocks.blocks_for(len(ids)))
     try:
         rows = []
         for at, token in enumerate(ids):
-            cache.reserve(slot, 1)
-            rows.append(llm.executor.step(StepPlan([token], [1], [at], [slot]), all_logits=True))
+            rows.append(llm.executor.step(StepPlan([token], [1], [at], [blocks]), all_logits=True))
         return torch.cat(rows)
     finally:
-        cache.release(slot)
+        llm.engine.blocks.free(blocks)
 
 
 def test_the_decode_path_agrees_with_the_dequantized_form(models):
@@ -168,7 +166,7 @@ def test_the_decode_path_agrees_with_the_dequantized_form(models):
 
 def test_the_quantized_model_still_knows_paris(models):
     quantized, _ = models
-    from dtorch.models.sampling import SamplingParams
+    from dtorch.engine.sampling import SamplingParams
 
     out = quantized.chat([{"role": "user", "content": "What is the capital of France?"}],
                          SamplingParams(temperature=0.0, max_tokens=24))
@@ -178,7 +176,7 @@ def test_the_quantized_model_still_knows_paris(models):
 def test_tensor_parallel_on_block_format_weights(models):
     """Row- and column-parallel pieces packed per device (K split on three devices for o and down): through the
     reference kernels the logits equal one device's up to summation order; native kernels agree at top-1."""
-    from dtorch.models.llm import LLM
+    from dtorch.engine.llm import LLM
 
     quantized, _ = models
     ids = quantized.tokenizer.encode(TEXT)[:48]

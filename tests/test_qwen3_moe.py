@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import dtorch
+from dtorch.engine.llm import LLM, PREFILL_TOKENS
+from dtorch.engine.sampling import SamplingParams
 from dtorch.models.config import ModelConfig
 from dtorch.models.layout import Layout
-from dtorch.models.llm import LLM, PREFILL_TOKENS
-from dtorch.models.sampling import SamplingParams
 from tests.tiny_models import hf_greedy, save_random
 
 transformers = pytest.importorskip("transformers")

@@ -14,8 +14,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from dtorch.engine.llm import LLM
 from dtorch.models import load_checkpoint, open_checkpoint
-from dtorch.models.llm import LLM
 from tests.test_qwen3_moe import SCHEDULES, VOCAB, _close, _config, _long_prompt
 from tests.tiny_models import save_random
 

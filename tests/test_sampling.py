@@ -1,12 +1,25 @@
-"""Sampling: seeded draws are reproducible, filters never let a token outside their set through, bad values raise."""
+"""Sampling: seeded draws are reproducible, filters never let a token outside their set through, bad values raise.
+
+References nobody here wrote: transformers' logits processors (repetition penalty, temperature, top-k, top-p,
+min-p), OpenAI's published presence/frequency formula (as plain loops), torch.log_softmax / torch.topk.
+"""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import dtorch
-from dtorch.models.sampling import SamplingParams, filter_logits, sample
+from dtorch.engine.sampling import SamplingParams, apply_penalties, filter_logits, sample, sample_step
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
@@ -68,6 +81,11 @@ def test_filters_keep_temperature_scaling():
     {"temperature": -0.1}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2},
     {"top_k": 2.5}, {"min_p": -0.1}, {"min_p": 2.0}, {"max_tokens": 0}, {"seed": "x"}, {"stop": [""]},
     {"stop": 3}, {"ignore_eos": "yes"}, {"stop_token_ids": ["a"]},
+    {"presence_penalty": 2.5}, {"presence_penalty": -2.01}, {"presence_penalty": "0.5"}, {"presence_penalty": None},
+    {"frequency_penalty": -3.0}, {"frequency_penalty": float("inf")}, {"frequency_penalty": True},
+    {"repetition_penalty": 0.0}, {"repetition_penalty": -1.2}, {"repetition_penalty": float("nan")},
+    {"repetition_penalty": "1.1"}, {"logprobs": -1}, {"logprobs": 21}, {"logprobs": 1.5}, {"logprobs": True},
+    {"n": 0}, {"n": 17}, {"n": 2.0}, {"n": None}, {"n": True},
 ])
 def test_bad_values_raise_sampling_error(kwargs):
     with pytest.raises(dtorch.SamplingError) as info:
@@ -75,6 +93,202 @@ def test_bad_values_raise_sampling_error(kwargs):
     assert next(iter(kwargs)).split("_")[0] in str(info.value)
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"presence_penalty": 2.0}, {"presence_penalty": -2.0}, {"frequency_penalty": 2}, {"frequency_penalty": -2.0},
+    {"repetition_penalty": 1e-3}, {"repetition_penalty": 5}, {"logprobs": 0}, {"logprobs": 20}, {"n": 1}, {"n": 16},
+])
+def test_boundary_values_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
 def test_stop_string_normalized_to_tuple():
     assert SamplingParams(stop="\n").stop == ("\n",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+# --- penalties ---------------------------------------------------------------------------------------------------
+
+V = 12
+PROMPT = [1, 2, 2, 7, 11]
+OUTPUT = [2, 3, 3, 3, 9, 1]
+
+
+def _openai_penalties(logits: torch.Tensor, output: list[int], frequency: float, presence: float) -> torch.Tensor:
+    """OpenAI's formula, token by token: logit[j] -= frequency * count[j] + presence * (count[j] > 0)."""
+    out = logits.clone()
+    for j in range(out.shape[-1]):
+        count = output.count(j)
+        out[j] = out[j] - (frequency * count + presence * (1.0 if count > 0 else 0.0))
+    return out
+
+
+def _hf_repetition(logits: torch.Tensor, ids: list[int], penalty: float) -> torch.Tensor:
+    return RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([ids]), logits[None].clone())[0]
+
+
+def _penalize(logits: torch.Tensor, params: SamplingParams, output=OUTPUT, prompt=PROMPT) -> torch.Tensor:
+    return apply_penalties(logits[None], [params], [output], [prompt])[0]
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_matches_hf(penalty):
+    logits = torch.randn(V) * 3  # both signs
+    got = _penalize(logits, SamplingParams(repetition_penalty=penalty))
+    torch.testing.assert_close(got, _hf_repetition(logits, PROMPT + OUTPUT, penalty))
+    assert not torch.equal(got, logits)
+
+
+@pytest.mark.parametrize(("frequency", "presence"), [(0.7, 0.0), (0.0, 1.1), (-0.5, 0.0), (0.0, -2.0), (0.4, 0.9)])
+def test_frequency_presence_match_openai_formula(frequency, presence):
+    logits = torch.randn(V)
+    got = _penalize(logits, SamplingParams(frequency_penalty=frequency, presence_penalty=presence))
+    torch.testing.assert_close(got, _openai_penalties(logits, OUTPUT, frequency, presence))
+    for j in set(PROMPT) - set(OUTPUT):  # the prompt is not counted
+        assert got[j] == logits[j]
+
+
+def test_combined_penalties_are_repetition_then_openai():
+    logits = torch.randn(V) * 2
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.6)
+    ref = _openai_penalties(_hf_repetition(logits, PROMPT + OUTPUT, 1.5), OUTPUT, 0.3, 0.6)
+    torch.testing.assert_close(_penalize(logits, params), ref)
+
+
+def test_penalties_batched_rows_independent():
+    logits = torch.randn(4, V)
+    params = [SamplingParams(), SamplingParams(frequency_penalty=1.0), SamplingParams(),
+              SamplingParams(repetition_penalty=1.7, presence_penalty=0.2)]
+    outputs, prompts = [OUTPUT, [4, 4, 5], [0, 0], [10, 11, 999]], [PROMPT, [], [0], [6]]  # 999: past the vocab
+    got = apply_penalties(logits, params, outputs, prompts)
+    torch.testing.assert_close(got[0], logits[0])
+    torch.testing.assert_close(got[1], _openai_penalties(logits[1], [4, 4, 5], 1.0, 0.0))
+    torch.testing.assert_close(got[2], logits[2])
+    ref3 = _openai_penalties(_hf_repetition(logits[3], [6, 10, 11], 1.7), [10, 11], 0.0, 0.2)
+    torch.testing.assert_close(got[3], ref3)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, frequency_penalty=0.3),  # 2.0 - 3 * 0.3 = 1.1 < 1.5
+    SamplingParams(temperature=0.0, presence_penalty=0.6),  # 2.0 - 0.6 = 1.4 < 1.5
+    SamplingParams(temperature=0.0, repetition_penalty=1.5),  # 2.0 / 1.5 = 1.33 < 1.5
+])
+def test_penalties_change_the_greedy_choice(params):
+    logits = torch.zeros(V)
+    logits[3], logits[5] = 2.0, 1.5
+    assert sample(logits[None], [params], [None]) == [3]  # no history, no penalty
+    tokens, _ = sample_step(logits[None], [params], [None], [[3, 3, 3]], [[0]])
+    freq, pres, rep = params.frequency_penalty, params.presence_penalty, params.repetition_penalty
+    ref = _openai_penalties(_hf_repetition(logits, [0, 3, 3, 3], rep), [3, 3, 3], freq, pres)
+    assert tokens == [int(ref.argmax())] == [5]
+
+
+def test_small_penalty_keeps_the_greedy_choice():
+    logits = torch.zeros(V)
+    logits[3], logits[5] = 2.0, 1.5
+    tokens, _ = sample_step(logits[None], [SamplingParams(temperature=0.0, frequency_penalty=0.1)], [None],
+                            [[3, 3, 3]], [[]])
+    assert tokens == [3]  # 2.0 - 0.3 = 1.7 > 1.5
+
+
+# --- filters and draws against transformers ------------------------------------------------------------------------
+
+FILTERS = [
+    {"temperature": 0.7}, {"temperature": 1.3, "top_k": 5}, {"temperature": 1.0, "top_p": 0.6},
+    {"temperature": 0.9, "min_p": 0.1}, {"temperature": 1.5, "top_k": 20, "top_p": 0.8, "min_p": 0.05},
+]
+
+
+def _hf_filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """transformers' warpers in generate()'s order: temperature, top-k, top-p, min-p. logits: [V] -> [V]."""
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(params.min_p))
+    x, ids = logits[None].clone(), torch.zeros(1, 1, dtype=torch.long)
+    for w in warpers:
+        x = w(ids, x)
+    return x[0]
+
+
+@pytest.mark.parametrize("kwargs", FILTERS)
+def test_filter_logits_matches_hf_warpers(kwargs):
+    logits = torch.randn(64) * 2
+    params = SamplingParams(**kwargs)
+    torch.testing.assert_close(filter_logits(logits, params), _hf_filter(logits, params))
+
+
+@pytest.mark.parametrize("kwargs", FILTERS)
+def test_sample_step_draw_matches_reference_pipeline(kwargs):
+    logits = torch.randn(64) * 2
+    output, prompt = [5, 5, 9, 40], [1, 5, 63]
+    params = SamplingParams(seed=11, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3, **kwargs)
+    ref = _hf_filter(_openai_penalties(_hf_repetition(logits, prompt + output, 1.2), output, 0.5, 0.3), params)
+    ref_g, g = params.generator(), params.generator()
+    for _ in range(30):  # the same generator stream gives the same draws
+        want = int(torch.multinomial(torch.softmax(ref, -1), 1, generator=ref_g))
+        assert sample_step(logits[None], [params], [g], [output], [prompt])[0] == [want]
+
+
+# --- logprobs ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_logprobs_are_of_the_raw_distribution(k):
+    logits = torch.randn(3, 50) * 2
+    params = [SamplingParams(temperature=0.0, logprobs=k), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.5, top_k=3, frequency_penalty=1.0, logprobs=k, seed=0)]
+    tokens, lps = sample_step(logits, params, [None, None, params[2].generator()], [[1, 2], [], [7, 7]], [[], [], [3]])
+    assert lps[1] is None
+    ref = torch.log_softmax(logits, dim=-1)
+    for b in (0, 2):
+        lp = lps[b]
+        assert lp is not None and lp.token_id == tokens[b]
+        assert math.isclose(lp.logprob, float(ref[b, tokens[b]]), rel_tol=1e-6, abs_tol=1e-6)
+        top = torch.topk(ref[b], k)
+        assert [i for i, _ in lp.top] == top.indices.tolist()  # most likely first
+        torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), top.values)
+        assert all(a[1] >= c[1] for a, c in zip(lp.top, lp.top[1:], strict=False))
+    assert len(lps[0].top) == k
+
+
+# --- seeds, batching -----------------------------------------------------------------------------------------------
+
+def _draws(g: torch.Generator, logits: torch.Tensor, n: int = 40) -> list[int]:
+    p = SamplingParams(temperature=1.0)
+    return [sample(logits[None], [p], [g])[0] for _ in range(n)]
+
+
+def test_generator_index_reproducible_and_distinct():
+    logits = torch.randn(200)
+    params = SamplingParams(seed=7)
+    assert _draws(params.generator(2), logits) == _draws(params.generator(2), logits)
+    assert _draws(params.generator(2), logits) != _draws(params.generator(0), logits)
+    assert _draws(params.generator(0), logits) == _draws(params.generator(), logits)
+    assert _draws(params.generator(1), logits) == _draws(SamplingParams(seed=8).generator(), logits)  # seed + index
+
+
+def test_batched_equals_row_by_row():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 2
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=1.4, logprobs=3),
+              SamplingParams(temperature=0.8, top_k=10, seed=1), SamplingParams(temperature=1.2, top_p=0.7, seed=2,
+                                                                                   frequency_penalty=0.5, logprobs=0),
+              SamplingParams(temperature=1.0, min_p=0.1, presence_penalty=-1.0, seed=3),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    outputs = [[1], [2, 2, 5], [], [8, 8, 8, 30], [0, 39], [4]]
+    prompts = [[0], [3, 5], [9], [], [1, 2, 3], [4, 4]]
+    gens = [None if p.greedy else p.generator() for p in params]
+    gens_row = [None if p.greedy else p.generator() for p in params]
+    for _ in range(10):
+        tokens, lps = sample_step(logits, params, gens, outputs, prompts)
+        for b in range(6):
+            t, lp = sample_step(logits[b:b + 1], params[b:b + 1], gens_row[b:b + 1], outputs[b:b + 1], prompts[b:b + 1])
+            assert t == [tokens[b]] and lp == [lps[b]]
+
+
+def test_fast_path_is_argmax_without_logprobs():
+    logits = torch.randn(5, 30)
+    tokens, lps = sample_step(logits, [SamplingParams(temperature=0.0)] * 5, [None] * 5, [[1, 2]] * 5, [[3]] * 5)
+    assert tokens == logits.argmax(-1).tolist() and lps == [None] * 5

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.models.llm import LLM
-from dtorch.models.sampling import SamplingParams
+from dtorch.engine.llm import LLM
+from dtorch.engine.sampling import SamplingParams
 from tests.tiny_models import families, save_random
 
 transformers = pytest.importorskip("transformers")

@@ -34,9 +34,9 @@ def _worker(mode: str, model: str) -> int:
     """One rank: "greedy" prints the batch's greedy ids as JSON (rank 0); "die" / "stall" lose rank 1
     mid-generation (it exits / hangs) and report the survivor's error on stderr (exit 3)."""
     from dtorch.core.errors import DtorchError
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
     from dtorch.models.executor import Executor
-    from dtorch.models.llm import LLM
-    from dtorch.models.sampling import SamplingParams
 
     rank = int(os.environ["RANK"])
     params = SamplingParams(temperature=0.0, max_tokens=10 if mode == "greedy" else 40, ignore_eos=True)
@@ -143,8 +143,8 @@ def test_default_model_three_ranks_print_one_processs_text():
 
 
 def test_tiny_llama_two_ranks_greedy_ids_equal_one_process(tiny_llama):
-    from dtorch.models.llm import LLM
-    from dtorch.models.sampling import SamplingParams
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
 
     llm = LLM(str(tiny_llama), max_num_seqs=4)
     try:

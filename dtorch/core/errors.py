@@ -65,3 +65,7 @@ class ModelError(DtorchError, ValueError):
 
 class SamplingError(DtorchError, ValueError):
     """A sampling parameter is out of range."""
+
+
+class EngineBusy(DtorchError, RuntimeError):
+    """The engine's queue of waiting requests is full (a server answers 503), or the engine is shutting down."""

@@ -1,11 +1,10 @@
-"""Models: configuration, weight loaders, tokenizer, the model as a graph, its KV cache and executor, ``LLM``."""
+"""Models: configuration, weight loaders, tokenizer, the model as a graph, its KV cache and executor."""
 
 from dtorch.models.config import PRESETS as PRESETS, ModelConfig as ModelConfig, rope_inv_freq as rope_inv_freq
 from dtorch.models.default import default_model_path as default_model_path
 from dtorch.models.executor import Executor as Executor, StepPlan as StepPlan
 from dtorch.models.kv_cache import KVCache as KVCache
 from dtorch.models.layout import Layout as Layout
-from dtorch.models.llm import LLM as LLM, GenerationStats as GenerationStats, RequestOutput as RequestOutput
 from dtorch.models.loaders import (
     Checkpoint as Checkpoint,
     LazyCheckpoint as LazyCheckpoint,
@@ -13,5 +12,4 @@ from dtorch.models.loaders import (
     open_checkpoint as open_checkpoint,
 )
 from dtorch.models.model import Bucket as Bucket, Transformer as Transformer, bucket_for as bucket_for
-from dtorch.models.sampling import SamplingParams as SamplingParams
 from dtorch.models.tokenizer import StreamDecoder as StreamDecoder, Tokenizer as Tokenizer

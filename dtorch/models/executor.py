@@ -1,6 +1,6 @@
 """``Executor``: runs model steps on the runtime, one ``Runner`` per step-shape bucket.
 
-A step is described on the host (``StepPlan``: each sequence's slot, first position and new tokens); the
+A step is described on the host (``StepPlan``: each sequence's blocks, first position and new tokens); the
 executor pads it to its bucket (``bucket_for``), builds the bucket's graph once (``Transformer.graph``) and
 runs it with ``Runner(static=True)``: every bucket graph shares the placed weights, the KV cache, the
 communicator and the stream threads, so a new bucket costs one graph build and its activation buffers.
@@ -27,13 +27,15 @@ from dtorch.runtime.stream import StreamManager
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One step on the host: sequence i has ``counts[i]`` new tokens at positions ``starts[i]``.., in cache slot
-    ``slots[i]``; ``ids`` are all new tokens, sequence after sequence."""
+    """One step on the host: sequence i has ``counts[i]`` new tokens at positions ``starts[i]``.., its keys in the
+    cache blocks ``blocks[i]`` (enough for ``starts[i] + counts[i]`` tokens) and, for a model with gated delta net
+    layers, its state in row ``state_slots[i]``; ``ids`` are all new tokens, sequence after sequence."""
 
     ids: Sequence[int]
     counts: Sequence[int]
     starts: Sequence[int]
-    slots: Sequence[int]
+    blocks: Sequence[Sequence[int]]
+    state_slots: Sequence[int] = ()
 
 
 class Executor:
@@ -70,7 +72,7 @@ class Executor:
         """The Runner of ``bucket``, built on first use."""
         r = self.runners.get(bucket)
         if r is None:
-            g = self.model.graph(bucket, self.cache.tensors)
+            g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
             r = self.runners[bucket] = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True)
         return r
 
@@ -89,12 +91,13 @@ class Executor:
     def feeds(self, plan: StepPlan, bucket: Bucket) -> dict[str, torch.Tensor]:
         """The step's padded inputs (host tensors; the Runner places them on each device)."""
         T, N = bucket.tokens, bucket.seqs
-        counts, starts, slots = list(plan.counts), list(plan.starts), list(plan.slots)
+        counts, starts = list(plan.counts), list(plan.starts)
         t, n = sum(counts), len(counts)
-        L = self.cache.max_len
+        bs = self.cache.block_size
         pad = T - t
         positions = list(itertools.chain.from_iterable(range(s, s + c) for s, c in zip(starts, counts, strict=True)))
-        rows = [slot * L + p for slot, s, c in zip(slots, starts, counts, strict=True) for p in range(s, s + c)]
+        rows = [blocks[p // bs] * bs + p % bs
+                for blocks, s, c in zip(plan.blocks, starts, counts, strict=True) for p in range(s, s + c)]
         ids = list(plan.ids) + [0] * pad
         positions += list(range(pad))
         rows += [-1] * pad  # padding writes no cache row
@@ -107,6 +110,10 @@ class Executor:
             raise ModelError(f"position {max(positions)} is past the model's {table.shape[0]} positions "
                              "(max_position_embeddings)")
         cs = table[torch.tensor(positions, dtype=torch.int64)]  # [T, 2, D / 2]
+        block_table = torch.zeros(N, self.cache.max_blocks_per_seq, dtype=torch.int32)
+        for i, blocks in enumerate(plan.blocks):
+            if blocks:
+                block_table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         feeds = {
             "ids": torch.tensor(ids, dtype=torch.int64),
             "cos": cs[:, 0],
@@ -114,10 +121,11 @@ class Executor:
             "slot_mapping": torch.tensor(rows, dtype=torch.int64),
             "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
             "seqlens_k": torch.tensor(lens, dtype=torch.int32),
-            "block_table": torch.tensor(slots + [0] * (N - n), dtype=torch.int32).view(N, 1),
+            "block_table": block_table,
         }
         if self.model.config.linear_layers:  # padding sequences read and write the scratch row of the state cache
-            feeds["state_slots"] = torch.tensor(slots + [self.cache.scratch] * (N - n), dtype=torch.int64)
+            state = list(plan.state_slots) + [self.cache.scratch] * (N - n)
+            feeds["state_slots"] = torch.tensor(state, dtype=torch.int64)
         if not bucket.all_logits and T != N:
             feeds["last_rows"] = torch.tensor([cu[i + 1] - 1 for i in range(n)] + [0] * (N - n), dtype=torch.int64)
         return feeds

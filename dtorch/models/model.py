@@ -120,14 +120,14 @@ class Transformer:
 
     # -- the step graph ------------------------------------------------------------------------
 
-    def graph(self, bucket: Bucket, cache: Mapping[str, DistTensor]) -> LogicalGraph:
+    def graph(self, bucket: Bucket, cache: Mapping[str, DistTensor], table_width: int) -> LogicalGraph:
         """The step graph of ``bucket``: inputs ids [T] int64, cos/sin [T, R/2] float32 (RoPE rows of the step's
-        positions), slot_mapping [T] int64, cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table [N, 1] int32,
-        (unless every row is a sequence's last) last_rows [N] int64, and (with gated delta net layers) state_slots
-        [N] int64, each sequence's row of the state cache; output "logits" [N, V] (or [T, V] with ``all_logits``).
-        ``cache``: "k_cache.{l}" / "v_cache.{l}" -> [slots, max_len, Hkv, D] for attention layers, "conv_state.{l}"
-        / "ssm_state.{l}" -> [slots + 1, C, W - 1] / [slots + 1, Hv, Dk, Dv] for gated delta net layers, placed
-        by the layout."""
+        positions), slot_mapping [T] int64, cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table
+        [N, table_width] int32 (each sequence's cache blocks), (unless every row is a sequence's last) last_rows [N]
+        int64, and (with gated delta net layers) state_slots [N] int64, each sequence's row of the state cache;
+        output "logits" [N, V] (or [T, V] with ``all_logits``). ``cache``: "k_cache.{l}" / "v_cache.{l}" ->
+        [blocks, block_size, Hkv, D] for attention layers, "conv_state.{l}" / "ssm_state.{l}" -> [slots + 1, C, W - 1]
+        / [slots + 1, Hv, Dk, Dv] for gated delta net layers, placed by the layout."""
         c = self.config
         g = LogicalGraph(self.mesh)
         T, N = bucket.tokens, bucket.seqs
@@ -139,7 +139,7 @@ class Transformer:
             slots=g.input("slot_mapping", (T,), torch.int64),
             cu_q=g.input("cu_seqlens_q", (N + 1,), torch.int32),
             lens_k=g.input("seqlens_k", (N,), torch.int32),
-            table=g.input("block_table", (N, 1), torch.int32),
+            table=g.input("block_table", (N, table_width), torch.int32),
             state_slots=g.input("state_slots", (N,), torch.int64) if c.linear_layers else None,
             bucket=bucket)
         w = {name: g.param(name, t) for name, t in self.weights.items()}

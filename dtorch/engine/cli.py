@@ -59,9 +59,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, tp: int) -> int:
-    from dtorch.models.llm import LLM
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
     from dtorch.models.parallel import launched_by_torchrun
-    from dtorch.models.sampling import SamplingParams
 
     if args.threads is not None:
         import torch

@@ -1,0 +1,326 @@
+"""``Engine``: requests in, one batched model step at a time, ``Delta`` s out.
+
+``add_request`` and ``abort`` may be called from any thread: they go into an inbox that the next step takes in.
+``step`` runs one scheduler step on the model (``Executor``), samples the sequences whose tokens are all computed,
+detokenizes, applies stop conditions and hands each request's news to its sink. Whoever calls ``step`` drives the
+engine; ``run_until`` lets several threads share that job (one steps, the others wait for the steps), and
+``EngineLoop`` is a thread that steps whenever there is work (the server's driver).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from dtorch.core.errors import ArgumentError, EngineBusy, ModelError
+from dtorch.engine.block_manager import BlockManager
+from dtorch.engine.request import Delta, Sink
+from dtorch.engine.sampling import SamplingParams, sample_step
+from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from dtorch.models.executor import Executor, StepPlan
+from dtorch.models.kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot: sequences running and waiting, cache blocks in use, and totals since the engine started."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prompt_tokens: int  # prompt (and recomputed) tokens computed
+    generation_tokens: int  # tokens sampled
+    decode_tokens: int  # tokens computed in steps of one token per sequence
+    preemptions: int
+    prefix_queries: int  # prompt tokens of admitted sequences
+    prefix_hits: int  # of them, found in the prefix cache
+    steps: int
+    prefill_seconds: float  # in steps that computed a prompt chunk
+    decode_seconds: float  # in steps of one token per sequence
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class Engine:
+    """Continuous batching over ``executor``'s model on the paged ``cache``.
+
+    tokenizer: for text deltas and stop strings (None: deltas carry ids only). eos_token_ids: end a sequence unless
+    its params say ``ignore_eos``. max_len: tokens of a sequence at most (prompt and output). max_waiting: queued
+    requests at most before ``add_request`` raises ``EngineBusy``. agree: makes every rank take rank 0's sampled
+    tokens (SPMD); rank: this process's rank (only rank 0 samples).
+    """
+
+    def __init__(self, executor: Executor, cache: KVCache, *, tokenizer, eos_token_ids: frozenset[int], vocab_size: int,
+                 max_len: int, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
+                 max_waiting: int, rank: int = 0, agree: Callable[[list[int]], list[int]] | None = None) -> None:
+        self.executor, self.cache, self.tokenizer = executor, cache, tokenizer
+        self.eos_token_ids, self.vocab_size, self.max_len = eos_token_ids, vocab_size, max_len
+        self.max_waiting, self.rank, self._agree = max_waiting, rank, agree
+        prefix = enable_prefix_caching and not cache.has_state  # a recurrent state cannot start mid-prompt
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, prefix)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks,
+                                   cache.num_state_slots if cache.has_state else 0, cache.reset_state)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._inbox: deque = deque()
+        self._inbox_lock = threading.Lock()
+        self.drive_lock = threading.RLock()  # held by whoever runs steps
+        self.stepped = threading.Condition()  # notified after every step and when new work arrives
+        self.accepting = True
+        self._counts = dict(prompt=0, generation=0, decode=0, steps=0)
+        self._seconds = dict(prefill=0.0, decode=0.0)
+
+    # -- requests (any thread) ---------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, sink: Sink, *,
+                    force: bool = False) -> None:
+        """Queue a request: ``params.n`` choices of continuing ``prompt_token_ids``; ``sink`` gets its deltas.
+
+        Raises ``EngineBusy`` when ``max_waiting`` requests already wait (``force``: queue anyway) or the engine is
+        shutting down, ``ArgumentError`` / ``ModelError`` for bad ids or a prompt that leaves no room.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ArgumentError(f"add_request: params must be SamplingParams, got {type(params).__name__}")
+        ids = self.check_prompt(prompt_token_ids, request_id)
+        if not self.accepting:
+            raise EngineBusy("the engine is shutting down and takes no new requests")
+        if not force and len(self.scheduler.waiting) + len(self._inbox) >= self.max_waiting:
+            raise EngineBusy(f"the engine's queue is full ({self.max_waiting} requests waiting); try again later")
+        room = self.max_len - len(ids)
+        limit = room if params.max_tokens is None else min(params.max_tokens, room)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        now = time.perf_counter()
+        seqs = [Sequence(request_id, i, ids, params, sink, limit, stop_ids,
+                         self.tokenizer.stream_decoder() if self.tokenizer is not None else None, now)
+                for i in range(params.n)]
+        with self._inbox_lock:
+            if request_id in self._requests or any(a[0] == "add" and a[1] == request_id for a in self._inbox):
+                raise ArgumentError(f"add_request: request id {request_id!r} is already in use")
+            self._inbox.append(("add", request_id, seqs))
+        with self.stepped:
+            self.stepped.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: each unfinished choice ends with finish_reason "abort" and frees its blocks at the next
+        step boundary. Unknown or finished ids are ignored."""
+        with self._inbox_lock:
+            self._inbox.append(("abort", request_id, None))
+        with self.stepped:
+            self.stepped.notify_all()
+
+    def check_prompt(self, ids: Seq[int], where: str) -> list[int]:
+        """``ids`` as a list, checked: non-empty ints in the vocabulary, leaving room for one new token."""
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Seq):
+            raise ArgumentError(f"{where}: the prompt must be a list of token ids, got {type(ids).__name__}")
+        ids = list(ids)
+        if not ids:
+            raise ArgumentError(f"{where}: the prompt is empty; give at least one token")
+        vocab = self.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ArgumentError(f"{where}: the prompt has token id {t!r}; ids must be ints in [0, {vocab})")
+        if len(ids) >= self.max_len:
+            raise ModelError(f"{where}: the prompt has {len(ids)} tokens, but the context is {self.max_len} tokens "
+                             "(max_model_len) and at least one new token must fit")
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._inbox)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting) + sum(a[0] == "add" for a in list(self._inbox)),
+                           self.blocks.num_used, self.blocks.num_blocks, self._counts["prompt"],
+                           self._counts["generation"], self._counts["decode"], s.preemptions, s.prefix_queries, s.prefix_hits,
+                           self._counts["steps"], self._seconds["prefill"], self._seconds["decode"])
+
+    # -- driving ---------------------------------------------------------------------------------------
+
+    def run_until(self, done: Callable[[], bool], timeout: float | None = None) -> None:
+        """Step until ``done()``; when another thread is stepping, wait for its steps instead (``done`` is called
+        after each). ``timeout``: seconds at most (then ``EngineBusy``)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            if end is not None and time.monotonic() > end:
+                raise EngineBusy(f"run_until: not done after {timeout} s")
+            if self.drive_lock.acquire(blocking=False):
+                try:
+                    while not done():
+                        if not self.step():
+                            with self.stepped:
+                                self.stepped.wait(0.05)
+                        if end is not None and time.monotonic() > end:
+                            break
+                finally:
+                    self.drive_lock.release()
+            else:
+                with self.stepped:
+                    self.stepped.wait(0.05)
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Run one step; False when there was nothing to do."""
+        with self.drive_lock:
+            self._take_inbox()
+            plan = self.scheduler.schedule()
+            if not plan:
+                return False
+            t0 = time.perf_counter()
+            try:
+                logits = self.executor.step(StepPlan(
+                    [t for s, n in plan for t in s.ids[s.computed:s.computed + n]], [n for _, n in plan],
+                    [s.computed for s, _ in plan], [s.blocks for s, _ in plan],
+                    [s.state_slot for s, _ in plan] if self.cache.has_state else ()))
+            except BaseException:
+                self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
+                raise
+            ready, rows = [], []
+            for row, (s, n) in enumerate(plan):
+                if not (n == 1 and s.output_ids and s.computed + 1 == len(s.ids)):  # not a decode token
+                    self._counts["prompt"] += n
+                self.scheduler.computed(s, n)
+                if s.computed == len(s.ids):
+                    ready.append(s)
+                    rows.append(row)
+            if ready:
+                self._accept(ready, logits[rows] if len(rows) < len(plan) else logits)
+            decode = all(n == 1 for _, n in plan)
+            self._seconds["decode" if decode else "prefill"] += time.perf_counter() - t0
+            if decode:
+                self._counts["decode"] += len(plan)
+            self._counts["steps"] += 1
+        with self.stepped:
+            self.stepped.notify_all()
+        return True
+
+    def _take_inbox(self) -> None:
+        with self._inbox_lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+            for kind, rid, seqs in items:
+                if kind == "add":
+                    self._requests[rid] = seqs
+        for kind, rid, seqs in items:
+            if kind == "add":
+                for s in seqs:
+                    self.scheduler.add(s)
+            else:
+                self._end([s for s in self._requests.get(rid, ()) if not s.finished], "abort")
+
+    def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each of ``seqs`` (rows of ``logits``), then stop or go on."""
+        if self.rank == 0:
+            tokens, logprobs = sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                           [s.output_ids for s in seqs], [s.ids[:s.num_prompt] for s in seqs])
+        else:
+            tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
+        if self._agree is not None:
+            tokens = self._agree(tokens)
+        done = []
+        for s, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+            s.ids.append(tok)
+            s.output_ids.append(tok)
+            self._counts["generation"] += 1
+            reason = None
+            if tok in s.stop_ids:
+                reason = "stop"
+            elif s.decoder is not None:
+                s.text += s.decoder.push(tok)
+                reason = self._stop_string(s)
+            if reason is None and len(s.output_ids) >= s.limit:
+                reason = "length"
+            hold = 0 if reason else max((len(x) - 1 for x in s.params.stop), default=0)
+            end = max(s.emitted, len(s.text) - hold)
+            piece = s.text[s.emitted:end]
+            s.emitted = end
+            if reason is not None:
+                s.finish_reason = reason
+                done.append(s)
+            self._emit(s, (tok,), piece, None if s.params.logprobs is None else (lp,))
+        if done:
+            self._finish(done)
+
+    @staticmethod
+    def _stop_string(s: Sequence) -> str | None:
+        for stop in s.params.stop:
+            at = s.text.find(stop, max(0, s.emitted - len(stop)))
+            if at >= 0:
+                s.text = s.text[:at]
+                return "stop"
+        return None
+
+    def _emit(self, s: Sequence, tokens: tuple[int, ...], text: str, logprobs) -> None:
+        s.sink(Delta(s.request_id, s.index, tokens, text, logprobs, s.finish_reason, s.num_prompt,
+                     len(s.output_ids), s.cached_tokens))
+
+    def _end(self, seqs: list[Sequence], reason: str) -> None:
+        """Finish ``seqs`` early (abort): each sink gets a last delta."""
+        for s in seqs:
+            if not s.finished:
+                s.finish_reason = reason
+                self._emit(s, (), "", None if s.params.logprobs is None else ())
+        self._finish(seqs)
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        self.scheduler.finish(seqs)
+        for rid in {s.request_id for s in seqs}:
+            mine = self._requests.get(rid)
+            if mine is not None and all(s.finished for s in mine):
+                del self._requests[rid]
+
+    def abort_all(self) -> None:
+        """Abort every request, queued or running (at shutdown)."""
+        with self.drive_lock:
+            self._take_inbox()
+            self._end([s for seqs in list(self._requests.values()) for s in seqs if not s.finished], "abort")
+
+
+class EngineLoop:
+    """A thread that steps ``engine`` whenever it has work (how a server drives it)."""
+
+    def __init__(self, engine: Engine, on_error: Callable[[BaseException], None] | None = None) -> None:
+        self.engine = engine
+        self.on_error = on_error
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dtorch-engine", daemon=True)
+        self._finalizer = weakref.finalize(self, self._stop.set)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        e = self.engine
+        while not self._stop.is_set():
+            try:
+                worked = e.step()
+            except Exception as exc:  # the failed step's requests were aborted; the engine goes on
+                worked = True
+                if self.on_error is not None:
+                    self.on_error(exc)
+            if not worked:
+                with e.stepped:
+                    if not e.has_unfinished() and not self._stop.is_set():
+                        e.stepped.wait(0.1)
+
+    def stop(self, grace: float = 0.0) -> None:
+        """Stop taking requests, let unfinished ones run for up to ``grace`` seconds, abort the rest, end the thread."""
+        e = self.engine
+        e.accepting = False
+        end = time.monotonic() + grace
+        while e.has_unfinished() and time.monotonic() < end and self._thread.is_alive():
+            time.sleep(0.02)
+        self._stop.set()
+        with e.stepped:
+            e.stepped.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        e.abort_all()

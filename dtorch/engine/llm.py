@@ -1,0 +1,333 @@
+"""``LLM``: load a model and generate, in the convention of LLM engines (vLLM's names).
+
+    llm = dtorch.LLM()                                     # the default model
+    outs = llm.generate(["prompt", ...], dtorch.SamplingParams(temperature=0.0, max_tokens=64))
+    outs[0].text, outs[0].token_ids
+    llm.chat([{"role": "user", "content": "..."}], params)
+    llm.logits(token_ids)                                  # [T, vocab] float32, no cache
+
+The model runs on the runtime over a ``DeviceMesh``: one device by default, ``tensor_parallel_size=n``
+devices of this process (``cpu:0`` .. ``cpu:n-1``, or n GPUs), or, when ``torch.distributed`` is initialised
+(``torchrun``), one device per rank, every rank running the same steps (SPMD) and agreeing on every
+sampled token (rank 0 samples and broadcasts).
+
+Generation runs on the ``Engine`` (continuous batching on a paged KV cache with prefix caching): ``generate``
+queues its prompts and steps the engine until they finish. Callers in several threads may generate at once: their
+requests share the batch, each gets only its own tokens, and whichever caller is waiting runs the steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtorch.core.dtypes import as_dtype
+from dtorch.core.errors import ArgumentError, ModelError
+from dtorch.engine.engine import Engine
+from dtorch.engine.request import Delta
+from dtorch.engine.sampling import SamplingParams
+from dtorch.models.executor import Executor, StepPlan
+from dtorch.models.kv_cache import KVCache, kv_bytes_per_token
+from dtorch.models.loaders import open_checkpoint
+from dtorch.models.model import Transformer
+from dtorch.models.parallel import MeshSetup, setup_mesh
+
+PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at most (a longer prompt is chunked)
+BLOCK_SIZE = 16  # tokens per KV cache block
+KV_CACHE_BYTES = 1 << 30  # default KV cache budget (a CPU touches pages only as blocks fill)
+_ids = itertools.count()
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result: the prompt, the new token ids, their text and why generation stopped.
+
+    finish_reason: "stop" (an end-of-sequence token or stop string) or "length" (max_tokens or the context).
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationStats:
+    """Timing of the last ``generate`` call: prefill and decode tokens and seconds (of every request that ran in
+    its steps, when several callers share the engine)."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+Prompt = str | Sequence[int]
+OnText = Any  # Callable[[int, str], None]
+
+
+class LLM:
+    """A model loaded for generation on one device or a mesh, with its engine.
+
+    model: a ``.gguf`` file or a Hugging Face directory (None: the default model). dtype: the activations' dtype
+    (float32 or bfloat16 ...), and the float weights'. A GGUF's block-quantized projections and embedding stay as
+    stored and run on kernels of their layout ("gguf.q4_1" ...); ``dequantize=True`` turns every weight into
+    ``dtype`` at load instead.
+
+    Engine settings (vLLM's names): max_num_seqs: sequences in a step at most. max_num_batched_tokens: tokens in a
+    step at most (prompts longer than that are prefilled in chunks). max_model_len: tokens of a sequence at most
+    (default: the model's max_position_embeddings). kv_cache_memory_bytes: the paged KV cache's size (default: what
+    max_num_seqs sequences of max_model_len need, at most 1 GiB, at least one such sequence). block_size: tokens per
+    cache block. enable_prefix_caching: share the cached blocks of common prompt prefixes. max_waiting: queued
+    requests at most before the engine refuses more (``EngineBusy``; ``generate`` itself always queues).
+    """
+
+    def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
+                 dtype: torch.dtype | str = torch.float32, max_num_seqs: int = 16, tensor_parallel_size: int = 1,
+                 dequantize: bool = False, max_num_batched_tokens: int = PREFILL_TOKENS,
+                 max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None, block_size: int = BLOCK_SIZE,
+                 enable_prefix_caching: bool = True, max_waiting: int = 1024) -> None:
+        if model is None:
+            from dtorch.models.default import default_model_path
+            model = default_model_path()
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size), ("max_waiting", max_waiting),
+                            ("max_model_len", 1 if max_model_len is None else max_model_len),
+                            ("kv_cache_memory_bytes", 1 if kv_cache_memory_bytes is None else kv_cache_memory_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ArgumentError(f"LLM: {name} must be an int >= 1, got {value!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ArgumentError(f"LLM: enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        dtype = as_dtype(dtype)
+        where: MeshSetup = setup_mesh(device, tensor_parallel_size)
+        with open_checkpoint(model, dtype) as ckpt:  # reads names and shapes; then only this process's slices
+            self.source = ckpt.source
+            self.config = ckpt.config
+            self.tokenizer = ckpt.tokenizer
+            self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
+                                          None if dequantize else ckpt.get_packed)
+        self.mesh = where.mesh
+        self.rank = where.rank
+        self.device = where.mesh.device(where.local_ids[0])
+        self.executor = Executor(self.model, where.communicator, where.local_ids, where.timeout)
+        self._spmd = where.spmd
+        self.max_num_seqs = max_num_seqs
+        positions = self.config.max_position_embeddings
+        if max_model_len is not None and max_model_len > positions:
+            raise ArgumentError(f"LLM: max_model_len {max_model_len} is more than the model's {positions} positions "
+                                "(max_position_embeddings)")
+        self.max_len = max_model_len or positions
+        self.stats = GenerationStats()
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.cache = KVCache(self.model.layout, self.mesh, self.executor.local_ids,
+                             self._num_blocks(kv_cache_memory_bytes, block_size, dtype), block_size, self.max_len,
+                             max_num_seqs, dtype)
+        self.executor.use_cache(self.cache)
+        self.engine = Engine(self.executor, self.cache, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                             vocab_size=self.config.vocab_size, max_len=self.max_len, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting, rank=self.rank,
+                             agree=self._agree if self._spmd else None)
+
+    def _num_blocks(self, budget: int | None, block_size: int, dtype: torch.dtype) -> int:
+        """Blocks of the KV cache: max_num_seqs full-length sequences within the budget, at least one."""
+        per_token = kv_bytes_per_token(self.config, dtype)
+        tokens = self.max_num_seqs * self.max_len
+        if per_token:
+            fit = (budget or KV_CACHE_BYTES) // per_token
+            if budget is not None and fit < self.max_len:
+                raise ArgumentError(f"LLM: kv_cache_memory_bytes {budget} holds {fit} tokens, less than one sequence "
+                                    f"of max_model_len {self.max_len} ({per_token} bytes per token); raise it or "
+                                    "lower max_model_len")
+            tokens = max(self.max_len, min(tokens, fit))
+        return -(-tokens // block_size)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.size
+
+    def close(self) -> None:
+        """Stop the stream threads and release the communicator (also done when the object is collected)."""
+        self.engine.accepting = False
+        self.executor.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"LLM({self.source!r}, {c.family}, {c.num_layers} layers, dtype={str(self.model.dtype)[6:]}, "
+                f"tensor_parallel_size={self.mesh.size} on {self.mesh})")
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+                 = None, *, on_text: OnText | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text, or a list of token ids); one ``RequestOutput`` per prompt, in order.
+
+        ``on_text(index, piece)`` is called with new text as it is made (streaming), in the caller's thread.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        outs = self._requests(prompts, params)
+        for pieces in self._run(outs, params):
+            if on_text is not None:
+                for index, piece in pieces:
+                    on_text(index, piece)
+        return outs
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             params: SamplingParams | None = None, *, on_text: OnText | None = None) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of messages) or to several."""
+        if messages and isinstance(messages[0], Mapping):
+            messages = [messages]
+        return self.generate([self.chat_prompt(m) for m in messages], params, on_text=on_text)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The token ids of a conversation rendered with the model's chat template, ready for the reply."""
+        tok = self._need_tokenizer("chat")
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """The text of one prompt's completion, piece by piece as each step makes it."""
+        params = [params or SamplingParams()]
+        outs = self._requests([prompt], params)
+        for pieces in self._run(outs, params):
+            for _, piece in pieces:
+                yield piece
+
+    @torch.no_grad()
+    def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Logits of every position of one sequence: [T, vocab] float32; a full forward pass of its own."""
+        ids = self._check_ids(list(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids), 0)
+        e, step = self.engine, self.engine.scheduler.config.max_num_batched_tokens
+        with e.drive_lock:  # no engine step runs meanwhile; the blocks and state slot are borrowed and given back
+            need = e.blocks.blocks_for(len(ids))
+            if need > e.blocks.num_free:
+                raise ModelError(f"LLM.logits: {len(ids)} tokens need {need} cache blocks, {e.blocks.num_free} free")
+            blocks = e.blocks.allocate(need)
+            state = []
+            if self.cache.has_state:
+                state = [self.cache.scratch]
+                self.cache.reset_state(self.cache.scratch)
+            try:
+                out = []
+                for at in range(0, len(ids), step):
+                    chunk = ids[at:at + step]
+                    plan = StepPlan(chunk, [len(chunk)], [at], [blocks], state)
+                    out.append(self.executor.step(plan, all_logits=True))
+                return torch.cat(out)
+            finally:
+                e.blocks.free(blocks)
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def _requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
+        if len(params) != len(prompts):
+            raise ArgumentError(f"LLM.generate: got {len(prompts)} prompts but {len(params)} SamplingParams")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ArgumentError(f"LLM.generate: params must be SamplingParams, got {type(p).__name__}")
+            if p.n != 1:
+                raise ArgumentError(f"LLM.generate: n = {p.n}; LLM.generate returns one completion per prompt "
+                                    "(pass the prompt n times, or use the server's n)")
+        return [RequestOutput(p if isinstance(p, str) else None, self._encode(p, i)) for i, p in enumerate(prompts)]
+
+    def _run(self, outs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[list[tuple[int, str]]]:
+        """Queue the requests and step the engine until they finish; yields each step's new text (index, piece)."""
+        e = self.engine
+        inbox: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        base = f"llm-{next(_ids)}-"
+        left = set(range(len(outs)))
+        before = e.stats()
+        try:
+            for i, (o, p) in enumerate(zip(outs, params, strict=True)):
+                e.add_request(base + str(i), o.prompt_token_ids, p, inbox.put, force=True)
+            while left:
+                e.run_until(lambda: not inbox.empty())
+                pieces = []
+                while not inbox.empty():
+                    d = inbox.get()
+                    i = int(d.request_id[len(base):])
+                    o = outs[i]
+                    o.token_ids += d.token_ids
+                    if d.text:
+                        o.text += d.text
+                        pieces.append((i, d.text))
+                    if d.finish_reason is not None:
+                        o.finish_reason = d.finish_reason
+                        left.discard(i)
+                yield pieces
+        finally:
+            for i in left:  # an exception or an abandoned stream: the engine drops them at its next step
+                e.abort(base + str(i))
+        after = e.stats()
+        self.stats = GenerationStats(after.prompt_tokens - before.prompt_tokens,
+                                     after.prefill_seconds - before.prefill_seconds,
+                                     after.decode_tokens - before.decode_tokens,
+                                     after.decode_seconds - before.decode_seconds)
+        if self.tokenizer is not None:
+            for o, p in zip(outs, params, strict=True):
+                if not p.stop:  # the whole text decoded at once (the pieces are incremental)
+                    ids = o.token_ids
+                    if o.finish_reason == "stop" and ids and ids[-1] in (set(p.stop_token_ids) | self.eos_token_ids):
+                        ids = ids[:-1]
+                    o.text = self.tokenizer.decode(ids)
+
+    def _agree(self, tokens: list[int]) -> list[int]:
+        """Every rank takes rank 0's sampled tokens (SPMD)."""
+        t = torch.tensor(tokens, dtype=torch.int64, device=self.device.torch)
+        self.executor.comm.broadcast(self.executor.local_ids[0], t, t, src=0)  # a lost peer: CommunicationError
+        return t.tolist()
+
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ModelError(f"{self.source}: the model has no tokenizer, so {what} is not available; "
+                             "pass prompts as lists of token ids")
+        return self.tokenizer
+
+    def _encode(self, prompt: Prompt, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self._need_tokenizer("text prompts").encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise ArgumentError(f"LLM.generate: prompt {index} must be a str or a list of token ids, "
+                                f"got {type(prompt).__name__}")
+        return self._check_ids(ids, index)
+
+    def _check_ids(self, ids: list[int], index: int) -> list[int]:
+        if not ids:
+            raise ArgumentError(f"LLM: prompt {index} is empty; give at least one token")
+        vocab = self.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ArgumentError(f"LLM: prompt {index} has token id {t!r}; ids must be ints in [0, {vocab})")
+        if len(ids) >= self.max_len:
+            raise ModelError(f"LLM: prompt {index} has {len(ids)} tokens, but the context is {self.max_len} "
+                             "tokens (max_model_len) and at least one new token must fit")
+        return ids
+

@@ -1,0 +1,51 @@
+"""What the engine reports about a request as it runs: a ``Delta`` per step that produced something for it.
+
+A request with ``n`` choices runs as ``n`` sequences; each delta names its choice by ``index``. Deltas of one choice
+arrive in order, and the last one has ``finish_reason`` set: "stop" (an end-of-sequence token, a stop token id or a
+stop string), "length" (max_tokens or the context) or "abort" (cancelled, or the engine shut down).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of one chosen token and, when asked for, the most likely alternatives at its position
+    (``top``: (token id, logprob) pairs, most likely first). Log-probabilities are of the model's distribution
+    (log_softmax of the raw logits, before penalties, temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one step added to choice ``index`` of request ``request_id``.
+
+    token_ids: the new tokens (one per step; none in the final delta of an aborted choice). text: the new text; a
+    piece that could be the start of a stop string is held back until that is decided, and a stop string never
+    appears. logprobs: one per new token when the request asked for logprobs, else None. finish_reason: None while
+    the choice runs. The counts are the totals so far: prompt tokens, tokens generated, prompt tokens whose keys
+    came from the prefix cache.
+    """
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+Sink = Callable[[Delta], None]  # called on the engine's thread; must not block (hand the delta to your own queue)

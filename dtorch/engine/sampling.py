@@ -1,0 +1,245 @@
+"""Sampling: ``SamplingParams`` (named as in vLLM) and choosing the next token from logits.
+
+Each step: repetition, then frequency and presence penalties change the logits; greedy (temperature 0) takes
+the argmax, otherwise the logits are divided by the temperature, top-k, top-p (nucleus) and min-p filters
+remove tokens, and one token is drawn from what is left with the sequence's own ``torch.Generator`` (seeded
+from ``seed`` when given, so a run is reproducible). Logprobs, when asked for, are of the model's own
+distribution: log_softmax of the raw logits, before penalties, temperature and filters (vLLM's default).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from dtorch.core.errors import SamplingError
+from dtorch.engine.request import TokenLogprob
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_N = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature: 0 is greedy; > 0 scales the logits. top_k: keep the k most likely (-1 or 0: all).
+    top_p: keep the smallest set whose probability reaches p (1: all). min_p: drop tokens whose
+    probability is below ``min_p`` times the most likely one's (0: none). seed: per-request seed.
+    max_tokens: new tokens at most (None: up to the context). stop: strings that end the output (not
+    included). stop_token_ids: ids that end it (included in ``token_ids``, not in the text).
+    ignore_eos: keep going past end-of-sequence tokens. presence_penalty, frequency_penalty (OpenAI's, in
+    [-2, 2]): ``logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``, count over
+    the generated tokens. repetition_penalty (HF/vLLM's, > 0, 1: none): the logit of every token in prompt
+    or output is divided by it when positive, multiplied when negative. logprobs: None, or k in 0..20 to
+    return the chosen token's logprob and the k most likely alternatives. n: choices per request (1..16).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        _number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise SamplingError(f"SamplingParams: temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        _number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise SamplingError(f"SamplingParams: top_k must be -1 or 0 (all tokens) or >= 1, got {self.top_k}")
+        _number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError(f"SamplingParams: min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _int("seed", self.seed)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise SamplingError(f"SamplingParams: max_tokens must be >= 1 or None, got {self.max_tokens}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise SamplingError(f"SamplingParams: stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids or ()
+        if not isinstance(ids, (list, tuple)):
+            raise SamplingError(f"SamplingParams: stop_token_ids must be a list of ints, got {ids!r}")
+        for i in ids:
+            _int("stop_token_ids item", i)
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError(f"SamplingParams: ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise SamplingError(f"SamplingParams: {name} must be in [-2, 2] (0: none), got {value}")
+        _number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise SamplingError(f"SamplingParams: repetition_penalty must be > 0 (1: none), "
+                                f"got {self.repetition_penalty}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise SamplingError(f"SamplingParams: logprobs must be None or in 0..{MAX_LOGPROBS} "
+                                    f"(alternatives per token), got {self.logprobs}")
+        _int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingError(f"SamplingParams: n must be in 1..{MAX_N} (choices per request), got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def generator(self, index: int = 0) -> torch.Generator:
+        """A CPU generator for choice ``index`` of a request: seeded from ``seed + index``, else fresh entropy."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + index if self.seed is not None else random.SystemRandom().getrandbits(63))
+        return g
+
+
+def _number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SamplingError(f"SamplingParams: {name} must be a finite number, got {value!r}")
+
+
+def _int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingError(f"SamplingParams: {name} must be an int, got {value!r}")
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with every token outside the top-k / top-p / min-p set at -inf.
+
+    logits: [V] float32 -> [V] float32 (a new tensor).
+    """
+    x = logits.float() / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the most likely always stays)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted), -math.inf)
+    if params.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), -math.inf)
+    return x
+
+
+def _counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each sequence: [len(seqs), vocab] int64. Ids >= vocab are not counted."""
+    ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=device).clamp_(max=vocab)
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    # row r counts into [r * (vocab + 1), (r + 1) * (vocab + 1)); the last column catches ids past the vocab
+    offsets = torch.repeat_interleave(torch.arange(len(seqs), device=device) * (vocab + 1), lengths)
+    counts = torch.bincount(ids + offsets, minlength=len(seqs) * (vocab + 1))
+    return counts.view(len(seqs), vocab + 1)[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+                    prompt_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Logits with each row's repetition, then frequency and presence penalties applied.
+
+    logits: [B, V]; ``output_ids[b]`` / ``prompt_ids[b]``: row b's generated / prompt tokens. Returns [B, V]
+    float32: a new tensor when some row is penalized, else ``logits`` itself.
+    """
+    rows = [b for b, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    x = logits[rows].float()  # [R, V], a copy
+    vocab, dev = x.shape[-1], x.device
+    out_counts = _counts([output_ids[b] for b in rows], vocab, dev)  # [R, V]
+    rep = [params[b].repetition_penalty for b in rows]
+    if any(r != 1.0 for r in rep):
+        seen = out_counts > 0
+        seen |= _counts([prompt_ids[b] if r != 1.0 else () for b, r in zip(rows, rep, strict=True)], vocab, dev) > 0
+        penalty = torch.tensor(rep, device=dev)[:, None]
+        x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+    freq = torch.tensor([params[b].frequency_penalty for b in rows], device=dev)[:, None]
+    pres = torch.tensor([params[b].presence_penalty for b in rows], device=dev)[:, None]
+    x = x - (freq * out_counts + pres * (out_counts > 0))
+    if len(rows) == len(params):
+        return x
+    full = logits.float().clone()
+    full[rows] = x
+    return full
+
+
+def _token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+                    tokens: list[int]) -> list[TokenLogprob | None]:
+    """logprobs: [L, V], row i belonging to batch row ``rows[i]``; one ``TokenLogprob`` per batch row asking."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    chosen = torch.tensor([tokens[b] for b in rows], device=logprobs.device)[:, None]
+    values = logprobs.gather(1, chosen)[:, 0].tolist()
+    k_max = min(max(params[b].logprobs or 0 for b in rows), logprobs.shape[-1])
+    top_v: list[list[float]] = [[] for _ in rows]
+    top_i: list[list[int]] = [[] for _ in rows]
+    if k_max:
+        top = torch.topk(logprobs, k_max, dim=-1)  # [L, k_max], most likely first
+        top_v, top_i = top.values.tolist(), top.indices.tolist()
+    for i, b in enumerate(rows):
+        k = params[b].logprobs or 0
+        out[b] = TokenLogprob(tokens[b], values[i], tuple(zip(top_i[i][:k], top_v[i][:k], strict=True)))
+    return out
+
+
+def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None], output_ids: Sequence[Sequence[int]],
+                prompt_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The next token of each row and, for rows whose ``params.logprobs`` is set, its ``TokenLogprob``.
+
+    logits: [B, V] float32, raw model logits; ``params[b]``, ``generators[b]``, ``output_ids[b]`` (generated so
+    far) and ``prompt_ids[b]`` belong to row b. Returns (B token ids, B ``TokenLogprob`` or None).
+    """
+    lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+    if not lp_rows and all(p.greedy and not p.penalized for p in params):
+        return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
+    logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
+    x = apply_penalties(logits, params, output_ids, prompt_ids)
+    tokens = torch.argmax(x, dim=-1).tolist()
+    for b, p in enumerate(params):
+        if p.greedy:
+            continue
+        probs = torch.softmax(filter_logits(x[b], p), dim=-1)
+        g = generators[b]
+        if g is not None and g.device != probs.device:
+            probs = probs.to(g.device)
+        tokens[b] = int(torch.multinomial(probs, 1, generator=g))
+    if logprobs is None:
+        return tokens, [None] * len(params)
+    return tokens, _token_logprobs(logprobs, lp_rows, params, tokens)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> list[int]:
+    """The next token of each row, with no history (penalties see nothing). logits: [B, V]; ``params[b]`` and
+    ``generators[b]`` belong to row b."""
+    empty = [()] * len(params)
+    return sample_step(logits, params, generators, empty, empty)[0]

@@ -1,0 +1,162 @@
+"""The scheduler: continuous batching with chunked prefill and preemption, first come first served.
+
+Every step it picks, within ``max_num_seqs`` running sequences and ``max_num_batched_tokens`` tokens:
+
+1. the running sequences, oldest first, each with its next tokens (one for a decoding sequence, the next chunk of
+   the prompt for one still prefilling). When the cache has no block for one, the newest running sequence is
+   preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later (its
+   generated tokens are kept and become part of what it recomputes). Nothing is lost.
+2. then, if nothing was preempted, waiting sequences in arrival order while tokens, sequence slots and blocks
+   allow: each first takes the cached blocks of its longest cached prompt prefix, then computes from there.
+
+A sequence's tokens are ``ids`` (prompt, then what it generated); ``computed`` of them have keys in the cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from dtorch.engine.block_manager import BlockManager
+from dtorch.engine.request import Sink
+from dtorch.engine.sampling import SamplingParams
+
+
+class Sequence:
+    """One choice of one request as it runs."""
+
+    __slots__ = ("request_id", "index", "params", "ids", "num_prompt", "sink", "generator", "blocks", "computed",
+                 "prefix_key", "state_slot", "decoder", "text", "emitted", "limit", "stop_ids", "finish_reason",
+                 "cached_tokens", "arrival", "output_ids")
+
+    def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, sink: Sink,
+                 limit: int, stop_ids: frozenset[int], decoder, arrival: float) -> None:
+        self.request_id, self.index, self.params, self.sink = request_id, index, params, sink
+        self.ids = list(prompt)
+        self.num_prompt = len(prompt)
+        self.output_ids: list[int] = []
+        self.generator: torch.Generator | None = None if params.greedy else params.generator(index)
+        self.blocks: list[int] = []
+        self.computed = 0
+        self.prefix_key = -1
+        self.state_slot = -1
+        self.decoder = decoder
+        self.text = ""
+        self.emitted = 0  # characters of text already sent
+        self.limit = limit  # new tokens at most
+        self.stop_ids = stop_ids
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+        self.arrival = arrival
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class Scheduler:
+    """Which sequences run in the next step, and how many of their tokens; owns the waiting and running queues."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, num_state_slots: int = 0,
+                 reset_state=None) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._state_slots = list(range(num_state_slots - 1, -1, -1)) if num_state_slots else None
+        self._reset_state = reset_state
+        self.preemptions = 0
+        self.prefix_queries = 0  # prompt tokens of admitted sequences
+        self.prefix_hits = 0  # of them, found in the prefix cache
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The step: (sequence, tokens to compute from ``seq.computed``) pairs, running sequences first."""
+        bm = self.blocks
+        budget = self.config.max_num_batched_tokens
+        out: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.ids) - seq.computed, budget)
+            need = bm.blocks_for(seq.computed + n) - len(seq.blocks)
+            while need > bm.num_free and self.running[-1] is not seq:
+                self.preempt(self.running.pop())
+                preempted = True
+            if need > bm.num_free:  # not even alone: it waits for blocks itself
+                self.preempt(self.running.pop())
+                preempted = True
+                break
+            if need > 0:
+                seq.blocks += bm.allocate(need)
+            out.append((seq, n))
+            budget -= n
+            i += 1
+        if preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self._state_slots is not None and not self._state_slots:
+                break
+            seq = self.waiting[0]
+            cached, key = bm.cached_prefix(seq.ids)
+            start = len(cached) * bm.block_size
+            n = min(len(seq.ids) - start, budget)
+            need = bm.blocks_for(start + n) - len(cached)
+            if need > bm.num_free - sum(1 for b in cached if bm.holders[b] == 0):
+                break
+            self.waiting.popleft()
+            bm.hold(cached)
+            seq.blocks = cached + bm.allocate(need)
+            seq.computed, seq.prefix_key = start, key
+            seq.cached_tokens = max(seq.cached_tokens, start)
+            self.prefix_queries += len(seq.ids)
+            self.prefix_hits += start
+            if self._state_slots is not None:
+                seq.state_slot = self._state_slots.pop()
+                self._reset_state(seq.state_slot)
+            self.running.append(seq)
+            out.append((seq, n))
+            budget -= n
+        return out
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """Record that a step computed ``n`` more tokens of ``seq``; name its newly full blocks for sharing."""
+        first = seq.computed
+        seq.computed += n
+        seq.prefix_key = self.blocks.register(seq.blocks, seq.ids, first, seq.computed, seq.prefix_key)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and state slot and put it at the front of the queue (it is recomputed)."""
+        self._release(seq)
+        seq.computed, seq.prefix_key = 0, -1
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def finish(self, seqs: Seq[Sequence]) -> None:
+        """Take finished (or aborted) sequences out of the queues and free what they hold."""
+        gone = {id(s) for s in seqs}
+        self.running = [s for s in self.running if id(s) not in gone]
+        if any(id(s) in gone for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        for s in seqs:
+            self._release(s)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.blocks:
+            self.blocks.free(seq.blocks)
+            seq.blocks = []
+        if seq.state_slot >= 0:
+            self._state_slots.append(seq.state_slot)
+            seq.state_slot = -1
