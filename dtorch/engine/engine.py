@@ -139,8 +139,8 @@ class Engine:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting) + sum(a[0] == "add" for a in list(self._inbox)),
                            self.blocks.num_used, self.blocks.num_blocks, self._counts["prompt"],
-                           self._counts["generation"], self._counts["decode"], s.preemptions, s.prefix_queries, s.prefix_hits,
-                           self._counts["steps"], self._seconds["prefill"], self._seconds["decode"])
+                           self._counts["generation"], self._counts["decode"], s.preemptions, s.prefix_queries,
+                           s.prefix_hits, self._counts["steps"], self._seconds["prefill"], self._seconds["decode"])
 
     # -- driving ---------------------------------------------------------------------------------------
 

@@ -104,7 +104,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
                  dtype: torch.dtype | str = torch.float32, max_num_seqs: int = 16, tensor_parallel_size: int = 1,
                  dequantize: bool = False, max_num_batched_tokens: int = PREFILL_TOKENS,
-                 max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None, block_size: int = BLOCK_SIZE,
+                 max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 block_size: int = BLOCK_SIZE,
                  enable_prefix_caching: bool = True, max_waiting: int = 1024) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
