@@ -1,0 +1,358 @@
+"""The engine: paged blocks and the prefix cache, continuous batching with chunked prefill, preemption, aborts,
+concurrent callers, and what each request sees (deltas, n choices, logprobs), against transformers' greedy
+continuations of tiny random checkpoints."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.engine.block_manager import BlockManager
+from dtorch.engine.engine import EngineLoop
+from dtorch.engine.llm import LLM
+from dtorch.engine.sampling import SamplingParams
+from dtorch.models.kv_cache import kv_bytes_per_token
+from tests.tiny_models import families, hf_greedy, random_hybrid, save_random
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+FAMILIES = families(transformers, heads=4, kv_heads=2, vocab=VOCAB, qwen3_head_dim=32)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(transformers model, checkpoint directory) of a tiny random Qwen3."""
+    path = tmp_path_factory.mktemp("qwen3")
+    return save_random(transformers, FAMILIES["qwen3"](), path), str(path)
+
+
+def one_sequence_cache(path: str, tokens: int) -> int:
+    """Bytes of KV cache that hold ``tokens`` tokens of the model at ``path``."""
+    from dtorch.models.loaders import open_checkpoint
+
+    with open_checkpoint(path, torch.float32) as ckpt:
+        return kv_bytes_per_token(ckpt.config, torch.float32) * tokens
+
+
+# -- the block manager ----------------------------------------------------------------------------------------------
+
+def test_blocks_are_held_shared_and_freed():
+    bm = BlockManager(6, 4)
+    a = bm.allocate(3)
+    assert bm.num_free == 3 and len(set(a)) == 3
+    bm.hold(a[:2])  # a second sequence shares the first two
+    bm.free(a)
+    assert bm.num_free == 4 and [bm.holders[b] for b in a] == [1, 1, 0]
+    bm.free(a[:2])
+    assert bm.num_free == 6
+    with pytest.raises(dtorch.ArgumentError, match="freed more often"):
+        bm.free(a[:1])
+    with pytest.raises(dtorch.ArgumentError, match="7 blocks asked, 6 free"):
+        bm.allocate(7)
+
+
+def test_the_prefix_cache_names_whole_blocks_of_the_whole_prefix():
+    bm = BlockManager(8, 4)
+    tokens = list(range(10, 23))  # 13 tokens: 3 full blocks
+    blocks = bm.allocate(4)
+    key = bm.register(blocks, tokens, 0, 13, -1)
+    assert key >= 0
+    assert bm.cached_prefix(tokens) == (blocks[:3], key)  # 12 cached, the 13th left to compute
+    assert bm.cached_prefix(tokens[:12])[0] == blocks[:2]  # at least one token is computed
+    assert bm.cached_prefix(tokens[:4] + [99] + tokens[5:])[0] == blocks[:1]  # a change ends the match
+    assert bm.cached_prefix([0] + tokens)[0] == []  # the same blocks at another offset are another prefix
+    bm.free(blocks)  # freed but remembered: a new sequence still finds them
+    assert bm.cached_prefix(tokens)[0] == blocks[:3]
+    fresh = bm.allocate(5)  # least recently freed first: the 4 never-used blocks, then the tail block of the prefix
+    assert blocks[3] in fresh and not set(blocks[:3]) & set(fresh)
+    assert bm.cached_prefix(tokens)[0] == blocks[:3]
+    bm.allocate(3)  # the prefix's blocks are reused now: forgotten, last block first
+    assert bm.cached_prefix(tokens)[0] == []
+
+
+def test_no_prefix_cache_when_disabled():
+    bm = BlockManager(4, 2, enable_prefix_caching=False)
+    b = bm.allocate(2)
+    bm.register(b, [5, 6, 7, 8], 0, 4, -1)
+    assert bm.cached_prefix([5, 6, 7, 8, 9]) == ([], -1)
+
+
+# -- generation on the engine ---------------------------------------------------------------------------------------
+
+def test_preemption_under_a_tiny_cache_loses_nothing(tiny):
+    hf, path = tiny
+    # room for one sequence of 64 tokens; four sequences of up to 60 tokens each must take turns
+    llm = LLM(path, max_num_seqs=4, max_model_len=64, kv_cache_memory_bytes=one_sequence_cache(path, 64),
+              block_size=4, max_num_batched_tokens=32)
+    try:
+        prompts = [rand_ids(n, seed) for seed, n in enumerate((20, 11, 30, 7))]
+        outs = llm.generate(prompts, greedy(30))
+        s = llm.engine.stats()
+        assert s.preemptions > 0 and s.kv_blocks_total == 16
+        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in prompts]
+        assert all(o.finish_reason == "length" for o in outs)
+        assert s.kv_blocks_used == 0 and s.running == s.waiting == 0
+    finally:
+        llm.close()
+
+
+def test_prefix_caching_reuses_blocks_and_gives_identical_outputs(tiny):
+    hf, path = tiny
+    llm = LLM(path, block_size=8)
+    try:
+        system = rand_ids(40, 7)
+        a, b = system + rand_ids(5, 8), system + rand_ids(9, 9)
+        assert llm.generate([a], greedy(12))[0].token_ids == hf_greedy(hf, a, 12)
+        before = llm.engine.stats()
+        out = llm.generate([b], greedy(12))[0]
+        after = llm.engine.stats()
+        assert after.prefix_hits - before.prefix_hits == 40  # 5 whole blocks of the shared 40 tokens
+        assert after.prompt_tokens - before.prompt_tokens == len(b) - 40  # its prefill starts after them
+        assert out.token_ids == hf_greedy(hf, b, 12)
+        # the same prompt again: every whole block but the one holding its last token comes from the cache
+        again = llm.generate([a], greedy(12))[0]
+        assert again.token_ids == hf_greedy(hf, a, 12)
+        assert llm.engine.stats().prefix_hits - after.prefix_hits == 40
+    finally:
+        llm.close()
+
+
+def test_a_request_joins_the_running_batch_and_prefills_in_chunks_beside_decodes(tiny):
+    hf, path = tiny
+    llm = LLM(path, max_num_batched_tokens=16)
+    steps: list[list[int]] = []
+    real = llm.executor.step
+
+    def recording(plan, **kw):
+        steps.append(list(plan.counts))
+        return real(plan, **kw)
+
+    llm.executor.step = recording
+    try:
+        e, got, reasons = llm.engine, defaultdict(list), {}
+
+        def sink(d):
+            got[d.request_id] += d.token_ids
+            if d.finish_reason:
+                reasons[d.request_id] = d.finish_reason
+
+        pa, pb = rand_ids(6, 1), rand_ids(40, 2)
+        e.add_request("a", pa, greedy(20), sink)
+        for _ in range(3):
+            e.step()
+        assert len(got["a"]) == 3
+        e.add_request("b", pb, greedy(20), sink)
+        e.step()
+        assert steps[-1] == [1, 15]  # a decodes while b's first chunk fills the step's 16 tokens
+        e.run_until(lambda: len(reasons) == 2, timeout=60)
+        assert got["a"] == hf_greedy(hf, pa, 20) and got["b"] == hf_greedy(hf, pb, 20)
+        assert max(sum(c) for c in steps) <= 16
+        assert [1, 15] in steps and [1, 15] in steps[steps.index([1, 15]) + 1:]  # b needed three chunks
+        assert reasons == {"a": "length", "b": "length"} and e.stats().kv_blocks_used == 0
+    finally:
+        llm.close()
+
+
+def test_first_come_first_served_within_max_num_seqs(tiny):
+    _, path = tiny
+    llm = LLM(path, max_num_seqs=2)
+    try:
+        e, order = llm.engine, []
+        for name in "abc":
+            e.add_request(name, rand_ids(5, ord(name)), greedy(3),
+                          lambda d: order.append(d.request_id) if d.finished else None)
+        e.step()
+        assert [s.request_id for s in e.scheduler.running] == ["a", "b"]
+        assert [s.request_id for s in e.scheduler.waiting] == ["c"]
+        e.run_until(lambda: len(order) == 3, timeout=60)
+        assert order[2] == "c"
+    finally:
+        llm.close()
+
+
+def test_an_aborted_request_ends_and_frees_its_blocks(tiny):
+    _, path = tiny
+    llm = LLM(path)
+    try:
+        e, deltas = llm.engine, []
+        e.add_request("x", rand_ids(30, 3), greedy(50), deltas.append)
+        e.add_request("y", rand_ids(5, 4), greedy(50), deltas.append)
+        e.step()
+        e.step()
+        assert e.stats().kv_blocks_used > 0
+        e.abort("x")
+        e.abort("nobody")  # unknown ids are ignored
+        e.step()
+        last = [d for d in deltas if d.request_id == "x"][-1]
+        assert last.finish_reason == "abort" and last.token_ids == ()
+        assert [s.request_id for s in e.scheduler.running] == ["y"]
+        e.abort("y")
+        e.step()
+        assert e.stats().kv_blocks_used == 0 and not e.has_unfinished()
+        assert sum(d.finish_reason is not None for d in deltas) == 2  # each ended once
+    finally:
+        llm.close()
+
+
+def test_bad_requests_and_a_full_queue_are_refused_clearly(tiny):
+    _, path = tiny
+    llm = LLM(path, max_waiting=1, max_model_len=64)
+    try:
+        e = llm.engine
+        with pytest.raises(dtorch.ArgumentError, match="empty"):
+            e.add_request("a", [], greedy(2), print)
+        with pytest.raises(dtorch.ArgumentError, match=r"token id 500.*\[0, 128\)"):
+            e.add_request("a", [3, 500], greedy(2), print)
+        with pytest.raises(dtorch.ModelError, match="64 tokens.*max_model_len"):
+            e.add_request("a", [3] * 64, greedy(2), print)
+        with pytest.raises(dtorch.ArgumentError, match="SamplingParams"):
+            e.add_request("a", [3], {"temperature": 0}, print)
+        e.add_request("a", [3, 4], greedy(2), lambda d: None)
+        with pytest.raises(dtorch.ArgumentError, match="'a' is already in use"):
+            e.add_request("a", [3, 4], greedy(2), lambda d: None, force=True)
+        with pytest.raises(dtorch.EngineBusy, match="queue is full"):
+            e.add_request("b", [3, 4], greedy(2), lambda d: None)
+        e.accepting = False
+        with pytest.raises(dtorch.EngineBusy, match="shutting down"):
+            e.add_request("c", [3, 4], greedy(2), lambda d: None, force=True)
+    finally:
+        llm.close()
+    with pytest.raises(dtorch.ArgumentError, match="kv_cache_memory_bytes 2048 holds 2 tokens"):
+        LLM(path, kv_cache_memory_bytes=2048)
+    with pytest.raises(dtorch.ArgumentError, match="max_model_len 4096 is more than the model's 128"):
+        LLM(path, max_model_len=4096)
+
+
+def test_concurrent_callers_each_get_their_own_tokens(tiny):
+    hf, path = tiny
+    llm = LLM(path, max_num_seqs=4)
+    try:
+        prompts = [rand_ids(4 + 3 * i, 20 + i) for i in range(8)]
+        alone = [llm.generate([p], greedy(10))[0].token_ids for p in prompts]
+        got: dict[int, list[int]] = {}
+        threads_before = threading.active_count()
+
+        def call(i: int) -> None:
+            got[i] = llm.generate([prompts[i]], greedy(10))[0].token_ids
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert [got[i] for i in range(8)] == alone
+        assert alone[0] == hf_greedy(hf, prompts[0], 10)
+        assert threading.active_count() == threads_before
+    finally:
+        llm.close()
+
+
+def test_the_engine_loop_serves_and_stops_within_its_grace(tiny):
+    hf, path = tiny
+    llm = LLM(path)
+    loop = EngineLoop(llm.engine).start()
+    try:
+        done, ids = threading.Event(), []
+
+        def sink(d):
+            ids.extend(d.token_ids)
+            if d.finished:
+                done.set()
+
+        prompt = rand_ids(9, 5)
+        llm.engine.add_request("r", prompt, greedy(8), sink)
+        assert done.wait(60) and ids == hf_greedy(hf, prompt, 8)
+        ended = []
+        llm.engine.add_request("long", prompt, greedy(100), lambda d: ended.append(d.finish_reason))
+        t0 = time.monotonic()
+        loop.stop(grace=0.0)
+        assert time.monotonic() - t0 < 30
+        assert ended[-1] in ("abort", "length") and not loop._thread.is_alive()
+        with pytest.raises(dtorch.EngineBusy):
+            llm.engine.add_request("late", prompt, greedy(2), print)
+    finally:
+        loop.stop()
+        llm.close()
+
+
+def test_n_choices_logprobs_and_seeds(tiny):
+    _, path = tiny
+    llm = LLM(path)
+    try:
+        e, prompt, deltas = llm.engine, rand_ids(7, 11), defaultdict(list)
+        e.add_request("n", prompt, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=6, ignore_eos=True,
+                                                  logprobs=3), lambda d: deltas[d.index].append(d))
+        e.run_until(lambda: all(ds and ds[-1].finished for ds in deltas.values()) and len(deltas) == 2, timeout=60)
+        choices = {i: [t for d in ds for t in d.token_ids] for i, ds in deltas.items()}
+        for i in (0, 1):  # choice i draws as a request of its own seeded with seed + i
+            alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5 + i, max_tokens=6,
+                                                          ignore_eos=True))[0].token_ids
+            assert choices[i] == alone
+        # each token's logprob is the model's log_softmax at its position
+        ids = prompt + choices[0]
+        want = torch.log_softmax(llm.logits(ids), -1)
+        for k, d in enumerate(deltas[0]):
+            (lp,) = d.logprobs
+            pos = len(prompt) - 1 + k
+            assert lp.token_id == ids[pos + 1]
+            assert lp.logprob == pytest.approx(float(want[pos, lp.token_id]), abs=1e-4)
+            assert [t for t, _ in lp.top] == want[pos].topk(3).indices.tolist()
+        assert deltas[0][-1].completion_tokens == 6 and deltas[0][-1].prompt_tokens == 7
+    finally:
+        llm.close()
+
+
+def test_a_hybrid_model_is_preempted_and_resumed_exactly(tmp_path):
+    """Gated delta net layers keep a state per sequence: a preempted sequence gives its state slot back and recomputes
+    its state from its first token."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2)
+    hf = random_hybrid(transformers, config)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), max_num_seqs=3, max_model_len=48, block_size=4, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=one_sequence_cache(str(tmp_path), 48))
+    try:
+        prompts = [rand_ids(n, 30 + n) for n in (14, 9, 20)]
+        outs = llm.generate(prompts, greedy(20))
+        assert llm.engine.stats().preemptions > 0
+        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 20) for p in prompts]
+    finally:
+        llm.close()
+
+
+def test_streamed_text_joins_to_the_answer_and_stop_strings_are_held_back():
+    llm = LLM(max_model_len=512)
+    try:
+        prompt = llm.chat_prompt([{"role": "user", "content": "Name three colours."}])
+        full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0]
+        pieces = []
+        streamed = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24),
+                                on_text=lambda i, p: pieces.append(p))[0]
+        assert "".join(pieces) == streamed.text == full.text and full.text
+        cut = full.text[len(full.text) // 2:][:3]  # a stop string from the middle of the answer
+        pieces = []
+        stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop=[cut]),
+                               on_text=lambda i, p: pieces.append(p))[0]
+        assert stopped.finish_reason == "stop" and stopped.text == full.text[:full.text.index(cut)]
+        assert "".join(pieces) == stopped.text
+    finally:
+        llm.close()
