@@ -37,7 +37,7 @@ def _lib():
 
 # -- matmul.linear on GGUF weights -------------------------------------------------------------------------
 # inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
-# outputs: out [..., N]. Under 16 rows x is quantized to two int8 levels per 32 values inside, else w is dequantized
+# outputs: out [..., N]. Under 32 rows x is quantized to two int8 levels per 32 values inside, else w is dequantized
 # in panels for torch's GEMM (see ops.qlinear); the reference (torch backend) dequantizes w with
 # layouts.dequantize and runs F.linear.
 
@@ -68,8 +68,8 @@ def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | N
 
 for _layout in GGUF_LAYOUTS:
     KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
-                varies="under 16 rows: activations in two int8 levels per 32 values (~16 bits), output rows split "
-                       "over torch's intra-op threads; 16 rows and more: float32 weight panels and torch's GEMM")
+                varies="under 32 rows: activations in two int8 levels per 32 values (~16 bits), output rows split "
+                       "over torch's intra-op threads; 32 rows and more: float32 weight panels and torch's GEMM")
 
 
 # -- matmul.linear on float weights: the one-row product ----------------------------------------------------

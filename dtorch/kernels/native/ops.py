@@ -23,9 +23,9 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tens
     """out [..., N] = x [..., K] @ dequantize(packed).T (+ bias [N]) for a weight packed uint8 [N, row_bytes]
     in ``layout`` (see dtorch/kernels/layouts.py); K comes from x. x float32 or bfloat16, out and bias alike.
 
-    Fewer than 16 rows of x (decode): x is quantized once per call to two int8 levels per 32 values, x = d (hi +
+    Fewer than 32 rows of x (decode): x is quantized once per call to two int8 levels per 32 values, x = d (hi +
     lo / 254) with d = amax / 127 (about 16 bits), and the products are integer dot products scaled in float32.
-    16 rows and more (prefill): the weight is dequantized to float32 in panels and multiplied with torch's GEMM.
+    32 rows and more (prefill): the weight is dequantized to float32 in panels and multiplied with torch's GEMM.
     The bias is added before the one rounding to out's dtype.
     """
     if out is None:

@@ -178,7 +178,9 @@ std::vector<int64_t> kernel_order(int64_t block, int64_t K) {
 
 // From this many rows of x on, qlinear dequantizes panels of the weight to float32 and multiplies with torch's GEMM
 // (exact float products; the integer kernels' work grows with the rows, the dequantization does not)
-constexpr int64_t kFloatRows = 16;
+// (the dequantization costs as much as ~20-40 rows of integer products: a [576, 49152] head crosses at ~38 rows, a
+// [576, 960] projection at ~20; decode batches up to 32 rows stay integer)
+constexpr int64_t kFloatRows = 32;
 
 // y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights (they stay in L2)
 void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, int64_t block, const at::Tensor& x,
