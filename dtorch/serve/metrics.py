@@ -1,0 +1,72 @@
+"""``GET /metrics``: Prometheus metrics of one server, in a registry of its own (not prometheus_client's global one).
+
+Read from the engine at scrape time: requests running and waiting, KV cache usage, prompt and generation tokens,
+preemptions. Kept by the server as requests run: time to first token, requests by finish reason, and generation
+tokens per second over the last ``window`` seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector(Collector):
+    """One ``engine.stats()`` per scrape, as gauges and counters."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        yield GaugeMetricFamily("dtorch:num_requests_running", "Requests in the running batch.", value=s.running)
+        yield GaugeMetricFamily("dtorch:num_requests_waiting", "Requests queued for a slot.", value=s.waiting)
+        yield GaugeMetricFamily("dtorch:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                                value=s.kv_usage)
+        yield CounterMetricFamily("dtorch:prompt_tokens", "Prompt tokens prefilled.", value=s.prompt_tokens)
+        yield CounterMetricFamily("dtorch:generation_tokens", "Tokens generated.", value=s.generation_tokens)
+        yield CounterMetricFamily("dtorch:num_preemptions", "Sequences preempted for cache space.",
+                                  value=s.preemptions)
+
+
+class ServerMetrics:
+    """The registry behind ``/metrics`` and the hooks the request handlers call."""
+
+    def __init__(self, engine: Any, window: float = 10.0) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.window = window
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of each delta in the window
+        self._lock = threading.Lock()
+        Gauge("dtorch:generation_tokens_per_second", f"Tokens generated per second over the last {window:g} s.",
+              registry=self.registry).set_function(self.tokens_per_second)
+        self.ttft = Histogram("dtorch:time_to_first_token_seconds", "Seconds from request to its first token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.finished = Counter("dtorch:request_success", "Finished choices by finish reason.",
+                                ["finished_reason"], registry=self.registry)
+
+    def tokens(self, count: int) -> None:
+        """Record ``count`` new tokens now."""
+        if count:
+            with self._lock:
+                self._recent.append((time.monotonic(), count))
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - self.window:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / self.window
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
