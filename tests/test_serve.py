@@ -191,7 +191,9 @@ def fake():
 
     llm = FakeLLM()
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, "fake", engine_loop=FakeLoop(llm.engine)),
+    loop = FakeLoop(llm.engine)  # the caller runs the loop it passes; the app stops it at shutdown
+    loop.start()
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, "fake", engine_loop=loop),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

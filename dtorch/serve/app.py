@@ -156,11 +156,13 @@ class _Server:
 def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``served_model_name``.
 
-    engine_loop: what steps the engine, with ``start()`` and ``stop(grace)``; started and stopped with the app
-    (default: ``EngineLoop(llm.engine)``). uvicorn's graceful shutdown lets requests in flight finish first, so
-    the loop is stopped with no grace of its own: what is left is aborted.
+    engine_loop: what steps the engine (``stop(grace)``), run by the caller (``dtorch serve`` runs it on its main
+    thread, where the model was loaded; see ``EngineLoop``). None: the app starts an ``EngineLoop`` on a thread of its
+    own. Either way the app stops it at shutdown, after uvicorn's graceful shutdown has let requests in flight
+    finish, with no grace of its own: what is left is aborted.
     """
-    if engine_loop is None:
+    own = engine_loop is None
+    if own:
         from dtorch.engine.engine import EngineLoop
 
         engine_loop = EngineLoop(llm.engine)
@@ -168,7 +170,8 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None) -> F
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        engine_loop.start()
+        if own:
+            engine_loop.start()
         server.serving = True
         try:
             yield

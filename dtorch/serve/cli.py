@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,32 +82,32 @@ def run_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("dtorch.serve")
     loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
     name = args.served_model_name or served_name(llm.source)
+    t0 = time.perf_counter()
+    shapes = llm.engine.warmup()
+    print(f"dtorch serve: {shapes} step shapes built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     app = build_app(llm, name, engine_loop=loop)
-    # uvicorn's own limit is a backstop: the engine ends what is left at --shutdown-grace (see _graceful_server)
+    # uvicorn's own limit is a backstop: the engine ends what is left at --shutdown-grace
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace + 5)
-    print(f"dtorch serve: {llm.source} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the handler it found:
-    # with Python's defaults the process would die of SIGTERM or KeyboardInterrupt after a clean shutdown
+    server = uvicorn.Server(config)
+    # HTTP on a thread of its own; the engine steps on this one, which loaded the model (see EngineLoop)
+    http = threading.Thread(target=server.run, name="dtorch-http", daemon=True)
+
+    def shut_down(_sig: int, _frame: Any) -> None:  # SIGTERM / Ctrl-C, on this thread between steps
+        if not server.should_exit:  # new requests get 503 at once, those in flight get the grace, then abort
+            threading.Thread(target=loop.stop, args=(args.shutdown_grace,), name="dtorch-shutdown",
+                             daemon=True).start()
+        server.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, shut_down)
+    print(f"dtorch serve: {llm.source} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        _graceful_server(config, loop, args.shutdown_grace).run()
+        http.start()
+        loop.run(until=lambda: not http.is_alive())  # ends when stopped, or when the server could not start
+        http.join(args.shutdown_grace + 10)
     finally:
         llm.close()
+    if not server.started:
+        raise DtorchError(f"dtorch serve: the HTTP server did not start on {args.host}:{args.port} (see its log)")
     return 0
-
-
-def _graceful_server(config: Any, loop: Any, grace: float) -> Any:
-    """A uvicorn server that, on SIGTERM / Ctrl-C, also stops the engine loop: new requests get 503 at once, those
-    in flight get ``grace`` seconds, then the rest are aborted, so each ends its response with finish_reason
-    "abort" instead of being cut off; uvicorn meanwhile waits for the responses to finish."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                threading.Thread(target=loop.stop, args=(grace,), name="dtorch-shutdown", daemon=True).start()
-            super().handle_exit(sig, frame)
-
-    return Server(config)
