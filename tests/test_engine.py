@@ -208,6 +208,27 @@ def test_an_aborted_request_ends_and_frees_its_blocks(tiny):
         llm.close()
 
 
+def test_a_failing_sink_ends_only_its_own_request(tiny):
+    hf, path = tiny
+    llm = LLM(path)
+    try:
+        e, good, calls = llm.engine, [], []
+
+        def bad(d):
+            calls.append(d)
+            raise RuntimeError("client gone")
+
+        prompt = rand_ids(8, 12)
+        e.add_request("bad", rand_ids(8, 13), greedy(20), bad)
+        e.add_request("good", prompt, greedy(12), lambda d: good.extend(d.token_ids))
+        e.run_until(lambda: not e.has_unfinished(), timeout=60)
+        assert good == hf_greedy(hf, prompt, 12)
+        assert calls[-1].finish_reason == "abort" and len(calls) <= 3  # aborted at the next step
+        assert e.stats().kv_blocks_used == 0
+    finally:
+        llm.close()
+
+
 def test_bad_requests_and_a_full_queue_are_refused_clearly(tiny):
     _, path = tiny
     llm = LLM(path, max_waiting=1, max_model_len=64)
@@ -313,6 +334,16 @@ def test_n_choices_logprobs_and_seeds(tiny):
             assert lp.logprob == pytest.approx(float(want[pos, lp.token_id]), abs=1e-4)
             assert [t for t, _ in lp.top] == want[pos].topk(3).indices.tolist()
         assert deltas[0][-1].completion_tokens == 6 and deltas[0][-1].prompt_tokens == 7
+        # n choices share the prompt's prefill: choice 1 takes choice 0's whole blocks of the prompt
+        long_prompt = rand_ids(40, 14)
+        before = e.stats()
+        done = []
+        e.add_request("shared", long_prompt, SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=2),
+                      lambda d: done.append(d) if d.finished else None)
+        e.run_until(lambda: len(done) == 3, timeout=60)
+        after = e.stats()
+        assert after.prompt_tokens - before.prompt_tokens == 40 + 2 * (40 - 32)  # blocks of 16: 32 tokens shared
+        assert after.prefix_hits - before.prefix_hits == 2 * 32
     finally:
         llm.close()
 

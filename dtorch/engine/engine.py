@@ -9,6 +9,7 @@ engine; ``run_until`` lets several threads share that job (one steps, the others
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -25,6 +26,8 @@ from dtorch.engine.sampling import SamplingParams, sample_step
 from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
+
+log = logging.getLogger("dtorch.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,8 +274,13 @@ class Engine:
         return None
 
     def _emit(self, s: Sequence, tokens: tuple[int, ...], text: str, logprobs) -> None:
-        s.sink(Delta(s.request_id, s.index, tokens, text, logprobs, s.finish_reason, s.num_prompt,
-                     len(s.output_ids), s.cached_tokens))
+        try:
+            s.sink(Delta(s.request_id, s.index, tokens, text, logprobs, s.finish_reason, s.num_prompt,
+                         len(s.output_ids), s.cached_tokens))
+        except Exception:  # a failing sink ends its own request, not the step of everyone else
+            log.exception("the sink of request %r failed; the request is aborted", s.request_id)
+            if not s.finished:
+                self.abort(s.request_id)
 
     def _end(self, seqs: list[Sequence], reason: str) -> None:
         """Finish ``seqs`` early (abort): each sink gets a last delta."""

@@ -7,7 +7,9 @@ Every step it picks, within ``max_num_seqs`` running sequences and ``max_num_bat
    preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later (its
    generated tokens are kept and become part of what it recomputes). Nothing is lost.
 2. then, if nothing was preempted, waiting sequences in arrival order while tokens, sequence slots and blocks
-   allow: each first takes the cached blocks of its longest cached prompt prefix, then computes from there.
+   allow: each first takes the cached blocks of its longest cached prompt prefix, then computes from there. The
+   other choices of a request with ``n`` > 1 wait until its first choice has computed the prompt, then share its
+   blocks the same way.
 
 A sequence's tokens are ``ids`` (prompt, then what it generated); ``computed`` of them have keys in the cache.
 """
@@ -110,6 +112,8 @@ class Scheduler:
             if self._state_slots is not None and not self._state_slots:
                 break
             seq = self.waiting[0]
+            if seq.index > 0 and bm.enable_prefix_caching and self._sibling_prefilling(seq):
+                break  # choice i > 0 of a request waits for choice 0's prompt blocks, then shares them
             cached, key = bm.cached_prefix(seq.ids)
             start = len(cached) * bm.block_size
             n = min(len(seq.ids) - start, budget)
@@ -130,6 +134,10 @@ class Scheduler:
             out.append((seq, n))
             budget -= n
         return out
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        return any(s.request_id == seq.request_id and s.index == 0 and s.computed < s.num_prompt
+                   for s in self.running)
 
     def computed(self, seq: Sequence, n: int) -> None:
         """Record that a step computed ``n`` more tokens of ``seq``; name its newly full blocks for sharing."""
