@@ -291,10 +291,11 @@ def check_llm(n: int) -> list[Row]:
         t0 = time.perf_counter()
         out = llm.generate([prompt], params)[0]
         dt = time.perf_counter() - t0
-        ids[tp] = out.token_ids
+        ids[tp] = out.outputs[0].token_ids
         same = tp == 1 or ids[tp] == ids[1]
         rows.append((f"llm decode tp={tp}", f"cuda x{tp}", "ok" if same else "FAIL", dt * 1e3,
-                     f"{len(out.token_ids) / dt:.1f} tok/s" + ("" if tp == 1 else f"; ids equal tp=1: {same}")))
+                     f"{len(out.outputs[0].token_ids) / dt:.1f} tok/s"
+                     + ("" if tp == 1 else f"; ids equal tp=1: {same}")))
         del llm
     return rows
 

@@ -72,7 +72,7 @@ class Runtime:
         from dtorch.engine.sampling import SamplingParams
 
         out = self.llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))[0]
-        return self.llm.stats.decode_tps, out.token_ids
+        return self.llm.stats.decode_tps, out.outputs[0].token_ids
 
 
 def decode_step_trace(llm, prompt: list[int]):

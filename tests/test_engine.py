@@ -84,6 +84,50 @@ def test_the_prefix_cache_names_whole_blocks_of_the_whole_prefix():
     assert bm.cached_prefix(tokens)[0] == []
 
 
+def test_free_blocks_are_reused_in_the_order_that_touches_least_memory():
+    bm = BlockManager(8, 2)
+    a = bm.allocate(3)
+    assert a == [0, 1, 2] and bm.num_resident == 3  # never-used blocks, lowest first
+    key = bm.register(a, [5, 6, 7, 8, 9], 0, 5, -1)  # blocks 0 and 1 are full: named
+    assert key >= 0
+    bm.free(a)
+    assert bm.allocate(1) == [2]  # an unnamed block whose memory is in use comes first
+    assert bm.allocate(1) == [3]  # then a never-used one
+    b = bm.allocate(4)  # then the named ones, least recently freed first: the prefix's tail block before its head
+    assert b == [4, 5, 6, 7] and bm.cached_prefix([5, 6, 7, 8, 9])[0] == [0, 1]
+    assert bm.allocate(1) == [1] and bm.cached_prefix([5, 6, 7, 8, 9])[0] == [0]  # the head still matches
+
+
+def test_trim_keeps_the_newest_cached_prefixes():
+    bm = BlockManager(6, 2)
+    first, second = bm.allocate(2), bm.allocate(3)
+    bm.register(first, [1, 2, 3, 4], 0, 4, -1)
+    bm.register(second, [7, 8, 9, 10, 11], 0, 5, -1)
+    bm.free(first)
+    bm.free(second)  # named blocks freed: first's two, then second's two; second[2] (partial) is unnamed
+    assert bm.trim(keep_named=2) == sorted(first + second[2:])  # the two most recently freed stay cached
+    assert bm.num_resident == 2 and bm.cached_prefix([7, 8, 9, 10, 11])[0] == second[:2]
+    assert bm.cached_prefix([1, 2, 3, 4, 5])[0] == []
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="pages are released with madvise")
+def test_an_idle_engine_gives_the_memory_of_free_blocks_back(tiny):
+    _, path = tiny
+    llm = LLM(path, block_size=4)
+    try:
+        llm.generate([rand_ids(40 + i, 60 + i) for i in range(8)], greedy(20))
+        s = llm.engine.stats()
+        assert s.kv_blocks_used == 0
+        assert 0 < s.kv_blocks_resident <= s.kv_blocks_total // 4  # at most the kept cached prefixes
+        # what was released reads as zeros: its pages went back to the system
+        k = next(iter(llm.cache.tensors["k_cache.0"].blobs.values())).tensor
+        kept = {b for b in range(s.kv_blocks_total) if b in llm.engine.blocks._named}
+        written = [b for b in range(64) if b not in kept]
+        assert float(k[written].abs().sum()) == 0.0 and float(k[sorted(kept)].abs().sum()) > 0
+    finally:
+        llm.close()
+
+
 def test_no_prefix_cache_when_disabled():
     bm = BlockManager(4, 2, enable_prefix_caching=False)
     b = bm.allocate(2)
@@ -103,8 +147,8 @@ def test_preemption_under_a_tiny_cache_loses_nothing(tiny):
         outs = llm.generate(prompts, greedy(30))
         s = llm.engine.stats()
         assert s.preemptions > 0 and s.kv_blocks_total == 16
-        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in prompts]
-        assert all(o.finish_reason == "length" for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in prompts]
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
         assert s.kv_blocks_used == 0 and s.running == s.waiting == 0
     finally:
         llm.close()
@@ -116,16 +160,16 @@ def test_prefix_caching_reuses_blocks_and_gives_identical_outputs(tiny):
     try:
         system = rand_ids(40, 7)
         a, b = system + rand_ids(5, 8), system + rand_ids(9, 9)
-        assert llm.generate([a], greedy(12))[0].token_ids == hf_greedy(hf, a, 12)
+        assert llm.generate([a], greedy(12))[0].outputs[0].token_ids == hf_greedy(hf, a, 12)
         before = llm.engine.stats()
         out = llm.generate([b], greedy(12))[0]
         after = llm.engine.stats()
         assert after.prefix_hits - before.prefix_hits == 40  # 5 whole blocks of the shared 40 tokens
         assert after.prompt_tokens - before.prompt_tokens == len(b) - 40  # its prefill starts after them
-        assert out.token_ids == hf_greedy(hf, b, 12)
+        assert out.outputs[0].token_ids == hf_greedy(hf, b, 12)
         # the same prompt again: every whole block but the one holding its last token comes from the cache
         again = llm.generate([a], greedy(12))[0]
-        assert again.token_ids == hf_greedy(hf, a, 12)
+        assert again.outputs[0].token_ids == hf_greedy(hf, a, 12)
         assert llm.engine.stats().prefix_hits - after.prefix_hits == 40
     finally:
         llm.close()
@@ -263,12 +307,12 @@ def test_concurrent_callers_each_get_their_own_tokens(tiny):
     llm = LLM(path, max_num_seqs=4)
     try:
         prompts = [rand_ids(4 + 3 * i, 20 + i) for i in range(8)]
-        alone = [llm.generate([p], greedy(10))[0].token_ids for p in prompts]
+        alone = [llm.generate([p], greedy(10))[0].outputs[0].token_ids for p in prompts]
         got: dict[int, list[int]] = {}
         threads_before = threading.active_count()
 
         def call(i: int) -> None:
-            got[i] = llm.generate([prompts[i]], greedy(10))[0].token_ids
+            got[i] = llm.generate([prompts[i]], greedy(10))[0].outputs[0].token_ids
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
         for t in threads:
@@ -322,7 +366,7 @@ def test_n_choices_logprobs_and_seeds(tiny):
         choices = {i: [t for d in ds for t in d.token_ids] for i, ds in deltas.items()}
         for i in (0, 1):  # choice i draws as a request of its own seeded with seed + i
             alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5 + i, max_tokens=6,
-                                                          ignore_eos=True))[0].token_ids
+                                                          ignore_eos=True))[0].outputs[0].token_ids
             assert choices[i] == alone
         # each token's logprob is the model's log_softmax at its position
         ids = prompt + choices[0]
@@ -365,7 +409,7 @@ def test_a_hybrid_model_is_preempted_and_resumed_exactly(tmp_path):
         prompts = [rand_ids(n, 30 + n) for n in (14, 9, 20)]
         outs = llm.generate(prompts, greedy(20))
         assert llm.engine.stats().preemptions > 0
-        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 20) for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 20) for p in prompts]
     finally:
         llm.close()
 
@@ -374,16 +418,106 @@ def test_streamed_text_joins_to_the_answer_and_stop_strings_are_held_back():
     llm = LLM(max_model_len=512)
     try:
         prompt = llm.chat_prompt([{"role": "user", "content": "Name three colours."}])
-        full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0]
+        full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0].text
         pieces = []
         streamed = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24),
-                                on_text=lambda i, p: pieces.append(p))[0]
-        assert "".join(pieces) == streamed.text == full.text and full.text
-        cut = full.text[len(full.text) // 2:][:3]  # a stop string from the middle of the answer
-        pieces = []
-        stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop=[cut]),
-                               on_text=lambda i, p: pieces.append(p))[0]
-        assert stopped.finish_reason == "stop" and stopped.text == full.text[:full.text.index(cut)]
-        assert "".join(pieces) == stopped.text
+                                on_text=lambda i, p: pieces.append(p))[0].outputs[0]
+        assert "".join(pieces) == streamed.text == full and full
+        cut = full[len(full) // 2:][:3]  # a stop string from the middle of the answer
+        for include in (False, True):
+            got: list[str] = []
+            params = SamplingParams(temperature=0.0, max_tokens=24, stop=[cut], include_stop_str_in_output=include)
+            stopped = llm.generate([prompt], params, on_text=lambda i, p, got=got: got.append(p))[0].outputs[0]
+            end = full.index(cut) + (len(cut) if include else 0)
+            assert (stopped.finish_reason, stopped.stop_reason, stopped.text) == ("stop", cut, full[:end])
+            assert "".join(got) == stopped.text
+        # min_tokens: no stop string, stop id or end of sequence before it
+        ended = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=200))[0].outputs[0]
+        assert ended.finish_reason == "stop" and ended.stop_reason is None  # the end-of-sequence token
+        longer = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=200,
+                                                       min_tokens=len(ended.token_ids) + 5))[0].outputs[0]
+        assert len(longer.token_ids) > len(ended.token_ids) + 4
+        assert not set(longer.token_ids[:len(ended.token_ids) + 5]) & llm.eos_token_ids
+        assert longer.token_ids[:len(ended.token_ids) - 1] == ended.token_ids[:-1]  # the same until the end was due
+        # a stop token id ends with its id as stop_reason and stays in token_ids
+        stop_id = ended.token_ids[3]
+        by_id = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id]))
+        c = by_id[0].outputs[0]
+        assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", stop_id, ended.token_ids[:4])
+    finally:
+        llm.close()
+
+
+def test_vllm_shaped_outputs_with_n_and_logprobs(tiny):
+    """``RequestOutput.outputs`` holds the n choices; each choice's logprobs are {token id: Logprob} per token, the
+    same as generating that choice alone (choice i is seeded with seed + i), and cumulative_logprob is their sum."""
+    _, path = tiny
+    llm = LLM(path)
+    try:
+        prompt = rand_ids(9, 40)
+        params = SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=5, ignore_eos=True, logprobs=2)
+        (out,) = llm.generate([prompt], params)
+        assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished and out.prompt_token_ids == prompt
+        for c in out.outputs:
+            alone = llm.generate([prompt], SamplingParams(temperature=0.9, seed=3 + c.index, max_tokens=5,
+                                                          ignore_eos=True, logprobs=2))[0].outputs[0]
+            assert c.token_ids == alone.token_ids and c.finish_reason == "length"
+            assert len(c.logprobs) == 5
+            for tok, entry, other in zip(c.token_ids, c.logprobs, alone.logprobs, strict=True):
+                assert tok in entry and len(entry) in (2, 3)  # the chosen token, and the top 2 (it may be one)
+                assert entry[tok].logprob == pytest.approx(other[tok].logprob, abs=1e-5)
+                top = sorted(((lp.rank, t) for t, lp in entry.items() if t != tok or lp.rank <= 2))
+                assert [r for r, _ in top][:2] == [1, 2]
+            assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs,
+                                                                                         strict=True)))
+        assert SamplingParams().logprobs is None and llm.generate([prompt], greedy(2))[0].outputs[0].logprobs is None
+    finally:
+        llm.close()
+
+
+def test_four_threads_with_prompts_of_one_length(tiny):
+    """The case that returned garbage before the engine: four threads, prompts of the same length."""
+    hf, path = tiny
+    llm = LLM(path)
+    try:
+        prompts = [rand_ids(12, 50 + i) for i in range(4)]
+        got: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+            i, llm.generate([prompts[i]], greedy(10))[0].outputs[0].token_ids)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [got[i] for i in range(4)] == [hf_greedy(hf, p, 10) for p in prompts]
+    finally:
+        llm.close()
+
+
+def test_callbacks_and_streams_of_one_llm_do_not_mix():
+    llm = LLM(max_model_len=256)
+    try:
+        chat = [{"role": "user", "content": "Say hello."}]
+        a_ids, b_ids = llm.chat_prompt(chat), llm.chat_prompt([{"role": "user", "content": "Count to five."}])
+        p = SamplingParams(temperature=0.0, max_tokens=12)
+        want_a, want_b = (llm.generate([x], p)[0].outputs[0].text for x in (a_ids, b_ids))
+        nested: list[str] = []
+
+        def on_text(_i, _piece):  # a streaming callback that calls generate again
+            if not nested:
+                nested.append(llm.generate([b_ids], p)[0].outputs[0].text)
+
+        outer = llm.generate([a_ids], p, on_text=on_text)[0].outputs[0].text
+        assert outer == want_a and nested == [want_b]
+        sa, sb = llm.stream(a_ids, p), llm.stream(b_ids, p)  # two iterators, advanced in turn
+        pa, pb, done = [], [], [False, False]
+        while not all(done):
+            for k, (it, out) in enumerate(((sa, pa), (sb, pb))):
+                if not done[k]:
+                    try:
+                        out.append(next(it))
+                    except StopIteration:
+                        done[k] = True
+        assert "".join(pa) == want_a and "".join(pb) == want_b
+        assert llm.engine.stats().kv_blocks_used == 0
     finally:
         llm.close()

@@ -95,16 +95,16 @@ def test_greedy_ids_match_transformers_alone_and_in_a_batch(model):
     _, hf, _, llm = model
     prompts = [[5, 17, 99, 3, 64, 120, 7, 8, 9], _prompt(70, seed=2)]  # different lengths, one past a chunk
     want = [hf_greedy(hf, p, 16) for p in prompts]
-    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == want
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts] == want
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
 
 
 def test_a_slot_reused_starts_from_zero_state(model):
     _, _, _, llm = model
     prompt = _prompt(20, seed=3)
-    first = llm.generate([prompt], GREEDY)[0].token_ids
+    first = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
     llm.generate([_prompt(33, seed=4), _prompt(5, seed=5)], GREEDY)  # other sequences through the same slots
-    assert llm.generate([prompt], GREEDY)[0].token_ids == first
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == first
 
 
 def test_two_devices_equal_one(model):
@@ -114,8 +114,8 @@ def test_two_devices_equal_one(model):
     llm = LLM(path, tensor_parallel_size=2, max_num_seqs=4)
     try:
         _close(llm.logits(ids), one.logits(ids))
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == \
-            [o.token_ids for o in one.generate(prompts, GREEDY)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == \
+            [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
         # each device holds one key head's share of every gated delta net tensor and state
         assert [b.tensor.shape for b in llm.model.weights["layers.0.lin_in"].blobs.values()] == [(64, 100)] * 2
         assert [b.tensor.shape for b in llm.model.weights["layers.0.lin_A_log"].blobs.values()] == [(2,)] * 2
@@ -247,7 +247,7 @@ def test_the_generate_command_runs_the_model(model, tmp_path):
         want = llm.generate(["What is the capital of France?"], dataclasses.replace(GREEDY, max_tokens=12))[0]
     finally:
         llm.close()
-    assert len(want.token_ids) == 12 and proc.stdout.strip() == want.text.strip()
+    assert len(want.outputs[0].token_ids) == 12 and proc.stdout.strip() == want.outputs[0].text.strip()
     assert "decode" in proc.stderr and "tok/s" in proc.stderr
 
 

@@ -36,16 +36,16 @@ def test_greedy_20_tokens_match_transformers(pair):
     hf, llm = pair
     ids = torch.randint(3, 128, (9,)).tolist()
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy(hf, ids, 20)
-    assert out.finish_reason == "length"
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids, 20)
+    assert out.outputs[0].finish_reason == "length"
 
 
 def test_batch_of_different_lengths_equals_each_alone(pair):
     _, llm = pair
     prompts = [torch.randint(3, 128, (n,)).tolist() for n in (5, 17, 1, 11)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    together = [o.token_ids for o in llm.generate(prompts, params)]
-    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
 
 
@@ -54,9 +54,9 @@ def test_sequences_leave_the_batch_when_done(pair):
     prompts = [torch.randint(3, 128, (n,)).tolist() for n in (4, 7, 6)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 10, 6)]
     outs = llm.generate(prompts, params)
-    assert [len(o.token_ids) for o in outs] == [3, 10, 6]
-    alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
-    assert [o.token_ids for o in outs] == alone
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 10, 6]
+    alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    assert [o.outputs[0].token_ids for o in outs] == alone
 
 
 def test_more_prompts_than_slots(pair):
@@ -64,23 +64,24 @@ def test_more_prompts_than_slots(pair):
     prompts = [torch.randint(3, 128, (n,)).tolist() for n in (3, 4, 5, 6, 7, 8)]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [llm.generate([p], params)[0].token_ids for p in prompts]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == alone
 
 
 def test_seeded_sampling_reproducible(pair):
     _, llm = pair
     params = SamplingParams(temperature=1.0, top_k=20, seed=123, max_tokens=15, ignore_eos=True)
-    a = llm.generate([[5, 6, 7]], params)[0].token_ids
-    b = llm.generate([[5, 6, 7]], params)[0].token_ids
+    a = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    b = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
     assert a == b and len(a) == 15
 
 
 def test_eos_stops_unless_ignored(pair):
     _, llm = pair
     ids = [5, 9, 11]
-    first = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids[0]
+    first = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))[0].outputs[0].token_ids[0]
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first]))[0]
-    assert out.token_ids == [first] and out.finish_reason == "stop"
+    assert out.outputs[0].token_ids == [first] and out.outputs[0].finish_reason == "stop"
 
 
 def test_bfloat16_close_to_float32(pair, tmp_path):

@@ -170,7 +170,7 @@ def test_the_quantized_model_still_knows_paris(models):
 
     out = quantized.chat([{"role": "user", "content": "What is the capital of France?"}],
                          SamplingParams(temperature=0.0, max_tokens=24))
-    assert "Paris" in out[0].text
+    assert "Paris" in out[0].outputs[0].text
 
 
 def test_tensor_parallel_on_block_format_weights(models):

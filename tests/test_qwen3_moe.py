@@ -72,8 +72,8 @@ def test_greedy_ids_match_transformers_alone_and_in_a_batch(model):
     hf, _, llm = model
     prompts = [[5, 17, 99, 3, 64, 120, 7, 8, 9], [42] * 11 + list(range(10, 22))]
     want = [hf_greedy(hf, p, 16) for p in prompts]
-    assert llm.generate([prompts[0]], GREEDY)[0].token_ids == want[0]
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert llm.generate([prompts[0]], GREEDY)[0].outputs[0].token_ids == want[0]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
 
 
 @pytest.mark.parametrize("n, expert_parallel", [(2, True), (3, False)])
@@ -85,8 +85,8 @@ def test_a_mesh_equals_one_device(model, n, expert_parallel):
     try:
         assert llm.model.layout.expert_parallel is expert_parallel
         _close(llm.logits(ids), one.logits(ids))
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == \
-            [o.token_ids for o in one.generate(prompts, GREEDY)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == \
+            [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
         sparse = next(i for i in range(4) if llm.config.is_sparse(i))
         shapes = [b.tensor.shape for b in llm.model.weights[f"layers.{sparse}.experts_gate_up"].blobs.values()]
         if expert_parallel:  # whole experts: 4 of the 8 on each device

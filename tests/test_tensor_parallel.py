@@ -26,7 +26,7 @@ def family(request, tmp_path_factory):
     hf = save_random(transformers, FAMILIES[request.param](), path := tmp_path_factory.mktemp(request.param))
     llm = LLM(str(path), max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    greedy = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     llm.close()
     return hf, str(path), greedy
 
@@ -43,8 +43,8 @@ def test_logits_and_greedy_ids_match(family, n):
         got = llm.logits(ids)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-        assert llm.generate([PROMPTS[0]], params)[0].token_ids == greedy[0]  # one prompt
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == greedy  # a batch of different lengths
+        assert llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids == greedy[0]  # one prompt
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == greedy  # a batch of different lengths
         # each device holds its share of the weights: the sharded ones split, norms replicated
         per_device = [llm.model.weight_bytes(i) for i in llm.mesh.ids]
         assert max(per_device) < 0.75 * llm.model.weight_bytes() / n * 2

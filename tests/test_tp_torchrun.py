@@ -57,7 +57,7 @@ def _worker(mode: str, model: str) -> int:
             Executor.step = dying_step
         outs = llm.generate(BATCH, params)
         if rank == 0:
-            print(json.dumps([o.token_ids for o in outs]), flush=True)
+            print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
         return 0
     except DtorchError as exc:
         print(f"rank {rank}: {type(exc).__name__} after {time.monotonic() - t0:.1f}s: {exc}", file=sys.stderr,
@@ -148,7 +148,7 @@ def test_tiny_llama_two_ranks_greedy_ids_equal_one_process(tiny_llama):
 
     llm = LLM(str(tiny_llama), max_num_seqs=4)
     try:
-        want = [o.token_ids for o in llm.generate(BATCH, SamplingParams(temperature=0.0, max_tokens=10,
+        want = [o.outputs[0].token_ids for o in llm.generate(BATCH, SamplingParams(temperature=0.0, max_tokens=10,
                                                                         ignore_eos=True))]
     finally:
         llm.close()

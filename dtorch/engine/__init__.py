@@ -1,5 +1,12 @@
 """The engine: requests, the scheduler (continuous batching, chunked prefill, preemption), the paged block manager
 with prefix caching, sampling, and ``LLM`` on top."""
 
-from dtorch.engine.llm import LLM as LLM, GenerationStats as GenerationStats, RequestOutput as RequestOutput
+from dtorch.engine.llm import LLM as LLM, GenerationStats as GenerationStats
+from dtorch.engine.request import (
+    CompletionOutput as CompletionOutput,
+    Logprob as Logprob,
+    RequestOutput as RequestOutput,
+)
 from dtorch.engine.sampling import SamplingParams as SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "GenerationStats", "Logprob", "RequestOutput", "SamplingParams"]

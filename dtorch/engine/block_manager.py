@@ -15,6 +15,7 @@ tail).
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -33,7 +34,9 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.holders = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._unnamed: list[int] = []  # free, memory in use, no name: a stack
+        self._untouched: list[int] = list(range(num_blocks))  # free, never used (or trimmed): a min-heap
+        self._named: OrderedDict[int, None] = OrderedDict()  # free, holding a cached prefix: least recent first
         self._by_name: dict[Name, int] = {}  # name -> block holding those tokens
         self._name_of: dict[int, Name] = {}  # block -> its name
         self._key_of: dict[Name, int] = {}  # name -> a number that stands for it in the next block's name
@@ -46,11 +49,16 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks no sequence holds (some may still carry a cached prefix)."""
-        return len(self._free)
+        return len(self._unnamed) + len(self._untouched) + len(self._named)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_resident(self) -> int:
+        """Blocks whose memory is in use: held, or free with contents (unnamed or cached)."""
+        return self.num_blocks - len(self._untouched)
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks that hold ``tokens`` tokens."""
@@ -105,32 +113,56 @@ class BlockManager:
         """One more holder of each of ``blocks`` (cached blocks a new sequence shares)."""
         for b in blocks:
             if self.holders[b] == 0:
-                del self._free[b]
+                del self._named[b]
             self.holders[b] += 1
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks (their old cached contents forgotten); the caller checks ``num_free`` first."""
-        if n > len(self._free):
-            raise ArgumentError(f"BlockManager: {n} blocks asked, {len(self._free)} free")
+        if n > self.num_free:
+            raise ArgumentError(f"BlockManager: {n} blocks asked, {self.num_free} free")
         out = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            name = self._name_of.pop(b, None)
-            if name is not None:
-                del self._by_name[name]
-                self._key_of.pop(name, None)
+            if self._unnamed:
+                b = self._unnamed.pop()
+            elif self._untouched:
+                b = heapq.heappop(self._untouched)
+            else:
+                b, _ = self._named.popitem(last=False)
+                self._forget(b)
             self.holders[b] = 1
             out.append(b)
         return out
+
+    def _forget(self, block: int) -> None:
+        name = self._name_of.pop(block, None)
+        if name is not None:
+            del self._by_name[name]
+            self._key_of.pop(name, None)
 
     def free(self, blocks: Sequence[int]) -> None:
         """Let go of a sequence's blocks; the last blocks go first, so they are reused before the prefix."""
         for b in reversed(blocks):
             self.holders[b] -= 1
             if self.holders[b] == 0:
-                self._free[b] = None
+                if b in self._name_of:
+                    self._named[b] = None
+                else:
+                    self._unnamed.append(b)
             elif self.holders[b] < 0:
                 raise ArgumentError(f"BlockManager.free: block {b} freed more often than held")
+
+    def trim(self, keep_named: int) -> list[int]:
+        """Free blocks whose memory can go back to the system: every unnamed one, and the named ones beyond the
+        ``keep_named`` most recently freed (their prefixes are forgotten). They count as never used again."""
+        out = self._unnamed
+        self._unnamed = []
+        while len(self._named) > keep_named:
+            b, _ = self._named.popitem(last=False)
+            self._forget(b)
+            out.append(b)
+        for b in out:
+            heapq.heappush(self._untouched, b)
+        return sorted(out)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""

@@ -28,6 +28,7 @@ from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
 
 log = logging.getLogger("dtorch.engine")
+IDLE_PREFIX_KEEP = 0.25  # share of the cache's blocks that keep their cached prefixes when the engine goes idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class EngineStats:
     waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_blocks_resident: int  # held, or free with cached contents: the cache memory in use (on a CPU)
     prompt_tokens: int  # prompt (and recomputed) tokens computed
     generation_tokens: int  # tokens sampled
     decode_tokens: int  # tokens computed in steps of one token per sequence
@@ -102,7 +104,8 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         now = time.perf_counter()
         seqs = [Sequence(request_id, i, ids, params, sink, limit, stop_ids,
-                         self.tokenizer.stream_decoder() if self.tokenizer is not None else None, now)
+                         self.tokenizer.stream_decoder(params.skip_special_tokens) if self.tokenizer is not None
+                         else None, now)
                 for i in range(params.n)]
         with self._inbox_lock:
             if request_id in self._requests or any(a[0] == "add" and a[1] == request_id for a in self._inbox):
@@ -141,7 +144,8 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting) + sum(a[0] == "add" for a in list(self._inbox)),
-                           self.blocks.num_used, self.blocks.num_blocks, self._counts["prompt"],
+                           self.blocks.num_used, self.blocks.num_blocks, self.blocks.num_resident,
+                           self._counts["prompt"],
                            self._counts["generation"], self._counts["decode"], s.preemptions, s.prefix_queries,
                            s.prefix_hits, self._counts["steps"], self._seconds["prefill"], self._seconds["decode"])
 
@@ -208,6 +212,8 @@ class Engine:
                     rows.append(row)
             if ready:
                 self._accept(ready, logits[rows] if len(rows) < len(plan) else logits)
+            if not self.scheduler.running and not self.scheduler.waiting and not self._inbox:
+                self.cache.release(self.blocks.trim(int(self.blocks.num_blocks * IDLE_PREFIX_KEEP)))
             decode = all(n == 1 for _, n in plan)
             self._seconds["decode" if decode else "prefill"] += time.perf_counter() - t0
             if decode:
@@ -234,8 +240,12 @@ class Engine:
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of ``seqs`` (rows of ``logits``), then stop or go on."""
         if self.rank == 0:
+            vocab = logits.shape[-1]
+            banned = [[t for t in s.stop_ids if t < vocab] if len(s.output_ids) < s.params.min_tokens else ()
+                      for s in seqs]  # no end before min_tokens
             tokens, logprobs = sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                           [s.output_ids for s in seqs], [s.ids[:s.num_prompt] for s in seqs])
+                                           [s.output_ids for s in seqs], [s.ids[:s.num_prompt] for s in seqs],
+                                           banned)
         else:
             tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
         if self._agree is not None:
@@ -246,11 +256,13 @@ class Engine:
             s.output_ids.append(tok)
             self._counts["generation"] += 1
             reason = None
-            if tok in s.stop_ids:
+            stoppable = len(s.output_ids) >= s.params.min_tokens
+            if tok in s.stop_ids and stoppable:
                 reason = "stop"
+                s.stop_reason = tok if tok in s.params.stop_token_ids else None
             elif s.decoder is not None:
                 s.text += s.decoder.push(tok)
-                reason = self._stop_string(s)
+                reason = self._stop_string(s) if stoppable else None
             if reason is None and len(s.output_ids) >= s.limit:
                 reason = "length"
             hold = 0 if reason else max((len(x) - 1 for x in s.params.stop), default=0)
@@ -269,14 +281,15 @@ class Engine:
         for stop in s.params.stop:
             at = s.text.find(stop, max(0, s.emitted - len(stop)))
             if at >= 0:
-                s.text = s.text[:at]
+                s.text = s.text[:at + len(stop) if s.params.include_stop_str_in_output else at]
+                s.stop_reason = stop
                 return "stop"
         return None
 
     def _emit(self, s: Sequence, tokens: tuple[int, ...], text: str, logprobs) -> None:
         try:
             s.sink(Delta(s.request_id, s.index, tokens, text, logprobs, s.finish_reason, s.num_prompt,
-                         len(s.output_ids), s.cached_tokens))
+                         len(s.output_ids), s.cached_tokens, s.stop_reason))
         except Exception:  # a failing sink ends its own request, not the step of everyone else
             log.exception("the sink of request %r failed; the request is aborted", s.request_id)
             if not s.finished:

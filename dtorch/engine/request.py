@@ -8,7 +8,7 @@ stop string), "length" (max_tokens or the context) or "abort" (cancelled, or the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # of the chosen token in the model's distribution, 1: the most likely
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    stop_reason: int | str | None = None  # what ended a "stop": a stop token id, a stop string (None: end of sequence)
 
     @property
     def finished(self) -> bool:
@@ -49,3 +51,48 @@ class Delta:
 
 
 Sink = Callable[[Delta], None]  # called on the engine's thread; must not block (hand the delta to your own queue)
+
+
+# -- what LLM.generate returns (vLLM's shapes) ---------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Logprob:
+    """A token's log-probability in the model's distribution, its rank there (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a request: its new text and token ids, and why it ended.
+
+    finish_reason: "stop" (an end-of-sequence token, a stop token id or a stop string), "length" (max_tokens or the
+    context) or "abort"; stop_reason: the stop token id or stop string that ended it (None for end-of-sequence).
+    logprobs (when asked for): per new token, {token id: Logprob} for the chosen token and the top alternatives;
+    cumulative_logprob: the sum of the chosen tokens' logprobs.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result: the prompt and its ``n`` choices (``outputs``, by index)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0

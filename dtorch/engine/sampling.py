@@ -38,6 +38,9 @@ class SamplingParams:
     the generated tokens. repetition_penalty (HF/vLLM's, > 0, 1: none): the logit of every token in prompt
     or output is divided by it when positive, multiplied when negative. logprobs: None, or k in 0..20 to
     return the chosen token's logprob and the k most likely alternatives. n: choices per request (1..16).
+    min_tokens: new tokens before an end-of-sequence token, a stop token id or a stop string may end the output
+    (until then the stop ids cannot be sampled). skip_special_tokens: leave special tokens out of the text.
+    include_stop_str_in_output: keep the stop string that ended the output at the end of its text.
     """
 
     temperature: float = 1.0
@@ -54,6 +57,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     n: int = 1
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _number("temperature", self.temperature)
@@ -105,6 +111,13 @@ class SamplingParams:
         _int("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise SamplingError(f"SamplingParams: n must be in 1..{MAX_N} (choices per request), got {self.n}")
+        _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise SamplingError(f"SamplingParams: min_tokens must be in 0..max_tokens ({self.max_tokens}), "
+                                f"got {self.min_tokens}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingError(f"SamplingParams: {name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -197,7 +210,9 @@ def _token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[Sa
     """logprobs: [L, V], row i belonging to batch row ``rows[i]``; one ``TokenLogprob`` per batch row asking."""
     out: list[TokenLogprob | None] = [None] * len(params)
     chosen = torch.tensor([tokens[b] for b in rows], device=logprobs.device)[:, None]
-    values = logprobs.gather(1, chosen)[:, 0].tolist()
+    picked = logprobs.gather(1, chosen)  # [L, 1]
+    values = picked[:, 0].tolist()
+    ranks = ((logprobs > picked).sum(-1) + 1).tolist()  # 1: the most likely token
     k_max = min(max(params[b].logprobs or 0 for b in rows), logprobs.shape[-1])
     top_v: list[list[float]] = [[] for _ in rows]
     top_i: list[list[int]] = [[] for _ in rows]
@@ -206,23 +221,30 @@ def _token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[Sa
         top_v, top_i = top.values.tolist(), top.indices.tolist()
     for i, b in enumerate(rows):
         k = params[b].logprobs or 0
-        out[b] = TokenLogprob(tokens[b], values[i], tuple(zip(top_i[i][:k], top_v[i][:k], strict=True)))
+        out[b] = TokenLogprob(tokens[b], values[i], tuple(zip(top_i[i][:k], top_v[i][:k], strict=True)), ranks[i])
     return out
 
 
 def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], output_ids: Sequence[Sequence[int]],
-                prompt_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[TokenLogprob | None]]:
+                prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
     """The next token of each row and, for rows whose ``params.logprobs`` is set, its ``TokenLogprob``.
 
     logits: [B, V] float32, raw model logits; ``params[b]``, ``generators[b]``, ``output_ids[b]`` (generated so
-    far) and ``prompt_ids[b]`` belong to row b. Returns (B token ids, B ``TokenLogprob`` or None).
+    far), ``prompt_ids[b]`` and ``banned[b]`` (ids that cannot be chosen: the stop ids before ``min_tokens``)
+    belong to row b. Returns (B token ids, B ``TokenLogprob`` or None).
     """
     lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
-    if not lp_rows and all(p.greedy and not p.penalized for p in params):
+    bans = [(b, list(ids)) for b, ids in enumerate(banned or ()) if ids]
+    if not lp_rows and not bans and all(p.greedy and not p.penalized for p in params):
         return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
     logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
     x = apply_penalties(logits, params, output_ids, prompt_ids)
+    if bans:
+        x = x.clone() if x is logits else x
+        for b, ids in bans:
+            x[b, torch.tensor(ids, dtype=torch.int64)] = -math.inf
     tokens = torch.argmax(x, dim=-1).tolist()
     for b, p in enumerate(params):
         if p.greedy:

@@ -32,7 +32,7 @@ class Sequence:
 
     __slots__ = ("request_id", "index", "params", "ids", "num_prompt", "sink", "generator", "blocks", "computed",
                  "prefix_key", "state_slot", "decoder", "text", "emitted", "limit", "stop_ids", "finish_reason",
-                 "cached_tokens", "arrival", "output_ids")
+                 "stop_reason", "cached_tokens", "arrival", "output_ids")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, sink: Sink,
                  limit: int, stop_ids: frozenset[int], decoder, arrival: float) -> None:
@@ -51,6 +51,7 @@ class Sequence:
         self.limit = limit  # new tokens at most
         self.stop_ids = stop_ids
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
         self.cached_tokens = 0
         self.arrival = arrival
 

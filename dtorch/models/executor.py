@@ -99,7 +99,7 @@ class Executor:
         rows = [blocks[p // bs] * bs + p % bs
                 for blocks, s, c in zip(plan.blocks, starts, counts, strict=True) for p in range(s, s + c)]
         ids = list(plan.ids) + [0] * pad
-        positions += list(range(pad))
+        positions += [0] * pad  # padding rows attend to nothing; any position in the table does
         rows += [-1] * pad  # padding writes no cache row
         seq_counts = counts + ([pad] if pad else [])
         seq_counts += [0] * (N - len(seq_counts))

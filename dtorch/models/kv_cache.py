@@ -15,6 +15,12 @@ by every step. Row ``s`` belongs to the running sequence given state slot ``s`` 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import mmap
+import sys
+
 import torch
 
 from dtorch.core.errors import ArgumentError
@@ -88,8 +94,46 @@ class KVCache:
             for b in t.blobs.values():
                 b.tensor[slot].zero_()
 
+    def release(self, blocks: list[int]) -> None:
+        """Give the memory of ``blocks`` (sorted, free) back to the system where the cache lives on a CPU (Linux): their
+        pages are dropped and read as zeros when next written; elsewhere nothing happens."""
+        runs, start = [], None
+        for i, b in enumerate(blocks):
+            if start is None:
+                start = b
+            if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+                runs.append((start, b + 1))
+                start = None
+        for name, t in self.tensors.items():
+            if name.startswith(("k_cache.", "v_cache.")):
+                for blob in t.blobs.values():
+                    _drop_pages(blob.tensor, runs)
+
     @property
     def nbytes(self) -> int:
         """Bytes this process holds (every local device, keys, values and states)."""
         return sum(b.tensor.numel() * b.tensor.element_size() for t in self.tensors.values()
                    for b in t.blobs.values())
+
+
+@functools.cache
+def _madvise():
+    if sys.platform != "linux":
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+
+
+def _drop_pages(t: torch.Tensor, runs: list[tuple[int, int]]) -> None:
+    """madvise(MADV_DONTNEED) over the whole pages of rows [a, b) of ``t`` (dim 0), for each run."""
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu" or not t.is_contiguous():
+        return
+    row, base, page = t.stride(0) * t.element_size(), t.data_ptr(), mmap.PAGESIZE
+    for a, b in runs:
+        lo = -(-(base + a * row) // page) * page
+        hi = (base + b * row) // page * page
+        if hi > lo:
+            madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
