@@ -97,9 +97,23 @@ def test_stream_decoder_holds_back_partial_utf8(ours):
     assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🦙"
 
 
+def test_ids_past_the_vocabulary_give_no_text(ours):
+    """A model's embedding padded past its tokenizer (common in real checkpoints) may sample ids the tokenizer does
+    not know: they decode to "" instead of failing mid-stream."""
+    ids = ours.encode("Hello, world!")
+    past = [ours.vocab_size, ours.vocab_size + 63]
+    assert ours.decode([*ids[:2], *past, *ids[2:]]) == ours.decode(ids) == "Hello, world!"
+    assert ours.decode(past) == ""
+    dec = ours.stream_decoder()
+    pieces = [dec.push(i) for i in [*ids[:2], past[0], *ids[2:], past[1]]]
+    assert pieces[2] == pieces[-1] == "" and "".join(pieces) == "Hello, world!"
+
+
 def test_bad_input(ours):
-    with pytest.raises(ArgumentError, match=r"token ids must be in \[0, 49152\), got \[49152\]"):
-        ours.decode([1, 49152])
+    with pytest.raises(ArgumentError, match=r"token ids must be >= 0, got \[-1\]"):
+        ours.decode([1, -1])
+    with pytest.raises(ArgumentError, match=r"StreamDecoder.push: token ids must be >= 0"):
+        ours.stream_decoder().push(-3)
     with pytest.raises(ArgumentError, match="text must be a str"):
         ours.encode(["not", "a", "string"])
     with pytest.raises(ArgumentError, match="messages must be a list of"):

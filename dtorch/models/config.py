@@ -8,6 +8,10 @@ Qwen3 has per-head RMS norms on q and k (``qk_norm``), Llama 3 scales its RoPE f
 (``layer_types``), gate the attention output (``attn_output_gate``), rotate part of each head
 (``partial_rotary_factor``) and scale their RMS norms by ``1 + weight`` (``norm_plus_one``); Qwen3-Next's sparse
 MoE blocks add a shared expert (``shared_expert_intermediate_size``).
+
+A Mistral ``config.json`` (``model_type`` "mistral") is the Llama architecture and loads as family "llama". Its
+``sliding_window``, when set and shorter than ``max_position_embeddings``, caps the context at the window: within
+it, sliding-window attention is full attention, so the model is exact up to that length and refuses beyond it.
 """
 
 from __future__ import annotations
@@ -233,8 +237,13 @@ class ModelConfig:
         """A config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling)."""
         c = dict(config_json)
         family = c.get("model_type")
+        if family == "mistral":  # Llama under another name, with a sliding window (see the module docstring)
+            family, window = "llama", c.get("sliding_window")
+            if isinstance(window, int) and 0 < window < c.get("max_position_embeddings", 2048):
+                c["max_position_embeddings"] = window
         if family not in FAMILIES:
-            raise ModelError(f"config.json: model_type {family!r} is not supported; expected one of {FAMILIES}")
+            raise ModelError(f"config.json: model_type {family!r} is not supported; expected one of "
+                             f"{(*FAMILIES, 'mistral')}")
         for flag in ("mlp_bias", "attention_bias"):  # Llama's / Qwen3-MoE's biases (o_proj included) are not modelled
             if family != "qwen2" and c.get(flag):
                 raise ModelError(f"config.json: {flag}=true is not supported for {family} models; expected false")

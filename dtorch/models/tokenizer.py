@@ -72,7 +72,9 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
         self.source = source
-        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # the ids it knows are [0, vocab_size); a model's embedding is often padded past them, and ids sampled there
+        # decode to "" (they have no text)
+        self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     # --- construction ---------------------------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The text of ``ids``."""
+        """The text of ``ids``; ids past the tokenizer's ``vocab_size`` (a padded embedding's) give no text."""
         return self.backend.decode(self._check_ids(ids, "decode"), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
@@ -160,11 +162,12 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
     def _check_ids(self, ids: Sequence[int], where: str) -> list[int]:
+        """``ids`` as ints without those past ``vocab_size``; a negative id raises."""
         out = [int(i) for i in ids]
-        bad = [i for i in out if not 0 <= i < self.vocab_size]
+        bad = [i for i in out if i < 0]
         if bad:
-            raise ArgumentError(f"Tokenizer.{where}: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        return out
+            raise ArgumentError(f"Tokenizer.{where}: token ids must be >= 0, got {bad[:5]}")
+        return [i for i in out if i < self.vocab_size]
 
     # --- chat -------------------------------------------------------------------------------------------------
 
@@ -192,6 +195,19 @@ class Tokenizer:
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def no_tokenizer_message(source: str, what: str) -> str:
+    """What to tell a user who needs text (``what``: "text prompts", "chat" ...) from a model whose files carry no
+    tokenizer (``source``: its ``.gguf`` file or directory): what is missing and what to add."""
+    if source.endswith(".gguf"):
+        fix = ("the .gguf file has no tokenizer.ggml.* metadata; convert the model again with llama.cpp's "
+               "convert_hf_to_gguf.py, which writes the tokenizer into the file")
+    else:
+        fix = ("copy tokenizer.json and tokenizer_config.json from the original model into the directory (a model "
+               "that has only tokenizer.model or vocab.json + merges.txt gets a tokenizer.json from transformers: "
+               "AutoTokenizer.from_pretrained(original).save_pretrained(directory))")
+    return f"{source}: the model has no tokenizer, so {what} is not available; {fix}; or pass prompts as token ids"
 
 
 class _TemplateRaised(Exception):
@@ -238,8 +254,12 @@ class StreamDecoder:
         self._read = 0  # ids up to here have been emitted
 
     def push(self, token_id: int) -> str:
-        """Feed one id; the text it completes ("" while a character is still partial)."""
-        self._ids.extend(self.tokenizer._check_ids([token_id], "StreamDecoder.push"))
+        """Feed one id; the text it completes ("" while a character is still partial, or for an id past the
+        tokenizer's ``vocab_size``)."""
+        ids = self.tokenizer._check_ids([token_id], "StreamDecoder.push")
+        if not ids:
+            return ""
+        self._ids.extend(ids)
         dec = self.tokenizer.backend.decode
         before = dec(self._ids[self._prefix:self._read], skip_special_tokens=self.skip_special_tokens)
         after = dec(self._ids[self._prefix:], skip_special_tokens=self.skip_special_tokens)

@@ -1,4 +1,5 @@
-"""Hugging Face directories: ``config.json`` + ``model.safetensors`` (or a sharded index) + tokenizer files."""
+"""Hugging Face directories: ``config.json`` + ``model.safetensors`` or ``pytorch_model.bin`` (or a sharded index)
++ tokenizer files."""
 
 from __future__ import annotations
 
@@ -24,21 +25,62 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _shards(directory: Path) -> list[Path]:
-    single = directory / "model.safetensors"
-    if single.exists():
-        return [single]
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelError(f"{index}: expected a 'weight_map' object mapping tensor names to shard files")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (directory / f).exists()]
-        if missing:
-            raise ModelError(f"{index}: shard files {missing} named in the index do not exist in {directory}")
-        return [directory / f for f in files]
-    raise ModelError(f"{directory}: no weights found; expected model.safetensors or model.safetensors.index.json")
+def _shards(directory: Path, single: str, index: str) -> list[Path]:
+    """The weight files of ``directory``: ``single`` when it exists, else the shards the ``index`` file names (no
+    file of either: [])."""
+    if (directory / single).exists():
+        return [directory / single]
+    index_path = directory / index
+    if not index_path.exists():
+        return []
+    weight_map = _read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ModelError(f"{index_path}: expected a 'weight_map' object mapping tensor names to shard files")
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (directory / f).exists()]
+    if missing:
+        raise ModelError(f"{index_path}: shard files {missing} named in the index do not exist in {directory}")
+    return [directory / f for f in files]
+
+
+def _open_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], Reader]:
+    """Every tensor's shape and a ``Reader`` of the directory's weights: safetensors when there are any, else
+    PyTorch's ``pytorch_model.bin`` (single or sharded)."""
+    if files := _shards(directory, "model.safetensors", "model.safetensors.index.json"):
+        return _open_safetensors(files)
+    if files := _shards(directory, "pytorch_model.bin", "pytorch_model.bin.index.json"):
+        return _open_torch_bins(files)
+    raise ModelError(f"{directory}: no weights found; expected model.safetensors, model.safetensors.index.json, "
+                     "pytorch_model.bin or pytorch_model.bin.index.json")
+
+
+def _open_torch_bins(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Reader]:
+    """Every tensor's shape and a ``Reader`` of PyTorch ``.bin`` state dicts, loaded with ``weights_only=True`` (no
+    code in the pickle runs) and ``mmap=True``: a slice reads only its pages, copied out of the map."""
+    import pickle
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as e:
+            raise ModelError(f"{f}: not a readable PyTorch checkpoint ({str(e).splitlines()[0]}); expected a state "
+                             "dict saved by torch.save (zip format, PyTorch >= 1.6) holding only tensors") from None
+        bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)] if isinstance(state, dict) else None
+        if bad is None or bad:
+            what = type(state).__name__ if bad is None else f"non-tensor entries {bad[:4]}"
+            raise ModelError(f"{f}: expected a state dict of tensors, found {what}")
+        tensors |= state
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+
+    def read(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+        t = tensors[name]
+        if dim is None:
+            return t.clone()
+        parts = [t.narrow(dim, a, n) for a, n in runs]
+        return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim)
+
+    return shapes, read
 
 
 # safetensors dtype names -> torch dtypes (the ones checkpoints hold)
@@ -180,7 +222,8 @@ def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> LazyCh
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.exists():
-        raise ModelError(f"{directory}: no config.json; expected a Hugging Face model directory or a .gguf file")
+        raise ModelError(f"{directory}: no config.json and no .gguf file; expected a Hugging Face model directory "
+                         "(config.json + weights) or a .gguf file")
     cfg_json = _read_json(cfg_path)
     gen_path = directory / "generation_config.json"
     if gen_path.exists():  # generation stops at the union of both files' eos ids
@@ -188,7 +231,7 @@ def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> LazyCh
         flat = [i for v in ids if v is not None for i in (v if isinstance(v, list) else [v])]
         cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
     config = ModelConfig.from_hf(cfg_json)
-    shapes, read = _open_safetensors(_shards(directory))
+    shapes, read = _open_weights(directory)
     if config.num_experts:
         shapes, read = stack_experts(shapes, read, config.num_experts, str(directory))
     shapes = used_shapes(shapes, config, dtype, str(directory))
