@@ -1,6 +1,14 @@
 """dtorch: a runtime for tensor programs on one or many devices, built on PyTorch tensors.
 
-The public surface is what this module lists; everything else may move.
+The public surface is what ``__all__`` lists; everything else may move.
+
+- LLM inference, shaped like vLLM: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``.
+- Ops: ``dtorch.ops.rms_norm(x, w, eps)`` and the rest, each dispatched to the best registered kernel.
+- Kernels: ``dispatcher`` (``register``, ``explain``, ``table``, ``disabled``), keyed by ``KernelKey``;
+  ``verify()`` runs the reference kernel beside the active one.
+- Graphs on many devices: ``DeviceMesh``, placements ``Shard`` / ``Replicate`` / ``Partial``, ``LogicalGraph``,
+  run by a ``Runner`` on one ``KernelStream`` per device and stream type; a ``Tracer`` records the timeline.
+- Errors: every failure is a ``DtorchError`` subclass.
 """
 
 from dtorch import ops as ops
@@ -11,8 +19,8 @@ from dtorch.core.errors import (
     ConfigError as ConfigError,
     DeviceError as DeviceError,
     DtorchError as DtorchError,
-    EngineBusy as EngineBusy,
     DTypeError as DTypeError,
+    EngineBusy as EngineBusy,
     GraphError as GraphError,
     KernelFailure as KernelFailure,
     KernelNotFound as KernelNotFound,
@@ -44,6 +52,13 @@ from dtorch.distributed import (
     InProcessCommunicator as InProcessCommunicator,
     TorchDistCommunicator as TorchDistCommunicator,
 )
+from dtorch.engine import (
+    LLM as LLM,
+    CompletionOutput as CompletionOutput,
+    Logprob as Logprob,
+    RequestOutput as RequestOutput,
+    SamplingParams as SamplingParams,
+)
 from dtorch.graph import (
     DeviceMesh as DeviceMesh,
     LogicalGraph as LogicalGraph,
@@ -53,7 +68,6 @@ from dtorch.graph import (
     Replicate as Replicate,
     Shard as Shard,
 )
-from dtorch.engine import LLM as LLM, RequestOutput as RequestOutput, SamplingParams as SamplingParams
 from dtorch.ops import (
     OperatorInitContext as OperatorInitContext,
     PreparedOperator as PreparedOperator,
@@ -71,3 +85,21 @@ from dtorch.runtime import (
 )
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "__version__", "ops",
+    # core
+    "Device", "MemoryKind", "WorkspaceArena", "allocate", "memory_stats",
+    "ArgumentError", "CommunicationError", "ConfigError", "DeviceError", "DtorchError", "DTypeError", "EngineBusy",
+    "GraphError", "KernelFailure", "KernelNotFound", "LayoutError", "ModelError", "RegistrationError",
+    "SamplingError", "ShapeError", "SyncTimeout", "VerifyError",
+    # dispatch
+    "Dispatcher", "KernelContext", "KernelKey", "KernelMeta", "KernelParams", "dispatcher", "verify", "verify_mode",
+    # ops, graph, runtime, distributed
+    "OperatorInitContext", "PreparedOperator", "RuntimeContext",
+    "DeviceMesh", "LogicalGraph", "Operand", "Operator", "Partial", "Replicate", "Shard",
+    "Blob", "DistTensor", "Kernel", "KernelStream", "Runner", "StreamManager", "StreamType", "Tracer",
+    "InProcessCommunicator", "TorchDistCommunicator",
+    # engine
+    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
+]

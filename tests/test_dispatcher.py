@@ -58,19 +58,19 @@ def test_registration_order_does_not_matter_for_priority(d):
 
 
 def test_same_function_again_is_a_noop_and_keeps_generation(d):
-    d.register(KEY, ref_kernel)
+    d.register(KEY, ref_kernel, provider="reference")
     gen = d.generation
-    d.register(KEY, ref_kernel)
+    d.register(KEY, ref_kernel, provider="reference")
     assert d.generation == gen
     assert len(d.candidates(KEY)) == 1
 
 
 def test_different_function_same_provider_is_an_error_unless_override(d):
-    d.register(KEY, ref_kernel)
+    d.register(KEY, ref_kernel, provider="reference")
     with pytest.raises(dtorch.RegistrationError, match="override=True"):
-        d.register(KEY, other_kernel)
+        d.register(KEY, other_kernel, provider="reference")
     gen = d.generation
-    d.register(KEY, other_kernel, override=True)
+    d.register(KEY, other_kernel, provider="reference", override=True)
     assert d.generation > gen
     assert d.lookup(KEY) is other_kernel
     assert len(d.candidates(KEY)) == 1
@@ -129,9 +129,9 @@ def test_prepared_kernel_follows_a_disabled_block(d):
 
 def test_missing_kernel_lists_what_is_registered(d):
     d.define("llm.rms_norm")
-    d.register(KernelKey("llm.rms_norm", "cpu", torch.float32), ref_kernel)
-    d.register(KernelKey("llm.rms_norm", "cpu", torch.bfloat16), ref_kernel)
-    d.register(KernelKey("llm.rms_norm", "cuda", torch.float16), ref_kernel)
+    d.register(KernelKey("llm.rms_norm", "cpu", torch.float32), ref_kernel, provider="reference")
+    d.register(KernelKey("llm.rms_norm", "cpu", torch.bfloat16), ref_kernel, provider="reference")
+    d.register(KernelKey("llm.rms_norm", "cuda", torch.float16), ref_kernel, provider="reference")
     with pytest.raises(dtorch.KernelNotFound) as info:
         d.lookup(KernelKey("llm.rms_norm", "cuda", torch.float8_e4m3fn))
     msg = str(info.value)
@@ -161,9 +161,9 @@ def test_global_table_shows_accelerated_overrides():
 
 def test_bad_registrations_are_errors(d):
     with pytest.raises(dtorch.RegistrationError):
-        d.register(("test.op", "cpu", torch.float32), ref_kernel)  # a plain tuple is not a KernelKey
+        d.register(("test.op", "cpu", torch.float32), ref_kernel, provider="user")  # a plain tuple is not a KernelKey
     with pytest.raises(dtorch.RegistrationError):
-        d.register(KEY, "not callable")
+        d.register(KEY, "not callable", provider="user")
     with pytest.raises(dtorch.ArgumentError):
         KernelKey.of("noseparator", "cpu", torch.float32)
     with pytest.raises(dtorch.ArgumentError):
@@ -220,7 +220,7 @@ def test_lookups_stay_consistent_while_another_thread_registers(d):
 
     def writer():
         for i, k in enumerate(keys):
-            d.register(k, ref_kernel)
+            d.register(k, ref_kernel, provider="reference")
             if i == 25:
                 d.register(KEY, fast_kernel, provider="blas")
 
@@ -258,7 +258,7 @@ def test_params_survive_the_caller_for_a_deferred_kernel():
     seen = []
     d = Dispatcher(backends={})
     d.define(KEY.op)
-    d.register(KEY, lambda ctx, i, o: seen.append(ctx.params.scale))
+    d.register(KEY, lambda ctx, i, o: seen.append(ctx.params.scale), provider="reference")
     pk = PreparedKernel(d, KEY)
     scale = [0.5]
     queued = [dtorch.KernelContext(dtorch.Device("cpu"), params=KernelParams(scale=scale))]

@@ -5,9 +5,11 @@ from dtorch.core.dtypes import ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, as_dtype, d
 from dtorch.core.errors import (
     ArgumentError,
     CommunicationError,
+    ConfigError,
     DeviceError,
     DtorchError,
     DTypeError,
+    EngineBusy,
     GraphError,
     KernelFailure,
     KernelNotFound,
@@ -22,9 +24,9 @@ from dtorch.core.errors import (
 from dtorch.core.memory import MemoryKind, WorkspaceArena, adopt, allocate, memory, memory_stats
 
 __all__ = [
-    "ALL_DTYPES", "FLOAT_DTYPES", "INT_DTYPES", "ArgumentError", "CommunicationError", "DTypeError", "Device",
-    "DeviceError", "DtorchError", "GraphError", "KernelFailure", "KernelNotFound", "LayoutError", "MemoryKind",
-    "ModelError", "RegistrationError", "SamplingError", "ShapeError", "SyncTimeout", "VerifyError",
-    "WorkspaceArena", "adopt", "allocate", "as_device", "as_dtype", "device_of", "dtype_name", "memory",
+    "ALL_DTYPES", "FLOAT_DTYPES", "INT_DTYPES", "ArgumentError", "CommunicationError", "ConfigError", "DTypeError",
+    "Device", "DeviceError", "DtorchError", "EngineBusy", "GraphError", "KernelFailure", "KernelNotFound",
+    "LayoutError", "MemoryKind", "ModelError", "RegistrationError", "SamplingError", "ShapeError", "SyncTimeout",
+    "VerifyError", "WorkspaceArena", "adopt", "allocate", "as_device", "as_dtype", "device_of", "dtype_name", "memory",
     "memory_stats", "tolerance",
 ]

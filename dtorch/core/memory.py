@@ -149,6 +149,9 @@ class WorkspaceArena:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return self.get(nbytes).view(dtype).view(tuple(shape))
 
+    def __repr__(self) -> str:
+        return f"WorkspaceArena({self.device}, {self.capacity} bytes, grew {self.grows} times)"
+
 
 class ThreadWorkspace:
     """The workspace a kernel gets when its caller passes none: one ``WorkspaceArena`` per thread.

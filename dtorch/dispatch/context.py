@@ -46,6 +46,8 @@ class KernelParams:
         try:
             return self._items[name]
         except KeyError:
+            if name.startswith("__"):  # a protocol probe (help, copy, pickle), not a missing param
+                raise AttributeError(name) from None
             raise ArgumentError(f"kernel param {name!r} was not given; params are {sorted(self._items)}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:

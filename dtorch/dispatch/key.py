@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -29,11 +31,23 @@ class KernelKey(NamedTuple):
             raise ArgumentError(f"op name must look like 'category.name' (e.g. 'binary.add'), got {op!r}")
         dev = device.type if isinstance(device, Device) else str(device).partition(":")[0]
         if dev not in DEVICE_TYPES:
-            raise ArgumentError(f"KernelKey device must be one of {DEVICE_TYPES}, got {device!r}")
+            raise ArgumentError(f"KernelKey device must be one of {DEVICE_TYPES}, got {device!r}"
+                                + _hint(dev, DEVICE_TYPES))
         if layout not in LAYOUTS:
-            raise ArgumentError(f"KernelKey layout must be one of {LAYOUTS}, got {layout!r}")
+            raise ArgumentError(f"KernelKey layout must be one of {LAYOUTS}, got {layout!r}" + _hint(layout, LAYOUTS))
         return cls(op, dev, as_dtype(dtype), layout)
 
     def __str__(self) -> str:
         suffix = "" if self.layout == "strided" else f"/{self.layout}"
         return f"{self.op}/{self.device}/{dtype_name(self.dtype)}{suffix}"
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """"did you mean 'x'?" naming the known name closest to a misspelled ``name``, or "" when none is close."""
+    near = difflib.get_close_matches(name, sorted(known), n=1)
+    return f"did you mean {near[0]!r}?" if near else ""
+
+
+def _hint(name: str, known: Iterable[str]) -> str:
+    hint = did_you_mean(name, known)
+    return f"; {hint}" if hint else ""

@@ -26,10 +26,10 @@ import torch
 from dtorch.core import cpu, env
 from dtorch.core.device import DEVICE_TYPES, Device
 from dtorch.core.dtypes import LAYOUTS, dtype_name
-from dtorch.core.errors import ConfigError, KernelNotFound, RegistrationError
+from dtorch.core.errors import ArgumentError, ConfigError, KernelNotFound, RegistrationError
 from dtorch.dispatch import verification
 from dtorch.dispatch.context import KernelContext
-from dtorch.dispatch.key import KernelKey
+from dtorch.dispatch.key import KernelKey, did_you_mean
 from dtorch.dispatch.meta import DEFAULT_META, Call, Check, KernelMeta
 
 KernelFn = Callable[[KernelContext, Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
@@ -38,7 +38,7 @@ Loader = Callable[["Dispatcher", str], None]  # loader(dispatcher, device_type) 
 
 # The providers dtorch's backends register, with their default priority when a registration names none;
 # reference kernels always lose. Any other name may be registered; these are what DTORCH_DISABLE_PROVIDERS
-# accepts besides the names already registered.
+# accepts, and what ``disabled`` accepts besides the names already registered (a typo gets "did you mean").
 PROVIDER_PRIORITY = {"reference": 0, "torch": 10, "chunked": 10, "blas": 20, "sdpa": 20, "upcast": 25,
                      "triton": 30, "native": 30, "user": 100}
 
@@ -127,8 +127,9 @@ class Dispatcher:
         self._env_disabled = env.disabled_providers()
         unknown = sorted(self._env_disabled - set(PROVIDER_PRIORITY))
         if unknown:
+            hints = [h for h in (did_you_mean(p, PROVIDER_PRIORITY) for p in unknown) if h]
             raise ConfigError(f"DTORCH_DISABLE_PROVIDERS names unknown provider(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(PROVIDER_PRIORITY))}")
+                              f"known: {', '.join(sorted(PROVIDER_PRIORITY))}" + "".join(f"; {h}" for h in hints))
         self.generation = 0
         self._ops: set[str] = set()
         self._backends = dict(DEFAULT_BACKENDS if backends is None else backends)
@@ -140,6 +141,14 @@ class Dispatcher:
         self._watchers: weakref.WeakSet = weakref.WeakSet()  # prepared kernels to re-bind on every change
         verification.add_listener(self._changed)
         cpu.add_listener(self._changed)  # a forced CPU probe answer changes capability checks
+
+    def __repr__(self) -> str:
+        with self._lock:
+            n_keys, n_cands = len(self._candidates), sum(map(len, self._candidates.values()))
+            loaded = ", ".join(sorted(self._loaded)) or "none yet"
+            off = sorted(set(self._disabled) | self._env_disabled)
+        return (f"Dispatcher({len(self._ops)} ops, {n_keys} keys, {n_cands} kernels; backends loaded on: {loaded}"
+                + (f"; disabled: {', '.join(off)}" if off else "") + ")")
 
     # -- ops -----------------------------------------------------------------------------------
 
@@ -153,6 +162,17 @@ class Dispatcher:
 
     def is_defined(self, op: str) -> bool:
         return op in self._ops
+
+    def _op_hint(self, op: str) -> str:
+        """"did you mean" for an unknown ``op``: close names, or ops of the same name in another family."""
+        with self._lock:
+            ops = set(self._ops) | {k.op for k in self._candidates}
+        near = sorted(o for o in ops if o.split(".")[-1] == op.split(".")[-1])
+        return did_you_mean(op, ops) or (f"did you mean {' or '.join(map(repr, near))}?" if near else "")
+
+    def _providers(self) -> set[str]:
+        with self._lock:
+            return set(PROVIDER_PRIORITY) | {c.provider for cands in self._candidates.values() for c in cands}
 
     def _check_key(self, key: object) -> KernelKey:
         if not isinstance(key, KernelKey):
@@ -169,18 +189,17 @@ class Dispatcher:
         if key.op not in self._ops:
             self.ensure_backend(key.device)  # the built-in backends define their ops
         if key.op not in self._ops:
-            near = [op for op in self._ops if op.split(".")[-1] == key.op.split(".")[-1]]
-            hint = f" (did you mean {', '.join(sorted(near))}?)" if near else ""
-            raise RegistrationError(f"register {key}: op {key.op!r} is not defined{hint}; declare a new op first "
-                                    f"with dispatcher.define({key.op!r})")
+            hint = self._op_hint(key.op)
+            raise RegistrationError(f"register {key}: op {key.op!r} is not defined{f' ({hint})' if hint else ''}; "
+                                    f"declare a new op first with dispatcher.define({key.op!r})")
         return key
 
     # -- registration ------------------------------------------------------------------------
 
-    def register(self, key: KernelKey, fn: KernelFn, *, provider: str = "reference", priority: int | None = None,
+    def register(self, key: KernelKey, fn: KernelFn, *, provider: str, priority: int | None = None,
                  meta: KernelMeta | None = None, check: Check | None = None, override: bool = False,
                  functional: FunctionalFn | None = None, varies: str | None = None) -> Candidate:
-        """Add ``fn`` as a candidate for ``key``.
+        """Add ``fn`` as a candidate for ``key`` from ``provider`` (your own kernels: ``"user"``, priority 100).
 
         The key's device type loads its backends first, so registration order does not matter. Registering
         the same function again for the same (key, provider) is a no-op; a different function for the same
@@ -220,7 +239,10 @@ class Dispatcher:
             cands = self._candidates.get(key, [])
             kept = [c for c in cands if c.provider != provider]
             if len(kept) == len(cands):
-                raise KernelNotFound(f"unregister: {key} has no candidate from provider {provider!r}")
+                have = [c.provider for c in cands]
+                hint = did_you_mean(provider, have)
+                raise KernelNotFound(f"unregister: {key} has no candidate from provider {provider!r}; it has "
+                                     f"{', '.join(have) or 'none'}" + (f"; {hint}" if hint else ""))
             if kept:
                 self._candidates[key] = kept
             else:
@@ -243,8 +265,15 @@ class Dispatcher:
     def disabled(self, *providers: str) -> Iterator[None]:
         """Within the block, candidates of ``providers`` are never chosen (for A/B runs).
 
-        Prepared kernels notice the generation change and re-choose on their next call.
+        Prepared kernels notice the generation change and re-choose on their next call. An unknown provider
+        name is an ``ArgumentError`` (a typo would otherwise disable nothing).
         """
+        known = self._providers()
+        for p in providers:
+            if p not in known:
+                hint = did_you_mean(p, known)
+                raise ArgumentError(f"disabled: unknown provider {p!r}; known: {', '.join(sorted(known))}"
+                                    + (f"; {hint}" if hint else ""))
         with self._lock:
             for p in providers:
                 self._disabled[p] += 1
@@ -396,9 +425,11 @@ class Dispatcher:
         """Every candidate of ``key`` with its status: active, or why it was passed over.
 
         Without ``call`` the checks see the key's device and dtype only, as ``choose`` does; a winner whose
-        path still depends on the call's shapes says so.
+        path still depends on the call's shapes says so. An op that is not defined raises ``KernelNotFound``.
         """
         cands = self._cands(key)
+        if not cands and key.op not in self._ops:
+            raise KernelNotFound(self._not_found(key, []))  # a misspelled op: say which ones are close
         facts = call or _bare_call(key)
         rows: list[tuple[Candidate, str]] = []
         winner = None
@@ -458,8 +489,8 @@ class Dispatcher:
         missing = "".join(f"; backend {b!r} unavailable: {r}" for b, r in sorted(unavailable.items()))
         where = f"{key.device}/{dtype_name(key.dtype)}" + ("" if key.layout == "strided" else f"/{key.layout}")
         if not by_dev:
-            near = [op for op in self.ops() if op.split(".")[-1] == key.op.split(".")[-1]]
-            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            hint = self._op_hint(key.op)
+            hint = f"; {hint}" if hint else ""
             return f"no kernel for {key.op} on {where}: op {key.op!r} is not registered{hint}{missing}"
         registered = ", ".join(f"{d}/{{{','.join(sorted(v))}}}" for d, v in sorted(by_dev.items()))
         return f"no kernel for {key.op} on {where}; registered: {registered}{missing}"

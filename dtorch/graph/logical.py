@@ -404,7 +404,8 @@ class LogicalGraph:
             raise GraphError(f"LogicalGraph: {name!r} is already an input, param or state")
 
     def __repr__(self) -> str:
-        lines = [f"LogicalGraph on {self.mesh}"]
+        lines = [f"LogicalGraph on {self.mesh}: {len(self.inputs)} inputs, {len(self.params)} params, "
+                 f"{len(self.states)} states, {len(self.operators)} ops, {len(self.outputs)} outputs"]
         lines += [f"  input {x}" for x in self.inputs.values()]
         lines += [f"  param {x}" for x, _ in self.params.values()]
         lines += [f"  state {x}" for x, _ in self.states.values()]

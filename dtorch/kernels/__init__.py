@@ -15,10 +15,12 @@ a backend that cannot load registers nothing and is recorded with its reason, wh
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
+from importlib import import_module
 
 from dtorch.dispatch.registry import Dispatcher
+
+__all__ = ["BACKENDS", "Backend", "install"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ def install(dispatcher: Dispatcher, device_type: str) -> None:
         if device_type not in backend.devices:
             continue
         try:
-            package = importlib.import_module(backend.package)
+            package = import_module(backend.package)
         except ImportError as exc:
             dispatcher.mark_unavailable(device_type, backend.name, f"cannot import {backend.package}: {exc}")
             continue

@@ -13,3 +13,7 @@ from dtorch.models.loaders import (
 )
 from dtorch.models.model import Bucket as Bucket, Transformer as Transformer, bucket_for as bucket_for
 from dtorch.models.tokenizer import StreamDecoder as StreamDecoder, Tokenizer as Tokenizer
+
+__all__ = ["PRESETS", "Bucket", "Checkpoint", "Executor", "KVCache", "Layout", "LazyCheckpoint", "ModelConfig",
+           "StepPlan", "StreamDecoder", "Tokenizer", "Transformer", "bucket_for", "default_model_path",
+           "load_checkpoint", "open_checkpoint", "rope_inv_freq"]

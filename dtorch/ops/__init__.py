@@ -5,7 +5,7 @@ Every op has a functional form that allocates its output (``dtorch.ops.add(a, b)
 ``invoke`` runs any registered op by name. Prepared operators live beside their family.
 """
 
-import sys
+import sys as _sys
 
 from dtorch.ops._invoke import invoke
 from dtorch.ops.attention import *  # noqa: F403
@@ -30,4 +30,4 @@ from dtorch.ops.unary import *  # noqa: F403
 _FAMILIES = ("attention", "binary", "causal_conv1d", "conv", "copy", "creation", "gated_delta_net", "gdn_gates",
              "kv_cache", "llm", "matmul", "moe", "reduce", "unary")
 __all__ = ["OperatorInitContext", "PreparedOperator", "RuntimeContext", "invoke"] + [
-    name for fam in _FAMILIES for name in sys.modules[f"dtorch.ops.{fam}"].__all__]
+    name for fam in _FAMILIES for name in _sys.modules[f"dtorch.ops.{fam}"].__all__]

@@ -25,6 +25,10 @@ class Tracer:
         self.events.clear()
         self.origin = time.perf_counter_ns()
 
+    def __repr__(self) -> str:
+        streams = {(device, stype) for device, stype, *_ in list(self.events)}
+        return f"Tracer({len(self.events)} kernels on {len(streams)} streams)"
+
     def chrome(self) -> dict:
         """The Chrome trace format: one "X" event per kernel; pid is the device, tid the stream type."""
         pids: dict[str, int] = {}

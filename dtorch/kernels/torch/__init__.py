@@ -6,7 +6,7 @@ kernel of each op defines the op. Accelerated candidates here are torch's own fa
 
 from __future__ import annotations
 
-import importlib
+from importlib import import_module
 
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.kernels.torch.registry import KERNELS
@@ -22,5 +22,5 @@ def unavailable(device_type: str) -> str | None:
 
 def install(dispatcher: Dispatcher, device_type: str) -> None:
     for name in FAMILIES:
-        importlib.import_module(f"{__name__}.{name}")
+        import_module(f"{__name__}.{name}")
     KERNELS.install(dispatcher, device_type)
