@@ -223,3 +223,118 @@ def test_a_dropped_runner_leaves_no_threads():
     del r
     gc.collect()
     assert not dtorch_threads()
+
+
+# -- lifecycle after shutdown, a timeout or a failure (issue 14) ------------------------------------------------
+
+
+def _stuck_graph(n: int, release: threading.Event, name: str = "stuck"):
+    g = LogicalGraph(DeviceMesh.cpu(n))
+    stuck = g.python(lambda t: (release.wait(10), t)[1], g.input("x", (2, 2)), name=name, shape=(2, 2),
+                     dtype=torch.float32)
+    g.output("y", stuck.exp())
+    return g
+
+
+def _join_dtorch_threads(timeout: float = 5.0) -> None:
+    for t in dtorch_threads():
+        t.join(timeout)
+    assert not dtorch_threads()
+
+
+def test_a_shut_down_runner_raises_instead_of_returning_stale_results():
+    g = LogicalGraph(DeviceMesh.cpu(1))
+    g.output("y", g.input("x", (1,)).exp())
+    r = Runner(g, static=True)
+    r.run({"x": torch.zeros(1)})
+    assert r.shutdown() == []
+    with pytest.raises(dtorch.DtorchError, match="shut down.*new Runner"):
+        r.run({"x": torch.zeros(1)})
+    stream = KernelStream(Device("cpu", 0), StreamType.COMPUTE)
+    stream.close()
+    with pytest.raises(dtorch.DtorchError, match="cpu:0/compute is shut down"):
+        stream.push(_Item(lambda: None))
+
+
+def test_shutdown_with_a_stuck_kernel_returns_within_its_timeout_and_names_the_thread():
+    release = threading.Event()
+    r = Runner(_stuck_graph(1, release), timeout=0.2)
+    try:
+        with pytest.raises(dtorch.SyncTimeout):
+            r.run({"x": torch.zeros(2, 2)})
+        t0 = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match="dtorch-cpu:0/compute.*python.stuck"):
+            abandoned = r.shutdown(timeout=0.3)
+        assert time.perf_counter() - t0 < 2
+        assert len(abandoned) == 1 and "dtorch-cpu:0/compute" in abandoned[0]
+    finally:
+        release.set()
+        _join_dtorch_threads()
+
+
+def test_a_run_after_a_timeout_waits_for_the_leftover_kernel_or_says_to_rebuild():
+    release = threading.Event()
+    with Runner(_stuck_graph(1, release), timeout=0.2) as r:
+        with pytest.raises(dtorch.SyncTimeout):
+            r.run({"x": torch.zeros(2, 2)})
+        with pytest.raises(dtorch.SyncTimeout, match="earlier run.*still running.*new one"):
+            r.run({"x": torch.zeros(2, 2)}, timeout=0.2)
+        timer = threading.Timer(0.3, release.set)  # the stuck kernel ends while the next run waits for it
+        timer.start()
+        x = torch.full((2, 2), 2.0)
+        torch.testing.assert_close(r.run({"x": x}, timeout=5)["y"], x.exp())  # its input was not freed
+        timer.join()
+    _join_dtorch_threads()
+
+
+def test_collectives_take_the_runs_timeout():
+    def slow_on_last(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] == 1:  # device 1 of 2 holds one row
+            time.sleep(0.6)
+        return t + 1
+
+    g = LogicalGraph(DeviceMesh.cpu(2))
+    y = g.python(slow_on_last, g.input("x", (3, 2), placement=Shard(0)), name="slow")
+    g.output("y", g.redistribute(y, Replicate()))
+    x = torch.zeros(3, 2)
+    with Runner(g, timeout=0.2) as r:  # the all-gather would give up after 0.2s
+        torch.testing.assert_close(r.run({"x": x}, timeout=5)["y"], x + 1)
+
+
+@pytest.mark.parametrize("timeout", ["abc", float("inf"), float("nan"), 0, True])
+def test_a_bad_timeout_is_an_argument_error_naming_it(timeout):
+    g = LogicalGraph(DeviceMesh.cpu(1))
+    g.output("y", g.input("x", (1,)).exp())
+    with pytest.raises(dtorch.ArgumentError, match="'timeout'"):
+        Runner(g, timeout=timeout)
+    with Runner(g) as r, pytest.raises(dtorch.ArgumentError, match="Runner.run: 'timeout'"):
+        r.run({"x": torch.zeros(1)}, timeout=timeout)
+
+
+@pytest.mark.parametrize("value", ["abc", "inf", "nan", "0"])
+def test_a_bad_sync_timeout_setting_is_a_config_error_naming_it(monkeypatch, value):
+    from dtorch.core import env
+
+    monkeypatch.setenv("DTORCH_SYNC_TIMEOUT", value)
+    with pytest.raises(dtorch.ConfigError, match="DTORCH_SYNC_TIMEOUT"):
+        env.sync_timeout()
+
+
+def test_a_python_kernel_returning_another_dtype_names_the_op():
+    g = LogicalGraph(DeviceMesh.cpu(1))
+    y = g.python(lambda t: t.double(), g.input("x", (2,)), name="widen", shape=(2,), dtype=torch.float32)
+    g.output("y", y)
+    with Runner(g) as r, pytest.raises(dtorch.KernelFailure, match="python.widen.*float64.*declares float32"):
+        r.run({"x": torch.zeros(2)})
+
+
+def test_in_process_collectives_with_mismatched_shapes_name_every_devices_shape():
+    from dtorch.distributed import InProcessCommunicator
+    from tests.threads import on_devices
+
+    comm = InProcessCommunicator([0, 1], timeout=5)
+    xs = [torch.ones(2, 3), torch.ones(3, 3)]
+    got = on_devices(2, lambda i: comm.all_reduce(i, xs[i], torch.empty_like(xs[i])))
+    for err in got:
+        assert isinstance(err, dtorch.CommunicationError)
+        assert "device 0: x [2, 3]" in str(err) and "device 1: x [3, 3]" in str(err)

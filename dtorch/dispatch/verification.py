@@ -73,6 +73,19 @@ def run_verified(key, active, reference, ctx, inputs: Sequence[torch.Tensor], ou
         rtol, atol = tolerance(want.dtype)
         if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=rtol * 10, atol=atol * 10,
                                                          equal_nan=True):
-            diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("nan")
             raise VerifyError(f"verify {key}: output {i} of {active.provider} ({active.name}) differs from "
-                              f"reference ({reference.name}) by up to {diff:.3g} (rtol {rtol * 10}, atol {atol * 10})")
+                              f"reference ({reference.name}) {_difference(got, want)} "
+                              f"(rtol {rtol * 10}, atol {atol * 10})")
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """How two outputs differ: shapes, NaN where the other has a number (a NaN hidden or invented), or the gap."""
+    if got.shape != want.shape:
+        return f"in shape: {list(got.shape)} vs {list(want.shape)}"
+    g, w = got.float(), want.float()
+    nan_mismatch = int((g.isnan() != w.isnan()).sum())
+    if nan_mismatch:
+        return (f"in NaN: {int((g.isnan() & ~w.isnan()).sum())} NaN where the reference has a number, "
+                f"{int((w.isnan() & ~g.isnan()).sum())} numbers where the reference has NaN")
+    both = ~g.isnan()
+    return f"by up to {(g[both] - w[both]).abs().max().item():.3g}"

@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 import torch
 
 from dtorch.core import env
-from dtorch.core.errors import ArgumentError, CommunicationError, DeviceError
+from dtorch.core.errors import ArgumentError, CommunicationError, DeviceError, ShapeError
 from dtorch.core.sync import Rendezvous
-from dtorch.graph.placement import Shard
+from dtorch.graph.placement import Shard, piece_ranges
 from dtorch.runtime.blob import local_piece
 from dtorch.runtime.comm import Communicator
 
@@ -94,6 +94,8 @@ class InProcessCommunicator(Communicator):
             why = "aborted (a kernel of this run failed or the run timed out)" if self._aborted.is_set() else \
                 f"a peer did not arrive within {self.timeout:g}s"
             raise CommunicationError(f"{call.op} on device {device_id}: {why}") from None
+        except ShapeError as exc:  # raised by _combine in this (the last) thread: the same error as every peer's
+            raise CommunicationError(f"{call.op} on device {device_id}: {exc}") from exc
 
     def _combine(self) -> None:
         """Runs once per collective, in the last thread to arrive, before any thread leaves."""
@@ -103,6 +105,7 @@ class InProcessCommunicator(Communicator):
             if any(c.op != first.op or c.args != first.args for c in calls):
                 seen = ", ".join(f"{i}: {c.op}{c.args}" for i, c in zip(self.ids, calls, strict=True))
                 raise CommunicationError(f"devices issued different collectives at the same point: {seen}")
+            _check_shapes(self.ids, calls)
             if _nccl_fits(calls):
                 _NCCL[first.op](calls, *first.args)
             else:
@@ -152,6 +155,9 @@ class InProcessCommunicator(Communicator):
         self._aborted.set()
         self._barrier.abort()
 
+    def set_timeout(self, seconds: float) -> None:
+        self.timeout = self._barrier.timeout = seconds
+
     def reset(self) -> None:
         self._aborted.clear()
         self._error = None
@@ -168,6 +174,37 @@ class InProcessCommunicator(Communicator):
 
     def __repr__(self) -> str:
         return f"InProcessCommunicator({list(self.ids)})"
+
+
+def _expected_out(calls: list[_Call], rank: int) -> tuple[int, ...] | None:
+    """The shape device ``rank``'s out must have, or None when the inputs themselves disagree."""
+    first = calls[0]
+    xs = [tuple(c.x.shape) for c in calls]
+    if first.op == "all_gather":
+        dim = first.args[0]
+        if any(len(s) != len(xs[0]) or s[:dim] + s[dim + 1:] != xs[0][:dim] + xs[0][dim + 1:] for s in xs):
+            return None
+        return xs[0][:dim] + (sum(s[dim] for s in xs),) + xs[0][dim + 1:]
+    if first.op == "broadcast":
+        return xs[first.args[0]]
+    if any(s != xs[0] for s in xs):
+        return None
+    if first.op == "reduce_scatter":
+        dim, full = first.args[0], xs[0]
+        length = sum(n for _, n in piece_ranges(Shard(dim), full[dim], rank, len(calls)))
+        return full[:dim] + (length,) + full[dim + 1:]
+    return xs[0]
+
+
+def _check_shapes(ids: Sequence[int], calls: list[_Call]) -> None:
+    """Every device's x and out fit the collective; else a ``ShapeError`` naming the shapes on every device."""
+    if calls[0].op == "broadcast":  # only the source's x is read
+        calls = [c._replace(x=calls[calls[0].args[0]].x) if c.x is None else c for c in calls]
+    if all(c.x is not None and tuple(c.out.shape) == _expected_out(calls, r) for r, c in enumerate(calls)):
+        return
+    seen = "; ".join(f"device {i}: x {list(c.x.shape) if c.x is not None else None}, out {list(c.out.shape)}"
+                     for i, c in zip(ids, calls, strict=True))
+    raise ShapeError(f"{calls[0].op}{calls[0].args}: the devices' shapes do not fit together: {seen}")
 
 
 def _reduce_op(op: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -131,3 +133,64 @@ def positive_int(op: str, name: str, value: object, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ArgumentError(f"{op}: {name!r} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes of memory ``t`` can touch (strides of any sign; conservative for gaps between rows)."""
+    lo = hi = 0
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        reach = (size - 1) * stride
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    item = t.element_size()
+    base = t.data_ptr()
+    return base + lo * item, base + (hi + 1) * item
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory: same device and storage, and intersecting byte ranges
+    (meta and empty tensors share nothing)."""
+    if a.device != b.device or a.device.type == "meta" or not a.numel() or not b.numel():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def no_alias(op: str, outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor | None]) -> None:
+    """Refuse an output that overlaps an input or another output of the same call (the kernel would read what it
+    has already overwritten). Ops that do allow in place say so in their docstring and do not call this."""
+    named = list(outputs.items())
+    for i, (name, out) in enumerate(named):
+        others = [(n, t) for n, t in inputs.items() if t is not None] + named[i + 1:]
+        for other, t in others:
+            if overlaps(out, t):
+                raise ArgumentError(f"{op}: {name!r} overlaps {other!r} (they share memory); {op} cannot write in "
+                                    f"place: pass a separate {name!r} tensor (e.g. torch.empty_like)")
+
+
+MAX_ELEMENTS = 2**40  # more elements than any one device holds today: a size this big is a mistake, not a request
+
+
+def _device_bytes(device: torch.device) -> int | None:
+    """Memory of ``device`` (CPU: the machine's physical memory; CUDA: the GPU's), or None when unknown."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+    except (ValueError, OSError, RuntimeError, AssertionError):
+        return None
+    return None
+
+
+def allocation(op: str, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before allocating, a tensor [shape] of more than 2**40 elements or more bytes than ``device`` has."""
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    limit = _device_bytes(device) if device.type != "meta" else None
+    if numel > MAX_ELEMENTS or (limit is not None and nbytes > limit):
+        room = f"{device} has {limit / 2**30:.1f} GiB" if limit is not None else f"the bound is {MAX_ELEMENTS} elements"
+        raise ArgumentError(f"{op}: {name} of shape {tuple(shape)} would hold {numel} elements "
+                            f"({nbytes / 2**30:.1f} GiB of {dtype_name(dtype)}), more than 2**40 elements or the "
+                            f"device's memory ({room}); ask for a smaller size")

@@ -5,6 +5,11 @@
 q [total_q, H, D], k/v [total_k, Hkv, D], cu_seqlens int32 [N+1] -> [total_q, H, D].
 H must be a multiple of Hkv (GQA: query head h reads kv head h // (H / Hkv)); ``causal`` is aligned
 bottom-right (query i of T sees keys j <= i + S - T); ``scale`` defaults to 1 / sqrt(D).
+
+Conventions every provider follows (the op table checks them): with ``causal`` and T > S, a query row that
+sees no key (i < T - S) gives 0, as flash-attn does; a NaN in q, k or v gives NaN in the rows it reaches (a
+NaN in q[b, t, h] makes out[b, t, h] NaN), never a silent 0. Attention does not work in place: an ``out``
+that overlaps q, k or v is refused with an ``ArgumentError``.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ def flash_attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     device = _check_dense(q, k, v, ctx)
     params = dense_params(q.shape[-1], causal, scale)
     _checks.out(DENSE, out, q.shape, q.dtype, q.device)
+    _checks.no_alias(DENSE, {"out": out}, {"q": q, "k": k, "v": v})
     run(DENSE, device, q.dtype, (q, k, v), (out,), params, *((ctx.stream, ctx.workspace) if ctx else ()))
     return out
 
@@ -130,8 +136,11 @@ def _check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
     if cu_q.shape != cu_k.shape:
         raise ShapeError(f"{op}: 'cu_seqlens_q' and 'cu_seqlens_k' must have the same length N + 1, got "
                          f"{cu_q.shape[0]} and {cu_k.shape[0]}")
-    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+    for name, value, t in (("max_seqlen_q", max_q, q), ("max_seqlen_k", max_k, k)):
         _checks.positive_int(op, name, value, minimum=0)
+        # a loose bound is fine, but a padded kernel allocates [N, max_seqlen, heads, D]: refuse one past memory
+        _checks.allocation(op, f"{name!r} {value} (the padded batch [N, {name}, heads, D])",
+                           (cu_q.shape[0] - 1, value, *t.shape[1:]), t.dtype, t.device)
     if device.type != "meta":
         _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     return device
@@ -183,6 +192,7 @@ def flash_attention_varlen_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     device = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ctx)
     params = varlen_params(q.shape[-1], max_seqlen_q, max_seqlen_k, causal, scale)
     _checks.out(VARLEN, out, q.shape, q.dtype, q.device)
+    _checks.no_alias(VARLEN, {"out": out}, {"q": q, "k": k, "v": v})
     run(VARLEN, device, q.dtype, (q, k, v, cu_seqlens_q, cu_seqlens_k), (out,), params,
         *((ctx.stream, ctx.workspace) if ctx else ()))
     return out
@@ -228,6 +238,7 @@ class Attention(_AttentionBase):
         _check_dense(q, k, v, ctx)
         self._check_heads(q, k)
         _checks.out(self.op, out, q.shape, q.dtype, q.device)
+        _checks.no_alias(self.op, {"out": out}, {"q": q, "k": k, "v": v})
 
     def forward_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor,
                     ctx: RuntimeContext | None = None) -> torch.Tensor:
@@ -244,7 +255,8 @@ class Attention(_AttentionBase):
                     and q.layout is strided and k.layout is strided and v.layout is strided and out.layout is strided
                     and q.device == dev and k.device == dev and v.device == dev and out.device == dev
                     and q.dim() == 4 and len(ks) == 4 and q.shape[2:] == self._q_heads and ks[2:] == self._kv_heads
-                    and v.shape == ks and ks[0] == q.shape[0] and out.shape == q.shape)
+                    and v.shape == ks and ks[0] == q.shape[0] and out.shape == q.shape
+                    and out is not q and out is not k and out is not v)
         except AttributeError:  # not tensors
             fast = False
         if not fast:
@@ -275,6 +287,7 @@ class AttentionVarlen(_AttentionBase):
         _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ctx)
         self._check_heads(q, k)
         _checks.out(self.op, out, q.shape, q.dtype, q.device)
+        _checks.no_alias(self.op, {"out": out}, {"q": q, "k": k, "v": v})
         kernel = self._bound()
         params = _params(self.causal, self.scale, max_seqlen_q, max_seqlen_k)  # per-call lengths
         base = self._context(ctx)

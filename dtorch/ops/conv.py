@@ -70,7 +70,7 @@ def _conv(nd: int, x, w, bias, stride, padding, dilation, groups, out=None, ctx=
     dtype, device = _operands(op, {"x": x, "w": w, "bias": bias}, ctx)
     params = conv_params(nd, stride, padding, dilation, groups)
     shape = _conv_shape(op, nd, x, w, bias, params)
-    return _launch(op, (x, w, bias), shape, dtype, device, out, ctx, params)
+    return _launch(op, (x, w, bias), shape, dtype, device, out, ctx, params, ("x", "w", "bias"))
 
 
 def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, stride: IntOrPair = 1,

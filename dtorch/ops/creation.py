@@ -55,6 +55,7 @@ def _number(op: str, name: str, value: object, dtype: torch.dtype) -> int | floa
 def _create(op: str, shape: tuple[int, ...], dtype: torch.dtype, device: DeviceLike,
             params: KernelParams = NO_PARAMS) -> torch.Tensor:
     dev = as_device(device)
+    _checks.allocation(op, "the result", shape, dtype, dev.torch)
     out = torch.empty(shape, dtype=dtype, device=dev.torch)
     run(op, dev, dtype, (), (out,), params)
     return out
@@ -127,6 +128,9 @@ def _arange_params(op: str, start, end, step, dtype) -> tuple[KernelParams, int,
         dtype = torch.int64 if whole else torch.float32
     dt = _dtype(op, dtype)
     start, end, step = (_number(op, n, v, dt) for n, v in (("start", start), ("end", end), ("step", step)))
+    for name, value in (("start", start), ("end", end), ("step", step)):
+        if not math.isfinite(value):
+            raise ArgumentError(f"{op}: {name!r} must be a finite number, got {value!r}")
     if step == 0:
         raise ArgumentError(f"{op}: 'step' must be non-zero")
     if all(isinstance(v, int) for v in (start, end, step)):

@@ -48,6 +48,7 @@ def _check_embedding(ids: torch.Tensor, weight: torch.Tensor, ctx: RuntimeContex
     _checks.dtype_in(op, "ids", ids, INT_DTYPES)
     _checks.dtype_in(op, "weight", weight, FLOAT_DTYPES)
     _checks.rank(op, "weight", weight, 2)
+    _checks.allocation(op, "the result", (*ids.shape, weight.shape[1]), weight.dtype, weight.device)
     if ids.device.type != "meta" and ids.numel():
         lo, hi = (int(v) for v in torch.aminmax(ids))
         vocab = weight.shape[0]
@@ -138,7 +139,10 @@ def add_rms_norm_out(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
                      out: torch.Tensor, residual_out: torch.Tensor | None = None,
                      ctx: RuntimeContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual_out = residual + x; out = rms_norm(residual_out)``; ``residual_out`` defaults to
-    ``residual`` itself (the in-place residual stream). Returns (out, residual_out)."""
+    ``residual`` itself (the in-place residual stream). Returns (out, residual_out).
+
+    In place: only ``residual_out`` may be ``residual`` (the same tensor). ``out`` must not overlap ``x``,
+    ``residual``, ``weight`` or ``residual_out`` (an ``ArgumentError`` otherwise)."""
     op = "llm.add_rms_norm"
     params = _norm_params(op, eps)
     device = _check_norm(op, {"x": x, "residual": residual}, weight, ctx)
@@ -147,8 +151,19 @@ def add_rms_norm_out(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
         residual_out = residual
     else:
         _checks.out(op, residual_out, x.shape, x.dtype, x.device)
+    _check_add_rms_aliases(x, residual, weight, out, residual_out)
     _run(op, device, x.dtype, (x, residual, weight), (out, residual_out), params, ctx)
     return out, residual_out
+
+
+def _check_add_rms_aliases(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                           residual_out: torch.Tensor) -> None:
+    """``residual_out`` is ``residual`` itself or overlaps no input; ``out`` overlaps nothing."""
+    op = "llm.add_rms_norm"
+    _checks.no_alias(op, {"out": out, "residual_out": residual_out},
+                     {"x": x, "weight": weight} | ({} if residual_out is residual else {"residual": residual}))
+    if residual_out is residual:
+        _checks.no_alias(op, {"out": out}, {"residual": residual})
 
 
 def _alike(dtype: torch.dtype, device: torch.device, shape: torch.Size, tensors: tuple) -> bool:
@@ -221,6 +236,7 @@ class AddRMSNorm(_PreparedLLM):
         _checks.out(self.op, out, x.shape, x.dtype, x.device)
         if residual_out is not residual:
             _checks.out(self.op, residual_out, x.shape, x.dtype, x.device)
+        _check_add_rms_aliases(x, residual, weight, out, residual_out)
 
     def forward_out(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor,
                     residual_out: torch.Tensor | None = None,
@@ -229,7 +245,7 @@ class AddRMSNorm(_PreparedLLM):
         if residual_out is None:
             residual_out = residual
         dt, dev = self._dtype, self._device
-        if type(x) is not torch.Tensor or not (
+        if type(x) is not torch.Tensor or out is residual_out or out is residual or out is x or not (
                 x.dim() and _alike(dt, dev, x.shape, (x, residual, out, residual_out))
                 and _alike(dt, dev, x.shape[-1:], (weight,))):
             self._validate(x, residual, weight, out, residual_out, ctx)

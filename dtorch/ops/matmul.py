@@ -1,6 +1,8 @@
 """Matrix product wrappers ``mm``, ``bmm``, ``linear`` (+ ``*_out``) and the prepared ``MatMul`` / ``Linear``.
 
-dtorch does no implicit promotion: all operands share one dtype and one device.
+dtorch does no implicit promotion: all operands share one dtype and one device. None of these ops works in
+place: an ``out`` that overlaps an input is refused with an ``ArgumentError`` (as torch's own ``out=``, a
+product cannot overwrite what it still reads).
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def _linear_shape(op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     return (*x.shape[:-1], w.shape[0])
 
 
-def _launch(op, inputs, shape, dtype, device, out, ctx, params=NO_PARAMS) -> torch.Tensor:
-    """Allocate (or check) the output [shape] and run ``op`` on it."""
+def _launch(op, inputs, shape, dtype, device, out, ctx, params=NO_PARAMS, names=("a", "b")) -> torch.Tensor:
+    """Allocate (or check) the output [shape] and run ``op`` on it; a given ``out`` must not overlap an input."""
     if out is None:
         if ctx is None:  # the winner's allocating form when it has one
             return call(op, device, dtype, inputs, params,
@@ -74,6 +76,7 @@ def _launch(op, inputs, shape, dtype, device, out, ctx, params=NO_PARAMS) -> tor
         out = torch.empty(shape, dtype=dtype, device=inputs[0].device)
     else:
         _checks.out(op, out, shape, dtype, inputs[0].device)
+        _checks.no_alias(op, {"out": out}, dict(zip(names, inputs, strict=True)))
     run(op, device, dtype, inputs, (out,), params, stream=ctx.stream if ctx is not None else None,
         workspace=ctx.workspace if ctx is not None else None)
     return out
@@ -97,7 +100,8 @@ _LINEAR = "matmul.linear"
 def _linear(x, w, bias, out=None, ctx=None) -> torch.Tensor:
     op = _LINEAR
     dtype, device = _operands(op, {"x": x, "w": w, "bias": bias}, ctx)
-    return _launch(op, (x, w, bias), _linear_shape(op, x, w, bias), dtype, device, out, ctx)
+    return _launch(op, (x, w, bias), _linear_shape(op, x, w, bias), dtype, device, out, ctx,
+                   names=("x", "w", "bias"))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -151,6 +155,7 @@ class _PreparedProduct(PreparedOperator):
             if t is not None:
                 self._check_like(name, t)
         _checks.out(self.op, out, shape, self.init.dtype, next(iter(named.values())).device)
+        _checks.no_alias(self.op, {"out": out}, named)
 
 
 class MatMul(_PreparedProduct):
@@ -191,7 +196,7 @@ class MatMul(_PreparedProduct):
                  and a.device == dev and b.device == dev and out.device == dev)
         if plain:
             o, bs = out.shape, b.shape
-            plain = o[:-1] == a.shape[:-1] and o and bs and o[-1] == bs[-1]
+            plain = o[:-1] == a.shape[:-1] and o and bs and o[-1] == bs[-1] and out is not a and out is not b
         if not plain:
             self._check_named({"a": a, "b": b}, out, self._shape(a, b))
         try:
@@ -259,6 +264,7 @@ class Linear(_PreparedProduct):
                 plain = len(ws) == 2 and o[:-1] == x.shape[:-1] and o and o[-1] == ws[0]
             if not plain:
                 self._validate(x, w, bias, out)
+            _checks.no_alias(self.op, {"out": out}, {"x": x, "w": w, "bias": bias})  # once per new set of tensors
             self._checked = (x, w, out, bias)
         try:
             kernel.fn(self._kctx if ctx is None else self._context(ctx), (x, w, bias), (out,))

@@ -23,6 +23,9 @@ class Communicator(ABC):
     ids: tuple[int, ...]
     process: int = 0
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self.ids)}, process {self.process})"
+
     @abstractmethod
     def all_reduce(self, device_id: int, x: torch.Tensor, out: torch.Tensor, op: str = "sum") -> None:
         """out = reduce(op) over every device's x; x, out: the same shape."""
@@ -53,6 +56,10 @@ class Communicator(ABC):
 
     def reset(self) -> None:  # noqa: B027 - optional; the default does nothing
         """Make the communicator usable again after ``abort``."""
+
+    def set_timeout(self, seconds: float) -> None:  # noqa: B027 - optional; the default does nothing
+        """How long the next collectives wait for a peer (a Runner sets its run's timeout before each run);
+        a communicator whose timeout is fixed elsewhere (a process group's) keeps its own."""
 
     def close(self) -> None:  # noqa: B027 - optional; the default does nothing
         """Release what the communicator holds."""

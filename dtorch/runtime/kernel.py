@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from dtorch.core.device import Device
-from dtorch.core.errors import CommunicationError, DtorchError, KernelFailure, LayoutError, ShapeError
+from dtorch.core.dtypes import dtype_name
+from dtorch.core.errors import (
+    CommunicationError,
+    DtorchError,
+    DTypeError,
+    KernelFailure,
+    LayoutError,
+    ShapeError,
+)
 from dtorch.core.memory import MemoryKind, allocate, default_workspace
 from dtorch.dispatch.context import KernelContext
 from dtorch.dispatch.prepared import PreparedKernel
@@ -33,7 +41,7 @@ class RunState:
     __slots__ = ("error", "aborted", "comm", "_lock")
 
     def __init__(self, comm: Communicator | None) -> None:
-        self.error: DtorchError | None = None
+        self.error: DtorchError | KeyboardInterrupt | None = None
         self.aborted = False
         self.comm = comm
         self._lock = threading.Lock()
@@ -41,7 +49,9 @@ class RunState:
     def fail(self, kernel: Kernel, stream: Any, exc: BaseException) -> None:
         with self._lock:
             first = self.error is None
-            if first:
+            if first and isinstance(exc, KeyboardInterrupt):  # Ctrl-C in a kernel run on the caller's thread
+                self.error = exc
+            elif first:
                 cls = CommunicationError if isinstance(exc, CommunicationError) else KernelFailure
                 self.error = cls(f"kernel {kernel.operator.name} (op {kernel.operator.op}) failed on device "
                                  f"{kernel.device} (global id {kernel.device_id}), stream {stream.name}: "
@@ -193,16 +203,17 @@ class Segment:
 
 
 class PythonKernel(Kernel):
-    """Calls ``fn(*local_tensors)``; the result must have this device's output shape."""
+    """Calls ``fn(*local_tensors)``; the result must have this device's output shape and the graph's dtype."""
 
-    __slots__ = ("fn", "out_shape")
+    __slots__ = ("fn", "out_shape", "dtype")
 
     def __init__(self, operator: Operator, device_id: int, device: Device, inputs: Sequence[Blob | None],
                  outputs: Sequence[Blob], stream: Any, fn: Callable[..., torch.Tensor],
-                 out_shape: tuple[int, ...]) -> None:
+                 out_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__(operator, device_id, device, inputs, outputs, stream)
         self.fn = fn
         self.out_shape = out_shape
+        self.dtype = dtype
 
     def run(self) -> None:
         out = self.fn(*self._tensors())
@@ -210,6 +221,9 @@ class PythonKernel(Kernel):
             got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ShapeError(f"{self.operator.name}: the Python kernel returned {got}, expected a tensor of shape "
                              f"{list(self.out_shape)}")
+        if out.dtype != self.dtype:
+            raise DTypeError(f"{self.operator.name}: the Python kernel returned dtype {dtype_name(out.dtype)}, but "
+                             f"the graph declares {dtype_name(self.dtype)} (cast inside fn, or declare dtype=)")
         if self.fixed_out is not None:
             self.fixed_out.copy_(out)
         else:

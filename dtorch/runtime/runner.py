@@ -14,7 +14,9 @@ nothing, and fed inputs are copied into their buffers on each device's compute s
 
 from __future__ import annotations
 
+import math
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -48,6 +50,13 @@ from dtorch.runtime.kernel import (
 from dtorch.runtime.plan import BufferPlan, Pool
 from dtorch.runtime.stream import StreamManager, StreamType
 from dtorch.runtime.tracing import Tracer
+
+
+def _seconds(where: str, value: object) -> float:
+    """A timeout in seconds: a finite number > 0 (not a string, a bool, inf or NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ArgumentError(f"{where}: 'timeout' must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 class _Feed:
@@ -94,9 +103,11 @@ class Runner:
         self.graph = graph
         self.mesh = graph.mesh
         self.static = static
-        self.timeout = env.sync_timeout() if timeout is None else float(timeout)
+        self.timeout = env.sync_timeout() if timeout is None else _seconds("Runner", timeout)
         self.comm = communicator if communicator is not None else default_communicator(self.mesh.ids, self.timeout)
         self.local_ids = self.mesh.local_ids(self.comm.process)
+        self._owns_streams = streams is None
+        self._closed = False
         if streams is None:
             self.manager = StreamManager(len(self.local_ids))
             self._finalizer = weakref.finalize(self, self.manager.shutdown)  # a dropped Runner leaves no threads
@@ -224,7 +235,7 @@ class Runner:
         if node.kind == "view":
             return ViewKernel(node, i, device, ins, outs, stream, [y.local_shapes[i] for y in node.outputs])
         if node.kind == "python":
-            return PythonKernel(node, i, device, ins, outs, stream, node.fn, shape)
+            return PythonKernel(node, i, device, ins, outs, stream, node.fn, shape, out_x.dtype)
         if node.kind == "collective":
             return CollectiveKernel(node, i, device, ins, outs, stream, self.comm, shape, out_x.dtype)
         return LocalKernel(node, i, device, ins, outs, stream, self.mesh.rank(i), self.mesh.size)
@@ -281,7 +292,7 @@ class Runner:
         if not self.static or len(streams) != 1 or any(what != "push" for what, _, _ in self._program):
             return None
         stream = next(iter(streams.values()))
-        if stream.device.type != "cpu" or stream.type is not StreamType.COMPUTE or env.threads_per_device() > 0:
+        if stream.device.type != "cpu" or stream.type is not StreamType.COMPUTE:
             return None
         return stream
 
@@ -290,13 +301,24 @@ class Runner:
     def run(self, feeds: Mapping[str, torch.Tensor] | None = None, return_dist: bool = False,
             timeout: float | None = None) -> dict[str, Any]:
         """Run once; returns {output name: full tensor} (or ``DistTensor`` with ``return_dist=True``; with a
-        static plan its pieces are the plan's buffers, valid until the next run)."""
+        static plan its pieces are the plan's buffers, valid until the next run).
+
+        ``timeout`` (seconds, default the Runner's) bounds the run's synchronization and every collective of
+        it. A run after a failed or timed-out one first waits (within ``timeout``) for the kernels the earlier
+        run left running, so that none of them touches this run's tensors; a ``SyncTimeout`` says so if they
+        are still stuck (then ``shutdown()`` and build a new Runner)."""
+        limit = self.timeout if timeout is None else _seconds("Runner.run", timeout)
+        if self._closed:
+            raise DtorchError("Runner.run: this Runner was shut down and its streams are gone; build a new "
+                              "Runner(graph) to run the graph again")
         feeds = dict(feeds or {})
         self._check_feeds(feeds)
         with self._lock:
             if self._dirty:
+                self._drain(limit)
                 self.comm.reset()
                 self._dirty = False
+            self.comm.set_timeout(limit)
             state = RunState(self.comm)
             self._place_feeds(feeds, state)
             inline = self._inline
@@ -306,7 +328,7 @@ class Runner:
                 self.manager.after_caller(state)  # after the feeds' copies and the caller's reads of the last results
                 self._push(state)
             try:
-                self.manager.synchronize(self.timeout if timeout is None else timeout)
+                self.manager.synchronize(limit)
             except SyncTimeout:
                 state.abort()
                 self._dirty = True
@@ -315,6 +337,16 @@ class Runner:
                 self._dirty = True
                 raise state.error
             return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
+
+    def _drain(self, limit: float) -> None:
+        """Wait for what an earlier failed or timed-out run left on the streams (its kernels are skipped, but one
+        still running would free or overwrite this run's blobs when it ends)."""
+        try:
+            self.manager.synchronize(limit)
+        except SyncTimeout as exc:
+            raise SyncTimeout(f"Runner.run: a kernel of an earlier run that timed out is still running after "
+                              f"{limit:g}s more ({self.manager.describe_pending()}); this run did not start. Run "
+                              f"again once it ends, or shutdown() this Runner and build a new one") from exc
 
     def _run_inline(self, stream: Any, state: RunState) -> None:
         """Execute the program's items here, in order, as ``stream``'s thread would (failures land in ``state``)."""
@@ -390,9 +422,18 @@ class Runner:
     def synchronize(self, timeout: float | None = None) -> None:
         self.manager.synchronize(self.timeout if timeout is None else timeout)
 
-    def shutdown(self) -> None:
-        """Join every stream thread this Runner owns; the Runner cannot run afterwards."""
-        self._finalizer()
+    def shutdown(self, timeout: float = 5.0) -> list[str]:
+        """Join every stream thread this Runner owns, within ``timeout`` seconds in all; the Runner cannot run
+        afterwards. Returns the threads still running a stuck kernel then (also warned about): they are
+        abandoned as daemon threads and end when their kernel returns."""
+        self._closed = True
+        if self._finalizer.detach() is None or not self._owns_streams:
+            return []
+        abandoned = self.manager.shutdown(_seconds("Runner.shutdown", timeout))
+        if abandoned:
+            warnings.warn(f"Runner.shutdown: abandoned stream thread(s) still running after {timeout:g}s: "
+                          f"{'; '.join(abandoned)}", RuntimeWarning, stacklevel=2)
+        return abandoned
 
     def __enter__(self) -> Runner:
         return self

@@ -11,8 +11,7 @@ work the calling thread queued on its own current CUDA streams (feeds and params
 
 Threads: each CPU compute stream sets its own intra-op thread count (``torch.set_num_threads`` in the
 stream thread sets that thread's OpenMP team size) to a fair share of the creating thread's
-``torch.get_num_threads()`` over the process's devices, or ``DTORCH_THREADS``; communicate streams use one
-thread.
+``torch.get_num_threads()`` over the process's devices; communicate streams use one thread.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 
 from dtorch.core import env
 from dtorch.core.device import Device
-from dtorch.core.errors import ArgumentError, SyncTimeout
+from dtorch.core.errors import ArgumentError, DtorchError, SyncTimeout
 from dtorch.core.sync import Flag
 
 
@@ -113,6 +112,9 @@ class KernelStream:
 
     def push(self, item: Any, state: Any = None) -> None:
         """Queue ``item`` (anything with ``execute(stream, state)`` and ``label``); returns at once."""
+        if self.closing:
+            raise DtorchError(f"stream {self.name} is shut down and runs nothing more; build a new Runner "
+                              f"(or StreamManager) for more work")
         self.in_flight.append(item.label)
         self._queue.put((item, state))
 
@@ -236,11 +238,8 @@ class StreamManager:
         _MANAGERS.add(self)
 
     def compute_threads(self) -> int:
-        """Intra-op threads of each CPU compute stream: ``DTORCH_THREADS``, or a fair share of the threads the
-        creating thread has (``torch.set_num_threads``, the CLI's ``--threads``) among this process's devices."""
-        fixed = env.threads_per_device()
-        if fixed > 0:
-            return fixed
+        """Intra-op threads of each CPU compute stream: a fair share of the threads the creating thread has
+        (``torch.set_num_threads``; ``LLM(threads=)``, the CLI's ``--threads``) among this process's devices."""
         return max(1, torch.get_num_threads() // self.devices_per_process)
 
     def stream(self, device: Device, stream_type: StreamType) -> KernelStream:
@@ -262,6 +261,9 @@ class StreamManager:
     @property
     def streams(self) -> list[KernelStream]:
         return list(self._streams.values())
+
+    def __repr__(self) -> str:
+        return f"StreamManager({', '.join(s.name for s in self.streams) or 'no streams yet'})"
 
     def set_tracer(self, tracer: Any) -> None:
         self.tracer = tracer
@@ -301,14 +303,20 @@ class StreamManager:
                 parts.append(f"{s.name}: [{shown}]")
         return "; ".join(parts) or ("" if quiet else "nothing (the streams finished just now)")
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop and join every stream thread."""
+    def shutdown(self, timeout: float = 5.0) -> list[str]:
+        """Stop and join every stream thread, all within ``timeout`` seconds; returns "thread name (running
+        kernel)" of each thread still running then (a stuck kernel), left behind as a daemon thread."""
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for s in streams:
             s.closing = True
+        deadline = time.monotonic() + timeout
+        abandoned = []
         for s in streams:
-            s.close(timeout)
+            if not s.close(max(0.0, deadline - time.monotonic())):
+                running = next(iter(s.pending()), "?")
+                abandoned.append(f"{s._thread.name} (running {running})")
+        return abandoned
 
 
 @atexit.register

@@ -4,6 +4,9 @@ Layouts: dense q [B, T, H, D], k/v [B, S, Hkv, D] -> out [B, T, H, D]; varlen q 
 k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [N+1] -> out [total_q, H, D]. Query head h reads kv
 head h // (H / Hkv) (GQA). ``causal`` is aligned bottom-right: query i of a segment with T queries
 and S keys sees keys j <= i + S - T; a query row that sees no key outputs zeros (as flash-attn).
+Non-finite input: an output row is NaN when its q row, or a k or v row of a key it sees, holds a NaN or an
+inf (``_poison``), whatever a backend's online softmax would make of it, so every provider agrees; a row
+that sees no key is 0 all the same.
 params: causal, scale (already resolved to a float by the wrapper), and for varlen max_seqlen_q/k.
 
 The reference computes QK^T -> mask -> softmax -> V explicitly in float32 (float64 for float64).
@@ -35,6 +38,32 @@ def _visible(t: int, s: int, causal: bool, device: torch.device) -> torch.Tensor
     return j <= i + (s - t)
 
 
+def _nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> [...] float32: 0 where the row is finite, NaN where it holds a NaN or an inf (one pass)."""
+    lo, hi = torch.aminmax(x, dim=-1)  # NaN propagates; an inf shows in the min or the max
+    return (lo * 0 + hi * 0).float()
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """x with every NaN and inf replaced by 0 (a copy; the rows that held them are poisoned by ``_poison``)."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _poison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, 1] float32: NaN for each output row that reads a non-finite
+    value (its q row, or the k/v row of a key it sees), else 0; add it to the output. Rows that see no key get 0."""
+    b, t, h, _ = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    kv = _nonfinite(k) + _nonfinite(v)  # [B, S, Hkv]
+    if causal and not (t == 1 and s >= 1):
+        last = torch.arange(t, device=q.device) + (s - t)  # the last key each query row sees (< 0: none)
+        seen = kv.cumsum(1).index_select(1, last.clamp(min=0))  # [B, T, Hkv]: NaN once a NaN is in the prefix
+        row = torch.where((last >= 0).view(1, t, 1), seen, 0.0)
+    else:
+        row = kv.sum(1, keepdim=True)  # [B, 1, Hkv]
+    return (row.repeat_interleave(h // hkv, dim=2) + _nonfinite(q)).unsqueeze(-1)
+
+
 def attention_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                               scale: float) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D] in the compute dtype (float32 or float64)."""
@@ -43,17 +72,19 @@ def attention_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     s, hkv = k.shape[1], k.shape[2]
     if s == 0:
         return torch.zeros(b, t, h, v.shape[-1], dtype=cdt, device=q.device)
-    qh = q.to(cdt).transpose(1, 2)  # [B, H, T, D]
-    kh = k.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)  # [B, H, S, D]
-    vh = v.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, H, T, S]
     mask = _visible(t, s, causal, q.device)
+    kf, vf = (k, v) if mask is None else (_finite(k), _finite(v))  # a masked key's NaN must not leak (0 * NaN)
+    qh = q.to(cdt).transpose(1, 2)  # [B, H, T, D]
+    kh = kf.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)  # [B, H, S, D]
+    vh = vf.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, H, T, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if mask is not None and t > s:  # rows with no visible key: softmax of all -inf is NaN; flash-attn gives 0
-        probs = probs.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    return torch.matmul(probs, vh).transpose(1, 2)  # [B, T, H, D]
+    out = torch.matmul(probs, vh).transpose(1, 2) + _poison(q, k, v, causal)  # [B, T, H, D]
+    if causal and t > s:  # rows with no visible key: softmax of all -inf is NaN; flash-attn gives 0
+        out[:, : t - s] = 0.0
+    return out
 
 
 @KERNELS.kernel("llm.flash_attention", FLOATS)
@@ -116,10 +147,15 @@ def _sdpa_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k.transpose(1, 2), v.transpose(1, 2),
                                            scale=scale)  # [B, Hkv, G, D]
         out.view(b, hkv, h // hkv, d).copy_(o)
+        out.add_(_poison(q, k, v, False))
         return
     causal = causal and not (t == 1 and s >= 1)  # one query at the end of its keys sees all of them
     mask = _visible(t, s, causal, q.device) if causal and t != s else None
+    poison = _poison(q, k, v, causal)
+    if causal:  # a masked-out key must not leak its NaN or inf (sdpa adds the mask): rows that see it are poisoned
+        k, v = _finite(k), _finite(v)
     out.copy_(_sdpa_dense(q, k, v, mask, causal and t == s, scale))
+    out.add_(poison)
     if causal and t > s:  # leading query rows that see no key
         out[:, : t - s].zero_()
 
@@ -213,7 +249,13 @@ def varlen_sdpa_padded(ctx, inputs, outputs) -> None:
             j = torch.arange(max_k, device=q.device).view(1, 1, max_k)
             shift = (klen - qlen).view(n, 1, 1)
             visible = (visible & (j <= i + shift).unsqueeze(1))  # [N, 1, max_q, max_k]
-    o = _sdpa_dense(qp, kp, vp, visible, False, p.scale)  # [N, max_q, H, D]
+    # rows that see a non-finite q, k or v value are NaN; padded and masked keys are zeroed so they leak nothing
+    kv = _nonfinite(kp) + _nonfinite(vp)  # [N, max_k, Hkv]
+    sees = visible.squeeze(1).unsqueeze(-1)  # [N, max_q or 1, max_k, 1]
+    row = torch.where(sees, kv.unsqueeze(1), 0.0).sum(2).repeat_interleave(h // k.shape[1], dim=2)
+    poison = (row + _nonfinite(qp)).unsqueeze(-1)  # [N, max_q, H, 1]
+    kp, vp = kp.nan_to_num_(0.0, 0.0, 0.0), vp.nan_to_num_(0.0, 0.0, 0.0)  # fresh gathers: safe in place
+    o = _sdpa_dense(qp, kp, vp, visible, False, p.scale) + poison  # [N, max_q, H, D]
     # rows whose segment has no visible key (no keys at all, or causal rows before the first key)
     seen = visible.any(-1).transpose(1, 2)  # [N, max_q or 1, 1]
     o = o.masked_fill(~seen.unsqueeze(-1), 0.0)
