@@ -7,7 +7,7 @@ kernel over a direct call; the overlap fraction 1 - (T_step - T_compute_only) / 
 (a) a tensor-parallel MLP step on DeviceMesh.cpu(2) and (b) two gloo processes where one peer is
 slower (communication mostly waiting); peak activation memory of a long chain with and without
 release. Every time is the median of several runs. Threads: each CPU device's compute stream runs
-with cores // devices intra-op threads (DTORCH_THREADS overrides), communicate streams with one.
+with cores // devices intra-op threads (torch.get_num_threads()), communicate streams with one.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def overlap_gloo(repeats: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # two processes share this machine's cores: one intra-op thread each
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DTORCH_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, "--gloo-worker", str(r), str(port), str(repeats)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
@@ -267,7 +267,7 @@ def main() -> None:
         print(f"{name:<{w0}}  {value:<{w1}}  {target}")
     print(f"\nmedians of {repeats} runs; {os.cpu_count()} cores; each CPU device's compute stream uses "
           f"{threads} intra-op thread(s) on cpu(2) (cores // devices), communicate streams 1;\n"
-          "the two gloo processes of (b) run with DTORCH_THREADS=1 each (they share the same cores).")
+          "the two gloo processes of (b) run with OMP_NUM_THREADS=1 each (they share the same cores).")
 
 
 if __name__ == "__main__":

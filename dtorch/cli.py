@@ -1,4 +1,4 @@
-"""The command line: ``python -m dtorch {kernels,explain,trace,generate,serve}``."""
+"""The command line: ``python -m dtorch {kernels,explain,trace,generate,chat,serve}``."""
 
 from __future__ import annotations
 
@@ -69,55 +69,101 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise DtorchError("trace draws with matplotlib, which is not installed; install it with: "
+                          "pip install 'dtorch[plot]'") from None
     from dtorch.runtime.tracing import plot_chrome_trace
 
-    plot_chrome_trace(args.file, args.png)
+    try:
+        plot_chrome_trace(args.file, args.png)
+    except OSError as exc:
+        raise DtorchError(f"--png: cannot write {args.png}: {exc.strerror or exc}") from None
     print(f"wrote {args.png}")
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless it is None, False or empty (the help then says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == [] or \
+                "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dtorch", description="dtorch: kernels, graphs and LLM inference on torch")
+    import dtorch
+
+    p = argparse.ArgumentParser(prog="dtorch", description="dtorch: kernels, graphs and LLM inference on torch",
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"dtorch {dtorch.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    k = sub.add_parser("kernels", help="print the op x device x dtype matrix with the active provider of each")
-    k.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+
+    k = command("kernels", "print the op x device x dtype matrix with the active provider of each")
+    k.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the device whose kernels to list")
     k.add_argument("--op", help="only ops whose name contains this")
     k.set_defaults(run=_kernels)
 
-    e = sub.add_parser("explain", help="print every candidate kernel of an op and which one is chosen")
-    e.add_argument("op")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--dtype", default="float32")
+    e = command("explain", "print every candidate kernel of an op and which one is chosen")
+    e.add_argument("op", help="the op's name, e.g. llm.rms_norm")
+    e.add_argument("--device", default="cpu", help="the device of the call")
+    e.add_argument("--dtype", default="float32", help="the dtype of the call")
     e.add_argument("--layout", default="strided", help="e.g. gguf.q4_1 for a quantized weight layout")
     e.set_defaults(run=_explain)
 
-    t = sub.add_parser("trace", help="draw a recorded Chrome trace as a per-stream timeline")
-    t.add_argument("file")
-    t.add_argument("--png", required=True)
+    t = command("trace", "draw a recorded Chrome trace as a per-stream timeline (needs dtorch[plot])")
+    t.add_argument("file", help="the Chrome trace JSON (generate --trace FILE)")
+    t.add_argument("--png", required=True, help="the image to write")
     t.set_defaults(run=_trace)
 
+    from dtorch.engine.chat import add_chat_arguments, run_chat
     from dtorch.engine.cli import add_generate_arguments, run_generate
 
-    g = sub.add_parser("generate", help="generate text with an LLM (the default model unless --model)")
+    g = command("generate", "generate text with an LLM (the default model unless --model)")
     add_generate_arguments(g)
     g.set_defaults(run=run_generate)
 
+    c = command("chat", "chat with an LLM in the terminal (commands: /reset, /system TEXT, /exit); reads one turn "
+                "per line when stdin is not a terminal")
+    add_chat_arguments(c)
+    c.set_defaults(run=run_chat)
+
     from dtorch.serve.cli import add_serve_arguments, run_serve
 
-    s = sub.add_parser("serve", help="serve an LLM over OpenAI's HTTP API (/v1/chat/completions, /v1/completions)")
+    s = command("serve", "serve an LLM over OpenAI's HTTP API (/v1/chat/completions, /v1/completions)")
     add_serve_arguments(s)
     s.set_defaults(run=run_serve)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the exit status: 0, 2 for a usage or dtorch error (a one-line message; with
+    DTORCH_DEBUG=1 the traceback), 130 after Ctrl-C, 141 when stdout's reader went away (``| head``)."""
+    from dtorch.core import env
+
     try:
+        args = build_parser().parse_args(argv)
         return int(args.run(args) or 0)
     except DtorchError as exc:
+        if env.debug():
+            raise
         print(f"dtorch: error: {_rank_prefix()}{exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if env.debug():
+            raise
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush stays quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _rank_prefix() -> str:

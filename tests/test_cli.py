@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import dtorch
@@ -44,3 +45,51 @@ def test_module_entry_point_runs():
     assert done.returncode == 0, done.stderr
     assert "unary.exp/cpu/float64" in done.stdout
     assert torch.float64 in {k.dtype for k in dtorch.dispatcher.keys() if k.op == "unary.exp"}
+
+
+def _cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "dtorch", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_version():
+    done = _cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"dtorch {dtorch.__version__}" == "dtorch 0.1.0"
+
+
+def test_explain_a_misspelled_op_suggests_the_name():
+    done = _cli("explain", "llm.flash_attn")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "did you mean" in done.stderr and "'llm.flash_attention'" in done.stderr, done.stderr
+
+
+def test_trace_without_matplotlib_names_the_extra(tmp_path):
+    # sys.modules[name] = None makes `import name` raise ImportError, as when the package is not installed
+    code = ("import sys; sys.modules['matplotlib'] = None; from dtorch.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    done = _cli("trace", str(tmp_path / "run.json"), "--png", str(tmp_path / "run.png"), code=code)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "pip install 'dtorch[plot]'" in done.stderr
+
+
+def test_trace_to_an_unwritable_png_is_a_message(tmp_path):
+    import json
+
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "run.json"
+    trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "k", "cat": "compute", "pid": 0, "tid": 0,
+                                                  "ts": 0, "dur": 5}]}))
+    done = _cli("trace", str(trace), "--png", "/nonexistent/x.png")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--png: cannot write /nonexistent/x.png" in done.stderr, done.stderr
+
+
+def test_every_option_has_help_text():
+    import argparse
+
+    from dtorch.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help text"

@@ -1,16 +1,30 @@
-"""``python -m dtorch generate`` in a subprocess, with the default model."""
+"""``python -m dtorch generate`` in a subprocess, with the default model: prompts, flags, threads, clean exits."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
+import torch
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "2"}
+COMMAND = [sys.executable, "-m", "dtorch", "generate"]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    return subprocess.run([sys.executable, "-m", "dtorch", "generate", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+def _run(*args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=300, input=stdin,
+                          env={**ENV, **env})
+
+
+def _clean_error(proc: subprocess.CompletedProcess, *phrases: str, status: int = 2) -> None:
+    assert proc.returncode == status, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for phrase in phrases:
+        assert phrase in proc.stderr, proc.stderr
 
 
 def test_generate_streams_an_answer_and_reports_speed():
@@ -20,10 +34,114 @@ def test_generate_streams_an_answer_and_reports_speed():
     assert "prefill" in proc.stderr and "decode" in proc.stderr and "tok/s" in proc.stderr
 
 
-def test_generate_bad_sampling_value_is_a_clean_error():
-    proc = _run("hi", "--top-p", "1.5", "--max-tokens", "2")
-    assert proc.returncode == 2
-    assert "top_p" in proc.stderr and "Traceback" not in proc.stderr
+def test_generate_reads_the_prompt_from_stdin_or_a_file(tmp_path):
+    prompt = "What is 2 + 2?"
+    given = _run(prompt, "--max-tokens", "8")
+    piped = _run("-", "--max-tokens", "8", stdin=prompt + "\n")
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompt + "\n")
+    filed = _run("--file", str(path), "--max-tokens", "8")
+    assert given.returncode == piped.returncode == filed.returncode == 0, piped.stderr + filed.stderr
+    assert given.stdout.strip() and piped.stdout == given.stdout == filed.stdout  # greedy: the same answer
+    _clean_error(_run("--max-tokens", "8"), "give the prompt as an argument, - to read it from stdin, or --file")
+    _clean_error(_run("--file", str(tmp_path / "missing.txt")), "--file: cannot read", "missing.txt")
+    _clean_error(_run("-", stdin=""), "the prompt read from stdin is empty")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--presence-penalty", "3"], "--presence-penalty must be in [-2, 2]"),
+    (["--min-tokens", "9", "--max-tokens", "4"], "--min-tokens must be in 0..--max-tokens"),
+    (["--max-tokens", "0"], "--max-tokens: must be >= 1, got 0"),
+    (["--threads", "0"], "--threads: must be >= 1, got 0"),
+    (["--device", "meta"], "--device meta: dtorch runs models on cpu or cuda"),
+])
+def test_bad_flag_values_are_clean_errors_naming_the_flag(args, message):
+    proc = _run("hi", *args)
+    _clean_error(proc, message)
+    assert "SamplingParams" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch without CUDA")
+def test_cuda_without_cuda_says_so():
+    _clean_error(_run("hi", "--device", "cuda"), "--device cuda: this torch", "no usable CUDA device",
+                 "use --device cpu")
+
+
+def test_debug_setting_shows_the_traceback():
+    proc = _run("hi", "--top-p", "1.5", DTORCH_DEBUG="1")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "SamplingError" in proc.stderr
+
+
+def test_penalty_and_min_tokens_flags_reach_sampling():
+    base = _run("Count: one, two, three,", "--raw", "--max-tokens", "12")
+    penalized = _run("Count: one, two, three,", "--raw", "--max-tokens", "12", "--repetition-penalty", "1.8",
+                     "--presence-penalty", "1", "--frequency-penalty", "1", "--min-tokens", "12")
+    assert base.returncode == 0 and penalized.returncode == 0, penalized.stderr
+    assert "decode: 11 tokens" in penalized.stderr  # min_tokens = max_tokens: no early end (1 prefill + 11 decode)
+    assert penalized.stdout != base.stdout
+
+
+def test_help_shows_every_flag_with_text_and_defaults():
+    proc = subprocess.run([*COMMAND, "--help"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for phrase in ("--max-tokens N new tokens at most (default: 256)", "--top-p TOP_P", "(default: 1.0)",
+                   "--device DEVICE cpu or cuda", "--threads N intra-op CPU threads", "DTORCH_THREADS",
+                   "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--min-tokens", "--file PATH"):
+        assert phrase in text, phrase
+
+
+def test_threads_option_sets_the_intra_op_threads():
+    code = ("import sys, torch, dtorch.cli; dtorch.cli.main(['generate', '--threads', '1', '--max-tokens', '2', 'hi']);"
+            " print('threads', torch.get_num_threads(), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    assert "threads 1" in proc.stderr  # the run used (and left) the thread count it was given
+
+
+def test_threads_setting_is_the_default_and_is_checked():
+    code = "import torch, dtorch; dtorch.LLM(); print('threads', torch.get_num_threads())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**ENV, "DTORCH_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "threads 1" in proc.stdout
+    bad = _run("hi", DTORCH_THREADS="two")  # read while dtorch is imported, before the CLI starts: still one line
+    assert bad.returncode == 2 and "DTORCH_THREADS='two' is not valid; expected an int >= 0" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([*COMMAND, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+
+
+def test_ctrl_c_stops_with_status_130_and_the_speed_so_far():
+    proc = _start("Tell me a long story.", "--max-tokens", "100000", "--ignore-eos")
+    try:
+        assert proc.stdout.read(20)  # the answer is streaming
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = err.decode()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "decode:" in err and "tok/s" in err
+
+
+def test_a_closed_pipe_exits_quietly():
+    proc = _start("Tell me a long story.", "--max-tokens", "200", "--ignore-eos")
+    try:
+        assert len(proc.stdout.read(30)) == 30  # like `| head -c 30`
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, err  # 128 + SIGPIPE, as a shell reports a writer whose reader left
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_generate_tensor_parallel_in_one_process_records_its_trace(tmp_path):
@@ -45,14 +163,3 @@ def test_generate_tensor_parallel_in_one_process_records_its_trace(tmp_path):
             by_kind[e["cat"]].add(e["name"].split("#")[0])
     assert by_kind["communicate"] == {"all_reduce", "all_gather"}
     assert {"matmul.linear", "llm.flash_attention_with_kvcache"} <= by_kind["compute"]  # on weights as stored
-
-
-def test_threads_option_sets_the_intra_op_threads_and_is_checked():
-    code = ("import sys, torch, dtorch.cli; dtorch.cli.main(['generate', '--threads', '1', '--max-tokens', '2', 'hi']);"
-            " print('threads', torch.get_num_threads(), file=sys.stderr)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert proc.returncode == 0, proc.stderr
-    assert "threads 1" in proc.stderr  # the run used (and left) the thread count it was given
-    bad = _run("hi", "--threads", "0")
-    assert bad.returncode == 2 and "--threads must be >= 1, got 0" in bad.stderr and "Traceback" not in bad.stderr

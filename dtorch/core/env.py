@@ -5,7 +5,8 @@
 | DTORCH_VERIFY | run the reference kernel beside the active one and compare | a flag | off |
 | DTORCH_DISABLE_PROVIDERS | providers never chosen, comma-separated ("blas,sdpa") | provider names | none |
 | DTORCH_SYNC_TIMEOUT | seconds a stream synchronization waits before raising | a number > 0 | 300 |
-| DTORCH_THREADS | intra-op threads per CPU device stream (0: share the cores fairly) | an int >= 0 | 0 |
+| DTORCH_THREADS | intra-op CPU threads of LLM(threads=None) and the CLI's --threads | an int >= 0 (0: torch's) | 0 |
+| DTORCH_DEBUG | show the Python traceback of a CLI error instead of its one-line message | a flag | off |
 | DTORCH_TRACE | record every kernel's start and end on its stream | a flag | off |
 | DTORCH_CPU_FEATURES | force CPU probe answers: "+avx512_bf16,-avx512_vnni" | +/- feature names | none |
 | DTORCH_NATIVE_ISA | instruction set of the native CPU kernels | auto, avx512, avx2, portable | auto |
@@ -17,12 +18,14 @@ not in this table, raises ``ConfigError`` listing what is allowed: a typo is nev
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 
 from dtorch.core.errors import ConfigError
 
 SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
-            "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE")
+            "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG")
 NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -34,8 +37,22 @@ def check() -> None:
     if unknown:
         raise ConfigError(f"unknown environment setting(s) {', '.join(unknown)}; dtorch reads "
                           f"{', '.join(SETTINGS)} (see dtorch/core/env.py)")
-    for read in (verify, disabled_providers, sync_timeout, threads_per_device, trace, cpu_features, native_isa):
+    for read in (verify, disabled_providers, sync_timeout, threads, trace, cpu_features, native_isa, debug):
         read()
+
+
+def check_or_exit() -> None:
+    """``check()``; when the command line is starting (``python -m dtorch`` or the ``dtorch`` script), a bad setting
+    is printed as one line and the process exits 2 instead of showing a traceback (``DTORCH_DEBUG=1``: the
+    traceback)."""
+    try:
+        check()
+    except ConfigError as exc:
+        starting_cli = sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.argv else "") == "dtorch"
+        if not starting_cli or _raw("DTORCH_DEBUG").lower() in _TRUE:
+            raise
+        print(f"dtorch: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _raw(name: str) -> str:
@@ -72,15 +89,24 @@ def disabled_providers() -> frozenset[str]:
 
 
 def sync_timeout() -> float:
-    return float(_number("DTORCH_SYNC_TIMEOUT", "300", float, 0, "a number of seconds > 0"))
+    seconds = float(_number("DTORCH_SYNC_TIMEOUT", "300", float, 0, "a finite number of seconds > 0"))
+    if not math.isfinite(seconds):
+        raise ConfigError(f"DTORCH_SYNC_TIMEOUT={_raw('DTORCH_SYNC_TIMEOUT')!r} is not valid; expected a finite "
+                          f"number of seconds > 0")
+    return seconds
 
 
-def threads_per_device() -> int:
-    return int(_number("DTORCH_THREADS", "0", int, 0, "an int >= 0 (0: share the cores fairly)"))
+def threads() -> int:
+    """Intra-op CPU threads that ``LLM`` gives torch when its ``threads`` is None (0: leave torch's default)."""
+    return int(_number("DTORCH_THREADS", "0", int, 0, "an int >= 0 (0: torch's default, one per physical core)"))
 
 
 def trace() -> bool:
     return _flag("DTORCH_TRACE")
+
+
+def debug() -> bool:
+    return _flag("DTORCH_DEBUG")
 
 
 def cpu_features() -> dict[str, bool]:

@@ -21,45 +21,29 @@ from __future__ import annotations
 import itertools
 import queue
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dtorch.core import env
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, ModelError
 from dtorch.engine.engine import Engine
-from dtorch.engine.request import Delta
+from dtorch.engine.request import CompletionOutput, Delta, Logprob, RequestOutput
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache, kv_bytes_per_token
 from dtorch.models.loaders import open_checkpoint
 from dtorch.models.model import Transformer
 from dtorch.models.parallel import MeshSetup, setup_mesh
+from dtorch.models.tokenizer import no_tokenizer_message
 
 PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at most (a longer prompt is chunked)
 BLOCK_SIZE = 16  # tokens per KV cache block
 KV_CACHE_BYTES = 1 << 30  # default KV cache budget (a CPU touches pages only as blocks fill)
-_ids = itertools.count()
-
-
-@dataclass
-class RequestOutput:
-    """One prompt's result: the prompt, the new token ids, their text and why generation stopped.
-
-    finish_reason: "stop" (an end-of-sequence token or stop string) or "length" (max_tokens or the context).
-    """
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+_ids = itertools.count()  # request ids of generate calls
 
 
 @dataclass
@@ -88,7 +72,8 @@ OnText = Any  # Callable[[int, str], None]
 class LLM:
     """A model loaded for generation on one device or a mesh, with its engine.
 
-    model: a ``.gguf`` file or a Hugging Face directory (None: the default model). dtype: the activations' dtype
+    model: a ``.gguf`` file, a Hugging Face directory, a directory holding one ``.gguf``, or a Hugging Face id found
+    in the local Hugging Face cache (nothing is downloaded; None: the default model). dtype: the activations' dtype
     (float32 or bfloat16 ...), and the float weights'. A GGUF's block-quantized projections and embedding stay as
     stored and run on kernels of their layout ("gguf.q4_1" ...); ``dequantize=True`` turns every weight into
     ``dtype`` at load instead.
@@ -99,6 +84,8 @@ class LLM:
     max_num_seqs sequences of max_model_len need, at most 1 GiB, at least one such sequence). block_size: tokens per
     cache block. enable_prefix_caching: share the cached blocks of common prompt prefixes. max_waiting: queued
     requests at most before the engine refuses more (``EngineBusy``; ``generate`` itself always queues).
+    threads: intra-op CPU threads, set for the process with ``torch.set_num_threads`` (None: ``DTORCH_THREADS``,
+    else torch's default, one per physical core); on cores busy with other work, give only the free ones.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
@@ -106,18 +93,22 @@ class LLM:
                  dequantize: bool = False, max_num_batched_tokens: int = PREFILL_TOKENS,
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  block_size: int = BLOCK_SIZE,
-                 enable_prefix_caching: bool = True, max_waiting: int = 1024) -> None:
+                 enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size), ("max_waiting", max_waiting),
                             ("max_model_len", 1 if max_model_len is None else max_model_len),
-                            ("kv_cache_memory_bytes", 1 if kv_cache_memory_bytes is None else kv_cache_memory_bytes)):
+                            ("kv_cache_memory_bytes", 1 if kv_cache_memory_bytes is None else kv_cache_memory_bytes),
+                            ("threads", 1 if threads is None else threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"LLM: {name} must be an int >= 1, got {value!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ArgumentError(f"LLM: enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        threads = threads or env.threads()
+        if threads:
+            torch.set_num_threads(threads)  # before the load: the streams take their share of these
         dtype = as_dtype(dtype)
         where: MeshSetup = setup_mesh(device, tensor_parallel_size)
         with open_checkpoint(model, dtype) as ckpt:  # reads names and shapes; then only this process's slices
@@ -183,9 +174,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
                  = None, *, on_text: OnText | None = None) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids); one ``RequestOutput`` per prompt, in order.
+        """Complete each prompt (text, or a list of token ids); one ``RequestOutput`` per prompt, in order, with its
+        ``params.n`` choices in ``outputs``.
 
-        ``on_text(index, piece)`` is called with new text as it is made (streaming), in the caller's thread.
+        ``on_text(index, piece)`` is called with new text as it is made (streaming), in the caller's thread; index
+        counts the choices of all prompts in order (the prompt's index when every n is 1).
         """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -213,8 +206,10 @@ class LLM:
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """The text of one prompt's completion, piece by piece as each step makes it."""
+        """The text of one prompt's completion (n = 1), piece by piece as each step makes it."""
         params = [params or SamplingParams()]
+        if params[0].n != 1:
+            raise ArgumentError(f"LLM.stream: n = {params[0].n}; it streams one choice (use generate's on_text)")
         outs = self._requests([prompt], params)
         for pieces in self._run(outs, params):
             for _, piece in pieces:
@@ -252,39 +247,40 @@ class LLM:
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ArgumentError(f"LLM.generate: params must be SamplingParams, got {type(p).__name__}")
-            if p.n != 1:
-                raise ArgumentError(f"LLM.generate: n = {p.n}; LLM.generate returns one completion per prompt "
-                                    "(pass the prompt n times, or use the server's n)")
-        return [RequestOutput(p if isinstance(p, str) else None, self._encode(p, i)) for i, p in enumerate(prompts)]
+        base = f"{next(_ids)}-"
+        return [RequestOutput(base + str(i), p if isinstance(p, str) else None, self._encode(p, i),
+                              [CompletionOutput(k) for k in range(sp.n)])
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
 
     def _run(self, outs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[list[tuple[int, str]]]:
-        """Queue the requests and step the engine until they finish; yields each step's new text (index, piece)."""
+        """Queue the requests and step the engine until they finish; yields each step's new text (index, piece),
+        index counting the choices of all prompts in order."""
         e = self.engine
         inbox: queue.SimpleQueue[Delta] = queue.SimpleQueue()
-        base = f"llm-{next(_ids)}-"
-        left = set(range(len(outs)))
+        where = {o.request_id: (i, sum(len(x.outputs) for x in outs[:i])) for i, o in enumerate(outs)}
+        left = {o.request_id: len(o.outputs) for o in outs}
         before = e.stats()
         try:
-            for i, (o, p) in enumerate(zip(outs, params, strict=True)):
-                e.add_request(base + str(i), o.prompt_token_ids, p, inbox.put, force=True)
+            for o, p in zip(outs, params, strict=True):
+                e.add_request(o.request_id, o.prompt_token_ids, p, inbox.put, force=True)
             while left:
                 e.run_until(lambda: not inbox.empty())
                 pieces = []
                 while not inbox.empty():
                     d = inbox.get()
-                    i = int(d.request_id[len(base):])
-                    o = outs[i]
-                    o.token_ids += d.token_ids
+                    i, first = where[d.request_id]
+                    self._take(outs[i], d)
                     if d.text:
-                        o.text += d.text
-                        pieces.append((i, d.text))
+                        pieces.append((first + d.index, d.text))
                     if d.finish_reason is not None:
-                        o.finish_reason = d.finish_reason
-                        left.discard(i)
+                        left[d.request_id] -= 1
+                        if not left[d.request_id]:
+                            del left[d.request_id]
+                            outs[i].finished = True
                 yield pieces
         finally:
-            for i in left:  # an exception or an abandoned stream: the engine drops them at its next step
-                e.abort(base + str(i))
+            for rid in left:  # an exception or an abandoned stream: the engine drops them at its next step
+                e.abort(rid)
         after = e.stats()
         self.stats = GenerationStats(after.prompt_tokens - before.prompt_tokens,
                                      after.prefill_seconds - before.prefill_seconds,
@@ -292,11 +288,33 @@ class LLM:
                                      after.decode_seconds - before.decode_seconds)
         if self.tokenizer is not None:
             for o, p in zip(outs, params, strict=True):
-                if not p.stop:  # the whole text decoded at once (the pieces are incremental)
-                    ids = o.token_ids
-                    if o.finish_reason == "stop" and ids and ids[-1] in (set(p.stop_token_ids) | self.eos_token_ids):
+                if p.stop:
+                    continue
+                for c in o.outputs:  # the whole text decoded at once (the pieces are incremental)
+                    ids = c.token_ids
+                    if c.finish_reason == "stop" and ids and ids[-1] in (set(p.stop_token_ids) | self.eos_token_ids):
                         ids = ids[:-1]
-                    o.text = self.tokenizer.decode(ids)
+                    c.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+
+    def _take(self, out: RequestOutput, d: Delta) -> None:
+        """Add a delta to its choice of ``out``."""
+        c = out.outputs[d.index]
+        c.token_ids += d.token_ids
+        c.text += d.text
+        out.num_cached_tokens = max(out.num_cached_tokens, d.cached_tokens)
+        if d.logprobs is not None:
+            if c.logprobs is None:
+                c.logprobs, c.cumulative_logprob = [], 0.0
+            for lp in d.logprobs:
+                entry = {t: Logprob(v, rank, self._token_text(t)) for rank, (t, v) in enumerate(lp.top, 1)}
+                entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))
+                c.logprobs.append(entry)
+                c.cumulative_logprob += lp.logprob
+        if d.finish_reason is not None:
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _agree(self, tokens: list[int]) -> list[int]:
         """Every rank takes rank 0's sampled tokens (SPMD)."""
@@ -306,8 +324,7 @@ class LLM:
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
-            raise ModelError(f"{self.source}: the model has no tokenizer, so {what} is not available; "
-                             "pass prompts as lists of token ids")
+            raise ModelError(no_tokenizer_message(self.source, what))
         return self.tokenizer
 
     def _encode(self, prompt: Prompt, index: int) -> list[int]:

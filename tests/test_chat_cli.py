@@ -1,0 +1,65 @@
+"""``python -m dtorch chat``: the conversation's state under each command, and the REPL fed through a pipe."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from dtorch.engine.chat import Conversation, _converse
+
+
+def test_conversation_keeps_turns_and_applies_commands():
+    chat = Conversation("Be brief.")
+    assert chat.command("Hello") is None  # not a command: the user's turn
+    assert chat.ask("Hello") == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat.answer("Hi!")
+    assert [m["role"] for m in chat.ask("And you?")] == ["system", "user", "assistant", "user"]
+    assert chat.command("/reset") == "(conversation cleared)"
+    assert chat.messages == [{"role": "system", "content": "Be brief."}]
+    assert "conversation cleared" in chat.command("/system Answer in French.")
+    assert chat.messages == [{"role": "system", "content": "Answer in French."}]
+    assert chat.command("/system") == "(system prompt removed)" and chat.messages == []
+    assert "unknown command /nope; commands: /reset, /system TEXT, /exit" in chat.command("/nope")
+    assert not chat.done and chat.command("/exit") == "" and chat.done
+
+
+class _FakeLLM:
+    """Records the conversations it is asked to answer; answers "answer N"."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[dict]] = []
+
+    def chat_prompt(self, messages):
+        self.asked.append([dict(m) for m in messages])
+        return [1, 2, 3]
+
+    def generate(self, _ids, _params, on_text):
+        text = f"answer {len(self.asked)}"
+        on_text(0, text)
+        return [SimpleNamespace(outputs=[SimpleNamespace(text=text)])]
+
+
+def test_each_turn_sends_the_whole_conversation(monkeypatch, capsys):
+    llm = _FakeLLM()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2 + 2?\n\n/system Be terse.\nAnd 3 + 3?\nThen?\n/exit\nx\n"))
+    assert _converse(llm, Conversation(), None, tty=False) == 0
+    assert capsys.readouterr().out == "answer 1\nanswer 2\nanswer 3\n"  # the line after /exit is never read
+    first, second, third = llm.asked
+    assert first == [{"role": "user", "content": "What is 2 + 2?"}]
+    assert second == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "And 3 + 3?"}]
+    assert third == second + [{"role": "assistant", "content": "answer 2"}, {"role": "user", "content": "Then?"}]
+
+
+def test_chat_through_a_pipe_answers_each_line():
+    proc = subprocess.run([sys.executable, "-m", "dtorch", "chat", "--max-tokens", "8", "--system", "Be brief."],
+                          input="What is the capital of France?\n/reset\nWhat is 2 + 2?\n", capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    answers = proc.stdout.splitlines()
+    assert len(answers) == 2 and all(a.strip() for a in answers), proc.stdout
+    assert "Paris" in answers[0]
+    assert "(conversation cleared)" in proc.stderr
