@@ -95,3 +95,35 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(dtorch.ShapeError, match="multiple of the cache's Hkv"):
         ops.flash_attention_with_kvcache(torch.randn(2, 3, D), kc, kc, torch.tensor([0, 2], **i32),
                                          torch.tensor([2], **i32), torch.tensor([[0]], **i32))
+
+
+@pytest.mark.parametrize("where", ["q", "k_inf", "k_nan", "v_nan", "v_inf", "masked"])
+def test_every_provider_agrees_on_non_finite_input(where):
+    """The rule of every attention provider: an output row (a query head) is NaN when its q row, or a k or v row of a
+    key it sees (its kv head's), holds a NaN or an inf; a key it does not see (causal) changes nothing."""
+    torch.manual_seed(0)
+    kc, vc = torch.randn(4, 4, HKV, D), torch.randn(4, 4, HKV, D)
+    q = torch.randn(3, H, D)
+    table = torch.tensor([[2, 0]], dtype=torch.int32)  # keys 0..3 in block 2, 4..6 in block 0
+    want_nan = torch.zeros(3, H, dtype=torch.bool)
+    if where == "q":
+        q[1, 2, 3] = float("nan")
+        want_nan[1, 2] = True
+    elif where == "masked":  # key 6 (block 0, row 2) is seen only by the last query
+        kc[0, 2, 1, 0] = float("nan")
+        want_nan[2, 2:] = True  # query heads 2, 3 read kv head 1
+    else:
+        cache = kc if where[0] == "k" else vc
+        cache[2, 1, 0, 2] = float("nan") if where.endswith("nan") else float("inf")  # key 1, kv head 0: seen by all
+        want_nan[:, :2] = True
+    cu, lens = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
+    providers = [c.provider for c, _ in dtorch.dispatcher.explain(
+        dtorch.KernelKey("llm.flash_attention_with_kvcache", "cpu", torch.float32)).rows]
+    outs = {}
+    for p in providers:
+        with dtorch.dispatcher.disabled(*[o for o in providers if o not in (p, "reference")]):
+            outs[p] = ops.flash_attention_with_kvcache(q, kc, vc, cu, lens, table, causal=True)
+    for p, o in outs.items():
+        assert torch.equal(torch.isnan(o).all(-1), want_nan), (p, where)
+        assert torch.isfinite(o[~want_nan]).all(), (p, where)
+        torch.testing.assert_close(o, outs["reference"], equal_nan=True, rtol=1e-5, atol=1e-5)

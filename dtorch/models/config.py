@@ -40,6 +40,100 @@ _ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "factors": ("factors",),
 }
 
+# the integer sizes, field -> (lowest, highest): generous for today's models (Llama 3 405B has 126 layers and hidden
+# 16384, Llama 4 Scout a 10M context, Qwen3-Next 512 experts), small enough that what a file claims cannot make the
+# shape tables, the layer schedule or the RoPE table exhaust memory before the memory estimate looks at it
+LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22), "hidden_size": (1, 1 << 16), "intermediate_size": (1, 1 << 18),
+    "num_layers": (1, 1 << 12), "num_heads": (1, 1 << 12), "num_kv_heads": (1, 1 << 12), "head_dim": (1, 1 << 12),
+    "max_position_embeddings": (1, 1 << 24), "num_experts": (0, 1 << 12), "num_experts_per_tok": (0, 1 << 12),
+    "moe_intermediate_size": (0, 1 << 18), "decoder_sparse_step": (1, 1 << 12),
+    "shared_expert_intermediate_size": (0, 1 << 18), "linear_conv_kernel_dim": (0, 1 << 10),
+    "linear_num_key_heads": (0, 1 << 12), "linear_num_value_heads": (0, 1 << 12), "linear_key_head_dim": (0, 1 << 12),
+    "linear_value_head_dim": (0, 1 << 12), "full_attention_interval": (1, 1 << 12),
+}
+_NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")  # positive finite
+_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm")
+_LISTS = ("layer_types", "mlp_only_layers")
+
+# field -> the key a Hugging Face config.json spells it with (each checked by ``check_fields`` when present)
+HF_KEYS: dict[str, str] = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings", "rope_theta": "rope_theta",
+    "rms_norm_eps": "rms_norm_eps", "partial_rotary_factor": "partial_rotary_factor",
+    "rope_scaling": "rope_scaling", "rope_parameters": "rope_parameters",
+    "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id", "eos_token_ids": "eos_token_id",
+    "num_experts": "num_experts", "num_local_experts": "num_local_experts",
+    "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob", "decoder_sparse_step": "decoder_sparse_step",
+    "mlp_only_layers": "mlp_only_layers", "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "layer_types": "layer_types", "full_attention_interval": "full_attention_interval",
+    "linear_conv_kernel_dim": "linear_conv_kernel_dim", "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads", "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim", "sliding_window": "sliding_window",
+}
+# keys config.json may set to null (transformers then derives or omits them)
+_HF_NULLABLE = ("head_dim", "num_key_value_heads", "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters",
+                "layer_types", "mlp_only_layers", "sliding_window")
+
+
+def gguf_keys(arch: str) -> dict[str, str]:
+    """field -> the metadata key a GGUF file of architecture ``arch`` spells it with."""
+    keys = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+            "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+            "head_dim": "attention.key_length", "max_position_embeddings": "context_length",
+            "rope_theta": "rope.freq_base", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+            "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+            "moe_intermediate_size": "expert_feed_forward_length", "expert_weights_norm": "expert_weights_norm",
+            "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+            "full_attention_interval": "full_attention_interval"}
+    return {f: f"{arch}.{k}" for f, k in keys.items()} | {"bos_token_id": "tokenizer.ggml.bos_token_id",
+                                                          "eos_token_id": "tokenizer.ggml.eos_token_id",
+                                                          "eot_token_id": "tokenizer.ggml.eot_token_id"}
+
+
+def check_field(field_name: str, value: Any, where: str) -> None:
+    """Check one raw value a file gives for ``field_name`` (its type and, for sizes, ``LIMITS``); ``where`` names it
+    in the message ("config.json: num_hidden_layers"). Raises ``ModelError`` saying what was expected and what came."""
+    def bad(expected: str) -> ModelError:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        return ModelError(f"{where} must be {expected}, got {shown} ({type(value).__name__})")
+
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if field_name in LIMITS:
+        lo, hi = LIMITS[field_name]
+        if not is_int or not lo <= value <= hi:
+            raise bad(f"an int in [{lo}, {hi}]")
+    elif field_name in _NUMBERS:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise bad("a positive finite number")
+    elif field_name in _BOOLS:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif field_name in ("bos_token_id", "eos_token_id", "eot_token_id", "sliding_window"):
+        if not is_int or value < 0:
+            raise bad("an int >= 0")
+    elif field_name == "eos_token_ids":
+        ids = value if isinstance(value, list | tuple) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise bad("a token id (an int >= 0) or a list of them")
+    elif field_name in ("rope_scaling", "rope_parameters"):
+        if not isinstance(value, Mapping):
+            raise bad("an object (a mapping of rope settings)")
+    elif field_name in _LISTS:
+        if not isinstance(value, list | tuple) or len(value) > LIMITS["num_layers"][1]:
+            raise bad(f"a list of at most {LIMITS['num_layers'][1]} entries")
+
+
+def check_fields(raw: Mapping[str, Any], keys: Mapping[str, str], source: str,
+                 nullable: tuple[str, ...] = ()) -> None:
+    """``check_field`` on each key of ``keys`` (field -> key as the file spells it) that ``raw`` holds (a null value
+    too, unless its key is in ``nullable``), naming ``source`` and the key."""
+    for name, key in keys.items():
+        if key in raw and not (raw[key] is None and key in nullable):
+            check_field(name, raw[key], f"{source}: {key}")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -89,9 +183,11 @@ class ModelConfig:
             raise ModelError(f"ModelConfig: family must be one of {FAMILIES}, got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
+            v, (lo, hi) = getattr(self, name), LIMITS[name]
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ModelError(f"ModelConfig: {name} must be a positive int, got {v!r}")
+            if not lo <= v <= hi:
+                raise ModelError(f"ModelConfig: {name} must be an int in [{lo}, {hi}], got {v}")
         if self.num_heads % self.num_kv_heads:
             raise ModelError(f"ModelConfig: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -122,8 +218,8 @@ class ModelConfig:
     def _check_moe(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ModelError(f"ModelConfig: {name} must be an int >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= LIMITS[name][1]:
+                raise ModelError(f"ModelConfig: {name} must be an int in [0, {LIMITS[name][1]}], got {v!r}")
         if not isinstance(self.norm_topk_prob, bool):
             raise ModelError(f"ModelConfig: norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
         step = self.decoder_sparse_step
@@ -181,9 +277,9 @@ class ModelConfig:
         for name in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
                      "linear_key_head_dim", "linear_value_head_dim"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ModelError(f"ModelConfig: {name} must be a positive int when layer_types has "
-                                 f"linear_attention layers, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= LIMITS[name][1]:
+                raise ModelError(f"ModelConfig: {name} must be a positive int (at most {LIMITS[name][1]}) when "
+                                 f"layer_types has linear_attention layers, got {v!r}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ModelError(f"ModelConfig: linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
                              f"of linear_num_key_heads ({self.linear_num_key_heads})")
@@ -233,22 +329,26 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, config_json: Mapping[str, Any]) -> ModelConfig:
-        """A config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling)."""
+    def from_hf(cls, config_json: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+        """A config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling). Each field is checked
+        for type and range first (``check_fields``); errors name ``source`` (the file) and the key as it spells it."""
         c = dict(config_json)
         family = c.get("model_type")
-        if family == "mistral":  # Llama under another name, with a sliding window (see the module docstring)
-            family, window = "llama", c.get("sliding_window")
+        if family == "mistral":
+            family = "llama"
+        if family not in FAMILIES:
+            raise ModelError(f"{source}: model_type {family!r} is not supported; expected one of "
+                             f"{(*FAMILIES, 'mistral')}")
+        check_fields(c, HF_KEYS, source, _HF_NULLABLE)
+        if c.get("model_type") == "mistral":  # Llama under another name, with a sliding window (module docstring)
+            window = c.get("sliding_window")
             if isinstance(window, int) and 0 < window < c.get("max_position_embeddings", 2048):
                 c["max_position_embeddings"] = window
-        if family not in FAMILIES:
-            raise ModelError(f"config.json: model_type {family!r} is not supported; expected one of "
-                             f"{(*FAMILIES, 'mistral')}")
         for flag in ("mlp_bias", "attention_bias"):  # Llama's / Qwen3-MoE's biases (o_proj included) are not modelled
             if family != "qwen2" and c.get(flag):
-                raise ModelError(f"config.json: {flag}=true is not supported for {family} models; expected false")
+                raise ModelError(f"{source}: {flag}=true is not supported for {family} models; expected false")
         if family == "qwen3_moe" and c.get("use_sliding_window"):
-            raise ModelError("config.json: use_sliding_window=true is not supported for qwen3_moe models; "
+            raise ModelError(f"{source}: use_sliding_window=true is not supported for qwen3_moe models; "
                              "expected false (full attention on every layer)")
         try:
             hidden, heads = c["hidden_size"], c["num_attention_heads"]
@@ -261,6 +361,8 @@ class ModelConfig:
             # partial rotary is not a scaling; Qwen3.5's multimodal rope sections are all one position for text
             partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor",
                                                               0.25 if family in HYBRID_FAMILIES else 1.0))
+            check_field("rope_theta", theta, f"{source}: rope_theta")
+            check_field("partial_rotary_factor", partial, f"{source}: partial_rotary_factor")
             scaling = {k: v for k, v in rope.items()
                        if k not in ("rope_theta", "type", "partial_rotary_factor", "mrope_section",
                                     "mrope_interleaved")}
@@ -270,21 +372,25 @@ class ModelConfig:
                 scaling = None
             eos = c.get("eos_token_id")
             eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-            return cls(
+            kwargs = dict(
                 family=family, vocab_size=c["vocab_size"], hidden_size=hidden,
                 intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
                 num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim, rope_theta=theta,
                 rope_scaling=scaling, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
                 max_position_embeddings=c.get("max_position_embeddings", 2048),
-                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                tie_word_embeddings=c.get("tie_word_embeddings", False),
                 attention_bias=family == "qwen2",  # Qwen2 always has q/k/v biases, the others none
                 qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES), bos_token_id=c.get("bos_token_id"),
                 eos_token_ids=eos, partial_rotary_factor=partial,
                 **(_moe_fields(c) if family in MOE_FAMILIES else {}),
-                **(_hybrid_fields(c) if family in HYBRID_FAMILIES else {}),
+                **(_hybrid_fields(c, source) if family in HYBRID_FAMILIES else {}),
             )
         except KeyError as e:
-            raise ModelError(f"config.json: missing key {e.args[0]!r} needed for a {family} model") from None
+            raise ModelError(f"{source}: missing key {e.args[0]!r} needed for a {family} model") from None
+        try:
+            return cls(**kwargs)
+        except ModelError as e:  # a field that passed alone but not with the others (heads vs kv heads, ...)
+            raise ModelError(f"{source}: {e}") from None
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
@@ -301,12 +407,12 @@ def _moe_fields(c: Mapping[str, Any]) -> dict[str, Any]:
     return dict(num_experts=c.get("num_experts", c.get("num_local_experts", 512 if nxt else 128)),
                 num_experts_per_tok=c.get("num_experts_per_tok", 10 if nxt else 8),
                 moe_intermediate_size=c.get("moe_intermediate_size", 512 if nxt else 768),
-                norm_topk_prob=bool(c.get("norm_topk_prob", nxt)),
+                norm_topk_prob=c.get("norm_topk_prob", nxt),
                 decoder_sparse_step=c.get("decoder_sparse_step", 1),
                 mlp_only_layers=tuple(c.get("mlp_only_layers") or ()))
 
 
-def _hybrid_fields(c: Mapping[str, Any]) -> dict[str, Any]:
+def _hybrid_fields(c: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The fields of a Qwen3-Next / Qwen3.5 text ``config.json``: the layer schedule (transformers' default: every
     ``full_attention_interval``-th layer full attention) and the gated delta net's shapes."""
     layers = c["num_hidden_layers"]
@@ -315,7 +421,7 @@ def _hybrid_fields(c: Mapping[str, Any]) -> dict[str, Any]:
         interval = c.get("full_attention_interval", 4)
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
     if c.get("hidden_act", "silu") != "silu":
-        raise ModelError(f"config.json: hidden_act={c.get('hidden_act')!r} is not supported; expected 'silu'")
+        raise ModelError(f"{source}: hidden_act={c.get('hidden_act')!r} is not supported; expected 'silu'")
     out = dict(layer_types=tuple(types), attn_output_gate=True, norm_plus_one=True,
                linear_conv_kernel_dim=c.get("linear_conv_kernel_dim", 4),
                linear_num_key_heads=c.get("linear_num_key_heads", 16),
@@ -333,7 +439,7 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Map
     if not isinstance(scaling, Mapping):
         raise ModelError(f"ModelConfig: rope_scaling must be None or a mapping, got {type(scaling).__name__}")
     kind = scaling.get("rope_type", "default")
-    if kind not in _ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in _ROPE_TYPES:
         raise ModelError(f"ModelConfig: rope_scaling type {kind!r} is not supported; expected one of "
                          f"{sorted(_ROPE_TYPES)}")
     missing = [k for k in _ROPE_TYPES[kind] if k not in scaling]
@@ -341,8 +447,11 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Map
         raise ModelError(f"ModelConfig: rope_scaling of type {kind!r} needs keys {list(_ROPE_TYPES[kind])}, "
                          f"missing {missing}")
     if kind == "factors":
-        factors = tuple(float(f) for f in scaling["factors"])
-        if len(factors) != head_dim // 2 or not all(math.isfinite(f) and f > 0 for f in factors):
+        factors = scaling["factors"]
+        factors = tuple(factors) if isinstance(factors, list | tuple) else ()
+        ok = all(isinstance(f, int | float) and not isinstance(f, bool) and math.isfinite(f) and f > 0 for f in factors)
+        factors = tuple(float(f) for f in factors) if ok else ()
+        if len(factors) != head_dim // 2:
             raise ModelError(f"ModelConfig: rope_scaling['factors'] must be {head_dim // 2} positive numbers "
                              f"(head_dim / 2), got {len(factors)} values")
         return MappingProxyType({"rope_type": kind, "factors": factors})

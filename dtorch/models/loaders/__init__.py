@@ -25,16 +25,20 @@ __all__ = ["Checkpoint", "LazyCheckpoint", "expected_shapes", "find_model", "loa
            "load_gguf_tokenizer", "load_hf", "open_checkpoint", "open_gguf", "open_hf"]
 
 
-def open_checkpoint(path: str | _Path, dtype: _torch.dtype = _torch.float32) -> LazyCheckpoint:
+def open_checkpoint(path: str | _Path, dtype: _torch.dtype = _torch.float32,
+                    check_finite: bool = True) -> LazyCheckpoint:
     """Open a ``.gguf`` file or a Hugging Face directory (or what ``find_model`` makes of ``path``: a directory
     holding one ``.gguf``, a Hugging Face id in the local cache): config, tokenizer and tensor names and shapes
     (checked against the config) without reading weights; ``.get(hf_name, dim, runs)`` reads slices cast to
-    ``dtype``. Close it (or use ``with``) when done."""
+    ``dtype``, refusing non-finite values unless ``check_finite`` is False. Every file is untrusted: types, ranges,
+    offsets and the memory it implies are checked before anything is allocated. Close it (or use ``with``) when
+    done."""
     p = find_model(path)
-    return open_hf(p, dtype) if p.is_dir() else open_gguf(p, dtype)
+    return open_hf(p, dtype, check_finite) if p.is_dir() else open_gguf(p, dtype, check_finite)
 
 
-def load_checkpoint(path: str | _Path, dtype: _torch.dtype = _torch.float32) -> Checkpoint:
-    """Load a model from a ``.gguf`` file or a Hugging Face directory; weights cast to ``dtype``, PERSISTENT."""
-    with open_checkpoint(path, dtype) as lazy:
+def load_checkpoint(path: str | _Path, dtype: _torch.dtype = _torch.float32, check_finite: bool = True) -> Checkpoint:
+    """Load a model from a ``.gguf`` file or a Hugging Face directory; weights cast to ``dtype``, PERSISTENT (see
+    ``open_checkpoint``)."""
+    with open_checkpoint(path, dtype, check_finite) as lazy:
         return lazy.load()

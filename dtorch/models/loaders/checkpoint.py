@@ -3,6 +3,8 @@ and a getter that reads only the slices asked for) or, read whole, a ``Checkpoin
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -146,6 +148,7 @@ class LazyCheckpoint:
     metadata: dict[str, object] = field(default_factory=dict)
     # (name, dim, runs) -> (layout, GGUF bytes uint8 [rows, row bytes]) or None; None: no packed weights (safetensors)
     read_packed: Callable[[str, int | None, list[tuple[int, int]]], tuple[str, torch.Tensor] | None] | None = None
+    check_finite: bool = True  # refuse a piece read with a NaN or inf (one isfinite pass over what is read)
 
     def get_packed(self, name: str, dim: int | None = None,
                    runs: Sequence[tuple[int, int]] = ()) -> tuple[str, torch.Tensor] | None:
@@ -153,7 +156,11 @@ class LazyCheckpoint:
         bytes]) when it is kept in a block format ("gguf.q4_1"), else None (read it with ``get``)."""
         if self.read_packed is None or name not in self.shapes:
             return None
-        return self.read_packed(name, dim if runs else None, [(int(a), int(n)) for a, n in runs])
+        got = self.read_packed(name, dim if runs else None, [(int(a), int(n)) for a, n in runs])
+        if got is not None and self.check_finite and not packed_scales_finite(*got):
+            raise ModelError(f"{self.source}: tensor {name!r} holds a non-finite (NaN or inf) block scale; the "
+                             "weights are damaged (pass check_finite=False to load them anyway)")
+        return got
 
     def get(self, name: str, dim: int | None = None, runs: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
         """The rows/columns ``runs`` [(start, length)] of dim ``dim`` of tensor ``name`` (concatenated), or the
@@ -170,6 +177,11 @@ class LazyCheckpoint:
                     raise ModelError(f"{self.source}: rows [{a}, {a + n}) of dim {dim} are outside tensor {name!r} "
                                      f"{list(shape)}")
         t = self.read(name, dim if runs else None, runs).to(self.dtype).contiguous()
+        if self.check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+            raise ModelError(f"{self.source}: tensor {name!r} {list(shape)} holds non-finite values (NaN or inf), "
+                             f"e.g. at {bad}{'' if dim is None else f' of the slice of dim {dim} read'}; expected "
+                             "finite weights: the file is damaged (pass check_finite=False to load it anyway)")
         if t.untyped_storage().nbytes() > t.numel() * t.element_size():  # a slice must not keep the whole alive
             t = t.clone()
         return t
@@ -197,11 +209,86 @@ class LazyCheckpoint:
         self.close()
 
 
-def used_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig, dtype: torch.dtype,
-                source: str) -> dict[str, tuple[int, ...]]:
-    """``check_shapes``, then the shapes of the tensors the model uses (the others are dropped)."""
+def used_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig, dtype: torch.dtype, source: str,
+                keys: Mapping[str, str] | None = None,
+                stored_bytes: Mapping[str, int] | None = None) -> dict[str, tuple[int, ...]]:
+    """``check_shapes`` and ``check_memory``, then the shapes of the tensors the model uses (the others dropped)."""
     check_shapes(shapes, config, dtype, source)
-    return {name: tuple(shapes[name]) for name in expected_shapes(config)}
+    used = {name: tuple(shapes[name]) for name in expected_shapes(config)}
+    check_memory(config, used, dtype, source, keys or {}, stored_bytes or {})
+    return used
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give: /proc/meminfo's MemAvailable (else free pages by sysconf), plus
+    the free memory of its GPUs, where weights may go instead; None when the host does not say."""
+    host = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    host = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if host is None:
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    if torch.cuda.is_available():
+        try:
+            host += sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+        except RuntimeError:
+            pass
+    return host
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_estimate(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+                    stored_bytes: Mapping[str, int]) -> dict[str, int]:
+    """Bytes a model needs by what drives them: "max_position_embeddings" (the RoPE table, [positions, rotary_dim
+    / 2] cos and sin float32), "num_layers" (the layers' weights) and "vocab_size" (embeddings, lm_head, final
+    norm). Weights count at ``dtype``, or at ``stored_bytes[name]`` for those kept packed as stored."""
+    item = torch.empty((), dtype=dtype).element_size()
+    weights = {n: stored_bytes.get(n, math.prod(s) * item) for n, s in shapes.items()}
+    layers = sum(b for n, b in weights.items() if n.startswith("model.layers."))
+    return {"max_position_embeddings": config.max_position_embeddings * (config.rotary_dim // 2) * 2 * 4,
+            "num_layers": layers, "vocab_size": sum(weights.values()) - layers}
+
+
+def check_memory(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, source: str,
+                 keys: Mapping[str, str], stored_bytes: Mapping[str, int]) -> None:
+    """Refuse, before anything is allocated, a model whose ``memory_estimate`` exceeds ``available_memory()``; the
+    message names the estimate and the field driving most of it as the file spells it (``keys``: field -> key)."""
+    parts = memory_estimate(config, shapes, dtype, stored_bytes)
+    total, have = sum(parts.values()), available_memory()
+    if have is None or total <= have:
+        return
+    field_name = max(parts, key=parts.__getitem__)
+    raise ModelError(f"{source}: this model needs about {_gib(total)} of memory (weights "
+                     f"{_gib(total - parts['max_position_embeddings'])} as {dtype}, RoPE table "
+                     f"{_gib(parts['max_position_embeddings'])}) but {_gib(have)} is available; most of it comes from "
+                     f"{keys.get(field_name, field_name)} = {getattr(config, field_name)}. Expected a model that "
+                     "fits: use a smaller or more quantized one, a smaller dtype, or free memory")
+
+
+# layout -> (bytes per GGUF block, byte offsets of its fp16 scales in the block)
+_SCALES = {"gguf.q8_0": (34, (0,)), "gguf.q4_0": (18, (0,)), "gguf.q4_1": (20, (0, 2)), "gguf.q4_k": (144, (0, 2)),
+           "gguf.q6_k": (210, (208,))}
+
+
+def packed_scales_finite(layout: str, rows: torch.Tensor) -> bool:
+    """Whether the fp16 scales of GGUF blocks ``rows`` (uint8 [rows, row bytes], GGUF's own block order) are all
+    finite: the cheap check of a packed weight (its quants are small ints, finite by construction)."""
+    size, offsets = _SCALES.get(layout, (0, ()))
+    if not offsets or rows.numel() % size:
+        return True
+    blocks = rows.reshape(-1, size)
+    return all(bool(torch.isfinite(blocks[:, o:o + 2].contiguous().view(torch.float16)).all()) for o in offsets)
 
 
 def narrow_runs(t: torch.Tensor, dim: int | None, runs: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from dtorch.core.errors import ModelError
-from dtorch.models.config import HYBRID_FAMILIES, ModelConfig
+from dtorch.models.config import HYBRID_FAMILIES, ModelConfig, check_field, check_fields, gguf_keys
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, narrow_runs, used_shapes
+from dtorch.models.loaders.files import regular_file
 from dtorch.models.loaders.gguf_hybrid import View, gguf_shape, hybrid_fields, hybrid_views
 
 # llama.cpp tensor name -> Hugging Face name; "{i}" is the layer index
@@ -136,7 +137,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
     ``gguf_hybrid.hybrid_fields``.
     """
     arch = meta.get("general.architecture")
-    if arch not in _FAMILIES:
+    if not isinstance(arch, str) or arch not in _FAMILIES:
         raise ModelError(f"{path}: general.architecture {arch!r} is not supported; expected one of "
                          f"{', '.join(_FAMILIES)}")
     family = _FAMILIES[arch]
@@ -146,42 +147,53 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
             raise ModelError(f"{path}: metadata key {arch}.{key} is missing; a {arch} GGUF must have it")
         return meta[f"{arch}.{key}"]
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
-    if not vocab:
-        raise ModelError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    keys = gguf_keys(arch)
+    check_fields(meta, keys, str(path))
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    if f"{arch}.vocab_size" in meta:
+        vocab = meta[f"{arch}.vocab_size"]
+    else:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if isinstance(tokens, list) else 0
+        if not vocab:
+            raise ModelError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+        check_field("vocab_size", vocab, f"{path}: the length of tokenizer.ggml.tokens")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-    layers = int(need("block_count"))
+    layers = need("block_count")
     moe: dict[str, Any] = {}
     if family in ("qwen3_moe", "qwen3_next"):
         dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
-        moe = dict(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
-                   moe_intermediate_size=int(need("expert_feed_forward_length")),
-                   norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)), decoder_sparse_step=1,
+        moe = dict(num_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
+                   moe_intermediate_size=need("expert_feed_forward_length"),
+                   norm_topk_prob=meta.get(f"{arch}.expert_weights_norm", True), decoder_sparse_step=1,
                    mlp_only_layers=dense)
         if family == "qwen3_next":
-            moe["shared_expert_intermediate_size"] = int(need("expert_shared_feed_forward_length"))
+            moe["shared_expert_intermediate_size"] = need("expert_shared_feed_forward_length")
         # the dense layers' width; with every layer sparse it is unused (and feed_forward_length may be absent)
-        ff = int(need("feed_forward_length") if dense
-                 else meta.get(f"{arch}.feed_forward_length", moe["moe_intermediate_size"]))
+        ff = need("feed_forward_length") if dense \
+            else meta.get(f"{arch}.feed_forward_length", moe["moe_intermediate_size"])
     else:
-        ff = int(need("feed_forward_length"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+        ff = need("feed_forward_length")
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    check_field("head_dim", head_dim, f"{path}: {arch}.embedding_length / {arch}.attention.head_count")
     hybrid = hybrid_fields(need, layers, head_dim, arch, path) if family in HYBRID_FAMILIES else {}
-    return ModelConfig(
-        family=family, vocab_size=int(vocab), hidden_size=hidden, intermediate_size=ff,
-        num_layers=layers, num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=None if rope_freqs is None else {"rope_type": "factors", "factors": rope_freqs.tolist()},
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)), **moe,
-        **hybrid,
-    )
+    try:
+        return ModelConfig(
+            family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=ff,
+            num_layers=layers, num_heads=heads,
+            num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
+            head_dim=head_dim,
+            rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+            rope_scaling=None if rope_freqs is None else {"rope_type": "factors", "factors": rope_freqs.tolist()},
+            rms_norm_eps=need("attention.layer_norm_rms_epsilon"),
+            max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)), **moe,
+            **hybrid,
+        )
+    except ModelError as e:  # a key that passed alone but not with the others (head_count vs head_count_kv, ...)
+        raise ModelError(f"{path}: {e} (from the {arch}.* metadata keys)") from None
 
 
 def dequantize(t: Any, path: Path) -> torch.Tensor:
@@ -318,25 +330,46 @@ def _gguf_reader(reader: Any, config: ModelConfig,
     return shapes, read, read_packed, types
 
 
-def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheckpoint:
-    """Open a GGUF file without reading its weights: config from its metadata, names and shapes checked, its
-    tokenizer; the returned ``LazyCheckpoint.get`` dequantizes only the blocks of the slices asked for."""
+def check_tensor_layout(reader: Any, path: Path) -> None:
+    """Every tensor's bytes lie inside the file's data section, start at a multiple of ``general.alignment`` (32 when
+    absent) from it, as llama.cpp writes them, and overlap no other tensor's. Raises ``ModelError`` naming the
+    tensor."""
+    size, start, align = path.stat().st_size, int(reader.data_offset), int(reader.alignment)
+    spans = []
+    for t in reader.tensors:
+        lo, n = int(t.data_offset), int(t.n_bytes)
+        if (lo - start) % align:
+            raise ModelError(f"{path}: tensor {t.name!r} starts at byte {lo - start} of the data section; expected a "
+                             f"multiple of general.alignment = {align}")
+        if lo + n > size:
+            raise ModelError(f"{path}: truncated: tensor {t.name!r} needs bytes [{lo}, {lo + n}) but the file has "
+                             f"{size}")
+        spans.append((lo, lo + n, t.name))
+    spans.sort()
+    for (_, end, a), (lo, _, b) in zip(spans, spans[1:], strict=False):
+        if lo < end:
+            raise ModelError(f"{path}: tensors {a!r} and {b!r} overlap (bytes [{lo}, {end}) of the file); expected "
+                             "each tensor's bytes to be its own")
+
+
+def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite: bool = True) -> LazyCheckpoint:
+    """Open a GGUF file without reading its weights: config from its metadata (types and ranges checked), tensor
+    offsets, alignment, names and shapes checked, the memory it implies compared with what is available, and its
+    tokenizer; the returned ``LazyCheckpoint.get`` dequantizes only the blocks of the slices asked for, and refuses
+    non-finite values unless ``check_finite`` is False."""
+    from dtorch.kernels.layouts import layout_of_gguf
     from dtorch.models.tokenizer import Tokenizer
 
-    path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"{path}: no such file; expected a .gguf model file")
+    path = regular_file(path, "a .gguf model file")
     reader = _open(path)
-    # the reader maps the file lazily: a tensor whose bytes run past the end of the file shows up here
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > path.stat().st_size:
-        raise ModelError(f"{path}: truncated: its tensors need {end} bytes but the file has {path.stat().st_size}")
+    check_tensor_layout(reader, path)  # the reader maps lazily: bad offsets would show only when read
     meta = read_metadata(reader, path)
     reader.fields.clear()  # read: its views of every vocabulary string (~80 MB for 49k tokens) go before the weights
     freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
     shapes, read, read_packed, types = _gguf_reader(reader, config, path)
-    shapes = used_shapes(shapes, config, dtype, str(path))
+    packed = {hf_name(t.name): int(t.n_bytes) for t in reader.tensors if layout_of_gguf(t.tensor_type) is not None}
+    shapes = used_shapes(shapes, config, dtype, str(path), gguf_keys(meta["general.architecture"]), packed)
     types = {name: types[name] for name in shapes}
     template = meta.get("tokenizer.chat_template")
     tokenizer = Tokenizer.from_gguf(meta, chat_template=template, source=str(path)) \
@@ -344,13 +377,13 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheck
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list)}  # the vocabulary stays in the tokenizer
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
                           source=str(path), chat_template=template, read_packed=read_packed,
-                          metadata={"tensor_types": types, "gguf": scalars})
+                          metadata={"tensor_types": types, "gguf": scalars}, check_finite=check_finite)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite: bool = True) -> Checkpoint:
     """Load a GGUF file: config from its metadata, weights dequantized (Llama q/k un-permuted; Qwen2/Qwen3 q/k are
-    stored as transformers has them), its tokenizer."""
-    with open_gguf(path, dtype) as lazy:
+    stored as transformers has them), its tokenizer (see ``open_gguf``)."""
+    with open_gguf(path, dtype, check_finite) as lazy:
         return lazy.load()
 
 
@@ -358,9 +391,7 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
     """Only the tokenizer of a GGUF file (no weights are read), or None when the file has no vocabulary."""
     from dtorch.models.tokenizer import Tokenizer
 
-    path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"{path}: no such file; expected a .gguf model file")
+    path = regular_file(path, "a .gguf model file")
     meta = read_metadata(_open(path), path)
     if "tokenizer.ggml.tokens" not in meta:
         return None

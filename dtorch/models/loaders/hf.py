@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -11,36 +12,27 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import ModelError
-from dtorch.models.config import ModelConfig
+from dtorch.models.config import HF_KEYS, ModelConfig, check_field
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, used_shapes
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path}: cannot read JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+from dtorch.models.loaders.files import inside, read_json, regular_file
 
 
 def _shards(directory: Path, single: str, index: str) -> list[Path]:
     """The weight files of ``directory``: ``single`` when it exists, else the shards the ``index`` file names (no
-    file of either: [])."""
-    if (directory / single).exists():
-        return [directory / single]
+    file of either: []). Each is a regular file inside ``directory`` (see ``files.inside``)."""
+    if os.path.lexists(directory / single):
+        return [regular_file(directory / single, f"a weights file ({single})")]
     index_path = directory / index
-    if not index_path.exists():
+    if not os.path.lexists(index_path):
         return []
-    weight_map = _read_json(index_path).get("weight_map")
+    weight_map = read_json(index_path, "a shard index").get("weight_map")
     if not isinstance(weight_map, dict):
         raise ModelError(f"{index_path}: expected a 'weight_map' object mapping tensor names to shard files")
-    files = sorted(set(weight_map.values()))
-    missing = [f for f in files if not (directory / f).exists()]
+    paths = {str(f): inside(directory, f, index_path, "weight_map") for f in weight_map.values()}
+    missing = sorted(f for f, p in paths.items() if not os.path.lexists(p))
     if missing:
         raise ModelError(f"{index_path}: shard files {missing} named in the index do not exist in {directory}")
-    return [directory / f for f in files]
+    return [regular_file(paths[f], f"a weights shard named in {index}") for f in sorted(paths)]
 
 
 def _open_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], Reader]:
@@ -90,10 +82,15 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 def _layout(f: Path) -> tuple[int, dict[str, Any]]:
-    """(where the data starts, the header: name -> {"dtype", "shape", "data_offsets"}) of a safetensors file."""
+    """(where the data starts, the header: name -> {"dtype", "shape", "data_offsets"}) of a safetensors file
+    (read after ``safe_open`` validated it: the header size is bounded by the file's)."""
     with open(f, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
+        if not 0 < size <= os.fstat(fh.fileno()).st_size - 8:
+            raise ValueError(f"header size {size} does not fit in the file")
         header = json.loads(fh.read(size))
+    if not isinstance(header, dict):
+        raise ValueError(f"header is {type(header).__name__}, expected a JSON object")
     header.pop("__metadata__", None)
     return 8 + size, header
 
@@ -101,8 +98,6 @@ def _layout(f: Path) -> tuple[int, dict[str, Any]]:
 def _pread(f: Path, offset: int, nbytes: int) -> torch.Tensor:
     """``nbytes`` bytes of ``f`` from ``offset`` into memory of their own (uint8): read with pread, not mapped, so
     the file's pages never count in this process's resident memory (a map of a whole checkpoint doubles the peak)."""
-    import os
-
     buf = torch.empty(nbytes, dtype=torch.uint8)
     view = memoryview(buf.numpy()).cast("B")
     fd = os.open(f, os.O_RDONLY)
@@ -124,7 +119,7 @@ def _open_safetensors(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Re
 
     where: dict[str, tuple[Path, int, dict[str, Any]]] = {}  # tensor name -> (file, data start, header entry)
     shapes: dict[str, tuple[int, ...]] = {}
-    errors = (SafetensorError, OSError, RuntimeError, ValueError, KeyError, TypeError)
+    errors = (SafetensorError, OSError, RuntimeError, ValueError, KeyError, TypeError, RecursionError, OverflowError)
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:  # validates the header (offsets, sizes, dtypes)
@@ -204,8 +199,11 @@ def stack_experts(shapes: dict[str, tuple[int, ...]], read: Reader, num_experts:
 
 def _chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
     jinja = directory / "chat_template.jinja"  # transformers 5 writes the template beside tokenizer_config.json
-    if jinja.exists():
-        return jinja.read_text(encoding="utf-8")
+    if os.path.lexists(jinja):
+        try:
+            return regular_file(jinja, "a Jinja chat template").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelError(f"{jinja}: cannot read the chat template ({e}); expected UTF-8 text") from None
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -213,41 +211,47 @@ def _chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> LazyCheckpoint:
-    """Open a Hugging Face model directory without reading its weights (names and shapes are checked against
-    ``config.json``); ``LazyCheckpoint.get`` reads only the slices asked for. The tokenizer is None when the
-    directory has no ``tokenizer.json``."""
+def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32, check_finite: bool = True) -> LazyCheckpoint:
+    """Open a Hugging Face model directory without reading its weights: every file checked to be a regular file
+    inside it, ``config.json`` checked for types and ranges, tensor names and shapes checked against it and the
+    memory they imply against what is available; ``LazyCheckpoint.get`` reads only the slices asked for, refusing
+    non-finite values unless ``check_finite`` is False. The tokenizer is None when there is no ``tokenizer.json``."""
     from dtorch.models.tokenizer import Tokenizer
 
     directory = Path(directory)
     cfg_path = directory / "config.json"
-    if not cfg_path.exists():
+    if not os.path.lexists(cfg_path):
         raise ModelError(f"{directory}: no config.json and no .gguf file; expected a Hugging Face model directory "
                          "(config.json + weights) or a .gguf file")
-    cfg_json = _read_json(cfg_path)
+    cfg_json = read_json(cfg_path, "the model's config.json")
     gen_path = directory / "generation_config.json"
-    if gen_path.exists():  # generation stops at the union of both files' eos ids
-        ids = [cfg_json.get("eos_token_id"), _read_json(gen_path).get("eos_token_id")]
-        flat = [i for v in ids if v is not None for i in (v if isinstance(v, list) else [v])]
-        cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
-    config = ModelConfig.from_hf(cfg_json)
+    if os.path.lexists(gen_path):  # generation stops at the union of both files' eos ids
+        gen_eos = read_json(gen_path, "a generation_config.json").get("eos_token_id")
+        if gen_eos is not None:
+            check_field("eos_token_ids", gen_eos, f"{gen_path}: eos_token_id")
+        ids = [cfg_json.get("eos_token_id"), gen_eos]
+        if all(v is None or isinstance(v, int | list) for v in ids):  # else from_hf names config.json's bad value
+            flat = [i for v in ids if v is not None for i in (v if isinstance(v, list) else [v])]
+            if all(isinstance(i, int) for i in flat):
+                cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
+    config = ModelConfig.from_hf(cfg_json, str(cfg_path))
     shapes, read = _open_weights(directory)
     if config.num_experts:
         shapes, read = stack_experts(shapes, read, config.num_experts, str(directory))
-    shapes = used_shapes(shapes, config, dtype, str(directory))
+    shapes = used_shapes(shapes, config, dtype, str(directory), HF_KEYS)
 
     tokenizer, template = None, None
-    tok_config = _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").exists() \
-        else {}
+    tok_path = directory / "tokenizer_config.json"
+    tok_config = read_json(tok_path, "a tokenizer_config.json") if os.path.lexists(tok_path) else {}
     template = _chat_template(directory, tok_config)
-    if (directory / "tokenizer.json").exists():
-        tokenizer = Tokenizer.from_hf(directory / "tokenizer.json", tok_config, chat_template=template,
-                                      eos_token_ids=config.eos_token_ids)
+    if os.path.lexists(directory / "tokenizer.json"):
+        tokenizer = Tokenizer.from_hf(regular_file(directory / "tokenizer.json", "a tokenizer.json"), tok_config,
+                                      chat_template=template, eos_token_ids=config.eos_token_ids)
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
-                          source=str(directory), chat_template=template)
+                          source=str(directory), chat_template=template, check_finite=check_finite)
 
 
-def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32, check_finite: bool = True) -> Checkpoint:
     """Load a Hugging Face model directory, every tensor read whole (see ``open_hf``)."""
-    with open_hf(directory, dtype) as lazy:
+    with open_hf(directory, dtype, check_finite) as lazy:
         return lazy.load()

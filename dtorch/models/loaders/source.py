@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from dtorch.core.errors import ModelError
+from dtorch.models.loaders.files import regular_file
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the Hub spells repository ids
 
@@ -25,6 +26,8 @@ def find_model(name: str | Path) -> Path:
         return p
     if p.is_dir():
         return _in_directory(p)
+    if os.path.lexists(p):  # a FIFO, a device, a socket, a dangling link: refused before anything opens it
+        return regular_file(p, "a .gguf file or a model directory")
     text = str(name)
     if _HF_ID.match(text) and not text.startswith("."):
         return _in_directory(hf_cache_snapshot(text))
@@ -36,7 +39,7 @@ def find_model(name: str | Path) -> Path:
 def _in_directory(directory: Path) -> Path:
     """``directory`` itself when it holds a ``config.json`` (or no ``.gguf``: ``open_hf`` says what is missing), else
     its one ``.gguf``."""
-    if (directory / "config.json").exists():
+    if os.path.lexists(directory / "config.json"):  # open_hf refuses it unless a regular file
         return directory
     ggufs = sorted(f for f in directory.glob("*.gguf") if f.is_file())
     if len(ggufs) == 1:

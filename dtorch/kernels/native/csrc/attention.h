@@ -97,6 +97,7 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   T* op[kRows];
   int64_t lim[kRows], kmax = 0;
   float m[kRows], l[kRows];
+  bool bad[kRows];  // a non-finite score seen: q or a visible key holds a NaN or an inf
   alignas(64) float acc[kRows][D];
   for (int r = 0; r < nr; ++r) {
     const int64_t rr = it.r0 + r, i = rr / G, hq = h * G + rr % G;
@@ -107,6 +108,7 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
     kmax = lim[r] > kmax ? lim[r] : kmax;
     m[r] = -INFINITY;
     l[r] = 0.f;
+    bad[r] = false;
     for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, v16_zero());
   }
   const T* kp[kChunk];
@@ -144,11 +146,14 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
         p[jj] = v16_sum(s0);
       }
       float mx = m[r];
-#pragma omp simd reduction(max : mx)
+      int nonfinite = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nonfinite)
       for (int64_t k = 0; k < cr; ++k) {
         p[k] *= scale;
+        nonfinite |= !(p[k] - p[k] == 0.f);  // NaN or an inf (x - x is NaN for both)
         mx = p[k] > mx ? p[k] : mx;
       }
+      bad[r] = bad[r] || nonfinite;
       const float alpha = m[r] == -INFINITY ? 0.f : exp_f32(m[r] - mx);  // rescales what came before
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -183,6 +188,11 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   for (int r = 0; r < nr; ++r) {  // normalize; a row that sees no key gives zeros (as flash-attn)
     const float inv = lim[r] > 0 ? 1.f / l[r] : 0.f;
     float* a = acc[r];
+    int nonfinite = bad[r];  // a non-finite value in a visible v row shows in the sums (p v, or 0 * inf)
+#pragma omp simd reduction(| : nonfinite)
+    for (int d = 0; d < D; ++d) nonfinite |= !(a[d] - a[d] == 0.f);
+    if (nonfinite)  // the rule every provider follows: a row reading a non-finite q, k or v value is NaN
+      for (int d = 0; d < D; ++d) a[d] = NAN;
 #pragma omp simd
     for (int d = 0; d < D; ++d) {
       if constexpr (sizeof(T) == 4) op[r][d] = a[d] * inv;
