@@ -54,6 +54,26 @@ def test_readme_snippet_works_first_thing_in_a_fresh_interpreter():
     assert "verify: ok" in out, out
 
 
+def test_verify_catches_a_lying_kernel_registered_before_the_backends_load():
+    """#14: a user kernel registered first thing in a fresh process (before any backend has loaded) is still compared
+    with the reference under verify()."""
+    done = _python("""
+import torch, dtorch
+from dtorch import KernelKey
+def liar(ctx, inputs, outputs):
+    outputs[0].copy_(inputs[0] * 2)  # not an RMS norm
+dtorch.dispatcher.register(KernelKey("llm.rms_norm", "cpu", torch.float32), liar, provider="user")
+try:
+    with dtorch.verify():
+        dtorch.ops.rms_norm(torch.randn(4, 64), torch.randn(64), 1e-6)
+    print("passed silently")
+except dtorch.VerifyError as e:
+    print("VerifyError:", e)
+""")
+    assert done.returncode == 0, done.stderr
+    assert "VerifyError: verify llm.rms_norm/cpu/float32: output 0 of user" in done.stdout, done.stdout
+
+
 @pytest.mark.parametrize("when", ["before any lookup", "after a lookup"])
 def test_a_user_kernel_stands_beside_the_builtins(when):
     lookup = "dtorch.ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6)\n" if when == "after a lookup" else ""
