@@ -298,6 +298,8 @@ def test_bad_requests_and_a_full_queue_are_refused_clearly(tiny):
         llm.close()
     with pytest.raises(dtorch.ArgumentError, match="kv_cache_memory_bytes 2048 holds 2 tokens"):
         LLM(path, kv_cache_memory_bytes=2048)
+    with pytest.raises(dtorch.ArgumentError, match="more than the .* bytes this machine has available; lower it"):
+        LLM(path, kv_cache_memory_bytes=10**18)
     with pytest.raises(dtorch.ArgumentError, match="max_model_len 4096 is more than the model's 128"):
         LLM(path, max_model_len=4096)
 
@@ -519,5 +521,21 @@ def test_callbacks_and_streams_of_one_llm_do_not_mix():
                         done[k] = True
         assert "".join(pa) == want_a and "".join(pb) == want_b
         assert llm.engine.stats().kv_blocks_used == 0
+    finally:
+        llm.close()
+
+
+def test_non_finite_weights_are_refused_unless_asked_not_to(tmp_path):
+    hf = save_random(transformers, FAMILIES["llama"](), tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(dtorch.ModelError, match="model.layers.1.mlp.down_proj.weight"):
+        LLM(str(tmp_path))
+    llm = LLM(str(tmp_path), check_weights=False)  # the caller's choice: it loads, and the NaN shows in the logits
+    try:
+        assert torch.isnan(llm.logits([3, 4, 5])).any() and hf is not None
     finally:
         llm.close()

@@ -19,8 +19,9 @@ requests share the batch, each gets only its own tokens, and whichever caller is
 from __future__ import annotations
 
 import itertools
+import os
 import queue
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,10 @@ from dtorch.engine.sampling import SamplingParams
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache, kv_bytes_per_token
 from dtorch.models.loaders import open_checkpoint
+from dtorch.models.loaders.checkpoint import available_memory
 from dtorch.models.model import Transformer
 from dtorch.models.parallel import MeshSetup, setup_mesh
-from dtorch.models.tokenizer import no_tokenizer_message
+from dtorch.models.tokenizer import check_text, no_tokenizer_message
 
 PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at most (a longer prompt is chunked)
 BLOCK_SIZE = 16  # tokens per KV cache block
@@ -81,11 +83,13 @@ class LLM:
     Engine settings (vLLM's names): max_num_seqs: sequences in a step at most. max_num_batched_tokens: tokens in a
     step at most (prompts longer than that are prefilled in chunks). max_model_len: tokens of a sequence at most
     (default: the model's max_position_embeddings). kv_cache_memory_bytes: the paged KV cache's size (default: what
-    max_num_seqs sequences of max_model_len need, at most 1 GiB, at least one such sequence). block_size: tokens per
+    max_num_seqs sequences of max_model_len need, at most 1 GiB but at least one such sequence, and at most half the
+    available memory). block_size: tokens per
     cache block. enable_prefix_caching: share the cached blocks of common prompt prefixes. max_waiting: queued
     requests at most before the engine refuses more (``EngineBusy``; ``generate`` itself always queues).
     threads: intra-op CPU threads, set for the process with ``torch.set_num_threads`` (None: ``DTORCH_THREADS``,
     else torch's default, one per physical core); on cores busy with other work, give only the free ones.
+    check_weights: refuse non-finite weights at load, naming the tensor (a cheap pass over each; False skips it).
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
@@ -93,10 +97,15 @@ class LLM:
                  dequantize: bool = False, max_num_batched_tokens: int = PREFILL_TOKENS,
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  block_size: int = BLOCK_SIZE,
-                 enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None) -> None:
+                 enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None,
+                 check_weights: bool = True) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
+        if not isinstance(model, (str, os.PathLike)):
+            raise ArgumentError(f"LLM: model must be a path (str or Path) or a Hugging Face id, got {model!r:.100}")
+        if not isinstance(device, str):
+            raise ArgumentError(f"LLM: device must be a str ('cpu' or 'cuda'), got {device!r:.100}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size), ("max_waiting", max_waiting),
                             ("max_model_len", 1 if max_model_len is None else max_model_len),
@@ -104,14 +113,16 @@ class LLM:
                             ("threads", 1 if threads is None else threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"LLM: {name} must be an int >= 1, got {value!r}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ArgumentError(f"LLM: enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("check_weights", check_weights)):
+            if not isinstance(flag, bool):
+                raise ArgumentError(f"LLM: {name} must be a bool, got {flag!r}")
         threads = threads or env.threads()
         if threads:
             torch.set_num_threads(threads)  # before the load: the streams take their share of these
         dtype = as_dtype(dtype)
         where: MeshSetup = setup_mesh(device, tensor_parallel_size)
-        with open_checkpoint(model, dtype) as ckpt:  # reads names and shapes; then only this process's slices
+        # reads names and shapes; then only this process's slices
+        with open_checkpoint(model, dtype, check_finite=check_weights) as ckpt:
             self.source = ckpt.source
             self.config = ckpt.config
             self.tokenizer = ckpt.tokenizer
@@ -148,11 +159,19 @@ class LLM:
         per_token = kv_bytes_per_token(self.config, dtype)
         tokens = self.max_num_seqs * self.max_len
         if per_token:
-            fit = (budget or KV_CACHE_BYTES) // per_token
-            if budget is not None and fit < self.max_len:
-                raise ArgumentError(f"LLM: kv_cache_memory_bytes {budget} holds {fit} tokens, less than one sequence "
-                                    f"of max_model_len {self.max_len} ({per_token} bytes per token); raise it or "
-                                    "lower max_model_len")
+            have = available_memory()
+            if budget is not None and have is not None and budget > have:
+                raise ArgumentError(f"LLM: kv_cache_memory_bytes {budget} is more than the {have} bytes this machine "
+                                    "has available; lower it")
+            one = per_token * self.max_len  # the default holds at least one full sequence where memory allows
+            default = max(KV_CACHE_BYTES, one) if have is None else min(max(KV_CACHE_BYTES, one), have // 2)
+            fit = (budget or default) // per_token
+            if fit < self.max_len:
+                what = f"kv_cache_memory_bytes {budget}" if budget is not None else \
+                    f"the default KV cache ({default} bytes: half the available memory)"
+                raise ArgumentError(f"LLM: {what} holds {fit} tokens, less than one sequence of max_model_len "
+                                    f"{self.max_len} ({per_token} bytes per token); lower max_model_len or give "
+                                    "kv_cache_memory_bytes")
             tokens = max(self.max_len, min(tokens, fit))
         return -(-tokens // block_size)
 
@@ -179,9 +198,17 @@ class LLM:
 
         ``on_text(index, piece)`` is called with new text as it is made (streaming), in the caller's thread; index
         counts the choices of all prompts in order (the prompt's index when every n is 1).
+
+        A text prompt is raw: special tokens written in it (``<|im_start|>``) are control tokens; for a conversation
+        whose user text must stay text, use ``chat`` or ``chat_prompt``. No prompts (``[]``): ``[]``, as vLLM.
         """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if isinstance(prompts, Mapping) or not isinstance(prompts, Iterable):
+            raise ArgumentError("LLM.generate: prompts must be a str, a list of token ids, or a list of those, got "
+                                f"{type(prompts).__name__}")
+        if on_text is not None and not callable(on_text):
+            raise ArgumentError(f"LLM.generate: on_text must be callable (index, piece), got {on_text!r:.100}")
         prompts = list(prompts)
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
@@ -194,16 +221,28 @@ class LLM:
         return outs
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
-             params: SamplingParams | None = None, *, on_text: OnText | None = None) -> list[RequestOutput]:
-        """Generate the assistant's reply to one conversation (a list of messages) or to several."""
-        if messages and isinstance(messages[0], Mapping):
+             params: SamplingParams | None = None, *, on_text: OnText | None = None,
+             allow_special_tokens: bool = False) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of messages) or to several.
+        ``allow_special_tokens``: as in ``chat_prompt``."""
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ArgumentError("LLM.chat: messages must be a non-empty list of {'role': str, 'content': str} dicts "
+                                f"(or a list of such conversations), got {messages!r:.200}")
+        if isinstance(messages[0], Mapping):
             messages = [messages]
-        return self.generate([self.chat_prompt(m) for m in messages], params, on_text=on_text)
+        return self.generate([self.chat_prompt(m, allow_special_tokens=allow_special_tokens) for m in messages],
+                             params, on_text=on_text)
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The token ids of a conversation rendered with the model's chat template, ready for the reply."""
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], *, allow_special_tokens: bool = False) -> list[int]:
+        """The token ids of a conversation rendered with the model's chat template, ready for the reply.
+
+        Special tokens come only from the template: written in a message (a user forging ``<|im_start|>system``)
+        they are text, unless ``allow_special_tokens=True``.
+        """
+        if not isinstance(allow_special_tokens, bool):
+            raise ArgumentError(f"LLM.chat_prompt: allow_special_tokens must be a bool, got {allow_special_tokens!r}")
         tok = self._need_tokenizer("chat")
-        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        return tok.encode_chat(messages, add_generation_prompt=True, allow_special_tokens=allow_special_tokens)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """The text of one prompt's completion (n = 1), piece by piece as each step makes it."""
@@ -329,6 +368,7 @@ class LLM:
 
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):
+            check_text(prompt, f"LLM.generate: prompt {index}")
             ids = self._need_tokenizer("text prompts").encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)

@@ -22,15 +22,19 @@ from dtorch.engine.request import TokenLogprob
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to NaN
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature: 0 is greedy; > 0 scales the logits. top_k: keep the k most likely (-1 or 0: all).
+    temperature: 0 (or below 1e-5, as vLLM) is greedy; > 0 scales the logits. top_k: keep the k most likely
+    (-1 or 0: all).
     top_p: keep the smallest set whose probability reaches p (1: all). min_p: drop tokens whose
-    probability is below ``min_p`` times the most likely one's (0: none). seed: per-request seed.
+    probability is below ``min_p`` times the most likely one's (0: none). seed: per-request seed (choice i of n
+    seeds its generator with seed + i, within torch's range [-2**63, 2**64 - 1]).
     max_tokens: new tokens at most (None: up to the context). stop: strings that end the output (not
     included). stop_token_ids: ids that end it (included in ``token_ids``, not in the text).
     ignore_eos: keep going past end-of-sequence tokens. presence_penalty, frequency_penalty (OpenAI's, in
@@ -76,6 +80,10 @@ class SamplingParams:
             raise SamplingError(f"SamplingParams: min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _int("seed", self.seed)
+            low, high = SEED_RANGE[0], SEED_RANGE[1] - (self.n - 1 if isinstance(self.n, int) else 0)
+            if not low <= self.seed <= high:
+                raise SamplingError(f"SamplingParams: seed must be in [-2**63, 2**64 - n] = [{low}, {high}] (torch's "
+                                    f"generator range; choice i uses seed + i), got {self.seed}")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -121,7 +129,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

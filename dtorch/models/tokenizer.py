@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import functools
-import json
+import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Regex, Tokenizer as _Backend, decoders, norma
 from tokenizers.models import BPE
 
 from dtorch.core.errors import ArgumentError, ModelError
+from dtorch.models import chat_template
 
 # pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` (the regexes of the original tokenizer.json)
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -66,12 +67,13 @@ class Tokenizer:
     """
 
     def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_ids: Iterable[int],
-                 chat_template: str | None = None, source: str = "") -> None:
+                 chat_template: str | None = None, source: str = "", template_source: str | None = None) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
         self.source = source
+        self.template_source = template_source or source  # the file that errors in the template name
         # the ids it knows are [0, vocab_size); a model's embedding is often padded past them, and ids sampled there
         # decode to "" (they have no text)
         self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
@@ -118,12 +120,15 @@ class Tokenizer:
         if meta.get("tokenizer.ggml.add_eos_token", False) and eos:
             single, added = f"{single} {tokens[eos[0]]}", [*added, (tokens[eos[0]], eos[0])]
         backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=added)
-        return cls(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=chat_template, source=source)
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=chat_template, source=source,
+                   template_source=f"{source} (tokenizer.chat_template)")
 
     @classmethod
     def from_hf(cls, tokenizer_json: str | Path, tokenizer_config: Mapping[str, Any] | None = None, *,
-                chat_template: str | None = None, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
-        """From a ``tokenizer.json`` and the ``tokenizer_config.json`` dict beside it (bos/eos tokens)."""
+                chat_template: str | None = None, eos_token_ids: Iterable[int] = (),
+                template_source: str | None = None) -> Tokenizer:
+        """From a ``tokenizer.json`` and the ``tokenizer_config.json`` dict beside it (bos/eos tokens, and the chat
+        template unless ``chat_template`` is given; ``template_source``: the file that one came from)."""
         try:
             backend = _Backend.from_file(str(tokenizer_json))
         except Exception as e:  # the library raises a bare Exception on a malformed file
@@ -134,15 +139,20 @@ class Tokenizer:
         eos = list(eos_token_ids)
         if eos_text and backend.token_to_id(eos_text) is not None:
             eos.append(backend.token_to_id(eos_text))
-        return cls(backend, bos_token_id=bos, eos_token_ids=eos,
-                   chat_template=chat_template or cfg.get("chat_template"), source=str(tokenizer_json))
+        config_file = Path(tokenizer_json).parent / "tokenizer_config.json"
+        if not chat_template and isinstance(cfg.get("chat_template"), str):
+            chat_template, template_source = cfg["chat_template"], str(config_file)
+        if template_source is None:  # given by the loader: from chat_template.jinja if there is one (transformers 5)
+            jinja = config_file.with_name("chat_template.jinja")
+            template_source = str(jinja if jinja.is_file() else config_file)
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=chat_template,
+                   source=str(tokenizer_json), template_source=template_source)
 
     # --- text <-> ids -----------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) stay whole."""
-        if not isinstance(text, str):
-            raise ArgumentError(f"Tokenizer.encode: text must be a str, got {type(text).__name__}")
+        check_text(text, "Tokenizer.encode: text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -173,28 +183,124 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
-        """The model's chat template rendered over ``messages`` (``[{"role": ..., "content": ...}, ...]``)."""
+        """The model's chat template rendered over ``messages`` (``[{"role": ..., "content": ...}, ...]``), in a
+        sandbox bounded in time and size (``chat_template.render``)."""
         if self.chat_template is None:
             raise ModelError(f"{self.source}: the model has no chat template; pass a raw prompt instead")
-        if not isinstance(messages, Sequence) or isinstance(messages, str) or not all(
-                isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages):
-            raise ArgumentError("apply_chat_template: messages must be a list of {'role': str, 'content': ...} "
-                                f"dicts, got {messages!r:.200}")
-        from jinja2.exceptions import TemplateError
-
-        template = _compile(self.chat_template)
+        messages = _checked_messages(messages)
         special = {"bos_token": self._text_of(self.bos_token_id),
                    "eos_token": self._text_of(self.eos_token_ids[0] if self.eos_token_ids else None)}
-        try:
-            return template.render(messages=[dict(m) for m in messages],
-                                   add_generation_prompt=add_generation_prompt, **(special | kwargs))
-        except _TemplateRaised as e:
-            raise ArgumentError(f"apply_chat_template: the model's template rejected the messages: {e}") from None
-        except TemplateError as e:
-            raise ModelError(f"{self.source}: the chat template failed to render ({e})") from None
+        context = special | kwargs | {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        size = sum(len(str(v)) for m in messages for v in m.values())
+        return chat_template.render(self.chat_template, self.template_source, context, size)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                    allow_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template.
+
+        Special tokens (``<|im_start|>`` ...) come only from the template: written in the messages (content, or any
+        other string in them), they are encoded as text, so a user cannot forge a system turn. With
+        ``allow_special_tokens=True`` they become control tokens (the rendered text encoded as a whole).
+        """
+        if allow_special_tokens:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                               add_special_tokens=False)
+        specials = self._specials
+        if not specials:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                               add_special_tokens=False)
+        # each special token in the messages becomes a mark no template alters; the rendered text is split at the
+        # special tokens the template wrote, and the text between them encoded with the marks spelled back as text
+        nonce = secrets.token_hex(8)
+        find = re.compile("|".join(re.escape(t) for t in specials))
+        marks = re.compile(f"\ue000{nonce}(\\d+)\ue001")
+        index = {t: i for i, t in enumerate(specials)}
+
+        def hide(value: Any) -> Any:
+            if isinstance(value, str):
+                return find.sub(lambda m: f"\ue000{nonce}{index[m.group()]}\ue001", value)
+            if isinstance(value, Mapping):
+                return {k: hide(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [hide(v) for v in value]
+            return value
+
+        hidden = [hide(m) if isinstance(m, Mapping) else m for m in messages]
+        rendered = self.apply_chat_template(hidden, add_generation_prompt, **kwargs)
+        if not marks.search(rendered):  # nothing to keep as text: exactly the plain encoding
+            return self.encode(rendered, add_special_tokens=False)
+        ids: list[int] = []
+        pieces = re.split(f"({find.pattern})", rendered)  # text, special, text, ..., text
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                ids.append(self.backend.token_to_id(piece))
+                continue
+            text = marks.sub(lambda m: specials[int(m.group(1))], piece)
+            before = self._added.get(pieces[k - 1]) if k else None
+            after = self._added.get(pieces[k + 1]) if k + 1 < len(pieces) else None
+            if before is not None and before.rstrip:
+                text = text.lstrip()
+            if after is not None and after.lstrip:
+                text = text.rstrip()
+            ids += self._text_backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+    @functools.cached_property
+    def _added(self) -> dict[str, AddedToken]:
+        return {t.content: t for t in self.backend.get_added_tokens_decoder().values()}
+
+    @functools.cached_property
+    def _specials(self) -> list[str]:
+        """The special tokens' texts, longest first (so a regex prefers ``<|im_start|>`` to a prefix of it)."""
+        return sorted((t for t, a in self._added.items() if a.special and t), key=len, reverse=True)
+
+    @functools.cached_property
+    def _text_backend(self) -> _Backend:
+        """A copy of the backend that encodes special tokens' texts as text."""
+        backend = _Backend.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def check_text(text: Any, what: str) -> None:
+    """``text`` is a str of valid Unicode (no lone surrogate, which has no UTF-8); ``ArgumentError`` naming ``what``
+    otherwise."""
+    if not isinstance(text, str):
+        raise ArgumentError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ArgumentError(f"{what} is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start} "
+                            "(decode the bytes with errors='replace', or drop it)") from None
+
+
+def _checked_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as the template gets them: dicts with a str ``role`` and a ``content`` that is a str, None (a
+    tool-calling turn) or a list of text parts (``{"type": "text", "text": ...}``, joined into one str)."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ArgumentError("apply_chat_template: messages must be a non-empty list of {'role': str, 'content': str} "
+                            f"dicts, got {messages!r:.200}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ArgumentError("apply_chat_template: messages must be a list of {'role': str, 'content': ...} "
+                                f"dicts; messages[{i}] is {m!r:.200}")
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            bad = [p for p in content if not (isinstance(p, Mapping) and p.get("type") == "text"
+                                              and isinstance(p.get("text"), str))]
+            if bad:
+                raise ArgumentError(f"apply_chat_template: messages[{i}]['content'] has a part that is not "
+                                    f"{{'type': 'text', 'text': str}}: {bad[0]!r:.200} (dtorch models take text only)")
+            m["content"] = content = "".join(p["text"] for p in content)
+        if content is not None:
+            check_text(content, f"apply_chat_template: messages[{i}]['content']")
+        out.append(m)
+    return out
 
 
 def no_tokenizer_message(source: str, what: str) -> str:
@@ -208,35 +314,6 @@ def no_tokenizer_message(source: str, what: str) -> str:
                "that has only tokenizer.model or vocab.json + merges.txt gets a tokenizer.json from transformers: "
                "AutoTokenizer.from_pretrained(original).save_pretrained(directory))")
     return f"{source}: the model has no tokenizer, so {what} is not available; {fix}; or pass prompts as token ids"
-
-
-class _TemplateRaised(Exception):
-    """``raise_exception(...)`` called from a chat template."""
-
-
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(source: str) -> Any:
-    """A chat template compiled in jinja2's immutable sandbox, with the helpers transformers provides."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except TemplateError as e:
-        raise ModelError(f"chat template does not compile ({e})") from None
 
 
 class StreamDecoder:
