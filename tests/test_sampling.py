@@ -292,3 +292,11 @@ def test_fast_path_is_argmax_without_logprobs():
     logits = torch.randn(5, 30)
     tokens, lps = sample_step(logits, [SamplingParams(temperature=0.0)] * 5, [None] * 5, [[1, 2]] * 5, [[3]] * 5)
     assert tokens == logits.argmax(-1).tolist() and lps == [None] * 5
+
+
+def test_an_unknown_field_is_a_sampling_error_with_a_suggestion():
+    with pytest.raises(dtorch.SamplingError, match="unknown field .temprature'; did you mean 'temperature'"):
+        SamplingParams(temprature=0.5)
+    with pytest.raises(dtorch.SamplingError, match="unknown field .foo'; the fields are .*max_tokens"):
+        SamplingParams(foo=1)
+    assert SamplingParams(temperature=0.5).temperature == 0.5

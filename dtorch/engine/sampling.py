@@ -9,11 +9,15 @@ distribution: log_softmax of the raw logits, before penalties, temperature and f
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -140,6 +144,26 @@ class SamplingParams:
         g = torch.Generator()
         g.manual_seed(self.seed + index if self.seed is not None else random.SystemRandom().getrandbits(63))
         return g
+
+
+def _refuse_unknown_fields(cls: type) -> None:
+    """Make ``cls(...)`` with a keyword that is not a field a ``SamplingError`` (with a did-you-mean) instead of
+    Python's TypeError; the signature stays the dataclass's."""
+    init, names = cls.__init__, {f.name for f in dataclasses.fields(cls)}
+
+    @functools.wraps(init)
+    def checked(self, *args: Any, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key not in names:
+                near = difflib.get_close_matches(key, sorted(names), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else f"; the fields are {', '.join(sorted(names))}"
+                raise SamplingError(f"SamplingParams: unknown field {key!r}{hint}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked
+
+
+_refuse_unknown_fields(SamplingParams)
 
 
 def _number(name: str, value: object) -> None:
