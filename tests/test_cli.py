@@ -81,7 +81,7 @@ def test_trace_to_an_unwritable_png_is_a_message(tmp_path):
                                                   "ts": 0, "dur": 5}]}))
     done = _cli("trace", str(trace), "--png", "/nonexistent/x.png")
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "--png: cannot write /nonexistent/x.png" in done.stderr, done.stderr
+    assert "cannot write the picture /nonexistent/x.png" in done.stderr, done.stderr
 
 
 def test_every_option_has_help_text():
