@@ -140,8 +140,6 @@ def test_seed_range():
     for seed, n in ((2**64, 1), (-(2**63) - 1, 1), (2**64 - 1, 2)):
         with pytest.raises(SamplingError, match=r"seed must be in \[-2\*\*63, 2\*\*64 - n\]"):
             SamplingParams(seed=seed, n=n)
-    with pytest.raises(TypeError):  # Python's own error for an unknown keyword, left as is
-        SamplingParams(temprature=0.5)
 
 
 # --- dtorch trace on malformed files --------------------------------------------------------------------------
