@@ -5,6 +5,8 @@
 | torch | ``kernels/torch/`` | cpu, cuda | every op: reference kernels from torch primitives, and torch's fast paths |
 |       |                    |           | (providers reference, torch, blas, sdpa, upcast, chunked) |
 | native | ``kernels/native/`` | cpu | C++ SIMD kernels (provider native): GGUF quantized linear, decode ops |
+| triton | ``kernels/triton/`` | cuda | Triton kernels (provider triton): norms, rope, silu_and_mul, paged decode |
+|        |                     |      | attention |
 
 A backend package has ``unavailable(device_type) -> str | None`` (why it cannot serve that device type:
 no compiler, no triton, a CPU without the instructions) and ``install(dispatcher, device_type)``. The
@@ -33,6 +35,7 @@ class Backend:
 BACKENDS = (
     Backend("torch", "dtorch.kernels.torch", ("cpu", "cuda")),
     Backend("native", "dtorch.kernels.native", ("cpu",)),
+    Backend("triton", "dtorch.kernels.triton", ("cuda",)),
 )
 
 

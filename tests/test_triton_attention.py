@@ -1,0 +1,119 @@
+"""The triton paged attention (``llm.flash_attention_with_kvcache``) against the torch reference, on CPU tensors
+through triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # chosen when @triton.jit runs, so before the kernel module is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from dtorch.core.device import Device  # noqa: E402
+from dtorch.dispatch.context import KernelContext, KernelParams  # noqa: E402
+from dtorch.kernels.torch.kv_cache import flash_attention_with_kvcache_reference  # noqa: E402
+from dtorch.kernels.triton.attention import flash_attention_with_kvcache_triton  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _ctx(causal: bool, d: int) -> KernelContext:
+    return KernelContext(Device("cpu"), None, None, KernelParams(causal=causal, scale=d ** -0.5))
+
+
+def _inputs(queries: list[int], keys: list[int], *, h: int = 4, hkv: int = 2, d: int = 64, block_size: int = 16,
+            dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Sequence i has queries[i] queries and keys[i] cached keys, in blocks handed out in a shuffled order; every
+    cache row no sequence owns holds NaN, so a read outside the table shows."""
+    g = torch.Generator().manual_seed(seed)
+    used = [-(-s // block_size) for s in keys]
+    max_blocks = max(max(used), 1)
+    num_blocks = sum(used) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.full((len(keys), max_blocks), num_blocks - 1, dtype=torch.int32)  # past-used entries: any block
+    kc = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    vc = torch.full_like(kc, float("nan"))
+    for i, (s, u) in enumerate(zip(keys, used, strict=True)):
+        table[i, :u] = torch.tensor(order[:u], dtype=torch.int32)
+        order = order[u:]
+        rows = torch.tensor([int(table[i, j // block_size]) * block_size + j % block_size for j in range(s)],
+                            dtype=torch.long)
+        kc.view(-1, hkv, d)[rows] = torch.randn(s, hkv, d, generator=g).to(dtype)
+        vc.view(-1, hkv, d)[rows] = torch.randn(s, hkv, d, generator=g).to(dtype)
+    cu_q = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(queries), h, d, generator=g).to(dtype)
+    return q, kc, vc, cu_q, torch.tensor(keys, dtype=torch.int32), table
+
+
+def _both(inputs: tuple[torch.Tensor, ...], causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    q = inputs[0]
+    ctx = _ctx(causal, q.shape[-1])
+    got, want = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    flash_attention_with_kvcache_triton(ctx, inputs, (got,))
+    flash_attention_with_kvcache_reference(ctx, inputs, (want,))
+    return got, want
+
+
+CASES = {  # name: (queries per sequence, keys per sequence, head dim, cache block size)
+    "decode": ([1, 1, 1, 1], [5, 37, 16, 1], 64, 16),
+    "decode_empty_sequence": ([1, 1, 1], [0, 20, 33], 64, 32),
+    "chunked_prefill": ([3, 5, 1, 4], [3, 21, 40, 36], 64, 16),
+    "idle_sequences": ([0, 6, 0, 2], [9, 6, 0, 19], 64, 16),
+    "head_dim_128": ([2, 1], [34, 7], 128, 32),
+    "head_dim_40_masked_tail": ([2, 1], [18, 7], 40, 16),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_float32(case, causal):
+    queries, keys, d, block_size = CASES[case]
+    got, want = _both(_inputs(queries, keys, d=d, block_size=block_size), causal)
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+# Known gap: triton 3.9's interpreter multiplies bfloat16 tiles in tl.dot as raw bits (a 16x16 bf16 dot is off by
+# ~1e10 there), so bfloat16 is checked on a GPU only; the kernel itself is dtype-generic.
+BF16_INTERPRETER = pytest.mark.xfail(reason="triton's interpreter computes tl.dot on bfloat16 wrongly", strict=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_INTERPRETER)], ids=str)
+def test_matches_reference_half(dtype):
+    got, want = _both(_inputs([1, 3, 2], [17, 30, 2], dtype=dtype, seed=1))
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_multi_query_heads_per_kv_head_and_more_rows_than_a_tile():
+    # G = 4 query heads per kv head; 20 queries x 4 heads = 80 rows: two 64-row tiles for the sequence
+    got, want = _both(_inputs([20, 1], [25, 3], h=8, hkv=2, seed=2))
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def test_rows_that_see_no_key_are_zero():
+    got, want = _both(_inputs([4, 2], [2, 0], seed=3))  # more queries than keys: the first rows see nothing
+    assert torch.equal(got[:2], torch.zeros_like(got[:2])) and torch.equal(got[4:], torch.zeros_like(got[4:]))
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy: inf * 0
+@pytest.mark.parametrize("where", ["q", "k_seen", "v_seen", "kv_last", "inf_k_seen"])
+def test_non_finite_input_follows_the_reference(where):
+    q, kc, vc, cu_q, lens, table = _inputs([3, 1], [10, 4], seed=4)
+    first = int(table[0, 0]) * kc.shape[1]  # flat row of sequence 0's first key (seen by all its queries)
+    last = first + 9  # its last key, seen only by its last query (causal)
+    flat = {"k": kc.view(-1, *kc.shape[2:]), "v": vc.view(-1, *vc.shape[2:])}
+    if where == "q":
+        q[1, 2, 5] = float("nan")
+    elif where == "kv_last":
+        flat["k"][last, 0, 3] = float("nan")
+        flat["v"][last, 1, 3] = float("inf")
+    else:
+        cache = "v" if where == "v_seen" else "k"
+        flat[cache][first, 1, 3] = float("inf") if where.startswith("inf") else float("nan")
+    got, want = _both((q, kc, vc, cu_q, lens, table))
+    if where == "kv_last":  # the first two queries do not see the last key: its NaN/inf must not leak into them
+        assert got[:2].isfinite().all() and got[2].isnan().any()
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32], equal_nan=True)
