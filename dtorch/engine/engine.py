@@ -61,15 +61,17 @@ class Engine:
     tokenizer: for text deltas and stop strings (None: deltas carry ids only). eos_token_ids: end a sequence unless
     its params say ``ignore_eos``. max_len: tokens of a sequence at most (prompt and output). max_waiting: queued
     requests at most before ``add_request`` raises ``EngineBusy``. agree: makes every rank take rank 0's sampled
-    tokens (SPMD); rank: this process's rank (only rank 0 samples).
+    tokens (SPMD); rank: this process's rank (only rank 0 samples); device: where the logits are (and the sampling
+    generators).
     """
 
     def __init__(self, executor: Executor, cache: KVCache, *, tokenizer, eos_token_ids: frozenset[int], vocab_size: int,
                  max_len: int, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
-                 max_waiting: int, rank: int = 0, agree: Callable[[list[int]], list[int]] | None = None) -> None:
+                 max_waiting: int, rank: int = 0, agree: Callable[[list[int]], list[int]] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.executor, self.cache, self.tokenizer = executor, cache, tokenizer
         self.eos_token_ids, self.vocab_size, self.max_len = eos_token_ids, vocab_size, max_len
-        self.max_waiting, self.rank, self._agree = max_waiting, rank, agree
+        self.max_waiting, self.rank, self._agree, self.device = max_waiting, rank, agree, torch.device(device)
         prefix = enable_prefix_caching and not cache.has_state  # a recurrent state cannot start mid-prompt
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, prefix)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks,
@@ -105,7 +107,7 @@ class Engine:
         now = time.perf_counter()
         seqs = [Sequence(request_id, i, ids, params, sink, limit, stop_ids,
                          self.tokenizer.stream_decoder(params.skip_special_tokens) if self.tokenizer is not None
-                         else None, now)
+                         else None, now, self.device)
                 for i in range(params.n)]
         with self._inbox_lock:
             if request_id in self._requests or any(a[0] == "add" and a[1] == request_id for a in self._inbox):

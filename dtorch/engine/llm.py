@@ -152,7 +152,7 @@ class LLM:
                              vocab_size=self.config.vocab_size, max_len=self.max_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting, rank=self.rank,
-                             agree=self._agree if self._spmd else None)
+                             agree=self._agree if self._spmd else None, device=self.device.torch)
 
     def _num_blocks(self, budget: int | None, block_size: int, dtype: torch.dtype) -> int:
         """Blocks of the KV cache: max_num_seqs full-length sequences within the budget, at least one."""

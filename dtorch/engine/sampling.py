@@ -139,9 +139,10 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def generator(self, index: int = 0) -> torch.Generator:
-        """A CPU generator for choice ``index`` of a request: seeded from ``seed + index``, else fresh entropy."""
-        g = torch.Generator()
+    def generator(self, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator on ``device`` (where the logits are) for choice ``index`` of a request: seeded from
+        ``seed + index``, else fresh entropy."""
+        g = torch.Generator(device=device)
         g.manual_seed(self.seed + index if self.seed is not None else random.SystemRandom().getrandbits(63))
         return g
 

@@ -35,12 +35,14 @@ class Sequence:
                  "stop_reason", "cached_tokens", "arrival", "output_ids")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, sink: Sink,
-                 limit: int, stop_ids: frozenset[int], decoder, arrival: float) -> None:
+                 limit: int, stop_ids: frozenset[int], decoder, arrival: float,
+                 device: torch.device | str = "cpu") -> None:
         self.request_id, self.index, self.params, self.sink = request_id, index, params, sink
         self.ids = list(prompt)
         self.num_prompt = len(prompt)
         self.output_ids: list[int] = []
-        self.generator: torch.Generator | None = None if params.greedy else params.generator(index)
+        # sampling draws on the logits' device: no copy of the probabilities to the host per step
+        self.generator: torch.Generator | None = None if params.greedy else params.generator(index, device)
         self.blocks: list[int] = []
         self.computed = 0
         self.prefix_key = -1
