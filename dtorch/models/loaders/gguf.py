@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from dtorch.core.errors import ModelError
-from dtorch.models.config import HYBRID_FAMILIES, ModelConfig, check_field, check_fields, gguf_keys
+from dtorch.models.config import HYBRID_FAMILIES, ModelConfig
+from dtorch.models.config_fields import check_field, check_fields, gguf_keys
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, narrow_runs, used_shapes
 from dtorch.models.loaders.files import regular_file
 from dtorch.models.loaders.gguf_hybrid import View, gguf_shape, hybrid_fields, hybrid_views

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import ModelError
-from dtorch.models.config import HF_KEYS, ModelConfig, check_field
+from dtorch.models.chat_template import read_template
+from dtorch.models.config import ModelConfig
+from dtorch.models.config_fields import HF_KEYS, check_field
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, used_shapes
 from dtorch.models.loaders.files import inside, read_json, regular_file
 
@@ -200,10 +202,7 @@ def stack_experts(shapes: dict[str, tuple[int, ...]], read: Reader, num_experts:
 def _chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
     jinja = directory / "chat_template.jinja"  # transformers 5 writes the template beside tokenizer_config.json
     if os.path.lexists(jinja):
-        try:
-            return regular_file(jinja, "a Jinja chat template").read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ModelError(f"{jinja}: cannot read the chat template ({e}); expected UTF-8 text") from None
+        return read_template(jinja)  # a regular file of bounded UTF-8 text, else a ModelError naming it
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -1,0 +1,108 @@
+"""How model files spell the configuration's fields, and the type and range each may hold.
+
+Every field is checked where it is read, before anything is computed from it, and an error names the file and the key
+as the file spells it (``num_hidden_layers`` in a ``config.json``, ``llama.block_count`` in a GGUF): a file is
+untrusted, and a null head count or a 10**9 layer count must stop here rather than in an allocator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from dtorch.core.errors import ModelError
+
+# the integer sizes, field -> (lowest, highest): generous for today's models (Llama 3 405B has 126 layers and hidden
+# 16384, Llama 4 Scout a 10M context, Qwen3-Next 512 experts), small enough that what a file claims cannot make the
+# shape tables, the layer schedule or the RoPE table exhaust memory before the memory estimate looks at it
+LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22), "hidden_size": (1, 1 << 16), "intermediate_size": (1, 1 << 18),
+    "num_layers": (1, 1 << 12), "num_heads": (1, 1 << 12), "num_kv_heads": (1, 1 << 12), "head_dim": (1, 1 << 12),
+    "max_position_embeddings": (1, 1 << 24), "num_experts": (0, 1 << 12), "num_experts_per_tok": (0, 1 << 12),
+    "moe_intermediate_size": (0, 1 << 18), "decoder_sparse_step": (1, 1 << 12),
+    "shared_expert_intermediate_size": (0, 1 << 18), "linear_conv_kernel_dim": (0, 1 << 10),
+    "linear_num_key_heads": (0, 1 << 12), "linear_num_value_heads": (0, 1 << 12), "linear_key_head_dim": (0, 1 << 12),
+    "linear_value_head_dim": (0, 1 << 12), "full_attention_interval": (1, 1 << 12),
+}
+_NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")  # positive finite
+_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm")
+_LISTS = ("layer_types", "mlp_only_layers")
+
+# field -> the key a Hugging Face config.json spells it with (each checked by ``check_fields`` when present)
+HF_KEYS: dict[str, str] = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings", "rope_theta": "rope_theta",
+    "rms_norm_eps": "rms_norm_eps", "partial_rotary_factor": "partial_rotary_factor",
+    "rope_scaling": "rope_scaling", "rope_parameters": "rope_parameters",
+    "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id", "eos_token_ids": "eos_token_id",
+    "num_experts": "num_experts", "num_local_experts": "num_local_experts",
+    "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob", "decoder_sparse_step": "decoder_sparse_step",
+    "mlp_only_layers": "mlp_only_layers", "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "layer_types": "layer_types", "full_attention_interval": "full_attention_interval",
+    "linear_conv_kernel_dim": "linear_conv_kernel_dim", "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads", "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim", "sliding_window": "sliding_window",
+}
+# keys config.json may set to null (transformers then derives or omits them)
+_HF_NULLABLE = ("head_dim", "num_key_value_heads", "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters",
+                "layer_types", "mlp_only_layers", "sliding_window")
+
+
+def gguf_keys(arch: str) -> dict[str, str]:
+    """field -> the metadata key a GGUF file of architecture ``arch`` spells it with."""
+    keys = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+            "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+            "head_dim": "attention.key_length", "max_position_embeddings": "context_length",
+            "rope_theta": "rope.freq_base", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+            "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+            "moe_intermediate_size": "expert_feed_forward_length", "expert_weights_norm": "expert_weights_norm",
+            "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+            "full_attention_interval": "full_attention_interval"}
+    return {f: f"{arch}.{k}" for f, k in keys.items()} | {"bos_token_id": "tokenizer.ggml.bos_token_id",
+                                                          "eos_token_id": "tokenizer.ggml.eos_token_id",
+                                                          "eot_token_id": "tokenizer.ggml.eot_token_id"}
+
+
+def check_field(field_name: str, value: Any, where: str) -> None:
+    """Check one raw value a file gives for ``field_name`` (its type and, for sizes, ``LIMITS``); ``where`` names it
+    in the message ("config.json: num_hidden_layers"). Raises ``ModelError`` saying what was expected and what came."""
+    def bad(expected: str) -> ModelError:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        return ModelError(f"{where} must be {expected}, got {shown} ({type(value).__name__})")
+
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if field_name in LIMITS:
+        lo, hi = LIMITS[field_name]
+        if not is_int or not lo <= value <= hi:
+            raise bad(f"an int in [{lo}, {hi}]")
+    elif field_name in _NUMBERS:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise bad("a positive finite number")
+    elif field_name in _BOOLS:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif field_name in ("bos_token_id", "eos_token_id", "eot_token_id", "sliding_window"):
+        if not is_int or value < 0:
+            raise bad("an int >= 0")
+    elif field_name == "eos_token_ids":
+        ids = value if isinstance(value, list | tuple) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise bad("a token id (an int >= 0) or a list of them")
+    elif field_name in ("rope_scaling", "rope_parameters"):
+        if not isinstance(value, Mapping):
+            raise bad("an object (a mapping of rope settings)")
+    elif field_name in _LISTS:
+        if not isinstance(value, list | tuple) or len(value) > LIMITS["num_layers"][1]:
+            raise bad(f"a list of at most {LIMITS['num_layers'][1]} entries")
+
+
+def check_fields(raw: Mapping[str, Any], keys: Mapping[str, str], source: str,
+                 nullable: tuple[str, ...] = ()) -> None:
+    """``check_field`` on each key of ``keys`` (field -> key as the file spells it) that ``raw`` holds (a null value
+    too, unless its key is in ``nullable``), naming ``source`` and the key."""
+    for name, key in keys.items():
+        if key in raw and not (raw[key] is None and key in nullable):
+            check_field(name, raw[key], f"{source}: {key}")
