@@ -96,7 +96,7 @@ class Engine:
         """
         if not isinstance(params, SamplingParams):
             raise ArgumentError(f"add_request: params must be SamplingParams, got {type(params).__name__}")
-        ids = self.check_prompt(prompt_token_ids, request_id)
+        ids = self.check_prompt(prompt_token_ids, f"add_request {request_id!r}: the prompt")
         if not self.accepting:
             raise EngineBusy("the engine is shutting down and takes no new requests")
         if not force and len(self.scheduler.waiting) + len(self._inbox) >= self.max_waiting:
@@ -124,19 +124,20 @@ class Engine:
         with self.stepped:
             self.stepped.notify_all()
 
-    def check_prompt(self, ids: Seq[int], where: str) -> list[int]:
-        """``ids`` as a list, checked: non-empty ints in the vocabulary, leaving room for one new token."""
+    def check_prompt(self, ids: Seq[int], what: str) -> list[int]:
+        """``ids`` as a list, checked: non-empty ints in the vocabulary, leaving room for one new token. ``what``
+        names the prompt in errors ("LLM: prompt 3")."""
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Seq):
-            raise ArgumentError(f"{where}: the prompt must be a list of token ids, got {type(ids).__name__}")
+            raise ArgumentError(f"{what} must be a list of token ids, got {type(ids).__name__}")
         ids = list(ids)
         if not ids:
-            raise ArgumentError(f"{where}: the prompt is empty; give at least one token")
+            raise ArgumentError(f"{what} is empty; give at least one token")
         vocab = self.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ArgumentError(f"{where}: the prompt has token id {t!r}; ids must be ints in [0, {vocab})")
+                raise ArgumentError(f"{what} has token id {t!r}; ids must be ints in [0, {vocab})")
         if len(ids) >= self.max_len:
-            raise ModelError(f"{where}: the prompt has {len(ids)} tokens, but the context is {self.max_len} tokens "
+            raise ModelError(f"{what} has {len(ids)} tokens, but the context is {self.max_len} tokens "
                              "(max_model_len) and at least one new token must fit")
         return ids
 
@@ -246,7 +247,9 @@ class Engine:
             banned = [[t for t in s.stop_ids if t < vocab] if len(s.output_ids) < s.params.min_tokens else ()
                       for s in seqs]  # no end before min_tokens
             tokens, logprobs = sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                           [s.output_ids for s in seqs], [s.ids[:s.num_prompt] for s in seqs],
+                                           [s.output_ids for s in seqs],
+                                           [s.ids[:s.num_prompt] if s.params.repetition_penalty != 1.0 else ()
+                                            for s in seqs],  # only the repetition penalty reads the prompt
                                            banned)
         else:
             tokens, logprobs = [0] * len(seqs), [None] * len(seqs)

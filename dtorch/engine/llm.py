@@ -378,14 +378,5 @@ class LLM:
         return self._check_ids(ids, index)
 
     def _check_ids(self, ids: list[int], index: int) -> list[int]:
-        if not ids:
-            raise ArgumentError(f"LLM: prompt {index} is empty; give at least one token")
-        vocab = self.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ArgumentError(f"LLM: prompt {index} has token id {t!r}; ids must be ints in [0, {vocab})")
-        if len(ids) >= self.max_len:
-            raise ModelError(f"LLM: prompt {index} has {len(ids)} tokens, but the context is {self.max_len} "
-                             "tokens (max_model_len) and at least one new token must fit")
-        return ids
+        return self.engine.check_prompt(ids, f"LLM: prompt {index}")
 
