@@ -122,7 +122,14 @@ def test_every_provider_agrees_on_non_finite_input(where):
     outs = {}
     for p in providers:
         with dtorch.dispatcher.disabled(*[o for o in providers if o not in (p, "reference")]):
-            outs[p] = ops.flash_attention_with_kvcache(q, kc, vc, cu, lens, table, causal=True)
+            if p != "native":
+                outs[p] = ops.flash_attention_with_kvcache(q, kc, vc, cu, lens, table, causal=True)
+                continue
+            from dtorch.kernels import native
+
+            for isa in native.available_isas():  # each instruction set this CPU runs, the portable one included
+                with native.use_isa(isa):
+                    outs[f"native/{isa}"] = ops.flash_attention_with_kvcache(q, kc, vc, cu, lens, table, causal=True)
     for p, o in outs.items():
         assert torch.equal(torch.isnan(o).all(-1), want_nan), (p, where)
         assert torch.isfinite(o[~want_nan]).all(), (p, where)
