@@ -29,6 +29,7 @@ from dtorch.core.errors import (
     RegistrationError as RegistrationError,
     SamplingError as SamplingError,
     ShapeError as ShapeError,
+    SyncError as SyncError,
     SyncTimeout as SyncTimeout,
     VerifyError as VerifyError,
 )
@@ -92,7 +93,7 @@ __all__ = [
     "Device", "MemoryKind", "WorkspaceArena", "allocate", "memory_stats",
     "ArgumentError", "CommunicationError", "ConfigError", "DeviceError", "DtorchError", "DTypeError", "EngineBusy",
     "GraphError", "KernelFailure", "KernelNotFound", "LayoutError", "ModelError", "RegistrationError",
-    "SamplingError", "ShapeError", "SyncTimeout", "VerifyError",
+    "SamplingError", "ShapeError", "SyncError", "SyncTimeout", "VerifyError",
     # dispatch
     "Dispatcher", "KernelContext", "KernelKey", "KernelMeta", "KernelParams", "dispatcher", "verify", "verify_mode",
     # ops, graph, runtime, distributed

@@ -18,6 +18,7 @@ from dtorch.core.errors import (
     RegistrationError,
     SamplingError,
     ShapeError,
+    SyncError,
     SyncTimeout,
     VerifyError,
 )
@@ -26,7 +27,7 @@ from dtorch.core.memory import MemoryKind, WorkspaceArena, adopt, allocate, memo
 __all__ = [
     "ALL_DTYPES", "FLOAT_DTYPES", "INT_DTYPES", "ArgumentError", "CommunicationError", "ConfigError", "DTypeError",
     "Device", "DeviceError", "DtorchError", "EngineBusy", "GraphError", "KernelFailure", "KernelNotFound",
-    "LayoutError", "MemoryKind", "ModelError", "RegistrationError", "SamplingError", "ShapeError", "SyncTimeout",
-    "VerifyError", "WorkspaceArena", "adopt", "allocate", "as_device", "as_dtype", "device_of", "dtype_name", "memory",
-    "memory_stats", "tolerance",
+    "LayoutError", "MemoryKind", "ModelError", "RegistrationError", "SamplingError", "ShapeError", "SyncError",
+    "SyncTimeout", "VerifyError", "WorkspaceArena", "adopt", "allocate", "as_device", "as_dtype", "device_of",
+    "dtype_name", "memory", "memory_stats", "tolerance",
 ]

@@ -8,6 +8,7 @@
 | DTORCH_THREADS | intra-op CPU threads of LLM(threads=None) and the CLI's --threads | an int >= 0 (0: torch's) | 0 |
 | DTORCH_DEBUG | show the Python traceback of a CLI error instead of its one-line message | a flag | off |
 | DTORCH_TRACE | record every kernel's start and end on its stream | a flag | off |
+| DTORCH_FORBID_SYNC | a kernel reading tensor values on the host raises SyncError (core/hostsync.py) | a flag | off |
 | DTORCH_CPU_FEATURES | force CPU probe answers: "+avx512_bf16,-avx512_vnni" | +/- feature names | none |
 | DTORCH_NATIVE_ISA | instruction set of the native CPU kernels | auto, avx512, avx2, portable | auto |
 | DTORCH_NATIVE_CACHE | folder where the native CPU kernels are compiled and cached | a path | ~/.cache/dtorch/native |
@@ -25,7 +26,7 @@ import sys
 from dtorch.core.errors import ConfigError
 
 SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
-            "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG")
+            "DTORCH_FORBID_SYNC", "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG")
 NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -37,7 +38,8 @@ def check() -> None:
     if unknown:
         raise ConfigError(f"unknown environment setting(s) {', '.join(unknown)}; dtorch reads "
                           f"{', '.join(SETTINGS)} (see dtorch/core/env.py)")
-    for read in (verify, disabled_providers, sync_timeout, threads, trace, cpu_features, native_isa, debug):
+    for read in (verify, disabled_providers, sync_timeout, threads, trace, forbid_sync, cpu_features, native_isa,
+                 debug):
         read()
 
 
@@ -103,6 +105,10 @@ def threads() -> int:
 
 def trace() -> bool:
     return _flag("DTORCH_TRACE")
+
+
+def forbid_sync() -> bool:
+    return _flag("DTORCH_FORBID_SYNC")
 
 
 def debug() -> bool:

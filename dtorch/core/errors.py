@@ -51,6 +51,11 @@ class SyncTimeout(DtorchError, TimeoutError):
     """A synchronization waited longer than its timeout; lists the kernels in flight."""
 
 
+class SyncError(DtorchError, RuntimeError):
+    """A host read of tensor values (``.tolist()``, ``.item()``, a boolean mask, ...) inside a region that forbids
+    syncing with the host (``forbid_host_sync()``, ``DTORCH_FORBID_SYNC``); names the call and its caller."""
+
+
 class CommunicationError(DtorchError, RuntimeError):
     """A collective failed or a peer was lost."""
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dtorch.core import hostsync
 from dtorch.core.device import Device, device_of
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError
@@ -28,6 +29,13 @@ def layout_error(op: str, name: str, t: torch.Tensor) -> None:
     """Raise the ``LayoutError`` for a tensor whose layout is not strided."""
     raise LayoutError(f"{op}: argument {name!r} has layout {t.layout}, which has no kernel; dtorch kernels take "
                       f"strided (dense) tensors only (convert it with .to_dense())")
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether a wrapper may read ``t``'s values to validate them: only on the CPU (a free read) and outside a
+    ``forbid_host_sync()`` region. Values on a device are trusted: they are validated where they are made (a model
+    step's feeds, built on the host), so no wrapper syncs with the device."""
+    return t.device.type == "cpu" and not (hostsync.ON and hostsync.forbidding())
 
 
 def dtype_in(op: str, name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:

@@ -6,7 +6,8 @@ keeps the last S >= W - 1 inputs (Qwen3-Next allocates S = W) and is shifted in 
 
 For a serving engine's state pools (vLLM's ``conv_state_indices``): the update step with ``state_indices`` [B]
 advances pool rows instead of a [B, D, S] state, and ``causal_conv1d_varlen`` runs sequences packed along T
-(token-major x [T, D], ``cu_seqlens``) from and into pool rows. Index values are range-checked on cpu only.
+(token-major x [T, D], ``cu_seqlens``) from and into pool rows. Index and cu_seqlens values are checked on cpu only
+(``_checks.host_readable``); device values are trusted, validated where they are made.
 """
 
 from __future__ import annotations
@@ -75,13 +76,13 @@ def _validate(x, weight, bias, initial_states, device: Device | None) -> Device:
 
 
 def _check_indices(op: str, indices: object, n: int, rows: int) -> None:
-    """state_indices [n] int32/int64, each in [0, rows) (values checked on cpu only: no host read elsewhere)."""
+    """state_indices [n] int32/int64, each in [0, rows) (values checked on cpu only; device values are trusted)."""
     _checks.tensor(op, "state_indices", indices)
     _checks.rank(op, "state_indices", indices, 1)
     _checks.dtype_in(op, "state_indices", indices, _INTS)
     if indices.shape[0] != n:
         raise ShapeError(f"{op}: 'state_indices' must have shape [{n}] (one per sequence), got {list(indices.shape)}")
-    if indices.device.type == "cpu" and n:
+    if n and _checks.host_readable(indices):
         lo, hi = indices.aminmax()
         if lo < 0 or hi >= rows:
             raise ArgumentError(f"{op}: 'state_indices' must lie in [0, {rows}) (the pool's rows), got values "
@@ -124,7 +125,7 @@ def _validate_varlen(x, weight, bias, conv_states, cu_seqlens, state_indices, de
     if cu_seqlens.shape[0] < 2:
         raise ShapeError(f"{OP_VARLEN}: 'cu_seqlens' must hold N + 1 >= 2 offsets, got shape "
                          f"{list(cu_seqlens.shape)}")
-    if cu_seqlens.device.type == "cpu":
+    if _checks.host_readable(cu_seqlens):  # device values are trusted (validated where made)
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != x.shape[0] or any(a > b for a, b in zip(cu[:-1], cu[1:], strict=True)):
             raise ArgumentError(f"{OP_VARLEN}: 'cu_seqlens' must start at 0, never decrease and end at "

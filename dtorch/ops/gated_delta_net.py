@@ -9,8 +9,8 @@ State pools (a serving engine's cache slots, vLLM's ``ssm_state_indices``): with
 ``initial_state`` is a pool [S, H, K, V] of the state dtype, sequence n starts from row state_indices[n] and its
 final state goes back to that row; other rows are untouched. ``gated_delta_net_out(..., final_state_out=pool)``
 advances the pool in place; ``gated_delta_net`` returns an updated copy of it. Padding sequences may share one
-scratch row (which of them lands there is unspecified). Index values are range-checked on cpu only: the decode
-form (no cu_seqlens, T == 1) reads no device value on the host.
+scratch row (which of them lands there is unspecified). Index and cu_seqlens values are checked on cpu only
+(``_checks.host_readable``); device values are trusted, validated where they are made.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _check_cu_seqlens(cu: torch.Tensor, b: int, t: int) -> int:
         raise ShapeError(f"{OP}: 'cu_seqlens' must hold N + 1 >= 2 offsets, got shape {list(cu.shape)}")
     if b != 1:
         raise ShapeError(f"{OP}: with 'cu_seqlens' the sequences are packed along T, so B must be 1, got B={b}")
-    if cu.device.type == "cpu":  # values are read on the host only where that is free
+    if _checks.host_readable(cu):  # device values are trusted (validated where made)
         vals = cu.tolist()
         if vals[0] != 0 or vals[-1] != t or any(a > c for a, c in zip(vals[:-1], vals[1:], strict=True)):
             shown = vals if len(vals) <= 12 else vals[:6] + ["..."] + vals[-3:]
@@ -94,7 +94,7 @@ def _check_pool(pool: torch.Tensor | None, indices: torch.Tensor, n: int, h: int
     if pool.dtype != state_dtype(q.dtype):
         raise DTypeError(f"{OP}: with 'state_indices', 'initial_state' (the pool, written back) must have the state "
                          f"dtype {dtype_name(state_dtype(q.dtype))}, got {dtype_name(pool.dtype)}")
-    if indices.device.type == "cpu" and n:
+    if n and _checks.host_readable(indices):
         lo, hi = indices.aminmax()
         if lo < 0 or hi >= pool.shape[0]:
             raise ArgumentError(f"{OP}: 'state_indices' must lie in [0, S={pool.shape[0]}), got values "

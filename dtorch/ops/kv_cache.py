@@ -6,7 +6,8 @@ each new token's flat row (block * block_size + offset; negative: padding, skipp
 queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q [total_q, H, D], ``seqlens_k[i]`` keys in the cache
 (its new tokens included), held in blocks ``block_table[i, :ceil(seqlens_k[i] / block_size)]``.
 Causal masking is bottom-right, as flash-attn's: query j of a sequence with Tq queries and S keys sees
-keys up to j + S - Tq. Values are checked on CPU only (reading them elsewhere would sync with the host).
+keys up to j + S - Tq. Values are checked on CPU only (``_checks.host_readable``); device values are trusted,
+validated where they are made (the step's slot mapping and block table, built on the host).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _check_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: 
                          f"= {tuple(key_cache.shape)}")
     if slot_mapping.shape != (key.shape[0],):
         raise ShapeError(f"{op}: 'slot_mapping' must be [T] = [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    if device.type == "cpu" and slot_mapping.numel():
+    if slot_mapping.numel() and _checks.host_readable(slot_mapping):
         rows = key_cache.shape[0] * key_cache.shape[1]
         hi = int(slot_mapping.max())
         if hi >= rows:
@@ -101,7 +102,7 @@ def _check_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if n < 0 or cu_seqlens_q.shape != (n + 1,) or block_table.dim() != 2 or block_table.shape[0] != n:
         raise ShapeError(f"{op}: need seqlens_k [N], cu_seqlens_q [N + 1] and block_table [N, max_blocks]; got "
                          f"{tuple(seqlens_k.shape)}, {tuple(cu_seqlens_q.shape)} and {tuple(block_table.shape)}")
-    if device.type == "cpu":
+    if _checks.host_readable(cu_seqlens_q):
         _check_values(cu_seqlens_q, seqlens_k, block_table, q.shape[0], key_cache.shape[0], key_cache.shape[1])
     return device
 

@@ -4,7 +4,8 @@ Attention lives in ``dtorch.ops.attention``.
 
 Each op has a functional form (allocates) and an ``*_out`` form (``out=`` caller-allocated,
 optional ``ctx: RuntimeContext``). Shapes are checked on every device; values (embedding ids)
-only on real devices, so the wrappers also infer shapes on ``meta`` tensors.
+only on cpu (``_checks.host_readable``): device values are trusted, validated where they are made (a step's feeds,
+on the host), so no wrapper syncs with a device; the wrappers also infer shapes on ``meta`` tensors.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _check_embedding(ids: torch.Tensor, weight: torch.Tensor, ctx: RuntimeContex
     _checks.dtype_in(op, "weight", weight, FLOAT_DTYPES)
     _checks.rank(op, "weight", weight, 2)
     _checks.allocation(op, "the result", (*ids.shape, weight.shape[1]), weight.dtype, weight.device)
-    if ids.device.type != "meta" and ids.numel():
+    if ids.numel() and _checks.host_readable(ids):  # device values are trusted
         lo, hi = (int(v) for v in torch.aminmax(ids))
         vocab = weight.shape[0]
         if lo < 0 or hi >= vocab:

@@ -3,8 +3,8 @@
 
 A MoE layer is ``weights, ids = moe_router(x @ w_router.T, top_k, norm_topk_prob)`` then
 ``moe_experts(x, w_gate_up, w_down, weights, ids)``. Shapes and dtypes are checked on every device; the
-expert ids' values only on cpu, where reading them costs no device synchronization (on an accelerator an id
-outside 0..E-1 contributes nothing).
+expert ids' values only on cpu (``_checks.host_readable``), where reading them costs no device synchronization;
+device values are trusted, validated where they are made (an id outside 0..E-1 contributes nothing).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _check_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     if ids.shape != weights.shape:
         raise ShapeError(f"{op}: 'ids' must have the shape of 'weights' {tuple(weights.shape)}, got "
                          f"{tuple(ids.shape)}")
-    if ids.device.type == "cpu" and ids.numel():
+    if ids.numel() and _checks.host_readable(ids):  # device values are trusted
         lo, hi = (int(v) for v in torch.aminmax(ids))
         if lo < 0 or hi >= e:
             raise ArgumentError(f"{op}: 'ids' holds expert {lo if lo < 0 else hi}, out of range for "

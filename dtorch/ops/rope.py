@@ -217,7 +217,8 @@ class RoPE(PreparedOperator):
 
     def tables(self, positions: torch.Tensor, ctx: RuntimeContext | None = None) -> RoPETables:
         """Check ``positions`` (int [T] or [B, T]) and gather their cos/sin rows; on CPU (where reading values
-        is free) a position outside 0..max_positions-1 raises, since indexing would wrap a negative one."""
+        is free) a position outside 0..max_positions-1 raises, since indexing would wrap a negative one; device
+        values are trusted (validated where they are made)."""
         if self.cos_sin is None:
             self._bound()
         op = self.op
@@ -226,7 +227,7 @@ class RoPE(PreparedOperator):
         _checks.rank(op, "positions", positions, 1, 2)
         if ctx is not None:
             _checks.on_device(op, "positions", positions, ctx.device)
-        if positions.device.type == "cpu" and positions.numel():
+        if positions.numel() and _checks.host_readable(positions):  # device values are trusted
             lo, hi = (int(v) for v in torch.aminmax(positions))
             if lo < 0 or hi >= self.max_positions:
                 raise ArgumentError(f"{op}: position {lo if lo < 0 else hi} is out of range for a cache of "

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dtorch.core import env
+from dtorch.core import env, hostsync
 from dtorch.core.device import Device
 from dtorch.core.errors import ArgumentError, DtorchError, SyncTimeout
 from dtorch.core.sync import Flag
@@ -171,6 +171,12 @@ class KernelStream:
     def execute(self, item: Any, state: Any) -> None:
         """Run ``item`` as this stream does (traced when a tracer is set); the stream's thread calls this, and so
         does a Runner that executes a one-device plan inline on the caller's thread."""
+        if hostsync.ON:  # DTORCH_FORBID_SYNC, or a forbid_host_sync() region open in any thread: cover this one
+            with hostsync.forbid_host_sync():
+                return self._execute(item, state)
+        self._execute(item, state)
+
+    def _execute(self, item: Any, state: Any) -> None:
         tracer = self.tracer
         if tracer is None or not getattr(item, "traced", True):
             item.execute(self, state)

@@ -3,6 +3,10 @@
 Every kernel has the ABI of the torch backend's kernel for the same key (inputs, outputs, params, in-place
 behaviour). Inputs the compiled code does not take (strides it cannot walk, a dtype mismatch) go to the torch
 backend's kernel for that key, called directly, so a call never fails here that would pass there.
+
+Capture safety (``KernelMeta.capture_safe``): the compiled code reads values (slots, block tables, ids) on the CPU it
+runs on, which is no host sync, and every torch fallback here reads nothing on the host; so every kernel is
+capture-safe except ``llm.moe_experts``, which groups the ids in Python (``ids.tolist()``).
 """
 
 from __future__ import annotations
@@ -154,7 +158,7 @@ def _moe_experts(ctx, inputs, outputs):
     out.copy_(acc)
 
 
-KERNELS.add("llm.moe_experts", _moe_experts, ACTIVATIONS, **NATIVE, priority=20,
+KERNELS.add("llm.moe_experts", _moe_experts, ACTIVATIONS, **NATIVE, priority=20, meta=torch_moe.READS_IDS,
             varies=f"up to {MOE_PAIRS_PER_EXPERT} (token, slot) pairs per expert: our GEMV per selected expert; "
                    "more: torch's grouped kernel")
 
@@ -207,7 +211,9 @@ def _gdn_torch(ctx, inputs, outputs):
     return torch_gdn.gated_delta_net_chunked(ctx, inputs, outputs)
 
 
-@KERNELS.kernel("llm.gated_delta_net", ACTIVATIONS, meta=torch_gdn.META, **NATIVE, priority=20,
+# Capture-safe, unlike the torch kernels' META: the check accepts decode steps only (no cu_seqlens, the one host
+# read of the torch kernels), and their fallback for those is the torch _step, which reads nothing either.
+@KERNELS.kernel("llm.gated_delta_net", ACTIVATIONS, meta=KernelMeta(inplace=True), **NATIVE, priority=20,
                 check=_gdn_decode_step)
 def gated_delta_net(ctx, inputs, outputs):
     q, k, v, g, beta, initial, cu_seqlens = inputs[:7]
@@ -308,7 +314,7 @@ def reshape_and_cache(ctx, inputs, outputs):
 # (q [T, H, D], k_cache, v_cache, cu_seqlens_q int32 [N + 1], seqlens_k int32 [N], block_table int32 [N, blocks])
 # -> (out [T, H, D],); params causal (bottom-right), scale. Items of (sequence, kv head, <= 16 query rows), keys in
 # chunks of 64 with an online softmax in float32 (csrc/attention.h). q/out may be token-strided views (a fused qkv
-# output's heads); head dims that are not a multiple of 16 up to 256 go to the torch backend's sdpa kernel.
+# output's heads); head dims that are not a multiple of 16 up to 256 go to the torch backend's padded kernel.
 
 @KERNELS.kernel("llm.flash_attention_with_kvcache", ACTIVATIONS, **NATIVE,
                 varies="float32 online softmax over chunks of 64 keys; items split over torch's intra-op threads "
@@ -318,8 +324,8 @@ def flash_attention_with_kvcache(ctx, inputs, outputs):
     p = ctx.params
     try:
         _lib().paged_attention(q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal, p.scale)
-    except DtorchError:
-        torch_kv_cache.flash_attention_with_kvcache_sdpa(ctx, inputs, outputs)
+    except DtorchError:  # the padded torch kernel: it reads nothing on the host either
+        torch_kv_cache.flash_attention_with_kvcache_padded(ctx, inputs, outputs)
 
 
 # -- llm.embedding on GGUF weights ----------------------------------------------------------------------------

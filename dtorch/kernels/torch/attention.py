@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtorch.dispatch.meta import Call
+from dtorch.dispatch.meta import Call, KernelMeta
 from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 
@@ -168,6 +168,9 @@ def flash_attention_sdpa(ctx, inputs, outputs):
 
 
 # -- varlen ----------------------------------------------------------------------------------------
+# Capture safety: the reference, and sdpa on cpu, walk the segments on the host (cu_seqlens.tolist()); sdpa
+# elsewhere pads them with gathers and reads nothing (the same device work for the same shapes).
+HOST_LOOP = KernelMeta(capture_safe=False)
 
 def _each_segment(cu_q: torch.Tensor, cu_k: torch.Tensor):
     """(q0, q1, k0, k1) of every segment with at least one query, from the cumulative lengths (a host read)."""
@@ -177,7 +180,7 @@ def _each_segment(cu_q: torch.Tensor, cu_k: torch.Tensor):
             yield bq[i], bq[i + 1], bk[i], bk[i + 1]
 
 
-@KERNELS.kernel("llm.flash_attention_varlen", FLOATS)
+@KERNELS.kernel("llm.flash_attention_varlen", FLOATS, meta=HOST_LOOP)
 def flash_attention_varlen_reference(ctx, inputs, outputs):
     q, k, v, cu_q, cu_k = inputs
     out = outputs[0]
@@ -197,8 +200,10 @@ def _segments(cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tenso
     return index, valid, lengths
 
 
-@KERNELS.kernel("llm.flash_attention_varlen", FLOATS, provider="sdpa", check=_sdpa_check,
-                 varies=SDPA_VARIES)
+@KERNELS.kernel("llm.flash_attention_varlen", FLOATS, provider="sdpa", devices=("cpu",), meta=HOST_LOOP,
+                check=_sdpa_check, varies=SDPA_VARIES)
+@KERNELS.kernel("llm.flash_attention_varlen", FLOATS, provider="sdpa", devices=("cuda",), check=_sdpa_check,
+                varies=SDPA_VARIES)
 def flash_attention_varlen_sdpa(ctx, inputs, outputs):
     if inputs[0].device.type == "cpu":
         varlen_sdpa_per_segment(ctx, inputs, outputs)

@@ -16,10 +16,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dtorch.dispatch.meta import KernelMeta
 from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
-ALLOCATES = KernelMeta(capture_safe=False)  # both providers allocate (im2col columns; torch's conv result)
+# Capture-safe (the default meta): no kernel here reads a value on the host; im2col columns and torch's conv
+# result come from torch's caching allocator, which capture allows.
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,7 +40,7 @@ def _grouped_matmul(cols: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-@KERNELS.kernel("conv.conv1d", FLOATS, meta=ALLOCATES)
+@KERNELS.kernel("conv.conv1d", FLOATS)
 def conv1d_reference(ctx, inputs, outputs):
     x, w, bias = inputs
     p = ctx.params
@@ -58,12 +58,12 @@ def _conv1d_torch(ctx, inputs):
     return (F.conv1d(inputs[0], inputs[1], inputs[2], p.stride, p.padding, p.dilation, p.groups),)
 
 
-@KERNELS.kernel("conv.conv1d", FLOATS, provider="torch", meta=ALLOCATES, functional=_conv1d_torch)
+@KERNELS.kernel("conv.conv1d", FLOATS, provider="torch", functional=_conv1d_torch)
 def conv1d_torch(ctx, inputs, outputs):
     outputs[0].copy_(_conv1d_torch(ctx, inputs)[0])
 
 
-@KERNELS.kernel("conv.conv2d", FLOATS, meta=ALLOCATES)
+@KERNELS.kernel("conv.conv2d", FLOATS)
 def conv2d_reference(ctx, inputs, outputs):
     x, w, bias = inputs
     p = ctx.params
@@ -77,6 +77,6 @@ def _conv2d_torch(ctx, inputs):
     return (F.conv2d(inputs[0], inputs[1], inputs[2], p.stride, p.padding, p.dilation, p.groups),)
 
 
-@KERNELS.kernel("conv.conv2d", FLOATS, provider="torch", meta=ALLOCATES, functional=_conv2d_torch)
+@KERNELS.kernel("conv.conv2d", FLOATS, provider="torch", functional=_conv2d_torch)
 def conv2d_torch(ctx, inputs, outputs):
     outputs[0].copy_(_conv2d_torch(ctx, inputs)[0])

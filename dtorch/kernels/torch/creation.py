@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from dtorch.dispatch.meta import KernelMeta
 from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS, NUMERIC
 
 
@@ -35,7 +34,7 @@ def _arange(ctx, inputs, outputs):
     out.copy_(idx * ctx.params.step + ctx.params.start)
 
 
-KERNELS.add("creation.arange", _arange, FLOATS + INTS, meta=KernelMeta(capture_safe=False))  # allocates idx
+KERNELS.add("creation.arange", _arange, FLOATS + INTS)
 
 
 @KERNELS.kernel("creation.empty", NUMERIC)

@@ -9,8 +9,6 @@ The wrappers in ``dtorch.ops.llm`` validate shapes and dtypes before any kernel 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -75,19 +73,16 @@ def _norm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Ten
     """out = weight * rms_norm(x) for x [..., D] (out may be x), rounded as LlamaRMSNorm.
 
     On CPU (float32, bfloat16, float16): the float32 sum of squares from one fused reduction
-    (``vector_norm``), and for a single row (decode) the scale computed on the host, where reading the
-    value is free: four torch calls instead of F.rms_norm's seven or more. ``x * scale`` computes in
-    float32 and rounds once to x's dtype, then the weight multiplies in x's dtype, as the reference.
+    (``vector_norm``), the scale from it in place (no host read, so capture-safe), fewer torch calls than
+    F.rms_norm's seven or more. ``x * scale`` computes in float32 and rounds once to x's dtype, then the
+    weight multiplies in x's dtype, as the reference.
     """
     d = x.shape[-1]
     if x.dtype is torch.float64 or x.device.type != "cpu" or not d:
         torch.mul(weight, _normalize_torch(x, eps), out=out)
         return
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # [..., 1]
-    if n.numel() == 1:
-        torch.mul(x, 1.0 / math.sqrt(n.item() ** 2 / d + eps), out=out)
-    else:
-        torch.mul(x, n.square_().div_(d).add_(eps).rsqrt_(), out=out)
+    torch.mul(x, n.square_().div_(d).add_(eps).rsqrt_(), out=out)
     out.mul_(weight)
 
 

@@ -17,13 +17,14 @@ import math
 import torch
 
 from dtorch.core import cpu
-from dtorch.dispatch.meta import Call, KernelMeta
+from dtorch.dispatch.meta import Call
 from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS
 
+# Capture-safe (the default meta): no kernel here reads a value on the host; temporaries come from torch's
+# caching allocator, which capture allows.
 # torch has integer matmul on CPU only (CUDA's addmm/bmm have no int kernels), so ints are registered for cpu.
 CPU_ONLY = ("cpu",)
 _BLOCK_ELEMENTS = 1 << 22  # elements of one [rows, K, N] product block in the reference kernels
-ALLOCATES = KernelMeta(capture_safe=False)  # the reference kernels allocate their temporaries
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,8 +52,8 @@ def _bmm_functional(ctx, inputs):
     return (torch.bmm(inputs[0], inputs[1]),)
 
 
-@KERNELS.kernel("matmul.mm", INTS, devices=CPU_ONLY, meta=ALLOCATES)
-@KERNELS.kernel("matmul.mm", FLOATS, meta=ALLOCATES)
+@KERNELS.kernel("matmul.mm", INTS, devices=CPU_ONLY)
+@KERNELS.kernel("matmul.mm", FLOATS)
 def mm_reference(ctx, inputs, outputs):
     a, b = inputs
     _reference_bmm(a[None], b[None], outputs[0][None])
@@ -99,7 +100,7 @@ def _upcast_check(call: Call) -> str | None:
 
 
 @KERNELS.kernel("matmul.mm", (torch.bfloat16,), devices=("cpu",), provider="upcast", priority=25,
-                check=_upcast_check, meta=ALLOCATES,
+                check=_upcast_check,
                 varies=f"torch's bf16 mm below {UPCAST_MIN_ROWS} rows or when the weight pass would not pay")
 def mm_upcast(ctx, inputs, outputs):
     # a [M, K] bf16, b [K, N] bf16 -> out [M, N] bf16: a product in float32, rounded once. A prepared
@@ -114,8 +115,8 @@ def mm_upcast(ctx, inputs, outputs):
         torch.mm(a, b, out=out)
 
 
-@KERNELS.kernel("matmul.bmm", INTS, devices=CPU_ONLY, meta=ALLOCATES)
-@KERNELS.kernel("matmul.bmm", FLOATS, meta=ALLOCATES)
+@KERNELS.kernel("matmul.bmm", INTS, devices=CPU_ONLY)
+@KERNELS.kernel("matmul.bmm", FLOATS)
 def bmm_reference(ctx, inputs, outputs):
     _reference_bmm(inputs[0], inputs[1], outputs[0])
 
@@ -126,8 +127,8 @@ def bmm_blas(ctx, inputs, outputs):
     torch.bmm(inputs[0], inputs[1], out=outputs[0])
 
 
-@KERNELS.kernel("matmul.linear", INTS, devices=CPU_ONLY, meta=ALLOCATES)
-@KERNELS.kernel("matmul.linear", FLOATS, meta=ALLOCATES)
+@KERNELS.kernel("matmul.linear", INTS, devices=CPU_ONLY)
+@KERNELS.kernel("matmul.linear", FLOATS)
 def linear_reference(ctx, inputs, outputs):
     x, w, bias = inputs
     out = outputs[0]
@@ -173,7 +174,7 @@ def _linear_upcast_check(call: Call) -> str | None:
 
 
 @KERNELS.kernel("matmul.linear", (torch.bfloat16,), devices=("cpu",), provider="upcast", priority=25,
-                check=_linear_upcast_check, meta=ALLOCATES,
+                check=_linear_upcast_check,
                 varies=f"torch's bf16 linear below {UPCAST_MIN_ROWS} rows or when the weight pass would not pay")
 def linear_upcast(ctx, inputs, outputs):
     # x [..., K] bf16, w [N, K] bf16, bias [N] or None -> out [..., N] bf16: ``mm_upcast`` for a weight stored as

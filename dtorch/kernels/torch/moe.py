@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dtorch.dispatch.meta import KernelMeta
 from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 # -- moe_router ----------------------------------------------------------------------------------
@@ -62,7 +63,12 @@ def _expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) 
     return F.linear(F.silu(gate) * up, w_down)
 
 
-@KERNELS.kernel("llm.moe_experts", FLOATS)
+# Not capture-safe: the reference finds each expert's pairs with torch.where(local == e) (a nonzero); the torch
+# kernel reads the ids or the group sizes on the host (cpu, and prefill everywhere).
+READS_IDS = KernelMeta(capture_safe=False)
+
+
+@KERNELS.kernel("llm.moe_experts", FLOATS, meta=READS_IDS)
 def moe_experts_reference(ctx, inputs, outputs):
     x, w_gate_up, w_down, weights, ids = inputs
     out = outputs[0]
@@ -170,7 +176,7 @@ def _experts_host(x, w_gate_up, w_down, flat, w, out) -> None:
     out.copy_(acc)
 
 
-@KERNELS.kernel("llm.moe_experts", FLOATS, provider="torch")
+@KERNELS.kernel("llm.moe_experts", FLOATS, provider="torch", meta=READS_IDS)
 def moe_experts_torch(ctx, inputs, outputs):
     x, w_gate_up, w_down, weights, ids = inputs
     out = outputs[0]

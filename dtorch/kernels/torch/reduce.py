@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from dtorch.dispatch.meta import KernelMeta
 from dtorch.kernels.torch.registry import FLOATS, INTS, KERNELS
 
-ALLOCATES = KernelMeta(capture_safe=False)  # sum and mean reduce a widened copy, then copy into the output
+# Capture-safe (the default meta): no kernel here reads a value on the host; the widened copies that sum and
+# mean reduce come from torch's caching allocator, which capture allows.
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -28,13 +28,13 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@KERNELS.kernel("reduce.sum", FLOATS + INTS, meta=ALLOCATES)
+@KERNELS.kernel("reduce.sum", FLOATS + INTS)
 def sum_reference(ctx, inputs, outputs):
     p = ctx.params
     outputs[0].copy_(torch.sum(_wide(inputs[0]), p.dim, keepdim=p.keepdim))
 
 
-@KERNELS.kernel("reduce.mean", FLOATS, meta=ALLOCATES)
+@KERNELS.kernel("reduce.mean", FLOATS)
 def mean_reference(ctx, inputs, outputs):
     p = ctx.params
     outputs[0].copy_(torch.mean(_wide(inputs[0]), p.dim, keepdim=p.keepdim))
