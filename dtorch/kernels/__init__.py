@@ -6,7 +6,8 @@
 |       |                    |           | (providers reference, torch, blas, sdpa, upcast, chunked) |
 | native | ``kernels/native/`` | cpu | C++ SIMD kernels (provider native): GGUF quantized linear, decode ops |
 | triton | ``kernels/triton/`` | cuda | Triton kernels (provider triton): norms, rope, silu_and_mul, paged decode |
-|        |                     |      | attention |
+|        |                     |      | attention, gated delta rule, causal conv1d; flash-linear-attention's gated |
+|        |                     |      | delta rule when installed (provider fla) |
 
 A backend package has ``unavailable(device_type) -> str | None`` (why it cannot serve that device type:
 no compiler, no triton, a CPU without the instructions) and ``install(dispatcher, device_type)``. The

@@ -13,7 +13,7 @@ from importlib import import_module
 
 from dtorch.dispatch.registry import Dispatcher
 
-MODULES = ("elementwise", "attention")  # each declares its kernels on registry.KERNELS when imported
+MODULES = ("elementwise", "attention", "gated_delta_net", "causal_conv1d", "fla")  # each adds to registry.KERNELS
 
 __all__ = ["MODULES", "install", "unavailable"]
 
