@@ -17,12 +17,14 @@ class Call(NamedTuple):
 
     ``inputs`` holds the call's input tensors (real or ``meta`` tensors) when they are known, else
     None (a prepared operator may know only its params). Checks must accept ``inputs=None``.
+    ``capture``: the call will be recorded in a CUDA graph, so only capture-safe kernels may serve it.
     """
 
     device: Device
     dtype: torch.dtype
     params: KernelParams = NO_PARAMS
     inputs: Sequence[torch.Tensor] | None = None
+    capture: bool = False
 
 
 # check(call) -> None to accept, or a short reason to decline ("head_dim 320 > 256").
@@ -38,7 +40,12 @@ class KernelMeta:
     inplace: the kernel may write an output that aliases an input.
     broadcast: inputs may have broadcastable (not equal) shapes.
     workspace: bytes of scratch the kernel needs for given inputs and params (None: none).
-    capture_safe: safe inside CUDA graph capture (no host sync, no allocation).
+    capture_safe: the kernel reads no tensor value on the host (no ``.tolist()``, ``.item()``, ``int(t)``,
+        ``bool(t)``, nonzero, boolean-mask indexing, ``.cpu()``, ...), so it issues the same device work for the
+        same shapes and params and can be recorded in a CUDA graph. Allocating through torch's caching allocator
+        is allowed (capture gives it a private pool). Compiled CPU kernels that read values on the CPU they run
+        on make no host sync. ``dtorch.core.hostsync.forbid_host_sync()`` checks it: a capture-safe kernel runs
+        inside it without a ``SyncError``.
     alignment: byte alignment the kernel expects of data pointers (1: any).
     """
 

@@ -40,7 +40,7 @@ Loader = Callable[["Dispatcher", str], None]  # loader(dispatcher, device_type) 
 # reference kernels always lose. Any other name may be registered; these are what DTORCH_DISABLE_PROVIDERS
 # accepts, and what ``disabled`` accepts besides the names already registered (a typo gets "did you mean").
 PROVIDER_PRIORITY = {"reference": 0, "torch": 10, "chunked": 10, "blas": 20, "sdpa": 20, "upcast": 25,
-                     "triton": 30, "native": 30, "user": 100}
+                     "triton": 30, "native": 30, "fla": 35, "user": 100}
 
 # The loader that registers a device type's backends, run once before its first registration or lookup.
 DEFAULT_BACKENDS = {"cpu": "dtorch.kernels:install", "cuda": "dtorch.kernels:install"}
@@ -376,13 +376,13 @@ class Dispatcher:
 
     def select(self, key: KernelKey, call: Call | None = None) -> Candidate:
         """The winning candidate; keys without checks are answered from a per-generation cache."""
-        cand = self._fast.get(key)
+        cand = None if call is not None and call.capture else self._fast.get(key)
         if cand is not None:
             return cand
         generation = self.generation
         choice = self.choose(key, call)
         cands = self._candidates.get(key, ())
-        if all(c.check is None for c in cands):
+        if all(c.check is None for c in cands) and not (call is not None and call.capture):
             with self._lock:
                 if generation == self.generation:  # no registration raced with this choice
                     self._fast[key] = choice.winner
@@ -395,6 +395,8 @@ class Dispatcher:
     def _reason(self, cand: Candidate, call: Call) -> str | None:
         if self.is_disabled(cand.provider):
             return f"provider {cand.provider!r} disabled"
+        if call.capture and not cand.meta.capture_safe:
+            return "not capture-safe (reads device values on the host), and this call is captured"
         if cand.check is not None:
             return cand.check(call)
         return None

@@ -49,6 +49,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: DTORCH_THREADS, else torch's, one per physical core. When other work keeps "
                              "some cores busy, give only the free ones (--threads 1 on 2 cores with one busy): "
                              "threads waiting for a busy core make decode many times slower")
+    parser.add_argument("--enforce-eager", action="store_true", help="on a GPU, run every step uncaptured "
+                        "(default: each decode shape is recorded as a CUDA graph and replayed)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +110,8 @@ def load_llm(args: argparse.Namespace, **engine: Any) -> Any:
     from dtorch.engine.llm import LLM
 
     check_device(args.device)
-    return LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), threads=args.threads, **engine)
+    return LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), threads=args.threads,
+               enforce_eager=args.enforce_eager, **engine)
 
 
 def print_speed(stats: Any) -> None:

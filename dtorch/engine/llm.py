@@ -90,6 +90,9 @@ class LLM:
     threads: intra-op CPU threads, set for the process with ``torch.set_num_threads`` (None: ``DTORCH_THREADS``,
     else torch's default, one per physical core); on cores busy with other work, give only the free ones.
     check_weights: refuse non-finite weights at load, naming the tensor (a cheap pass over each; False skips it).
+    enforce_eager: never capture. Otherwise, on a single GPU, each decode step shape is recorded as a CUDA graph on its
+    second run and replayed after (capture-safe kernels only); ``capture_report()`` says which shapes replay and why
+    the others do not. On a CPU, or a mesh of several devices, steps run uncaptured either way.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
@@ -98,7 +101,7 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  block_size: int = BLOCK_SIZE,
                  enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None,
-                 check_weights: bool = True) -> None:
+                 check_weights: bool = True, enforce_eager: bool = False) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
@@ -113,7 +116,8 @@ class LLM:
                             ("threads", 1 if threads is None else threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"LLM: {name} must be an int >= 1, got {value!r}")
-        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("check_weights", check_weights)):
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("check_weights", check_weights),
+                           ("enforce_eager", enforce_eager)):
             if not isinstance(flag, bool):
                 raise ArgumentError(f"LLM: {name} must be a bool, got {flag!r}")
         threads = threads or env.threads()
@@ -131,7 +135,8 @@ class LLM:
         self.mesh = where.mesh
         self.rank = where.rank
         self.device = where.mesh.device(where.local_ids[0])
-        self.executor = Executor(self.model, where.communicator, where.local_ids, where.timeout)
+        self.executor = Executor(self.model, where.communicator, where.local_ids, where.timeout,
+                                 capture=not enforce_eager and where.mesh.size == 1)
         self._spmd = where.spmd
         self.max_num_seqs = max_num_seqs
         positions = self.config.max_position_embeddings
@@ -178,6 +183,13 @@ class LLM:
     @property
     def tensor_parallel_size(self) -> int:
         return self.mesh.size
+
+    def capture_report(self) -> dict[str, str]:
+        """Each step shape built so far ("decode 4 seqs", "prefill 64 tokens / 2 seqs") -> "captured", "to capture"
+        (its next run records) or why it runs uncaptured."""
+        def name(b) -> str:
+            return f"decode {b.seqs} seqs" if b.decode else f"{b.tokens} tokens / {b.seqs} seqs"
+        return {name(b): status for b, status in self.executor.capture_report().items()}
 
     def close(self) -> None:
         """Stop the stream threads and release the communicator (also done when the object is collected)."""

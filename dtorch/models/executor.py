@@ -6,6 +6,10 @@ runs it with ``Runner(static=True)``: every bucket graph shares the placed weigh
 communicator and the stream threads, so a new bucket costs one graph build and its activation buffers.
 Padding rows form one extra sequence with no keys (its rows attend to nothing and write no cache slot, and
 its gated delta net states live in the state cache's scratch row).
+
+With ``capture=True`` the decode buckets (one row per sequence: the steps that repeat every token) are captured:
+their Runners bind capture-safe kernels only and replay one recording per bucket (a CUDA graph on a GPU, all in one
+memory pool); ``capture_report()`` says which buckets replay and why the others do not.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.model import Bucket, Transformer, bucket_for
+from dtorch.runtime.capture import Recorder, default_recorder
 from dtorch.runtime.comm import Communicator
 from dtorch.runtime.runner import Runner
 from dtorch.runtime.stream import StreamManager
@@ -42,7 +47,7 @@ class Executor:
     """Runs steps of ``model`` on its mesh; ``cache`` must be set (``use_cache``) before the first step."""
 
     def __init__(self, model: Transformer, communicator: Communicator, local_ids: tuple[int, ...],
-                 timeout: float, trace: bool = False) -> None:
+                 timeout: float, trace: bool = False, capture: bool = False, recorder: Recorder | None = None) -> None:
         self.model = model
         self.comm = communicator
         self.local_ids = local_ids
@@ -54,6 +59,13 @@ class Executor:
             self.set_trace(True)
         self.cache: KVCache | None = None
         self.runners: dict[Bucket, Runner] = {}
+        # one recorder for every bucket, so the recordings share one memory pool
+        device = model.mesh.device(local_ids[0])
+        self.recorder = recorder if recorder is not None else default_recorder(device) if capture else None
+        self.capture = capture and self.recorder is not None  # a CPU binds its fastest kernels: nothing records there
+        self.capture_off = None if self.capture else (
+            "capture was not asked for" if not capture else f"nothing records kernels on {device.type} (CUDA graphs "
+            "need a cuda device)")
 
     def set_trace(self, on: bool) -> None:
         """Record every kernel's start and end on its stream (``self.tracer``), or stop."""
@@ -73,8 +85,18 @@ class Executor:
         r = self.runners.get(bucket)
         if r is None:
             g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
-            r = self.runners[bucket] = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True)
+            r = self.runners[bucket] = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True,
+                                              capture=self.capture and bucket.decode, recorder=self.recorder)
         return r
+
+    def capture_report(self) -> dict[Bucket, str]:
+        """Each built bucket: "captured" (its runs replay a recording), "to capture" (its next run records) or why
+        it runs uncaptured."""
+        def status(r: Runner) -> str:
+            if r.captured:
+                return "captured"
+            return r.capture_off or "to capture"
+        return {b: status(r) if self.capture else self.capture_off for b, r in self.runners.items()}
 
     def step(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
         """Run one step; returns float32 logits [N, V] of each sequence's last token (``all_logits``: [T, V])."""

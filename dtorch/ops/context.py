@@ -14,7 +14,8 @@ from dtorch.core.errors import ArgumentError
 
 @dataclass(slots=True)
 class OperatorInitContext:
-    """Prepare time: which (device, dtype, layout) a kernel is bound for, and whether it will be captured."""
+    """Prepare time: which (device, dtype, layout) a kernel is bound for, and whether it will be captured
+    (``capture=True``: only candidates whose ``KernelMeta.capture_safe`` holds are chosen)."""
 
     device: Device | str = "cpu"
     dtype: torch.dtype | str = torch.float32

@@ -57,7 +57,10 @@ class PreparedOperator:
             raise ArgumentError(f"{type(self).__name__}.prepare: expected an OperatorInitContext, "
                                 f"got {type(init).__name__}")
         key = KernelKey(self.op, init.device.type, init.dtype, init.layout)
-        self.kernel = PreparedKernel(dispatcher or _global_dispatcher, key, self.call_facts(init))
+        facts = self.call_facts(init)
+        if init.capture:  # only capture-safe kernels; explain names the others as passed over for it
+            facts = facts._replace(capture=True)
+        self.kernel = PreparedKernel(dispatcher or _global_dispatcher, key, facts)
         self.init = init
         self._dtype, self._device = init.dtype, init.device.torch
         self._kctx = KernelContext(init.device, None, default_workspace(init.device), self.params)

@@ -9,7 +9,9 @@ queue hand-off), with an event recorded after each kernel that another stream wa
 Run: feeds are placed, the program is pushed (pushing never blocks), all streams are synchronized once,
 and the first failure is raised naming its op, device and stream. With ``static=True`` every tensor is
 bound to a buffer planned at build (``dtorch.runtime.plan``): a run allocates nothing, views cost
-nothing, and fed inputs are copied into their buffers on each device's compute stream.
+nothing, and fed inputs are copied into their buffers on each device's compute stream. With ``capture=True`` as
+well, only capture-safe kernels are bound, and from the second run on the whole run is one recorded replay (a CUDA
+graph on a GPU; ``dtorch.runtime.capture``); ``capture_off`` says why a Runner cannot capture.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from dtorch.core import env
 from dtorch.core.dtypes import dtype_name
-from dtorch.core.errors import ArgumentError, DtorchError, DTypeError, ShapeError, SyncTimeout
+from dtorch.core.errors import ArgumentError, DtorchError, DTypeError, KernelNotFound, ShapeError, SyncTimeout
 from dtorch.core.memory import MemoryKind
 from dtorch.dispatch import dispatcher as _global_dispatcher
 from dtorch.dispatch.key import KernelKey
@@ -35,6 +37,7 @@ from dtorch.dispatch.registry import Dispatcher
 from dtorch.graph.logical import LogicalGraph
 from dtorch.graph.operand import COMMUNICATE, Operand, Operator
 from dtorch.runtime.blob import Blob, DistTensor, device_piece, mark_cross_stream_reads, record_use
+from dtorch.runtime.capture import Recorder, Recording, default_recorder
 from dtorch.runtime.comm import Communicator, default_communicator
 from dtorch.runtime.kernel import (
     CollectiveKernel,
@@ -89,13 +92,16 @@ class Runner:
     ``communicator``: default the in-process one for this process's devices; ``release=False`` keeps
     every Blob (for comparison); ``trace=True`` (or DTORCH_TRACE) records each kernel's start and end;
     ``timeout`` bounds each synchronization (default DTORCH_SYNC_TIMEOUT); ``streams``: a ``StreamManager``
-    shared with other Runners (its threads outlive this Runner); ``static``: plan every buffer at build.
+    shared with other Runners (its threads outlive this Runner); ``static``: plan every buffer at build;
+    ``capture`` (with ``static``): bind capture-safe kernels only, run the first run as usual and replay a recording
+    of it afterwards (``recorder``: default a CUDA graph recorder on a GPU; where nothing can record, or a kernel is
+    not capture-safe, the Runner runs uncaptured and ``capture_off`` holds the reason).
     """
 
     def __init__(self, graph: LogicalGraph, communicator: Communicator | None = None, *, release: bool = True,
                  trace: bool | None = None, timeout: float | None = None,
                  dispatcher: Dispatcher | None = None, streams: StreamManager | None = None,
-                 static: bool = False) -> None:
+                 static: bool = False, capture: bool = False, recorder: Recorder | None = None) -> None:
         if not isinstance(graph, LogicalGraph):
             raise ArgumentError(f"Runner: expected a LogicalGraph, got {type(graph).__name__}")
         if not graph.outputs:
@@ -103,6 +109,10 @@ class Runner:
         self.graph = graph
         self.mesh = graph.mesh
         self.static = static
+        if not isinstance(capture, bool):
+            raise ArgumentError(f"Runner: 'capture' must be a bool, got {capture!r}")
+        self.capture = capture
+        self._blockers: list[str] = []  # operators with no capture-safe kernel (bound without capture)
         self.timeout = env.sync_timeout() if timeout is None else _seconds("Runner", timeout)
         self.comm = communicator if communicator is not None else default_communicator(self.mesh.ids, self.timeout)
         self.local_ids = self.mesh.local_ids(self.comm.process)
@@ -127,6 +137,10 @@ class Runner:
         self._build(release)
         self._program = self._schedule()
         self._inline = self._inline_stream()
+        self._recorder: Recorder | None = None
+        self._recording: Recording | None = None
+        self._warm = False  # one run happened uncaptured (lazy initialization, compilation) before recording
+        self.capture_off: str | None = self._capture_check(recorder) if capture else "capture was not asked for"
 
     # -- build ---------------------------------------------------------------------------------
 
@@ -246,9 +260,15 @@ class Runner:
         first = next((x for x in node.inputs if x is not None), node.outputs[0])  # creation ops: the output
         metas = [torch.empty(x.local_shapes[i], dtype=x.dtype, device="meta") if x is not None else None
                  for x in node.inputs]
+        key = KernelKey(node.op, device.type, first.dtype, node.layout)
+        call = Call(device, first.dtype, params, metas)
         try:
-            return PreparedKernel(self._dispatcher, KernelKey(node.op, device.type, first.dtype, node.layout),
-                                  Call(device, first.dtype, params, metas))
+            if self.capture:
+                try:
+                    return PreparedKernel(self._dispatcher, key, call._replace(capture=True))
+                except KernelNotFound:  # bound as usual below; the Runner will not capture
+                    self._blockers.append(f"operator {node.name} ({key}) has no capture-safe kernel")
+            return PreparedKernel(self._dispatcher, key, call)
         except DtorchError as exc:
             raise type(exc)(f"graph operator {node.name}: {exc}") from exc
 
@@ -296,6 +316,32 @@ class Runner:
             return None
         return stream
 
+    def _capture_check(self, recorder: Recorder | None) -> str | None:
+        """None when this Runner can record its runs (and its recorder is set), else why not."""
+        if not self.static:
+            return "capture needs a static plan (Runner(static=True)): the buffers must be the same every run"
+        if self._blockers:
+            more = f" (and {len(self._blockers) - 1} more)" if len(self._blockers) > 1 else ""
+            return self._blockers[0] + more
+        streams = {id(s) for _, s, _ in self._program}
+        if len(self.local_ids) != 1 or len(streams) != 1 or any(what != "push" for what, _, _ in self._program):
+            return (f"capture records one device's compute stream; this plan runs on {len(streams)} streams of "
+                    f"{len(self.local_ids)} device(s)")
+        other = next((k for k in self.kernels if not isinstance(k, DispatchKernel)), None)
+        if other is not None:  # a user's Python function or a collective may read values on the host
+            return f"operator {other.operator.name} runs as a {type(other).__name__}, which capture cannot record"
+        device = self.mesh.device(self.local_ids[0])
+        recorder = recorder if recorder is not None else default_recorder(device)
+        if recorder is None:
+            return f"nothing records kernels on {device.type} (CUDA graphs need a cuda device)"
+        self._recorder = recorder
+        return None
+
+    @property
+    def captured(self) -> bool:
+        """True once the runs are replays of a recording."""
+        return self._recording is not None
+
     # -- run -----------------------------------------------------------------------------------
 
     def run(self, feeds: Mapping[str, torch.Tensor] | None = None, return_dist: bool = False,
@@ -319,6 +365,8 @@ class Runner:
                 self.comm.reset()
                 self._dirty = False
             self.comm.set_timeout(limit)
+            if self._recorder is not None and self._warm:
+                return self._run_recorded(feeds, return_dist)
             state = RunState(self.comm)
             self._place_feeds(feeds, state)
             inline = self._inline
@@ -336,7 +384,31 @@ class Runner:
             if state.error is not None:
                 self._dirty = True
                 raise state.error
+            self._warm = True
             return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
+
+    def _run_recorded(self, feeds: dict[str, torch.Tensor], return_dist: bool = False) -> dict[str, Any]:
+        """Copy the feeds into their buffers and replay the recording (made now on the first call) on the caller's
+        stream, which the next uncaptured run of any Runner on these streams waits for (``after_caller``)."""
+        i = self.local_ids[0]
+        for name, x in self.graph.inputs.items():  # one device: each feed is whole; copied as it is, no host wait
+            self.blobs[(x.index, i)].tensor.copy_(feeds[name], non_blocking=True)
+        if self._recording is None:
+            try:
+                self._recording = self._recorder.record(self._issue)
+            except Exception as exc:  # noqa: BLE001 - the Runner goes on uncaptured and says why
+                self._recorder = None
+                self.capture_off = f"recording failed ({type(exc).__name__}: {exc}); the runs are not captured"
+                self._issue()
+                return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
+        self._recording.replay()
+        return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
+
+    def _issue(self) -> None:
+        """Every kernel of the program, in order, on the calling thread's current stream (what a recording holds)."""
+        for _, _, segment in self._program:
+            for k in segment.kernels:
+                k.run()
 
     def _drain(self, limit: float) -> None:
         """Wait for what an earlier failed or timed-out run left on the streams (its kernels are skipped, but one
