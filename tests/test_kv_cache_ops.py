@@ -134,3 +134,27 @@ def test_every_provider_agrees_on_non_finite_input(where):
         assert torch.equal(torch.isnan(o).all(-1), want_nan), (p, where)
         assert torch.isfinite(o[~want_nan]).all(), (p, where)
         torch.testing.assert_close(o, outs["reference"], equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["decode", "prefill"])
+def test_unwritten_slots_change_nothing(rows):
+    """Slots past a sequence's keys hold whatever the cache's memory held, huge finite values too: a score of such a
+    key overflows to inf, and under the mask's -inf it turns NaN unless the key is never multiplied (the padded torch
+    kernel gathers whole blocks). Every provider gives the reference's output."""
+    torch.manual_seed(0)
+    kc, vc = torch.full((4, 4, HKV, D), 3e38), torch.full((4, 4, HKV, D), -3e38)
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    lens = torch.tensor([6, 2], dtype=torch.int32)
+    for b, n in ((2, 4), (0, 2), (1, 2)):  # the written slots: sequence 0 keys 0..5, sequence 1 keys 0..1
+        kc[b, :n], vc[b, :n] = torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+    q = torch.randn(2 * rows, H, D)
+    cu = torch.tensor([0, rows, 2 * rows], dtype=torch.int32)
+    key = dtorch.KernelKey("llm.flash_attention_with_kvcache", "cpu", torch.float32)
+    providers = [c.provider for c in dtorch.dispatcher.candidates(key)]
+    want = None
+    for p in ["reference"] + [p for p in providers if p != "reference"]:
+        with dtorch.dispatcher.disabled(*[o for o in providers if o not in (p, "reference")]):
+            got = ops.flash_attention_with_kvcache(q, kc, vc, cu, lens, table, causal=True)
+        assert torch.isfinite(got).all(), p
+        want = got if want is None else want
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, p=p: f"{p}: {m}")

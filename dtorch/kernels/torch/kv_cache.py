@@ -164,7 +164,11 @@ def flash_attention_with_kvcache_padded(ctx, inputs, outputs):
     bad = bad if where is None else bad.index_select(0, seq)              # [T, S, Hkv]
     row = torch.where(kvseq[..., None], bad, 0.0).sum(1).repeat_interleave(h // hkv, dim=1)  # [T, H]
     poison = (row + _nonfinite(q)).unsqueeze(-1)                          # [T, H, 1]
-    kp, vp = kp.nan_to_num_(0.0, 0.0, 0.0), vp.nan_to_num_(0.0, 0.0, 0.0)
+    # slots past a sequence's keys were never written: whatever they hold (huge finite values too, whose scores
+    # overflow to inf and turn NaN under the mask's -inf) is zeroed, and the non-finite keys it sees become 0
+    written = (j < (lens if where is not None else klen)[:, None])[..., None, None]  # [T or N, S, 1, 1]
+    kp = kp.nan_to_num_(0.0, 0.0, 0.0).masked_fill_(~written, 0.0)
+    vp = vp.nan_to_num_(0.0, 0.0, 0.0).masked_fill_(~written, 0.0)
     o = _sdpa_dense(qp, kp, vp, mask, False, p.scale)                     # [T, 1, H, D] or [N, T, H, D]
     o = o[:, 0] if where is None else o.reshape(n * t, h, d).index_select(0, where)
     seen = visible.any(-1)[:, None, None]                                 # [T, 1, 1]: rows that see no key give 0
