@@ -154,7 +154,7 @@ class Engine:
 
     def warmup(self) -> int:
         """Build the graph of every step shape the scheduler can make, so no request waits for one (a graph takes
-        ~0.1 s to build); returns how many there are."""
+        ~0.1 s to build), and record the decode shapes where the executor captures; returns how many there are."""
         from dtorch.models.model import bucket_for
 
         cfg = self.scheduler.config
@@ -163,6 +163,8 @@ class Engine:
         with self.drive_lock:
             for b in sorted(shapes, key=lambda b: (b.tokens, b.seqs, b.decode)):
                 self.executor.runner(b)
+                if b.decode:
+                    self.executor.capture_now(b)
         return len(shapes)
 
     # -- driving ---------------------------------------------------------------------------------------

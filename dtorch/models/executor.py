@@ -89,6 +89,18 @@ class Executor:
                                               capture=self.capture and bucket.decode, recorder=self.recorder)
         return r
 
+    def capture_now(self, bucket: Bucket) -> bool:
+        """Record ``bucket`` now, where it is to be captured: two runs of padding rows alone (they write no cache
+        slot, and gated delta net layers give them the state cache's scratch row), the uncaptured first run and the
+        recording. Returns whether the bucket replays a recording afterwards."""
+        r = self.runner(bucket)
+        if not self.capture or r.capture_off is not None:
+            return False
+        idle = self.feeds(StepPlan((), (), (), ()), bucket)
+        while not r.captured and r.capture_off is None:
+            r.run(idle)
+        return r.captured
+
     def capture_report(self) -> dict[Bucket, str]:
         """Each built bucket: "captured" (its runs replay a recording), "to capture" (its next run records) or why
         it runs uncaptured."""
