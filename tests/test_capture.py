@@ -132,7 +132,7 @@ def test_runner_says_why_it_cannot_capture():
     d.register(key, lambda ctx, ins, outs: torch.clamp(ins[0], min=0, out=outs[0]), provider="user", meta=UNSAFE)
     rec = HostRecorder()
     with Runner(g, static=True, capture=True, recorder=rec, dispatcher=d) as r:
-        assert "unary.relu" in r.capture_off and "capture-safe" in r.capture_off
+        assert r.capture_off == "no capture-safe kernel for unary.relu/cpu/float32 (1 operator: unary.relu#1)"
         x = torch.randn(4, 16)
         for _ in range(3):
             torch.testing.assert_close(r.run({"x": x})["y"], torch.relu(x @ w) + x, rtol=1e-5, atol=1e-5)
@@ -154,14 +154,35 @@ def test_a_recording_that_fails_leaves_the_runner_uncaptured():
 
 # -- a model's decode step ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    from tests.tiny_models import families, save_random
+def _families(transformers):
+    from tests.tiny_models import families
 
-    path = tmp_path_factory.mktemp("qwen3")
-    save_random(transformers, families(transformers, 4, 2, 96, 16)["qwen3"](), path)
-    return path
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return {
+        "qwen3": families(transformers, 4, 2, 96, 16)["qwen3"],
+        "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**common),  # gated delta net + attention layers
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                           norm_topk_prob=True),
+    }
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5_text", "qwen3_next"])
+def checkpoint(request, tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from tests.tiny_models import random_hybrid, save_random
+
+    path = tmp_path_factory.mktemp(request.param)
+    config = _families(transformers)[request.param]()
+    if request.param == "qwen3":
+        save_random(transformers, config, path)
+    else:
+        random_hybrid(transformers, config).save_pretrained(path)
+    return request.param, path
 
 
 def _executor(path, recorder):
@@ -176,37 +197,50 @@ def _executor(path, recorder):
         model = Transformer.load(ckpt.config, ckpt.get, mesh, (0,), torch.float32)
     ex = Executor(model, default_communicator(mesh.ids, 30.0), (0,), 30.0, capture=recorder is not None,
                   recorder=recorder)
-    ex.use_cache(KVCache(model.layout, mesh, (0,), 16, 4, 64, 4, torch.float32))
+    cache = KVCache(model.layout, mesh, (0,), 16, 4, 64, 4, torch.float32)
+    if cache.has_state:
+        for slot in range(cache.num_state_slots):
+            cache.reset_state(slot)
+    ex.use_cache(cache)
     return ex
 
 
-def test_decode_steps_replay_with_the_logits_of_uncaptured_steps(qwen3):
+@pytest.mark.parametrize("disabled", [(), ("native",)], ids=["default", "torch-kernels"])
+def test_decode_steps_replay_with_the_logits_of_uncaptured_steps(checkpoint, disabled):
+    """Prefill, then the decode bucket recorded ahead on padding rows alone (as Engine.warmup does: the cache and
+    the states must come out of it unchanged), then decode steps: the replays give the uncaptured logits. With the
+    native kernels disabled the torch kernels serve every op, as on a GPU without triton. A MoE model's experts
+    read the routing on the host, so its decode bucket runs uncaptured and says so."""
     from dtorch.models.executor import StepPlan
     from dtorch.models.model import bucket_for
 
+    family, path = checkpoint
     rec = HostRecorder()
-    eager, captured = _executor(qwen3, None), _executor(qwen3, rec)
-    try:
-        prompts = [[5, 9, 3, 7, 11], [4, 8, 15]]
-        blocks = [[0, 1, 2], [3, 4, 5]]
-        for ex in (eager, captured):
-            ex.step(StepPlan([t for p in prompts for t in p], [5, 3], [0, 0], blocks))
-        # recorded ahead (as Engine.warmup does) on padding rows alone, which must leave the cache as it was
-        assert captured.capture_now(bucket_for(2, 2)) and not eager.capture_now(bucket_for(2, 2))
-        assert rec.recorded == 1 and rec.replays == 1
-        lens = [5, 3]
-        for step in range(4):
-            plan = StepPlan([10 + step, 20 + step], [1, 1], lens, blocks)
-            torch.testing.assert_close(captured.step(plan), eager.step(plan), rtol=1e-5, atol=1e-5)
-            lens = [n + 1 for n in lens]
-        report = captured.capture_report()
-        decode = [status for b, status in report.items() if b.decode]
-        assert decode == ["captured"] and rec.recorded == 1 and rec.replays == 5
-        assert all(status == "capture was not asked for" for b, status in report.items() if not b.decode)
-        assert all(status == "capture was not asked for" for status in eager.capture_report().values())
-    finally:
-        eager.close()
-        captured.close()
+    with dtorch.dispatcher.disabled(*disabled):
+        eager, captured = _executor(path, None), _executor(path, rec)
+        try:
+            prompts, blocks = [[5, 9, 3, 7, 11], [4, 8, 15]], [[0, 1, 2], [3, 4, 5]]
+            slots = [0, 1] if captured.cache.has_state else ()
+            for ex in (eager, captured):
+                ex.step(StepPlan([t for p in prompts for t in p], [5, 3], [0, 0], blocks, slots))
+            moe = family == "qwen3_next"
+            assert captured.capture_now(bucket_for(2, 2)) is not moe and not eager.capture_now(bucket_for(2, 2))
+            lens = [5, 3]
+            for step in range(4):
+                plan = StepPlan([10 + step, 20 + step], [1, 1], lens, blocks, slots)
+                torch.testing.assert_close(captured.step(plan), eager.step(plan), rtol=1e-5, atol=1e-5)
+                lens = [n + 1 for n in lens]
+            (decode,) = [status for b, status in captured.capture_report().items() if b.decode]
+            if moe:
+                assert "llm.moe_experts" in decode and "capture-safe" in decode and rec.recorded == 0
+            else:
+                assert decode == "captured" and rec.recorded == 1 and rec.replays == 5
+            assert all(status == "capture was not asked for" for b, status in captured.capture_report().items()
+                       if not b.decode)
+            assert all(status == "capture was not asked for" for status in eager.capture_report().values())
+        finally:
+            eager.close()
+            captured.close()
 
 
 def test_llm_enforce_eager_is_a_bool_and_a_cpu_says_why_it_does_not_capture():

@@ -117,3 +117,36 @@ def test_non_finite_input_follows_the_reference(where):
     if where == "kv_last":  # the first two queries do not see the last key: its NaN/inf must not leak into them
         assert got[:2].isfinite().all() and got[2].isnan().any()
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32], equal_nan=True)
+
+
+# -- the cache write ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cache_write_matches_the_reference(dtype):
+    """Rows go to their slots (any block, any offset), padding rows (slot -1) go nowhere, and a key that is a
+    token-strided view of a fused projection is read in place; the caches equal the torch reference's bit for bit."""
+    from dtorch.kernels.torch.kv_cache import reshape_and_cache_reference
+    from dtorch.kernels.triton.attention import reshape_and_cache_triton
+
+    g = torch.Generator().manual_seed(1)
+    hkv, d, t = 2, 24, 7
+    fused = torch.randn(t, 3 * hkv, d, generator=g).to(dtype)  # q | k | v heads of one projection
+    key, value = fused[:, hkv:2 * hkv], fused[:, 2 * hkv:]
+    slots = torch.tensor([5, -1, 17, 0, -1, 31, 8], dtype=torch.int64)
+    kc0 = torch.randn(4, 8, hkv, d, generator=g).to(dtype)
+    vc0 = torch.randn(4, 8, hkv, d, generator=g).to(dtype)
+    want_k, want_v, got_k, got_v = kc0.clone(), vc0.clone(), kc0.clone(), vc0.clone()
+    ctx = KernelContext(Device("cpu"), None, None, KernelParams())
+    reshape_and_cache_reference(ctx, (key, value, want_k, want_v, slots), (want_k, want_v))
+    reshape_and_cache_triton(ctx, (key, value, got_k, got_v, slots), (got_k, got_v))
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert not torch.equal(got_k, kc0)  # something was written
+    assert torch.equal(got_k.flatten(0, 1)[[1, 2, 3]], kc0.flatten(0, 1)[[1, 2, 3]])  # slots no row names: as before
+
+
+def test_cache_write_declares_capture_safe_in_place_for_cuda():
+    from dtorch.kernels.triton.registry import KERNELS
+
+    (entry,) = [e for e in KERNELS.entries if e.op == "llm.reshape_and_cache"]
+    assert entry.provider == "triton" and entry.devices == ("cuda",)
+    assert entry.meta.capture_safe and entry.meta.inplace

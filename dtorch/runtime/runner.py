@@ -36,7 +36,7 @@ from dtorch.dispatch.prepared import PreparedKernel
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.graph.logical import LogicalGraph
 from dtorch.graph.operand import COMMUNICATE, Operand, Operator
-from dtorch.runtime.blob import Blob, DistTensor, device_piece, mark_cross_stream_reads, record_use
+from dtorch.runtime.blob import Blob, DistTensor, device_piece, local_piece, mark_cross_stream_reads, record_use
 from dtorch.runtime.capture import Recorder, Recording, default_recorder
 from dtorch.runtime.comm import Communicator, default_communicator
 from dtorch.runtime.kernel import (
@@ -112,7 +112,7 @@ class Runner:
         if not isinstance(capture, bool):
             raise ArgumentError(f"Runner: 'capture' must be a bool, got {capture!r}")
         self.capture = capture
-        self._blockers: list[str] = []  # operators with no capture-safe kernel (bound without capture)
+        self._blockers: dict[KernelKey, list[str]] = {}  # key -> operators with no capture-safe kernel for it
         self.timeout = env.sync_timeout() if timeout is None else _seconds("Runner", timeout)
         self.comm = communicator if communicator is not None else default_communicator(self.mesh.ids, self.timeout)
         self.local_ids = self.mesh.local_ids(self.comm.process)
@@ -267,7 +267,7 @@ class Runner:
                 try:
                     return PreparedKernel(self._dispatcher, key, call._replace(capture=True))
                 except KernelNotFound:  # bound as usual below; the Runner will not capture
-                    self._blockers.append(f"operator {node.name} ({key}) has no capture-safe kernel")
+                    self._blockers.setdefault(key, []).append(node.name)
             return PreparedKernel(self._dispatcher, key, call)
         except DtorchError as exc:
             raise type(exc)(f"graph operator {node.name}: {exc}") from exc
@@ -321,8 +321,9 @@ class Runner:
         if not self.static:
             return "capture needs a static plan (Runner(static=True)): the buffers must be the same every run"
         if self._blockers:
-            more = f" (and {len(self._blockers) - 1} more)" if len(self._blockers) > 1 else ""
-            return self._blockers[0] + more
+            return "no capture-safe kernel for " + ", ".join(
+                f"{key} ({len(names)} operator{'s' if len(names) > 1 else ''}: {names[0]}{', ...' * (len(names) > 1)})"
+                for key, names in self._blockers.items())
         streams = {id(s) for _, s, _ in self._program}
         if len(self.local_ids) != 1 or len(streams) != 1 or any(what != "push" for what, _, _ in self._program):
             return (f"capture records one device's compute stream; this plan runs on {len(streams)} streams of "
@@ -439,8 +440,10 @@ class Runner:
             device = self.mesh.device(i)
             feed = _Feed(f"feeds on {device}")
             for name, x in self.graph.inputs.items():
+                # the piece as the caller gave it (on the host, usually): copied into the buffer on the stream, with
+                # no host wait (a .to(device) here would block the caller on a GPU until the copy is done)
                 feed.pairs.append((self.blobs[(x.index, i)].tensor,
-                                   device_piece(feeds[name], x.placement, self.mesh.rank(i), n, device)))
+                                   local_piece(feeds[name], x.placement, self.mesh.rank(i), n)))
             if not feed.pairs:
                 continue
             if device.type == "cpu":  # every stream is idle between runs: copy here, no hand-off

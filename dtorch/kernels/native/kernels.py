@@ -15,7 +15,7 @@ import torch
 
 from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import DtorchError
-from dtorch.dispatch.meta import Call, KernelMeta
+from dtorch.dispatch.meta import KernelMeta
 from dtorch.dispatch.registration import KernelSet
 from dtorch.kernels import layouts
 from dtorch.kernels.native import loader
@@ -196,15 +196,6 @@ def causal_conv1d_update(ctx, inputs, outputs):
 # what the key runs without us: the chunked scan, or the per-step reference under mode="recurrent"; calls the
 # compiled step does not take (a float64 state, V not a multiple of 16) go to that kernel from here.
 
-def _gdn_decode_step(call: Call) -> str | None:
-    if call.inputs is None:
-        return "the decode step is chosen on the call's shapes (one token per sequence, no cu_seqlens)"
-    if len(call.inputs) > 6 and call.inputs[6] is not None:
-        return "cu_seqlens given: packed sequences, not a decode step"
-    tokens = call.inputs[0].shape[1]
-    return None if tokens == 1 else f"{tokens} tokens per sequence, not a decode step"
-
-
 def _gdn_torch(ctx, inputs, outputs):
     if ctx.params.get("mode", "chunked") == "recurrent":
         return torch_gdn.gated_delta_net_recurrent(ctx, inputs, outputs)
@@ -214,7 +205,7 @@ def _gdn_torch(ctx, inputs, outputs):
 # Capture-safe, unlike the torch kernels' META: the check accepts decode steps only (no cu_seqlens, the one host
 # read of the torch kernels), and their fallback for those is the torch _step, which reads nothing either.
 @KERNELS.kernel("llm.gated_delta_net", ACTIVATIONS, meta=KernelMeta(inplace=True), **NATIVE, priority=20,
-                check=_gdn_decode_step)
+                check=torch_gdn.decode_step_only)
 def gated_delta_net(ctx, inputs, outputs):
     q, k, v, g, beta, initial, cu_seqlens = inputs[:7]
     indices = inputs[7] if len(inputs) > 7 else None

@@ -249,3 +249,21 @@ def _chunked_mode(call: Call) -> str | None:
                  varies="the per-step recurrence (reference) runs when params ask for mode='recurrent'")
 def gated_delta_net_chunked(ctx, inputs, outputs) -> None:
     _run(_chunked, ctx, inputs, outputs)
+
+
+def decode_step_only(call: Call) -> str | None:
+    """Accepts decode steps alone: one token per sequence, no cu_seqlens (decided on the call's shapes)."""
+    if call.inputs is None:
+        return "the decode step is chosen on the call's shapes (one token per sequence, no cu_seqlens)"
+    if len(call.inputs) > 6 and call.inputs[6] is not None:
+        return "cu_seqlens given: packed sequences, not a decode step"
+    tokens = call.inputs[0].shape[1]
+    return None if tokens == 1 else f"{tokens} tokens per sequence, not a decode step"
+
+
+# The decode step alone, as its own candidate: it reads nothing on the host (the kernels above read cu_seqlens for
+# packed prefills), so a captured decode step can bind it. Declared last: among equal priorities it wins.
+@KERNELS.kernel("llm.gated_delta_net", FLOATS, provider="torch", priority=10, meta=KernelMeta(inplace=True),
+                 check=decode_step_only, varies="decode steps only (one token per sequence, no cu_seqlens)")
+def gated_delta_net_step(ctx, inputs, outputs) -> None:
+    _step(ctx.params, inputs, inputs[7] if len(inputs) > 7 else None, outputs)

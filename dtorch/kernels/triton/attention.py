@@ -1,4 +1,4 @@
-"""Paged attention over the KV cache in triton: ``llm.flash_attention_with_kvcache``.
+"""The paged KV cache in triton: ``llm.flash_attention_with_kvcache`` and the cache write ``llm.reshape_and_cache``.
 
 Keys and values are read in place through the block table (no gather copy). One program serves a sequence, a kv
 head and a tile of BLOCK_M rows, where a row is a (query, query head) pair of the G = H / Hkv query heads that
@@ -126,3 +126,51 @@ def flash_attention_with_kvcache_triton(ctx, inputs, outputs):
         G=g, BLOCK_SIZE=kc.shape[1], CAUSAL=bool(ctx.params.causal), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+
+
+# -- llm.reshape_and_cache ---------------------------------------------------------------------------------------
+# inputs: key/value [T, Hkv, D] (token-strided views of a fused projection are fine), the caches [blocks, block_size,
+# Hkv, D], slots int [T] (block * block_size + offset; < 0: padding, written nowhere); outputs: the caches, in place.
+# One program per (token, kv head) copies its D values; the slot is read on the device, so the launch is capture-safe.
+
+@triton.jit
+def _cache_write(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, D,
+                 stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, stride_kch, stride_vs, stride_vch,
+                 BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = (d < D) & (d * 0 + slot >= 0)  # a block mask: padding rows (slot < 0) store nothing
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok)
+    tl.store(kc_ptr + slot * stride_ks + h * stride_kch + d, k.to(kc_ptr.dtype.element_ty), mask=ok)
+    tl.store(vc_ptr + slot * stride_vs + h * stride_vch + d, v.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+def _unit_last(call: Call) -> str | None:
+    """Declines a key, value or cache whose last dim is not unit-strided, or caches whose (block, offset) rows are
+    not one flat stride apart (the kernel addresses a slot as one row index)."""
+    if call.inputs is None:
+        return None
+    key, value, kc, vc = call.inputs[:4]
+    for name, t in (("key", key), ("value", value), ("k_cache", kc), ("v_cache", vc)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            return f"{name} has a last-dim stride of {t.stride(-1)}; the triton cache write needs 1"
+    for name, c in (("k_cache", kc), ("v_cache", vc)):
+        if c.shape[1] > 1 and c.stride(0) != c.shape[1] * c.stride(1):
+            return f"{name}'s blocks are not laid out one after another (strides {tuple(c.stride())})"
+    return None
+
+
+@KERNELS.kernel("llm.reshape_and_cache", FLOATS, **TRITON, meta=KernelMeta(inplace=True, capture_safe=True),
+                 check=_unit_last)
+def reshape_and_cache_triton(ctx, inputs, outputs):
+    key, value, _, _, slots = inputs
+    kc, vc = outputs  # the caches themselves
+    t, hkv, d = key.shape
+    if t == 0:
+        return
+    _cache_write[(t, hkv)](key, value, kc, vc, slots, d, key.stride(0), key.stride(1), value.stride(0),
+                           value.stride(1), kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
+                           BLOCK_D=triton.next_power_of_2(d))
