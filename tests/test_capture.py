@@ -209,8 +209,9 @@ def _executor(path, recorder):
 def test_decode_steps_replay_with_the_logits_of_uncaptured_steps(checkpoint, disabled):
     """Prefill, then the decode bucket recorded ahead on padding rows alone (as Engine.warmup does: the cache and
     the states must come out of it unchanged), then decode steps: the replays give the uncaptured logits. With the
-    native kernels disabled the torch kernels serve every op, as on a GPU without triton. A MoE model's experts
-    read the routing on the host, so its decode bucket runs uncaptured and says so."""
+    native kernels disabled the torch kernels serve every op, as on a GPU without triton. A MoE model's experts run
+    on the gathered kernel there (the others read the routing on the host); with a cap on the gathered weights
+    below one step's, its decode bucket runs uncaptured and says why."""
     from dtorch.models.executor import StepPlan
     from dtorch.models.model import bucket_for
 
@@ -223,24 +224,38 @@ def test_decode_steps_replay_with_the_logits_of_uncaptured_steps(checkpoint, dis
             slots = [0, 1] if captured.cache.has_state else ()
             for ex in (eager, captured):
                 ex.step(StepPlan([t for p in prompts for t in p], [5, 3], [0, 0], blocks, slots))
-            moe = family == "qwen3_next"
-            assert captured.capture_now(bucket_for(2, 2)) is not moe and not eager.capture_now(bucket_for(2, 2))
+            assert captured.capture_now(bucket_for(2, 2)) and not eager.capture_now(bucket_for(2, 2))
             lens = [5, 3]
             for step in range(4):
                 plan = StepPlan([10 + step, 20 + step], [1, 1], lens, blocks, slots)
                 torch.testing.assert_close(captured.step(plan), eager.step(plan), rtol=1e-5, atol=1e-5)
                 lens = [n + 1 for n in lens]
             (decode,) = [status for b, status in captured.capture_report().items() if b.decode]
-            if moe:
-                assert "llm.moe_experts" in decode and "capture-safe" in decode and rec.recorded == 0
-            else:
-                assert decode == "captured" and rec.recorded == 1 and rec.replays == 5
+            assert decode == "captured" and rec.recorded == 1 and rec.replays == 5
             assert all(status == "capture was not asked for" for b, status in captured.capture_report().items()
                        if not b.decode)
             assert all(status == "capture was not asked for" for status in eager.capture_report().values())
         finally:
             eager.close()
             captured.close()
+
+
+def test_moe_experts_past_the_gather_limit_run_uncaptured(checkpoint, monkeypatch):
+    from dtorch.kernels.torch import moe
+    from dtorch.models.model import bucket_for
+
+    family, path = checkpoint
+    if family != "qwen3_next":
+        pytest.skip("a MoE model's case")
+    monkeypatch.setattr(moe, "GATHER_LIMIT", 1)
+    rec = HostRecorder()
+    captured = _executor(path, rec)
+    try:
+        assert not captured.capture_now(bucket_for(1, 1)) and rec.recorded == 0
+        (decode,) = captured.capture_report().values()
+        assert decode.startswith("no capture-safe kernel for llm.moe_experts/cpu/float32 (4 operators:"), decode
+    finally:
+        captured.close()
 
 
 def test_llm_enforce_eager_is_a_bool_and_a_cpu_says_why_it_does_not_capture():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtorch.dispatch.meta import KernelMeta
+from dtorch.dispatch.meta import Call, KernelMeta
 from dtorch.kernels.torch.registry import FLOATS, KERNELS
 
 # -- moe_router ----------------------------------------------------------------------------------
@@ -193,3 +193,31 @@ def moe_experts_torch(ctx, inputs, outputs):
         _experts_gathered(x, w_gate_up, w_down, flat, w, out)
     else:
         _experts_grouped(x, w_gate_up, w_down, flat, w, out)
+
+
+# The gathered path alone, as its own candidate for captured steps: it reads nothing on the host. It loses to the
+# kernels above when nothing is captured (they read the ids where that is free or needed), so it ranks below them;
+# its check bounds the gathered weights, the price of not reading the ids (Qwen3-30B-A3B: one token's 8 experts are
+# 38M elements, 32 tokens' 1.2G, declined: such a step runs uncaptured).
+GATHER_LIMIT = 2**28  # elements of the gathered expert matrices of one call
+
+
+def _gather_fits(call: Call) -> str | None:
+    if call.inputs is None:
+        return "chosen on the call's shapes (the gathered expert matrices must fit GATHER_LIMIT)"
+    x, w_gate_up, w_down, _, ids = call.inputs
+    size = ids.numel() * (w_gate_up[0].numel() + w_down[0].numel())
+    return None if size <= GATHER_LIMIT else f"{ids.numel()} (token, expert) pairs would gather {size} weight " \
+                                             f"elements > {GATHER_LIMIT}"
+
+
+@KERNELS.kernel("llm.moe_experts", FLOATS, provider="gathered", priority=5, check=_gather_fits,
+                 varies="the experts of every (token, slot) pair gathered and run as one batched matmul")
+def moe_experts_gathered(ctx, inputs, outputs):
+    x, w_gate_up, w_down, weights, ids = inputs
+    out = outputs[0]
+    flat, w = _local_ids(ids, weights, ctx.params.get("expert_start") or 0, w_gate_up.shape[0])
+    if flat.numel():
+        _experts_gathered(x, w_gate_up, w_down, flat, w, out)
+    else:
+        out.zero_()
