@@ -376,13 +376,14 @@ class Dispatcher:
 
     def select(self, key: KernelKey, call: Call | None = None) -> Candidate:
         """The winning candidate; keys without checks are answered from a per-generation cache."""
-        cand = None if call is not None and call.capture else self._fast.get(key)
+        captured = call is not None and call.capture  # a captured call's winner may differ: never cached
+        cand = None if captured else self._fast.get(key)
         if cand is not None:
             return cand
         generation = self.generation
         choice = self.choose(key, call)
         cands = self._candidates.get(key, ())
-        if all(c.check is None for c in cands) and not (call is not None and call.capture):
+        if all(c.check is None for c in cands) and not captured:
             with self._lock:
                 if generation == self.generation:  # no registration raced with this choice
                     self._fast[key] = choice.winner

@@ -24,7 +24,7 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.model import Bucket, Transformer, bucket_for
-from dtorch.runtime.capture import Recorder, default_recorder
+from dtorch.runtime.capture import Recorder, default_recorder, no_recorder
 from dtorch.runtime.comm import Communicator
 from dtorch.runtime.runner import Runner
 from dtorch.runtime.stream import StreamManager
@@ -63,9 +63,7 @@ class Executor:
         device = model.mesh.device(local_ids[0])
         self.recorder = recorder if recorder is not None else default_recorder(device) if capture else None
         self.capture = capture and self.recorder is not None  # a CPU binds its fastest kernels: nothing records there
-        self.capture_off = None if self.capture else (
-            "capture was not asked for" if not capture else f"nothing records kernels on {device.type} (CUDA graphs "
-            "need a cuda device)")
+        self.capture_off = None if self.capture else no_recorder(device) if capture else "capture was not asked for"
 
     def set_trace(self, on: bool) -> None:
         """Record every kernel's start and end on its stream (``self.tracer``), or stop."""

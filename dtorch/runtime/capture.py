@@ -50,5 +50,10 @@ class CudaGraphRecorder:
 
 def default_recorder(device: Device) -> Recorder | None:
     """The recorder for ``device``'s type, or None where there is nothing to record into (a CPU runs its kernels
-    as they are issued)."""
+    as they are issued; ``no_recorder`` says so)."""
     return CudaGraphRecorder(device) if device.type == "cuda" else None
+
+
+def no_recorder(device: Device) -> str:
+    """Why nothing records on ``device`` (where ``default_recorder`` is None)."""
+    return f"nothing records kernels on {device.type} (CUDA graphs need a cuda device)"

@@ -37,7 +37,7 @@ from dtorch.dispatch.registry import Dispatcher
 from dtorch.graph.logical import LogicalGraph
 from dtorch.graph.operand import COMMUNICATE, Operand, Operator
 from dtorch.runtime.blob import Blob, DistTensor, device_piece, local_piece, mark_cross_stream_reads, record_use
-from dtorch.runtime.capture import Recorder, Recording, default_recorder
+from dtorch.runtime.capture import Recorder, Recording, default_recorder, no_recorder
 from dtorch.runtime.comm import Communicator, default_communicator
 from dtorch.runtime.kernel import (
     CollectiveKernel,
@@ -334,7 +334,7 @@ class Runner:
         device = self.mesh.device(self.local_ids[0])
         recorder = recorder if recorder is not None else default_recorder(device)
         if recorder is None:
-            return f"nothing records kernels on {device.type} (CUDA graphs need a cuda device)"
+            return no_recorder(device)
         self._recorder = recorder
         return None
 
@@ -386,7 +386,7 @@ class Runner:
                 self._dirty = True
                 raise state.error
             self._warm = True
-            return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
+            return self._results(return_dist)
 
     def _run_recorded(self, feeds: dict[str, torch.Tensor], return_dist: bool = False) -> dict[str, Any]:
         """Copy the feeds into their buffers and replay the recording (made now on the first call) on the caller's
@@ -401,9 +401,9 @@ class Runner:
                 self._recorder = None
                 self.capture_off = f"recording failed ({type(exc).__name__}: {exc}); the runs are not captured"
                 self._issue()
-                return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
+                return self._results(return_dist)
         self._recording.replay()
-        return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
+        return self._results(return_dist)
 
     def _issue(self) -> None:
         """Every kernel of the program, in order, on the calling thread's current stream (what a recording holds)."""
@@ -467,6 +467,9 @@ class Runner:
                 events[item] = stream.record(state)
             else:
                 stream.wait(events[item], state)
+
+    def _results(self, return_dist: bool) -> dict[str, Any]:
+        return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
 
     def _result(self, x: Operand, return_dist: bool) -> Any:
         blobs = {i: Blob(self.mesh.device(i), tensor=record_use(self.blobs[(x.index, i)].tensor))
