@@ -52,9 +52,12 @@ def isa(request):
 
 
 # -- weights ----------------------------------------------------------------------------------------------
-# Q8_0/Q4_0/Q4_1 bytes come from gguf's quantize of Gaussian weights. gguf 0.19 cannot quantize Q4_K or Q6_K
-# (NotImplementedError), so those are random blocks with realistic fp16 super-block scales: any bytes are a valid
-# block, and the reference is still gguf's dequantize of the same bytes.
+# Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 bytes come from gguf's quantize of Gaussian weights. gguf 0.19 cannot quantize the
+# K-quants or the IQ4 formats (NotImplementedError), so those are random blocks with realistic fp16 scales at the
+# offsets FP16_SCALES names: any other bytes make a valid block, and the reference is still gguf's dequantize of the
+# same bytes. (tests/test_llamacpp_files.py runs files that llama.cpp's own quantizer wrote.)
+FP16_SCALES = {"gguf.q4_k": (0, 2), "gguf.q5_k": (0, 2), "gguf.q6_k": (208,), "gguf.q2_k": (80, 82),
+               "gguf.q3_k": (108,), "gguf.iq4_xs": (0,), "gguf.iq4_nl": (0,)}
 
 def _qtype(fmt: str) -> gguf.GGMLQuantizationType:
     return gguf.GGMLQuantizationType[fmt[5:].upper()]
@@ -62,15 +65,12 @@ def _qtype(fmt: str) -> gguf.GGMLQuantizationType:
 
 def _raw(fmt: str, n: int, k: int, gen: np.random.Generator) -> np.ndarray:
     qtype = _qtype(fmt)
-    if fmt not in ("gguf.q4_k", "gguf.q6_k"):
+    if fmt not in FP16_SCALES:
         return gguf_quantize(gen.standard_normal((n, k), dtype=np.float32), qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = gen.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    scales = gen.uniform(1e-3, 1e-2, size=(n, k // block, 2)).astype(np.float16).view(np.uint8)
-    if fmt == "gguf.q4_k":
-        raw[..., 0:4] = scales       # d, dmin
-    else:
-        raw[..., 208:210] = scales[..., :2]  # d (the int8 sub-block scales stay random)
+    for at in FP16_SCALES[fmt]:  # d (and dmin); the sub-block scales stay random
+        raw[..., at:at + 2] = gen.uniform(1e-3, 1e-2, size=(n, k // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -91,7 +91,9 @@ def _shapes(fmt: str) -> list[tuple[int, int]]:
 # -- packing (dtorch.kernels.layouts: pure torch, runs without the native library) ---------------------------
 
 # bits per weight held in memory; 4-bit formats stay at or under 5 (no int8 expansion)
-BITS = {"gguf.q8_0": 8.5, "gguf.q4_0": 4.5, "gguf.q4_1": 5.0, "gguf.q4_k": 4.625, "gguf.q6_k": 6.5625}
+BITS = {"gguf.q8_0": 8.5, "gguf.q4_0": 4.5, "gguf.q4_1": 5.0, "gguf.q4_k": 4.625, "gguf.q6_k": 6.5625,
+        "gguf.q5_0": 5.5, "gguf.q5_1": 6.0, "gguf.iq4_nl": 4.5, "gguf.q2_k": 2.625, "gguf.q3_k": 3.5625,
+        "gguf.q5_k": 5.625, "gguf.iq4_xs": 4.3125}
 
 
 @pytest.mark.parametrize("fmt", GGUF_LAYOUTS)
@@ -163,7 +165,8 @@ def test_layouts_name_what_is_wrong():
 FLOAT_ROWS = 32  # qlinear's float path from this many rows (binding.cpp kFloatRows)
 NMSE_BOUND = {  # (Gaussian, outliers) for float32 x, fewer than FLOAT_ROWS rows
     "gguf.q8_0": (1e-9, 6e-9), "gguf.q4_0": (1e-9, 6e-9), "gguf.q4_1": (1e-9, 6e-9), "gguf.q4_k": (1e-9, 7e-9),
-    "gguf.q6_k": (1e-9, 6e-9)}
+    "gguf.q6_k": (1e-9, 6e-9), "gguf.q5_0": (1e-9, 6e-9), "gguf.q5_1": (1e-9, 6e-9), "gguf.iq4_nl": (1e-9, 6e-9),
+    "gguf.q2_k": (1e-9, 7e-9), "gguf.q3_k": (1e-9, 7e-9), "gguf.q5_k": (1e-9, 7e-9), "gguf.iq4_xs": (1e-9, 7e-9)}
 NMSE_FLOAT_PATH = 1e-12  # float32 x, FLOAT_ROWS rows and more
 NMSE_BF16 = 8e-6         # bfloat16 x and out, either path
 
@@ -241,7 +244,7 @@ def test_qlinear_checks_name_the_argument():
     with pytest.raises(DTypeError, match="x must be float32 or bfloat16, got Half"):
         nk.qlinear(torch.randn(1, 64).half(), w, "gguf.q4_0")
     with pytest.raises(ArgumentError, match="unknown quantized layout"):
-        nk.qlinear(torch.randn(1, 64), w, "gguf.q5_0")
+        nk.qlinear(torch.randn(1, 64), w, "gguf.iq2_xxs")
 
 
 # -- float GEMV -------------------------------------------------------------------------------------------

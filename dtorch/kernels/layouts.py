@@ -23,11 +23,19 @@ Inside a row:
 | gguf.q8_0 | 34 K / 32 | 612 | 1632 | 8.5 |
 | gguf.q4_0 | 18 K / 32 | 324 | 864 | 4.5 |
 | gguf.q4_1 | 20 K / 32 | 360 | 960 | 5.0 |
+| gguf.q5_0 | 22 K / 32 | 396 | 1056 | 5.5 |
+| gguf.q5_1 | 24 K / 32 | 432 | 1152 | 6.0 |
+| gguf.iq4_nl | 18 K / 32 | 324 | 864 | 4.5 |
+| gguf.q2_k | 84 K / 256 | - | 504 | 2.625 |
+| gguf.q3_k | 114 K / 256 (GGUF: 110) | - | 684 | 3.5625 |
 | gguf.q4_k | 148 K / 256 (GGUF: 144) | - | 888 | 4.625 |
+| gguf.q5_k | 180 K / 256 (GGUF: 176) | - | 1080 | 5.625 |
 | gguf.q6_k | 210 K / 256 | - | 1260 | 6.5625 |
+| gguf.iq4_xs | 138 K / 256 (GGUF: 136) | - | 828 | 4.3125 |
 
 Weights are w = d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), (d * sc) * q - dmin * mn (Q4_K) and
-(d * sc) * (q - 32) (Q6_K, a scale per 16 weights); ``dequantize`` computes them exactly as ``gguf.quants`` does.
+(d * sc) * (q - 32) (Q6_K, a scale per 16 weights); the other formats are laid out as Q4_K and Q6_K are, in groups
+of 128 weights (``group_formats``). ``dequantize`` computes them exactly as ``gguf.quants`` does.
 Pure torch: packing and dequantizing need no compiler.
 """
 
@@ -35,16 +43,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import gguf
 import torch
 
 from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import ArgumentError, DTypeError, ShapeError
+from dtorch.kernels import group_formats
 
 
 @dataclass(frozen=True, slots=True)
 class _Spec:
     code: int        # the native kernels' format enum (dtn::Fmt)
+    ggml: int        # GGUF's tensor type number (gguf.GGMLQuantizationType)
     block: int       # weights per GGUF block
     type_size: int   # bytes per GGUF block
     qs: int          # bytes of a row section per `block` weights: quants, fp16 scales, aux
@@ -53,20 +62,29 @@ class _Spec:
 
 
 _SPECS: dict[str, _Spec] = {
-    "gguf.q8_0": _Spec(0, 32, 34, 32, 2, 0),
-    "gguf.q4_0": _Spec(1, 32, 18, 16, 2, 0),
-    "gguf.q4_1": _Spec(2, 32, 20, 16, 4, 0),
-    "gguf.q4_k": _Spec(3, 256, 144, 128, 4, 16),
-    "gguf.q6_k": _Spec(4, 256, 210, 192, 2, 16),
+    "gguf.q8_0": _Spec(0, 8, 32, 34, 32, 2, 0),
+    "gguf.q4_0": _Spec(1, 2, 32, 18, 16, 2, 0),
+    "gguf.q4_1": _Spec(2, 3, 32, 20, 16, 4, 0),
+    "gguf.q4_k": _Spec(3, 12, 256, 144, 128, 4, 16),
+    "gguf.q6_k": _Spec(4, 14, 256, 210, 192, 2, 16),
+    "gguf.q5_0": _Spec(5, 6, 32, 22, 20, 2, 0),
+    "gguf.q5_1": _Spec(6, 7, 32, 24, 20, 4, 0),
+    "gguf.iq4_nl": _Spec(7, 20, 32, 18, 16, 2, 0),
+    "gguf.q2_k": _Spec(8, 10, 256, 84, 64, 4, 16),
+    "gguf.q3_k": _Spec(9, 11, 256, 110, 96, 2, 16),
+    "gguf.q5_k": _Spec(10, 13, 256, 176, 160, 4, 16),
+    "gguf.iq4_xs": _Spec(11, 23, 256, 136, 128, 2, 8),
 }
 assert tuple(_SPECS) == GGUF_LAYOUTS
-_BY_GGML = {gguf.GGMLQuantizationType[name[5:].upper()]: name for name in _SPECS}
+_BY_GGML = {spec.ggml: name for name, spec in _SPECS.items()}
+# the formats in super-groups of 16 blocks (the rest are in groups of 128 weights: group_formats)
+SUPER_GROUPED = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1")
 
 
-def layout_of_gguf(ggml_type: gguf.GGMLQuantizationType) -> str | None:
-    """The layout name of a GGUF tensor type ("gguf.q4_1" for Q4_1), or None if it is not a supported block
-    format (F32, F16, BF16 and the other quantizations)."""
-    return _BY_GGML.get(ggml_type)
+def layout_of_gguf(ggml_type: int) -> str | None:
+    """The layout name of a GGUF tensor type (a ``gguf.GGMLQuantizationType`` or its number: "gguf.q4_1" for Q4_1),
+    or None if it is not a block format kept packed (F32, F16, BF16 and the other quantizations)."""
+    return _BY_GGML.get(int(ggml_type))
 
 
 def _spec(layout: str) -> _Spec:
@@ -135,6 +153,10 @@ def pack(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
                          f"({per_row} bytes each)")
     n = raw.numel() // per_row
     blocks = raw.cpu().reshape(n, nb, spec.type_size)
+    if layout in group_formats.FORMATS:
+        planes, split, _ = group_formats.FORMATS[layout]
+        u, d, aux = split(blocks, n, k)
+        return torch.cat([group_formats.encode(u, planes), d, aux], 1).contiguous()
     qs, d, aux = _PACK[layout](blocks, n, k)
     return torch.cat([qs.reshape(n, -1), d.reshape(n, -1), aux.reshape(n, -1)], 1).contiguous()
 
@@ -187,20 +209,11 @@ def _pack_q4_1(b: torch.Tensor, n: int, k: int):
     return _super_groups(b, 4, False), b[..., :0], b[..., :0]
 
 
-def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """12 packed bytes [..., 12] -> 6-bit scales and mins [..., 8] each (as gguf's Q4_K.get_scale_min)."""
-    s = s.reshape(*s.shape[:-1], 3, 4)
-    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], -1)
-    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], -1)
-    return sc, mn
-
-
 def _pack_q4_k(b: torch.Tensor, n: int, k: int):
     ns = k // 256
     raw = b[..., 16:].reshape(n, ns, 4, 1, 32)
     vals = torch.cat([raw & 15, raw >> 4], 3).reshape(n, ns * 8, 32)  # sub-blocks 2c (low), 2c + 1 (high)
-    sc, mn = _q4k_scales(b[..., 4:16])
+    sc, mn = group_formats.q4k_scales(b[..., 4:16])
     return _nibbles(vals), torch.cat([b[..., :2], b[..., 2:4]], 1), torch.cat([sc, mn], -1)
 
 
@@ -242,7 +255,12 @@ def dequantize(packed: torch.Tensor, layout: str, k: int, dtype: torch.dtype = t
         raise ShapeError(f"dequantize: a {layout} row of K = {k} is {row_bytes(layout, k)} bytes, got packed "
                          f"{list(packed.shape)}")
     n = packed.shape[0]
-    if spec.block == 32:
+    if layout in group_formats.FORMATS:
+        planes, _, values = group_formats.FORMATS[layout]
+        e_qs, e_d = _sections(spec, k)
+        u = group_formats.decode(packed[:, :e_qs], planes, k)
+        w = values(u, packed[:, e_qs:e_d], packed[:, e_d:], n, k)
+    elif layout in SUPER_GROUPED:
         w = _DEQUANTIZE[layout](packed, n, k)
     else:
         e_qs, e_d = _sections(spec, k)

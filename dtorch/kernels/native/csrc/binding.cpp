@@ -156,22 +156,33 @@ Sizes sizes(int fmt, int64_t K) {
     case dtn::Q4_1: return {K / 2, K / 8, 0, 32};
     case dtn::Q4_K: return {K / 2, K / 64, K / 16, 256};
     case dtn::Q6_K: return {K / 2 + K / 4, K / 128, K / 16, 256};
+    case dtn::Q5_0: return {K / 32 * 20, K / 16, 0, 32};
+    case dtn::Q5_1: return {K / 32 * 20, K / 8, 0, 32};
+    case dtn::IQ4_NL: return {K / 2, K / 16, 0, 32};
+    case dtn::Q2_K: return {K / 4, K / 64, K / 16, 256};
+    case dtn::Q3_K: return {K / 256 * 96, K / 128, K / 16, 256};
+    case dtn::Q5_K: return {K / 256 * 160, K / 64, K / 16, 256};
+    case dtn::IQ4_XS: return {K / 2, K / 128, K / 32, 256};
   }
   fail(g_arg_error, "qlinear: unknown format code " + std::to_string(fmt));
 }
 
 // Element k of the K inputs that position i of a dequantized row holds (Table::dequant): the packed order
-std::vector<int64_t> kernel_order(int64_t block, int64_t K) {
+std::vector<int64_t> kernel_order(bool super_grouped, int64_t K) {
   std::vector<int64_t> k(size_t(K), 0);
-  if (block == 32) {  // super-group g of S blocks: [v 0..7][block j][4] holds element 32 (16 g + j) + 4 v + t
+  if (super_grouped) {  // super-group g of S blocks: [v 0..7][block j][4] holds element 32 (16 g + j) + 4 v + t
     for (int64_t g = 0, nb = K / 32; g * 16 < nb; ++g) {
       const int64_t S = std::min<int64_t>(16, nb - g * 16);
       for (int64_t v = 0; v < 8; ++v)
         for (int64_t j = 0; j < S; ++j)
           for (int64_t t = 0; t < 4; ++t) k[size_t(g * 512 + v * 4 * S + 4 * j + t)] = (16 * g + j) * 32 + 4 * v + t;
     }
-  } else {  // group g of 128: half h, byte i holds element 128 g + 32 (i / 16) + 16 h + i % 16
-    for (int64_t i = 0; i < K; ++i) k[size_t(i)] = i / 128 * 128 + (i % 64) / 16 * 32 + (i % 128) / 64 * 16 + i % 16;
+  } else {  // group g of gs sub-blocks at 128 g: half h, position i holds element 128 g + 32 (i / 16) + 16 h + i % 16
+    for (int64_t g = 0, nb = K / 32; g * 4 < nb; ++g) {
+      const int64_t gs = std::min<int64_t>(4, nb - g * 4);
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t i = 0; i < 16 * gs; ++i) k[size_t(g * 128 + h * 16 * gs + i)] = g * 128 + 32 * (i / 16) + 16 * h + i % 16;
+    }
   }
   return k;
 }
@@ -183,7 +194,7 @@ std::vector<int64_t> kernel_order(int64_t block, int64_t K) {
 constexpr int64_t kFloatRows = 32;
 
 // y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights (they stay in L2)
-void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, int64_t block, const at::Tensor& x,
+void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tensor& x,
                    const at::Tensor* bias, const at::Tensor& out, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t kPanel = 512 << 10;
   const int64_t rows = std::max<int64_t>(16, kPanel / (4 * K) / 16 * 16);
@@ -192,7 +203,7 @@ void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, int64_t block, 
   thread_local std::vector<float> t_xk, t_panel;
   if (int64_t(t_xk.size()) < M * K) t_xk.resize(size_t(M * K));
   if (int64_t(t_panel.size()) < rows * K) t_panel.resize(size_t(rows * K));
-  const std::vector<int64_t> order = kernel_order(block, K);
+  const std::vector<int64_t> order = kernel_order(dtn::super_grouped(qw.fmt), K);
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat);
   const at::Tensor xk = at::from_blob(t_xk.data(), {M, K}, x2.options().dtype(at::kFloat));
   at::index_select_out(const_cast<at::Tensor&>(xk), x2, 1,
@@ -260,7 +271,7 @@ ENTRY(py_qlinear)
     std::string err;  // an ATen error must not unwind past the GIL release
     Py_BEGIN_ALLOW_THREADS
     try {
-      qlinear_float(tb, qw, sz.block, x, bias, out, M, N, K);
+      qlinear_float(tb, qw, x, bias, out, M, N, K);
     } catch (const std::exception& e) {
       err = e.what();
     }
@@ -269,7 +280,7 @@ ENTRY(py_qlinear)
     Py_RETURN_NONE;
   }
   Workspace& ws = t_ws;
-  if (sz.block == 32) {  // Q8_0 / Q4_0 / Q4_1: super-groups of 16 blocks
+  if (dtn::super_grouped(int(fmt))) {  // Q8_0 / Q4_0 / Q4_1: super-groups of 16 blocks
     const int64_t nsg = (K / 32 + 15) / 16;
     if (int64_t(ws.q.size()) < M * nsg * 1024) ws.q.resize(size_t(M * nsg * 1024));
     if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));

@@ -218,49 +218,127 @@ static void qgemm_sg_portable(const QWeight& w, const SGAct& a, int64_t M, int64
 }
 
 // -- portable quantized product ---------------------------------------------------------------------------
-// A group decoded to unsigned quants and per-sub-block scale/offset: w = dl[s] * u (L half) or dh[s] * u
-// (H half) plus the offset m, applied through the activation sums: sum(w * a) = d * sum(u * a) + m * sum(a).
+// A group decoded to unsigned quants u and per-sub-block scale/offset: w = dl[s] * u (L half) or dh[s] * u (H half)
+// plus the offset m, applied through the activation sums: sum(w * a) = d * sum(u * a) + m * sum(a). A format whose
+// offset is an integer multiple of its scale (w = d (u - off)) keeps off too, so dequant computes w as gguf does.
+// IQ4 quants are their level + 128 (1..241) with off = 128.
 
 struct GroupS {
   uint8_t wl[64], wh[64];
   float dl[4], dh[4], m[8];  // m: [L s0..s3, H s0..s3]
+  int off;
 };
 
+// Bytes of a whole group's quants (the qs section) per group format
+static inline int64_t group_bytes(int fmt) {
+  switch (fmt) {
+    case dtn::Q4_K: case dtn::IQ4_NL: case dtn::IQ4_XS: return 64;
+    case dtn::Q6_K: return 96;
+    case dtn::Q5_0: case dtn::Q5_1: case dtn::Q5_K: return 80;
+    case dtn::Q3_K: return 48;
+    case dtn::Q2_K: return 32;
+  }
+  return 0;
+}
+
+// bit planes (group_formats.py): OR each quant's bits in at `shift`
+static inline void plane_nib(const uint8_t* p, int gs, int shift, GroupS& o) {
+  for (int i = 0; i < 16 * gs; ++i) { o.wl[i] |= uint8_t((p[i] & 15) << shift); o.wh[i] |= uint8_t((p[i] >> 4) << shift); }
+}
+
+static inline void plane_bit(const uint8_t* p, int gs, int shift, GroupS& o) {
+  for (int i = 0; i < 16 * gs; ++i) {
+    o.wl[i] |= uint8_t(((p[i >> 3] >> (i & 7)) & 1) << shift);
+    o.wh[i] |= uint8_t(((p[2 * gs + (i >> 3)] >> (i & 7)) & 1) << shift);
+  }
+}
+
+static inline void plane_two(const uint8_t* p, GroupS& o) {  // whole groups only
+  for (int i = 0; i < 32; ++i) {
+    o.wl[i] |= p[i] & 3;
+    o.wl[32 + i] |= (p[i] >> 2) & 3;
+    o.wh[i] |= (p[i] >> 4) & 3;
+    o.wh[32 + i] |= (p[i] >> 6) & 3;
+  }
+}
+
+static inline void iq4_levels(int gs, GroupS& o) {  // indices -> level + 128
+  for (int i = 0; i < 16 * gs; ++i) {
+    o.wl[i] = uint8_t(dtn::kIq4Levels[o.wl[i]] + 128);
+    o.wh[i] = uint8_t(dtn::kIq4Levels[o.wh[i]] + 128);
+  }
+}
+
 static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, int gs, GroupS& o) {
-  const uint8_t* qs = w.qs + n * w.qs_row;
+  const uint8_t* p = w.qs + n * w.qs_row + g * group_bytes(w.fmt);
   const uint16_t* d = w.d + n * w.d_row;
   const uint8_t* aux = w.aux + n * w.aux_row;
-  const int64_t nb = w.K / 32;
+  const int64_t nb = w.K / 32, sup = g / 2, half = g % 2, nsup = w.K / 256;
   for (int s = 0; s < 4; ++s) o.dl[s] = o.dh[s] = o.m[s] = o.m[4 + s] = 0.f;
   std::memset(o.wl, 0, 64);
   std::memset(o.wh, 0, 64);
+  o.off = 0;
   switch (w.fmt) {
-    case dtn::Q4_K: {
-      const uint8_t* p = qs + g * 64;
-      for (int i = 0; i < 16 * gs; ++i) { o.wl[i] = p[i] & 15; o.wh[i] = p[i] >> 4; }
-      for (int s = 0; s < gs; ++s) {
-        const int64_t sup = g / 2, half = g % 2, nsup = w.K / 256;
-        const float dd = fp16_to_f32(d[sup]), dmin = fp16_to_f32(d[nsup + sup]);
+    case dtn::Q4_K: case dtn::Q5_K: {  // (d sc) u - dmin mn
+      plane_nib(p, 4, 0, o);
+      if (w.fmt == dtn::Q5_K) plane_bit(p + 64, 4, 4, o);
+      const float dd = fp16_to_f32(d[sup]), dmin = fp16_to_f32(d[nsup + sup]);
+      for (int s = 0; s < 4; ++s) {
         o.dl[s] = o.dh[s] = dd * float(aux[sup * 16 + half * 4 + s]);
         o.m[s] = o.m[4 + s] = -(dmin * float(aux[sup * 16 + 8 + half * 4 + s]));
       }
       break;
     }
-    case dtn::Q6_K: {
-      const uint8_t* p = qs + g * 96;
-      const float dd = fp16_to_f32(d[g / 2]);
-      for (int i = 0; i < 32; ++i) {
-        const uint8_t h = p[64 + i];
-        o.wl[i] = uint8_t((p[i] & 15) | ((h & 3) << 4));
-        o.wl[32 + i] = uint8_t((p[32 + i] & 15) | (((h >> 2) & 3) << 4));
-        o.wh[i] = uint8_t((p[i] >> 4) | (((h >> 4) & 3) << 4));
-        o.wh[32 + i] = uint8_t((p[32 + i] >> 4) | (((h >> 6) & 3) << 4));
+    case dtn::Q6_K: case dtn::Q3_K: {  // (d sc) (u - off), a signed scale per 16 weights
+      if (w.fmt == dtn::Q6_K) {
+        plane_nib(p, 4, 0, o);
+        GroupS hi{};
+        plane_two(p + 64, hi);
+        for (int i = 0; i < 64; ++i) { o.wl[i] |= uint8_t(hi.wl[i] << 4); o.wh[i] |= uint8_t(hi.wh[i] << 4); }
+      } else {
+        plane_two(p, o);
+        plane_bit(p + 32, 4, 2, o);
       }
+      o.off = w.fmt == dtn::Q6_K ? 32 : 4;
+      const float dd = fp16_to_f32(d[sup]);
       for (int s = 0; s < 4; ++s) {
         o.dl[s] = dd * float(int8_t(aux[g * 8 + s]));
         o.dh[s] = dd * float(int8_t(aux[g * 8 + 4 + s]));
-        o.m[s] = -32.f * o.dl[s];
-        o.m[4 + s] = -32.f * o.dh[s];
+        o.m[s] = -float(o.off) * o.dl[s];
+        o.m[4 + s] = -float(o.off) * o.dh[s];
+      }
+      break;
+    }
+    case dtn::Q2_K: {  // (d sc) u - dmin mn, a scale and a min per 16 weights
+      plane_two(p, o);
+      const float dd = fp16_to_f32(d[sup]), dmin = fp16_to_f32(d[nsup + sup]);
+      for (int s = 0; s < 4; ++s) {
+        const uint8_t al = aux[g * 8 + s], ah = aux[g * 8 + 4 + s];
+        o.dl[s] = dd * float(al & 15);
+        o.dh[s] = dd * float(ah & 15);
+        o.m[s] = -(dmin * float(al >> 4));
+        o.m[4 + s] = -(dmin * float(ah >> 4));
+      }
+      break;
+    }
+    case dtn::Q5_0: case dtn::Q5_1: {  // d (u - 16); d u + m
+      plane_nib(p, gs, 0, o);
+      plane_bit(p + 16 * gs, gs, 4, o);
+      o.off = w.fmt == dtn::Q5_0 ? 16 : 0;
+      for (int s = 0; s < gs; ++s) {
+        o.dl[s] = o.dh[s] = fp16_to_f32(d[4 * g + s]);
+        o.m[s] = o.m[4 + s] = w.fmt == dtn::Q5_0 ? -16.f * o.dl[s] : fp16_to_f32(d[nb + 4 * g + s]);
+      }
+      break;
+    }
+    case dtn::IQ4_NL: case dtn::IQ4_XS: {  // d level, d = d32 (IQ4_NL) or d256 (scale - 32) (IQ4_XS)
+      plane_nib(p, gs, 0, o);
+      iq4_levels(gs, o);
+      o.off = 128;
+      for (int s = 0; s < gs; ++s) {
+        o.dl[s] = o.dh[s] = w.fmt == dtn::IQ4_NL ? fp16_to_f32(d[4 * g + s])
+                                                 : fp16_to_f32(d[sup]) * float(int8_t(aux[sup * 8 + half * 4 + s]));
+        o.m[s] = o.m[4 + s] = -128.f * o.dl[s];
       }
       break;
     }
@@ -364,18 +442,20 @@ static void dequant(const QWeight& w, int64_t n0, int64_t n1, float* out) {
     case dtn::Q4_0: return dequant_sg_fmt<dtn::Q4_0>(w, n0, n1, out);
     case dtn::Q4_1: return dequant_sg_fmt<dtn::Q4_1>(w, n0, n1, out);
   }
-  GroupS gr;  // Q4_K, Q6_K: w = dl[s] u + m[s] (L half), dh[s] u + m[4 + s] (H half)
+  GroupS gr;  // group formats: the L half (16 gs values), then the H half, at 128 g
+  const int64_t nb = w.K / 32, ng = (nb + 3) / 4;
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t g = 0; g < w.K / 128; ++g) {
-      decode_group_scalar(w, n, g, 4, gr);
+    for (int64_t g = 0; g < ng; ++g) {
+      const int gs = int(nb - g * 4 < 4 ? nb - g * 4 : 4);
+      decode_group_scalar(w, n, g, gs, gr);
       float* o = out + (n - n0) * w.K + g * 128;
-      for (int i = 0; i < 64; ++i) {
-        if (w.fmt == dtn::Q4_K) {  // gguf: (d sc) q - (dmin mn)
+      for (int i = 0; i < 16 * gs; ++i) {
+        if (gr.off) {  // gguf: d (u - off)
+          o[i] = gr.dl[i / 16] * float(int(gr.wl[i]) - gr.off);
+          o[16 * gs + i] = gr.dh[i / 16] * float(int(gr.wh[i]) - gr.off);
+        } else {  // gguf: (d sc) u - dmin mn, or d u + m
           o[i] = gr.dl[i / 16] * float(gr.wl[i]) + gr.m[i / 16];
-          o[64 + i] = gr.dh[i / 16] * float(gr.wh[i]) + gr.m[4 + i / 16];
-        } else {  // Q6_K, gguf: (d sc) (q - 32)
-          o[i] = gr.dl[i / 16] * float(int(gr.wl[i]) - 32);
-          o[64 + i] = gr.dh[i / 16] * float(int(gr.wh[i]) - 32);
+          o[16 * gs + i] = gr.dh[i / 16] * float(gr.wh[i]) + gr.m[4 + i / 16];
         }
       }
     }

@@ -11,6 +11,7 @@
 namespace DTN_ISA {
 #include "generic.h"
 #include "elementwise.h"
+#include "quant_avx2.h"  // the group formats that have no 512-bit kernel yet run these (qgemm512's default)
 #include "quant_avx512.h"
 }  // namespace DTN_ISA
 

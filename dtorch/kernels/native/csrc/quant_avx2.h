@@ -39,7 +39,7 @@ static inline __m128 u8x4_avx2(const uint8_t* p) {
 template <int F> struct Fmt256;
 
 template <> struct Fmt256<dtn::Q4_K> {
-  static constexpr bool split = false, has_m = true;
+  static constexpr bool split = false, has_m = true, sgn = false;
   static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
     nibbles2(r.qs + g * 64, 4, o);
     const int64_t sup = g >> 1;
@@ -51,7 +51,7 @@ template <> struct Fmt256<dtn::Q4_K> {
 };
 
 template <> struct Fmt256<dtn::Q6_K> {
-  static constexpr bool split = true, has_m = true;
+  static constexpr bool split = true, has_m = true, sgn = false;
   static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
     const uint8_t* p = r.qs + g * 96;
     nibbles2(p, 4, o);
@@ -71,6 +71,147 @@ template <> struct Fmt256<dtn::Q6_K> {
   }
 };
 
+// -- the other group formats (group_formats.py). Partial groups (gs < 4, 32-block formats at a row's end): the
+// quants past 16 gs of each half and the scales and offsets past gs are zero, as the activations there.
+
+static inline __m256i bits_to_bytes(uint32_t bits) {  // byte i = 0xff where bit i is set
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+  const __m256i bm = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuf), bm), bm);
+}
+
+// OR bit `value` of each quant from a "bit" plane at p (L bits, then H bits, 2 gs bytes each)
+static inline void plane_bit256(const uint8_t* p, int gs, uint8_t value, Dec256& o) {
+  uint64_t lb = 0, hb = 0;
+  std::memcpy(&lb, p, size_t(2 * gs));
+  std::memcpy(&hb, p + 2 * gs, size_t(2 * gs));
+  const __m256i v = _mm256_set1_epi8(char(value));
+  for (int pp = 0; pp * 2 < gs; ++pp) {
+    o.wl[pp] = _mm256_or_si256(o.wl[pp], _mm256_and_si256(bits_to_bytes(uint32_t(lb >> (32 * pp))), v));
+    o.wh[pp] = _mm256_or_si256(o.wh[pp], _mm256_and_si256(bits_to_bytes(uint32_t(hb >> (32 * pp))), v));
+  }
+}
+
+// the 2-bit plane of a whole group (as Q6_K's high bits): bits 2p, 2p + 1 of byte i: L of pair p, 4 + 2p: H
+static inline void plane_two256(const uint8_t* p, Dec256& o) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), three = _mm256_set1_epi8(3);
+  for (int pp = 0; pp < 2; ++pp) {
+    o.wl[pp] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * pp), three);
+    o.wh[pp] = _mm256_and_si256(_mm256_srli_epi16(q, 4 + 2 * pp), three);
+  }
+}
+
+// IQ4: indices -> signed levels; a partial pair's upper 16 lanes back to zero (they meet live activations)
+static inline void iq4_levels256(int gs, Dec256& o) {
+  const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dtn::kIq4Levels)));
+  for (int pp = 0; pp * 2 < gs; ++pp) {
+    o.wl[pp] = _mm256_shuffle_epi8(t, o.wl[pp]);
+    o.wh[pp] = _mm256_shuffle_epi8(t, o.wh[pp]);
+    if (gs - 2 * pp < 2) {
+      o.wl[pp] = _mm256_zextsi128_si256(_mm256_castsi256_si128(o.wl[pp]));
+      o.wh[pp] = _mm256_zextsi128_si256(_mm256_castsi256_si128(o.wh[pp]));
+    }
+  }
+}
+
+// fp16 scales of sub-blocks 4 g .. 4 g + gs - 1 (zeros past gs)
+static inline __m128 scales4(const uint16_t* d, int gs) {
+  if (gs == 4) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d)));
+  uint16_t h[4] = {0, 0, 0, 0};
+  std::memcpy(h, d, size_t(2 * gs));
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
+}
+
+static inline __m256 int8x8_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <> struct Fmt256<dtn::Q5_0> {  // d (u - 16)
+  static constexpr bool split = false, has_m = true, sgn = false;
+  static inline void decode(const Row256& r, int64_t g, int gs, Dec256& o) {
+    const uint8_t* p = r.qs + g * 80;
+    nibbles2(p, gs, o);
+    plane_bit256(p + 16 * gs, gs, 16, o);
+    o.dl = o.dh = scales4(r.d + 4 * g, gs);
+    const __m128 m = _mm_mul_ps(o.dl, _mm_set1_ps(-16.f));
+    o.m = _mm256_set_m128(m, m);
+  }
+};
+
+template <> struct Fmt256<dtn::Q5_1> {  // d u + m
+  static constexpr bool split = false, has_m = true, sgn = false;
+  static inline void decode(const Row256& r, int64_t g, int gs, Dec256& o) {
+    const uint8_t* p = r.qs + g * 80;
+    nibbles2(p, gs, o);
+    plane_bit256(p + 16 * gs, gs, 16, o);
+    o.dl = o.dh = scales4(r.d + 4 * g, gs);
+    const __m128 m = scales4(r.d + r.nb + 4 * g, gs);
+    o.m = _mm256_set_m128(m, m);
+  }
+};
+
+template <> struct Fmt256<dtn::Q5_K> {  // as Q4_K, with a fifth bit
+  static constexpr bool split = false, has_m = true, sgn = false;
+  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
+    nibbles2(r.qs + g * 80, 4, o);
+    plane_bit256(r.qs + g * 80 + 64, 4, 16, o);
+    const int64_t sup = g >> 1;
+    const uint8_t* a = r.aux + sup * 16 + (g & 1) * 4;
+    o.dl = o.dh = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[sup])), u8x4_avx2(a));
+    const __m128 m = _mm_mul_ps(_mm_set1_ps(-_cvtsh_ss(r.d[r.nsup + sup])), u8x4_avx2(a + 8));
+    o.m = _mm256_set_m128(m, m);
+  }
+};
+
+template <> struct Fmt256<dtn::Q3_K> {  // (d sc) (u - 4), a signed scale per 16 weights
+  static constexpr bool split = true, has_m = true, sgn = false;
+  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
+    const uint8_t* p = r.qs + g * 48;
+    plane_two256(p, o);
+    plane_bit256(p + 32, 4, 4, o);
+    const __m256 d = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(r.d[g >> 1])), int8x8_ps(r.aux + g * 8));
+    o.dl = _mm256_castps256_ps128(d);
+    o.dh = _mm256_extractf128_ps(d, 1);
+    o.m = _mm256_mul_ps(d, _mm256_set1_ps(-4.f));
+  }
+};
+
+template <> struct Fmt256<dtn::Q2_K> {  // (d sc) u - dmin mn, sc | mn << 4 per 16 weights
+  static constexpr bool split = true, has_m = true, sgn = false;
+  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
+    plane_two256(r.qs + g * 32, o);
+    const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.aux + g * 8));
+    const __m128i lo4 = _mm_set1_epi8(15);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(a, lo4)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(a, 4), lo4)));
+    const __m256 d = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(r.d[g >> 1])), sc);
+    o.dl = _mm256_castps256_ps128(d);
+    o.dh = _mm256_extractf128_ps(d, 1);
+    o.m = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(r.d[r.nsup + (g >> 1)])), mn);
+  }
+};
+
+template <> struct Fmt256<dtn::IQ4_NL> {  // d level, signed: no offset
+  static constexpr bool split = true, has_m = false, sgn = true;
+  static inline void decode(const Row256& r, int64_t g, int gs, Dec256& o) {
+    nibbles2(r.qs + g * 64, gs, o);
+    iq4_levels256(gs, o);
+    o.dl = o.dh = scales4(r.d + 4 * g, gs);
+  }
+};
+
+template <> struct Fmt256<dtn::IQ4_XS> {  // d (scale - 32) level
+  static constexpr bool split = true, has_m = false, sgn = true;
+  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
+    nibbles2(r.qs + g * 64, 4, o);
+    iq4_levels256(4, o);
+    int32_t v;
+    std::memcpy(&v, r.aux + (g >> 1) * 8 + (g & 1) * 4, 4);
+    const __m128 sc = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(v)));
+    o.dl = o.dh = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[g >> 1])), sc);
+  }
+};
+
 static inline __m256 pair_scale(__m128 d4, int pp) {  // lanes [d[2p] x4, d[2p+1] x4]
   const __m256i idx = pp == 0 ? _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0) : _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), idx);
@@ -78,6 +219,13 @@ static inline __m256 pair_scale(__m128 d4, int pp) {  // lanes [d[2p] x4, d[2p+1
 
 static inline __m256i dot_u8s8(__m256i w, __m256i a) {  // 8 int32 lanes, each the sum of 4 products
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+
+// the same for weights of either sign: |w| (at most 127) times a with w's sign, so no int16 pair sum saturates
+template <bool SGN>
+static inline __m256i dot_w(__m256i w, __m256i a) {
+  if constexpr (SGN) return dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+  return dot_u8s8(w, a);
 }
 
 // the two activation levels' integer sums as one float: hi + lo / 254 (as the portable kernels round it)
@@ -113,11 +261,11 @@ static inline void qdot256(const Row256& row, const QAct& a, int64_t m0, float* 
         const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lq + 16 * gs + 32 * pp));
         const __m256 dr = _mm256_loadu_ps(a.darep + (m0 + r) * ng * 16 + g * 16 + 8 * pp);
         if constexpr (W::split) {
-          const __m256 fl = levels256(dot_u8s8(w.wl[pp], al), dot_u8s8(w.wl[pp], ll));
-          const __m256 fh = levels256(dot_u8s8(w.wh[pp], ah), dot_u8s8(w.wh[pp], lh));
+          const __m256 fl = levels256(dot_w<W::sgn>(w.wl[pp], al), dot_w<W::sgn>(w.wl[pp], ll));
+          const __m256 fh = levels256(dot_w<W::sgn>(w.wh[pp], ah), dot_w<W::sgn>(w.wh[pp], lh));
           acc[r] = _mm256_fmadd_ps(fl, _mm256_mul_ps(dl, dr), acc[r]);
           acc[r] = _mm256_fmadd_ps(fh, _mm256_mul_ps(dh, dr), acc[r]);
-        } else {  // 4-bit: each int16 pair sum is at most 2 * 15 * 127, so L + H cannot overflow
+        } else {  // 4 or 5 bits: each int16 pair sum is at most 2 * 31 * 127, so L + H cannot overflow
           const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.wl[pp], al), _mm256_maddubs_epi16(w.wh[pp], ah));
           const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.wl[pp], ll), _mm256_maddubs_epi16(w.wh[pp], lh));
           const __m256 f = levels256(_mm256_madd_epi16(p16, ones), _mm256_madd_epi16(l16, ones));
@@ -157,6 +305,13 @@ static void qgemm256(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int
   switch (w.fmt) {
     case dtn::Q4_K: return qgemm256_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q6_K: return qgemm256_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_0: return qgemm256_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_1: return qgemm256_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::IQ4_NL: return qgemm256_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q2_K: return qgemm256_fmt<dtn::Q2_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q3_K: return qgemm256_fmt<dtn::Q3_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_K: return qgemm256_fmt<dtn::Q5_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::IQ4_XS: return qgemm256_fmt<dtn::IQ4_XS>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
 

@@ -140,6 +140,7 @@ static void qgemm512(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int
     case dtn::Q4_K: return qgemm512_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q6_K: return qgemm512_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
+  qgemm256(w, a, M, n0, n1, bias, y, ydt, ldy);  // the other group formats: quant_avx2.h, tested on AVX2 machines
 }
 
 // -- float32 / bf16 weights ------------------------------------------------------------------------------
