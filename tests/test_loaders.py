@@ -19,6 +19,7 @@ from dtorch import MemoryKind, ModelError
 from dtorch.core.memory import memory
 from dtorch.models import ModelConfig, default_model_path, load_checkpoint, rope_inv_freq
 from dtorch.models.loaders.gguf import SUPPORTED_TYPES, dequantize
+from dtorch.models.tiny import write_gguf
 
 _SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128)
@@ -194,57 +195,11 @@ def test_dequantize_each_type(tmp_path, type_name):
 
 # --- GGUF: a tiny model written the way llama.cpp writes it ----------------------------------------------------
 
-_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # convert_hf_to_gguf.py's LlamaModel.permute: rotate-half pairs -> interleaved pairs
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _to_gguf(model, path, arch: str, extra: dict | None = None) -> None:
-    c = model.config
-    tensors = dict(extra or {})
-    for name, t in _reference_state(model).items():
-        a = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            g = "token_embd.weight"
-        elif name == "model.norm.weight":
-            g = "output_norm.weight"
-        elif name == "lm_head.weight":
-            g = "output.weight"
-        else:
-            _, _, i, rest = name.split(".", 3)
-            base, kind = rest.rsplit(".", 1)
-            g = f"blk.{i}.{_GGUF_NAMES[base]}.{kind}"
-            if arch == "llama" and base == "self_attn.q_proj":
-                a = _llama_cpp_permute(a, c.num_attention_heads)
-            if arch == "llama" and base == "self_attn.k_proj":
-                a = _llama_cpp_permute(a, c.num_key_value_heads)
-        tensors[g] = (np.ascontiguousarray(a), Q.F32)
-    V = gguf.GGUFValueType
-    meta = {f"{arch}.{k}": v for k, v in {
-        "vocab_size": (c.vocab_size, V.UINT32), "embedding_length": (c.hidden_size, V.UINT32),
-        "feed_forward_length": (c.intermediate_size, V.UINT32), "block_count": (c.num_hidden_layers, V.UINT32),
-        "attention.head_count": (c.num_attention_heads, V.UINT32),
-        "attention.head_count_kv": (c.num_key_value_heads, V.UINT32),
-        "attention.key_length": (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, V.UINT32),
-        "attention.layer_norm_rms_epsilon": (c.rms_norm_eps, V.FLOAT32),
-        "rope.freq_base": (c.rope_parameters["rope_theta"], V.FLOAT32),
-        "context_length": (c.max_position_embeddings, V.UINT32)}.items()}
-    meta["tokenizer.ggml.eos_token_id"] = (2, V.UINT32)
-    _write_gguf(path, arch, tensors, meta)
-
-
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_gguf_tiny_model_round_trip(tmp_path, family):
     """Names map back, llama q/k come back un-permuted (qwen ones untouched), tied output follows output.weight."""
     model = TINY[family]()
-    _to_gguf(model, tmp_path / "m.gguf", family)
+    write_gguf(model, tmp_path / "m.gguf", family)
     ck = load_checkpoint(tmp_path / "m.gguf")
     hf = ModelConfig.from_hf(model.config.to_dict())
     assert ck.config.family == family
@@ -273,7 +228,7 @@ def test_gguf_llama3_rope_freqs(tmp_path):
     plain = 1.0 / (500000.0 ** (torch.arange(0, dim, 2).float() / dim))
     factors = (plain / ref).numpy().astype(np.float32)  # what convert_hf_to_gguf.py writes
     assert factors.max() > 1.5  # the scaling is not a no-op at this head_dim
-    _to_gguf(model, tmp_path / "m.gguf", "llama", {"rope_freqs.weight": (factors, Q.F32)})
+    write_gguf(model, tmp_path / "m.gguf", "llama", extra={"rope_freqs.weight": (factors, Q.F32)})
     ck = load_checkpoint(tmp_path / "m.gguf")
     assert ck.config.rope_scaling["rope_type"] == "factors"
     torch.testing.assert_close(rope_inv_freq(ck.config), ref.float(), rtol=1e-6, atol=0)
@@ -287,7 +242,7 @@ def test_gguf_unknown_architecture(tmp_path):
 
 def test_gguf_missing_tensor(tmp_path):
     model = TINY["qwen3"]()
-    _to_gguf(model, tmp_path / "m.gguf", "qwen3")
+    write_gguf(model, tmp_path / "m.gguf", "qwen3")
     r = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     kept = {t.name: (np.array(t.data), Q.F32)
             for t in r.tensors if t.name != "blk.1.attn_k_norm.weight"}
@@ -366,7 +321,7 @@ def test_truncated_gguf_header(tmp_path, keep):
 
 @pytest.mark.parametrize("keep", [0.3, 0.99])
 def test_truncated_gguf_tensors(tmp_path, keep):
-    _to_gguf(TINY["llama"](), tmp_path / "m.gguf", "llama")
+    write_gguf(TINY["llama"](), tmp_path / "m.gguf", "llama")
     data = (tmp_path / "m.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ModelError, match=r"cut.gguf: (not a readable GGUF|truncated: its tensors need \d+ bytes)"):

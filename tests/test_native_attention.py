@@ -9,12 +9,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from gguf.quants import quantize as gguf_quantize
+from quant_bytes import gguf_bytes
 
 import dtorch
 import dtorch.kernels.native as nk
 from dtorch import ops
 from dtorch.core.device import Device
+from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import ArgumentError
 from dtorch.dispatch.context import KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
@@ -205,21 +206,18 @@ def test_public_ops_cache_then_attend_native_and_without(dtype):
 
 # -- llm.embedding on GGUF weights -----------------------------------------------------------------------------
 
-EMBED_LAYOUTS = ["gguf.q8_0", "gguf.q4_0", "gguf.q4_1"]
+EMBED_LAYOUTS = GGUF_LAYOUTS
 
 
 def _packed_embedding(layout: str, v: int, e: int) -> torch.Tensor:
-    import gguf
-
-    w = np.random.default_rng(4).standard_normal((v, e), dtype=np.float32)
-    raw = gguf_quantize(w, gguf.GGMLQuantizationType[layout[5:].upper()])
-    return layouts.pack(torch.from_numpy(raw), layout, e)
+    return layouts.pack(torch.from_numpy(gguf_bytes(layout, v, e, np.random.default_rng(4))), layout, e)
 
 
 @pytest.mark.parametrize("layout", EMBED_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding_is_the_reference_bit_for_bit(layout, dtype):
-    e = 576 + 32  # one whole super-group of 16 blocks, then a partial one of 3
+    # 32-block formats: one whole super-group of 16 blocks, then a partial one of 3 (groups of 128: 4 whole, 1 of 3)
+    e = 576 + 32 if layouts.block_size(layout) == 32 else 768
     w = _packed_embedding(layout, 50, e)
     kernel, reference = native._embedding_kernel(layout), torch_quantized._embedding(layout)
     for ids in (torch.tensor([7]), torch.tensor([[0, 49, 3], [3, 3, 12]], dtype=torch.int32)):
@@ -236,9 +234,10 @@ def test_embedding_is_the_reference_bit_for_bit(layout, dtype):
 @pytest.mark.parametrize("layout", EMBED_LAYOUTS)
 def test_embedding_vocab_start_gives_zero_rows_outside(layout):
     """A vocabulary-parallel piece holds rows [vocab_start, vocab_start + V); other ids give zero rows."""
-    w = _packed_embedding(layout, 20, 64)
+    e = layouts.block_size(layout) * 2
+    w = _packed_embedding(layout, 20, e)
     ids = torch.tensor([99, 100, 119, 120, 5, 110])
-    got, want = torch.full((6, 64), float("nan")), torch.full((6, 64), float("nan"))
+    got, want = torch.full((6, e), float("nan")), torch.full((6, e), float("nan"))
     native._embedding_kernel(layout)(_ctx(vocab_start=100), (w, ids), (got,))
     torch_quantized._embedding(layout)(_ctx(vocab_start=100), (w, ids), (want,))
     assert torch.equal(got, want)
@@ -253,5 +252,3 @@ def test_embedding_dispatch():
             assert d.explain(key).winner.provider == "native", str(d.explain(key))
             with d.disabled("native"):
                 assert d.select(key).provider != "native"
-    for layout in ("gguf.q4_k", "gguf.q6_k"):  # known gap: the K-quant rows stay on the torch backend's kernel
-        assert d.explain(KernelKey("llm.embedding", "cpu", torch.float32, layout)).winner.provider != "native"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+from quant_bytes import gguf_bytes, gguf_reference, qtype
 
 import dtorch.kernels.native as nk
 from dtorch.core.device import Device
@@ -51,31 +51,9 @@ def isa(request):
         yield request.param
 
 
-# -- weights ----------------------------------------------------------------------------------------------
-# Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 bytes come from gguf's quantize of Gaussian weights. gguf 0.19 cannot quantize the
-# K-quants or the IQ4 formats (NotImplementedError), so those are random blocks with realistic fp16 scales at the
-# offsets FP16_SCALES names: any other bytes make a valid block, and the reference is still gguf's dequantize of the
-# same bytes. (tests/test_llamacpp_files.py runs files that llama.cpp's own quantizer wrote.)
-FP16_SCALES = {"gguf.q4_k": (0, 2), "gguf.q5_k": (0, 2), "gguf.q6_k": (208,), "gguf.q2_k": (80, 82),
-               "gguf.q3_k": (108,), "gguf.iq4_xs": (0,), "gguf.iq4_nl": (0,)}
+# -- weights (tests/quant_bytes.py) ---------------------------------------------------------------------------
 
-def _qtype(fmt: str) -> gguf.GGMLQuantizationType:
-    return gguf.GGMLQuantizationType[fmt[5:].upper()]
-
-
-def _raw(fmt: str, n: int, k: int, gen: np.random.Generator) -> np.ndarray:
-    qtype = _qtype(fmt)
-    if fmt not in FP16_SCALES:
-        return gguf_quantize(gen.standard_normal((n, k), dtype=np.float32), qtype)
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = gen.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    for at in FP16_SCALES[fmt]:  # d (and dmin); the sub-block scales stay random
-        raw[..., at:at + 2] = gen.uniform(1e-3, 1e-2, size=(n, k // block, 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
-
-
-def _reference(fmt: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(gguf_dequantize(raw, _qtype(fmt)), dtype=np.float32).reshape(n, k))
+_qtype, _raw, _reference = qtype, gguf_bytes, gguf_reference
 
 
 def _packed(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:

@@ -322,7 +322,7 @@ def flash_attention_with_kvcache(ctx, inputs, outputs):
 # -- llm.embedding on GGUF weights ----------------------------------------------------------------------------
 # (w uint8 [V, row bytes], ids int [...]) -> (out [..., E],) in the key's dtype; params vocab_start (ids outside
 # [vocab_start, vocab_start + V) give zero rows). Each row dequantized as layouts.dequantize (the same float32
-# bits), then rounded once. The K-quant layouts stay on the torch backend's kernel.
+# bits), then rounded once.
 
 def _embedding_kernel(layout: str):
     code, fallback = layouts.format_code(layout), torch_quantized._embedding(layout)
@@ -338,5 +338,5 @@ def _embedding_kernel(layout: str):
     return kernel
 
 
-for _layout in ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1"):
+for _layout in GGUF_LAYOUTS:
     KERNELS.add("llm.embedding", _embedding_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE)

@@ -93,6 +93,27 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+_DENSE_GGUF_NAMES = {hf: g for g, hf in reversed(_LAYER_NAMES.items())}  # the first wins: ffn_norm, not the hybrids'
+_GLOBAL_GGUF_NAMES = {hf: g for g, hf in _GLOBAL_NAMES.items()}
+
+
+def gguf_name(name: str) -> str | None:
+    """The llama.cpp name of a dense model's Hugging Face tensor name (``hf_name`` inverted), or None if it has none."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
+    if m:
+        base = _DENSE_GGUF_NAMES.get(m.group(2))
+        return None if base is None else f"blk.{m.group(1)}.{base}.{m.group(3)}"
+    m = re.match(r"^(.+)\.(weight|bias)$", name)
+    base = _GLOBAL_GGUF_NAMES.get(m.group(1)) if m else None
+    return None if base is None else f"{base}.{m.group(2)}"
+
+
+def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row permutation (its converter's ``LlamaModel.permute``), which ``unpermute_qk`` undoes."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation for interleaved RoPE.
 
@@ -104,8 +125,10 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _open(path: Path) -> Any:
-    import gguf
-
+    try:
+        import gguf  # only here: ops, graphs and Hugging Face checkpoints run without it
+    except ImportError as e:
+        raise ModelError(f"{path}: reading a GGUF file needs the gguf package ({e}); pip install gguf") from None
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors ... on a bad file

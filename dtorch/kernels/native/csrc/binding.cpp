@@ -682,7 +682,7 @@ void dequant_row(int fmt, const uint8_t* row, int64_t E, float* x) {
   }
 }
 
-// qembedding(w uint8 [V, row bytes] (Q8_0 / Q4_0 / Q4_1), ids int32/int64 [...], fmt int, vocab_start int | None,
+// qembedding(w uint8 [V, row bytes] (any format), ids int32/int64 [...], fmt int, vocab_start int | None,
 // out [..., E] f32/bf16): out[t] = dequantize(w[ids[t] - vocab_start]); with vocab_start, ids outside
 // [vocab_start, vocab_start + V) give zero rows
 ENTRY(py_qembedding)
@@ -700,24 +700,36 @@ ENTRY(py_qembedding)
   need_dtype(w, at::kByte, op, "w");
   NEED(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, g_dtype_error,
        std::string(op) + ": ids must be int64 or int32, got " + dtype_name(ids));
-  NEED(fmt == dtn::Q8_0 || fmt == dtn::Q4_0 || fmt == dtn::Q4_1, g_layout_error,
-       std::string(op) + ": format " + std::to_string(fmt) + " is not Q8_0, Q4_0 or Q4_1");
   const int64_t E = out.dim() ? out.size(-1) : 0, V = w.dim() == 2 ? w.size(0) : 0, M = ids.numel();
-  const int64_t rb = E / 32 * (fmt == dtn::Q8_0 ? 34 : fmt == dtn::Q4_0 ? 18 : 20);
-  NEED(w.dim() == 2 && E > 0 && E % 32 == 0 && w.size(1) == rb && out.numel() == M * E, g_shape_error,
-       std::string(op) + ": need w [V, row bytes of E], out [..., E] with E a multiple of 32 and one row per id; "
-       "got w " + dims(w) + ", ids " + dims(ids) + ", out " + dims(out));
+  const Sizes sz = sizes(int(fmt), E);
+  const int64_t rb = sz.qs + sz.d + sz.aux;
+  NEED(w.dim() == 2 && E > 0 && E % sz.block == 0 && w.size(1) == rb && out.numel() == M * E, g_shape_error,
+       std::string(op) + ": need w [V, row bytes of E], out [..., E] with E a multiple of " +
+       std::to_string(sz.block) + " and one row per id; got w " + dims(w) + ", ids " + dims(ids) + ", out " +
+       dims(out));
+  const bool sg = dtn::super_grouped(int(fmt));
   const bool wide = ids.scalar_type() == at::kLong;
   const void* idp = ids.data_ptr();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   std::vector<float> buf(dt == dtn::F32 ? 0 : size_t(E));
+  // the group formats: the kernel table's dequantization of the row (packed order), put back in weight order
+  const dtn::QWeight qw{int(fmt), E, wp, rb, reinterpret_cast<const uint16_t*>(wp + sz.qs), rb / 2, wp + sz.qs + sz.d,
+                        rb};
+  const std::vector<int64_t> order = sg ? std::vector<int64_t>() : kernel_order(false, E);
+  std::vector<float> packed_order(sg ? 0 : size_t(E));
   for (int64_t t = 0; t < M; ++t) {
     const int64_t r = (wide ? static_cast<const int64_t*>(idp)[t] : static_cast<const int32_t*>(idp)[t]) - start;
     NEED(sharded || (r >= 0 && r < V), g_arg_error, std::string(op) + ": id " + std::to_string(r) +
          " is outside the vocabulary of " + std::to_string(V));
     float* x = dt == dtn::F32 ? out.data_ptr<float>() + t * E : buf.data();
-    if (r >= 0 && r < V) dequant_row(int(fmt), wp + r * rb, E, x);
-    else std::fill(x, x + E, 0.f);
+    if (r < 0 || r >= V) {
+      std::fill(x, x + E, 0.f);
+    } else if (sg) {
+      dequant_row(int(fmt), wp + r * rb, E, x);
+    } else {
+      g_table->dequant(qw, r, r + 1, packed_order.data());
+      for (int64_t i = 0; i < E; ++i) x[order[size_t(i)]] = packed_order[size_t(i)];
+    }
     if (dt == dtn::BF16) {
       c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + t * E;
       for (int64_t e = 0; e < E; ++e) o[e] = c10::BFloat16(x[e]);

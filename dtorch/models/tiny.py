@@ -1,0 +1,117 @@
+"""Tiny random checkpoints written the way transformers and llama.cpp write them, for the tests, the benchmarks and
+the GPU check (which writes its own models on the machine: nothing is downloaded or carried).
+
+Needs ``transformers`` (passed in, so importing this module imports neither it nor ``gguf``) and, for GGUF files,
+the ``gguf`` package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def families(transformers, heads: int, kv_heads: int, vocab: int, qwen3_head_dim: int, **sizes: int) -> dict:
+    """family -> a config factory: 2 layers, hidden 64, ``heads`` / ``kv_heads`` attention heads; ``sizes`` overrides
+    the common fields (``hidden_size=512, num_hidden_layers=4``, ...)."""
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2) | sizes
+    return {
+        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0),
+        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=qwen3_head_dim, tie_word_embeddings=True,
+                                                  rope_theta=1e6),
+    }
+
+
+def save_random(transformers, config, path: Path):
+    """A random model of ``config`` saved to ``path``; returns the transformers model (eval, float32)."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms at 1 and biases at 0 would hide mistakes in how they are applied or split
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(path)
+    return hf
+
+
+def random_hybrid(transformers, config):
+    """A random Qwen3-Next / Qwen3.5 transformers model (eval, float32) with every norm, A_log and dt_bias moved off
+    its initial value (a norm of zeros, i.e. a scale of 1, would hide a missing ``1 +``)."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith(("dt_bias", "A_log")):
+                p.add_(torch.randn_like(p) * 0.3)
+    return hf
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` by ``n`` tokens (a full forward per token, no cache)."""
+    ids = list(ids)
+    device = next(hf.parameters()).device
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids], device=device)).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], Any] | None = None,
+               extra: dict[str, tuple[Any, Any]] | None = None) -> None:
+    """Write the transformers model ``hf`` (a dense Llama, Qwen2 or Qwen3) to the GGUF file ``path`` as llama.cpp's
+    ``convert_hf_to_gguf.py`` does: its tensor names, Llama's q/k rows permuted, the ``{arch}.*`` metadata keys.
+
+    ``arch``: "llama" | "qwen2" | "qwen3" (default: the config's ``model_type``). ``qtype(gguf_name)`` gives each
+    matrix's ``gguf.GGMLQuantizationType`` (default F32; Q8_0, Q4_0, Q4_1 ... are quantized by ``gguf.quants``, whose
+    rows must be a multiple of 32 long); vectors stay F32. ``extra``: more tensors, name -> (array, type).
+    """
+    import gguf
+    import numpy as np
+
+    from dtorch.models.loaders.gguf import gguf_name, permute_qk
+
+    c, Q = hf.config, gguf.GGMLQuantizationType
+    arch = arch or c.model_type
+    tensors = dict(extra or {})
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        g = gguf_name(name)
+        if g is None:
+            raise ValueError(f"write_gguf: {name} has no llama.cpp name (a dense llama, qwen2 or qwen3 model only)")
+        t = t.detach().float().cpu()
+        if arch == "llama" and ".attn_q." in g:
+            t = permute_qk(t, c.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in g:
+            t = permute_qk(t, c.num_key_value_heads)
+        a = np.ascontiguousarray(t.numpy())
+        kind = Q.F32 if a.ndim < 2 or qtype is None else qtype(g)
+        tensors[g] = (a if kind == Q.F32 else gguf.quants.quantize(a, kind), kind)
+    V = gguf.GGUFValueType
+    meta = {f"{arch}.{k}": v for k, v in {
+        "vocab_size": (c.vocab_size, V.UINT32), "embedding_length": (c.hidden_size, V.UINT32),
+        "feed_forward_length": (c.intermediate_size, V.UINT32), "block_count": (c.num_hidden_layers, V.UINT32),
+        "attention.head_count": (c.num_attention_heads, V.UINT32),
+        "attention.head_count_kv": (c.num_key_value_heads, V.UINT32),
+        "attention.key_length": (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, V.UINT32),
+        "attention.layer_norm_rms_epsilon": (c.rms_norm_eps, V.FLOAT32),
+        "rope.freq_base": (c.rope_parameters["rope_theta"], V.FLOAT32),
+        "context_length": (c.max_position_embeddings, V.UINT32)}.items()}
+    for key, token in (("bos", c.bos_token_id), ("eos", c.eos_token_id)):
+        if isinstance(token, int):
+            meta[f"tokenizer.ggml.{key}_token_id"] = (token, V.UINT32)
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, (value, vtype) in meta.items():
+        w.add_key_value(key, value, vtype)
+    for name, (data, kind) in tensors.items():  # shapes follow from the byte layout of `data`
+        w.add_tensor(name, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
