@@ -1,10 +1,11 @@
-"""Native CPU kernels vs torch on SmolLM2-135M's linear shapes: y [M, N] = x [M, K] @ W[N, K].T.
+"""Native CPU kernels vs torch on SmolLM2-135M's and Qwen3-0.6B's linear shapes: y [M, N] = x [M, K] @ W[N, K].T.
 
-Run: ``python bench/native_kernels.py [--isa avx512,avx2] [--rounds 5] [--threads 1,2] [--m 1,128]``.
+Run: ``python bench/native_kernels.py [--isa avx512,avx2] [--rounds 5] [--threads 1,2] [--m 1,128]
+[--formats q4_1,q4_k,...] [--shapes smollm2,qwen3]``.
 
-Rows per (shape, M, threads): torch float32 and bfloat16 matmul, native float GEMV (M = 1), native
-Q4_1 / Q8_0 / Q4_K / Q6_K products per ISA (K-quants only where K % 256 == 0: K = 1536); each gives µs per
-call and GB/s of weight bytes streamed. Times
+Rows per (shape, M, threads): torch float32 and bfloat16 matmul, native float GEMV (M = 1), native products of
+every packed GGUF format per ISA (K-quants only where K % 256 == 0); each gives µs per call and GB/s of weight
+bytes streamed. Times
 are medians over rounds in which every variant runs once in turn (so drift of this shared machine hits all
 alike). For M = 1 each call takes the next of several distinct copies of the weight, enough to overflow the
 last-level cache (at least 256 MiB in all, at most 60 copies), so each call streams its weight from memory, as a
@@ -27,22 +28,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import table  # noqa: E402
 
 import dtorch.kernels.native as nk  # noqa: E402
+from dtorch.core.dtypes import GGUF_LAYOUTS  # noqa: E402
 from dtorch.kernels import layouts  # noqa: E402
 
-SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # (N, K): q/o, k/v, gate/up, down, head
-QFORMATS = ["gguf.q4_1", "gguf.q8_0", "gguf.q4_k", "gguf.q6_k"]
+SHAPES = {  # (N, K): q/o, k/v, gate/up, down, head
+    "smollm2": [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)],
+    "qwen3": [(2048, 1024), (1024, 2048), (1024, 1024), (3072, 1024), (1024, 3072)],
+}
 FOOTPRINT = 256 << 20
+# byte offsets of the fp16 scales in a GGUF block (the other bytes: any value is valid)
+FP16_AT = {"gguf.q8_0": [0], "gguf.q4_0": [0], "gguf.q4_1": [0, 2], "gguf.q5_0": [0], "gguf.q5_1": [0, 2],
+           "gguf.iq4_nl": [0], "gguf.q2_k": [80, 82], "gguf.q3_k": [108], "gguf.q4_k": [0, 2], "gguf.q5_k": [0, 2],
+           "gguf.q6_k": [208], "gguf.iq4_xs": [0]}
 
 
 def _raw(fmt: str, n: int, k: int) -> torch.Tensor:
     """Random GGUF blocks (speed does not depend on the values; any bytes with finite scales are valid)."""
-    block = layouts.block_size(fmt)
-    size = {"gguf.q4_1": 20, "gguf.q8_0": 34, "gguf.q4_k": 144, "gguf.q6_k": 210}[fmt]  # GGUF bytes per block
+    block, size = layouts.block_size(fmt), layouts.gguf_block_bytes(fmt)
     gen = np.random.default_rng(0)
     raw = gen.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     scale = np.full((n, k // block, 2), 1e-3, dtype=np.float16).view(np.uint8)
-    where = {"gguf.q4_1": [0, 2], "gguf.q8_0": [0], "gguf.q4_k": [0, 2], "gguf.q6_k": [208]}[fmt]
-    for off in where:
+    for off in FP16_AT[fmt]:
         raw[..., off:off + 2] = scale[..., :2]
     return torch.from_numpy(raw.reshape(n, -1))
 
@@ -51,7 +57,7 @@ def _copies(nbytes: int, m: int) -> int:
     return 1 if m > 1 else max(2, min(60, -(-FOOTPRINT // nbytes)))
 
 
-def _variants(n: int, k: int, m: int, isas: list[str]) -> list[tuple[str, int, Callable[[int], None]]]:
+def _variants(n: int, k: int, m: int, isas: list[str], formats: list[str]) -> list[tuple[str, int, Callable[[int], None]]]:
     """(name, weight bytes, call(i)) where call(i) runs once on copy i % copies."""
     out = []
     x32, xbf = torch.randn(m, k), torch.randn(m, k).bfloat16()
@@ -63,7 +69,7 @@ def _variants(n: int, k: int, m: int, isas: list[str]) -> list[tuple[str, int, C
     if m == 1:
         out.append(("gemv f32", n * k * 4, lambda i: nk.gemv(x32, w32[i % len(w32)], y32)))
         out.append(("gemv bf16", n * k * 2, lambda i: nk.gemv(x32, wbf[i % len(wbf)], y32)))
-    for fmt in QFORMATS:
+    for fmt in formats:
         if k % layouts.block_size(fmt):  # K-quants need K % 256 == 0 (llama.cpp stores such tensors otherwise)
             continue
         packed = layouts.pack(_raw(fmt, n, k), fmt, k)
@@ -100,14 +106,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--m", default="1,128")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--formats", default="q4_1,q8_0,q4_k,q6_k", help="GGUF formats (comma separated) or 'all'")
+    ap.add_argument("--shapes", default="smollm2", help=f"shape sets: {', '.join(SHAPES)}")
+    ap.add_argument("--no-torch", action="store_true", help="time the native products only")
     args = ap.parse_args(argv)
+    formats = list(GGUF_LAYOUTS) if args.formats == "all" else [f"gguf.{f}" for f in args.formats.split(",")]
+    shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     isas = args.isa.split(",")
     nk.load()
     print(f"torch {torch.__version__}; native ISAs on this CPU: {', '.join(nk.available_isas())}\n")
     head, rows = None, []
     for m in (int(v) for v in args.m.split(",")):
-        for n, k in SHAPES:
-            variants = _variants(n, k, m, isas)
+        for n, k in shapes:
+            variants = _variants(n, k, m, isas, formats)
+            if args.no_torch:
+                variants = [v for v in variants if not v[0].startswith(("torch", "gemv"))]
             for t in (int(v) for v in args.threads.split(",")):
                 torch.set_num_threads(t)
                 us = _measure(variants, m, args.rounds)

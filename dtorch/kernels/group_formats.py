@@ -1,15 +1,15 @@
-"""The GGUF formats laid out in groups of 128 weights: Q4_K and Q6_K (``layouts``), and Q5_0, Q5_1, IQ4_NL, Q2_K,
-Q3_K, Q5_K and IQ4_XS here. Their packed row is ``[qs | d | aux]``.
+"""The GGUF formats laid out in groups of 128 weights: Q4_K and Q6_K (``layouts``), and Q2_K, Q3_K, Q5_K and IQ4_XS
+here. Their packed row is ``[qs | d | aux]``.
 
 ``qs`` holds each weight's unsigned quant u (IQ4: the index into the non-linear table ``KVALUES``) in groups of 4
-sub-blocks of 32 (a 32-block format's last group of a row may hold 1..3 sub-blocks, ``gs``), as two halves
-L = [s0[0:16], s1[0:16], ...] and H = [s0[16:32], ...]. A group is a list of bit planes, each 16 gs values wide:
+sub-blocks of 32, as two halves L = [s0[0:16], s1[0:16], ...] and H = [s0[16:32], ...]. A group is a list of bit
+planes, each 64 values wide:
 
-- ``nib``: 4 bits, byte i = L[i] | H[i] << 4 (16 gs bytes);
-- ``bit``: 1 bit, the L bits then the H bits, little-endian (bit i of the bytes is value i; 2 gs + 2 gs bytes);
+- ``nib``: 4 bits, byte i = L[i] | H[i] << 4 (64 bytes);
+- ``bit``: 1 bit, the L bits then the H bits, little-endian (bit i of the bytes is value i; 8 + 8 bytes);
 - ``two``: 2 bits of a whole group, byte i = L[i] | L[32 + i] << 2 | H[i] << 4 | H[32 + i] << 6 (32 bytes).
 
-``d`` holds the fp16 scales (per block of 32: d, then Q5_1's m; per 256: d, then dmin where the format has one) and
+``d`` holds the fp16 scales (per 256: d, then dmin where the format has one) and
 ``aux`` the sub-block scales: Q5_K sc[8] then mn[8] per 256 (as Q4_K); Q3_K int8 (scale - 32) and Q2_K the GGUF byte
 (sc | mn << 4), 8 per group as [L s0..s3, H s0..s3] (a scale per 16 weights); IQ4_XS int8 (scale - 32) per 32.
 
@@ -34,85 +34,68 @@ class Planes:
     """A group's bit planes: (kind, the bit of u its lowest bit holds)."""
     planes: tuple[tuple[str, int], ...]
 
-    def bytes(self, gs: int) -> int:
-        """Bytes of a group of ``gs`` sub-blocks."""
-        return sum({"nib": 16, "bit": 4, "two": 8}[kind] * gs for kind, _ in self.planes)
+    @property
+    def bytes(self) -> int:
+        """Bytes of a group."""
+        return sum({"nib": 64, "bit": 16, "two": 32}[kind] for kind, _ in self.planes)
 
 
-def spans(nb: int) -> list[tuple[int, int, int]]:
-    """(first sub-block, sub-blocks, per group) of a row's whole groups and of its last partial one."""
-    full, rest = nb // 4 * 4, nb % 4
-    return [s for s in ((0, full, 4), (full, rest, rest)) if s[1]]
-
-
-def _le_bits(x: torch.Tensor) -> torch.Tensor:
+def le_bits(x: torch.Tensor) -> torch.Tensor:
     """0/1 values [..., 8 k] -> bytes [..., k], value i as bit i % 8 of byte i / 8."""
     return (x.reshape(*x.shape[:-1], -1, 8) << _BITS8).sum(-1, dtype=torch.uint8)
 
 
-def _unbits(b: torch.Tensor) -> torch.Tensor:
-    """Inverse of _le_bits: bytes [..., k] -> 0/1 values [..., 8 k]."""
+def unbits(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of le_bits: bytes [..., k] -> 0/1 values [..., 8 k]."""
     return ((b[..., None] >> _BITS8) & 1).reshape(*b.shape[:-1], -1)
 
 
 def encode(u: torch.Tensor, planes: Planes) -> torch.Tensor:
-    """Quants u uint8 [N, K] in weight order -> the qs section [N, row's qs bytes]."""
-    n, nb = u.shape[0], u.shape[1] // 32
-    v, out = u.reshape(n, nb, 2, 16), []
-    for s0, cnt, gs in spans(nb):
-        w = v[:, s0:s0 + cnt].reshape(n, cnt // gs, gs, 2, 16)
-        lo, hi = w[:, :, :, 0].reshape(n, -1, 16 * gs), w[:, :, :, 1].reshape(n, -1, 16 * gs)
-        parts = []
-        for kind, shift in planes.planes:
-            a, b = lo >> shift, hi >> shift
-            if kind == "nib":
-                parts.append((a & 15) | ((b & 15) << 4))
-            elif kind == "bit":
-                parts += [_le_bits(a & 1), _le_bits(b & 1)]
-            else:  # "two": whole groups only (the K-quants)
-                a, b = a & 3, b & 3
-                parts.append(a[..., :32] | (a[..., 32:] << 2) | (b[..., :32] << 4) | (b[..., 32:] << 6))
-        out.append(torch.cat(parts, -1).reshape(n, -1))
-    return torch.cat(out, 1)
+    """Quants u uint8 [N, K] in weight order -> the qs section [N, K / 128 * planes.bytes]."""
+    n = u.shape[0]
+    w = u.reshape(n, -1, 4, 2, 16)
+    lo, hi = w[:, :, :, 0].reshape(n, -1, 64), w[:, :, :, 1].reshape(n, -1, 64)
+    parts = []
+    for kind, shift in planes.planes:
+        a, b = lo >> shift, hi >> shift
+        if kind == "nib":
+            parts.append((a & 15) | ((b & 15) << 4))
+        elif kind == "bit":
+            parts += [le_bits(a & 1), le_bits(b & 1)]
+        else:
+            a, b = a & 3, b & 3
+            parts.append(a[..., :32] | (a[..., 32:] << 2) | (b[..., :32] << 4) | (b[..., 32:] << 6))
+    return torch.cat(parts, -1).reshape(n, -1)
 
 
 def decode(qs: torch.Tensor, planes: Planes, k: int) -> torch.Tensor:
     """Inverse of encode: the qs section [N, bytes] -> quants u uint8 [N, K] in weight order."""
-    n, nb, out, at = qs.shape[0], k // 32, [], 0
-    for _, cnt, gs in spans(nb):
-        ng, size = cnt // gs, planes.bytes(gs)
-        g = qs[:, at:at + ng * size].reshape(n, ng, size)
-        at += ng * size
-        lo = torch.zeros(n, ng, 16 * gs, dtype=torch.uint8)
-        hi = torch.zeros_like(lo)
-        off = 0
-        for kind, shift in planes.planes:
-            if kind == "nib":
-                b = g[..., off:off + 16 * gs]
-                lo |= (b & 15) << shift
-                hi |= (b >> 4) << shift
-                off += 16 * gs
-            elif kind == "bit":
-                lo |= _unbits(g[..., off:off + 2 * gs]) << shift
-                hi |= _unbits(g[..., off + 2 * gs:off + 4 * gs]) << shift
-                off += 4 * gs
-            else:
-                b = g[..., off:off + 32]
-                lo |= torch.cat([b & 3, (b >> 2) & 3], -1) << shift
-                hi |= torch.cat([(b >> 4) & 3, (b >> 6) & 3], -1) << shift
-                off += 32
-        out.append(torch.stack([lo.reshape(n, ng, gs, 16), hi.reshape(n, ng, gs, 16)], 3).reshape(n, -1))
-    return torch.cat(out, 1)
+    n, ng = qs.shape[0], k // 128
+    g = qs.reshape(n, ng, planes.bytes)
+    lo = torch.zeros(n, ng, 64, dtype=torch.uint8)
+    hi = torch.zeros_like(lo)
+    off = 0
+    for kind, shift in planes.planes:
+        if kind == "nib":
+            b = g[..., off:off + 64]
+            lo |= (b & 15) << shift
+            hi |= (b >> 4) << shift
+            off += 64
+        elif kind == "bit":
+            lo |= unbits(g[..., off:off + 8]) << shift
+            hi |= unbits(g[..., off + 8:off + 16]) << shift
+            off += 16
+        else:
+            b = g[..., off:off + 32]
+            lo |= torch.cat([b & 3, (b >> 2) & 3], -1) << shift
+            hi |= torch.cat([(b >> 4) & 3, (b >> 6) & 3], -1) << shift
+            off += 32
+    return torch.stack([lo.reshape(n, ng, 4, 16), hi.reshape(n, ng, 4, 16)], 3).reshape(n, k)
 
 
 def _fp16(b: torch.Tensor) -> torch.Tensor:
     """Bytes [..., 2 m] -> float32 [..., m]."""
     return b.contiguous().view(torch.float16).float()
-
-
-def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
-    """GGUF's 32-block nibbles [..., 16] -> values [..., 32] (byte i holds weight i and i + 16)."""
-    return torch.cat([qs & 15, qs >> 4], -1)
 
 
 def _levels(idx: torch.Tensor) -> torch.Tensor:
@@ -130,34 +113,6 @@ def _from_groups(aux: torch.Tensor, n: int, ns: int) -> torch.Tensor:
 
 
 # -- per format: GGUF blocks [N, blocks, type_size] -> (u [N, K], d section, aux section), and the values ---------
-
-def split_q5_0(b, n, k):
-    u = _nibbles32(b[..., 6:22]) | (_unbits(b[..., 2:6]) << 4)
-    return u.reshape(n, k), b[..., 0:2].reshape(n, -1), b[:, :0, 0]
-
-
-def values_q5_0(u, d, aux, n, k):
-    return (_fp16(d)[..., None] * (u.reshape(n, -1, 32).to(torch.int8) - 16).float()).reshape(n, k)
-
-
-def split_q5_1(b, n, k):
-    u = _nibbles32(b[..., 8:24]) | (_unbits(b[..., 4:8]) << 4)
-    return u.reshape(n, k), torch.cat([b[..., 0:2].reshape(n, -1), b[..., 2:4].reshape(n, -1)], 1), b[:, :0, 0]
-
-
-def values_q5_1(u, d, aux, n, k):
-    nb = k // 32
-    dm = _fp16(d)
-    return (dm[:, :nb, None] * u.reshape(n, nb, 32).float() + dm[:, nb:, None]).reshape(n, k)
-
-
-def split_iq4_nl(b, n, k):
-    return _nibbles32(b[..., 2:18]).reshape(n, k), b[..., 0:2].reshape(n, -1), b[:, :0, 0]
-
-
-def values_iq4_nl(u, d, aux, n, k):
-    return (_fp16(d)[..., None] * _levels(u.reshape(n, -1, 32))).reshape(n, k)
-
 
 def q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """12 packed bytes [..., 12] -> 6-bit scales and mins [..., 8] each (as gguf's Q4_K.get_scale_min)."""
@@ -237,9 +192,6 @@ def values_iq4_xs(u, d, aux, n, k):
 
 # layout -> (planes, split, values)
 FORMATS = {
-    "gguf.q5_0": (Planes((("nib", 0), ("bit", 4))), split_q5_0, values_q5_0),
-    "gguf.q5_1": (Planes((("nib", 0), ("bit", 4))), split_q5_1, values_q5_1),
-    "gguf.iq4_nl": (Planes((("nib", 0),)), split_iq4_nl, values_iq4_nl),
     "gguf.q2_k": (Planes((("two", 0),)), split_q2_k, values_q2_k),
     "gguf.q3_k": (Planes((("two", 0), ("bit", 2))), split_q3_k, values_q3_k),
     "gguf.q5_k": (Planes((("nib", 0), ("bit", 4))), split_q5_k, values_q5_k),

@@ -78,7 +78,7 @@ _SPECS: dict[str, _Spec] = {
 assert tuple(_SPECS) == GGUF_LAYOUTS
 _BY_GGML = {spec.ggml: name for name, spec in _SPECS.items()}
 # the formats in super-groups of 16 blocks (the rest are in groups of 128 weights: group_formats)
-SUPER_GROUPED = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1")
+SUPER_GROUPED = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl")
 
 
 def layout_of_gguf(ggml_type: int) -> str | None:
@@ -97,6 +97,11 @@ def _spec(layout: str) -> _Spec:
 def format_code(layout: str) -> int:
     """The native kernels' format number of ``layout``."""
     return _spec(layout).code
+
+
+def gguf_block_bytes(layout: str) -> int:
+    """Bytes of one GGUF block of ``layout`` as the file stores it."""
+    return _spec(layout).type_size
 
 
 def block_size(layout: str) -> int:
@@ -161,10 +166,13 @@ def pack(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
     return torch.cat([qs.reshape(n, -1), d.reshape(n, -1), aux.reshape(n, -1)], 1).contiguous()
 
 
-# 32-block formats: super-groups of S = 16 blocks (the last: the rest), each [d: S fp16 | m: S fp16 (Q4_1) |
-# quants transposed to [step u][block j][4 bytes]]: a 4 * S byte load holds 4 quants of every block, so SIMD
-# lane j sums block j alone and its scale applies once per super-group. Quant bytes are GGUF's own (a Q4 byte
-# holds weight i and i + 16), Q8_0's flipped by 0x80 (unsigned: q + 128).
+# 32-block formats: super-groups of S = 16 blocks (the last: the rest), each [d: S fp16 | m: S fp16 (Q4_1, Q5_1) |
+# Q5's high bits: S x 4 bytes | quants transposed to [step u][block j][4 bytes]]: a 4 * S byte load holds 4 quants of
+# every block, so SIMD lane j sums block j alone and its scale applies once per super-group. Quant bytes are GGUF's
+# own (a 4-bit byte holds weight i and i + 16; IQ4_NL's are indices into its levels), Q8_0's flipped by 0x80
+# (unsigned: q + 128). Q5's high bits are laid out as a step's quants are: byte t of block j holds in bit u (0..3)
+# the fifth bit of weight 4 u + t and in bit 4 + u that of weight 16 + 4 u + t, so step u's low nibbles take bit u
+# and its high nibbles bit 4 + u of the bytes at the same place.
 
 def _spans(nb: int) -> list[tuple[int, int, int]]:
     """(first block, blocks, blocks per super-group) of the whole super-groups and of the last partial one."""
@@ -172,27 +180,45 @@ def _spans(nb: int) -> list[tuple[int, int, int]]:
     return [span for span in ((0, full, 16), (full, rest, rest)) if span[1]]
 
 
-def _super_groups(b: torch.Tensor, head: int, flip: bool) -> torch.Tensor:
-    """Blocks b [N, nb, type_size] (``head`` bytes of fp16 scales first) -> packed rows [N, nb * type_size]."""
+def _step_bits(qh: torch.Tensor) -> torch.Tensor:
+    """GGUF's Q5 high bits [..., 4] (bit i: weight i) -> the step form [..., 4] (see above)."""
+    bits = group_formats.unbits(qh).reshape(*qh.shape[:-1], 2, 4, 4)   # [half, step u, t]
+    return group_formats.le_bits(bits.movedim(-1, -3).reshape(*qh.shape[:-1], 4, 8)).reshape(qh.shape)
+
+
+def _gguf_bits(steps: torch.Tensor) -> torch.Tensor:
+    """Inverse of _step_bits: the step form [..., 4] -> 0/1 values [..., 32] in weight order."""
+    bits = group_formats.unbits(steps).reshape(*steps.shape[:-1], 4, 2, 4)  # [t, half, step u]
+    return bits.movedim(-3, -1).reshape(*steps.shape[:-1], 32)
+
+
+def _super_groups(b: torch.Tensor, head: int, flip: bool, qh: int = 0) -> torch.Tensor:
+    """Blocks b [N, nb, type_size] (``head`` bytes of fp16 scales, then ``qh`` bytes of Q5 high bits) -> packed rows
+    [N, nb * type_size]."""
     n, nb, ts = b.shape
-    q = b[..., head:] ^ 0x80 if flip else b[..., head:]
+    q = b[..., head + qh:] ^ 0x80 if flip else b[..., head + qh:]
     parts = []
     for g0, s, size in _spans(nb):
         blk, qb = b[:, g0:g0 + s].reshape(n, s // size, size, ts), q[:, g0:g0 + s].reshape(n, s // size, size, -1, 4)
         scales = [blk[..., o:o + 2].reshape(n, s // size, 2 * size) for o in range(0, head, 2)]
+        if qh:
+            scales.append(_step_bits(blk[..., head:head + qh]).reshape(n, s // size, qh * size))
         parts.append(torch.cat([*scales, qb.transpose(2, 3).reshape(n, s // size, -1)], -1).reshape(n, -1))
     return torch.cat(parts, 1)
 
 
-def _blocks(rows: torch.Tensor, nb: int, head: int, qb: int) -> tuple[torch.Tensor, ...]:
-    """Inverse of _super_groups: (quant bytes [N, nb, qb], then each fp16 scale array float32 [N, nb])."""
+def _blocks(rows: torch.Tensor, nb: int, head: int, qb: int, qh: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inverse of _super_groups: (quant bytes [N, nb, qb], then each fp16 scale array float32 [N, nb], then with
+    ``qh`` the high bits [N, nb, 32] in weight order)."""
     n = rows.shape[0]
-    ts, out = head + qb, []
+    ts, out = head + qh + qb, []
     for g0, s, size in _spans(nb):
         sg = rows[:, g0 * ts:(g0 + s) * ts].reshape(n, s // size, size * ts)
         scales = [sg[..., o * size:(o + 2) * size].contiguous().view(torch.float16).float().reshape(n, s)
                   for o in range(0, head, 2)]
-        q = sg[..., head * size:].reshape(n, s // size, qb // 4, size, 4).transpose(2, 3).reshape(n, s, qb)
+        if qh:
+            scales.append(_gguf_bits(sg[..., head * size:(head + qh) * size].reshape(n, s, qh)))
+        q = sg[..., (head + qh) * size:].reshape(n, s // size, qb // 4, size, 4).transpose(2, 3).reshape(n, s, qb)
         out.append((q, *scales))
     return tuple(torch.cat(t, 1) for t in zip(*out, strict=True))
 
@@ -207,6 +233,14 @@ def _pack_q4_0(b: torch.Tensor, n: int, k: int):
 
 def _pack_q4_1(b: torch.Tensor, n: int, k: int):
     return _super_groups(b, 4, False), b[..., :0], b[..., :0]
+
+
+def _pack_q5_0(b: torch.Tensor, n: int, k: int):
+    return _super_groups(b, 2, False, 4), b[..., :0], b[..., :0]
+
+
+def _pack_q5_1(b: torch.Tensor, n: int, k: int):
+    return _super_groups(b, 4, False, 4), b[..., :0], b[..., :0]
 
 
 def _pack_q4_k(b: torch.Tensor, n: int, k: int):
@@ -238,7 +272,8 @@ def _pack_q6_k(b: torch.Tensor, n: int, k: int):
     return torch.cat([nib, qh], -1), b[..., 208:210], sc
 
 
-_PACK = {"gguf.q8_0": _pack_q8_0, "gguf.q4_0": _pack_q4_0, "gguf.q4_1": _pack_q4_1, "gguf.q4_k": _pack_q4_k,
+_PACK = {"gguf.q8_0": _pack_q8_0, "gguf.q4_0": _pack_q4_0, "gguf.q4_1": _pack_q4_1, "gguf.q5_0": _pack_q5_0,
+         "gguf.q5_1": _pack_q5_1, "gguf.iq4_nl": _pack_q4_0, "gguf.q4_k": _pack_q4_k,
          "gguf.q6_k": _pack_q6_k}
 
 
@@ -280,6 +315,22 @@ def _dq_q4_0(rows, n, k):
     return (d[..., None] * (_unnibble(q).to(torch.int8) - 8).float()).reshape(n, k)
 
 
+def _dq_q5_0(rows, n, k):
+    q, d, hb = _blocks(rows, k // 32, 2, 16, 4)
+    u = _unnibble(q) | (hb << 4)
+    return (d[..., None] * (u.to(torch.int8) - 16).float()).reshape(n, k)
+
+
+def _dq_q5_1(rows, n, k):
+    q, d, m, hb = _blocks(rows, k // 32, 4, 16, 4)
+    return (d[..., None] * (_unnibble(q) | (hb << 4)).float() + m[..., None]).reshape(n, k)
+
+
+def _dq_iq4_nl(rows, n, k):
+    q, d = _blocks(rows, k // 32, 2, 16)
+    return (d[..., None] * torch.tensor(group_formats.KVALUES, dtype=torch.float32)[_unnibble(q).long()]).reshape(n, k)
+
+
 def _dq_q4_1(rows, n, k):
     q, d, m = _blocks(rows, k // 32, 4, 16)
     return (d[..., None] * _unnibble(q).float() + m[..., None]).reshape(n, k)
@@ -306,5 +357,6 @@ def _dq_q6_k(qs, d, aux, n, k):
     return (scale * (q.to(torch.int8) - 32).float()).reshape(n, k)
 
 
-_DEQUANTIZE = {"gguf.q8_0": _dq_q8_0, "gguf.q4_0": _dq_q4_0, "gguf.q4_1": _dq_q4_1, "gguf.q4_k": _dq_q4_k,
+_DEQUANTIZE = {"gguf.q8_0": _dq_q8_0, "gguf.q4_0": _dq_q4_0, "gguf.q4_1": _dq_q4_1, "gguf.q5_0": _dq_q5_0,
+               "gguf.q5_1": _dq_q5_1, "gguf.iq4_nl": _dq_iq4_nl, "gguf.q4_k": _dq_q4_k,
                "gguf.q6_k": _dq_q6_k}

@@ -653,35 +653,6 @@ ENTRY(py_cache_store)
   Py_RETURN_NONE;
 EXIT
 
-// one row of a Q8_0 / Q4_0 / Q4_1 weight packed as dtorch/kernels/layouts.py says (super-groups of 16 blocks of
-// 32: S fp16 d, then S fp16 m for Q4_1, then the quants as [step u][block j][4 bytes]) -> E floats, computed as
-// layouts.dequantize does (d * q, d * (q - 8), d * q + m: the same float32 operations, so the same bits)
-void dequant_row(int fmt, const uint8_t* row, int64_t E, float* x) {
-  const int64_t nb = E / 32, head = fmt == dtn::Q4_1 ? 4 : 2, qb = fmt == dtn::Q8_0 ? 32 : 16, ts = head + qb;
-  auto half = [](const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return c10::detail::fp16_ieee_to_fp32_value(h); };
-  for (int64_t g0 = 0; g0 < nb; g0 += 16) {
-    const int64_t S = std::min<int64_t>(16, nb - g0);
-    const uint8_t* sg = row + g0 * ts;
-    const uint8_t* qs = sg + head * S;
-    for (int64_t j = 0; j < S; ++j) {
-      const float d = half(sg + 2 * j), m = fmt == dtn::Q4_1 ? half(sg + 2 * S + 2 * j) : 0.f;
-      float* xb = x + (g0 + j) * 32;
-      for (int64_t b = 0; b < qb; ++b) {
-        const uint8_t byte = qs[(b / 4) * S * 4 + j * 4 + b % 4];
-        if (fmt == dtn::Q8_0) {
-          xb[b] = float(int8_t(byte ^ 0x80)) * d;
-        } else if (fmt == dtn::Q4_0) {
-          xb[b] = d * float(int(byte & 15) - 8);
-          xb[b + 16] = d * float(int(byte >> 4) - 8);
-        } else {
-          xb[b] = d * float(byte & 15) + m;
-          xb[b + 16] = d * float(byte >> 4) + m;
-        }
-      }
-    }
-  }
-}
-
 // qembedding(w uint8 [V, row bytes] (any format), ids int32/int64 [...], fmt int, vocab_start int | None,
 // out [..., E] f32/bf16): out[t] = dequantize(w[ids[t] - vocab_start]); with vocab_start, ids outside
 // [vocab_start, vocab_start + V) give zero rows
@@ -707,16 +678,17 @@ ENTRY(py_qembedding)
        std::string(op) + ": need w [V, row bytes of E], out [..., E] with E a multiple of " +
        std::to_string(sz.block) + " and one row per id; got w " + dims(w) + ", ids " + dims(ids) + ", out " +
        dims(out));
-  const bool sg = dtn::super_grouped(int(fmt));
+
   const bool wide = ids.scalar_type() == at::kLong;
   const void* idp = ids.data_ptr();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   std::vector<float> buf(dt == dtn::F32 ? 0 : size_t(E));
-  // the group formats: the kernel table's dequantization of the row (packed order), put back in weight order
+  // each row: the kernel table's dequantization (packed order, the same float32 operations as layouts.dequantize),
+  // put back in weight order
   const dtn::QWeight qw{int(fmt), E, wp, rb, reinterpret_cast<const uint16_t*>(wp + sz.qs), rb / 2, wp + sz.qs + sz.d,
                         rb};
-  const std::vector<int64_t> order = sg ? std::vector<int64_t>() : kernel_order(false, E);
-  std::vector<float> packed_order(sg ? 0 : size_t(E));
+  const std::vector<int64_t> order = kernel_order(dtn::super_grouped(int(fmt)), E);
+  std::vector<float> packed_order(static_cast<size_t>(E));
   for (int64_t t = 0; t < M; ++t) {
     const int64_t r = (wide ? static_cast<const int64_t*>(idp)[t] : static_cast<const int32_t*>(idp)[t]) - start;
     NEED(sharded || (r >= 0 && r < V), g_arg_error, std::string(op) + ": id " + std::to_string(r) +
@@ -724,8 +696,6 @@ ENTRY(py_qembedding)
     float* x = dt == dtn::F32 ? out.data_ptr<float>() + t * E : buf.data();
     if (r < 0 || r >= V) {
       std::fill(x, x + E, 0.f);
-    } else if (sg) {
-      dequant_row(int(fmt), wp + r * rb, E, x);
     } else {
       g_table->dequant(qw, r, r + 1, packed_order.data());
       for (int64_t i = 0; i < E; ++i) x[order[size_t(i)]] = packed_order[size_t(i)];

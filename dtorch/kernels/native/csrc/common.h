@@ -6,11 +6,13 @@
 
 namespace dtn {
 
-// GGUF block formats, repacked (see dtorch/kernels/layouts.py and group_formats.py for the byte layouts). Q8_0, Q4_0
-// and Q4_1 are laid out in super-groups of 16 blocks (SGAct); every other format in groups of 128 weights (QAct).
+// GGUF block formats, repacked (see dtorch/kernels/layouts.py and group_formats.py for the byte layouts). The 32-block
+// formats are laid out in super-groups of 16 blocks (SGAct); the 256-block ones in groups of 128 weights (QAct).
 enum Fmt : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0 = 5, Q5_1 = 6, IQ4_NL = 7, Q2_K = 8, Q3_K = 9,
                  Q5_K = 10, IQ4_XS = 11 };
-constexpr bool super_grouped(int fmt) { return fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1; }
+constexpr bool super_grouped(int fmt) {
+  return fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == IQ4_NL;
+}
 // IQ4_NL's and IQ4_XS's 16 weight levels (llama.cpp's kvalues_iq4nl)
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // element types of activations, float weights and outputs
@@ -18,10 +20,8 @@ enum DType : int { F32 = 0, BF16 = 1 };
 
 // One packed weight [N, K] (dtorch/kernels/layouts.py): row n of each section starts at its base + n * row
 // (elements of that section's type; every section of a row lives in the same packed row).
-// The group formats are read in "groups" of 128 weights = 4 sub-blocks of 32 (the last group of a row may hold
-// 1..3 sub-blocks, gs); a group's values come in two halves L = [s0[0:16], s1[0:16], ...] and H = [s0[16:32], ...],
-// each 16 gs values, as bit planes (group_formats.py): every group before a row's last is whole, so group g's qs
-// bytes start at g times a whole group's.
+// The group formats are read in "groups" of 128 weights = 4 sub-blocks of 32; a group's values come in two halves
+// L = [s0[0:16], s1[0:16], ...] and H = [s0[16:32], ...], as bit planes (group_formats.py).
 struct QWeight {
   int fmt;
   int64_t K;
@@ -66,7 +66,7 @@ struct Table {
   // x rows [r0, r1) of [M, K] -> SGAct arrays
   void (*quantize_sg)(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
                       float* s);
-  // qgemm for Q8_0 / Q4_0 / Q4_1: w.qs is row 0, w.qs_row the row bytes
+  // qgemm for the 32-block formats: w.qs is row 0, w.qs_row the row bytes
   void (*qgemm_sg)(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
                    int ydt, int64_t ldy);
   // y[m, n] = sum_k x[m, k] * w[n, k], x [M, K] (xdt), w [N, K] (wdt, rows n0..n1), y [M, ldy] (ydt)

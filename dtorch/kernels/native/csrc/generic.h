@@ -158,14 +158,35 @@ static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t 
   }
 }
 
-// Super-group geometry of a 32-block format: fp16 scale arrays per block (1, or 2 with the Q4_1 mins), quant
-// bytes per block, and the weight of a quant's unsigned offset (Q4_0: q - 8; Q8_0 stored as q + 128)
+// Super-group geometry of a 32-block format: fp16 scale arrays per block (1, or 2 with the Q4_1 / Q5_1 mins), bytes
+// of Q5's high bits and of quants per block, and the weight of a quant's unsigned offset (Q4_0: q - 8; Q5_0: q - 16;
+// Q8_0 stored as q + 128; IQ4_NL: its level + 128)
 template <int F> struct SG {
-  static constexpr int scales = F == dtn::Q4_1 ? 2 : 1;
+  static constexpr int scales = F == dtn::Q4_1 || F == dtn::Q5_1 ? 2 : 1;
+  static constexpr int hbytes = F == dtn::Q5_0 || F == dtn::Q5_1 ? 4 : 0;
   static constexpr int qbytes = F == dtn::Q8_0 ? 32 : 16;
-  static constexpr int bytes = 2 * scales + qbytes;  // per block
-  static constexpr float offset = F == dtn::Q8_0 ? -128.f : F == dtn::Q4_0 ? -8.f : 0.f;
+  static constexpr int bytes = 2 * scales + hbytes + qbytes;  // per block
+  static constexpr float offset = F == dtn::Q8_0 || F == dtn::IQ4_NL ? -128.f : F == dtn::Q4_0 ? -8.f
+                                  : F == dtn::Q5_0 ? -16.f : 0.f;
+  // the SIMD kernels multiply these as signed int8 (sign trick) and need no offset term
+  static constexpr bool signed_q = F == dtn::Q8_0 || F == dtn::IQ4_NL;
 };
+
+// A 4-bit byte's two unsigned quants (low: weight 4 u + t, high: weight 16 + 4 u + t of step u), with Q5's fifth
+// bits from the high-bit byte h at the same place, or IQ4_NL's levels + 128
+template <int F>
+static inline void sg_quants(uint8_t v, uint8_t h, int u, int& lo, int& hi) {
+  lo = v & 15;
+  hi = v >> 4;
+  if constexpr (SG<F>::hbytes != 0) {
+    lo |= ((h >> u) & 1) << 4;
+    hi |= ((h >> (4 + u)) & 1) << 4;
+  }
+  if constexpr (F == dtn::IQ4_NL) {
+    lo = dtn::kIq4Levels[lo] + 128;
+    hi = dtn::kIq4Levels[hi] + 128;
+  }
+}
 
 template <int F>
 static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1,
@@ -180,7 +201,8 @@ static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, i
         const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
         const uint8_t* p = row + g * 16 * G::bytes;
         const uint16_t* dw = reinterpret_cast<const uint16_t*>(p);
-        const uint8_t* q = p + 2 * S * G::scales;
+        const uint8_t* qh = p + 2 * S * G::scales;
+        const uint8_t* q = qh + S * G::hbytes;
         const int8_t* aq = a.q + (m * a.nsg + g) * 1024;  // hi levels, then lo at + 512
         const float* ad = a.d + (m * a.nsg + g) * 16;
         const float* as = a.s + (m * a.nsg + g) * 16;
@@ -195,7 +217,9 @@ static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, i
                 if constexpr (F == dtn::Q8_0) {
                   isum[l] += int32_t(v) * al[u * st];
                 } else {
-                  isum[l] += int32_t(v & 15) * al[u * st] + int32_t(v >> 4) * al[(u + 4) * st];
+                  int lo, hi;
+                  sg_quants<F>(v, G::hbytes ? qh[j * 4 + b] : 0, u, lo, hi);
+                  isum[l] += lo * al[u * st] + hi * al[(u + 4) * st];
                 }
               }
           const float d = fp16_to_f32(dw[j]);
@@ -214,10 +238,13 @@ static void qgemm_sg_portable(const QWeight& w, const SGAct& a, int64_t M, int64
     case dtn::Q8_0: return qgemm_sg_portable_fmt<dtn::Q8_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_0: return qgemm_sg_portable_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg_portable_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_0: return qgemm_sg_portable_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_1: return qgemm_sg_portable_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::IQ4_NL: return qgemm_sg_portable_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
 
-// -- portable quantized product ---------------------------------------------------------------------------
+// -- portable quantized product of the group formats ----------------------------------------------------------
 // A group decoded to unsigned quants u and per-sub-block scale/offset: w = dl[s] * u (L half) or dh[s] * u (H half)
 // plus the offset m, applied through the activation sums: sum(w * a) = d * sum(u * a) + m * sum(a). A format whose
 // offset is an integer multiple of its scale (w = d (u - off)) keeps off too, so dequant computes w as gguf does.
@@ -232,9 +259,9 @@ struct GroupS {
 // Bytes of a whole group's quants (the qs section) per group format
 static inline int64_t group_bytes(int fmt) {
   switch (fmt) {
-    case dtn::Q4_K: case dtn::IQ4_NL: case dtn::IQ4_XS: return 64;
+    case dtn::Q4_K: case dtn::IQ4_XS: return 64;
     case dtn::Q6_K: return 96;
-    case dtn::Q5_0: case dtn::Q5_1: case dtn::Q5_K: return 80;
+    case dtn::Q5_K: return 80;
     case dtn::Q3_K: return 48;
     case dtn::Q2_K: return 32;
   }
@@ -242,14 +269,14 @@ static inline int64_t group_bytes(int fmt) {
 }
 
 // bit planes (group_formats.py): OR each quant's bits in at `shift`
-static inline void plane_nib(const uint8_t* p, int gs, int shift, GroupS& o) {
-  for (int i = 0; i < 16 * gs; ++i) { o.wl[i] |= uint8_t((p[i] & 15) << shift); o.wh[i] |= uint8_t((p[i] >> 4) << shift); }
+static inline void plane_nib(const uint8_t* p, int shift, GroupS& o) {
+  for (int i = 0; i < 64; ++i) { o.wl[i] |= uint8_t((p[i] & 15) << shift); o.wh[i] |= uint8_t((p[i] >> 4) << shift); }
 }
 
-static inline void plane_bit(const uint8_t* p, int gs, int shift, GroupS& o) {
-  for (int i = 0; i < 16 * gs; ++i) {
+static inline void plane_bit(const uint8_t* p, int shift, GroupS& o) {
+  for (int i = 0; i < 64; ++i) {
     o.wl[i] |= uint8_t(((p[i >> 3] >> (i & 7)) & 1) << shift);
-    o.wh[i] |= uint8_t(((p[2 * gs + (i >> 3)] >> (i & 7)) & 1) << shift);
+    o.wh[i] |= uint8_t(((p[8 + (i >> 3)] >> (i & 7)) & 1) << shift);
   }
 }
 
@@ -262,26 +289,26 @@ static inline void plane_two(const uint8_t* p, GroupS& o) {  // whole groups onl
   }
 }
 
-static inline void iq4_levels(int gs, GroupS& o) {  // indices -> level + 128
-  for (int i = 0; i < 16 * gs; ++i) {
+static inline void iq4_levels(GroupS& o) {  // indices -> level + 128
+  for (int i = 0; i < 64; ++i) {
     o.wl[i] = uint8_t(dtn::kIq4Levels[o.wl[i]] + 128);
     o.wh[i] = uint8_t(dtn::kIq4Levels[o.wh[i]] + 128);
   }
 }
 
-static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, int gs, GroupS& o) {
+static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, GroupS& o) {
   const uint8_t* p = w.qs + n * w.qs_row + g * group_bytes(w.fmt);
   const uint16_t* d = w.d + n * w.d_row;
   const uint8_t* aux = w.aux + n * w.aux_row;
-  const int64_t nb = w.K / 32, sup = g / 2, half = g % 2, nsup = w.K / 256;
+  const int64_t sup = g / 2, half = g % 2, nsup = w.K / 256;
   for (int s = 0; s < 4; ++s) o.dl[s] = o.dh[s] = o.m[s] = o.m[4 + s] = 0.f;
   std::memset(o.wl, 0, 64);
   std::memset(o.wh, 0, 64);
   o.off = 0;
   switch (w.fmt) {
     case dtn::Q4_K: case dtn::Q5_K: {  // (d sc) u - dmin mn
-      plane_nib(p, 4, 0, o);
-      if (w.fmt == dtn::Q5_K) plane_bit(p + 64, 4, 4, o);
+      plane_nib(p, 0, o);
+      if (w.fmt == dtn::Q5_K) plane_bit(p + 64, 4, o);
       const float dd = fp16_to_f32(d[sup]), dmin = fp16_to_f32(d[nsup + sup]);
       for (int s = 0; s < 4; ++s) {
         o.dl[s] = o.dh[s] = dd * float(aux[sup * 16 + half * 4 + s]);
@@ -291,13 +318,13 @@ static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, i
     }
     case dtn::Q6_K: case dtn::Q3_K: {  // (d sc) (u - off), a signed scale per 16 weights
       if (w.fmt == dtn::Q6_K) {
-        plane_nib(p, 4, 0, o);
+        plane_nib(p, 0, o);
         GroupS hi{};
         plane_two(p + 64, hi);
         for (int i = 0; i < 64; ++i) { o.wl[i] |= uint8_t(hi.wl[i] << 4); o.wh[i] |= uint8_t(hi.wh[i] << 4); }
       } else {
         plane_two(p, o);
-        plane_bit(p + 32, 4, 2, o);
+        plane_bit(p + 32, 2, o);
       }
       o.off = w.fmt == dtn::Q6_K ? 32 : 4;
       const float dd = fp16_to_f32(d[sup]);
@@ -321,23 +348,12 @@ static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, i
       }
       break;
     }
-    case dtn::Q5_0: case dtn::Q5_1: {  // d (u - 16); d u + m
-      plane_nib(p, gs, 0, o);
-      plane_bit(p + 16 * gs, gs, 4, o);
-      o.off = w.fmt == dtn::Q5_0 ? 16 : 0;
-      for (int s = 0; s < gs; ++s) {
-        o.dl[s] = o.dh[s] = fp16_to_f32(d[4 * g + s]);
-        o.m[s] = o.m[4 + s] = w.fmt == dtn::Q5_0 ? -16.f * o.dl[s] : fp16_to_f32(d[nb + 4 * g + s]);
-      }
-      break;
-    }
-    case dtn::IQ4_NL: case dtn::IQ4_XS: {  // d level, d = d32 (IQ4_NL) or d256 (scale - 32) (IQ4_XS)
-      plane_nib(p, gs, 0, o);
-      iq4_levels(gs, o);
+    case dtn::IQ4_XS: {  // (d (scale - 32)) level
+      plane_nib(p, 0, o);
+      iq4_levels(o);
       o.off = 128;
-      for (int s = 0; s < gs; ++s) {
-        o.dl[s] = o.dh[s] = w.fmt == dtn::IQ4_NL ? fp16_to_f32(d[4 * g + s])
-                                                 : fp16_to_f32(d[sup]) * float(int8_t(aux[sup * 8 + half * 4 + s]));
+      for (int s = 0; s < 4; ++s) {
+        o.dl[s] = o.dh[s] = fp16_to_f32(d[sup]) * float(int8_t(aux[sup * 8 + half * 4 + s]));
         o.m[s] = o.m[4 + s] = -128.f * o.dl[s];
       }
       break;
@@ -366,7 +382,7 @@ static void qgemm_portable(const QWeight& w, const QAct& a, int64_t M, int64_t n
       float acc = bias ? load_f(bias, ydt, n) : 0.f;
       for (int64_t g = 0; g < ng; ++g) {
         const int gs = int(nb - g * 4 < 4 ? nb - g * 4 : 4);
-        decode_group_scalar(w, n, g, gs, gr);
+        decode_group_scalar(w, n, g, gr);
         const int8_t* al = aq + g * 256;  // hi levels, then lo at + 128
         const int8_t* ah = al + 16 * gs;
         for (int s = 0; s < gs; ++s) {
@@ -402,7 +418,8 @@ static void dequant_sg_fmt(const QWeight& w, int64_t n0, int64_t n1, float* out)
       const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16), L = 4 * S;
       const uint8_t* p = row + g * 16 * G::bytes;
       const uint16_t* dw = reinterpret_cast<const uint16_t*>(p);
-      const uint8_t* q = p + 2 * S * G::scales;
+      const uint8_t* qh = p + 2 * S * G::scales;
+      const uint8_t* q = qh + S * G::hbytes;
       float* og = o + g * 512;
       float ds[16], ms[16], d[64], m[64];  // d, m per lane l: those of block l / 4
       for (int j = 0; j < S; ++j) {
@@ -424,11 +441,23 @@ static void dequant_sg_fmt(const QWeight& w, int64_t n0, int64_t n1, float* out)
             og[u * L + l] = d[l] * float(int(qu[l] & 15) - 8);
             og[(u + 4) * L + l] = d[l] * float(int(qu[l] >> 4) - 8);
           }
-        } else {
+        } else if constexpr (F == dtn::Q4_1) {
 #pragma omp simd
           for (int l = 0; l < L; ++l) {
             og[u * L + l] = d[l] * float(qu[l] & 15) + m[l];
             og[(u + 4) * L + l] = d[l] * float(qu[l] >> 4) + m[l];
+          }
+        } else {  // Q5_0: d (u - 16); Q5_1: d u + m; IQ4_NL: d level
+          for (int l = 0; l < L; ++l) {
+            int lo, hi;
+            sg_quants<F>(qu[l], G::hbytes ? qh[l] : 0, u, lo, hi);
+            if constexpr (F == dtn::Q5_1) {
+              og[u * L + l] = d[l] * float(lo) + m[l];
+              og[(u + 4) * L + l] = d[l] * float(hi) + m[l];
+            } else {
+              og[u * L + l] = d[l] * float(lo + int(G::offset));
+              og[(u + 4) * L + l] = d[l] * float(hi + int(G::offset));
+            }
           }
         }
       }
@@ -441,21 +470,22 @@ static void dequant(const QWeight& w, int64_t n0, int64_t n1, float* out) {
     case dtn::Q8_0: return dequant_sg_fmt<dtn::Q8_0>(w, n0, n1, out);
     case dtn::Q4_0: return dequant_sg_fmt<dtn::Q4_0>(w, n0, n1, out);
     case dtn::Q4_1: return dequant_sg_fmt<dtn::Q4_1>(w, n0, n1, out);
+    case dtn::Q5_0: return dequant_sg_fmt<dtn::Q5_0>(w, n0, n1, out);
+    case dtn::Q5_1: return dequant_sg_fmt<dtn::Q5_1>(w, n0, n1, out);
+    case dtn::IQ4_NL: return dequant_sg_fmt<dtn::IQ4_NL>(w, n0, n1, out);
   }
-  GroupS gr;  // group formats: the L half (16 gs values), then the H half, at 128 g
-  const int64_t nb = w.K / 32, ng = (nb + 3) / 4;
+  GroupS gr;  // the group formats (K a multiple of 256): the L half of group g, then its H half, at 128 g
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t g = 0; g < ng; ++g) {
-      const int gs = int(nb - g * 4 < 4 ? nb - g * 4 : 4);
-      decode_group_scalar(w, n, g, gs, gr);
+    for (int64_t g = 0; g < w.K / 128; ++g) {
+      decode_group_scalar(w, n, g, gr);
       float* o = out + (n - n0) * w.K + g * 128;
-      for (int i = 0; i < 16 * gs; ++i) {
+      for (int i = 0; i < 64; ++i) {
         if (gr.off) {  // gguf: d (u - off)
           o[i] = gr.dl[i / 16] * float(int(gr.wl[i]) - gr.off);
-          o[16 * gs + i] = gr.dh[i / 16] * float(int(gr.wh[i]) - gr.off);
-        } else {  // gguf: (d sc) u - dmin mn, or d u + m
+          o[64 + i] = gr.dh[i / 16] * float(int(gr.wh[i]) - gr.off);
+        } else {  // gguf: (d sc) u - dmin mn
           o[i] = gr.dl[i / 16] * float(gr.wl[i]) + gr.m[i / 16];
-          o[16 * gs + i] = gr.dh[i / 16] * float(gr.wh[i]) + gr.m[4 + i / 16];
+          o[64 + i] = gr.dh[i / 16] * float(gr.wh[i]) + gr.m[4 + i / 16];
         }
       }
     }

@@ -71,8 +71,7 @@ template <> struct Fmt256<dtn::Q6_K> {
   }
 };
 
-// -- the other group formats (group_formats.py). Partial groups (gs < 4, 32-block formats at a row's end): the
-// quants past 16 gs of each half and the scales and offsets past gs are zero, as the activations there.
+// -- the other group formats (group_formats.py)
 
 static inline __m256i bits_to_bytes(uint32_t bits) {  // byte i = 0xff where bit i is set
   const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
@@ -80,13 +79,13 @@ static inline __m256i bits_to_bytes(uint32_t bits) {  // byte i = 0xff where bit
   return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuf), bm), bm);
 }
 
-// OR bit `value` of each quant from a "bit" plane at p (L bits, then H bits, 2 gs bytes each)
-static inline void plane_bit256(const uint8_t* p, int gs, uint8_t value, Dec256& o) {
-  uint64_t lb = 0, hb = 0;
-  std::memcpy(&lb, p, size_t(2 * gs));
-  std::memcpy(&hb, p + 2 * gs, size_t(2 * gs));
+// OR bit `value` of each quant from a "bit" plane at p (L bits, then H bits, 8 bytes each)
+static inline void plane_bit256(const uint8_t* p, uint8_t value, Dec256& o) {
+  uint64_t lb, hb;
+  std::memcpy(&lb, p, 8);
+  std::memcpy(&hb, p + 8, 8);
   const __m256i v = _mm256_set1_epi8(char(value));
-  for (int pp = 0; pp * 2 < gs; ++pp) {
+  for (int pp = 0; pp < 2; ++pp) {
     o.wl[pp] = _mm256_or_si256(o.wl[pp], _mm256_and_si256(bits_to_bytes(uint32_t(lb >> (32 * pp))), v));
     o.wh[pp] = _mm256_or_si256(o.wh[pp], _mm256_and_si256(bits_to_bytes(uint32_t(hb >> (32 * pp))), v));
   }
@@ -101,60 +100,19 @@ static inline void plane_two256(const uint8_t* p, Dec256& o) {
   }
 }
 
-// IQ4: indices -> signed levels; a partial pair's upper 16 lanes back to zero (they meet live activations)
-static inline void iq4_levels256(int gs, Dec256& o) {
-  const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dtn::kIq4Levels)));
-  for (int pp = 0; pp * 2 < gs; ++pp) {
-    o.wl[pp] = _mm256_shuffle_epi8(t, o.wl[pp]);
-    o.wh[pp] = _mm256_shuffle_epi8(t, o.wh[pp]);
-    if (gs - 2 * pp < 2) {
-      o.wl[pp] = _mm256_zextsi128_si256(_mm256_castsi256_si128(o.wl[pp]));
-      o.wh[pp] = _mm256_zextsi128_si256(_mm256_castsi256_si128(o.wh[pp]));
-    }
-  }
-}
-
-// fp16 scales of sub-blocks 4 g .. 4 g + gs - 1 (zeros past gs)
-static inline __m128 scales4(const uint16_t* d, int gs) {
-  if (gs == 4) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d)));
-  uint16_t h[4] = {0, 0, 0, 0};
-  std::memcpy(h, d, size_t(2 * gs));
-  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
+static inline __m256i iq4_table256() {  // IQ4 indices -> signed levels through vpshufb
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dtn::kIq4Levels)));
 }
 
 static inline __m256 int8x8_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-template <> struct Fmt256<dtn::Q5_0> {  // d (u - 16)
-  static constexpr bool split = false, has_m = true, sgn = false;
-  static inline void decode(const Row256& r, int64_t g, int gs, Dec256& o) {
-    const uint8_t* p = r.qs + g * 80;
-    nibbles2(p, gs, o);
-    plane_bit256(p + 16 * gs, gs, 16, o);
-    o.dl = o.dh = scales4(r.d + 4 * g, gs);
-    const __m128 m = _mm_mul_ps(o.dl, _mm_set1_ps(-16.f));
-    o.m = _mm256_set_m128(m, m);
-  }
-};
-
-template <> struct Fmt256<dtn::Q5_1> {  // d u + m
-  static constexpr bool split = false, has_m = true, sgn = false;
-  static inline void decode(const Row256& r, int64_t g, int gs, Dec256& o) {
-    const uint8_t* p = r.qs + g * 80;
-    nibbles2(p, gs, o);
-    plane_bit256(p + 16 * gs, gs, 16, o);
-    o.dl = o.dh = scales4(r.d + 4 * g, gs);
-    const __m128 m = scales4(r.d + r.nb + 4 * g, gs);
-    o.m = _mm256_set_m128(m, m);
-  }
-};
-
 template <> struct Fmt256<dtn::Q5_K> {  // as Q4_K, with a fifth bit
   static constexpr bool split = false, has_m = true, sgn = false;
   static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
     nibbles2(r.qs + g * 80, 4, o);
-    plane_bit256(r.qs + g * 80 + 64, 4, 16, o);
+    plane_bit256(r.qs + g * 80 + 64, 16, o);
     const int64_t sup = g >> 1;
     const uint8_t* a = r.aux + sup * 16 + (g & 1) * 4;
     o.dl = o.dh = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[sup])), u8x4_avx2(a));
@@ -168,7 +126,7 @@ template <> struct Fmt256<dtn::Q3_K> {  // (d sc) (u - 4), a signed scale per 16
   static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
     const uint8_t* p = r.qs + g * 48;
     plane_two256(p, o);
-    plane_bit256(p + 32, 4, 4, o);
+    plane_bit256(p + 32, 4, o);
     const __m256 d = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(r.d[g >> 1])), int8x8_ps(r.aux + g * 8));
     o.dl = _mm256_castps256_ps128(d);
     o.dh = _mm256_extractf128_ps(d, 1);
@@ -191,20 +149,15 @@ template <> struct Fmt256<dtn::Q2_K> {  // (d sc) u - dmin mn, sc | mn << 4 per 
   }
 };
 
-template <> struct Fmt256<dtn::IQ4_NL> {  // d level, signed: no offset
-  static constexpr bool split = true, has_m = false, sgn = true;
-  static inline void decode(const Row256& r, int64_t g, int gs, Dec256& o) {
-    nibbles2(r.qs + g * 64, gs, o);
-    iq4_levels256(gs, o);
-    o.dl = o.dh = scales4(r.d + 4 * g, gs);
-  }
-};
-
 template <> struct Fmt256<dtn::IQ4_XS> {  // d (scale - 32) level
   static constexpr bool split = true, has_m = false, sgn = true;
   static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
     nibbles2(r.qs + g * 64, 4, o);
-    iq4_levels256(4, o);
+    const __m256i t = iq4_table256();
+    for (int pp = 0; pp < 2; ++pp) {
+      o.wl[pp] = _mm256_shuffle_epi8(t, o.wl[pp]);
+      o.wh[pp] = _mm256_shuffle_epi8(t, o.wh[pp]);
+    }
     int32_t v;
     std::memcpy(&v, r.aux + (g >> 1) * 8 + (g & 1) * 4, 4);
     const __m128 sc = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(v)));
@@ -305,9 +258,6 @@ static void qgemm256(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int
   switch (w.fmt) {
     case dtn::Q4_K: return qgemm256_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q6_K: return qgemm256_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
-    case dtn::Q5_0: return qgemm256_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
-    case dtn::Q5_1: return qgemm256_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
-    case dtn::IQ4_NL: return qgemm256_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q2_K: return qgemm256_fmt<dtn::Q2_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q3_K: return qgemm256_fmt<dtn::Q3_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_K: return qgemm256_fmt<dtn::Q5_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
@@ -372,6 +322,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                               float (&out)[MR][NR]) {
   using G = SG<F>;
   const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  const __m256i b4 = _mm256_set1_epi8(0x10), iq4 = iq4_table256();
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
@@ -380,7 +331,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
     const uint8_t* p[NR];
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * 16 * G::bytes;
-    const int64_t qoff = 2 * S * G::scales;
+    const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes;
     auto group = [&](auto st) {  // st: activation bytes per step (a constant for whole super-groups)
     for (int h = 0; h * 8 < S; ++h) {
       const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
@@ -407,12 +358,24 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           }
         }
       } else {
+        __m256i hv[NR];  // Q5: the high bits, laid out as a step's quants (layouts.py)
+        if constexpr (G::hbytes != 0)
+          for (int n = 0; n < NR; ++n)
+            hv[n] = _mm256_maskload_epi32(reinterpret_cast<const int*>(p[n] + hoff + 32 * h), lm);
         for (int u = 0; u < 4; ++u) {
           __m256i wl[NR], wh[NR];
           for (int n = 0; n < NR; ++n) {
             const __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(p[n] + qoff + u * 4 * S + 32 * h), lm);
             wl[n] = _mm256_and_si256(v, lo4);
             wh[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            if constexpr (G::hbytes != 0) {  // bit u of each byte is the low nibble's fifth bit, bit 4 + u the high's
+              wl[n] = _mm256_or_si256(wl[n], _mm256_and_si256(_mm256_slli_epi16(hv[n], 4 - u), b4));
+              wh[n] = _mm256_or_si256(wh[n], _mm256_and_si256(_mm256_srli_epi16(hv[n], u), b4));
+            }
+            if constexpr (F == dtn::IQ4_NL) {
+              wl[n] = _mm256_shuffle_epi8(iq4, wl[n]);
+              wh[n] = _mm256_shuffle_epi8(iq4, wh[n]);
+            }
           }
           for (int m = 0; m < MR; ++m) {
             const int8_t* am = ag + m * rs;
@@ -420,11 +383,16 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + (u + 4) * st));
             const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + u * st));
             const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + (u + 4) * st));
-            for (int n = 0; n < NR; ++n) {  // each int16 is at most 2 * 15 * 127 per product: their sum fits
-              is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(_mm256_add_epi16(
-                  _mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones));
-              il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(_mm256_add_epi16(
-                  _mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), ones));
+            for (int n = 0; n < NR; ++n) {
+              if constexpr (F == dtn::IQ4_NL) {  // signed levels up to 127: each half its own int16 sums
+                is[m][n] = _mm256_add_epi32(is[m][n], _mm256_add_epi32(dot_w<true>(wl[n], al), dot_w<true>(wh[n], ah)));
+                il[m][n] = _mm256_add_epi32(il[m][n], _mm256_add_epi32(dot_w<true>(wl[n], ll), dot_w<true>(wh[n], lh)));
+              } else {  // each int16 is at most 2 * 31 * 127 per product: their sum fits
+                is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones));
+                il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), ones));
+              }
             }
           }
         }
@@ -439,11 +407,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         const __m256 sa = _mm256_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         for (int n = 0; n < NR; ++n) {
           const __m256 t = _mm256_mul_ps(levels256(is[m][n], il[m][n]), da);
-          if constexpr (F == dtn::Q4_1) {
+          if constexpr (G::scales == 2) {  // Q4_1, Q5_1: d u + m
             acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
-          } else if constexpr (F == dtn::Q4_0) {
+          } else if constexpr (!G::signed_q) {  // Q4_0, Q5_0: d (u + offset)
             acc[m][n] = _mm256_fmadd_ps(dw[n], _mm256_fmadd_ps(sa, _mm256_set1_ps(G::offset), t), acc[m][n]);
-          } else {
+          } else {  // Q8_0, IQ4_NL: signed quants
             acc[m][n] = _mm256_fmadd_ps(dw[n], t, acc[m][n]);
           }
         }
@@ -491,5 +459,8 @@ static void qgemm_sg256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q8_0: return qgemm_sg256_fmt<dtn::Q8_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_0: return qgemm_sg256_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg256_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_0: return qgemm_sg256_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_1: return qgemm_sg256_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::IQ4_NL: return qgemm_sg256_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }

@@ -373,6 +373,7 @@ static void qgemm_sg512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q4_0: return qgemm_sg512_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg512_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
+  qgemm_sg256(w, a, M, n0, n1, bias, y, ydt, ldy);  // Q5_0, Q5_1, IQ4_NL: quant_avx2.h, tested on AVX2 machines
 }
 
 // -- dequantization in the packed order (Table::dequant; see generic.h): 16 lanes = 4 blocks x 4 bytes per chunk ----
@@ -440,6 +441,6 @@ static void dequant512(const QWeight& w, int64_t n0, int64_t n1, float* out) {
     case dtn::Q4_0: return dequant_sg512_fmt<dtn::Q4_0>(w, n0, n1, out);
     case dtn::Q4_1: return dequant_sg512_fmt<dtn::Q4_1>(w, n0, n1, out);
   }
-  dequant(w, n0, n1, out);  // the K-quants: generic.h
+  dequant(w, n0, n1, out);  // the others: generic.h
 }
 
