@@ -57,7 +57,8 @@ def _copies(nbytes: int, m: int) -> int:
     return 1 if m > 1 else max(2, min(60, -(-FOOTPRINT // nbytes)))
 
 
-def _variants(n: int, k: int, m: int, isas: list[str], formats: list[str]) -> list[tuple[str, int, Callable[[int], None]]]:
+def _variants(n: int, k: int, m: int, isas: list[str],
+              formats: list[str]) -> list[tuple[str, int, Callable[[int], None]]]:
     """(name, weight bytes, call(i)) where call(i) runs once on copy i % copies."""
     out = []
     x32, xbf = torch.randn(m, k), torch.randn(m, k).bfloat16()
