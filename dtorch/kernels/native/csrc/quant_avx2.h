@@ -192,11 +192,26 @@ static inline float hsum256_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// hi and lo levels' int16 pair sums -> 8 int32 lanes of 254 hi + lo, lanes 4j..4j+3 summing the first or second
+// 16-byte half of each 128-bit lane (as vpmaddwd with ones would, by sub-block); one conversion instead of two
+static inline __m256i levels_i32(__m256i hi16, __m256i lo16) {
+  const __m256i k = _mm256_set1_epi32((1 << 16) | 254);
+  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi16(hi16, lo16), k),
+                          _mm256_madd_epi16(_mm256_unpackhi_epi16(hi16, lo16), k));
+}
+
+template <bool SGN>
+static inline __m256i pairs16(__m256i w, __m256i a) {  // vpmaddubsw, with the sign trick for signed weights
+  if constexpr (SGN) return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+  return _mm256_maddubs_epi16(w, a);
+}
+
+// MR activation rows m0.. against one weight row: each group is decoded once and used MR times. The integer sums
+// are 254 hi + lo (levels_i32), so the sum is scaled by 1 / 254 once at the end.
 template <int F, int MR>
 static inline void qdot256(const Row256& row, const QAct& a, int64_t m0, float* out) {
   using W = Fmt256<F>;
   const int64_t ng = a.ng;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR], accm[MR];
   for (int r = 0; r < MR; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
@@ -213,16 +228,15 @@ static inline void qdot256(const Row256& row, const QAct& a, int64_t m0, float* 
         const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lq + 32 * pp));
         const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lq + 16 * gs + 32 * pp));
         const __m256 dr = _mm256_loadu_ps(a.darep + (m0 + r) * ng * 16 + g * 16 + 8 * pp);
-        if constexpr (W::split) {
-          const __m256 fl = levels256(dot_w<W::sgn>(w.wl[pp], al), dot_w<W::sgn>(w.wl[pp], ll));
-          const __m256 fh = levels256(dot_w<W::sgn>(w.wh[pp], ah), dot_w<W::sgn>(w.wh[pp], lh));
-          acc[r] = _mm256_fmadd_ps(fl, _mm256_mul_ps(dl, dr), acc[r]);
-          acc[r] = _mm256_fmadd_ps(fh, _mm256_mul_ps(dh, dr), acc[r]);
+        if constexpr (W::split) {  // each int16 at most 2 * 127 * 127
+          const __m256i il = levels_i32(pairs16<W::sgn>(w.wl[pp], al), pairs16<W::sgn>(w.wl[pp], ll));
+          const __m256i ih = levels_i32(pairs16<W::sgn>(w.wh[pp], ah), pairs16<W::sgn>(w.wh[pp], lh));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(dl, dr), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(dh, dr), acc[r]);
         } else {  // 4 or 5 bits: each int16 pair sum is at most 2 * 31 * 127, so L + H cannot overflow
           const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.wl[pp], al), _mm256_maddubs_epi16(w.wh[pp], ah));
           const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.wl[pp], ll), _mm256_maddubs_epi16(w.wh[pp], lh));
-          const __m256 f = levels256(_mm256_madd_epi16(p16, ones), _mm256_madd_epi16(l16, ones));
-          acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dl, dr), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(levels_i32(p16, l16)), _mm256_mul_ps(dl, dr), acc[r]);
         }
       }
     }
@@ -230,7 +244,7 @@ static inline void qdot256(const Row256& row, const QAct& a, int64_t m0, float* 
       for (int r = 0; r < MR; ++r)
         accm[r] = _mm256_fmadd_ps(w.m, _mm256_loadu_ps(a.asum + (m0 + r) * ng * 8 + g * 8), accm[r]);
   }
-  for (int r = 0; r < MR; ++r) out[r] = hsum256_avx2(_mm256_add_ps(acc[r], accm[r]));
+  for (int r = 0; r < MR; ++r) out[r] = hsum256_avx2(acc[r]) * (1.f / 254.f) + hsum256_avx2(accm[r]);
 }
 
 template <int F>
