@@ -8,15 +8,16 @@ K-slice of the GGUF bytes separately (K a multiple of ``block_size(layout)``).
 
 Inside a row:
 
-- Q8_0, Q4_0, Q4_1: super-groups of 16 blocks of 32 (the row's last one: the remaining 1..15 blocks), each
-  ``[d: S fp16 | m: S fp16 (Q4_1 only) | quants]`` with the quants transposed to [step u][block j][4 bytes]: one
-  4 S byte load holds 4 quants of every block, so SIMD lane j sums block j alone and each scale applies once
-  per super-group. Quant bytes are GGUF's own (a Q4 byte holds weights i and i + 16 of its block), Q8_0's
-  flipped by 0x80 (stored as unsigned q + 128). Row bytes equal GGUF's.
-- Q4_K, Q6_K: ``[qs | d | aux]``. ``qs`` holds the quants in groups of 128 weights = 4 sub-blocks of 32, as the
+- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL: super-groups of 16 blocks of 32 (the row's last one: the remaining
+  1..15 blocks), each ``[d: S fp16 | m: S fp16 (Q4_1, Q5_1) | Q5's fifth bits | quants]`` with the quants
+  transposed to [step u][block j][4 bytes]: one 4 S byte load holds 4 quants of every block, so SIMD lane j sums
+  block j alone and each scale applies once per super-group (see ``_super_groups``). Row bytes equal GGUF's.
+- Q4_K: super-blocks of 8 sub-blocks laid out as the super-groups above, ``[d | dmin | sc[8] | mn[8] | quants
+  [step u][sub-block j][4 bytes]]``, the 6-bit scales and mins unpacked.
+- Q6_K: ``[qs | d | aux]``. ``qs`` holds the quants in groups of 128 weights = 4 sub-blocks of 32, as the
   halves L = [s0[0:16], s1[0:16], s2[0:16], s3[0:16]] and H = [s0[16:32], ...] (4-bit quants as byte i =
-  L[i] | H[i] << 4); ``d`` the fp16 super-block d (then dmin); ``aux`` the sub-block scales unpacked from their
-  6-bit packing (Q4_K: per 256, sc[8] then mn[8]; Q6_K: per group int8 [L s0..3, H s0..3]).
+  L[i] | H[i] << 4); ``d`` the fp16 super-block d; ``aux`` the sub-block scales per group, int8 [L s0..3,
+  H s0..3]. Q2_K, Q3_K, Q5_K and IQ4_XS are laid out alike (``group_formats``).
 
 | layout | row bytes | K = 576 | K = 1536 | bits per weight |
 |---|---|---|---|---|
@@ -78,7 +79,7 @@ _SPECS: dict[str, _Spec] = {
 assert tuple(_SPECS) == GGUF_LAYOUTS
 _BY_GGML = {spec.ggml: name for name, spec in _SPECS.items()}
 # the formats in super-groups of 16 blocks (the rest are in groups of 128 weights: group_formats)
-SUPER_GROUPED = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl")
+SUPER_GROUPED = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl", "gguf.q4_k")
 
 
 def layout_of_gguf(ggml_type: int) -> str | None:
@@ -243,12 +244,27 @@ def _pack_q5_1(b: torch.Tensor, n: int, k: int):
     return _super_groups(b, 4, False, 4), b[..., :0], b[..., :0]
 
 
+# Q4_K as a super-group of its own 8 sub-blocks: [d fp16 | dmin fp16 | sc[8] | mn[8] | quants [step u][sub-block j]
+# [4 bytes]] (148 bytes per 256 weights), a quant byte holding weight 4 u + t (low nibble) and 16 + 4 u + t of its
+# sub-block, as the 32-block formats' super-groups do: lane j of a vector sums sub-block j alone.
+
+def _steps(u: torch.Tensor) -> torch.Tensor:
+    """4-bit values [N, ns, 8, 32] -> quant bytes [N, ns, 128] as [step u][sub-block j][4]."""
+    v = u.reshape(*u.shape[:2], 8, 2, 4, 4)                      # [j, half, step, t]
+    return ((v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(2, 3)).reshape(*u.shape[:2], 128)
+
+
+def _unsteps(q: torch.Tensor) -> torch.Tensor:
+    """Inverse of _steps: [N, ns, 128] -> values [N, ns, 8, 32]."""
+    v = q.reshape(*q.shape[:2], 4, 8, 4)                         # [step, j, t]
+    return torch.stack([v & 15, v >> 4], 2).permute(0, 1, 4, 2, 3, 5).reshape(*q.shape[:2], 8, 32)
+
+
 def _pack_q4_k(b: torch.Tensor, n: int, k: int):
     ns = k // 256
-    raw = b[..., 16:].reshape(n, ns, 4, 1, 32)
-    vals = torch.cat([raw & 15, raw >> 4], 3).reshape(n, ns * 8, 32)  # sub-blocks 2c (low), 2c + 1 (high)
+    u = torch.cat([b[..., 16:].reshape(n, ns, 4, 1, 32) & 15, b[..., 16:].reshape(n, ns, 4, 1, 32) >> 4], 3)
     sc, mn = group_formats.q4k_scales(b[..., 4:16])
-    return _nibbles(vals), torch.cat([b[..., :2], b[..., 2:4]], 1), torch.cat([sc, mn], -1)
+    return torch.cat([b[..., :4], sc, mn, _steps(u.reshape(n, ns, 8, 32))], -1).reshape(n, -1), b[..., :0], b[..., :0]
 
 
 def _q6k_values(b: torch.Tensor) -> torch.Tensor:
@@ -336,13 +352,12 @@ def _dq_q4_1(rows, n, k):
     return (d[..., None] * _unnibble(q).float() + m[..., None]).reshape(n, k)
 
 
-def _dq_q4_k(qs, d, aux, n, k):
-    ns = k // 256
-    q = _unnibble(qs.reshape(n, k // 32, 16)).float().reshape(n, ns, 8, 32)
-    a = aux.reshape(n, ns, 2, 8).float()
-    scale = (d[:, :ns, None] * a[:, :, 0])[..., None]   # [N, ns, 8, 1]
-    dm = (d[:, ns:, None] * a[:, :, 1])[..., None]
-    return (scale * q - dm).reshape(n, k)
+def _dq_q4_k(rows, n, k):
+    sb = rows.reshape(n, k // 256, 148)
+    d = sb[..., 0:4].contiguous().view(torch.float16).float()  # [N, ns, 2]: d, dmin
+    scale = (d[..., 0:1] * sb[..., 4:12].float())[..., None]   # [N, ns, 8, 1]
+    dm = (d[..., 1:2] * sb[..., 12:20].float())[..., None]
+    return (scale * _unsteps(sb[..., 20:]).float() - dm).reshape(n, k)
 
 
 def _dq_q6_k(qs, d, aux, n, k):

@@ -154,7 +154,7 @@ Sizes sizes(int fmt, int64_t K) {
     case dtn::Q8_0: return {K, K / 16, 0, 32};
     case dtn::Q4_0: return {K / 2, K / 16, 0, 32};
     case dtn::Q4_1: return {K / 2, K / 8, 0, 32};
-    case dtn::Q4_K: return {K / 2, K / 64, K / 16, 256};
+    case dtn::Q4_K: return {K / 256 * 148, 0, 0, 256};
     case dtn::Q6_K: return {K / 2 + K / 4, K / 128, K / 16, 256};
     case dtn::Q5_0: return {K / 32 * 20, K / 16, 0, 32};
     case dtn::Q5_1: return {K / 32 * 20, K / 8, 0, 32};
@@ -168,9 +168,11 @@ Sizes sizes(int fmt, int64_t K) {
 }
 
 // Element k of the K inputs that position i of a dequantized row holds (Table::dequant): the packed order
-std::vector<int64_t> kernel_order(bool super_grouped, int64_t K) {
+std::vector<int64_t> kernel_order(int fmt, int64_t K) {
   std::vector<int64_t> k(size_t(K), 0);
-  if (super_grouped) {  // super-group g of S blocks: [v 0..7][block j][4] holds element 32 (16 g + j) + 4 v + t
+  if (fmt == dtn::Q4_K) {  // super-block b: [v 0..7][sub-block j][4] holds element 256 b + 32 j + 4 v + t
+    for (int64_t i = 0; i < K; ++i) k[size_t(i)] = i / 256 * 256 + (i % 32) / 4 * 32 + (i % 256) / 32 * 4 + i % 4;
+  } else if (dtn::super_grouped(fmt)) {  // super-group g of S blocks: [v 0..7][block j][4] holds element 32 (16 g + j) + 4 v + t
     for (int64_t g = 0, nb = K / 32; g * 16 < nb; ++g) {
       const int64_t S = std::min<int64_t>(16, nb - g * 16);
       for (int64_t v = 0; v < 8; ++v)
@@ -203,7 +205,7 @@ void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tenso
   thread_local std::vector<float> t_xk, t_panel;
   if (int64_t(t_xk.size()) < M * K) t_xk.resize(size_t(M * K));
   if (int64_t(t_panel.size()) < rows * K) t_panel.resize(size_t(rows * K));
-  const std::vector<int64_t> order = kernel_order(dtn::super_grouped(qw.fmt), K);
+  const std::vector<int64_t> order = kernel_order(qw.fmt, K);
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat);
   const at::Tensor xk = at::from_blob(t_xk.data(), {M, K}, x2.options().dtype(at::kFloat));
   at::index_select_out(const_cast<at::Tensor&>(xk), x2, 1,
@@ -687,7 +689,7 @@ ENTRY(py_qembedding)
   // put back in weight order
   const dtn::QWeight qw{int(fmt), E, wp, rb, reinterpret_cast<const uint16_t*>(wp + sz.qs), rb / 2, wp + sz.qs + sz.d,
                         rb};
-  const std::vector<int64_t> order = kernel_order(dtn::super_grouped(int(fmt)), E);
+  const std::vector<int64_t> order = kernel_order(int(fmt), E);
   std::vector<float> packed_order(static_cast<size_t>(E));
   for (int64_t t = 0; t < M; ++t) {
     const int64_t r = (wide ? static_cast<const int64_t*>(idp)[t] : static_cast<const int32_t*>(idp)[t]) - start;

@@ -161,8 +161,8 @@ static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t 
 // Super-group geometry of a 32-block format: fp16 scale arrays per block (1, or 2 with the Q4_1 / Q5_1 mins), bytes
 // of Q5's high bits and of quants per block, and the weight of a quant's unsigned offset (Q4_0: q - 8; Q5_0: q - 16;
 // Q8_0 stored as q + 128; IQ4_NL: its level + 128)
-template <int F> struct SG {
-  static constexpr int scales = F == dtn::Q4_1 || F == dtn::Q5_1 ? 2 : 1;
+template <int F> struct SG {  // Q4_K: as Q4_1 within each super-block of 8 (148 bytes: its addresses are its own)
+  static constexpr int scales = F == dtn::Q4_1 || F == dtn::Q5_1 || F == dtn::Q4_K ? 2 : 1;
   static constexpr int hbytes = F == dtn::Q5_0 || F == dtn::Q5_1 ? 4 : 0;
   static constexpr int qbytes = F == dtn::Q8_0 ? 32 : 16;
   static constexpr int bytes = 2 * scales + hbytes + qbytes;  // per block
@@ -232,6 +232,38 @@ static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, i
   }
 }
 
+// Q4_K in super-blocks of 8 sub-blocks (layouts.py): [d | dmin | sc[8] | mn[8] | quants [step u][sub-block j][4]]
+static void qgemm_q4k_portable(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                               void* y, int ydt, int64_t ldy) {
+  const int64_t nb = w.K / 32;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = bias ? load_f(bias, ydt, n) : 0.f;
+      for (int64_t b = 0; b < nb / 8; ++b) {
+        const uint8_t* p = w.qs + n * w.qs_row + b * 148;
+        uint16_t dm[2];
+        std::memcpy(dm, p, 4);
+        const float d = fp16_to_f32(dm[0]), dmin = fp16_to_f32(dm[1]);
+        for (int j = 0; j < 8; ++j) {
+          const int64_t blk = 8 * b + j, g = blk / 16, jj = blk % 16;
+          const int64_t st = 4 * sg_period(int(nb - g * 16 < 16 ? nb - g * 16 : 16));
+          const int8_t* aq = a.q + (m * a.nsg + g) * 1024 + jj * 4;
+          int32_t isum[2] = {0, 0};
+          for (int l = 0; l < 2; ++l)
+            for (int u = 0; u < 4; ++u)
+              for (int t = 0; t < 4; ++t) {
+                const uint8_t v = p[20 + u * 32 + j * 4 + t];
+                isum[l] += int32_t(v & 15) * aq[512 * l + u * st + t] + int32_t(v >> 4) * aq[512 * l + (u + 4) * st + t];
+              }
+          const float ad = a.d[(m * a.nsg + g) * 16 + jj], as = a.s[(m * a.nsg + g) * 16 + jj];
+          acc += (d * float(p[4 + j])) * (ad * (float(isum[0]) + float(isum[1]) * (1.f / 254.f)));
+          acc -= (dmin * float(p[12 + j])) * as;
+        }
+      }
+      store_f(y, ydt, m * ldy + n, acc);
+    }
+}
+
 static void qgemm_sg_portable(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                               void* y, int ydt, int64_t ldy) {
   switch (w.fmt) {
@@ -241,6 +273,7 @@ static void qgemm_sg_portable(const QWeight& w, const SGAct& a, int64_t M, int64
     case dtn::Q5_0: return qgemm_sg_portable_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_1: return qgemm_sg_portable_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::IQ4_NL: return qgemm_sg_portable_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_K: return qgemm_q4k_portable(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
 
@@ -259,7 +292,7 @@ struct GroupS {
 // Bytes of a whole group's quants (the qs section) per group format
 static inline int64_t group_bytes(int fmt) {
   switch (fmt) {
-    case dtn::Q4_K: case dtn::IQ4_XS: return 64;
+    case dtn::IQ4_XS: return 64;
     case dtn::Q6_K: return 96;
     case dtn::Q5_K: return 80;
     case dtn::Q3_K: return 48;
@@ -306,9 +339,9 @@ static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, G
   std::memset(o.wh, 0, 64);
   o.off = 0;
   switch (w.fmt) {
-    case dtn::Q4_K: case dtn::Q5_K: {  // (d sc) u - dmin mn
+    case dtn::Q5_K: {  // (d sc) u - dmin mn
       plane_nib(p, 0, o);
-      if (w.fmt == dtn::Q5_K) plane_bit(p + 64, 4, o);
+      plane_bit(p + 64, 4, o);
       const float dd = fp16_to_f32(d[sup]), dmin = fp16_to_f32(d[nsup + sup]);
       for (int s = 0; s < 4; ++s) {
         o.dl[s] = o.dh[s] = dd * float(aux[sup * 16 + half * 4 + s]);
@@ -473,6 +506,22 @@ static void dequant(const QWeight& w, int64_t n0, int64_t n1, float* out) {
     case dtn::Q5_0: return dequant_sg_fmt<dtn::Q5_0>(w, n0, n1, out);
     case dtn::Q5_1: return dequant_sg_fmt<dtn::Q5_1>(w, n0, n1, out);
     case dtn::IQ4_NL: return dequant_sg_fmt<dtn::IQ4_NL>(w, n0, n1, out);
+    case dtn::Q4_K:  // super-block b: [v 0..7][sub-block j][t 0..3] holds element 256 b + 32 j + 4 v + t
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t b = 0; b < w.K / 256; ++b) {
+          const uint8_t* p = w.qs + n * w.qs_row + b * 148;
+          uint16_t dm[2];
+          std::memcpy(dm, p, 4);
+          const float d = fp16_to_f32(dm[0]), dmin = fp16_to_f32(dm[1]);
+          float* o = out + (n - n0) * w.K + b * 256;
+          for (int v = 0; v < 8; ++v)
+            for (int j = 0; j < 8; ++j)
+              for (int t = 0; t < 4; ++t) {  // gguf: (d sc) q - (dmin mn)
+                const uint8_t q = p[20 + (v % 4) * 32 + j * 4 + t];
+                o[v * 32 + j * 4 + t] = (d * float(p[4 + j])) * float(v < 4 ? q & 15 : q >> 4) - dmin * float(p[12 + j]);
+              }
+        }
+      return;
   }
   GroupS gr;  // the group formats (K a multiple of 256): the L half of group g, then its H half, at 128 g
   for (int64_t n = n0; n < n1; ++n)

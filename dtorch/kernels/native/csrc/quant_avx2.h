@@ -38,18 +38,6 @@ static inline __m128 u8x4_avx2(const uint8_t* p) {
 
 template <int F> struct Fmt256;
 
-template <> struct Fmt256<dtn::Q4_K> {
-  static constexpr bool split = false, has_m = true, sgn = false;
-  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
-    nibbles2(r.qs + g * 64, 4, o);
-    const int64_t sup = g >> 1;
-    const uint8_t* a = r.aux + sup * 16 + (g & 1) * 4;
-    o.dl = o.dh = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[sup])), u8x4_avx2(a));
-    const __m128 m = _mm_mul_ps(_mm_set1_ps(-_cvtsh_ss(r.d[r.nsup + sup])), u8x4_avx2(a + 8));
-    o.m = _mm256_set_m128(m, m);
-  }
-};
-
 template <> struct Fmt256<dtn::Q6_K> {
   static constexpr bool split = true, has_m = true, sgn = false;
   static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
@@ -270,7 +258,6 @@ static void qgemm256_fmt(const QWeight& w, const QAct& a, int64_t M, int64_t n0,
 static void qgemm256(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
                      int ydt, int64_t ldy) {
   switch (w.fmt) {
-    case dtn::Q4_K: return qgemm256_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q6_K: return qgemm256_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q2_K: return qgemm256_fmt<dtn::Q2_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q3_K: return qgemm256_fmt<dtn::Q3_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
@@ -324,6 +311,10 @@ static inline __m256i lanes_mask(int cnt) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+static inline __m256 u8x8_ps(const uint8_t* p) {  // 8 bytes -> 8 floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 static inline __m256 load_h8(const uint8_t* p, int cnt) {  // cnt fp16 -> float32, zeros after
   if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -344,8 +335,13 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
     const uint8_t* p[NR];
-    for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * 16 * G::bytes;
+    for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * (F == dtn::Q4_K ? 2 * 148 : 16 * G::bytes);  // Q4_K: block 2 g
     const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes;
+    // where step u of half h starts: [step u][block j][4 bytes] over the super-group, or Q4_K's super-block 2 g + h
+    auto quants = [&](int n, int h, int u) -> const int* {
+      if constexpr (F == dtn::Q4_K) return reinterpret_cast<const int*>(p[n] + h * 148 + 20 + 32 * u);
+      return reinterpret_cast<const int*>(p[n] + qoff + u * 4 * S + 32 * h);
+    };
     auto group = [&](auto st) {  // st: activation bytes per step (a constant for whole super-groups)
     for (int h = 0; h * 8 < S; ++h) {
       const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
@@ -379,7 +375,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         for (int u = 0; u < 4; ++u) {
           __m256i wl[NR], wh[NR];
           for (int n = 0; n < NR; ++n) {
-            const __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(p[n] + qoff + u * 4 * S + 32 * h), lm);
+            const __m256i v = _mm256_maskload_epi32(quants(n, h, u), lm);
             wl[n] = _mm256_and_si256(v, lo4);
             wh[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             if constexpr (G::hbytes != 0) {  // bit u of each byte is the low nibble's fifth bit, bit 4 + u the high's
@@ -413,8 +409,16 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
       }
       __m256 dw[NR], mw[NR];
       for (int n = 0; n < NR; ++n) {
-        dw[n] = load_h8(p[n] + 16 * h, cnt);
-        mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h, cnt) : dw[n];
+        if constexpr (F == dtn::Q4_K) {  // (d sc) u - dmin mn per sub-block
+          const uint8_t* sb = p[n] + h * 148;
+          uint16_t dm[2];
+          std::memcpy(dm, sb, 4);
+          dw[n] = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[0])), u8x8_ps(sb + 4));
+          mw[n] = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dm[1])), u8x8_ps(sb + 12));
+        } else {
+          dw[n] = load_h8(p[n] + 16 * h, cnt);
+          mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h, cnt) : dw[n];
+        }
       }
       for (int m = 0; m < MR; ++m) {
         const __m256 da = _mm256_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
@@ -473,6 +477,7 @@ static void qgemm_sg256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q8_0: return qgemm_sg256_fmt<dtn::Q8_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_0: return qgemm_sg256_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg256_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_K: return qgemm_sg256_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_0: return qgemm_sg256_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_1: return qgemm_sg256_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::IQ4_NL: return qgemm_sg256_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);

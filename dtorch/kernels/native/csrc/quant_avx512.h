@@ -36,19 +36,6 @@ static inline __m128 u8x4(const uint8_t* p) {
   return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(v)));
 }
 
-template <> struct Fmt512<dtn::Q4_K> {  // w = (d sc_s) q - dmin mn_s; a group is half a super-block
-  static constexpr bool split = false;
-  static inline void decode(const Row512& r, int64_t g, int, Dec512& o) {
-    nibbles(_mm512_loadu_si512(r.qs + g * 64), o);
-    const int64_t sup = g >> 1;
-    const uint8_t* a = r.aux + sup * 16 + (g & 1) * 4;
-    const __m128 d = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[sup])), u8x4(a));
-    const __m128 m = _mm_mul_ps(_mm_set1_ps(-_cvtsh_ss(r.d[r.nsup + sup])), u8x4(a + 8));
-    o.dl = o.dh = rep4(d);
-    o.m = _mm256_set_m128(m, m);
-  }
-};
-
 template <> struct Fmt512<dtn::Q6_K> {  // w = (d sc) (q - 32), sc per 16 weights: one per half sub-block
   static constexpr bool split = true;
   static inline void decode(const Row512& r, int64_t g, int, Dec512& o) {
@@ -137,7 +124,6 @@ static void qgemm512_fmt(const QWeight& w, const QAct& a, int64_t M, int64_t n0,
 static void qgemm512(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
                      int ydt, int64_t ldy) {
   switch (w.fmt) {
-    case dtn::Q4_K: return qgemm512_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q6_K: return qgemm512_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
   qgemm256(w, a, M, n0, n1, bias, y, ydt, ldy);  // the other group formats: quant_avx2.h, tested on AVX2 machines
@@ -373,7 +359,7 @@ static void qgemm_sg512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q4_0: return qgemm_sg512_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg512_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
-  qgemm_sg256(w, a, M, n0, n1, bias, y, ydt, ldy);  // Q5_0, Q5_1, IQ4_NL: quant_avx2.h, tested on AVX2 machines
+  qgemm_sg256(w, a, M, n0, n1, bias, y, ydt, ldy);  // Q5_0, Q5_1, IQ4_NL, Q4_K: quant_avx2.h, tested on AVX2
 }
 
 // -- dequantization in the packed order (Table::dequant; see generic.h): 16 lanes = 4 blocks x 4 bytes per chunk ----
