@@ -1,5 +1,5 @@
-"""The GGUF formats laid out in groups of 128 weights: Q4_K and Q6_K (``layouts``), and Q2_K, Q3_K, Q5_K and IQ4_XS
-here. Their packed row is ``[qs | d | aux]``.
+"""The GGUF formats laid out in groups of 128 weights: Q2_K, Q3_K and IQ4_XS. Their packed row is ``[qs | d | aux]``.
+(``split_q5_k`` also serves Q5_K's own layout in ``layouts``.)
 
 ``qs`` holds each weight's unsigned quant u (IQ4: the index into the non-linear table ``KVALUES``) in groups of 4
 sub-blocks of 32, as two halves L = [s0[0:16], s1[0:16], ...] and H = [s0[16:32], ...]. A group is a list of bit
@@ -10,7 +10,7 @@ planes, each 64 values wide:
 - ``two``: 2 bits of a whole group, byte i = L[i] | L[32 + i] << 2 | H[i] << 4 | H[32 + i] << 6 (32 bytes).
 
 ``d`` holds the fp16 scales (per 256: d, then dmin where the format has one) and
-``aux`` the sub-block scales: Q5_K sc[8] then mn[8] per 256 (as Q4_K); Q3_K int8 (scale - 32) and Q2_K the GGUF byte
+``aux`` the sub-block scales: Q3_K int8 (scale - 32) and Q2_K the GGUF byte
 (sc | mn << 4), 8 per group as [L s0..s3, H s0..s3] (a scale per 16 weights); IQ4_XS int8 (scale - 32) per 32.
 
 ``values`` computes each weight as ``gguf.quants.dequantize`` does, to the bit.
@@ -130,13 +130,6 @@ def split_q5_k(b, n, k):
         torch.cat([sc, mn], -1).reshape(n, -1)
 
 
-def values_q5_k(u, d, aux, n, k):
-    ns = k // 256
-    dd, a = _fp16(d), aux.reshape(n, ns, 2, 8).float()
-    scale, dm = (dd[:, :ns, None] * a[:, :, 0])[..., None], (dd[:, ns:, None] * a[:, :, 1])[..., None]
-    return (scale * u.reshape(n, ns, 8, 32).float() - dm).reshape(n, k)
-
-
 def _two_bit(qs: torch.Tensor, n: int, ns: int) -> torch.Tensor:
     """GGUF's 2-bit quants [N, ns, 64] -> [N, ns, 8, 32]: sub-block 4 c + s is bits 2 s of bytes 32 c.."""
     return ((qs.reshape(n, ns, 2, 1, 32) >> _SHIFT2[:, None]) & 3).reshape(n, ns, 8, 32)
@@ -194,6 +187,5 @@ def values_iq4_xs(u, d, aux, n, k):
 FORMATS = {
     "gguf.q2_k": (Planes((("two", 0),)), split_q2_k, values_q2_k),
     "gguf.q3_k": (Planes((("two", 0), ("bit", 2))), split_q3_k, values_q3_k),
-    "gguf.q5_k": (Planes((("nib", 0), ("bit", 4))), split_q5_k, values_q5_k),
     "gguf.iq4_xs": (Planes((("nib", 0),)), split_iq4_xs, values_iq4_xs),
 }

@@ -12,12 +12,10 @@ Inside a row:
   1..15 blocks), each ``[d: S fp16 | m: S fp16 (Q4_1, Q5_1) | Q5's fifth bits | quants]`` with the quants
   transposed to [step u][block j][4 bytes]: one 4 S byte load holds 4 quants of every block, so SIMD lane j sums
   block j alone and each scale applies once per super-group (see ``_super_groups``). Row bytes equal GGUF's.
-- Q4_K: super-blocks of 8 sub-blocks laid out as the super-groups above, ``[d | dmin | sc[8] | mn[8] | quants
-  [step u][sub-block j][4 bytes]]``, the 6-bit scales and mins unpacked.
-- Q6_K: ``[qs | d | aux]``. ``qs`` holds the quants in groups of 128 weights = 4 sub-blocks of 32, as the
-  halves L = [s0[0:16], s1[0:16], s2[0:16], s3[0:16]] and H = [s0[16:32], ...] (4-bit quants as byte i =
-  L[i] | H[i] << 4); ``d`` the fp16 super-block d; ``aux`` the sub-block scales per group, int8 [L s0..3,
-  H s0..3]. Q2_K, Q3_K, Q5_K and IQ4_XS are laid out alike (``group_formats``).
+- Q4_K, Q5_K, Q6_K: super-blocks of 8 sub-blocks laid out as the super-groups above, ``[d | dmin | sc[8] | mn[8] |
+  quants [step u][sub-block j][4 bytes]]`` (Q5_K: the fifth bits before the quants, as Q5_0's; Q6_K: ``[d |
+  sc[16] | low 4 bits | high 2 bits]``), the 6-bit scales and mins unpacked (``_pack_q4_k`` ...).
+- Q2_K, Q3_K, IQ4_XS: groups of 128 weights, ``[qs | d | aux]`` (``group_formats``).
 
 | layout | row bytes | K = 576 | K = 1536 | bits per weight |
 |---|---|---|---|---|
@@ -79,7 +77,8 @@ _SPECS: dict[str, _Spec] = {
 assert tuple(_SPECS) == GGUF_LAYOUTS
 _BY_GGML = {spec.ggml: name for name, spec in _SPECS.items()}
 # the formats in super-groups of 16 blocks (the rest are in groups of 128 weights: group_formats)
-SUPER_GROUPED = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl", "gguf.q4_k")
+SUPER_GROUPED = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl", "gguf.q4_k",
+                 "gguf.q5_k", "gguf.q6_k")
 
 
 def layout_of_gguf(ggml_type: int) -> str | None:
@@ -131,13 +130,8 @@ def _sections(spec: _Spec, k: int) -> tuple[int, int]:
 
 # -- nibbles ----------------------------------------------------------------------------------------------
 
-def _nibbles(v: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 32] values < 16 -> [..., 16] bytes, byte i = v[i] | v[16 + i] << 4."""
-    return v[..., :16] | (v[..., 16:] << 4)
-
-
 def _unnibble(b: torch.Tensor) -> torch.Tensor:
-    """[..., 16] bytes -> uint8 [..., 32] values (inverse of _nibbles)."""
+    """[..., 16] bytes -> uint8 [..., 32] values, byte i holding value i and i + 16."""
     return torch.cat([b & 15, b >> 4], -1)
 
 
@@ -267,6 +261,27 @@ def _pack_q4_k(b: torch.Tensor, n: int, k: int):
     return torch.cat([b[..., :4], sc, mn, _steps(u.reshape(n, ns, 8, 32))], -1).reshape(n, -1), b[..., :0], b[..., :0]
 
 
+def _pack_q5_k(b: torch.Tensor, n: int, k: int):
+    """[d | dmin | sc[8] | mn[8] | fifth bits [sub-block j][4] (as Q5_0's) | low 4 bits as Q4_K's]: 180 bytes."""
+    ns = k // 256
+    u = group_formats.split_q5_k(b, n, k)[0].reshape(n, ns, 8, 32)
+    sc, mn = group_formats.q4k_scales(b[..., 4:16])
+    fifth = _step_bits(group_formats.le_bits(u >> 4)).reshape(n, ns, 32)
+    return torch.cat([b[..., :4], sc, mn, fifth, _steps(u & 15)], -1).reshape(n, -1), b[..., :0], b[..., :0]
+
+
+def _pack_q6_k(b: torch.Tensor, n: int, k: int):
+    """[d | sc int8[16] | low 4 bits as Q4_K's | high 2 bits [step u' 0..1][sub-block j][4]]: 210 bytes; a high-bit
+    byte holds, 2 bits each, step u' low nibble's weight, its high nibble's, then step u' + 2's two."""
+    ns = k // 256
+    u = _q6k_values(b).reshape(n, ns, 8, 32)
+    h = (u >> 4).reshape(n, ns, 8, 2, 4, 4)                     # [j, half, step, t]
+    hb = h[:, :, :, 0, :2] | (h[:, :, :, 1, :2] << 2) | (h[:, :, :, 0, 2:] << 4) | (h[:, :, :, 1, 2:] << 6)
+    high = hb.transpose(2, 3).reshape(n, ns, 64)                 # [u', j, t]
+    return torch.cat([b[..., 208:210], b[..., 192:208], _steps(u & 15), high], -1).reshape(n, -1), \
+        b[..., :0], b[..., :0]
+
+
 def _q6k_values(b: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks [N, ns, 210] -> quants 0..63 uint8 [N, ns, 256] in weight order (as gguf's dequantize)."""
     n, ns = b.shape[:2]
@@ -277,20 +292,9 @@ def _q6k_values(b: torch.Tensor) -> torch.Tensor:
     return ql.reshape(n, ns, 256) | (qh.reshape(n, ns, 256) << 4)
 
 
-def _pack_q6_k(b: torch.Tensor, n: int, k: int):
-    ns, ng = k // 256, k // 128
-    v = _q6k_values(b).reshape(n, ng, 4, 2, 16)
-    lo, hi = v[:, :, :, 0].reshape(n, ng, 64), v[:, :, :, 1].reshape(n, ng, 64)  # L and H halves of each group
-    nib = (lo & 15) | ((hi & 15) << 4)
-    l2, h2 = lo >> 4, hi >> 4
-    qh = l2[..., :32] | (l2[..., 32:] << 2) | (h2[..., :32] << 4) | (h2[..., 32:] << 6)
-    sc = b[..., 192:208].reshape(n, ns, 2, 4, 2).transpose(3, 4)  # per group [L s0..3, H s0..3]
-    return torch.cat([nib, qh], -1), b[..., 208:210], sc
-
-
 _PACK = {"gguf.q8_0": _pack_q8_0, "gguf.q4_0": _pack_q4_0, "gguf.q4_1": _pack_q4_1, "gguf.q5_0": _pack_q5_0,
          "gguf.q5_1": _pack_q5_1, "gguf.iq4_nl": _pack_q4_0, "gguf.q4_k": _pack_q4_k,
-         "gguf.q6_k": _pack_q6_k}
+         "gguf.q6_k": _pack_q6_k, "gguf.q5_k": _pack_q5_k}
 
 
 # -- dequantize -------------------------------------------------------------------------------------------
@@ -360,18 +364,28 @@ def _dq_q4_k(rows, n, k):
     return (scale * _unsteps(sb[..., 20:]).float() - dm).reshape(n, k)
 
 
-def _dq_q6_k(qs, d, aux, n, k):
+def _dq_q5_k(rows, n, k):
+    sb = rows.reshape(n, k // 256, 180)
+    d = sb[..., 0:4].contiguous().view(torch.float16).float()
+    scale = (d[..., 0:1] * sb[..., 4:12].float())[..., None]
+    dm = (d[..., 1:2] * sb[..., 12:20].float())[..., None]
+    u = _unsteps(sb[..., 52:]) | (_gguf_bits(sb[..., 20:52].reshape(n, -1, 8, 4)) << 4)
+    return (scale * u.float() - dm).reshape(n, k)
+
+
+def _dq_q6_k(rows, n, k):
     ns = k // 256
-    g = qs.reshape(n, k // 128, 96)
-    nib, qh = g[..., :64], g[..., 64:]
-    lo = (nib & 15) | (torch.cat([qh & 3, (qh >> 2) & 3], -1) << 4)          # L halves [N, ng, 64]
-    hi = (nib >> 4) | (torch.cat([(qh >> 4) & 3, (qh >> 6) & 3], -1) << 4)  # H halves
-    q = torch.stack([lo.reshape(n, -1, 4, 16), hi.reshape(n, -1, 4, 16)], 3).reshape(n, ns, 16, 16)
-    sc = aux.contiguous().view(torch.int8).reshape(n, ns, 2, 2, 4).transpose(3, 4).reshape(n, ns, 16).float()
-    scale = (d[..., None] * sc)[..., None]                                   # [N, ns, 16, 1]
-    return (scale * (q.to(torch.int8) - 32).float()).reshape(n, k)
+    sb = rows.reshape(n, ns, 210)
+    hb = sb[..., 146:].reshape(n, ns, 2, 8, 4).transpose(2, 3)  # [j, u', t]
+    lo_steps = torch.cat([hb & 3, (hb >> 4) & 3], 3)             # half 0 (weights 0..15): steps 0..3
+    hi_steps = torch.cat([(hb >> 2) & 3, hb >> 6], 3)            # half 1
+    high = torch.stack([lo_steps, hi_steps], 3).reshape(n, ns, 8, 32)
+    u = (_unsteps(sb[..., 18:146]) | (high << 4)).reshape(n, ns, 16, 16)
+    d = sb[..., 0:2].contiguous().view(torch.float16).float()
+    scale = d * sb[..., 2:18].contiguous().view(torch.int8).float()
+    return (scale[..., None] * (u.to(torch.int8) - 32).float()).reshape(n, k)
 
 
 _DEQUANTIZE = {"gguf.q8_0": _dq_q8_0, "gguf.q4_0": _dq_q4_0, "gguf.q4_1": _dq_q4_1, "gguf.q5_0": _dq_q5_0,
                "gguf.q5_1": _dq_q5_1, "gguf.iq4_nl": _dq_iq4_nl, "gguf.q4_k": _dq_q4_k,
-               "gguf.q6_k": _dq_q6_k}
+               "gguf.q6_k": _dq_q6_k, "gguf.q5_k": _dq_q5_k}

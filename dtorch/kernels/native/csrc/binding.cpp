@@ -155,13 +155,13 @@ Sizes sizes(int fmt, int64_t K) {
     case dtn::Q4_0: return {K / 2, K / 16, 0, 32};
     case dtn::Q4_1: return {K / 2, K / 8, 0, 32};
     case dtn::Q4_K: return {K / 256 * 148, 0, 0, 256};
-    case dtn::Q6_K: return {K / 2 + K / 4, K / 128, K / 16, 256};
+    case dtn::Q6_K: return {K / 256 * 210, 0, 0, 256};
     case dtn::Q5_0: return {K / 32 * 20, K / 16, 0, 32};
     case dtn::Q5_1: return {K / 32 * 20, K / 8, 0, 32};
     case dtn::IQ4_NL: return {K / 2, K / 16, 0, 32};
     case dtn::Q2_K: return {K / 4, K / 64, K / 16, 256};
     case dtn::Q3_K: return {K / 256 * 96, K / 128, K / 16, 256};
-    case dtn::Q5_K: return {K / 256 * 160, K / 64, K / 16, 256};
+    case dtn::Q5_K: return {K / 256 * 180, 0, 0, 256};
     case dtn::IQ4_XS: return {K / 2, K / 128, K / 32, 256};
   }
   fail(g_arg_error, "qlinear: unknown format code " + std::to_string(fmt));
@@ -170,7 +170,8 @@ Sizes sizes(int fmt, int64_t K) {
 // Element k of the K inputs that position i of a dequantized row holds (Table::dequant): the packed order
 std::vector<int64_t> kernel_order(int fmt, int64_t K) {
   std::vector<int64_t> k(size_t(K), 0);
-  if (fmt == dtn::Q4_K) {  // super-block b: [v 0..7][sub-block j][4] holds element 256 b + 32 j + 4 v + t
+  if (fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::Q6_K) {  // super-block b: [v 0..7][sub-block j][4] holds
+                                                                    // element 256 b + 32 j + 4 v + t
     for (int64_t i = 0; i < K; ++i) k[size_t(i)] = i / 256 * 256 + (i % 32) / 4 * 32 + (i % 256) / 32 * 4 + i % 4;
   } else if (dtn::super_grouped(fmt)) {  // super-group g of S blocks: [v 0..7][block j][4] holds element 32 (16 g + j) + 4 v + t
     for (int64_t g = 0, nb = K / 32; g * 16 < nb; ++g) {

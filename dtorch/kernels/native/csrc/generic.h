@@ -160,16 +160,21 @@ static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t 
 
 // Super-group geometry of a 32-block format: fp16 scale arrays per block (1, or 2 with the Q4_1 / Q5_1 mins), bytes
 // of Q5's high bits and of quants per block, and the weight of a quant's unsigned offset (Q4_0: q - 8; Q5_0: q - 16;
-// Q8_0 stored as q + 128; IQ4_NL: its level + 128)
-template <int F> struct SG {  // Q4_K: as Q4_1 within each super-block of 8 (148 bytes: its addresses are its own)
-  static constexpr int scales = F == dtn::Q4_1 || F == dtn::Q5_1 || F == dtn::Q4_K ? 2 : 1;
-  static constexpr int hbytes = F == dtn::Q5_0 || F == dtn::Q5_1 ? 4 : 0;
+// Q8_0 stored as q + 128; IQ4_NL: its level + 128). The K-quants Q4_K, Q5_K and Q6_K are super-blocks of 8 blocks
+// (kblock bytes; layouts.py): [d | dmin | sc[8] | mn[8] | Q5_K's fifth bits | quants] as Q4_1 / Q5_1 with a scale and
+// min per block, or Q6_K's [d | sc[16] | low 4 bits | high 2 bits] (signed q - 32, a scale per 16 weights).
+template <int F> struct SG {
+  static constexpr int scales = F == dtn::Q4_1 || F == dtn::Q5_1 || F == dtn::Q4_K || F == dtn::Q5_K ? 2 : 1;
+  static constexpr int hbytes = F == dtn::Q5_0 || F == dtn::Q5_1 || F == dtn::Q5_K ? 4 : 0;
   static constexpr int qbytes = F == dtn::Q8_0 ? 32 : 16;
-  static constexpr int bytes = 2 * scales + hbytes + qbytes;  // per block
+  static constexpr int bytes = 2 * scales + hbytes + qbytes;  // per block (32-block formats)
   static constexpr float offset = F == dtn::Q8_0 || F == dtn::IQ4_NL ? -128.f : F == dtn::Q4_0 ? -8.f
-                                  : F == dtn::Q5_0 ? -16.f : 0.f;
+                                  : F == dtn::Q5_0 ? -16.f : F == dtn::Q6_K ? -32.f : 0.f;
   // the SIMD kernels multiply these as signed int8 (sign trick) and need no offset term
-  static constexpr bool signed_q = F == dtn::Q8_0 || F == dtn::IQ4_NL;
+  static constexpr bool signed_q = F == dtn::Q8_0 || F == dtn::IQ4_NL || F == dtn::Q6_K;
+  static constexpr int kblock = F == dtn::Q4_K ? 148 : F == dtn::Q5_K ? 180 : F == dtn::Q6_K ? 210 : 0;
+  static constexpr int kq = F == dtn::Q5_K ? 52 : F == dtn::Q6_K ? 18 : 20;  // the quants' offset in a super-block
+  static constexpr int kh = F == dtn::Q6_K ? 146 : 20;                         // the high bits'
 };
 
 // A 4-bit byte's two unsigned quants (low: weight 4 u + t, high: weight 16 + 4 u + t of step u), with Q5's fifth
@@ -232,32 +237,50 @@ static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, i
   }
 }
 
-// Q4_K in super-blocks of 8 sub-blocks (layouts.py): [d | dmin | sc[8] | mn[8] | quants [step u][sub-block j][4]]
-static void qgemm_q4k_portable(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
-                               void* y, int ydt, int64_t ldy) {
+// A K-quant super-block's quant of weight 4 v + t (v < 4: low nibble of step v; else high nibble of step v - 4) of
+// sub-block j, unsigned (Q6_K: 0..63)
+template <int F>
+static inline int k_quant(const uint8_t* sb, int v, int j, int t) {
+  using G = SG<F>;
+  const int u = v % 4, at = j * 4 + t;
+  const uint8_t q = sb[G::kq + u * 32 + at];
+  int x = v < 4 ? q & 15 : q >> 4;
+  if constexpr (F == dtn::Q5_K) x |= ((sb[G::kh + at] >> (v < 4 ? u : 4 + u)) & 1) << 4;
+  if constexpr (F == dtn::Q6_K) x |= ((sb[G::kh + (u % 2) * 32 + at] >> (4 * (u / 2) + 2 * (v >= 4))) & 3) << 4;
+  return x;
+}
+
+// The K-quants in super-blocks of 8 (Q4_K, Q5_K: (d sc) u - dmin mn; Q6_K: (d sc) (u - 32), sc per 16 weights)
+template <int F>
+static void qgemm_k_portable(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                             void* y, int ydt, int64_t ldy) {
+  using G = SG<F>;
   const int64_t nb = w.K / 32;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) {
       float acc = bias ? load_f(bias, ydt, n) : 0.f;
       for (int64_t b = 0; b < nb / 8; ++b) {
-        const uint8_t* p = w.qs + n * w.qs_row + b * 148;
+        const uint8_t* sb = w.qs + n * w.qs_row + b * G::kblock;
         uint16_t dm[2];
-        std::memcpy(dm, p, 4);
+        std::memcpy(dm, sb, 4);
         const float d = fp16_to_f32(dm[0]), dmin = fp16_to_f32(dm[1]);
         for (int j = 0; j < 8; ++j) {
           const int64_t blk = 8 * b + j, g = blk / 16, jj = blk % 16;
           const int64_t st = 4 * sg_period(int(nb - g * 16 < 16 ? nb - g * 16 : 16));
           const int8_t* aq = a.q + (m * a.nsg + g) * 1024 + jj * 4;
-          int32_t isum[2] = {0, 0};
+          int32_t isum[2][2] = {{0, 0}, {0, 0}};  // [level][half: weights 0..15, 16..31]; Q6_K signed (q - 32)
           for (int l = 0; l < 2; ++l)
-            for (int u = 0; u < 4; ++u)
-              for (int t = 0; t < 4; ++t) {
-                const uint8_t v = p[20 + u * 32 + j * 4 + t];
-                isum[l] += int32_t(v & 15) * aq[512 * l + u * st + t] + int32_t(v >> 4) * aq[512 * l + (u + 4) * st + t];
-              }
+            for (int v = 0; v < 8; ++v)
+              for (int t = 0; t < 4; ++t)
+                isum[l][v / 4] += (k_quant<F>(sb, v, j, t) + int(G::offset)) * aq[512 * l + v * st + t];
           const float ad = a.d[(m * a.nsg + g) * 16 + jj], as = a.s[(m * a.nsg + g) * 16 + jj];
-          acc += (d * float(p[4 + j])) * (ad * (float(isum[0]) + float(isum[1]) * (1.f / 254.f)));
-          acc -= (dmin * float(p[12 + j])) * as;
+          if constexpr (F == dtn::Q6_K) {
+            for (int h = 0; h < 2; ++h)
+              acc += (d * float(int8_t(sb[2 + 2 * j + h]))) * (ad * (float(isum[0][h]) + float(isum[1][h]) * (1.f / 254.f)));
+          } else {
+            const float sum = ad * (float(isum[0][0] + isum[0][1]) + float(isum[1][0] + isum[1][1]) * (1.f / 254.f));
+            acc += (d * float(sb[4 + j])) * sum - (dmin * float(sb[12 + j])) * as;
+          }
         }
       }
       store_f(y, ydt, m * ldy + n, acc);
@@ -273,7 +296,9 @@ static void qgemm_sg_portable(const QWeight& w, const SGAct& a, int64_t M, int64
     case dtn::Q5_0: return qgemm_sg_portable_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_1: return qgemm_sg_portable_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::IQ4_NL: return qgemm_sg_portable_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
-    case dtn::Q4_K: return qgemm_q4k_portable(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_K: return qgemm_k_portable<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_K: return qgemm_k_portable<dtn::Q5_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q6_K: return qgemm_k_portable<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
 
@@ -293,8 +318,6 @@ struct GroupS {
 static inline int64_t group_bytes(int fmt) {
   switch (fmt) {
     case dtn::IQ4_XS: return 64;
-    case dtn::Q6_K: return 96;
-    case dtn::Q5_K: return 80;
     case dtn::Q3_K: return 48;
     case dtn::Q2_K: return 32;
   }
@@ -339,33 +362,16 @@ static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, G
   std::memset(o.wh, 0, 64);
   o.off = 0;
   switch (w.fmt) {
-    case dtn::Q5_K: {  // (d sc) u - dmin mn
-      plane_nib(p, 0, o);
-      plane_bit(p + 64, 4, o);
-      const float dd = fp16_to_f32(d[sup]), dmin = fp16_to_f32(d[nsup + sup]);
-      for (int s = 0; s < 4; ++s) {
-        o.dl[s] = o.dh[s] = dd * float(aux[sup * 16 + half * 4 + s]);
-        o.m[s] = o.m[4 + s] = -(dmin * float(aux[sup * 16 + 8 + half * 4 + s]));
-      }
-      break;
-    }
-    case dtn::Q6_K: case dtn::Q3_K: {  // (d sc) (u - off), a signed scale per 16 weights
-      if (w.fmt == dtn::Q6_K) {
-        plane_nib(p, 0, o);
-        GroupS hi{};
-        plane_two(p + 64, hi);
-        for (int i = 0; i < 64; ++i) { o.wl[i] |= uint8_t(hi.wl[i] << 4); o.wh[i] |= uint8_t(hi.wh[i] << 4); }
-      } else {
-        plane_two(p, o);
-        plane_bit(p + 32, 2, o);
-      }
-      o.off = w.fmt == dtn::Q6_K ? 32 : 4;
+    case dtn::Q3_K: {  // (d sc) (u - 4), a signed scale per 16 weights
+      plane_two(p, o);
+      plane_bit(p + 32, 2, o);
+      o.off = 4;
       const float dd = fp16_to_f32(d[sup]);
       for (int s = 0; s < 4; ++s) {
         o.dl[s] = dd * float(int8_t(aux[g * 8 + s]));
         o.dh[s] = dd * float(int8_t(aux[g * 8 + 4 + s]));
-        o.m[s] = -float(o.off) * o.dl[s];
-        o.m[4 + s] = -float(o.off) * o.dh[s];
+        o.m[s] = -4.f * o.dl[s];
+        o.m[4 + s] = -4.f * o.dh[s];
       }
       break;
     }
@@ -498,6 +504,27 @@ static void dequant_sg_fmt(const QWeight& w, int64_t n0, int64_t n1, float* out)
   }
 }
 
+// super-block b: [v 0..7][sub-block j][t 0..3] holds element 256 b + 32 j + 4 v + t (gguf: (d sc) q - (dmin mn), or
+// Q6_K's (d sc) (q - 32))
+template <int F>
+static void dequant_k(const QWeight& w, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < w.K / 256; ++b) {
+      const uint8_t* sb = w.qs + n * w.qs_row + b * SG<F>::kblock;
+      uint16_t dm[2];
+      std::memcpy(dm, sb, 4);
+      const float d = fp16_to_f32(dm[0]), dmin = fp16_to_f32(dm[1]);
+      float* o = out + (n - n0) * w.K + b * 256;
+      for (int v = 0; v < 8; ++v)
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) {
+            const int q = k_quant<F>(sb, v, j, t);
+            o[v * 32 + j * 4 + t] = F == dtn::Q6_K ? (d * float(int8_t(sb[2 + 2 * j + v / 4]))) * float(q - 32)
+                                                   : (d * float(sb[4 + j])) * float(q) - dmin * float(sb[12 + j]);
+          }
+    }
+}
+
 static void dequant(const QWeight& w, int64_t n0, int64_t n1, float* out) {
   switch (w.fmt) {
     case dtn::Q8_0: return dequant_sg_fmt<dtn::Q8_0>(w, n0, n1, out);
@@ -506,22 +533,9 @@ static void dequant(const QWeight& w, int64_t n0, int64_t n1, float* out) {
     case dtn::Q5_0: return dequant_sg_fmt<dtn::Q5_0>(w, n0, n1, out);
     case dtn::Q5_1: return dequant_sg_fmt<dtn::Q5_1>(w, n0, n1, out);
     case dtn::IQ4_NL: return dequant_sg_fmt<dtn::IQ4_NL>(w, n0, n1, out);
-    case dtn::Q4_K:  // super-block b: [v 0..7][sub-block j][t 0..3] holds element 256 b + 32 j + 4 v + t
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t b = 0; b < w.K / 256; ++b) {
-          const uint8_t* p = w.qs + n * w.qs_row + b * 148;
-          uint16_t dm[2];
-          std::memcpy(dm, p, 4);
-          const float d = fp16_to_f32(dm[0]), dmin = fp16_to_f32(dm[1]);
-          float* o = out + (n - n0) * w.K + b * 256;
-          for (int v = 0; v < 8; ++v)
-            for (int j = 0; j < 8; ++j)
-              for (int t = 0; t < 4; ++t) {  // gguf: (d sc) q - (dmin mn)
-                const uint8_t q = p[20 + (v % 4) * 32 + j * 4 + t];
-                o[v * 32 + j * 4 + t] = (d * float(p[4 + j])) * float(v < 4 ? q & 15 : q >> 4) - dmin * float(p[12 + j]);
-              }
-        }
-      return;
+    case dtn::Q4_K: return dequant_k<dtn::Q4_K>(w, n0, n1, out);
+    case dtn::Q5_K: return dequant_k<dtn::Q5_K>(w, n0, n1, out);
+    case dtn::Q6_K: return dequant_k<dtn::Q6_K>(w, n0, n1, out);
   }
   GroupS gr;  // the group formats (K a multiple of 256): the L half of group g, then its H half, at 128 g
   for (int64_t n = n0; n < n1; ++n)

@@ -38,27 +38,6 @@ static inline __m128 u8x4_avx2(const uint8_t* p) {
 
 template <int F> struct Fmt256;
 
-template <> struct Fmt256<dtn::Q6_K> {
-  static constexpr bool split = true, has_m = true, sgn = false;
-  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
-    const uint8_t* p = r.qs + g * 96;
-    nibbles2(p, 4, o);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)), three = _mm256_set1_epi8(3);
-    for (int pp = 0; pp < 2; ++pp) {  // qh bits 2p, 2p+1: L of pair p; bits 4+2p, 5+2p: H of pair p
-      const __m256i hl = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pp), three);
-      const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(qh, 4 + 2 * pp), three);
-      o.wl[pp] = _mm256_or_si256(o.wl[pp], _mm256_slli_epi16(hl, 4));
-      o.wh[pp] = _mm256_or_si256(o.wh[pp], _mm256_slli_epi16(hh, 4));
-    }
-    const __m256 d = _mm256_mul_ps(
-        _mm256_set1_ps(_cvtsh_ss(r.d[g >> 1])),
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.aux + g * 8)))));
-    o.dl = _mm256_castps256_ps128(d);
-    o.dh = _mm256_extractf128_ps(d, 1);
-    o.m = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
-  }
-};
-
 // -- the other group formats (group_formats.py)
 
 static inline __m256i bits_to_bytes(uint32_t bits) {  // byte i = 0xff where bit i is set
@@ -95,19 +74,6 @@ static inline __m256i iq4_table256() {  // IQ4 indices -> signed levels through 
 static inline __m256 int8x8_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-
-template <> struct Fmt256<dtn::Q5_K> {  // as Q4_K, with a fifth bit
-  static constexpr bool split = false, has_m = true, sgn = false;
-  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
-    nibbles2(r.qs + g * 80, 4, o);
-    plane_bit256(r.qs + g * 80 + 64, 16, o);
-    const int64_t sup = g >> 1;
-    const uint8_t* a = r.aux + sup * 16 + (g & 1) * 4;
-    o.dl = o.dh = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[sup])), u8x4_avx2(a));
-    const __m128 m = _mm_mul_ps(_mm_set1_ps(-_cvtsh_ss(r.d[r.nsup + sup])), u8x4_avx2(a + 8));
-    o.m = _mm256_set_m128(m, m);
-  }
-};
 
 template <> struct Fmt256<dtn::Q3_K> {  // (d sc) (u - 4), a signed scale per 16 weights
   static constexpr bool split = true, has_m = true, sgn = false;
@@ -258,10 +224,8 @@ static void qgemm256_fmt(const QWeight& w, const QAct& a, int64_t M, int64_t n0,
 static void qgemm256(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
                      int ydt, int64_t ldy) {
   switch (w.fmt) {
-    case dtn::Q6_K: return qgemm256_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q2_K: return qgemm256_fmt<dtn::Q2_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q3_K: return qgemm256_fmt<dtn::Q3_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
-    case dtn::Q5_K: return qgemm256_fmt<dtn::Q5_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::IQ4_XS: return qgemm256_fmt<dtn::IQ4_XS>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
@@ -335,22 +299,55 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
     const uint8_t* p[NR];
-    for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * (F == dtn::Q4_K ? 2 * 148 : 16 * G::bytes);  // Q4_K: block 2 g
+    for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * (G::kblock ? 2 * G::kblock : 16 * G::bytes);  // K: block 2 g
     const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes;
-    // where step u of half h starts: [step u][block j][4 bytes] over the super-group, or Q4_K's super-block 2 g + h
+    // where step u of half h starts: [step u][block j][4 bytes] over the super-group, or in K super-block 2 g + h
     auto quants = [&](int n, int h, int u) -> const int* {
-      if constexpr (F == dtn::Q4_K) return reinterpret_cast<const int*>(p[n] + h * 148 + 20 + 32 * u);
+      if constexpr (G::kblock != 0) return reinterpret_cast<const int*>(p[n] + h * G::kblock + G::kq + 32 * u);
       return reinterpret_cast<const int*>(p[n] + qoff + u * 4 * S + 32 * h);
+    };
+    auto high = [&](int n, int h) -> const int* {  // Q5's fifth bits (Q6_K: its high bits, two steps a byte)
+      if constexpr (G::kblock != 0) return reinterpret_cast<const int*>(p[n] + h * G::kblock + G::kh);
+      return reinterpret_cast<const int*>(p[n] + hoff + 32 * h);
     };
     auto group = [&](auto st) {  // st: activation bytes per step (a constant for whole super-groups)
     for (int h = 0; h * 8 < S; ++h) {
       const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
       const __m256i lm = lanes_mask(cnt);
       const int8_t* ag = a.q + m0 * rs + g * 1024 + 32 * h;  // hi levels, then lo at + 512
-      __m256i is[MR][NR], il[MR][NR];
+      __m256i is[MR][NR], il[MR][NR], is2[MR][NR], il2[MR][NR];  // is2, il2: Q6_K's high nibbles (own scales)
       for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm256_setzero_si256();
-      if constexpr (F == dtn::Q8_0) {
+        for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = is2[m][n] = il2[m][n] = _mm256_setzero_si256();
+      if constexpr (F == dtn::Q6_K) {
+        const __m256i b45 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+        for (int u = 0; u < 4; ++u) {
+          __m256i wl[NR], wh[NR], aw[NR], ahw[NR];  // aw, ahw: |wl|, |wh|
+          for (int n = 0; n < NR; ++n) {  // 6-bit u - 32: signed, |w| <= 32
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants(n, h, u)));
+            const __m256i hq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high(n, h)) + (u % 2));
+            const __m256i hl = u < 2 ? _mm256_slli_epi16(hq, 4) : hq, hh = u < 2 ? _mm256_slli_epi16(hq, 2)
+                                                                                 : _mm256_srli_epi16(hq, 2);
+            wl[n] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, lo4), _mm256_and_si256(hl, b45)), k32);
+            wh[n] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4),
+                                                    _mm256_and_si256(hh, b45)), k32);
+            aw[n] = _mm256_sign_epi8(wl[n], wl[n]);
+            ahw[n] = _mm256_sign_epi8(wh[n], wh[n]);
+          }
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* am = ag + m * rs;
+            const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + u * st));
+            const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + (u + 4) * st));
+            const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + u * st));
+            const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + (u + 4) * st));
+            for (int n = 0; n < NR; ++n) {
+              is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(aw[n], _mm256_sign_epi8(al, wl[n])));
+              il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(aw[n], _mm256_sign_epi8(ll, wl[n])));
+              is2[m][n] = _mm256_add_epi32(is2[m][n], dot_u8s8(ahw[n], _mm256_sign_epi8(ah, wh[n])));
+              il2[m][n] = _mm256_add_epi32(il2[m][n], dot_u8s8(ahw[n], _mm256_sign_epi8(lh, wh[n])));
+            }
+          }
+        }
+      } else if constexpr (F == dtn::Q8_0) {
         for (int u = 0; u < 8; ++u) {
           __m256i ws[NR], wa[NR];
           for (int n = 0; n < NR; ++n) {
@@ -370,8 +367,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
       } else {
         __m256i hv[NR];  // Q5: the high bits, laid out as a step's quants (layouts.py)
         if constexpr (G::hbytes != 0)
-          for (int n = 0; n < NR; ++n)
-            hv[n] = _mm256_maskload_epi32(reinterpret_cast<const int*>(p[n] + hoff + 32 * h), lm);
+          for (int n = 0; n < NR; ++n) hv[n] = _mm256_maskload_epi32(high(n, h), lm);
         for (int u = 0; u < 4; ++u) {
           __m256i wl[NR], wh[NR];
           for (int n = 0; n < NR; ++n) {
@@ -409,8 +405,17 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
       }
       __m256 dw[NR], mw[NR];
       for (int n = 0; n < NR; ++n) {
-        if constexpr (F == dtn::Q4_K) {  // (d sc) u - dmin mn per sub-block
-          const uint8_t* sb = p[n] + h * 148;
+        if constexpr (F == dtn::Q6_K) {  // d sc per 16 weights: dw the low nibbles' (sc[2 j]), mw the high's
+          const uint8_t* sb = p[n] + h * G::kblock;
+          uint16_t d16;
+          std::memcpy(&d16, sb, 2);
+          const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 2)),
+                                              _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+          const __m256 d = _mm256_set1_ps(_cvtsh_ss(d16));
+          dw[n] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+          mw[n] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per sub-block
+          const uint8_t* sb = p[n] + h * G::kblock;
           uint16_t dm[2];
           std::memcpy(dm, sb, 4);
           dw[n] = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[0])), u8x8_ps(sb + 4));
@@ -425,7 +430,10 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         const __m256 sa = _mm256_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         for (int n = 0; n < NR; ++n) {
           const __m256 t = _mm256_mul_ps(levels256(is[m][n], il[m][n]), da);
-          if constexpr (G::scales == 2) {  // Q4_1, Q5_1: d u + m
+          if constexpr (F == dtn::Q6_K) {
+            const __m256 t2 = _mm256_mul_ps(levels256(is2[m][n], il2[m][n]), da);
+            acc[m][n] = _mm256_fmadd_ps(t2, mw[n], _mm256_fmadd_ps(t, dw[n], acc[m][n]));
+          } else if constexpr (G::scales == 2) {  // Q4_1, Q5_1: d u + m
             acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (!G::signed_q) {  // Q4_0, Q5_0: d (u + offset)
             acc[m][n] = _mm256_fmadd_ps(dw[n], _mm256_fmadd_ps(sa, _mm256_set1_ps(G::offset), t), acc[m][n]);
@@ -478,6 +486,8 @@ static void qgemm_sg256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q4_0: return qgemm_sg256_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg256_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_K: return qgemm_sg256_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_K: return qgemm_sg256_fmt<dtn::Q5_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q6_K: return qgemm_sg256_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_0: return qgemm_sg256_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_1: return qgemm_sg256_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::IQ4_NL: return qgemm_sg256_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);

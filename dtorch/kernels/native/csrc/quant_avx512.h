@@ -1,60 +1,7 @@
-// Quantized products with AVX-512 VNNI. K-quants (QAct): per group of 128 weights, the unsigned quants of the L
-// and H halves (64 bytes each) meet the int8 activations in two vpdpbusd, giving 16 int32 lanes, lanes 4s..4s+3
-// summing sub-block s; the lanes are scaled in float32, and each sub-block's offset m meets the activation sums.
-// The 32-block formats (SGAct, at the end): one lane per block.
+// Quantized products with AVX-512 VNNI: Q8_0, Q4_0 and Q4_1 in super-groups (SGAct), one lane per block. The other
+// formats run quant_avx2.h's kernels (included before this file): they are tested on the AVX2 machines they were
+// written on, and no AVX-512 machine has yet measured a 512-bit version of them.
 // Included inside namespace DTN_ISA of isa_avx512.cpp.
-
-struct Row512 {
-  const uint8_t* qs;
-  const uint16_t* d;
-  const uint8_t* aux;
-  int64_t nb, nsup;  // sub-blocks of 32 and super-blocks of 256 per row
-};
-
-struct Dec512 {
-  __m512i wl, wh;  // unsigned quants of the L and H halves
-  __m512 dl, dh;   // lane 4s+t: scale of sub-block s for each half
-  __m256 m;        // offsets [L s0..s3, H s0..s3]
-};
-
-static inline __m512 rep4(__m128 v) {  // [a, b, c, d] -> [a x4, b x4, c x4, d x4]
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
-}
-
-static inline void nibbles(__m512i v, Dec512& o) {
-  const __m512i lo = _mm512_set1_epi8(0x0f);
-  o.wl = _mm512_and_si512(v, lo);
-  o.wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-}
-
-template <int F> struct Fmt512;
-
-static inline __m128 u8x4(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(v)));
-}
-
-template <> struct Fmt512<dtn::Q6_K> {  // w = (d sc) (q - 32), sc per 16 weights: one per half sub-block
-  static constexpr bool split = true;
-  static inline void decode(const Row512& r, int64_t g, int, Dec512& o) {
-    const uint8_t* p = r.qs + g * 96;
-    nibbles(_mm512_loadu_si512(p), o);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
-    const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-    const __m512i three = _mm512_set1_epi8(3);
-    o.wl = _mm512_or_si512(o.wl, _mm512_slli_epi16(_mm512_and_si512(h, three), 4));
-    o.wh = _mm512_or_si512(o.wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), three), 4));
-    const __m256 d = _mm256_mul_ps(
-        _mm256_set1_ps(_cvtsh_ss(r.d[g >> 1])),
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.aux + g * 8)))));
-    const __m512 d16 = _mm512_castps256_ps512(d);
-    o.dl = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), d16);
-    o.dh = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4), d16);
-    o.m = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
-  }
-};
 
 // the two activation levels' integer sums as one float: hi + lo / 254 (as the portable kernels round it)
 static inline __m512 levels512(__m512i hi, __m512i lo) {
@@ -67,66 +14,10 @@ static inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// MR activation rows m0.. against one weight row: each group is decoded once and used MR times
-template <int F, int MR>
-static inline void qdot512(const Row512& row, const QAct& a, int64_t m0, float* out) {
-  using W = Fmt512<F>;
-  const int64_t ng = a.ng;
-  __m512 acc[MR];
-  __m256 accm[MR];
-  for (int r = 0; r < MR; ++r) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
-  for (int64_t g = 0; g < ng; ++g) {
-    const int gs = int(row.nb - g * 4 < 4 ? row.nb - g * 4 : 4);
-    Dec512 w;
-    W::decode(row, g, gs, w);
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* aq = a.q + (m0 + r) * ng * 256 + g * 256;  // zero padded: whole 64-byte loads are safe
-      const __m512i al = _mm512_loadu_si512(aq), ah = _mm512_loadu_si512(aq + 16 * gs);
-      const __m512i ll = _mm512_loadu_si512(aq + 128), lh = _mm512_loadu_si512(aq + 128 + 16 * gs);  // lo levels
-      const __m512 dr = _mm512_loadu_ps(a.darep + (m0 + r) * ng * 16 + g * 16);
-      const __m512i z = _mm512_setzero_si512();
-      if constexpr (W::split) {
-        const __m512 fl = levels512(_mm512_dpbusd_epi32(z, w.wl, al), _mm512_dpbusd_epi32(z, w.wl, ll));
-        const __m512 fh = levels512(_mm512_dpbusd_epi32(z, w.wh, ah), _mm512_dpbusd_epi32(z, w.wh, lh));
-        acc[r] = _mm512_fmadd_ps(fl, _mm512_mul_ps(w.dl, dr), acc[r]);
-        acc[r] = _mm512_fmadd_ps(fh, _mm512_mul_ps(w.dh, dr), acc[r]);
-      } else {
-        const __m512i i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w.wl, al), w.wh, ah);
-        const __m512i il = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w.wl, ll), w.wh, lh);
-        acc[r] = _mm512_fmadd_ps(levels512(i, il), _mm512_mul_ps(w.dl, dr), acc[r]);
-      }
-      accm[r] = _mm256_fmadd_ps(w.m, _mm256_loadu_ps(a.asum + (m0 + r) * ng * 8 + g * 8), accm[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum256(accm[r]);
-}
-
-template <int F>
-static void qgemm512_fmt(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
-                         int ydt, int64_t ldy) {
-  float o[4];
-  for (int64_t n = n0; n < n1; ++n) {
-    const Row512 row{w.qs + n * w.qs_row, w.d + n * w.d_row, w.aux + n * w.aux_row, w.K / 32, w.K / 256};
-    if (n + kAhead < n1) prefetch_row(w, n + kAhead);
-    const float b = bias ? load_f(bias, ydt, n) : 0.f;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      qdot512<F, 4>(row, a, m, o);
-      for (int r = 0; r < 4; ++r) store_f(y, ydt, (m + r) * ldy + n, o[r] + b);
-    }
-    for (; m < M; ++m) {
-      qdot512<F, 1>(row, a, m, o);
-      store_f(y, ydt, m * ldy + n, o[0] + b);
-    }
-  }
-}
-
+// the group formats (Q2_K, Q3_K, IQ4_XS): quant_avx2.h, tested on AVX2 machines
 static void qgemm512(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
                      int ydt, int64_t ldy) {
-  switch (w.fmt) {
-    case dtn::Q6_K: return qgemm512_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
-  }
-  qgemm256(w, a, M, n0, n1, bias, y, ydt, ldy);  // the other group formats: quant_avx2.h, tested on AVX2 machines
+  qgemm256(w, a, M, n0, n1, bias, y, ydt, ldy);
 }
 
 // -- float32 / bf16 weights ------------------------------------------------------------------------------
@@ -359,7 +250,7 @@ static void qgemm_sg512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q4_0: return qgemm_sg512_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg512_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
-  qgemm_sg256(w, a, M, n0, n1, bias, y, ydt, ldy);  // Q5_0, Q5_1, IQ4_NL, Q4_K: quant_avx2.h, tested on AVX2
+  qgemm_sg256(w, a, M, n0, n1, bias, y, ydt, ldy);  // Q5_0, Q5_1, IQ4_NL and the K-quants: quant_avx2.h
 }
 
 // -- dequantization in the packed order (Table::dequant; see generic.h): 16 lanes = 4 blocks x 4 bytes per chunk ----
