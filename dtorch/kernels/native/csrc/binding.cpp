@@ -143,7 +143,7 @@ void parallel_rows(int64_t n, int64_t work_per_row, F&& f) {  // chunks of at le
 // per-thread activation workspace (QAct arrays); grows, never shrinks
 struct Workspace {
   std::vector<int8_t> q;
-  std::vector<float> darep, asum;
+  std::vector<float> darep, asum, halves;
 };
 thread_local Workspace t_ws;
 
@@ -283,15 +283,16 @@ ENTRY(py_qlinear)
     Py_RETURN_NONE;
   }
   Workspace& ws = t_ws;
-  if (dtn::super_grouped(int(fmt))) {  // Q8_0 / Q4_0 / Q4_1: super-groups of 16 blocks
+  if (dtn::super_grouped(int(fmt))) {  // super-groups of 16 blocks (the K-quants: 2 super-blocks of 8)
     const int64_t nsg = (K / 32 + 15) / 16;
     if (int64_t(ws.q.size()) < M * nsg * 1024) ws.q.resize(size_t(M * nsg * 1024));
     if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
     if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
-    const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg};
+    if (int64_t(ws.halves.size()) < M * nsg * 32) ws.halves.resize(size_t(M * nsg * 32));
+    const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg, ws.halves.data()};
     Py_BEGIN_ALLOW_THREADS
     parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {
-      tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data());
+      tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data(), ws.halves.data());
     });
     parallel_rows(N, M * K, [&](int64_t n0, int64_t n1) { tb->qgemm_sg(qw, a, M, n0, n1, bp, yp, xdt, N); });
     Py_END_ALLOW_THREADS

@@ -54,6 +54,7 @@ struct SGAct {
   const float* d;
   const float* s;
   int64_t nsg;
+  const float* sh;  // sh + r * nsg * 32 + g * 32 + 16 h + j: as s, over weights 16 h .. 16 h + 15 of block 16 g + j (Q6_K)
 };
 
 struct Table {
@@ -67,7 +68,7 @@ struct Table {
                 int ydt, int64_t ldy);
   // x rows [r0, r1) of [M, K] -> SGAct arrays
   void (*quantize_sg)(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
-                      float* s);
+                      float* s, float* sh);
   // qgemm for the 32-block formats: w.qs is row 0, w.qs_row the row bytes
   void (*qgemm_sg)(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
                    int ydt, int64_t ldy);

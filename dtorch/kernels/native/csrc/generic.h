@@ -132,22 +132,26 @@ static inline int sg_period(int S) {
 
 // One row x [K] -> two int8 levels per block of 32 in super-group order (see SGAct in common.h).
 static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
-                        float* s) {
+                        float* s, float* sh) {
   const int64_t nb = K / 32, nsg = (nb + 15) / 16;
   for (int64_t r = r0; r < r1; ++r) {
     int8_t* qr = q + r * nsg * 1024;
     float* dr = d + r * nsg * 16;
     float* sr = s + r * nsg * 16;
+    float* hr = sh + r * nsg * 32;
     if (nb % 16) {  // the last super-group is partial: zero its padding lanes
       std::memset(qr + (nsg - 1) * 1024, 0, 1024);
       std::memset(dr + (nsg - 1) * 16, 0, sizeof(float) * 16);
       std::memset(sr + (nsg - 1) * 16, 0, sizeof(float) * 16);
+      std::memset(hr + (nsg - 1) * 32, 0, sizeof(float) * 32);
     }
     for (int64_t b = 0; b < nb; ++b) {
       int8_t hi[32], lo[32];
       float sums[2];
       dr[b] = quantize_block(x, dt, r * ldx + b * 32, hi, lo, sums);  // (b / 16) * 16 + b % 16 == b
       sr[b] = sums[0] + sums[1];
+      hr[(b / 16) * 32 + b % 16] = sums[0];
+      hr[(b / 16) * 32 + 16 + b % 16] = sums[1];
       const int64_t P = sg_period(int(nb - b / 16 * 16 < 16 ? nb - b / 16 * 16 : 16));
       int8_t* dst = qr + (b / 16) * 1024 + (b % 16) * 4;
       for (int u = 0; u < 8; ++u) {
@@ -162,7 +166,8 @@ static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t 
 // of Q5's high bits and of quants per block, and the weight of a quant's unsigned offset (Q4_0: q - 8; Q5_0: q - 16;
 // Q8_0 stored as q + 128; IQ4_NL: its level + 128). The K-quants Q4_K, Q5_K and Q6_K are super-blocks of 8 blocks
 // (kblock bytes; layouts.py): [d | dmin | sc[8] | mn[8] | Q5_K's fifth bits | quants] as Q4_1 / Q5_1 with a scale and
-// min per block, or Q6_K's [d | sc[16] | low 4 bits | high 2 bits] (signed q - 32, a scale per 16 weights).
+// min per block, or Q6_K's [d | sc[16] | low 4 bits | high 2 bits] (q - 32, a scale per 16 weights: its offset meets
+// SGAct's sums per 16 weights).
 template <int F> struct SG {
   static constexpr int scales = F == dtn::Q4_1 || F == dtn::Q5_1 || F == dtn::Q4_K || F == dtn::Q5_K ? 2 : 1;
   static constexpr int hbytes = F == dtn::Q5_0 || F == dtn::Q5_1 || F == dtn::Q5_K ? 4 : 0;
@@ -171,7 +176,7 @@ template <int F> struct SG {
   static constexpr float offset = F == dtn::Q8_0 || F == dtn::IQ4_NL ? -128.f : F == dtn::Q4_0 ? -8.f
                                   : F == dtn::Q5_0 ? -16.f : F == dtn::Q6_K ? -32.f : 0.f;
   // the SIMD kernels multiply these as signed int8 (sign trick) and need no offset term
-  static constexpr bool signed_q = F == dtn::Q8_0 || F == dtn::IQ4_NL || F == dtn::Q6_K;
+  static constexpr bool signed_q = F == dtn::Q8_0 || F == dtn::IQ4_NL;
   static constexpr int kblock = F == dtn::Q4_K ? 148 : F == dtn::Q5_K ? 180 : F == dtn::Q6_K ? 210 : 0;
   static constexpr int kq = F == dtn::Q5_K ? 52 : F == dtn::Q6_K ? 18 : 20;  // the quants' offset in a super-block
   static constexpr int kh = F == dtn::Q6_K ? 146 : 20;                         // the high bits'

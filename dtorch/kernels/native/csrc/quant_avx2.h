@@ -318,20 +318,17 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
       __m256i is[MR][NR], il[MR][NR], is2[MR][NR], il2[MR][NR];  // is2, il2: Q6_K's high nibbles (own scales)
       for (int m = 0; m < MR; ++m)
         for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = is2[m][n] = il2[m][n] = _mm256_setzero_si256();
-      if constexpr (F == dtn::Q6_K) {
-        const __m256i b45 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+      if constexpr (F == dtn::Q6_K) {  // unsigned 6-bit u (each int16 pair sum at most 2 * 63 * 127), the low
+        const __m256i b45 = _mm256_set1_epi8(0x30);  // and high nibbles' sums apart (a scale per 16 weights)
         for (int u = 0; u < 4; ++u) {
-          __m256i wl[NR], wh[NR], aw[NR], ahw[NR];  // aw, ahw: |wl|, |wh|
-          for (int n = 0; n < NR; ++n) {  // 6-bit u - 32: signed, |w| <= 32
+          __m256i wl[NR], wh[NR];
+          for (int n = 0; n < NR; ++n) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants(n, h, u)));
             const __m256i hq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high(n, h)) + (u % 2));
             const __m256i hl = u < 2 ? _mm256_slli_epi16(hq, 4) : hq, hh = u < 2 ? _mm256_slli_epi16(hq, 2)
                                                                                  : _mm256_srli_epi16(hq, 2);
-            wl[n] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, lo4), _mm256_and_si256(hl, b45)), k32);
-            wh[n] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4),
-                                                    _mm256_and_si256(hh, b45)), k32);
-            aw[n] = _mm256_sign_epi8(wl[n], wl[n]);
-            ahw[n] = _mm256_sign_epi8(wh[n], wh[n]);
+            wl[n] = _mm256_or_si256(_mm256_and_si256(v, lo4), _mm256_and_si256(hl, b45));
+            wh[n] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), _mm256_and_si256(hh, b45));
           }
           for (int m = 0; m < MR; ++m) {
             const int8_t* am = ag + m * rs;
@@ -340,10 +337,10 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + u * st));
             const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + (u + 4) * st));
             for (int n = 0; n < NR; ++n) {
-              is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(aw[n], _mm256_sign_epi8(al, wl[n])));
-              il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(aw[n], _mm256_sign_epi8(ll, wl[n])));
-              is2[m][n] = _mm256_add_epi32(is2[m][n], dot_u8s8(ahw[n], _mm256_sign_epi8(ah, wh[n])));
-              il2[m][n] = _mm256_add_epi32(il2[m][n], dot_u8s8(ahw[n], _mm256_sign_epi8(lh, wh[n])));
+              is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(wl[n], al));
+              il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wl[n], ll));
+              is2[m][n] = _mm256_add_epi32(is2[m][n], dot_u8s8(wh[n], ah));
+              il2[m][n] = _mm256_add_epi32(il2[m][n], dot_u8s8(wh[n], lh));
             }
           }
         }
@@ -430,9 +427,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         const __m256 sa = _mm256_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         for (int n = 0; n < NR; ++n) {
           const __m256 t = _mm256_mul_ps(levels256(is[m][n], il[m][n]), da);
-          if constexpr (F == dtn::Q6_K) {
-            const __m256 t2 = _mm256_mul_ps(levels256(is2[m][n], il2[m][n]), da);
-            acc[m][n] = _mm256_fmadd_ps(t2, mw[n], _mm256_fmadd_ps(t, dw[n], acc[m][n]));
+          if constexpr (F == dtn::Q6_K) {  // (d sc) (u - 32) per 16 weights: - 32 meets the halves' sums
+            const float* hs = a.sh + (m0 + m) * a.nsg * 32 + g * 32 + 8 * h;
+            const __m256 t2 = _mm256_mul_ps(levels256(is2[m][n], il2[m][n]), da), k32 = _mm256_set1_ps(-32.f);
+            const __m256 lo_ = _mm256_fmadd_ps(_mm256_loadu_ps(hs), k32, t);
+            const __m256 hi_ = _mm256_fmadd_ps(_mm256_loadu_ps(hs + 16), k32, t2);
+            acc[m][n] = _mm256_fmadd_ps(hi_, mw[n], _mm256_fmadd_ps(lo_, dw[n], acc[m][n]));
           } else if constexpr (G::scales == 2) {  // Q4_1, Q5_1: d u + m
             acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (!G::signed_q) {  // Q4_0, Q5_0: d (u + offset)
