@@ -227,7 +227,7 @@ def test_qlinear_checks_name_the_argument():
 
 # -- float GEMV -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_gemv_matches_torch(xdtype, wdtype, isa):
     torch.manual_seed(5)

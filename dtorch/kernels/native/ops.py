@@ -35,7 +35,8 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tens
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out [..., N] = x [..., K] @ w.T for a float32 or bfloat16 weight w [N, K] (made for a few rows of x)."""
+    """out [..., N] = x [..., K] @ w.T for a float32, bfloat16 or float16 weight w [N, K] (made for a few rows of x;
+    x float32 or bfloat16)."""
     if out is None:
         out = x.new_empty(*x.shape[:-1], w.shape[0])
     _lib().gemv(x, w, out)

@@ -312,13 +312,14 @@ ENTRY(py_qlinear)
   Py_RETURN_NONE;
 EXIT
 
-// gemv(x [..., K] f32/bf16, w [N, K] f32/bf16, out [..., N] with x's dtype)
+// gemv(x [..., K] f32/bf16, w [N, K] f32/bf16/f16, out [..., N] with x's dtype)
 ENTRY(py_gemv)
   need_args(nargs, 3, "gemv");
   const at::Tensor& x = tensor(args[0], "gemv", "x");
   const at::Tensor& w = tensor(args[1], "gemv", "w");
   const at::Tensor& out = tensor(args[2], "gemv", "out");
-  const int xdt = float_dt(x, "gemv", "x"), wdt = float_dt(w, "gemv", "w");
+  const int xdt = float_dt(x, "gemv", "x");
+  const int wdt = w.scalar_type() == at::kHalf ? int(dtn::F16) : float_dt(w, "gemv", "w");
   need(out.scalar_type() == x.scalar_type(), g_dtype_error,
        std::string("gemv: out must have x's dtype ") + dtype_name(x) + ", got " + dtype_name(out));
   need(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1), g_shape_error,

@@ -17,8 +17,8 @@ constexpr bool super_grouped(int fmt) {
 }
 // IQ4_NL's and IQ4_XS's 16 weight levels (llama.cpp's kvalues_iq4nl)
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-// element types of activations, float weights and outputs
-enum DType : int { F32 = 0, BF16 = 1 };
+// element types of activations, float weights and outputs (F16: float weights of Table::gemv only)
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 // One packed weight [N, K] (dtorch/kernels/layouts.py): row n of each section starts at its base + n * row
 // (elements of that section's type; every section of a row lives in the same packed row).

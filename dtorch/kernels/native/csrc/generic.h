@@ -24,7 +24,10 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
   return uint16_t(u >> 16);
 }
 
+static inline float fp16_to_f32(uint16_t h);
+
 static inline float load_f(const void* p, int dt, int64_t i) {
+  if (dt == dtn::F16) return fp16_to_f32(static_cast<const uint16_t*>(p)[i]);
   return dt == F32 ? static_cast<const float*>(p)[i] : bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
 }
 

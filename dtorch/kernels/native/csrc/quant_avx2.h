@@ -235,6 +235,7 @@ static void qgemm256(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int
 static inline __m256 load8(const void* p, int dt, int64_t i) {
   if (dt == F32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  if (dt == dtn::F16) return _mm256_cvtph_ps(h);
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 

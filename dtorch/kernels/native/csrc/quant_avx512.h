@@ -25,6 +25,7 @@ static void qgemm512(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int
 static inline __m512 load16(const void* p, int dt, int64_t i, __mmask16 k) {
   if (dt == F32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + i);
   const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + i);
+  if (dt == dtn::F16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
