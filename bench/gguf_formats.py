@@ -1,0 +1,386 @@
+"""GGUF files as users download them, dtorch against llama.cpp on each, side by side in one run (issue #21).
+
+    python bench/gguf_formats.py [--files PATTERN ...] [--threads 1 2] [--repeats 3] [--quick] [--agreement]
+                                 [--cache DIR] [--llamacpp-python PATH]
+
+The files are made here, once, into ``--cache`` (default ``~/.cache/dtorch/bench-gguf``) and reused:
+- ``smollm2-*``: the default model (SmolLM2-135M-Instruct Q4_1) dequantized to F32, then quantized again;
+  ``smollm2-Q4_1`` is the shipped file itself;
+- ``qwen3-0.6b-*``, ``qwen3-1.7b-*``: Qwen3-0.6B- and 1.7B-shaped F16 models with random weights (normal * 0.02,
+  norms 1; the SmolLM2 tokenizer padded to Qwen3's vocab of 151936), written with gguf-py;
+each quantized by llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``, no imatrix) to Q4_K_M, Q5_K_M, Q6_K,
+Q8_0 and IQ4_XS. A preset llama.cpp refuses is reported and skipped. ``--files`` takes names or shell patterns.
+
+Each engine runs each file in its own subprocess per thread count (llama.cpp: llama-cpp-python 0.3.36 from the venv of
+``../shared/tools/llamacpp-venv.sh``, default ``.venv-llamacpp``), greedy, the same prompt (a text, by the SmolLM2
+tokenizer), a context of 1024 tokens in both (``n_ctx`` / ``max_model_len``), dtorch without prefix caching (a
+repeated prompt must be computed again). Measured, medians of ``--repeats`` runs after a warm-up: prefill of 128 and
+512 tokens, decode of 64 tokens after a 128-token prompt, and dtorch's engine throughput at 16 sequences (16 prompts
+of 128 tokens, 64 new tokens each, through ``LLM.generate``; llama.cpp has no such engine in its Python binding:
+dtorch only). "MiB" is the model's memory: peak RSS (VmHWM) above the RSS right after the imports, over the
+single-sequence runs.
+
+Checks that cost nothing: "greedy" is how many of the 64 decoded tokens of dtorch and llama.cpp agree before the first
+difference. Per file: its tensor types (gguf-py), the layouts dtorch keeps its 2-D weights in, and how many of them
+dtorch holds as float ("strided"; every 2-D tensor of these files is stored quantized) with their MiB.
+``--agreement``: teacher-forced top-1 agreement with the float source over a 256-token text, one token per step as
+decode runs (dtorch on the F32 / F16 source file is the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import gguf_files as gf
+from decode import _current_rss_mib, _llamacpp_python, _print, _run
+
+PRESETS = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
+SOURCES = ("smollm2", "qwen3-0.6b", "qwen3-1.7b")
+FILES = ("smollm2-Q4_1",) + tuple(f"{s}-{p}" for s in SOURCES for p in PRESETS)
+QUICK_FILES = ("smollm2-*", "qwen3-0.6b-Q4_K_M")
+PREFILL, PROMPT, NEW, SEQS, CONTEXT = (128, 512), 128, 64, 16, 1024
+TEXT = (
+    "The lighthouse stood on a rock at the mouth of the harbour, and for two hundred years its keepers kept the lamp "
+    "burning through every storm. The first tower was built of timber and burned down within a decade; the second, of "
+    "granite brought by barge from a quarry upriver, still stands. Each keeper wrote in a logbook the weather, the "
+    "ships that passed and the oil that the lamp consumed, and those books, kept today in the town library, tell the "
+    "story of the coast better than any history. In the winter of the great flood the sea rose over the causeway and "
+    "the keeper and his daughter lived for three weeks on biscuits and rainwater, trimming the wick every four hours. "
+    "When the railway reached the town, the harbour lost its trade to the larger port in the south, and the fishing "
+    "fleet shrank from sixty boats to a dozen. The lamp was converted to electricity after the war and the last keeper "
+    "left in the spring of the year the light became automatic. Visitors now climb the hundred and twelve steps to "
+    "the gallery, where on a clear day they can see the islands, the white cliffs to the east and the long beach "
+    "where the seals come ashore in autumn. Schoolchildren learn the names of the keepers and the ships that were "
+    "saved, and every summer the town holds a festival with music, boat races and a supper of grilled fish on the "
+    "quay, which ends when the beam of the lighthouse sweeps for the first time across the water at nightfall."
+)
+
+
+# -- the files --------------------------------------------------------------------------------------------------
+
+def make_files(names: list[str], cache: Path, python: str) -> dict[str, Path | str]:
+    """name -> its path in ``cache`` (made when missing), or the reason it could not be made."""
+    from dtorch.models.default import default_model_path
+
+    shipped = default_model_path()
+    sources = {"smollm2": lambda: gf.float_copy(shipped, cache / "smollm2-F32.gguf"),
+               "qwen3-0.6b": lambda: gf.random_model(cache / "qwen3-0.6b-F16.gguf", gf.QWEN3_0_6B, shipped),
+               "qwen3-1.7b": lambda: gf.random_model(cache / "qwen3-1.7b-F16.gguf", gf.QWEN3_1_7B, shipped)}
+    out: dict[str, Path | str] = {}
+    for name in names:
+        if name == "smollm2-Q4_1":
+            out[name] = shipped
+            continue
+        source, _, preset = name.rpartition("-")
+        print(f"  file {name} ...", file=sys.stderr, flush=True)
+        try:
+            out[name] = gf.quantize(sources[source](), cache / f"{name}.gguf", preset, Path(python), threads=2)
+        except gf.QuantizeError as e:
+            out[name] = str(e)
+    return out
+
+
+def source_of(name: str, cache: Path) -> Path:
+    """The float file a quantized benchmark file was made from."""
+    source = name.rpartition("-")[0]
+    return cache / ("smollm2-F32.gguf" if source == "smollm2" else f"{source}-F16.gguf")
+
+
+# -- the engines, each in its own subprocess -------------------------------------------------------------------
+
+LLAMACPP_WORKER = r"""
+import json, os, statistics, sys, time
+model, threads, repeats, ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+ids = [int(i) for i in sys.argv[5].split(",")]
+prefill_lens, prompt, new = json.loads(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
+import llama_cpp
+base = rss()
+llm = llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
+                      verbose=False)
+out = {"version": llama_cpp.__version__}
+for n in prefill_lens:
+    times = []
+    for r in range(repeats + 1):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids[:n])
+        if r:
+            times.append(time.perf_counter() - t0)
+    out[f"prefill{n}"] = n / statistics.median(times)
+times = []
+for r in range(repeats + 1):
+    llm.reset()
+    llm.eval(ids[:prompt])
+    tokens = [llm.sample(top_k=1, temp=0.0)]
+    t0 = time.perf_counter()
+    for _ in range(new):
+        llm.eval([tokens[-1]])
+        tokens.append(llm.sample(top_k=1, temp=0.0))
+    if r:
+        times.append(time.perf_counter() - t0)
+out["decode"] = new / statistics.median(times)
+out["tokens"] = tokens[:new]
+out["model_mib"] = peak() - base
+print(json.dumps(out))
+"""
+
+
+def _peak_mib() -> float:
+    """This process's peak RSS (VmHWM). Not ``ru_maxrss``: Linux carries that across fork and exec, so a worker
+    would report its parent's peak whenever that is the larger."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def _llm(path: str, threads: int):
+    from dtorch.engine.llm import LLM
+
+    return LLM(path, threads=threads, max_model_len=CONTEXT, max_num_seqs=SEQS, enable_prefix_caching=False)
+
+
+def _weights_kept(llm) -> dict:
+    """The layouts of the model's 2-D weights (each tensor once: a tied head is the embedding) and those held as
+    float ("strided"): their count, names (a few) and MiB."""
+    seen, layouts, floats, float_bytes = set(), Counter(), [], 0
+    for name, w in llm.model.weights.items():
+        if id(w) in seen or len(w.shape) != 2:
+            continue
+        seen.add(id(w))
+        layouts[w.layout] += 1
+        if w.layout == "strided":
+            floats.append(name)
+            float_bytes += sum(b.tensor.numel() * b.tensor.element_size() for b in w.blobs.values())
+    return {"layouts": dict(layouts), "floats": floats, "float_mib": float_bytes / 2**20}
+
+
+def worker_dtorch(path: str, threads: int, repeats: int, prefill: tuple[int, ...], ids: list[int]) -> dict:
+    """Prefill, decode and model memory of one sequence, then the 16-sequence decode throughput."""
+    from dtorch.engine.sampling import SamplingParams
+
+    base = _current_rss_mib()
+    llm = _llm(path, threads)
+    out: dict = {"kept": _weights_kept(llm)}
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for n in prefill:
+        tps = []
+        for r in range(repeats + 1):
+            llm.generate([ids[:n]], one)
+            if r:
+                tps.append(llm.stats.prefill_tps)
+        out[f"prefill{n}"] = statistics.median(tps)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    tps = []
+    for r in range(repeats + 1):
+        res = llm.generate([ids[:PROMPT]], params)
+        if r:
+            tps.append(llm.stats.decode_tps)
+    out["decode"] = statistics.median(tps)
+    out["tokens"] = res[0].outputs[0].token_ids
+    out["model_mib"] = _peak_mib() - base
+    rng = random.Random(SEQS)
+    prompts = [[rng.choice(ids) for _ in range(PROMPT)] for _ in range(SEQS)]
+    tps = []
+    for r in range(repeats + 1):
+        llm.generate(prompts, params)
+        if r:
+            tps.append(llm.stats.decode_tps)
+    out["decode16"] = statistics.median(tps)
+    llm.close()
+    return out
+
+
+def _stepwise_argmax(llm, ids: list[int]) -> list[int]:
+    """The argmax next token after each prefix of ``ids``, computed one token per step (the decode path)."""
+    from dtorch.models.executor import StepPlan
+
+    blocks = llm.engine.blocks.allocate(llm.engine.blocks.blocks_for(len(ids)))
+    try:
+        return [int(llm.executor.step(StepPlan([t], [1], [i], [blocks]), all_logits=True).argmax(-1))
+                for i, t in enumerate(ids)]
+    finally:
+        llm.engine.blocks.free(blocks)
+
+
+def worker_agreement(path: str, threads: int, reference: str | None) -> dict:
+    """With ``reference`` None: the float file's argmax after each prefix of the text (one whole-text pass).
+    Otherwise the share of one-token steps whose argmax equals the reference's (a JSON list in that file)."""
+    llm = _llm(path, threads)
+    ids = llm.tokenizer.encode(TEXT)[:256]
+    if len(ids) < 256:
+        raise SystemExit(f"the text is {len(ids)} tokens, fewer than 256")
+    if reference is None:
+        out = {"argmax": llm.logits(ids).argmax(-1).tolist()}
+    else:
+        want = json.loads(Path(reference).read_text())
+        got = _stepwise_argmax(llm, ids)
+        out = {"agreement": sum(a == b for a, b in zip(got, want, strict=True)) / len(want)}
+    llm.close()
+    return out
+
+
+# -- the run ------------------------------------------------------------------------------------------------------
+
+def _ids(n: int) -> list[int]:
+    """The first ``n`` tokens of TEXT (repeated as needed) by the SmolLM2 tokenizer, which every file here has (the
+    Qwen3 shapes pad it): a real text, so that the greedy continuations of a trained model are not a coin toss."""
+    from dtorch.models.default import default_model_path
+    from dtorch.models.loaders.gguf import load_gguf_tokenizer
+
+    ids = load_gguf_tokenizer(default_model_path()).encode(TEXT)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def _dtorch(kind: str, path: Path, threads: int, repeats: int, extra: tuple[str, ...] = ()) -> dict | None:
+    return _run([sys.executable, __file__, "--worker", kind, "--path", str(path), "--threads", str(threads),
+                 "--repeats", str(repeats), *extra])
+
+
+def _greedy_match(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _commit() -> str:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=gf.ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no", "dtorch")
+    return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes under dtorch/" if dirty else "")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", nargs="+", default=None, help=f"names or patterns among: {' '.join(FILES)}")
+    ap.add_argument("--threads", type=int, nargs="+", default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"1 thread, 1 repeat, prefill of {PREFILL[0]} only; files {' '.join(QUICK_FILES)} unless "
+                         "--files says otherwise")
+    ap.add_argument("--agreement", action="store_true", help="top-1 agreement with the float source (slow)")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dtorch" / "bench-gguf")
+    ap.add_argument("--llamacpp-python", default=str(gf.LLAMACPP_PYTHON))
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--reference", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    prefill = PREFILL[:1] if args.quick else PREFILL
+    threads = args.threads or ([1] if args.quick else [1, 2])
+    repeats = args.repeats or (1 if args.quick else 3)
+    if args.worker:
+        if args.worker == "dtorch":
+            out = worker_dtorch(args.path, threads[0], repeats, prefill, _ids(max(prefill)))
+        else:
+            out = worker_agreement(args.path, threads[0], args.reference)
+        print(json.dumps(out))
+        return
+
+    patterns = args.files or (QUICK_FILES if args.quick else FILES)
+    names = [f for f in FILES if any(fnmatch.fnmatch(f, p) for p in patterns)]
+    if not names:
+        raise SystemExit(f"--files {' '.join(patterns)} matches none of {' '.join(FILES)}")
+    lcpp = _llamacpp_python(args.llamacpp_python)
+    if lcpp is None:
+        raise SystemExit(f"llama_cpp cannot be imported by {args.llamacpp_python}: build it with "
+                         "../shared/tools/llamacpp-venv.sh .venv-llamacpp (its quantizer makes the files)")
+    files = make_files(names, args.cache, lcpp)
+    ids = _ids(max(prefill))
+    quick = ("--quick",) if args.quick else ()
+    head = ["file", "thr", "lcpp pp128", "pp512", "tg64", "MiB", "dtorch pp128", "pp512", "tg64", "MiB",
+            "x pp128", "x pp512", "x tg", "x MiB", "16-seq tg", "16/1", "greedy"]
+    rows, notes = [], {}
+    for name in names:
+        path = files[name]
+        if isinstance(path, str):
+            notes[name] = {"skipped": path}
+            continue
+        notes[name] = {"types": dict(gf.tensor_types(path))}
+        for t in threads:
+            ref = _run([lcpp, "-c", LLAMACPP_WORKER, str(path), str(t), str(repeats), str(CONTEXT),
+                        ",".join(map(str, ids)), json.dumps(list(prefill)), str(PROMPT), str(NEW)])
+            got = _dtorch("dtorch", path, t, repeats, quick)
+            ref, got = ref or {}, got or {}
+            notes[name].update(kept=got.get("kept"), llamacpp=ref.get("version"))
+            pp = [(ref.get(f"prefill{n}"), got.get(f"prefill{n}")) for n in (128, 512)]
+            rows.append([name, t, pp[0][0], pp[1][0], ref.get("decode"), ref.get("model_mib"),
+                         pp[0][1], pp[1][1], got.get("decode"), got.get("model_mib"),
+                         _ratio(pp[0][1], pp[0][0]), _ratio(pp[1][1], pp[1][0]), _ratio(got.get("decode"),
+                                                                                       ref.get("decode")),
+                         _ratio(got.get("model_mib"), ref.get("model_mib")), got.get("decode16"),
+                         _ratio(got.get("decode16"), got.get("decode")),
+                         f"{_greedy_match(got['tokens'], ref['tokens'])}/{NEW}" if got and ref else None])
+    if args.agreement:
+        _agreement(names, files, args.cache, max(threads), notes)
+
+    version = next((n["llamacpp"] for n in notes.values() if n.get("llamacpp")), "?")
+    print(f"\ndtorch {_commit()} against llama.cpp (llama-cpp-python {version}); greedy, context {CONTEXT}; "
+          f"prefill of {' and '.join(map(str, prefill))} tokens, decode of {NEW} after {PROMPT}; 16-seq: {SEQS} "
+          f"prompts of {PROMPT}, {NEW} new tokens each (dtorch only); medians of {repeats} after a warm-up; "
+          f"tok/s; x = dtorch / llama.cpp (memory: lower is better)\n")
+    _print(head, rows)
+    print("\nper file: tensor types in the file | dtorch's layouts of its 2-D weights | held as float (strided): "
+          "count, MiB, first names" + (" | top-1 agreement with the float source, 256 one-token steps"
+                                       if args.agreement else ""))
+    for name, n in notes.items():
+        if "skipped" in n:
+            print(f"  {name}: skipped: {n['skipped']}")
+            continue
+        types = ", ".join(f"{k} {v}" for k, v in sorted(n["types"].items()))
+        kept = n.get("kept")
+        line = f"  {name}: {types}"
+        if kept:
+            layouts = ", ".join(f"{k} {v}" for k, v in sorted(kept["layouts"].items()))
+            line += f" | {layouts} | {len(kept['floats'])}, {kept['float_mib']:.0f} MiB {kept['floats'][:3]}"
+        if "agreement" in n:
+            line += f" | {n['agreement']}"
+        print(line)
+    print("\ntargets (issue #21): decode >= 1.5x, prefill >= 2x (4x with AMX), memory <= 1.1x, 16-seq >= 5x one "
+          "sequence on qwen3-0.6b-Q4_K_M, top-1 agreement >= 99%. Shared, noisy machine.")
+
+
+def _agreement(names: list[str], files: dict, cache: Path, threads: int, notes: dict) -> None:
+    """notes[name]["agreement"]: "97.3%" (or why not) for each quantized file, against its float source."""
+    references: dict[str, str | None] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            if isinstance(files[name], str):
+                continue
+            source = source_of(name, cache)
+            if name == "smollm2-Q4_1" and not source.exists():
+                source = gf.float_copy(files[name], source)
+            if str(source) not in references:
+                got = _dtorch("agree", source, threads, 1)
+                references[str(source)] = None
+                if got:
+                    references[str(source)] = os.path.join(tmp, f"{source.stem}.json")
+                    Path(references[str(source)]).write_text(json.dumps(got["argmax"]))
+            ref = references[str(source)]
+            if ref is None:
+                notes[name]["agreement"] = f"no reference ({source.name} failed)"
+                continue
+            got = _dtorch("agree", files[name], threads, 1, ("--reference", ref))
+            notes[name]["agreement"] = f"{100 * got['agreement']:.1f}%" if got else "failed"
+
+
+if __name__ == "__main__":
+    main()
