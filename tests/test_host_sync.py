@@ -20,6 +20,7 @@ from dtorch.dispatch.context import KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
 from dtorch.kernels import layouts
+from dtorch.kernels.half import HALF_LAYOUTS
 from dtorch.ops import _checks
 from dtorch.runtime import KernelStream, StreamType
 from tests.op_table import ROWS
@@ -241,6 +242,15 @@ def _qembedding(layout: str) -> Callable[[], Run]:
     return lambda: ([_packed(layout, 16, 256), torch.tensor([3, 0, 15])], [torch.empty(3, 256)], {})
 
 
+def _hlinear(layout: str) -> Callable[[], Run]:
+    return lambda: ([torch.randn(2, 64), torch.randn(8, 64).to(HALF_LAYOUTS[layout]), None], [torch.empty(2, 8)], {})
+
+
+def _hembedding(layout: str) -> Callable[[], Run]:
+    w = torch.randn(16, 64).to(HALF_LAYOUTS[layout])
+    return lambda: ([w, torch.tensor([3, 0, 15])], [torch.empty(3, 64)], {"vocab_start": 2})
+
+
 # (op, layout) -> input makers (float32; the table's ops run every dtype of their rows)
 EXTRA: dict[tuple[str, str], list[Callable[[], Run]]] = {
     ("llm.reshape_and_cache", "strided"): [_kv_write],
@@ -257,6 +267,8 @@ EXTRA: dict[tuple[str, str], list[Callable[[], Run]]] = {
     ("llm.moe_router", "strided"): [_router],
     **{("matmul.linear", lay): [_qlinear(lay)] for lay in GGUF_LAYOUTS},
     **{("llm.embedding", lay): [_qembedding(lay)] for lay in GGUF_LAYOUTS},
+    **{("matmul.linear", lay): [_hlinear(lay)] for lay in HALF_LAYOUTS},
+    **{("llm.embedding", lay): [_hembedding(lay)] for lay in HALF_LAYOUTS},
 }
 
 # Kernels marked not capture-safe that read nothing on every input here, each with the reason (none today).

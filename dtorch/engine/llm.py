@@ -132,6 +132,8 @@ class LLM:
             self.tokenizer = ckpt.tokenizer
             self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
                                           None if dequantize else ckpt.get_packed)
+            if not dequantize:  # asked for: nothing to say
+                ckpt.report_widened()
         self.mesh = where.mesh
         self.rank = where.rank
         self.device = where.mesh.device(where.local_ids[0])

@@ -17,11 +17,13 @@ each head; their RMS norms scale by ``1 + weight`` (folded into the weights at l
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from dtorch.core.errors import ModelError
 from dtorch.graph import DeviceMesh, LogicalGraph, Replicate
 from dtorch.models.config import ModelConfig, rope_inv_freq
 from dtorch.models.layout import Layout
@@ -68,11 +70,14 @@ class Transformer:
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, DistTensor], mesh: DeviceMesh,
-                 dtype: torch.dtype, linear_weights: Iterable[str] = ()) -> None:
+                 dtype: torch.dtype, linear_weights: Iterable[str] = (),
+                 parts: Mapping[str, tuple[str, ...]] | None = None) -> None:
         self.config = config
         # float projections stored as W [N, K] (the checkpoint's orientation) for ``matmul.linear``; the others as
         # Wt [K, N] for ``matmul.mm`` (block-format weights are W [N, K] and run ``matmul.linear`` too)
         self.linear_weights = frozenset(linear_weights)
+        # fused projections stored as parts (their sources differ in format): name -> the parts' names, in row order
+        self.parts = dict(parts or {})
         self.mesh = mesh
         self.dtype = dtype
         self.layout = Layout(config, mesh.size)
@@ -91,8 +96,8 @@ class Transformer:
         With ``get_packed``, the projections and the embedding stay in their GGUF block format where the file
         has one (packed once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``.
         """
-        weights, linear = load_weights(config, get, mesh, local_ids, dtype, get_packed)
-        return cls(config, weights, mesh, dtype, linear)
+        weights, linear, parts = load_weights(config, get, mesh, local_ids, dtype, get_packed)
+        return cls(config, weights, mesh, dtype, linear, parts)
 
     def linear_provider(self) -> str:
         """Which kernel the first layer's q/k/v projection runs: "provider" or "provider (layout)"."""
@@ -100,6 +105,7 @@ class Transformer:
 
         c = self.config
         name = f"layers.{c.attention_layers[0]}.qkv" if c.attention_layers else f"layers.{c.linear_layers[0]}.lin_in"
+        name = self.parts.get(name, (name,))[0]
         w = self.weights[name]
         device = self.mesh.device(self.mesh.ids[0]).type
         if w.layout == "strided" and name in self.linear_weights:
@@ -162,7 +168,7 @@ class Transformer:
             if c.is_sparse(i):
                 o = self._moe(g, i, h, w)
             else:
-                gate, up = g.split(self._proj(g, h, w, p + "gate_up"), (inter, inter), 1)
+                gate, up = self._proj_split(g, h, w, p + "gate_up", (inter, inter))
                 o = self._proj(g, g.call("llm.silu_and_mul", gate, up), w, p + "down")
             o = g.redistribute(o, Replicate())
         h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
@@ -180,30 +186,61 @@ class Transformer:
             return g.call("matmul.mm", x, t)
         return g.call("matmul.linear", x, t, None)
 
+    def _proj_split(self, g: LogicalGraph, x, w, name: str, sizes: tuple[int, ...], bias=None) -> tuple:
+        """x [T, K] times fused weight ``name`` (+ ``bias`` [N]), split into ``sizes`` (adding up to N) on the features.
+
+        A weight stored as parts (``self.parts``: its sources differ in format) runs one product per part, each in its
+        own layout, and gives their pieces: every size must then lie within one part (``_parts_fit``)."""
+        names = self.parts.get(name)
+        if names is None:
+            y = self._proj(g, x, w, name)
+            return g.split(y if bias is None else g.call("binary.add", y, bias), sizes, 1)
+        widths = [self.weights[part].shape[0] for part in names]
+        biases = g.split(bias, widths, 0) if bias is not None else [None] * len(names)
+        out, rest = [], list(sizes)
+        for part, width, b in zip(names, widths, biases, strict=True):
+            take = []
+            while rest and sum(take) < width:
+                take.append(rest.pop(0))
+            if sum(take) != width:
+                raise ModelError(f"{name}: the pieces {list(sizes)} straddle its parts {widths} (sources stored in "
+                                 "different formats)")
+            y = self._proj(g, x, w, part)
+            y = y if b is None else g.call("binary.add", y, b)
+            out += g.split(y, take, 1) if len(take) > 1 else [y]
+        return tuple(out)
+
+    def _parts_fit(self, name: str, sizes: tuple[int, ...]) -> bool:
+        """Whether every piece ``sizes`` of fused weight ``name`` lies within one of its parts (always when fused)."""
+        bounds = set(itertools.accumulate(self.weights[p].shape[0] for p in self.parts.get(name, ())))
+        return bounds <= set(itertools.accumulate(sizes))
+
     def _attention(self, g: LogicalGraph, i: int, h, w, cache, step: _Step):
         """Full attention of layer ``i`` on h [T, E]: its KV cache rows written, then read; a partial sum on n > 1."""
         c = self.config
         T = step.bucket.tokens
         H, Hkv, D, p = c.num_heads, c.num_kv_heads, c.head_dim, f"layers.{i}."
         eps, rot = c.rms_norm_eps, dict(rotary_dim=c.rotary_dim)
-        qkv = self._proj(g, h, w, p + "qkv")  # [T, (H + 2 Hkv) D]: each device [q_r | k_r | v_r] ([q_r | gate_r | ..])
-        if c.attention_bias:
-            qkv = g.call("binary.add", qkv, w[p + "qkv_bias"])
-        gate = None
-        if c.attn_output_gate:
-            q, gate, k, v = g.split(qkv, (c.q_size, c.q_size, c.kv_size, c.kv_size), 1)
-        else:
-            q, k, v = g.split(qkv, (c.q_size, c.kv_size, c.kv_size), 1)
-        if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
-            q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
-            cos, sin = step.cos, step.sin
-            q = g.call("llm.rope_cached", g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps), cos, sin, **rot)
-            k = g.call("llm.rope_cached", g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps), cos, sin, **rot)
-        else:  # q and k heads side by side (each device's [q_r | k_r]), rotated by one call
-            qk, v = g.split(qkv, (c.q_size + c.kv_size, c.kv_size), 1)
+        # x @ [q | (gate) | k | v]: on each device [q_r | (gate_r) | k_r | v_r], its own heads of each
+        bias = w[p + "qkv_bias"] if c.attention_bias else None
+        qk_size = c.q_size + c.kv_size
+        if not c.qk_norm and self._parts_fit(p + "qkv", (qk_size, c.kv_size)):
+            # q and k heads side by side (each device's [q_r | k_r]), rotated by one call
+            qk, v = self._proj_split(g, h, w, p + "qkv", (qk_size, c.kv_size), bias)
             qk = g.call("llm.rope_cached", g.view(qk, (T, H + Hkv, D)), step.cos, step.sin, **rot)
             q, k = g.split(qk, (H, Hkv), 1)
             v = g.view(v, (T, Hkv, D))
+            gate = None
+        else:
+            gated = (c.q_size,) if c.attn_output_gate else ()
+            q, *gate, k, v = self._proj_split(g, h, w, p + "qkv", (c.q_size, *gated, c.kv_size, c.kv_size), bias)
+            gate = gate[0] if gate else None
+            q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
+            if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
+                q = g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps)
+                k = g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps)
+            q = g.call("llm.rope_cached", q, step.cos, step.sin, **rot)
+            k = g.call("llm.rope_cached", k, step.cos, step.sin, **rot)
         kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
         kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, step.slots)
         a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, step.cu_q, step.lens_k, step.table, causal=True,
@@ -224,9 +261,8 @@ class Transformer:
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
         Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         kd, vd, p = c.linear_key_dim, c.linear_value_dim, f"layers.{i}."
-        proj = self._proj(g, h, w, p + "lin_in")  # [T, 2 kd + 2 vd + 2 Hv]: each device [q_r | k_r | v_r | z_r | b_r
-        # | a_r]
-        qkv, z, b, a = g.split(proj, (2 * kd + vd, vd, Hv, Hv), 1)
+        # [T, 2 kd + 2 vd + 2 Hv]: each device [q_r | k_r | v_r | z_r | b_r | a_r]
+        qkv, z, b, a = self._proj_split(g, h, w, p + "lin_in", (2 * kd + vd, vd, Hv, Hv))
         conv = g.state(f"conv_state.{i}", cache[f"conv_state.{i}"])
         ssm = g.state(f"ssm_state.{i}", cache[f"ssm_state.{i}"])
         if step.bucket.decode:
@@ -261,7 +297,7 @@ class Transformer:
         o = g.call("llm.moe_experts", h, w[p + "experts_gate_up"], w[p + "experts_down"], weights, ids)
         if not shared:
             return o
-        gate, up = g.split(self._proj(g, h, w, p + "shared_gate_up"), (shared, shared), 1)
+        gate, up = self._proj_split(g, h, w, p + "shared_gate_up", (shared, shared))
         s = self._proj(g, g.call("llm.silu_and_mul", gate, up), w, p + "shared_down")
         return g.call("binary.add", o, g.call("binary.mul", s, g.call("unary.sigmoid", sg)))
 

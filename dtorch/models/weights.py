@@ -3,12 +3,14 @@
 ``load_weights`` reads every device's piece of every model weight through a getter (so a process reads only the
 slices of its own devices), fuses the parts (q/k/v, gate/up, a gated delta net's six input projections), and
 stores it as the model runs it: Wt [K, N] for ``matmul.mm``, or W [N, K] for ``matmul.linear`` (block-format
-weights, and bf16 ones where a native one-row kernel is ``matmul.linear``'s provider). The table of sources is
-``_tensors``: (model name, [(HF name, dim split on, unit)], combine, shape).
+weights, and bf16 ones where a native one-row kernel is ``matmul.linear``'s provider). A fused weight whose sources
+a file stores in different formats is kept as parts, one per run of sources sharing a format, each as stored. The
+table of sources is ``_tensors``: (model name, [(HF name, dim split on, unit)], combine, shape).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -17,6 +19,7 @@ from dtorch.core.errors import ModelError
 from dtorch.core.memory import MemoryKind, adopt
 from dtorch.graph import DeviceMesh, Shard
 from dtorch.graph.placement import piece_ranges
+from dtorch.graph.views import split_placements
 from dtorch.models.config import ModelConfig
 from dtorch.models.layout import Layout
 from dtorch.runtime.blob import Blob, DistTensor
@@ -29,13 +32,18 @@ PackedGetter = Callable[[str, "int | None", "list[tuple[int, int]]"], "tuple[str
 
 
 def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...], dtype: torch.dtype,
-                 get_packed: PackedGetter | None = None) -> tuple[dict[str, DistTensor], set[str]]:
-    """Every weight placed on ``mesh`` (this process's devices ``local_ids``), and the names of the float ones stored
-    as W [N, K]. With ``get_packed``, projections and the embedding stay in their GGUF block format where the file
-    has one (packed once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``."""
+                 get_packed: PackedGetter | None = None
+                 ) -> tuple[dict[str, DistTensor], set[str], dict[str, tuple[str, ...]]]:
+    """Every weight placed on ``mesh`` (this process's devices ``local_ids``), the names of the float ones stored as
+    W [N, K], and the fused weights stored as parts (fused name -> its parts' names, in row order). With
+    ``get_packed``, projections and the embedding stay in their GGUF block format where the file has one (packed
+    once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``. A fused projection
+    whose sources differ in format is stored as parts ``"{name}[j]"`` of consecutive sources sharing one, each kept
+    as stored (``_load_parts``), so no weight is widened because of its neighbour."""
     layout = Layout(config, mesh.size)
     weights: dict[str, DistTensor] = {}
     linear: set[str] = set()
+    parts: dict[str, tuple[str, ...]] = {}
     rows_first = _float_linear(mesh, dtype)
     for name, sources, combine, shape in _tensors(config, layout):
         kind = _kind(name)
@@ -48,25 +56,32 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
             if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
                 weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
                 continue
-            packed = _load_packed(config, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
-                                  layout.placement(kind))
-            if packed is not None:
-                weights[name] = packed
+            stored = _load_parts(config, get, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
+                                 layout.placement(kind))
+            if len(stored) == 1 and stored[0][1] is not None:
+                weights[name] = stored[0][1]
+                continue
+            if len(stored) > 1:
+                parts[name] = tuple(f"{name}[{j}]" for j in range(len(stored)))
+                for part, (_, t) in zip(parts[name], stored, strict=True):
+                    weights[part] = t
+                    if t.layout == "strided":
+                        linear.add(part)
                 continue
         pl = layout.placement(kind)
         wdtype = torch.float32 if kind in FLOAT32 else dtype
         as_w = rows_first and kind in (*PACKABLE, "router") and kind != "embed"  # W [N, K] rather than Wt [K, N]
         blobs = {}
         for i in local_ids:
-            parts = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(config, sources, mesh, i)]
-            t = combine(parts)
+            parts_i = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(config, sources, mesh, i)]
+            t = combine(parts_i)
             t = (t.t() if as_w else t).to(device=mesh.device(i).torch, dtype=wdtype).contiguous()
             blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
         if as_w:
             pl, shape = _transposed(pl), (shape[1], shape[0])
             linear.add(name)
         weights[name] = DistTensor(mesh, pl, shape, wdtype, blobs)
-    return weights, linear
+    return weights, linear, parts
 
 
 # Weights that may stay in a block format, as W [N, K] (the checkpoint's own orientation) for matmul.linear.
@@ -88,32 +103,67 @@ def _slices(config: ModelConfig, sources, mesh: DeviceMesh, device_id: int):
         yield hf, dim, runs
 
 
-def _load_packed(config: ModelConfig, get_packed: PackedGetter, mesh: DeviceMesh, local_ids: tuple[int, ...],
-                 dtype: torch.dtype, sources, combine, shape: tuple[int, ...], kind: str,
-                 placement) -> DistTensor | None:
-    """A projection kept in its block format: W [N, K] (logical) whose pieces are packed rows, or None when a
-    source is stored as floats, the sources' formats differ, or a piece would cut a block."""
+def _load_parts(config: ModelConfig, get: Getter, get_packed: PackedGetter, mesh: DeviceMesh,
+                local_ids: tuple[int, ...], dtype: torch.dtype, sources, combine, shape: tuple[int, ...], kind: str,
+                placement) -> list[tuple[str | None, DistTensor | None]]:
+    """A projection (or the embedding) kept as stored: W [N, K] (logical) whose pieces are packed rows (or 16-bit
+    rows, layout "f16" / "bf16", in a model computing in another dtype).
+
+    Returns one (layout, weight) per run of consecutive sources that share a format: one entry for a weight
+    stored in one format, several where the sources differ (q/k Q5_0 and v Q8_0, as llama.cpp's Q4_K_M writes
+    576-wide models), each then W [N_j, K] of its own rows, placed as its rows of the fused placement. A run of
+    float sources is (None, float W [N_j, K]) beside packed ones, and (None, None) when every source is float
+    (the caller's float path then reads the weight). A source whose slice on some device would cut a block is
+    read as float."""
+    n, k = (shape[1], shape[0]) if kind != "embed" else shape  # Wt [K, N] in the float model
+    slices = {i: list(_slices(config, sources, mesh, i)) for i in local_ids}
+    got = {i: [get_packed(hf, dim if runs else None, runs) for hf, dim, runs in slices[i]] for i in local_ids}
+    fmts = []
+    for j in range(len(sources)):
+        seen = {None if got[i][j] is None else got[i][j][0] for i in local_ids}
+        fmts.append(seen.pop() if len(seen) == 1 else None)
+    if all(f is None for f in fmts):
+        return [(None, None)]
+    rows = getattr(combine, "rows", None) or (None,) * len(sources)  # per source: a reorder of its rows, or None
+    k_split = sources[0][1] == 1 and mesh.size > 1  # split on K (row parallel): one source, each device its columns
+    runs = [(f, list(g)) for f, g in itertools.groupby(range(len(sources)), key=fmts.__getitem__)]
+    sizes = [sum(_hf_shape(config, sources[j][0])[0] for j in js) for _, js in runs] if kind != "embed" else [n]
+    pieces = _part_placements(placement, (k, n), sizes) if kind != "embed" else [placement]
+    out = []
+    for (fmt, js), size, pl in zip(runs, sizes, pieces, strict=True):
+        blobs = {}
+        for i in local_ids:
+            raws = []
+            for j in js:
+                hf, dim, rs = slices[i][j]
+                raw = got[i][j][1] if fmt is not None else get(hf, dim if rs else None, rs).to(dtype)
+                raws.append(raw if rows[j] is None else rows[j](raw))
+            raw = torch.cat(raws, 0) if len(raws) > 1 else raws[0]
+            k_local = k
+            if k_split:
+                k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0][2]), k, mesh.rank(i), mesh.size))
+            t = (pack_stored(raw, fmt, k_local) if fmt is not None else raw.contiguous()).to(mesh.device(i).torch)
+            blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
+        pl = pl if kind == "embed" else _transposed(pl)  # embed is [V, E] either way
+        out.append((fmt, DistTensor(mesh, pl, (size, k), dtype, blobs, layout=fmt or "strided")))
+    return out
+
+
+def pack_stored(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
+    """The tensor kernels of ``layout`` read, from the rows a file stores: GGUF block bytes packed
+    (``layouts.pack``), 16-bit float rows ("f16", "bf16") as they are."""
+    from dtorch.kernels.half import HALF_LAYOUTS
     from dtorch.kernels.layouts import pack
 
-    n, k = (shape[1], shape[0]) if kind not in ("embed",) else shape  # Wt [K, N] in the float model
-    blobs, fmt = {}, None
-    for i in local_ids:
-        parts = []
-        for hf, dim, runs in _slices(config, sources, mesh, i):
-            got = get_packed(hf, dim if runs else None, runs)
-            if got is None or (fmt is not None and got[0] != fmt):
-                return None
-            fmt = got[0]
-            parts.append(got[1])
-        rows = getattr(combine, "rows", None)  # a combine that reorders rows does the same to the packed rows
-        raw = rows(parts) if rows is not None else torch.cat(parts, 0) if len(parts) > 1 else parts[0]
-        k_local = k
-        if sources[0][1] == 1 and mesh.size > 1:  # split on K (row parallel): this device's columns
-            k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0][2]), k, mesh.rank(i), mesh.size))
-        t = pack(raw, fmt, k_local).to(mesh.device(i).torch)
-        blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
-    placement = placement if kind == "embed" else _transposed(placement)  # embed is [V, E] either way
-    return DistTensor(mesh, placement, (n, k), dtype, blobs, layout=fmt)
+    return raw.contiguous() if layout in HALF_LAYOUTS else pack(raw, layout, k)
+
+
+def _part_placements(placement, shape: tuple[int, int], sizes: list[int]) -> list:
+    """The placements of the row runs ``sizes`` of a fused Wt [K, N] placed ``placement``: each its own blocks of a
+    blocked column split (``split_placements``), the whole placement otherwise."""
+    if len(sizes) == 1 or not isinstance(placement, Shard) or placement.dim != 1:
+        return [placement] * len(sizes)
+    return list(split_placements("parts", shape, sizes, 1, placement))
 
 
 def _transposed(pl):
@@ -169,36 +219,36 @@ def _first_channel(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0][:, 0]
 
 
-def _transposed_rows(rows):
-    """A combine that reorders the parts' rows with ``rows`` and transposes (Wt [K, N]); ``rows`` also reorders
-    block-format rows (``_load_packed``)."""
+def _transposed_rows(*rows):
+    """A combine that reorders each part's rows with its function of ``rows`` (None: as they are), joins them and
+    transposes (Wt [K, N]); ``combine.rows`` also reorders block-format rows (``_load_parts``), part by part."""
     def combine(parts: list[torch.Tensor]) -> torch.Tensor:
-        return rows(parts).t()
+        return torch.cat([p if f is None else f(p) for f, p in zip(rows, parts, strict=True)], 0).t()
 
     combine.rows = rows
     return combine
 
 
 def _gated_q_rows(d: int):
-    """q_proj's rows [q_h | gate_h] per head (and k, v after it) -> [q | gate | k | v]."""
-    def rows(parts: list[torch.Tensor]) -> torch.Tensor:
-        qg = parts[0].reshape(-1, 2, d, parts[0].shape[-1])
-        return torch.cat([qg[:, 0].flatten(0, 1), qg[:, 1].flatten(0, 1), *parts[1:]], 0)
+    """q_proj's rows [q_h | gate_h] per head -> [q | gate]."""
+    def rows(q: torch.Tensor) -> torch.Tensor:
+        qg = q.reshape(-1, 2, d, q.shape[-1])
+        return torch.cat([qg[:, 0].flatten(0, 1), qg[:, 1].flatten(0, 1)], 0)
 
     return rows
 
 
 def _qkvz_ba_rows(dk: int, dv: int, group: int):
     """Qwen3-Next's in_proj_qkvz rows [q_h | k_h | v_h | z_h] and in_proj_ba rows [b_h | a_h] per key head h (its
-    ``group`` value heads each) -> [q | k | v | z | b | a], each part in head order."""
-    def rows(parts: list[torch.Tensor]) -> torch.Tensor:
-        qkvz, ba = parts
-        width = qkvz.shape[-1]
-        qkvz = qkvz.reshape(-1, 2 * dk + 2 * group * dv, width).split((dk, dk, group * dv, group * dv), 1)
-        ba = ba.reshape(-1, 2 * group, width).split((group, group), 1)
-        return torch.cat([x.flatten(0, 1) for x in (*qkvz, *ba)], 0)
+    ``group`` value heads each) -> [q | k | v | z] and [b | a], each part in head order (two row functions)."""
+    def qkvz_rows(qkvz: torch.Tensor) -> torch.Tensor:
+        parts = qkvz.reshape(-1, 2 * dk + 2 * group * dv, qkvz.shape[-1]).split((dk, dk, group * dv, group * dv), 1)
+        return torch.cat([x.flatten(0, 1) for x in parts], 0)
 
-    return rows
+    def ba_rows(ba: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.flatten(0, 1) for x in ba.reshape(-1, 2 * group, ba.shape[-1]).split((group, group), 1)])
+
+    return qkvz_rows, ba_rows
 
 
 def _tensors(c: ModelConfig, layout: Layout):
@@ -220,7 +270,8 @@ def _tensors(c: ModelConfig, layout: Layout):
             yield from _delta_net_tensors(c, layout, n, p + "linear_attn.")
         elif c.attn_output_gate:  # q_proj gives [q_h | gate_h] per head: whole groups of 2 G D rows per device
             yield n + "qkv", [(a + "q_proj.weight", 0, 2 * G * D), (a + "k_proj.weight", 0, D),
-                              (a + "v_proj.weight", 0, D)], _transposed_rows(_gated_q_rows(D)), (E, Q + H * D)
+                              (a + "v_proj.weight", 0, D)], _transposed_rows(_gated_q_rows(D), None, None), \
+                (E, Q + H * D)
         else:
             yield n + "qkv", [(a + "q_proj.weight", 0, G * D), (a + "k_proj.weight", 0, D),
                               (a + "v_proj.weight", 0, D)], _cat_t, (E, Q)
@@ -270,7 +321,7 @@ def _delta_net_tensors(c: ModelConfig, layout: Layout, n: str, a: str):
     shape = (E, 2 * kd + 2 * vd + 2 * hv)
     if c.family == "qwen3_next":  # interleaved per key head
         sources = [(a + "in_proj_qkvz.weight", 0, 2 * dk + 2 * gl * dv), (a + "in_proj_ba.weight", 0, 2 * gl)]
-        yield n + "lin_in", sources, _transposed_rows(_qkvz_ba_rows(dk, dv, gl)), shape
+        yield n + "lin_in", sources, _transposed_rows(*_qkvz_ba_rows(dk, dv, gl)), shape
     else:
         yield n + "lin_in", [(a + "in_proj_qkv.weight", 0, blocks), (a + "in_proj_z.weight", 0, gl * dv),
                              (a + "in_proj_b.weight", 0, gl), (a + "in_proj_a.weight", 0, gl)], _cat_t, shape

@@ -12,7 +12,7 @@ from dtorch.dispatch.registry import Dispatcher
 from dtorch.kernels.torch.registry import KERNELS
 
 FAMILIES = ("unary", "binary", "matmul", "conv", "reduce", "creation", "copy", "llm", "attention", "gated_delta_net",
-            "gdn_gates", "causal_conv1d", "kv_cache", "quantized", "moe")
+            "gdn_gates", "causal_conv1d", "kv_cache", "quantized", "half", "moe")
 
 
 def unavailable(device_type: str) -> str | None:

@@ -3,6 +3,7 @@ and a getter that reads only the slices asked for) or, read whole, a ``Checkpoin
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -146,9 +147,14 @@ class LazyCheckpoint:
     source: str = ""
     chat_template: str | None = None
     metadata: dict[str, object] = field(default_factory=dict)
-    # (name, dim, runs) -> (layout, GGUF bytes uint8 [rows, row bytes]) or None; None: no packed weights (safetensors)
+    # (name, dim, runs) -> (layout, GGUF bytes uint8 [rows, row bytes], or 16-bit rows for "f16" / "bf16") or None;
+    # None: no packed weights (safetensors)
     read_packed: Callable[[str, int | None, list[tuple[int, int]]], tuple[str, torch.Tensor] | None] | None = None
     check_finite: bool = True  # refuse a piece read with a NaN or inf (one isfinite pass over what is read)
+    # name -> (the file's name of the tensor, its format as the file spells it, bits per weight stored); ``get``
+    # records in ``widened`` each tensor it returns wider than stored (``report_widened`` says so)
+    stored: Mapping[str, tuple[str, str, float]] = field(default_factory=dict)
+    widened: dict[str, list[int]] = field(default_factory=dict)  # name -> [bytes as read, bytes as stored]
 
     def get_packed(self, name: str, dim: int | None = None,
                    runs: Sequence[tuple[int, int]] = ()) -> tuple[str, torch.Tensor] | None:
@@ -184,7 +190,34 @@ class LazyCheckpoint:
                              "finite weights: the file is damaged (pass check_finite=False to load it anyway)")
         if t.untyped_storage().nbytes() > t.numel() * t.element_size():  # a slice must not keep the whole alive
             t = t.clone()
+        stored = self.stored.get(name)
+        if stored is not None and t.element_size() * 8 > stored[2]:
+            cost = self.widened.setdefault(name, [0, 0])
+            cost[0] += t.numel() * t.element_size()
+            cost[1] += math.ceil(t.numel() * stored[2] / 8)
         return t
+
+    def report_widened(self) -> str | None:
+        """Log, once, the tensors ``get`` returned wider than the file stores them (a format no kernel keeps as
+        stored, dequantized to ``dtype``): each with its format, and the memory that costs; returns the message (None
+        when nothing was widened). Logged as a warning on the ``dtorch.models`` logger."""
+        if not self.widened:
+            return None
+        by_format: dict[str, list[str]] = {}
+        for name in self.widened:
+            file_name, fmt, _ = self.stored[name]
+            by_format.setdefault(fmt, []).append(file_name)
+        read, stored = (sum(c[i] for c in self.widened.values()) for i in (0, 1))
+        kinds = "; ".join(f"{fmt}: {len(names)} tensor{'s' * (len(names) > 1)} ({', '.join(names[:6])}"
+                          f"{f' and {len(names) - 6} more' if len(names) > 6 else ''})"
+                          for fmt, names in sorted(by_format.items()))
+        message = (f"{self.source}: {len(self.widened)} weight tensor{'s' * (len(self.widened) > 1)} in a format no "
+                   f"kernel keeps as stored {'were' if len(self.widened) > 1 else 'was'} dequantized to "
+                   f"{str(self.dtype).removeprefix('torch.')} at load: {_mib(read)} instead of {_mib(stored)} "
+                   f"as stored (+{_mib(read - stored)}). {kinds}")
+        self.widened = {}
+        logging.getLogger("dtorch.models").warning(message)
+        return message
 
     def load(self) -> Checkpoint:
         """Every tensor read whole (cast to ``dtype``, PERSISTENT): the eager ``Checkpoint``."""
@@ -248,6 +281,10 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def memory_estimate(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
                     stored_bytes: Mapping[str, int]) -> dict[str, int]:
     """Bytes a model needs by what drives them: "max_position_embeddings" (the RoPE table, [positions, rotary_dim
@@ -283,7 +320,10 @@ _SCALES = {"gguf.q8_0": (34, (0,)), "gguf.q4_0": (18, (0,)), "gguf.q4_1": (20, (
 
 def packed_scales_finite(layout: str, rows: torch.Tensor) -> bool:
     """Whether the fp16 scales of GGUF blocks ``rows`` (uint8 [rows, row bytes], GGUF's own block order) are all
-    finite: the cheap check of a packed weight (its quants are small ints, finite by construction)."""
+    finite: the cheap check of a packed weight (its quants are small ints, finite by construction); a 16-bit float
+    weight ("f16", "bf16") is checked whole."""
+    if rows.is_floating_point():
+        return bool(torch.isfinite(rows).all())
     size, offsets = _SCALES.get(layout, (0, ()))
     if not offsets or rows.numel() % size:
         return True

@@ -281,25 +281,41 @@ def _read_view(v: View, dim: int | None, runs: list[tuple[int, int]], path: Path
     return x if cols_only else narrow_runs(x.reshape(v.shape), dim, runs)
 
 
+def stored_layout(ggml_type: Any, dtype: torch.dtype) -> str | None:
+    """The layout a tensor of GGUF type ``ggml_type`` keeps in a model computing in ``dtype``: its block format's
+    ("gguf.q4_1"), "f16" / "bf16" for 16-bit floats of another dtype than ``dtype``, else None (read as ``dtype``)."""
+    from dtorch.kernels.half import HALF_LAYOUTS
+    from dtorch.kernels.layouts import layout_of_gguf
+
+    layout = layout_of_gguf(ggml_type)
+    if layout is None and ggml_type.name in ("F16", "BF16"):
+        layout = ggml_type.name.lower()
+        return None if HALF_LAYOUTS[layout] == dtype else layout
+    return layout
+
+
 def _packed_rows(data: np.ndarray, shape: tuple[int, ...], layout: str, dim: int | None,
                  runs: list[tuple[int, int]]) -> torch.Tensor | None:
     """GGUF block bytes ``data`` [rows, row bytes] of a 2-D tensor ``shape``, sliced: uint8 torch, or None when the
-    slice cuts blocks."""
+    slice cuts blocks; a 16-bit float tensor ("f16", "bf16") as torch float16 / bfloat16 [rows, cols]."""
+    from dtorch.kernels.half import HALF_LAYOUTS
     from dtorch.kernels.layouts import block_size
 
     if dim == 1:
-        block = block_size(layout)
+        block = 1 if layout in HALF_LAYOUTS else block_size(layout)
         per_block = data.shape[1] * block // shape[1]
         if any(a % block or n % block for a, n in runs):
             return None
         data = np.concatenate([data[:, a // block * per_block:(a + n) // block * per_block] for a, n in runs], 1)
     elif dim == 0 and runs:
         data = np.concatenate([data[a:a + n] for a, n in runs], 0)
+    if layout in HALF_LAYOUTS:  # F16 maps as float16, BF16 as its bytes
+        return torch.from_numpy(np.array(data, copy=True)).view(HALF_LAYOUTS[layout])
     return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))  # the map is read-only: one tensor's copy
 
 
-def _gguf_reader(reader: Any, config: ModelConfig,
-                 path: Path) -> tuple[dict[str, tuple[int, ...]], Reader, Any, dict[str, str]]:
+def _gguf_reader(reader: Any, config: ModelConfig, path: Path,
+                 dtype: torch.dtype = torch.float32) -> tuple[dict[str, tuple[int, ...]], Reader, Any, dict[str, str]]:
     """The HF-named shapes of the file's tensors, a ``Reader`` of their slices (Llama q/k un-permuted, the hybrids'
     tensors as transformers holds them), its packed reader and each tensor's quantization type."""
     views = {}
@@ -331,11 +347,10 @@ def _gguf_reader(reader: Any, config: ModelConfig,
     def read_packed(name: str, dim: int | None, runs: list[tuple[int, int]]) -> tuple[str, torch.Tensor] | None:
         """(layout, GGUF bytes uint8 [rows, row bytes]) of the slice, or None when the tensor is not in a block
         format the kernels keep (or the slice cuts its blocks, or its values are changed): then ``read``
-        dequantizes it instead. A view that only reorders or joins rows is served packed."""
-        from dtorch.kernels.layouts import layout_of_gguf
-
+        dequantizes it instead. A view that only reorders or joins rows is served packed. A 16-bit float tensor of a
+        model computing in another dtype comes as ("f16" | "bf16", its values [rows, cols])."""
         v = views[name]
-        layouts = {layout_of_gguf(t.tensor_type) for t in v.parts}
+        layouts = {stored_layout(t.tensor_type, dtype) for t in v.parts}
         layout = layouts.pop() if len(layouts) == 1 else None
         if layout is None or len(v.shape) != 2 or v.cols is not None or v.value is not None:
             return None
@@ -381,7 +396,6 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     offsets, alignment, names and shapes checked, the memory it implies compared with what is available, and its
     tokenizer; the returned ``LazyCheckpoint.get`` dequantizes only the blocks of the slices asked for, and refuses
     non-finite values unless ``check_finite`` is False."""
-    from dtorch.kernels.layouts import layout_of_gguf
     from dtorch.models.tokenizer import Tokenizer
 
     path = regular_file(path, "a .gguf model file")
@@ -391,8 +405,9 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     reader.fields.clear()  # read: its views of every vocabulary string (~80 MB for 49k tokens) go before the weights
     freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
-    shapes, read, read_packed, types = _gguf_reader(reader, config, path)
-    packed = {hf_name(t.name): int(t.n_bytes) for t in reader.tensors if layout_of_gguf(t.tensor_type) is not None}
+    shapes, read, read_packed, types = _gguf_reader(reader, config, path, dtype)
+    packed = {hf_name(t.name): int(t.n_bytes) for t in reader.tensors
+              if stored_layout(t.tensor_type, dtype) is not None}
     shapes = used_shapes(shapes, config, dtype, str(path), gguf_keys(meta["general.architecture"]), packed)
     types = {name: types[name] for name in shapes}
     template = meta.get("tokenizer.chat_template")
@@ -401,7 +416,21 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list)}  # the vocabulary stays in the tokenizer
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
                           source=str(path), chat_template=template, read_packed=read_packed,
-                          metadata={"tensor_types": types, "gguf": scalars}, check_finite=check_finite)
+                          metadata={"tensor_types": types, "gguf": scalars}, check_finite=check_finite,
+                          stored=_stored_formats(reader, types))
+
+
+def _stored_formats(reader: Any, types: dict[str, str]) -> dict[str, tuple[str, str, float]]:
+    """HF name -> (the file's tensor name, its GGUF type name, bits per weight) of every tensor the model uses."""
+    import gguf
+
+    names = {hf_name(t.name): t.name for t in reader.tensors}
+    out = {}
+    for name, kind in types.items():
+        qtype = gguf.GGMLQuantizationType[kind]
+        block, size = gguf.GGML_QUANT_SIZES.get(qtype, (1, 4))
+        out[name] = (names.get(name, name), kind, size * 8 / block)
+    return out
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite: bool = True) -> Checkpoint:
