@@ -478,6 +478,24 @@ def test_dispatched_float_linear_matches_float64(rows, isa):
         torch.testing.assert_close(out.double(), ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("rows", [1, 8, 9])
+@pytest.mark.parametrize("layout", ["f16", "bf16"])
+def test_dispatched_16_bit_weight_linear_matches_float64(layout, rows, isa):
+    """matmul.linear on a 16-bit W [N, K] beside float32 x (layouts "f16", "bf16"): our GEMV up to 8 rows reads the
+    weight as stored, the torch backend's panels beyond; both within float32 summation of the float64 product."""
+    d = Dispatcher()
+    key = KernelKey("matmul.linear", "cpu", torch.float32, layout)
+    assert d.explain(key).winner.provider == "native"
+    torch.manual_seed(rows)
+    dt = torch.float16 if layout == "f16" else torch.bfloat16
+    x, w, bias = torch.randn(rows, 2, 130)[:, 1], (torch.randn(70, 130) * 0.1).to(dt), torch.randn(70)
+    for b in (None, bias):
+        out = torch.empty(rows, 70)
+        d.select(key).fn(_ctx(), (x, w, b), (out,))
+        want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
 # -- the hybrid models' decode steps: causal_conv1d_update, gated_delta_net (T == 1), moe_experts (one token) -------
 # Each against the torch backend's reference kernel for the key: float32 to float32 rounding, bfloat16 within one
 # bf16 rounding. Pools: rows the step does not name stay as they were; padding rows that share a pool row (the

@@ -18,11 +18,13 @@ from dtorch.core.errors import DtorchError
 from dtorch.dispatch.meta import KernelMeta
 from dtorch.dispatch.registration import KernelSet
 from dtorch.kernels import layouts
+from dtorch.kernels.half import HALF_LAYOUTS
 from dtorch.kernels.native import loader
 from dtorch.kernels.torch import (
     causal_conv1d as torch_conv,
     gated_delta_net as torch_gdn,
     gdn_gates as torch_gdn_gates,
+    half as torch_half,
     kv_cache as torch_kv_cache,
     llm as torch_llm,
     moe as torch_moe,
@@ -106,6 +108,28 @@ def _torch_linear(ctx, inputs, outputs):
 
 KERNELS.add("matmul.linear", _gemv_linear, (torch.bfloat16,), **NATIVE, priority=30,
             varies=f"up to {GEMV_ROWS} rows our GEMV streams the weight once; more rows: torch's upcast or blas")
+
+
+# -- matmul.linear on 16-bit weights beside wider activations (layouts "f16", "bf16": dtorch.kernels.half) ---------
+# inputs: x [..., K] (the key's dtype), w [N, K] float16 / bfloat16, bias [N] or None; outputs: out [..., N]. Up to
+# GEMV_ROWS rows our GEMV reads the 16-bit weight as it is (float32 accumulation); more rows, or a float16 x, go to the
+# torch backend's kernel for the key (converted panels of W and torch's GEMM).
+
+def _gemv_half(ctx, inputs, outputs):
+    x, w, bias = inputs
+    out = outputs[0]
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > GEMV_ROWS or x.dtype not in ACTIVATIONS or not w.is_contiguous() or not out.is_contiguous():
+        return torch_half.linear_half(ctx, inputs, outputs)
+    _lib().gemv(x if x.is_contiguous() else x.contiguous(), w, out)
+    if bias is not None:
+        out.add_(bias.to(out.dtype))
+
+
+for _layout in HALF_LAYOUTS:
+    KERNELS.add("matmul.linear", _gemv_half, ACTIVATIONS, layout=_layout, **NATIVE,
+                varies=f"up to {GEMV_ROWS} rows our GEMV reads the 16-bit weight; more rows: converted panels and "
+                       "torch's GEMM")
 
 
 # -- llm.moe_experts for few tokens ---------------------------------------------------------------------------
