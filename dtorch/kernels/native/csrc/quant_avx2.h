@@ -287,6 +287,13 @@ static inline __m256 load_h8(const uint8_t* p, int cnt) {  // cnt fp16 -> float3
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
+struct StepLevels { __m256i al, ah, ll, lh; };  // hi levels of steps u and u + 4, then their lo levels
+
+static inline StepLevels step_levels(const int8_t* am, int u, int64_t st) {
+  auto at = [&](int64_t off) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + off)); };
+  return {at(u * st), at((u + 4) * st), at(512 + u * st), at(512 + (u + 4) * st)};
+}
+
 template <int F, int MR, int NR>
 static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
                               float (&out)[MR][NR]) {
@@ -332,11 +339,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             wh[n] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), _mm256_and_si256(hh, b45));
           }
           for (int m = 0; m < MR; ++m) {
-            const int8_t* am = ag + m * rs;
-            const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + u * st));
-            const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + (u + 4) * st));
-            const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + u * st));
-            const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + (u + 4) * st));
+            const auto [al, ah, ll, lh] = step_levels(ag + m * rs, u, st);
             for (int n = 0; n < NR; ++n) {
               is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(wl[n], al));
               il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wl[n], ll));
@@ -382,11 +385,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             }
           }
           for (int m = 0; m < MR; ++m) {
-            const int8_t* am = ag + m * rs;
-            const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + u * st));
-            const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + (u + 4) * st));
-            const __m256i ll = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + u * st));
-            const __m256i lh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + 512 + (u + 4) * st));
+            const auto [al, ah, ll, lh] = step_levels(ag + m * rs, u, st);
             for (int n = 0; n < NR; ++n) {
               if constexpr (F == dtn::IQ4_NL) {  // signed levels up to 127: each half its own int16 sums
                 is[m][n] = _mm256_add_epi32(is[m][n], _mm256_add_epi32(dot_w<true>(wl[n], al), dot_w<true>(wh[n], ah)));
