@@ -4,6 +4,8 @@ load."""
 
 from __future__ import annotations
 
+import copy
+
 import gguf
 import pytest
 import torch
@@ -119,5 +121,27 @@ def test_a_model_computing_in_the_weights_dtype_reads_them_as_plain_tensors(half
     llm = LLM(path, dtype=HALF_LAYOUTS[kind.lower()], max_num_seqs=2)
     try:
         assert {t.layout for t in llm.model.weights.values()} == {"strided"}
+    finally:
+        llm.close()
+
+
+# -- Hugging Face checkpoints stored in 16 bits ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_16_bit_hugging_face_checkpoint_stays_16_bit(tmp_path, stored, n):
+    config = families(transformers, heads=4, kv_heads=2, vocab=128, qwen3_head_dim=16)["qwen3"]()
+    hf = save_random(transformers, config, tmp_path / "f32")
+    with torch.no_grad():  # the values the file holds, computed in float32 (the RoPE buffers stay float32)
+        for p in hf.parameters():
+            p.copy_(p.to(stored))
+    copy.deepcopy(hf).to(stored).save_pretrained(tmp_path / "half")
+    llm = LLM(str(tmp_path / "half"), tensor_parallel_size=n, max_num_seqs=2)
+    try:
+        matrices = {name: t for name, t in llm.model.weights.items() if len(t.shape) == 2}
+        assert {t.layout for t in matrices.values()} == {half_layout(stored)}
+        with torch.no_grad():
+            want = hf(torch.tensor([IDS])).logits[0]
+        torch.testing.assert_close(llm.logits(IDS), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     finally:
         llm.close()

@@ -148,7 +148,7 @@ class LazyCheckpoint:
     chat_template: str | None = None
     metadata: dict[str, object] = field(default_factory=dict)
     # (name, dim, runs) -> (layout, GGUF bytes uint8 [rows, row bytes], or 16-bit rows for "f16" / "bf16") or None;
-    # None: no packed weights (safetensors)
+    # None: no weight is kept as stored
     read_packed: Callable[[str, int | None, list[tuple[int, int]]], tuple[str, torch.Tensor] | None] | None = None
     check_finite: bool = True  # refuse a piece read with a NaN or inf (one isfinite pass over what is read)
     # name -> (the file's name of the tensor, its format as the file spells it, bits per weight stored); ``get``

@@ -37,9 +37,9 @@ def _shards(directory: Path, single: str, index: str) -> list[Path]:
     return [regular_file(paths[f], f"a weights shard named in {index}") for f in sorted(paths)]
 
 
-def _open_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], Reader]:
-    """Every tensor's shape and a ``Reader`` of the directory's weights: safetensors when there are any, else
-    PyTorch's ``pytorch_model.bin`` (single or sharded)."""
+def _open_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], Reader, dict[str, torch.dtype]]:
+    """Every tensor's shape, a ``Reader`` of the directory's weights and every tensor's dtype as stored: safetensors
+    when there are any, else PyTorch's ``pytorch_model.bin`` (single or sharded)."""
     if files := _shards(directory, "model.safetensors", "model.safetensors.index.json"):
         return _open_safetensors(files)
     if files := _shards(directory, "pytorch_model.bin", "pytorch_model.bin.index.json"):
@@ -48,7 +48,7 @@ def _open_weights(directory: Path) -> tuple[dict[str, tuple[int, ...]], Reader]:
                      "pytorch_model.bin or pytorch_model.bin.index.json")
 
 
-def _open_torch_bins(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Reader]:
+def _open_torch_bins(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Reader, dict[str, torch.dtype]]:
     """Every tensor's shape and a ``Reader`` of PyTorch ``.bin`` state dicts, loaded with ``weights_only=True`` (no
     code in the pickle runs) and ``mmap=True``: a slice reads only its pages, copied out of the map."""
     import pickle
@@ -74,7 +74,7 @@ def _open_torch_bins(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Rea
         parts = [t.narrow(dim, a, n) for a, n in runs]
         return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim)
 
-    return shapes, read
+    return shapes, read, {k: v.dtype for k, v in tensors.items()}
 
 
 # safetensors dtype names -> torch dtypes (the ones checkpoints hold)
@@ -115,8 +115,8 @@ def _pread(f: Path, offset: int, nbytes: int) -> torch.Tensor:
     return buf
 
 
-def _open_safetensors(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Reader]:
-    """Every tensor's shape (from the headers; no data is read) and a ``Reader`` of slices of them."""
+def _open_safetensors(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Reader, dict[str, torch.dtype]]:
+    """Every tensor's shape and dtype (from the headers; no data is read) and a ``Reader`` of slices of them."""
     from safetensors import SafetensorError, safe_open
 
     where: dict[str, tuple[Path, int, dict[str, Any]]] = {}  # tensor name -> (file, data start, header entry)
@@ -152,7 +152,7 @@ def _open_safetensors(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], Re
         except errors as e:
             raise ModelError(f"{f}: tensor {name!r} is unreadable ({e}); the file may be damaged") from None
 
-    return shapes, read
+    return shapes, read, {k: _DTYPES.get(entry["dtype"], torch.float32) for k, (_, _, entry) in where.items()}
 
 
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -234,7 +234,7 @@ def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32, check_fin
             if all(isinstance(i, int) for i in flat):
                 cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
     config = ModelConfig.from_hf(cfg_json, str(cfg_path))
-    shapes, read = _open_weights(directory)
+    shapes, read, dtypes = _open_weights(directory)
     if config.num_experts:
         shapes, read = stack_experts(shapes, read, config.num_experts, str(directory))
     shapes = used_shapes(shapes, config, dtype, str(directory), HF_KEYS)
@@ -247,7 +247,24 @@ def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32, check_fin
         tokenizer = Tokenizer.from_hf(regular_file(directory / "tokenizer.json", "a tokenizer.json"), tok_config,
                                       chat_template=template, eos_token_ids=config.eos_token_ids)
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
-                          source=str(directory), chat_template=template, check_finite=check_finite)
+                          source=str(directory), chat_template=template, check_finite=check_finite,
+                          read_packed=_read_half(read, dtypes, shapes, dtype))
+
+
+def _read_half(read: Reader, dtypes: dict[str, torch.dtype], shapes: dict[str, tuple[int, ...]],
+               dtype: torch.dtype):
+    """The ``read_packed`` of a directory: a 2-D float16 / bfloat16 tensor of a model computing in another dtype is
+    served as stored, ("f16" | "bf16", its slice), so it stays 16-bit; anything else is None (read as ``dtype``)."""
+    from dtorch.kernels.half import half_layout
+
+    def read_packed(name: str, dim: int | None, runs: list[tuple[int, int]]) -> tuple[str, torch.Tensor] | None:
+        stored = dtypes.get(name)
+        layout = half_layout(stored) if stored is not None and stored != dtype else None
+        if layout is None or len(shapes.get(name, ())) != 2:
+            return None
+        return layout, read(name, dim, runs)
+
+    return read_packed
 
 
 def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32, check_finite: bool = True) -> Checkpoint:
