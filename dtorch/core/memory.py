@@ -8,7 +8,10 @@ tensor's storage is freed.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import enum
+import sys
 import threading
 import weakref
 from collections import defaultdict
@@ -107,6 +110,18 @@ def allocate(shape: Sequence[int], dtype: torch.dtype, device: Device | str = "c
 def adopt(t: torch.Tensor, kind: MemoryKind, device: Device | str | None = None) -> torch.Tensor:
     """Count an existing tensor (e.g. a loaded weight) under ``kind``; returns it."""
     return memory.track(t, kind, as_device(device) if device is not None else as_device(t.device))
+
+
+def trim_heap() -> None:
+    """Give the heap memory freed so far back to the system, where the C library can (glibc's ``malloc_trim``): a
+    model load frees many buffers whose pages malloc would otherwise keep in the process's RSS."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
 
 
 def memory_stats() -> list[MemoryStat]:

@@ -31,6 +31,7 @@ import torch
 from dtorch.core import env
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, ModelError
+from dtorch.core.memory import trim_heap
 from dtorch.engine.engine import Engine
 from dtorch.engine.request import CompletionOutput, Delta, Logprob, RequestOutput
 from dtorch.engine.sampling import SamplingParams
@@ -77,8 +78,10 @@ class LLM:
     model: a ``.gguf`` file, a Hugging Face directory, a directory holding one ``.gguf``, or a Hugging Face id found
     in the local Hugging Face cache (nothing is downloaded; None: the default model). dtype: the activations' dtype
     (float32 or bfloat16 ...), and the float weights'. A GGUF's block-quantized projections and embedding stay as
-    stored and run on kernels of their layout ("gguf.q4_1" ...); ``dequantize=True`` turns every weight into
-    ``dtype`` at load instead.
+    stored and run on kernels of their layout ("gguf.q4_1" ...), each part of a fused projection in its own format;
+    float16 / bfloat16 ones (GGUF or safetensors) stay 16-bit ("f16", "bf16") beside wider activations; a format no
+    kernel keeps is dequantized, and a warning at load says which tensors and what it costs. ``dequantize=True``
+    turns every weight into ``dtype`` at load instead.
 
     Engine settings (vLLM's names): max_num_seqs: sequences in a step at most. max_num_batched_tokens: tokens in a
     step at most (prompts longer than that are prefilled in chunks). max_model_len: tokens of a sequence at most
@@ -130,10 +133,16 @@ class LLM:
             self.source = ckpt.source
             self.config = ckpt.config
             self.tokenizer = ckpt.tokenizer
+            positions = self.config.max_position_embeddings
+            if max_model_len is not None and max_model_len > positions:
+                raise ArgumentError(f"LLM: max_model_len {max_model_len} is more than the model's {positions} "
+                                    "positions (max_position_embeddings)")
+            self.max_len = max_model_len or positions
             self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
-                                          None if dequantize else ckpt.get_packed)
+                                          None if dequantize else ckpt.get_packed, max_positions=self.max_len)
             if not dequantize:  # asked for: nothing to say
                 ckpt.report_widened()
+        trim_heap()  # the load's buffers (file reads, packing, metadata) are freed: give their pages back
         self.mesh = where.mesh
         self.rank = where.rank
         self.device = where.mesh.device(where.local_ids[0])
@@ -141,11 +150,6 @@ class LLM:
                                  capture=not enforce_eager and where.mesh.size == 1)
         self._spmd = where.spmd
         self.max_num_seqs = max_num_seqs
-        positions = self.config.max_position_embeddings
-        if max_model_len is not None and max_model_len > positions:
-            raise ArgumentError(f"LLM: max_model_len {max_model_len} is more than the model's {positions} positions "
-                                "(max_position_embeddings)")
-        self.max_len = max_model_len or positions
         self.stats = GenerationStats()
         eos = set(self.config.eos_token_ids)
         if self.tokenizer is not None:

@@ -3,7 +3,8 @@
 A step is described on the host (``StepPlan``: each sequence's blocks, first position and new tokens); the
 executor pads it to its bucket (``bucket_for``), builds the bucket's graph once (``Transformer.graph``) and
 runs it with ``Runner(static=True)``: every bucket graph shares the placed weights, the KV cache, the
-communicator and the stream threads, so a new bucket costs one graph build and its activation buffers.
+communicator, the stream threads and its step buffers (``SharedBuffers``: steps run one at a time), so a new bucket
+costs one graph build, and buffers only when it needs more than every bucket before it.
 Padding rows form one extra sequence with no keys (its rows attend to nothing and write no cache slot, and
 its gated delta net states live in the state cache's scratch row).
 
@@ -26,6 +27,7 @@ from dtorch.models.kv_cache import KVCache
 from dtorch.models.model import Bucket, Transformer, bucket_for
 from dtorch.runtime.capture import Recorder, default_recorder, no_recorder
 from dtorch.runtime.comm import Communicator
+from dtorch.runtime.plan import SharedBuffers
 from dtorch.runtime.runner import Runner
 from dtorch.runtime.stream import StreamManager
 
@@ -59,6 +61,9 @@ class Executor:
             self.set_trace(True)
         self.cache: KVCache | None = None
         self.runners: dict[Bucket, Runner] = {}
+        # the buckets' step buffers, shared: one step runs at a time and its logits are copied out, so a device holds
+        # what its largest bucket needs rather than the sum over every bucket built
+        self.buffers = {i: SharedBuffers(model.mesh.device(i)) for i in local_ids}
         # one recorder for every bucket, so the recordings share one memory pool
         device = model.mesh.device(local_ids[0])
         self.recorder = recorder if recorder is not None else default_recorder(device) if capture else None
@@ -84,7 +89,8 @@ class Executor:
         if r is None:
             g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
             r = self.runners[bucket] = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True,
-                                              capture=self.capture and bucket.decode, recorder=self.recorder)
+                                              capture=self.capture and bucket.decode, recorder=self.recorder,
+                                              buffers=self.buffers)
         return r
 
     def capture_now(self, bucket: Bucket) -> bool:
@@ -139,8 +145,8 @@ class Executor:
         lens = [s + c for s, c in zip(starts, counts, strict=True)] + [0] * (N - n)
         table = self.model.rope_table
         if positions and max(positions) >= table.shape[0]:
-            raise ModelError(f"position {max(positions)} is past the model's {table.shape[0]} positions "
-                             "(max_position_embeddings)")
+            raise ModelError(f"position {max(positions)} is past the {table.shape[0]} positions the model was loaded "
+                             "for (max_model_len, at most max_position_embeddings)")
         cs = table[torch.tensor(positions, dtype=torch.int64)]  # [T, 2, D / 2]
         block_table = torch.zeros(N, self.cache.max_blocks_per_seq, dtype=torch.int32)
         for i, blocks in enumerate(plan.blocks):

@@ -71,7 +71,7 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, DistTensor], mesh: DeviceMesh,
                  dtype: torch.dtype, linear_weights: Iterable[str] = (),
-                 parts: Mapping[str, tuple[str, ...]] | None = None) -> None:
+                 parts: Mapping[str, tuple[str, ...]] | None = None, max_positions: int | None = None) -> None:
         self.config = config
         # float projections stored as W [N, K] (the checkpoint's orientation) for ``matmul.linear``; the others as
         # Wt [K, N] for ``matmul.mm`` (block-format weights are W [N, K] and run ``matmul.linear`` too)
@@ -83,21 +83,24 @@ class Transformer:
         self.layout = Layout(config, mesh.size)
         self.weights = dict(weights)
         inv_freq = rope_inv_freq(config)  # float32 [R / 2] (R: the rotary dims), scaled as the config says
-        angles = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq
+        positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
+        angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
         self.rope_table = torch.stack([angles.cos(), angles.sin()], 1)  # [positions, 2, R / 2]: one gather a step
 
     # -- weights -------------------------------------------------------------------------------
 
     @classmethod
     def load(cls, config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...],
-             dtype: torch.dtype, get_packed: PackedGetter | None = None) -> Transformer:
+             dtype: torch.dtype, get_packed: PackedGetter | None = None,
+             max_positions: int | None = None) -> Transformer:
         """Place every weight: for each local device, read its pieces through ``get``, fuse, cast, move.
 
         With ``get_packed``, the projections and the embedding stay in their GGUF block format where the file
         has one (packed once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``.
+        ``max_positions``: the positions a sequence will use at most (the RoPE table's rows; default: the model's).
         """
         weights, linear, parts = load_weights(config, get, mesh, local_ids, dtype, get_packed)
-        return cls(config, weights, mesh, dtype, linear, parts)
+        return cls(config, weights, mesh, dtype, linear, parts, max_positions)
 
     def linear_provider(self) -> str:
         """Which kernel the first layer's q/k/v projection runs: "provider" or "provider (layout)"."""

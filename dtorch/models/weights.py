@@ -149,13 +149,26 @@ def _load_parts(config: ModelConfig, get: Getter, get_packed: PackedGetter, mesh
     return out
 
 
-def pack_stored(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
-    """The tensor kernels of ``layout`` read, from the rows a file stores: GGUF block bytes packed
-    (``layouts.pack``), 16-bit float rows ("f16", "bf16") as they are."""
-    from dtorch.kernels.half import HALF_LAYOUTS
-    from dtorch.kernels.layouts import pack
+PACK_CHUNK_BYTES = 1 << 22  # GGUF bytes packed at a time: packing makes a few copies of what it packs
 
-    return raw.contiguous() if layout in HALF_LAYOUTS else pack(raw, layout, k)
+
+def pack_stored(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
+    """The tensor kernels of ``layout`` read, from the rows [N, ...] a file stores: GGUF block bytes packed
+    (``layouts.pack``) a chunk of rows at a time into the result (each packed row holds its own row alone), so a
+    large weight (an embedding) costs no more than itself and a chunk; 16-bit float rows ("f16", "bf16") as they are."""
+    from dtorch.kernels.half import HALF_LAYOUTS
+    from dtorch.kernels.layouts import pack, row_bytes
+
+    if layout in HALF_LAYOUTS:
+        return raw.contiguous()
+    n = raw.shape[0]
+    step = max(1, PACK_CHUNK_BYTES // max(1, raw[:1].numel()))
+    if step >= n:
+        return pack(raw, layout, k)
+    out = torch.empty(n, row_bytes(layout, k), dtype=torch.uint8)
+    for r in range(0, n, step):
+        out[r:r + step] = pack(raw[r:r + step], layout, k)
+    return out
 
 
 def _part_placements(placement, shape: tuple[int, int], sizes: list[int]) -> list:

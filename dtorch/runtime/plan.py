@@ -12,6 +12,7 @@ stream's own order makes reuse safe.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -94,10 +95,11 @@ class Pool:
     """Free buffers of one device by exact (shape, dtype), each tagged with the operator after which it became
     free; ``take(..., before=k)`` only hands out a buffer freed at or before operator k."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, carver: Carver | None = None) -> None:
         self.device = device
         self.free: dict[Key, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         self.nbytes = 0
+        self.carver = carver  # new buffers carved from storage shared with other Runners, else allocated
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, before: int | None = None) -> torch.Tensor:
         free = self.free.get((shape, dtype))
@@ -108,9 +110,64 @@ class Pool:
         return self.new(shape, dtype)
 
     def new(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        t = allocate(shape, dtype, self.device, MemoryKind.WORKSPACE)
+        if self.carver is not None:
+            t = self.carver.take(shape, dtype)
+        else:
+            t = allocate(shape, dtype, self.device, MemoryKind.WORKSPACE)
         self.nbytes += t.numel() * t.element_size()
         return t
 
     def give(self, t: torch.Tensor, at: int = -1) -> None:
         self.free[(tuple(t.shape), t.dtype)].append((at, t))
+
+
+class SharedBuffers:
+    """Storage that the static Runners of one device share, when no two of them ever run at once (an Executor's
+    step graphs, one per shape bucket: its steps run one after another, and every Runner copies its outputs out).
+
+    Each Runner carves its buffers from the start of the same slabs (``carver()``), so the device holds what its
+    largest Runner needs, not the sum over every bucket. A Runner that needs more than the slabs hold adds one slab
+    (at least as large as all before it, so a few suffice); the earlier Runners keep theirs where they are.
+    """
+
+    ALIGN = 256  # bytes: every carved buffer starts on this boundary (SIMD loads, CUDA's allocator granularity)
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.slabs: list[torch.Tensor] = []  # uint8, WORKSPACE memory
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() for s in self.slabs)
+
+    def carver(self) -> Carver:
+        """A fresh cursor at the start of the slabs, for one Runner's buffers on this device."""
+        return Carver(self)
+
+    def _add(self, nbytes: int) -> torch.Tensor:
+        slab = allocate((max(nbytes, self.nbytes),), torch.uint8, self.device, MemoryKind.WORKSPACE)
+        self.slabs.append(slab)
+        return slab
+
+
+class Carver:
+    """One Runner's cursor over ``SharedBuffers``: ``take`` hands out the next free bytes of the slabs as a tensor."""
+
+    def __init__(self, shared: SharedBuffers) -> None:
+        self.shared = shared
+        self.slab = 0
+        self.offset = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype, device=self.shared.device.torch)
+        slabs, align = self.shared.slabs, SharedBuffers.ALIGN
+        while self.slab < len(slabs):
+            start = -(-self.offset // align) * align
+            if start + nbytes <= slabs[self.slab].numel():
+                self.offset = start + nbytes
+                return slabs[self.slab][start:start + nbytes].view(dtype).view(shape)
+            self.slab, self.offset = self.slab + 1, 0
+        self.offset = nbytes
+        return self.shared._add(nbytes)[:nbytes].view(dtype).view(shape)

@@ -50,7 +50,7 @@ from dtorch.runtime.kernel import (
     ViewKernel,
     check_dense,
 )
-from dtorch.runtime.plan import BufferPlan, Pool
+from dtorch.runtime.plan import BufferPlan, Pool, SharedBuffers
 from dtorch.runtime.stream import StreamManager, StreamType
 from dtorch.runtime.tracing import Tracer
 
@@ -95,13 +95,16 @@ class Runner:
     shared with other Runners (its threads outlive this Runner); ``static``: plan every buffer at build;
     ``capture`` (with ``static``): bind capture-safe kernels only, run the first run as usual and replay a recording
     of it afterwards (``recorder``: default a CUDA graph recorder on a GPU; where nothing can record, or a kernel is
-    not capture-safe, the Runner runs uncaptured and ``capture_off`` holds the reason).
+    not capture-safe, the Runner runs uncaptured and ``capture_off`` holds the reason). ``buffers`` (with ``static``):
+    global device id -> ``SharedBuffers`` shared with other static Runners that never run at the same time as this
+    one; its buffers are carved from them instead of allocated.
     """
 
     def __init__(self, graph: LogicalGraph, communicator: Communicator | None = None, *, release: bool = True,
                  trace: bool | None = None, timeout: float | None = None,
                  dispatcher: Dispatcher | None = None, streams: StreamManager | None = None,
-                 static: bool = False, capture: bool = False, recorder: Recorder | None = None) -> None:
+                 static: bool = False, capture: bool = False, recorder: Recorder | None = None,
+                 buffers: Mapping[int, SharedBuffers] | None = None) -> None:
         if not isinstance(graph, LogicalGraph):
             raise ArgumentError(f"Runner: expected a LogicalGraph, got {type(graph).__name__}")
         if not graph.outputs:
@@ -109,6 +112,9 @@ class Runner:
         self.graph = graph
         self.mesh = graph.mesh
         self.static = static
+        if buffers is not None and not static:
+            raise ArgumentError("Runner: 'buffers' are shared static buffers; pass static=True with them")
+        self._shared = buffers
         if not isinstance(capture, bool):
             raise ArgumentError(f"Runner: 'capture' must be a bool, got {capture!r}")
         self.capture = capture
@@ -165,8 +171,10 @@ class Runner:
                 seen.add(id(piece))
                 self.blobs[(x.index, i)].tensor = piece
         plan = BufferPlan(g) if self.static else None
-        pools = {i: Pool(self.mesh.device(i)) for i in self.local_ids}
-        comm_pools = {i: Pool(self.mesh.device(i)) for i in self.local_ids}  # buffers communicate streams write
+        carvers = {i: self._shared[i].carver() if self._shared is not None else None for i in self.local_ids}
+        pools = {i: Pool(self.mesh.device(i), carvers[i]) for i in self.local_ids}
+        # buffers communicate streams write (carved by the same cursor: never the bytes of another buffer of the run)
+        comm_pools = {i: Pool(self.mesh.device(i), carvers[i]) for i in self.local_ids}
         if plan is not None:
             for x in g.inputs.values():
                 for i in self.local_ids:

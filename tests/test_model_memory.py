@@ -1,0 +1,130 @@
+"""What a loaded model holds, in sizes: the KV cache and RoPE table follow the context asked for, the step buckets
+share one set of buffers, packing makes no copy of a whole large weight, and a GGUF is read without keeping the
+file's pages or per-string views of its metadata. (Timings and RSS are bench/memory.py's business.)"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import dtorch
+from dtorch.engine.llm import LLM
+from tests.tiny_models import families, hf_greedy, save_random
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    config = families(transformers, heads=4, kv_heads=2, vocab=128, qwen3_head_dim=16)["llama"]()
+    return save_random(transformers, config, path), str(path)
+
+
+@pytest.mark.parametrize(("max_len", "seqs"), [(48, 3), (96, 3), (96, 1)])
+def test_the_kv_cache_and_rope_table_follow_the_context_asked_for(tiny, max_len, seqs):
+    _, path = tiny
+    llm = LLM(path, max_model_len=max_len, max_num_seqs=seqs)
+    try:
+        assert llm.cache.num_blocks == -(-seqs * max_len // llm.cache.block_size)
+        assert llm.cache.max_len == max_len and llm.model.rope_table.shape[0] == max_len
+    finally:
+        llm.close()
+
+
+def test_every_bucket_carves_its_step_buffers_from_the_same_storage(tiny):
+    hf, path = tiny
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=64)
+    try:
+        params = dtorch.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        prompts = [[5, 17, 99], [3] * 40 + [7], [9, 11, 12, 13, 14, 15] * 5, [42] * 70]
+        for batch in ([prompts[0]], prompts[:2], prompts):
+            outs = llm.generate(batch, params)
+            assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in batch]
+        runners = llm.executor.runners
+        assert len(runners) >= 4
+        per_bucket = [r.buffer_bytes for r in runners.values()]
+        (shared,) = llm.executor.buffers.values()
+        assert shared.nbytes <= 2 * max(per_bucket) < sum(per_bucket)
+        slabs = {s.untyped_storage().data_ptr() for s in shared.slabs}
+        for r in runners.values():  # every fresh result of every bucket lies in the shared slabs
+            fresh = [r.blobs[(y.index, i)].tensor for node in r.graph.operators if node.kind == "kernel"
+                     for j, y in enumerate(node.outputs) if not node.aliases or node.aliases[j] is None
+                     for i in r.local_ids]
+            assert fresh and all(t.untyped_storage().data_ptr() in slabs for t in fresh if t.numel())
+    finally:
+        llm.close()
+
+
+def test_a_large_weight_is_packed_a_chunk_at_a_time(monkeypatch):
+    from dtorch.kernels import layouts
+    from dtorch.models import weights
+
+    w = np.random.default_rng(0).standard_normal((100, 256)).astype(np.float32)
+    raw = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1).reshape(100, -1))
+    whole = layouts.pack(raw, "gguf.q4_1", 256)
+    monkeypatch.setattr(weights, "PACK_CHUNK_BYTES", 7 * raw.shape[1])  # 7 rows a chunk: the last one short
+    assert torch.equal(weights.pack_stored(raw, "gguf.q4_1", 256), whole)
+
+
+def _write(path, tokens: list[str]) -> None:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_uint32("llama.block_count", 3)
+    w.add_float32("llama.rope.freq_base", 1e4)
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    w.add_array("tokenizer.ggml.merges", [f"{a} {b}" for a, b in zip(tokens, tokens[1:], strict=False)])
+    w.add_tensor("big", np.ones((512, 1024), dtype=np.float32))  # 2 MiB: many pages
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_the_lean_reader_reads_what_gguf_reads(tmp_path):
+    from dtorch.models.loaders.gguf import _open, read_metadata
+
+    tokens = [f"tok{i}" for i in range(3000)] + ["é", "日本", ""]
+    _write(tmp_path / "m.gguf", tokens)
+    lean, plain = _open(tmp_path / "m.gguf"), gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    assert read_metadata(lean, tmp_path) == read_metadata(plain, tmp_path)
+    assert [(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes)) for t in lean.tensors] == \
+        [(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes)) for t in plain.tensors]
+    assert np.array_equal(lean.tensors[0].data, plain.tensors[0].data)
+
+
+def _mapped_kib(address: int) -> int:
+    """This process's resident KiB of the mapping that holds ``address`` (/proc/self/smaps: pages mapped here, not
+    the page cache)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/smaps"),
+                    reason="no madvise(MADV_DONTNEED) or /proc/self/smaps on this platform")
+def test_a_tensor_read_leaves_no_pages_of_the_file_map_behind(tmp_path):
+    from dtorch.models.loaders.gguf import _open, _release
+
+    _write(tmp_path / "m.gguf", ["a", "b"])
+    reader = _open(tmp_path / "m.gguf")
+    (t,) = reader.tensors
+    copy = np.array(t.data, copy=True)  # what a read makes
+    where = t.data.ctypes.data
+    assert _mapped_kib(where) >= t.n_bytes // 1024  # read: every page of the tensor mapped here
+    _release(reader, [t])
+    assert _mapped_kib(where) < 64  # the header's pages at most
+    assert np.array_equal(t.data, copy)  # the map reads the file again where it is touched
