@@ -495,21 +495,48 @@ def test_four_threads_with_prompts_of_one_length(tiny):
         llm.close()
 
 
+NEAR_TIE = 0.01  # nats: greedy choices this close may flip between batch shapes (see _same_greedy)
+
+
+def _same_greedy(got: list[int], ref) -> bool:
+    """Whether token ids ``got`` are ``ref``'s (a CompletionOutput with logprobs) up to a near tie. A decode row
+    batched beside another request's prefill runs the products' float path (32 rows and more) rather than the integer
+    one, so where the reference's best two tokens are within NEAR_TIE the greedy choice may flip, and the texts part
+    there; a mixed-up stream differs where the model is sure."""
+    for i, (g, r) in enumerate(zip(got, ref.token_ids, strict=False)):
+        if g != r:
+            top = ref.logprobs[i]
+            return g in top and top[r].logprob - top[g].logprob < NEAR_TIE
+    return len(got) == len(ref.token_ids)
+
+
+def _same_greedy_text(text: str, ref, tokenizer) -> bool:
+    """_same_greedy for a streamed text: it follows ``ref``'s tokens, and where it leaves them that was a near tie."""
+    for i in range(len(ref.token_ids)):
+        if not text.startswith(tokenizer.decode(ref.token_ids[:i + 1])):
+            best = sorted((lp.logprob for lp in ref.logprobs[i].values()), reverse=True)
+            return len(best) > 1 and best[0] - best[1] < NEAR_TIE
+    return text == ref.text
+
+
 def test_callbacks_and_streams_of_one_llm_do_not_mix():
     llm = LLM(max_model_len=256)
     try:
         chat = [{"role": "user", "content": "Say hello."}]
         a_ids, b_ids = llm.chat_prompt(chat), llm.chat_prompt([{"role": "user", "content": "Count to five."}])
-        p = SamplingParams(temperature=0.0, max_tokens=12)
-        want_a, want_b = (llm.generate([x], p)[0].outputs[0].text for x in (a_ids, b_ids))
-        nested: list[str] = []
+        p = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+        ref_a, ref_b = (llm.generate([x], p)[0].outputs[0] for x in (a_ids, b_ids))
+        want_a, want_b = ref_a.text, ref_b.text
+        nested: list = []
 
         def on_text(_i, _piece):  # a streaming callback that calls generate again
             if not nested:
-                nested.append(llm.generate([b_ids], p)[0].outputs[0].text)
+                nested.append(llm.generate([b_ids], p)[0].outputs[0])
 
-        outer = llm.generate([a_ids], p, on_text=on_text)[0].outputs[0].text
-        assert outer == want_a and nested == [want_b]
+        outer = llm.generate([a_ids], p, on_text=on_text)[0].outputs[0]
+        assert len(nested) == 1
+        assert _same_greedy(outer.token_ids, ref_a), (outer.text, want_a)
+        assert _same_greedy(nested[0].token_ids, ref_b), (nested[0].text, want_b)
         sa, sb = llm.stream(a_ids, p), llm.stream(b_ids, p)  # two iterators, advanced in turn
         pa, pb, done = [], [], [False, False]
         while not all(done):
@@ -519,7 +546,8 @@ def test_callbacks_and_streams_of_one_llm_do_not_mix():
                         out.append(next(it))
                     except StopIteration:
                         done[k] = True
-        assert "".join(pa) == want_a and "".join(pb) == want_b
+        assert _same_greedy_text("".join(pa), ref_a, llm.tokenizer), ("".join(pa), want_a)
+        assert _same_greedy_text("".join(pb), ref_b, llm.tokenizer), ("".join(pb), want_b)
         assert llm.engine.stats().kv_blocks_used == 0
     finally:
         llm.close()
