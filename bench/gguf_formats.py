@@ -21,10 +21,15 @@ dtorch only). "MiB" is the model's memory: peak RSS (VmHWM) above the RSS right 
 single-sequence runs.
 
 Checks that cost nothing: "greedy" is how many of the 64 decoded tokens of dtorch and llama.cpp agree before the first
-difference. Per file: its tensor types (gguf-py), the layouts dtorch keeps its 2-D weights in, and how many of them
-dtorch holds as float ("strided"; every 2-D tensor of these files is stored quantized) with their MiB.
+difference; "follow" is the share of llama.cpp's 64 greedy tokens that dtorch ranks first in the same context (one
+whole pass over llama.cpp's continuation), which one near-tie does not end as it ends "greedy". Per file: its tensor
+types (gguf-py), the layouts dtorch keeps its 2-D weights in, and how many of them dtorch holds as float ("strided";
+every 2-D tensor of these files is stored quantized) with their MiB.
 ``--agreement``: teacher-forced top-1 agreement with the float source over a 256-token text, one token per step as
-decode runs (dtorch on the F32 / F16 source file is the reference).
+decode runs (dtorch on the F32 / F16 source file is the reference), for the weights as stored and, to tell the
+file's rounding from the kernels', dequantized to float32 at load. The smollm2 source is the shipped Q4_1 file
+dequantized, so its re-quantized files carry a second rounding; random weights give nearly flat logits, so their
+top-1 is mostly a matter of near-ties.
 """
 
 from __future__ import annotations
@@ -148,10 +153,11 @@ def _peak_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
-def _llm(path: str, threads: int):
+def _llm(path: str, threads: int, dequantize: bool = False):
     from dtorch.engine.llm import LLM
 
-    return LLM(path, threads=threads, max_model_len=CONTEXT, max_num_seqs=SEQS, enable_prefix_caching=False)
+    return LLM(path, threads=threads, max_model_len=CONTEXT, max_num_seqs=SEQS, enable_prefix_caching=False,
+               dequantize=dequantize)
 
 
 def _weights_kept(llm) -> dict:
@@ -169,8 +175,10 @@ def _weights_kept(llm) -> dict:
     return {"layouts": dict(layouts), "floats": floats, "float_mib": float_bytes / 2**20}
 
 
-def worker_dtorch(path: str, threads: int, repeats: int, prefill: tuple[int, ...], ids: list[int]) -> dict:
-    """Prefill, decode and model memory of one sequence, then the 16-sequence decode throughput."""
+def worker_dtorch(path: str, threads: int, repeats: int, prefill: tuple[int, ...], ids: list[int],
+                  follow: list[int]) -> dict:
+    """Prefill, decode and model memory of one sequence, then the 16-sequence decode throughput, and the share of
+    ``follow`` (llama.cpp's greedy tokens after the prompt) that dtorch ranks first in the same context."""
     from dtorch.engine.sampling import SamplingParams
 
     base = _current_rss_mib()
@@ -193,6 +201,9 @@ def worker_dtorch(path: str, threads: int, repeats: int, prefill: tuple[int, ...
     out["decode"] = statistics.median(tps)
     out["tokens"] = res[0].outputs[0].token_ids
     out["model_mib"] = _peak_mib() - base
+    if follow:  # position PROMPT - 1 + i predicts follow[i]
+        top = llm.logits(ids[:PROMPT] + follow[:-1])[PROMPT - 1:].argmax(-1).tolist()
+        out["follow"] = sum(a == b for a, b in zip(top, follow, strict=True)) / len(follow)
     rng = random.Random(SEQS)
     prompts = [[rng.choice(ids) for _ in range(PROMPT)] for _ in range(SEQS)]
     tps = []
@@ -217,10 +228,11 @@ def _stepwise_argmax(llm, ids: list[int]) -> list[int]:
         llm.engine.blocks.free(blocks)
 
 
-def worker_agreement(path: str, threads: int, reference: str | None) -> dict:
+def worker_agreement(path: str, threads: int, reference: str | None, dequantize: bool) -> dict:
     """With ``reference`` None: the float file's argmax after each prefix of the text (one whole-text pass).
-    Otherwise the share of one-token steps whose argmax equals the reference's (a JSON list in that file)."""
-    llm = _llm(path, threads)
+    Otherwise the share of one-token steps whose argmax equals the reference's (a JSON list in that file), on the
+    weights as stored or (``dequantize``) as float32."""
+    llm = _llm(path, threads, dequantize)
     ids = llm.tokenizer.encode(TEXT)[:256]
     if len(ids) < 256:
         raise SystemExit(f"the text is {len(ids)} tokens, fewer than 256")
@@ -283,15 +295,18 @@ def main() -> None:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--reference", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--follow", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dequantize", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     prefill = PREFILL[:1] if args.quick else PREFILL
     threads = args.threads or ([1] if args.quick else [1, 2])
     repeats = args.repeats or (1 if args.quick else 3)
     if args.worker:
         if args.worker == "dtorch":
-            out = worker_dtorch(args.path, threads[0], repeats, prefill, _ids(max(prefill)))
+            follow = [int(i) for i in args.follow.split(",")] if args.follow else []
+            out = worker_dtorch(args.path, threads[0], repeats, prefill, _ids(max(prefill)), follow)
         else:
-            out = worker_agreement(args.path, threads[0], args.reference)
+            out = worker_agreement(args.path, threads[0], args.reference, args.dequantize)
         print(json.dumps(out))
         return
 
@@ -307,7 +322,7 @@ def main() -> None:
     ids = _ids(max(prefill))
     quick = ("--quick",) if args.quick else ()
     head = ["file", "thr", "lcpp pp128", "pp512", "tg64", "MiB", "dtorch pp128", "pp512", "tg64", "MiB",
-            "x pp128", "x pp512", "x tg", "x MiB", "16-seq tg", "16/1", "greedy"]
+            "x pp128", "x pp512", "x tg", "x MiB", "16-seq tg", "16/1", "greedy", "follow"]
     rows, notes = [], {}
     for name in names:
         path = files[name]
@@ -318,7 +333,8 @@ def main() -> None:
         for t in threads:
             ref = _run([lcpp, "-c", LLAMACPP_WORKER, str(path), str(t), str(repeats), str(CONTEXT),
                         ",".join(map(str, ids)), json.dumps(list(prefill)), str(PROMPT), str(NEW)])
-            got = _dtorch("dtorch", path, t, repeats, quick)
+            follow = ("--follow", ",".join(map(str, ref["tokens"]))) if ref else ()
+            got = _dtorch("dtorch", path, t, repeats, quick + follow)
             ref, got = ref or {}, got or {}
             notes[name].update(kept=got.get("kept"), llamacpp=ref.get("version"))
             pp = [(ref.get(f"prefill{n}"), got.get(f"prefill{n}")) for n in (128, 512)]
@@ -328,7 +344,8 @@ def main() -> None:
                                                                                        ref.get("decode")),
                          _ratio(got.get("model_mib"), ref.get("model_mib")), got.get("decode16"),
                          _ratio(got.get("decode16"), got.get("decode")),
-                         f"{_greedy_match(got['tokens'], ref['tokens'])}/{NEW}" if got and ref else None])
+                         f"{_greedy_match(got['tokens'], ref['tokens'])}/{NEW}" if got and ref else None,
+                         f"{100 * got['follow']:.0f}%" if "follow" in got else None])
     if args.agreement:
         _agreement(names, files, args.cache, max(threads), notes)
 
@@ -338,9 +355,9 @@ def main() -> None:
           f"prompts of {PROMPT}, {NEW} new tokens each (dtorch only); medians of {repeats} after a warm-up; "
           f"tok/s; x = dtorch / llama.cpp (memory: lower is better)\n")
     _print(head, rows)
+    agree = " | top-1 agreement with the float source, 256 one-token steps: as stored / dequantized at load"
     print("\nper file: tensor types in the file | dtorch's layouts of its 2-D weights | held as float (strided): "
-          "count, MiB, first names" + (" | top-1 agreement with the float source, 256 one-token steps"
-                                       if args.agreement else ""))
+          "count, MiB, first names" + (agree if args.agreement else ""))
     for name, n in notes.items():
         if "skipped" in n:
             print(f"  {name}: skipped: {n['skipped']}")
@@ -359,7 +376,8 @@ def main() -> None:
 
 
 def _agreement(names: list[str], files: dict, cache: Path, threads: int, notes: dict) -> None:
-    """notes[name]["agreement"]: "97.3%" (or why not) for each quantized file, against its float source."""
+    """notes[name]["agreement"]: "97.3% / 97.7%" (or why not) for each quantized file against its float source: its
+    weights as stored, then dequantized to float32 at load (what the file's rounding costs, whatever the kernels)."""
     references: dict[str, str | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -378,8 +396,9 @@ def _agreement(names: list[str], files: dict, cache: Path, threads: int, notes: 
             if ref is None:
                 notes[name]["agreement"] = f"no reference ({source.name} failed)"
                 continue
-            got = _dtorch("agree", files[name], threads, 1, ("--reference", ref))
-            notes[name]["agreement"] = f"{100 * got['agreement']:.1f}%" if got else "failed"
+            got = [_dtorch("agree", files[name], threads, 1, ("--reference", ref, *deq))
+                   for deq in ((), ("--dequantize",))]
+            notes[name]["agreement"] = " / ".join(f"{100 * g['agreement']:.1f}%" if g else "failed" for g in got)
 
 
 if __name__ == "__main__":
