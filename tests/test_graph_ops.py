@@ -85,6 +85,7 @@ def sharded(c: GraphCall) -> tuple[list, object] | None:
         "matmul.bmm": ([S(0), S(0)], S(0)),
         "llm.embedding": ([R, S(0)], P),  # vocabulary parallel: each device its rows, zeros elsewhere
         "llm.silu_and_mul": ([S(nd - 1)] * 2, S(nd - 1)),  # the two-input form splits the feature dim
+        "llm.gelu_tanh_and_mul": ([S(nd - 1)] * 2, S(nd - 1)),
         "llm.rope": ([S(2), R], S(2)),  # heads
         "llm.flash_attention": ([S(2)] * 3, S(2)),  # q heads and kv heads together
         "llm.flash_attention_varlen": ([S(1)] * 3 + [R, R], S(1)),
@@ -149,16 +150,17 @@ def test_every_registered_op_has_a_rule_a_binding_and_a_graph_test() -> None:
 
 # -- silu_and_mul, fused: [gate | up] ----------------------------------------------------------------
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
 @pytest.mark.parametrize("placement", [R, S(0), S(1, (6, 6)), S(1)], ids=str)
-def test_fused_silu_and_mul_keeps_gate_and_up_together(placement) -> None:
+def test_fused_silu_and_mul_keeps_gate_and_up_together(placement, op) -> None:
     # x [4, 2I] = [gate | up] with I = 6; a blocked split gives each device [gate_r | up_r]; a plain S(1) would
     # pair gate with gate, so the graph must gather it first rather than run it as it is
     x = torch.randn(4, 12)
     g = LogicalGraph(DeviceMesh.cpu(2))
-    y = g.call("llm.silu_and_mul", g.input("x", (4, 12), placement=placement))
+    y = g.call(f"llm.{op}", g.input("x", (4, 12), placement=placement))
     g.output("y", y)
     with Runner(g) as r:
-        torch.testing.assert_close(r.run({"x": x})["y"], ops.silu_and_mul(x), rtol=0, atol=0)
+        torch.testing.assert_close(r.run({"x": x})["y"], getattr(ops, op)(x), rtol=0, atol=0)
     want = {R: R, S(0): S(0), S(1): R}.get(placement, S(1))
     assert y.placement == want
 

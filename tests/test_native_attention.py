@@ -131,7 +131,7 @@ def test_attention_falls_back_where_the_native_kernel_does_not_go():
     bad = table.clone()
     bad[0, 0] = kc.shape[0]  # a block past the cache
     with pytest.raises(ArgumentError, match="block_table"):
-        nk.load().paged_attention(q, kc, vc, cu, lens, bad, torch.empty_like(q), True, 0.125)
+        nk.load().paged_attention(q, kc, vc, cu, lens, bad, torch.empty_like(q), True, 0.125, 0)
 
 
 # -- reshape_and_cache -----------------------------------------------------------------------------------------

@@ -150,3 +150,22 @@ def test_cache_write_declares_capture_safe_in_place_for_cuda():
     (entry,) = [e for e in KERNELS.entries if e.op == "llm.reshape_and_cache"]
     assert entry.provider == "triton" and entry.devices == ("cuda",)
     assert entry.meta.capture_safe and entry.meta.inplace
+
+
+@pytest.mark.parametrize(("queries", "keys", "block_size", "window"), [
+    ([1, 3], [9, 5], 4, 1),  # a window of one key
+    ([1, 4], [37, 20], 16, 5),  # shorter than a block: decode and chunked prefill rows
+    ([6, 1], [30, 23], 4, 11),  # spanning several blocks
+], ids=["window_1", "inside_a_block", "over_blocks"])
+def test_sliding_window_matches_reference(queries, keys, block_size, window):
+    """Keys older than the window are masked; blocks every row's window has left point at a NaN block (freed), and
+    stay unread."""
+    q, kc, vc, cu_q, lens, table = _inputs(queries, keys, block_size=block_size, seed=5)
+    for s, (nq, n) in enumerate(zip(queries, keys, strict=True)):
+        table[s, :max(0, n - nq - window + 1) // block_size] = kc.shape[0] - 1  # an unowned block: NaN
+    ctx = KernelContext(Device("cpu"), None, None, KernelParams(causal=True, scale=q.shape[-1] ** -0.5, window=window))
+    got, want = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    flash_attention_with_kvcache_triton(ctx, (q, kc, vc, cu_q, lens, table), (got,))
+    flash_attention_with_kvcache_reference(ctx, (q, kc, vc, cu_q, lens, table), (want,))
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])

@@ -68,13 +68,18 @@ CASES = {
                             lambda dt: tuple(torch.randn(2, T, 2 * 1100, dtype=dt).chunk(2, -1)), {}, None),
     "silu_and_mul_fused": ("llm.silu_and_mul", tk.silu_and_mul, torch_llm.silu_and_mul_reference,
                            lambda dt: (torch.randn(T, 2 * 40, dtype=dt) * 3, None), {}, None),
+    "gelu_tanh_and_mul": ("llm.gelu_tanh_and_mul", tk.gelu_tanh_and_mul, torch_llm.gelu_tanh_and_mul_reference,
+                          lambda dt: (torch.randn(T, 40, dtype=dt) * 3, torch.randn(T, 40, dtype=dt)), {}, None),
+    "gelu_tanh_and_mul_fused": ("llm.gelu_tanh_and_mul", tk.gelu_tanh_and_mul,
+                                torch_llm.gelu_tanh_and_mul_reference,
+                                lambda dt: (torch.randn(T, 2 * 40, dtype=dt) * 3, None), {}, None),
 }
 
 
 def _outputs(op: str, inputs) -> tuple[torch.Tensor, ...]:
     if op == "llm.add_rms_norm":
         return torch.empty_like(inputs[0]), torch.empty_like(inputs[0])
-    if op == "llm.silu_and_mul" and inputs[1] is None:
+    if op in ("llm.silu_and_mul", "llm.gelu_tanh_and_mul") and inputs[1] is None:
         return (torch.empty_like(inputs[0][..., : inputs[0].shape[-1] // 2]),)
     return (torch.empty_like(inputs[0]),)
 
@@ -95,7 +100,8 @@ RUNS = [(case, inplace) for case in CASES for inplace in (False, True) if not in
 @pytest.mark.parametrize(("case", "inplace"), RUNS, ids=[f"{c}-{'inplace' if i else 'out'}" for c, i in RUNS])
 def test_kernel_matches_reference(case, dtype, inplace, monkeypatch):
     op, kernel, reference, make, params, aliases = CASES[case]
-    for name in ("rms_norm_reference", "add_rms_norm_reference", "rope_reference", "silu_and_mul_reference"):
+    for name in ("rms_norm_reference", "add_rms_norm_reference", "rope_reference", "silu_and_mul_reference",
+                 "gelu_tanh_and_mul_reference"):
         monkeypatch.setattr(torch_llm, name, _no_fallback)  # `reference` is bound already; the kernel must not
     inputs = make(dtype)
     ctx = _ctx(**params)
@@ -120,7 +126,8 @@ def test_rope_positions_form_falls_back_to_the_reference():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("op", ["llm.rms_norm", "llm.add_rms_norm", "llm.rope", "llm.silu_and_mul"])
+@pytest.mark.parametrize("op", ["llm.rms_norm", "llm.add_rms_norm", "llm.rope", "llm.silu_and_mul",
+                                "llm.gelu_tanh_and_mul"])
 def test_kernels_are_declared_for_cuda(op):
     entries = [e for e in KERNELS.entries if e.op == op and e.provider == "triton"]
     assert len(entries) == 1, entries
@@ -128,7 +135,7 @@ def test_kernels_are_declared_for_cuda(op):
     assert e.devices == ("cuda",) and set(e.dtypes) == set(FLOATS)
     meta = e.meta or torch_llm.INPLACE.__class__()
     assert meta.capture_safe
-    assert meta.inplace == (op != "llm.silu_and_mul")  # as the torch backend's kernels for the op
+    assert meta.inplace == (op not in ("llm.silu_and_mul", "llm.gelu_tanh_and_mul"))  # as the torch kernels
 
 
 def test_unavailable_says_why():

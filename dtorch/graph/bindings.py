@@ -33,9 +33,10 @@ from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.graph.operand import Operand
 
 # the wrappers' modules (``dtorch.ops.rope`` etc. are shadowed by functions of those names in ``dtorch.ops``)
-_attention, _binary, _conv1d, _conv, _creation, _gdn, _llm, _moe, _reduce, _rope, _unary = (
+_attention, _binary, _conv1d, _conv, _creation, _gdn, _kv, _llm, _moe, _reduce, _rope, _unary = (
     importlib.import_module(f"dtorch.ops.{m}") for m in ("attention", "binary", "causal_conv1d", "conv", "creation",
-                                                         "gated_delta_net", "llm", "moe", "reduce", "rope", "unary"))
+                                                         "gated_delta_net", "kv_cache", "llm", "moe", "reduce", "rope",
+                                                         "unary"))
 
 Infer = Callable[[Sequence["torch.Tensor | None"]], "torch.Tensor | tuple[torch.Tensor, ...]"]
 Args = dict[str, Any]  # the wrapper's arguments by name, defaults applied; Operands where it takes tensors
@@ -132,6 +133,10 @@ def _dense(op: str, a: Args) -> KernelParams:
     return _attention.dense_params(a["q"].shape[-1], a["causal"], a["scale"], op)
 
 
+def _kvcache(op: str, a: Args) -> KernelParams:
+    return _kv.kvcache_params(a["q"].shape[-1], a["causal"], a["scale"], a["window"])
+
+
 def _varlen(op: str, a: Args) -> KernelParams:
     return _attention.varlen_params(a["q"].shape[-1], a["max_seqlen_q"], a["max_seqlen_k"], a["causal"], a["scale"])
 
@@ -175,6 +180,7 @@ SPECS: dict[str, Spec] = {
                              inplace=(("residual_out", 1, "residual"),)),
     "llm.softmax_last_dim": Spec(("x",), inplace=(("out", 0, "x"),)),
     "llm.silu_and_mul": Spec(("x", "up")),  # up None: the kernel splits the fused x [..., 2I] itself
+    "llm.gelu_tanh_and_mul": Spec(("x", "up")),  # as silu_and_mul
     "llm.rope": Spec(("x", "positions"), _rope_params, inplace=(("out", 0, "x"),),
                      meta_args=lambda a: a | {"inv_freq": None}),  # inv_freq: checked by _rope_params
     "llm.rope_cached": Spec(("x", "cos", "sin"), _rope_cached_params, inplace=(("out", 0, "x"),),
@@ -184,7 +190,7 @@ SPECS: dict[str, Spec] = {
     "llm.reshape_and_cache": Spec(("key", "value", "key_cache", "value_cache", "slot_mapping"), outputs=lambda a: 2,
                                   result=lambda r, a: tuple(r), always_inplace=(2, 3)),
     "llm.flash_attention_with_kvcache": Spec(("q", "key_cache", "value_cache", "cu_seqlens_q", "seqlens_k",
-                                              "block_table"), _dense),
+                                              "block_table"), _kvcache),
     "llm.gated_delta_net": Spec(("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "state_indices"),
                                 _gdn_params,
                                 lambda a: 2 if a["output_final_state"] else 1, _pair,

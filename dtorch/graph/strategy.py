@@ -318,7 +318,8 @@ _FAMILY_RULES: dict[str, Rule] = {"unary": _unary, "binary": _binary, "reduce": 
 RULES: dict[str, Rule] = {
     "matmul.mm": _mm, "matmul.bmm": _bmm, "matmul.linear": _linear,
     "llm.rms_norm": _last_dim_whole, "llm.add_rms_norm": _last_dim_whole, "llm.softmax_last_dim": _last_dim_whole,
-    "llm.silu_and_mul": _silu_and_mul, "llm.rope": _rope, "llm.embedding": _embedding,
+    "llm.silu_and_mul": _silu_and_mul, "llm.gelu_tanh_and_mul": _silu_and_mul, "llm.rope": _rope,
+    "llm.embedding": _embedding,
     "llm.flash_attention": _attention, "llm.flash_attention_varlen": _attention,
     "llm.reshape_and_cache": _kv_cache, "llm.flash_attention_with_kvcache": _kv_cache,
     "llm.gated_delta_net": _gated_delta_net,

@@ -6,20 +6,28 @@ each new token's flat row (block * block_size + offset; negative: padding, skipp
 queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q [total_q, H, D], ``seqlens_k[i]`` keys in the cache
 (its new tokens included), held in blocks ``block_table[i, :ceil(seqlens_k[i] / block_size)]``.
 Causal masking is bottom-right, as flash-attn's: query j of a sequence with Tq queries and S keys sees
-keys up to j + S - Tq. Values are checked on CPU only (``_checks.host_readable``); device values are trusted,
-validated where they are made (the step's slot mapping and block table, built on the host).
+keys up to j + S - Tq. A sliding ``window`` W (None: no window) hides keys older than the window: that query sees
+only keys above j + S - Tq - W, i.e. its own position and the W - 1 before it (transformers' and llama.cpp's
+sliding window). Blocks that lie wholly before every query's window are never read, so the engine may free them
+(their block-table entries may then name any block). Values are checked on CPU only (``_checks.host_readable``);
+device values are trusted, validated where they are made (the step's slot mapping and block table, built on the
+host).
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
 from dtorch.core.errors import ArgumentError, ShapeError
+from dtorch.dispatch.context import KernelParams
+from dtorch.kernels.torch.kv_cache import first_key
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
-from dtorch.ops.attention import _flag, _params, _scale
+from dtorch.ops.attention import _flag, _scale
 from dtorch.ops.context import RuntimeContext
 
 CACHE = "llm.reshape_and_cache"
@@ -80,7 +88,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 
 def _check_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     seqlens_k: torch.Tensor, block_table: torch.Tensor, ctx: RuntimeContext | None) -> Device:
+                     seqlens_k: torch.Tensor, block_table: torch.Tensor, ctx: RuntimeContext | None,
+                     window: int = 0) -> Device:
     op = ATTN
     _check_cache(op, key_cache, value_cache)
     named = {"q": q, "key_cache": key_cache, "value_cache": value_cache, "cu_seqlens_q": cu_seqlens_q,
@@ -103,12 +112,23 @@ def _check_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         raise ShapeError(f"{op}: need seqlens_k [N], cu_seqlens_q [N + 1] and block_table [N, max_blocks]; got "
                          f"{tuple(seqlens_k.shape)}, {tuple(cu_seqlens_q.shape)} and {tuple(block_table.shape)}")
     if _checks.host_readable(cu_seqlens_q):
-        _check_values(cu_seqlens_q, seqlens_k, block_table, q.shape[0], key_cache.shape[0], key_cache.shape[1])
+        _check_values(cu_seqlens_q, seqlens_k, block_table, q.shape[0], key_cache.shape[0], key_cache.shape[1],
+                      window)
     return device
 
 
+def window_param(window: object, op: str = ATTN) -> int:
+    """A sliding window as the kernels take it: an int >= 1, or 0 for none (``window`` None)."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ArgumentError(f"{op}: 'window' must be None (no sliding window) or an int >= 1 (keys a query sees, "
+                            f"itself included), got {window!r}")
+    return window
+
+
 def _check_values(cu_q: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, total_q: int, blocks: int,
-                  block_size: int) -> None:
+                  block_size: int, window: int) -> None:
     op = ATTN
     bq = cu_q.tolist()
     if bq[0] != 0 or bq[-1] != total_q or any(b > a for a, b in zip(bq[1:], bq[:-1], strict=True)):
@@ -120,18 +140,31 @@ def _check_values(cu_q: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, t
         if used > table.shape[1]:
             raise ArgumentError(f"{op}: sequence {i} has {n} keys, more than its {table.shape[1]} blocks of "
                                 f"{block_size} hold")
-        ids = table[i, :used].tolist()
+        # blocks wholly before the window are never read (the engine may have freed them)
+        ids = table[i, first_key(n, bq[i + 1] - bq[i], window) // block_size:used].tolist()
         if ids and (min(ids) < 0 or max(ids) >= blocks):
             raise ArgumentError(f"{op}: block_table row {i} names block(s) {ids}, outside 0..{blocks - 1}")
 
 
+def kvcache_params(head_dim: int, causal: object = True, scale: object = None, window: object = None) -> KernelParams:
+    """The owned params of a ``flash_attention_with_kvcache`` call: causal, scale (default 1 / sqrt(head_dim)) and
+    window (0: none)."""
+    return _kv_params(_flag(ATTN, "causal", causal), _scale(ATTN, scale, head_dim), window_param(window))
+
+
+@lru_cache(maxsize=256)
+def _kv_params(causal: bool, scale: float, window: int) -> KernelParams:
+    return KernelParams(causal=causal, scale=scale, window=window)
+
+
 def flash_attention_with_kvcache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                  cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_table: torch.Tensor,
-                                 causal: bool = True, scale: float | None = None, *, out: torch.Tensor | None = None,
-                                 ctx: RuntimeContext | None = None) -> torch.Tensor:
-    """Attention of q [total_q, H, D] over each sequence's cached keys/values (read in place); -> [total_q, H, D]."""
-    device = _check_attention(q, key_cache, value_cache, cu_seqlens_q, seqlens_k, block_table, ctx)
-    params = _params(_flag(ATTN, "causal", causal), _scale(ATTN, scale, q.shape[-1]))
+                                 causal: bool = True, scale: float | None = None, window: int | None = None, *,
+                                 out: torch.Tensor | None = None, ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """Attention of q [total_q, H, D] over each sequence's cached keys/values (read in place); -> [total_q, H, D].
+    ``window``: each query sees only the ``window`` keys up to its own position (None: every earlier key)."""
+    params = kvcache_params(q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else 1, causal, scale, window)
+    device = _check_attention(q, key_cache, value_cache, cu_seqlens_q, seqlens_k, block_table, ctx, params.window)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:

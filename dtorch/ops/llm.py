@@ -1,5 +1,5 @@
 """LLM op wrappers and their prepared operators: embedding, rms_norm (+ fused residual add), rope,
-softmax_last_dim and silu_and_mul (rope itself lives in ``dtorch.ops.rope``, re-exported here).
+softmax_last_dim, silu_and_mul and gelu_tanh_and_mul (rope itself lives in ``dtorch.ops.rope``, re-exported here).
 Attention lives in ``dtorch.ops.attention``.
 
 Each op has a functional form (allocates) and an ``*_out`` form (``out=`` caller-allocated,
@@ -286,9 +286,8 @@ def softmax_last_dim_out(x: torch.Tensor, *, out: torch.Tensor, ctx: RuntimeCont
     return out
 
 
-def _split_gate_up(x: torch.Tensor, up: torch.Tensor | None,
-                   ctx: RuntimeContext | None) -> tuple[Device, torch.Tensor, torch.Tensor]:
-    op = "llm.silu_and_mul"
+def _split_gate_up(x: torch.Tensor, up: torch.Tensor | None, ctx: RuntimeContext | None,
+                   op: str = "llm.silu_and_mul") -> tuple[Device, torch.Tensor, torch.Tensor]:
     device = _check_float(op, x, ctx)
     if up is None:
         if x.shape[-1] % 2:
@@ -322,6 +321,30 @@ def silu_and_mul_out(x: torch.Tensor, up: torch.Tensor | None = None, *, out: to
     return out
 
 
+GELU_TANH = "llm.gelu_tanh_and_mul"
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """GeGLU activation (Gemma's MLP): x [..., 2I] -> gelu_tanh(x[..., :I]) * x[..., I:] [..., I], where gelu_tanh is
+    GELU with the tanh approximation (``F.gelu(approximate="tanh")``), rounded to x's dtype before the product.
+
+    Two-input form: ``gelu_tanh_and_mul(gate, up)`` with gate and up both [..., I].
+    """
+    device, gate, up = _split_gate_up(x, up, None, GELU_TANH)
+    out = torch.empty(gate.shape, dtype=x.dtype, device=x.device)
+    run(GELU_TANH, device, x.dtype, (gate, up), (out,))
+    return out
+
+
+def gelu_tanh_and_mul_out(x: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor,
+                          ctx: RuntimeContext | None = None) -> torch.Tensor:
+    """``gelu_tanh_and_mul`` into ``out`` [..., I]."""
+    device, gate, up = _split_gate_up(x, up, ctx, GELU_TANH)
+    _checks.out(GELU_TANH, out, gate.shape, x.dtype, x.device)
+    _run(GELU_TANH, device, x.dtype, (gate, up), (out,), NO_PARAMS, ctx)
+    return out
+
+
 class SiluAndMul(_PreparedLLM):
     """Prepared ``llm.silu_and_mul``: ``forward(x)`` with x [..., 2I], or ``forward(gate, up)``."""
 
@@ -330,7 +353,7 @@ class SiluAndMul(_PreparedLLM):
     def _validate(self, x: torch.Tensor, up: torch.Tensor | None, out: torch.Tensor,
                   ctx: RuntimeContext | None) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_like("x", x)
-        _, gate, up = _split_gate_up(x, up, ctx)
+        _, gate, up = _split_gate_up(x, up, ctx, self.op)
         _checks.out(self.op, out, gate.shape, x.dtype, x.device)
         return gate, up
 
@@ -350,8 +373,14 @@ class SiluAndMul(_PreparedLLM):
 
     def forward(self, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         self._check_like("x", x)
-        _, gate, _ = _split_gate_up(x, up, None)
+        _, gate, _ = _split_gate_up(x, up, None, self.op)
         return self.forward_out(x, up, out=torch.empty(gate.shape, dtype=x.dtype, device=x.device))
+
+
+class GeluTanhAndMul(SiluAndMul):
+    """Prepared ``llm.gelu_tanh_and_mul`` (GeGLU): ``forward(x)`` with x [..., 2I], or ``forward(gate, up)``."""
+
+    op = GELU_TANH
 
 
 class Embedding(PreparedOperator):
@@ -376,7 +405,8 @@ class Embedding(PreparedOperator):
 
 
 __all__ = [
-    "AddRMSNorm", "Embedding", "RMSNorm", "RoPE", "RoPETables", "SiluAndMul", "add_rms_norm", "add_rms_norm_out",
-    "embedding", "embedding_out", "rms_norm", "rms_norm_out", "rope", "rope_cached", "rope_inv_freq", "rope_out",
-    "silu_and_mul", "silu_and_mul_out", "softmax_last_dim", "softmax_last_dim_out",
+    "AddRMSNorm", "Embedding", "GeluTanhAndMul", "RMSNorm", "RoPE", "RoPETables", "SiluAndMul", "add_rms_norm",
+    "add_rms_norm_out", "embedding", "embedding_out", "gelu_tanh_and_mul", "gelu_tanh_and_mul_out", "rms_norm",
+    "rms_norm_out", "rope", "rope_cached", "rope_inv_freq", "rope_out", "silu_and_mul", "silu_and_mul_out",
+    "softmax_last_dim", "softmax_last_dim_out",
 ]

@@ -21,6 +21,7 @@ from dtorch.kernels.native.loader import (
 )
 from dtorch.kernels.native.ops import (
     add_rms_norm as add_rms_norm,
+    gelu_tanh_and_mul as gelu_tanh_and_mul,
     gemv as gemv,
     qlinear as qlinear,
     rms_norm as rms_norm,

@@ -283,7 +283,7 @@ def add_rms_norm(ctx, inputs, outputs):
         torch_llm.add_rms_norm_torch(ctx, inputs, outputs)
 
 
-# -- llm.silu_and_mul ------------------------------------------------------------------------------------------
+# -- llm.silu_and_mul, llm.gelu_tanh_and_mul ---------------------------------------------------------------------
 # (gate, up) -> (out,), or (x [..., 2I], None) fused; gate/up may be row-strided views (a gate_up output's halves).
 
 @KERNELS.kernel("llm.silu_and_mul", ACTIVATIONS, **NATIVE)
@@ -292,6 +292,15 @@ def silu_and_mul(ctx, inputs, outputs):
         _lib().silu_and_mul(inputs[0], inputs[1], outputs[0])
     except DtorchError:
         torch_llm.silu_and_mul_torch(ctx, inputs, outputs)
+
+
+@KERNELS.kernel("llm.gelu_tanh_and_mul", ACTIVATIONS, **NATIVE,
+                 varies="exp by a degree-6 polynomial (< 2 ulp); gelu_tanh(x) as x / (1 + exp(-2u))")
+def gelu_tanh_and_mul(ctx, inputs, outputs):
+    try:
+        _lib().gelu_tanh_and_mul(inputs[0], inputs[1], outputs[0])
+    except DtorchError:
+        torch_llm.gelu_tanh_and_mul_reference(ctx, inputs, outputs)
 
 
 # -- llm.rope (the table form that rope_cached runs) -------------------------------------------------------------
@@ -327,7 +336,8 @@ def reshape_and_cache(ctx, inputs, outputs):
 
 # -- llm.flash_attention_with_kvcache --------------------------------------------------------------------------
 # (q [T, H, D], k_cache, v_cache, cu_seqlens_q int32 [N + 1], seqlens_k int32 [N], block_table int32 [N, blocks])
-# -> (out [T, H, D],); params causal (bottom-right), scale. Items of (sequence, kv head, <= 16 query rows), keys in
+# -> (out [T, H, D],); params causal (bottom-right), scale, window (0: none; sliding: rows skip keys before their
+# window, and blocks before every row's window are never read). Items of (sequence, kv head, <= 16 query rows), keys in
 # chunks of 64 with an online softmax in float32 (csrc/attention.h). q/out may be token-strided views (a fused qkv
 # output's heads); head dims that are not a multiple of 16 up to 256 go to the torch backend's padded kernel.
 
@@ -338,7 +348,8 @@ def flash_attention_with_kvcache(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     p = ctx.params
     try:
-        _lib().paged_attention(q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal, p.scale)
+        _lib().paged_attention(q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal, p.scale,
+                               p.get("window", 0))
     except DtorchError:  # the padded torch kernel: it reads nothing on the host either
         torch_kv_cache.flash_attention_with_kvcache_padded(ctx, inputs, outputs)
 

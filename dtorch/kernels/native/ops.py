@@ -79,6 +79,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int 
     return out
 
 
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [..., I] = gelu_tanh(gate) * up; with up None, gate is the fused [..., 2I] (gate first, then up)."""
+    if out is None:
+        shape = gate.shape if up is not None else (*gate.shape[:-1], gate.shape[-1] // 2)
+        out = gate.new_empty(shape)
+    _lib().gelu_tanh_and_mul(gate, up, out)
+    return out
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """out [..., I] = silu(gate) * up; with up None, gate is the fused [..., 2I] (gate first, then up)."""

@@ -29,13 +29,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _visible(t: int, s: int, causal: bool, device: torch.device) -> torch.Tensor | None:
-    """Bool [T, S]: may query i see key j (bottom-right causal), or None when every key is visible."""
-    if not causal or t == 1 and s >= 1:
+def _visible(t: int, s: int, causal: bool, device: torch.device, window: int = 0) -> torch.Tensor | None:
+    """Bool [T, S]: may query i see key j (bottom-right causal: j <= i + S - T; a sliding ``window`` > 0 also hides
+    keys j <= i + S - T - window), or None when every key is visible."""
+    slides = window > 0 and s > window
+    if not slides and (not causal or t == 1 and s >= 1):
         return None
     i = torch.arange(t, device=device).unsqueeze(1)
     j = torch.arange(s, device=device).unsqueeze(0)
-    return j <= i + (s - t)
+    diag = i + (s - t)
+    seen = j <= diag if causal else torch.ones(t, s, dtype=torch.bool, device=device)
+    return seen & (j > diag - window) if slides else seen
 
 
 def _nonfinite(x: torch.Tensor) -> torch.Tensor:
@@ -49,13 +53,16 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _poison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def _poison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int = 0) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, 1] float32: NaN for each output row that reads a non-finite
     value (its q row, or the k/v row of a key it sees), else 0; add it to the output. Rows that see no key get 0."""
     b, t, h, _ = q.shape
     s, hkv = k.shape[1], k.shape[2]
     kv = _nonfinite(k) + _nonfinite(v)  # [B, S, Hkv]
-    if causal and not (t == 1 and s >= 1):
+    if window and s > window:  # a sliding window: each row's own keys (a prefix sum would carry NaNs it does not see)
+        seen = _visible(t, s, causal, q.device, window)
+        row = torch.where(seen[None, :, :, None], kv[:, None], 0.0).sum(2)  # [B, T, Hkv]
+    elif causal and not (t == 1 and s >= 1):
         last = torch.arange(t, device=q.device) + (s - t)  # the last key each query row sees (< 0: none)
         seen = kv.cumsum(1).index_select(1, last.clamp(min=0))  # [B, T, Hkv]: NaN once a NaN is in the prefix
         row = torch.where((last >= 0).view(1, t, 1), seen, 0.0)
@@ -65,14 +72,15 @@ def _poison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> 
 
 
 def attention_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                              scale: float) -> torch.Tensor:
-    """q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D] in the compute dtype (float32 or float64)."""
+                              scale: float, window: int = 0) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D] in the compute dtype (float32 or float64); ``window`` > 0:
+    a sliding window (see ``_visible``)."""
     cdt = _compute_dtype(q.dtype)
     b, t, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     if s == 0:
         return torch.zeros(b, t, h, v.shape[-1], dtype=cdt, device=q.device)
-    mask = _visible(t, s, causal, q.device)
+    mask = _visible(t, s, causal, q.device, window)
     kf, vf = (k, v) if mask is None else (_finite(k), _finite(v))  # a masked key's NaN must not leak (0 * NaN)
     qh = q.to(cdt).transpose(1, 2)  # [B, H, T, D]
     kh = kf.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)  # [B, H, S, D]
@@ -81,9 +89,9 @@ def attention_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vh).transpose(1, 2) + _poison(q, k, v, causal)  # [B, T, H, D]
-    if causal and t > s:  # rows with no visible key: softmax of all -inf is NaN; flash-attn gives 0
-        out[:, : t - s] = 0.0
+    out = torch.matmul(probs, vh).transpose(1, 2) + _poison(q, k, v, causal, window)  # [B, T, H, D]
+    if mask is not None:  # rows with no visible key: softmax of all -inf is NaN; flash-attn gives 0
+        out = out.masked_fill(~mask.any(-1)[None, :, None, None], 0.0)
     return out
 
 
@@ -136,12 +144,23 @@ def _sdpa_check(call: Call) -> str | None:
 
 
 def _sdpa_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool,
-               scale: float) -> None:
-    """q [B, T, H, D], k/v [B, S, Hkv, D] -> out [B, T, H, D], flash-attn semantics."""
+               scale: float, window: int = 0) -> None:
+    """q [B, T, H, D], k/v [B, S, Hkv, D] -> out [B, T, H, D], flash-attn semantics; ``window`` > 0: a sliding
+    window (see ``_visible``)."""
     b, t, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     if s == 0:
         out.zero_()
+        return
+    if window and t == 1 and s > window:  # decode: the window is the last keys
+        k, v, s = k[:, s - window:], v[:, s - window:], window
+    if window and s > window:
+        mask = _visible(t, s, causal, q.device, window)
+        poison = _poison(q, k, v, causal, window)
+        k, v = _finite(k), _finite(v)  # a hidden key must not leak its NaN or inf
+        out.copy_(_sdpa_dense(q, k, v, mask, False, scale))
+        out.add_(poison)
+        out.masked_fill_(~mask.any(-1)[None, :, None, None], 0.0)  # rows that see no key
         return
     if t == 1 and out.is_contiguous():  # decode: one query sees every key; GQA heads fold into the query axis
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k.transpose(1, 2), v.transpose(1, 2),

@@ -57,17 +57,26 @@ def reshape_and_cache_reference(ctx, inputs, outputs):
 # inputs: q [T, H, D], k/v cache [blocks, bs, Hkv, D], cu_seqlens_q int32 [N + 1], seqlens_k int32 [N], block_table
 # int32 [N, W]; outputs: out [T, H, D]; params causal (bottom-right), scale.
 
-def _sequences(cu_q: torch.Tensor, seqlens_k: torch.Tensor, block_table: torch.Tensor, block_size: int):
+def first_key(n: int, nq: int, window: int) -> int:
+    """The oldest key any of a sequence's ``nq`` queries sees among its ``n`` keys under sliding ``window`` (0: none):
+    the first query, at position n - nq, sees keys above n - nq - window."""
+    return max(0, n - nq - window + 1) if window else 0
+
+
+def _sequences(cu_q: torch.Tensor, seqlens_k: torch.Tensor, block_table: torch.Tensor, block_size: int,
+               window: int = 0):
     """(q0, q1, keys, blocks) of every sequence with at least one query (host reads of small int tensors;
-    only the blocks a sequence uses are read)."""
+    only the blocks a sequence uses are read). Under a sliding ``window``, blocks wholly before every query's window
+    are left out (keys and blocks then count from the first block kept: bottom-right masks do not change)."""
     bq, lens = cu_q.tolist(), seqlens_k.tolist()
     one = block_table.shape[1] == 1
     table = block_table.view(-1).tolist() if one else None
     for i in range(len(lens)):
         if bq[i + 1] > bq[i]:
             n = lens[i]
-            blocks = [table[i]] if one else block_table[i, :-(-n // block_size)].tolist()
-            yield bq[i], bq[i + 1], n, blocks
+            skip = first_key(n, bq[i + 1] - bq[i], window) // block_size
+            blocks = [table[i]] if one else block_table[i, skip:-(-n // block_size)].tolist()
+            yield bq[i], bq[i + 1], n - skip * block_size, blocks
 
 
 def _keys(cache: torch.Tensor, blocks: list[int], length: int) -> torch.Tensor:
@@ -82,9 +91,10 @@ def flash_attention_with_kvcache_reference(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     out = outputs[0]
     p = ctx.params
-    for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1]):
+    w = p.get("window", 0)
+    for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1], w):
         o = attention_dense_reference(q[None, q0:q1], _keys(kc, blocks, n)[None], _keys(vc, blocks, n)[None],
-                                      p.causal, p.scale)
+                                      p.causal, p.scale, w)
         out[q0:q1].copy_(o[0])
 
 
@@ -94,9 +104,10 @@ def flash_attention_with_kvcache_sdpa(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     out = outputs[0]
     p = ctx.params
-    for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1]):
+    w = p.get("window", 0)
+    for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1], w):
         _sdpa_into(q[None, q0:q1], _keys(kc, blocks, n)[None], _keys(vc, blocks, n)[None], out[None, q0:q1],
-                   p.causal, p.scale)
+                   p.causal, p.scale, w)
 
 
 # The "torch" kernel pads instead of walking the sequences, so nothing is read on the host: each sequence's whole
@@ -145,8 +156,12 @@ def flash_attention_with_kvcache_padded(ctx, inputs, outputs):
     klen = lens[seq]                                                      # [T]: keys it may see
     j = torch.arange(s, device=q.device)
     visible = j < klen[:, None]                                           # [T, S]
+    diag = qpos + klen - (cu[1:] - cu[:-1])[seq]                          # [T]: i + S_i - T_i
     if p.causal:
-        visible &= j <= (qpos + klen - (cu[1:] - cu[:-1])[seq])[:, None]  # bottom-right: j <= i + S_i - T_i
+        visible &= j <= diag[:, None]                                     # bottom-right
+    window = p.get("window", 0)
+    if window:                                                            # sliding: keys above diag - window
+        visible &= j > (diag - window)[:, None]
     per_token, per_seq = _padded_sizes(t, h, d, n, s, hkv)
     if per_token <= per_seq:
         rows = table.index_select(0, seq)                                 # [T, W]
@@ -166,7 +181,10 @@ def flash_attention_with_kvcache_padded(ctx, inputs, outputs):
     poison = (row + _nonfinite(q)).unsqueeze(-1)                          # [T, H, 1]
     # slots past a sequence's keys were never written: whatever they hold (huge finite values too, whose scores
     # overflow to inf and turn NaN under the mask's -inf) is zeroed, and the non-finite keys it sees become 0
-    written = (j < (lens if where is not None else klen)[:, None])[..., None, None]  # [T or N, S, 1, 1]
+    written = j < (lens if where is not None else klen)[:, None]           # [T or N, S]
+    if window:  # keys before the window may sit in freed blocks, reused by another sequence: never multiplied
+        written &= visible if where is None else j >= (lens - (cu[1:] - cu[:-1]) - window + 1)[:, None]
+    written = written[..., None, None]                                    # [T or N, S, 1, 1]
     kp = kp.nan_to_num_(0.0, 0.0, 0.0).masked_fill_(~written, 0.0)
     vp = vp.nan_to_num_(0.0, 0.0, 0.0).masked_fill_(~written, 0.0)
     o = _sdpa_dense(qp, kp, vp, mask, False, p.scale)                     # [T, 1, H, D] or [N, T, H, D]

@@ -1,5 +1,5 @@
 """LLM building blocks: ``llm.embedding``, ``llm.rms_norm``, ``llm.add_rms_norm``, ``llm.rope``,
-``llm.softmax_last_dim`` and ``llm.silu_and_mul``.
+``llm.softmax_last_dim``, ``llm.silu_and_mul`` and ``llm.gelu_tanh_and_mul``.
 
 Reference kernels are written from torch primitives and follow the Hugging Face Llama modules'
 numerics (statistics in float32 for low-precision inputs, then cast); where torch has a fused op
@@ -210,3 +210,13 @@ def silu_and_mul_reference(ctx, inputs, outputs):
 def silu_and_mul_torch(ctx, inputs, outputs):
     gate, up = _gate_up(inputs)
     torch.mul(F.silu(gate), up, out=outputs[0])
+
+
+# -- gelu_tanh_and_mul (GeGLU) -------------------------------------------------------------------
+# inputs and outputs as silu_and_mul; out = gelu_tanh(gate) * up, the gelu in the input dtype (F.gelu with
+# approximate="tanh", as Gemma's MLP computes it), then the product.
+
+@KERNELS.kernel("llm.gelu_tanh_and_mul", FLOATS)
+def gelu_tanh_and_mul_reference(ctx, inputs, outputs):
+    gate, up = _gate_up(inputs)
+    torch.mul(F.gelu(gate, approximate="tanh"), up, out=outputs[0])

@@ -4,7 +4,8 @@ Keys and values are read in place through the block table (no gather copy). One 
 head and a tile of BLOCK_M rows, where a row is a (query, query head) pair of the G = H / Hkv query heads that
 share the kv head: a decode step (one query per sequence) fills G rows of one tile and reads each key block once
 for the whole group. The program walks the sequence's keys BLOCK_N at a time (each key row's cache block looked
-up in the table) with an online softmax in float32; causal programs stop at the last key their rows see.
+up in the table) with an online softmax in float32; causal programs stop at the last key their rows see, and under a
+sliding window start at the first key of their first row's window.
 
 Contract as the torch reference (``dtorch/kernels/torch/kv_cache.py``): bottom-right causal; a row that sees no
 key is 0; a row that reads a NaN or an inf (its q row, or the k/v row of a key it sees) is NaN, while non-finite
@@ -30,8 +31,9 @@ BLOCK_N = 32  # key rows per step of the softmax loop (any cache block size: row
 def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, table_ptr,
                      stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_od, stride_table,
-                     qk_scale, head_dim,
-                     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                     qk_scale, head_dim, window,
+                     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+                     BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,11 +60,16 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, table_ptr
         top = tl.minimum(first + BLOCK_M - 1, tq * G - 1) // G  # the tile's last query
         hi = tl.minimum(hi, top + s_len - tq + 1)
 
+    lo = 0
+    if SLIDING:  # keys before the window of the tile's first query are never read (their blocks may be freed)
+        lo = tl.maximum(first // G + s_len - tq - window + 1, 0)
+        lo = tl.minimum(lo, hi)
+
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so a row that sees no key never makes inf - inf
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = table_ptr + seq.to(tl.int64) * stride_table
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < s_len
         block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -79,6 +86,8 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, table_ptr
         visible = n_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             visible = visible & (n[None, :] <= last[:, None])
+        if SLIDING:
+            visible = visible & (n[None, :] > last[:, None] - window)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 units
         s = tl.where(visible, s, float("-inf"))
         bad += tl.sum(tl.where(visible, kv_bad[None, :], 0.0), axis=1)
@@ -116,14 +125,16 @@ def flash_attention_with_kvcache_triton(ctx, inputs, outputs):
     if total_q == 0 or n == 0:
         return
     g = h // hkv
+    window = int(ctx.params.get("window", 0))
     block_m = 16 if total_q <= n else 64  # decode-shaped steps have at most G rows per sequence
     # A sequence has at most total_q queries; programs past its rows store nothing.
     grid = (n, hkv, triton.cdiv(total_q * g, block_m))
     _paged_attention[grid](
         q, kc, vc, out, cu_q, seqlens_k, block_table,
         *q.stride(), *kc.stride()[:3], *vc.stride()[:3], *out.stride(), block_table.stride(0),
-        ctx.params.scale * LOG2E, d,
-        G=g, BLOCK_SIZE=kc.shape[1], CAUSAL=bool(ctx.params.causal), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        ctx.params.scale * LOG2E, d, window,
+        G=g, BLOCK_SIZE=kc.shape[1], CAUSAL=bool(ctx.params.causal), SLIDING=window > 0, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
 

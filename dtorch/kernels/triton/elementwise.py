@@ -1,5 +1,6 @@
 """Triton row kernels: ``llm.rms_norm``, ``llm.add_rms_norm``, ``llm.rope`` (the table form ``rope_cached``
-runs) and ``llm.silu_and_mul``, with the semantics and rounding of the torch backend's reference kernels.
+runs), ``llm.silu_and_mul`` and ``llm.gelu_tanh_and_mul``, with the semantics and rounding of the torch backend's
+reference kernels.
 
 Each program handles one row of the last dim and computes in float32 (rounding where the reference rounds), so
 an output may alias its input. Tensors are seen as rows ``[M, D]`` or ``[M, H, D]`` with any row strides (q/k
@@ -158,9 +159,9 @@ def rope(ctx, inputs, outputs):
         torch_llm.rope_reference(ctx, inputs, outputs)
 
 
-# -- silu_and_mul --------------------------------------------------------------------------------
+# -- silu_and_mul, gelu_tanh_and_mul ---------------------------------------------------------------
 # inputs: gate [..., I], up [..., I] (row-strided views allowed), or x [..., 2I], None (the fused form);
-# outputs: out [..., I] = silu(gate) * up; silu rounded to the input dtype before the product, as F.silu.
+# outputs: out [..., I] = act(gate) * up; act rounded to the input dtype before the product, as F.silu / F.gelu.
 
 @triton.jit
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, N, sg_m, su_m, so_m, BLOCK: tl.constexpr):
@@ -173,17 +174,40 @@ def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, N, sg_m, su_m, so_m, BLOCK: 
     tl.store(out_ptr + m * so_m + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@KERNELS.kernel("llm.silu_and_mul", FLOATS, **TRITON)
-def silu_and_mul(ctx, inputs, outputs):
+@triton.jit
+def _gelu_tanh_and_mul_kernel(gate_ptr, up_ptr, out_ptr, N, sg_m, su_m, so_m, BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(gate_ptr + m * sg_m + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + m * su_m + cols, mask=mask, other=0.0).to(tl.float32)
+    t = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 sqrt(2/pi) (x + 0.044715 x^3)
+    gelu = (g / (1.0 + tl.exp(-t))).to(gate_ptr.dtype.element_ty).to(tl.float32)  # 0.5 x (1 + tanh(t / 2))
+    tl.store(out_ptr + m * so_m + cols, (gelu * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _glu(kernel, reference, ctx, inputs, outputs) -> None:
+    """A gated activation's launch: one program per row and block of columns; layouts it cannot view as rows go to
+    the torch ``reference``."""
     gate, up = inputs
     if up is None:  # the fused x [..., 2I]: its two halves
         gate, up = gate.chunk(2, dim=-1)
     gv, uv, ov = _rows2(gate), _rows2(up), _rows2(outputs[0])
     if gv is None or uv is None or ov is None or not gv.shape == uv.shape == ov.shape:
-        torch_llm.silu_and_mul_reference(ctx, inputs, outputs)
+        reference(ctx, inputs, outputs)
         return
     M, N = gv.shape
     if M and N:
         grid = (M, triton.cdiv(N, _SILU_BLOCK))
-        _silu_and_mul_kernel[grid](gv, uv, ov, N, gv.stride(0), uv.stride(0), ov.stride(0),
-                                   BLOCK=min(_SILU_BLOCK, triton.next_power_of_2(N)))
+        kernel[grid](gv, uv, ov, N, gv.stride(0), uv.stride(0), ov.stride(0),
+                     BLOCK=min(_SILU_BLOCK, triton.next_power_of_2(N)))
+
+
+@KERNELS.kernel("llm.silu_and_mul", FLOATS, **TRITON)
+def silu_and_mul(ctx, inputs, outputs):
+    _glu(_silu_and_mul_kernel, torch_llm.silu_and_mul_reference, ctx, inputs, outputs)
+
+
+@KERNELS.kernel("llm.gelu_tanh_and_mul", FLOATS, **TRITON)
+def gelu_tanh_and_mul(ctx, inputs, outputs):
+    _glu(_gelu_tanh_and_mul_kernel, torch_llm.gelu_tanh_and_mul_reference, ctx, inputs, outputs)

@@ -95,7 +95,7 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   const float scale = c.scale;
   const T* qp[kRows];
   T* op[kRows];
-  int64_t lim[kRows], kmax = 0;
+  int64_t lim[kRows], lo[kRows], kmax = 0, kmin = INT64_MAX;  // row r sees keys [lo[r], lim[r])
   float m[kRows], l[kRows];
   bool bad[kRows];  // a non-finite score seen: q or a visible key holds a NaN or an inf
   alignas(64) float acc[kRows][D];
@@ -105,27 +105,35 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
     op[r] = static_cast<T*>(c.out) + (q0 + i) * c.o_tok + hq * c.o_head;
     const int64_t seen = c.causal ? n - nq + i + 1 : n;  // keys [0, seen) visible
     lim[r] = seen < 0 ? 0 : (seen > n ? n : seen);
+    const int64_t first = c.window > 0 ? n - nq + i - c.window + 1 : 0;  // sliding: the window's oldest key
+    lo[r] = first < 0 ? 0 : first;
+    if (lo[r] > lim[r]) lo[r] = lim[r];
     kmax = lim[r] > kmax ? lim[r] : kmax;
+    kmin = lo[r] < kmin ? lo[r] : kmin;
     m[r] = -INFINITY;
     l[r] = 0.f;
     bad[r] = false;
     for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, v16_zero());
   }
-  const T* kp[kChunk];
-  const T* vp[kChunk];
+  const T* kpc[kChunk];
+  const T* vpc[kChunk];
   alignas(64) float p[kChunk];
-  for (int64_t j0 = 0; j0 < kmax; j0 += kChunk) {
+  if (kmin > kmax) kmin = kmax;
+  for (int64_t j0 = kmin; j0 < kmax; j0 += kChunk) {
     const int64_t cn = kmax - j0 < kChunk ? kmax - j0 : kChunk;
     int64_t b = j0 / bs, off = j0 % bs;  // this chunk's key rows through the block table (no division per key)
     for (int64_t jj = 0; jj < cn; ++jj) {
       const int64_t slot = int64_t(blocks[b]) * bs + off;
-      kp[jj] = kc + slot * row;
-      vp[jj] = vc + slot * row;
+      kpc[jj] = kc + slot * row;
+      vpc[jj] = vc + slot * row;
       if (++off == bs) off = 0, ++b;
     }
     for (int r = 0; r < nr; ++r) {
-      const int64_t cr = lim[r] - j0 < cn ? lim[r] - j0 : cn;
+      const int64_t s0 = lo[r] > j0 ? lo[r] - j0 : 0;  // this row's keys of the chunk: [s0, cr)
+      const int64_t cr = (lim[r] - j0 < cn ? lim[r] - j0 : cn) - s0;
       if (cr <= 0) continue;
+      const T* const* kp = kpc + s0;
+      const T* const* vp = vpc + s0;
       V16 qv[NV];
       for (int v = 0; v < NV; ++v) qv[v] = v16_load(qp[r] + 16 * v);
       int64_t jj = 0;

@@ -407,32 +407,52 @@ ENTRY(py_rope)
   Py_RETURN_NONE;
 EXIT
 
-// silu_and_mul(gate, up | None, out): gate [..., 2I] fused (up None) or gate and up [..., I] (row-strided views,
-// e.g. the halves of a gate_up output); out [..., I] contiguous
-ENTRY(py_silu_and_mul)
-  need_args(nargs, 3, "silu_and_mul");
-  const at::Tensor& g = any_tensor(args[0], "silu_and_mul", "gate");
+using GluFn = void (*)(const void*, const void*, int64_t, int64_t, void*, int, int64_t, int64_t, int64_t);
+
+const dtn::GluTable* glu_table() {  // the GluTable of the ISA g_table belongs to
+  const std::string name = g_table->name;
+#if defined(__x86_64__)
+  if (name == "avx512") return dtn::glu_table_avx512();
+  if (name == "avx2") return dtn::glu_table_avx2();
+#endif
+  return dtn::glu_table_portable();
+}
+
+// a gated activation op(gate, up | None, out): gate [..., 2I] fused (up None) or gate and up [..., I] (row-strided
+// views, e.g. the halves of a gate_up output); out [..., I] contiguous
+PyObject* glu(PyObject* const* args, Py_ssize_t nargs, const char* op, GluFn fn) {
+  need_args(nargs, 3, op);
+  const at::Tensor& g = any_tensor(args[0], op, "gate");
   const bool fused = args[1] == Py_None;
-  const at::Tensor& u = fused ? g : any_tensor(args[1], "silu_and_mul", "up");
-  const at::Tensor& out = tensor(args[2], "silu_and_mul", "out");
-  const int dt = float_dt(g, "silu_and_mul", "gate");
+  const at::Tensor& u = fused ? g : any_tensor(args[1], op, "up");
+  const at::Tensor& out = tensor(args[2], op, "out");
+  const int dt = float_dt(g, op, "gate");
   need(out.scalar_type() == g.scalar_type() && u.scalar_type() == g.scalar_type(), g_dtype_error,
-       std::string("silu_and_mul: up and out must have gate's dtype ") + dtype_name(g));
-  need(g.dim() >= 1 && out.dim() >= 1, g_shape_error, "silu_and_mul: gate and out must be [..., I]");
+       std::string(op) + ": up and out must have gate's dtype " + dtype_name(g));
+  need(g.dim() >= 1 && out.dim() >= 1, g_shape_error, std::string(op) + ": gate and out must be [..., I]");
   const int64_t I = out.size(-1), R = I ? out.numel() / I : 0;
   need(fused ? (g.size(-1) == 2 * I && g.numel() == 2 * R * I) : (g.sizes() == out.sizes() && u.sizes() == out.sizes()),
-       g_shape_error, std::string("silu_and_mul: ") + (fused ? "x must be [..., 2I] for out [..., I]" :
+       g_shape_error, std::string(op) + ": " + (fused ? "x must be [..., 2I] for out [..., I]" :
        "gate, up and out must have one shape") + "; got gate " + dims(g) + ", out " + dims(out));
-  const dtn::Table* tb = g_table;
   const int64_t esz = dt == dtn::F32 ? 4 : 2;
-  const int64_t ldg = row_stride(g, 1, "silu_and_mul", "gate"), ldu = fused ? ldg : row_stride(u, 1, "silu_and_mul", "up");
+  const int64_t ldg = row_stride(g, 1, op, "gate"), ldu = fused ? ldg : row_stride(u, 1, op, "up");
   const char* gp = static_cast<const char*>(g.data_ptr());
   const void* up = fused ? gp + I * esz : u.data_ptr();
-  void* op = out.data_ptr();
+  void* outp = out.data_ptr();
   Py_BEGIN_ALLOW_THREADS
-  parallel_rows(R, 8 * I, [&](int64_t r0, int64_t r1) { tb->silu_and_mul(gp, up, ldg, ldu, op, dt, r0, r1, I); });
+  parallel_rows(R, 8 * I, [&](int64_t r0, int64_t r1) { fn(gp, up, ldg, ldu, outp, dt, r0, r1, I); });
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
+}
+
+// silu_and_mul(gate, up | None, out): out = silu(gate) * up (see glu)
+ENTRY(py_silu_and_mul)
+  return glu(args, nargs, "silu_and_mul", g_table->silu_and_mul);
+EXIT
+
+// gelu_tanh_and_mul(gate, up | None, out): out = gelu_tanh(gate) * up (see glu)
+ENTRY(py_gelu_tanh_and_mul)
+  return glu(args, nargs, "gelu_tanh_and_mul", glu_table()->gelu_tanh_and_mul);
 EXIT
 
 // set_isa(name): "avx512" | "avx2" | "portable"; the CPU must support it
@@ -487,6 +507,8 @@ PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)())py_rms_norm, METH_FASTCALL, "(residual add and) RMSNorm into out"},
     {"rope", (PyCFunction)(void (*)())py_rope, METH_FASTCALL, "rotary embedding into out"},
     {"silu_and_mul", (PyCFunction)(void (*)())py_silu_and_mul, METH_FASTCALL, "silu(gate) * up into out"},
+    {"gelu_tanh_and_mul", (PyCFunction)(void (*)())py_gelu_tanh_and_mul, METH_FASTCALL,
+     "gelu_tanh(gate) * up into out"},
     {"set_isa", (PyCFunction)(void (*)())py_set_isa, METH_FASTCALL, "choose the kernel table"},
     {"isa", (PyCFunction)(void (*)())py_isa, METH_FASTCALL, "the kernel table in use"},
     {"cpu_supports", (PyCFunction)(void (*)())py_cpu_supports, METH_FASTCALL, "whether this CPU runs an ISA"},
@@ -549,11 +571,11 @@ int64_t token_stride(const at::Tensor& t, int64_t* head, const char* op, const c
 thread_local std::vector<dtn::AttnItem> t_items;
 
 // paged_attention(q [T, H, D], k_cache, v_cache [blocks, block_size, Hkv, D], cu_seqlens_q int32 [N + 1],
-// seqlens_k int32 [N], block_table int32 [N, max_blocks], out [T, H, D], causal bool, scale float); q and out
-// may be token/head-strided views (D dense); D a multiple of 16 up to 256
+// seqlens_k int32 [N], block_table int32 [N, max_blocks], out [T, H, D], causal bool, scale float, window int (0:
+// none)); q and out may be token/head-strided views (D dense); D a multiple of 16 up to 256
 ENTRY(py_paged_attention)
   const char* op = "paged_attention";
-  need_args(nargs, 9, op);
+  need_args(nargs, 10, op);
   const at::Tensor& q = any_tensor(args[0], op, "q");
   const at::Tensor& kc = tensor(args[1], op, "k_cache");
   const at::Tensor& vc = tensor(args[2], op, "v_cache");
@@ -564,6 +586,9 @@ ENTRY(py_paged_attention)
   const bool causal = PyObject_IsTrue(args[7]);
   const double scale = PyFloat_AsDouble(args[8]);
   if (scale == -1.0 && PyErr_Occurred()) throw Fail{};
+  const long long window = PyLong_AsLongLong(args[9]);
+  if (window == -1 && PyErr_Occurred()) throw Fail{};
+  NEED(window >= 0, g_arg_error, std::string(op) + ": window must be >= 0 (0: none), got " + std::to_string(window));
   const int dt = float_dt(q, op, "q");
   for (const at::Tensor* t : {&kc, &vc, &out})
     NEED(t->scalar_type() == q.scalar_type(), g_dtype_error, std::string(op) + ": caches and out must have q's "
@@ -596,7 +621,8 @@ ENTRY(py_paged_attention)
     NEED(nq >= 0 && n >= 0 && used <= mb, g_arg_error, std::string(op) + ": sequence " + std::to_string(s) +
          " has " + std::to_string(nq) + " queries and " + std::to_string(n) + " keys, more than its " +
          std::to_string(mb) + " blocks of " + std::to_string(bs) + " hold (or a negative count)");
-    for (int64_t b = 0; b < used; ++b)
+    const int64_t oldest = window > 0 ? std::max<int64_t>(0, n - nq - window + 1) : 0;  // blocks before: unread
+    for (int64_t b = oldest / bs; b < used; ++b)
       NEED(tp[s * mb + b] >= 0 && tp[s * mb + b] < nblocks, g_arg_error, std::string(op) + ": block_table[" +
            std::to_string(s) + ", " + std::to_string(b) + "] = " + std::to_string(tp[s * mb + b]) +
            " is outside 0.." + std::to_string(nblocks - 1));
@@ -604,10 +630,10 @@ ENTRY(py_paged_attention)
     for (int64_t h = 0; h < hkv; ++h)
       for (int64_t r0 = 0; r0 < rows; r0 += 16)
         items.push_back({int32_t(s), int32_t(h), int32_t(r0), int32_t(std::min<int64_t>(rows, r0 + 16))});
-    work += double(rows) * double(hkv) * double(n) * double(D);
+    work += double(rows) * double(hkv) * double(window > 0 ? std::min<int64_t>(n, window + nq) : n) * double(D);
   }
   const dtn::AttnCall c{q.data_ptr(), q_tok, q_head, kc.data_ptr(), vc.data_ptr(), bs, hkv, out.data_ptr(), o_tok,
-                        o_head, cp, lp, tp, mb, dt, D, G, float(scale), causal};
+                        o_head, cp, lp, tp, mb, dt, D, G, float(scale), causal, int64_t(window)};
   const dtn::AttnTable* at = attn_table();
   const dtn::AttnItem* ip = items.data();
   const int64_t ni = int64_t(items.size());

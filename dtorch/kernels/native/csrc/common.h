@@ -97,19 +97,35 @@ const Table* table_portable();
 
 }  // namespace dtn
 
+// -- gated activations besides silu_and_mul (elementwise.h), a table of their own ------------------------------
+namespace dtn {
+
+struct GluTable {
+  // rows [r0, r1): out[r, i] = gelu_tanh(gate[r, i]) * up[r, i], i < I; row strides ldg, ldu, I for out
+  void (*gelu_tanh_and_mul)(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
+                            int64_t r1, int64_t I);
+};
+
+const GluTable* glu_table_avx512();
+const GluTable* glu_table_avx2();
+const GluTable* glu_table_portable();
+
+}  // namespace dtn
+
 // -- paged KV-cache attention (attention.h) ------------------------------------------------------------------
 namespace dtn {
 
 // One llm.flash_attention_with_kvcache call. q and out [T, H, D] (dt) with element strides per token and per
 // head (D dense); caches [blocks, block_size, Hkv, D] contiguous. Sequence s has queries cu_q[s]..cu_q[s + 1],
 // n = seqlens_k[s] keys held in blocks table[s * ld_table + 0 .. ceil(n / block_size)); query head hq reads kv
-// head hq / G. Causal is bottom-right: query i of nq sees keys j < n - nq + i + 1.
+// head hq / G. Causal is bottom-right: query i of nq sees keys j < n - nq + i + 1; a sliding window (window > 0)
+// also hides keys j <= n - nq + i - window (blocks wholly before every row's window are never read).
 struct AttnCall {
   const void* q; int64_t q_tok, q_head;
   const void* k; const void* v; int64_t block_size, hkv;
   void* out; int64_t o_tok, o_head;
   const int32_t* cu_q; const int32_t* seqlens_k; const int32_t* table; int64_t ld_table;
-  int dt; int64_t D, G; float scale; bool causal;
+  int dt; int64_t D, G; float scale; bool causal; int64_t window;
 };
 
 // A unit of work: rows [r0, r1) of sequence seq and kv head head, row r = i * G + g being query i of the

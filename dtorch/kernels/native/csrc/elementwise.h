@@ -134,6 +134,36 @@ static void silu_and_mul_t(const T* gate, const T* up, int64_t ldg, int64_t ldu,
   }
 }
 
+// out = gelu_tanh(gate) * up (GeGLU, Gemma's MLP), gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)) with
+// u = sqrt(2 / pi) (x + 0.044715 x^3); bf16: the gelu rounded to bf16, then the product rounded (as F.gelu then mul)
+template <class T>
+static void gelu_tanh_and_mul_t(const T* gate, const T* up, int64_t ldg, int64_t ldu, T* out, int64_t r0, int64_t r1,
+                                int64_t I) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* g = gate + r * ldg;
+    const T* u = up + r * ldu;
+    T* o = out + r * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      const float x = ld(g, i);
+      const float t = 1.5957691216057308f * (x + 0.044715f * x * x * x);  // 2u
+      float ge = x / (1.f + exp_f32(-t));
+      if constexpr (sizeof(T) == 2) ge = bf16_to_f32(f32_to_bf16(ge));
+      st(o, i, ge * ld(u, i));
+    }
+  }
+}
+
+static void gelu_tanh_and_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt,
+                              int64_t r0, int64_t r1, int64_t I) {
+  if (dt == F32)
+    gelu_tanh_and_mul_t(static_cast<const float*>(gate), static_cast<const float*>(up), ldg, ldu,
+                        static_cast<float*>(out), r0, r1, I);
+  else
+    gelu_tanh_and_mul_t(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up), ldg, ldu,
+                        static_cast<uint16_t*>(out), r0, r1, I);
+}
+
 static void silu_and_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
                          int64_t r1, int64_t I) {
   if (dt == F32)

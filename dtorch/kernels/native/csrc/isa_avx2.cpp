@@ -44,3 +44,10 @@ const StateTable* state_table_avx2() {
   return &t;
 }
 }  // namespace dtn
+
+namespace dtn {
+const GluTable* glu_table_avx2() {
+  static const GluTable t{DTN_ISA::gelu_tanh_and_mul};
+  return &t;
+}
+}  // namespace dtn

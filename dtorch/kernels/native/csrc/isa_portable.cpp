@@ -43,3 +43,10 @@ const StateTable* state_table_portable() {
   return &t;
 }
 }  // namespace dtn
+
+namespace dtn {
+const GluTable* glu_table_portable() {
+  static const GluTable t{DTN_ISA::gelu_tanh_and_mul};
+  return &t;
+}
+}  // namespace dtn
