@@ -128,3 +128,53 @@ def test_a_tensor_read_leaves_no_pages_of_the_file_map_behind(tmp_path):
     _release(reader, [t])
     assert _mapped_kib(where) < 64  # the header's pages at most
     assert np.array_equal(t.data, copy)  # the map reads the file again where it is touched
+
+
+def test_building_and_running_a_model_graph_never_imports_sympy(tiny):
+    """Torch's meta ``empty_like`` imports its symbolic-shapes module and sympy (33 MiB of RSS); the graph's shape
+    inference makes contiguous outputs without it. Run in a fresh process: this one may have sympy already."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dtorch\nfrom dtorch.engine.llm import LLM\nfrom dtorch.engine.sampling import SamplingParams\n"
+            f"llm = LLM({tiny[1]!r}, threads=1)\n"
+            "out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids\n"
+            "print(len(out), 'sympy' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["3", "False"]
+
+
+def test_meta_inference_keeps_strides_where_the_op_asks_for_them():
+    """The graph's ``empty_like`` shortcut serves contiguous tensors only: a transposed meta input still gets torch's
+    own ``empty_like``, strides and all."""
+    from dtorch.graph.logical import _MetaEmptyLike
+
+    x = torch.empty(4, 6, device="meta").t()
+    with _MetaEmptyLike():
+        same, contig, half = torch.empty_like(x), torch.empty_like(x, memory_format=torch.contiguous_format), \
+            torch.empty_like(torch.empty(3, 5, device="meta"), dtype=torch.float16)
+    assert same.stride() == torch.empty_like(x).stride() == (1, 6)
+    assert contig.shape == (6, 4) and contig.stride() == (4, 1)
+    assert half.shape == (3, 5) and half.dtype == torch.float16 and half.device.type == "meta"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_large_buffer_freed_after_loading_leaves_the_process(tiny):
+    """After ``LLM(...)`` (which pins glibc's mmap threshold), a freed 8 MiB buffer is unmapped, not kept in the
+    heap: RSS falls back by about its size. (Where the C library is not glibc, the pin does nothing: skipped.)"""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's mallopt")
+    LLM(tiny[1], threads=1)
+
+    def rss_kib():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    for _ in range(3):  # a freed mapped buffer would otherwise raise the threshold to 8 MiB: the next one in the heap
+        buf = torch.ones(8 << 20, dtype=torch.uint8)
+        held = rss_kib()
+        del buf
+        assert held - rss_kib() > 6 * 1024

@@ -112,6 +112,25 @@ def adopt(t: torch.Tensor, kind: MemoryKind, device: Device | str | None = None)
     return memory.track(t, kind, as_device(device) if device is not None else as_device(t.device))
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 128 << 10  # glibc's own initial value
+
+
+def map_large_allocations() -> None:
+    """Pin glibc's mmap threshold at its initial 128 KiB, so every large buffer is its own mapping, unmapped when
+    freed. Left alone, glibc raises the threshold to the size of each mapped buffer freed (up to 32 MiB): after a
+    model load has freed its file reads and packing buffers, later buffers of that size come from the heap, whose
+    freed pages stay in the process's RSS. Pinned, the peak RSS of loading the default model is about 20 MiB lower.
+    Where the C library is not glibc, nothing happens."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def trim_heap() -> None:
     """Give the heap memory freed so far back to the system, where the C library can (glibc's ``malloc_trim``): a
     model load frees many buffers whose pages malloc would otherwise keep in the process's RSS."""

@@ -31,7 +31,7 @@ import torch
 from dtorch.core import env
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, ModelError
-from dtorch.core.memory import trim_heap
+from dtorch.core.memory import map_large_allocations, trim_heap
 from dtorch.engine.engine import Engine
 from dtorch.engine.request import CompletionOutput, Delta, Logprob, RequestOutput
 from dtorch.engine.sampling import SamplingParams
@@ -128,6 +128,7 @@ class LLM:
             torch.set_num_threads(threads)  # before the load: the streams take their share of these
         dtype = as_dtype(dtype)
         where: MeshSetup = setup_mesh(device, tensor_parallel_size)
+        map_large_allocations()  # the load's freed buffers then leave RSS instead of staying in the heap
         # reads names and shapes; then only this process's slices
         with open_checkpoint(model, dtype, check_finite=check_weights) as ckpt:
             self.source = ckpt.source

@@ -34,6 +34,24 @@ from dtorch.graph.views import split_placements, view_placement, view_shape
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
+class _MetaEmptyLike(torch.overrides.TorchFunctionMode):
+    """``torch.empty_like`` of a contiguous meta tensor as ``torch.empty`` of its shape, while inferring.
+
+    Torch's meta ``empty_like`` computes the output's strides through ``torch._refs``, which imports its symbolic
+    shapes module and sympy: 33 MiB of resident memory in every process that builds a graph, for strides that a
+    contiguous tensor already has.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty_like and len(args) == 1 and args[0].device.type == "meta":
+            x, fmt = args[0], kwargs.get("memory_format", torch.preserve_format)
+            rest = {k: v for k, v in kwargs.items() if k != "memory_format"}
+            if (fmt is torch.contiguous_format or x.is_contiguous()) and set(rest) <= {"dtype", "device"}:
+                return torch.empty(x.shape, dtype=rest.get("dtype") or x.dtype, device=rest.get("device") or x.device)
+        return func(*args, **kwargs)
+
+
 class LogicalGraph:
     """A graph of ``Operand`` s and ``Operator`` s over ``mesh``; build it, then run it with ``Runner``."""
 
@@ -353,7 +371,8 @@ class LogicalGraph:
 
     def _infer(self, name: str, infer: Callable, metas: list, nout: int = 1) -> Any:
         try:
-            out = infer(metas)
+            with _MetaEmptyLike():
+                out = infer(metas)
         except DtorchError as exc:
             raise type(exc)(f"graph operator {name}: {exc}") from exc
         except Exception as exc:
