@@ -177,10 +177,12 @@ class FakeLLM:
     def __init__(self) -> None:
         self.tokenizer, self.engine = FakeTokenizer(), FakeEngine()
 
-    def chat_prompt(self, messages) -> list[int]:
+    def chat_setup(self, messages, **options):
+        from dtorch.engine.chat_format import ChatSetup
+
         if any(m["role"] not in ("system", "user", "assistant") for m in messages):
             raise ArgumentError("apply_chat_template: the model's template rejected the messages: bad role")
-        return self.tokenizer.encode("".join(f"{m['role']}: {m.get('content', '')}\n" for m in messages))
+        return ChatSetup(self.tokenizer.encode("".join(f"{m['role']}: {m.get('content', '')}\n" for m in messages)))
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +219,7 @@ def test_fake_chat_and_completion_shapes(fake):
                                                                           "bytes": [97]}]
     # two prompts x n=2: choice index = prompt * n + i
     status, r = _post(fake.port, "/v1/completions", {"prompt": ["x", [65, 66]], "n": 2, "max_tokens": 2,
-                                                     "logprobs": 2, "unknown_field": 1})
+                                                     "logprobs": 2})
     assert status == 200, r
     assert [c["text"] for c in r["choices"]] == ["aa", "bb", "aa", "bb"]
     assert r["usage"]["prompt_tokens"] == 3
@@ -245,7 +247,12 @@ def test_fake_busy_engine_is_503(fake):
     ({"model": "fake", "messages": [{"content": "no role"}]}, "messages"),
     (_chat(stop=["a", ""]), "stop"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "unknown_field": 1}, "unknown_field"),
+    (_chat(max_token=3), "max_token"),
+    (_chat(stream_options={"include_usage": True}), "stream_options"),  # without stream: true
+    (_chat(logit_bias={"a": 1}), "logit_bias"),
+    ({"model": "fake", "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
 ])
 def test_fake_bad_request_is_400_naming_the_field(fake, body, param):
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
@@ -257,7 +264,8 @@ def test_fake_bad_request_is_400_naming_the_field(fake, body, param):
 
 def test_fake_engine_and_tokenizer_errors_are_400(fake):
     # the template rejects a role (ArgumentError), the prompt is too long (ModelError), a token id is bad
-    status, r = _post(fake.port, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
+    status, r = _post(fake.port, "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x",
+                                                                        "tool_call_id": "c"}]})
     assert status == 400 and r["error"]["param"] == "messages" and "bad role" in r["error"]["message"]
     status, r = _post(fake.port, "/v1/completions", {"prompt": "x" * 100})
     assert status == 400 and r["error"]["param"] == "prompt" and "context" in r["error"]["message"]

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dtorch.core.errors import ArgumentError, EngineBusy, ModelError
+from dtorch.core.errors import ArgumentError, EngineBusy, ModelError, SamplingError
 from dtorch.engine.block_manager import BlockManager
+from dtorch.engine.embedding import EmbedJob, EmbedSink, check_pooling
 from dtorch.engine.request import Delta, Sink
 from dtorch.engine.sampling import SamplingParams, sample_step
 from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from dtorch.engine.structured import Grammars
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
 
@@ -82,6 +84,9 @@ class Engine:
         self.drive_lock = threading.RLock()  # held by whoever runs steps
         self.stepped = threading.Condition()  # notified after every step and when new work arrives
         self.accepting = True
+        self.grammars = Grammars(tokenizer, vocab_size, sorted(eos_token_ids))
+        self._embeds: deque[EmbedJob] = deque()
+        self._embed_turn = False  # the next step embeds when jobs wait (steps alternate while both kinds wait)
         self._counts = dict(prompt=0, generation=0, decode=0, steps=0)
         self._seconds = dict(prefill=0.0, decode=0.0)
 
@@ -92,11 +97,18 @@ class Engine:
         """Queue a request: ``params.n`` choices of continuing ``prompt_token_ids``; ``sink`` gets its deltas.
 
         Raises ``EngineBusy`` when ``max_waiting`` requests already wait (``force``: queue anyway) or the engine is
-        shutting down, ``ArgumentError`` / ``ModelError`` for bad ids or a prompt that leaves no room.
+        shutting down, ``ArgumentError`` / ``ModelError`` for bad ids or a prompt that leaves no room,
+        ``SamplingError`` for a logit_bias id past the vocabulary or a grammar that does not compile.
         """
         if not isinstance(params, SamplingParams):
             raise ArgumentError(f"add_request: params must be SamplingParams, got {type(params).__name__}")
         ids = self.check_prompt(prompt_token_ids, f"add_request {request_id!r}: the prompt")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise SamplingError(f"SamplingParams: logit_bias has token id {bad[0]}; ids must be in "
+                                f"[0, {self.vocab_size})")
+        so = params.structured_outputs
+        matchers = [self.grammars.matcher(so) for _ in range(params.n)] if so is not None else [None] * params.n
         if not self.accepting:
             raise EngineBusy("the engine is shutting down and takes no new requests")
         if not force and len(self.scheduler.waiting) + len(self._inbox) >= self.max_waiting:
@@ -107,12 +119,26 @@ class Engine:
         now = time.perf_counter()
         seqs = [Sequence(request_id, i, ids, params, sink, limit, stop_ids,
                          self.tokenizer.stream_decoder(params.skip_special_tokens) if self.tokenizer is not None
-                         else None, now, self.device)
+                         else None, now, self.device, matchers[i])
                 for i in range(params.n)]
         with self._inbox_lock:
             if request_id in self._requests or any(a[0] == "add" and a[1] == request_id for a in self._inbox):
                 raise ArgumentError(f"add_request: request id {request_id!r} is already in use")
             self._inbox.append(("add", request_id, seqs))
+        with self.stepped:
+            self.stepped.notify_all()
+
+    def add_embedding(self, job_id: str, prompt_token_ids: Seq[int], pooling: str, sink: EmbedSink,
+                      normalize: bool = True) -> None:
+        """Queue a prompt to embed: ``sink(job_id, vector)`` gets its final hidden states pooled ("last" token or
+        "mean"), L2-normalized unless ``normalize`` is False, a [hidden] float32 tensor (or the exception that ended
+        it) on the engine's thread. Embedding steps take turns with generation steps."""
+        ids = self.check_prompt(prompt_token_ids, f"add_embedding {job_id!r}: the prompt")
+        check_pooling(pooling)
+        if not self.accepting:
+            raise EngineBusy("the engine is shutting down and takes no new requests")
+        with self._inbox_lock:
+            self._inbox.append(("embed", job_id, EmbedJob(job_id, ids, pooling, sink, normalize)))
         with self.stepped:
             self.stepped.notify_all()
 
@@ -142,7 +168,7 @@ class Engine:
         return ids
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests or self._inbox)
+        return bool(self._requests or self._inbox or self._embeds)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -195,6 +221,13 @@ class Engine:
         """Run one step; False when there was nothing to do."""
         with self.drive_lock:
             self._take_inbox()
+            if self._embeds and (self._embed_turn or not (self.scheduler.running or self.scheduler.waiting)):
+                self._embed_turn = False
+                if self._embed_step():
+                    with self.stepped:
+                        self.stepped.notify_all()
+                    return True
+            self._embed_turn = True
             plan = self.scheduler.schedule()
             if not plan:
                 return False
@@ -239,8 +272,63 @@ class Engine:
             if kind == "add":
                 for s in seqs:
                     self.scheduler.add(s)
+            elif kind == "embed":
+                self._embeds.append(seqs)
             else:
                 self._end([s for s in self._requests.get(rid, ()) if not s.finished], "abort")
+
+    def _embed_step(self) -> bool:
+        """One step of embedding jobs, in arrival order within the token budget; False when none could start (no
+        free blocks or state slots yet)."""
+        budget, plan = self.scheduler.config.max_num_batched_tokens, []
+        for job in self._embeds:
+            if budget <= 0:
+                break
+            if not job.blocks:
+                need = self.blocks.blocks_for(len(job.ids))
+                if need > self.blocks.num_free or (self.cache.has_state and not self.scheduler.free_state_slots):
+                    break
+                job.blocks = self.blocks.allocate(need)
+                if self.cache.has_state:
+                    job.state_slot = self.scheduler.take_state_slot()
+            n = min(len(job.ids) - job.computed, budget)
+            plan.append((job, n))
+            budget -= n
+        if not plan:
+            return False
+        t0 = time.perf_counter()
+        try:
+            hidden = self.executor.step(StepPlan(
+                [t for j, n in plan for t in j.ids[j.computed:j.computed + n]], [n for _, n in plan],
+                [j.computed for j, _ in plan], [j.blocks for j, _ in plan],
+                [j.state_slot for j, _ in plan] if self.cache.has_state else ()), hidden=True)  # [T, H]
+        except BaseException as exc:
+            for job, _ in plan:
+                self._embed_done(job, exc)
+            raise
+        at = 0
+        for job, n in plan:
+            job.add(hidden[at:at + n])
+            at += n
+            if job.computed == len(job.ids):
+                self._embed_done(job, job.result())
+        self._counts["prompt"] += at
+        self._counts["steps"] += 1
+        self._seconds["prefill"] += time.perf_counter() - t0
+        return True
+
+    def _embed_done(self, job: EmbedJob, result) -> None:
+        self._embeds.remove(job)
+        if job.blocks:
+            self.blocks.free(job.blocks)
+            job.blocks = []
+        if job.state_slot >= 0:
+            self.scheduler.give_state_slot(job.state_slot)
+            job.state_slot = -1
+        try:
+            job.sink(job.job_id, result)
+        except Exception:
+            log.exception("the sink of embedding %r failed", job.job_id)
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of ``seqs`` (rows of ``logits``), then stop or go on."""
@@ -248,11 +336,14 @@ class Engine:
             vocab = logits.shape[-1]
             banned = [[t for t in s.stop_ids if t < vocab] if len(s.output_ids) < s.params.min_tokens else ()
                       for s in seqs]  # no end before min_tokens
+            constrained = [r for r, s in enumerate(seqs) if s.matcher is not None]  # the others pay nothing
+            allowed = (constrained, self.grammars.masks([seqs[r].matcher for r in constrained])) \
+                if constrained else None
             tokens, logprobs = sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                            [s.output_ids for s in seqs],
                                            [s.ids[:s.num_prompt] if s.params.repetition_penalty != 1.0 else ()
                                             for s in seqs],  # only the repetition penalty reads the prompt
-                                           banned)
+                                           banned, allowed)
         else:
             tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
         if self._agree is not None:
@@ -270,6 +361,13 @@ class Engine:
             elif s.decoder is not None:
                 s.text += s.decoder.push(tok)
                 reason = self._stop_string(s) if stoppable else None
+            if s.matcher is not None:  # every rank keeps the grammar's state: they all decide when it ends
+                accepted = s.matcher.consume_token(tok)
+                if reason is None and (not accepted or s.matcher.is_stopped()):  # complete: nothing more may follow
+                    reason = "stop"
+                    if not accepted:
+                        log.error("request %r: the grammar refused token %d (%s)", s.request_id, tok,
+                                  s.matcher.get_error())
             if reason is None and len(s.output_ids) >= s.limit:
                 reason = "length"
             hold = 0 if reason else max((len(x) - 1 for x in s.params.stop), default=0)
@@ -321,6 +419,8 @@ class Engine:
         """Abort every request, queued or running (at shutdown)."""
         with self.drive_lock:
             self._take_inbox()
+            for job in list(self._embeds):
+                self._embed_done(job, EngineBusy("the engine shut down before the embedding was computed"))
             self._end([s for seqs in list(self._requests.values()) for s in seqs if not s.finished], "abort")
 
 

@@ -18,6 +18,7 @@ requests share the batch, each gets only its own tokens, and whichever caller is
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import queue
@@ -32,6 +33,8 @@ from dtorch.core import env
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, ModelError
 from dtorch.core.memory import map_large_allocations, trim_heap
+from dtorch.engine.chat_format import ChatSetup, prepare_chat
+from dtorch.engine.embedding import check_pooling
 from dtorch.engine.engine import Engine
 from dtorch.engine.request import CompletionOutput, Delta, Logprob, RequestOutput
 from dtorch.engine.sampling import SamplingParams
@@ -240,28 +243,78 @@ class LLM:
         return outs
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
-             params: SamplingParams | None = None, *, on_text: OnText | None = None,
+             params: SamplingParams | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+             tool_choice: str | Mapping[str, Any] | None = None, parallel_tool_calls: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, on_text: OnText | None = None,
              allow_special_tokens: bool = False) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of messages) or to several.
-        ``allow_special_tokens``: as in ``chat_prompt``."""
+
+        tools: OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters"}}]``, passed to
+        the chat template (or rendered by dtorch's default where the template has no tool support); tool_choice:
+        "none", "auto" (the default with tools), "required" or ``{"type": "function", "function": {"name": ...}}``
+        (the last two constrain the reply to valid calls). chat_template_kwargs: more template variables
+        (``{"enable_thinking": False}``). Each choice's reply is split: ``text`` (the content),
+        ``reasoning_content`` and ``tool_calls``; ``on_text`` gets the raw text as it comes.
+        ``allow_special_tokens``: as in ``chat_prompt``.
+        """
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ArgumentError("LLM.chat: messages must be a non-empty list of {'role': str, 'content': str} dicts "
                                 f"(or a list of such conversations), got {messages!r:.200}")
         if isinstance(messages[0], Mapping):
             messages = [messages]
-        return self.generate([self.chat_prompt(m, allow_special_tokens=allow_special_tokens) for m in messages],
-                             params, on_text=on_text)
+        params = params or SamplingParams()
+        setups = [self.chat_setup(m, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                  chat_template_kwargs=chat_template_kwargs,
+                                  add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message,
+                                  allow_special_tokens=allow_special_tokens) for m in messages]
+        outs = self.generate([s.prompt_ids for s in setups], [with_tool_grammar(params, s) for s in setups],
+                             on_text=on_text)
+        for out, setup in zip(outs, setups, strict=True):
+            for c in out.outputs:
+                split_reply(c, setup)
+        return outs
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], *, allow_special_tokens: bool = False) -> list[int]:
-        """The token ids of a conversation rendered with the model's chat template, ready for the reply.
+    def chat_setup(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatSetup:
+        """A conversation's prompt and how to read its reply (``chat_format.prepare_chat``; options as ``chat``)."""
+        return prepare_chat(self._need_tokenizer("chat"), messages, **options)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], *, allow_special_tokens: bool = False,
+                    **options: Any) -> list[int]:
+        """The token ids of a conversation rendered with the model's chat template, ready for the reply
+        (``options``: tools, chat_template_kwargs ... as ``chat``).
 
         Special tokens come only from the template: written in a message (a user forging ``<|im_start|>system``)
         they are text, unless ``allow_special_tokens=True``.
         """
         if not isinstance(allow_special_tokens, bool):
             raise ArgumentError(f"LLM.chat_prompt: allow_special_tokens must be a bool, got {allow_special_tokens!r}")
-        tok = self._need_tokenizer("chat")
-        return tok.encode_chat(messages, add_generation_prompt=True, allow_special_tokens=allow_special_tokens)
+        return self.chat_setup(messages, allow_special_tokens=allow_special_tokens, **options).prompt_ids
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
+              normalize: bool = True) -> torch.Tensor:
+        """Embeddings of prompts (text or token ids): the final hidden states (after the last norm) pooled over
+        each prompt ("last" token or "mean"), L2-normalized; [len(prompts), hidden] float32. Batched on the engine
+        with whatever else it runs."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ArgumentError("LLM.embed: no prompts")
+        check_pooling(pooling)
+        ids = [self._encode(p, i) for i, p in enumerate(prompts)]
+        base = f"{next(_ids)}-"
+        done: dict[str, Any] = {}
+        e = self.engine
+        for i, p in enumerate(ids):
+            e.add_embedding(f"{base}{i}", p, pooling, done.__setitem__, normalize)
+        e.run_until(lambda: len(done) == len(ids))
+        vectors = [done[f"{base}{i}"] for i in range(len(ids))]
+        for v in vectors:
+            if isinstance(v, BaseException):
+                raise v
+        return torch.stack(vectors)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """The text of one prompt's completion (n = 1), piece by piece as each step makes it."""
@@ -399,3 +452,22 @@ class LLM:
     def _check_ids(self, ids: list[int], index: int) -> list[int]:
         return self.engine.check_prompt(ids, f"LLM: prompt {index}")
 
+
+def with_tool_grammar(params: SamplingParams, setup: ChatSetup) -> SamplingParams:
+    """``params`` with the grammar a chat's tool_choice asks for ("required" or a named function)."""
+    if setup.structured_outputs is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ArgumentError("tool_choice 'required' or a named function constrains the reply to tool calls; it "
+                            "cannot be combined with structured_outputs")
+    return dataclasses.replace(params, structured_outputs=setup.structured_outputs)
+
+
+def split_reply(c: CompletionOutput, setup: ChatSetup) -> None:
+    """Set a chat choice's ``text``, ``reasoning_content`` and ``tool_calls`` from its raw text."""
+    parser = setup.parser()
+    parser.feed(c.text, final=True)
+    calls = parser.tool_calls()
+    c.text = parser.content
+    c.reasoning_content = parser.reasoning or None
+    c.tool_calls = (calls if setup.parallel_tool_calls else calls[:1]) or None

@@ -71,7 +71,9 @@ class CompletionOutput:
     finish_reason: "stop" (an end-of-sequence token, a stop token id or a stop string), "length" (max_tokens or the
     context) or "abort"; stop_reason: the stop token id or stop string that ended it (None for end-of-sequence).
     logprobs (when asked for): per new token, {token id: Logprob} for the chosen token and the top alternatives;
-    cumulative_logprob: the sum of the chosen tokens' logprobs.
+    cumulative_logprob: the sum of the chosen tokens' logprobs. From ``LLM.chat``, the reply split: ``text`` is its
+    content, ``reasoning_content`` what it wrote in a ``<think>`` block (None: none), ``tool_calls`` the calls it
+    made (``ToolCall``: id, name, arguments as JSON text; None: none); ``token_ids`` are all the tokens.
     """
 
     index: int
@@ -81,6 +83,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

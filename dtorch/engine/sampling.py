@@ -14,7 +14,7 @@ import difflib
 import functools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 
 from dtorch.core.errors import SamplingError
 from dtorch.engine.request import TokenLogprob
+from dtorch.engine.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
@@ -49,6 +50,9 @@ class SamplingParams:
     min_tokens: new tokens before an end-of-sequence token, a stop token id or a stop string may end the output
     (until then the stop ids cannot be sampled). skip_special_tokens: leave special tokens out of the text.
     include_stop_str_in_output: keep the stop string that ended the output at the end of its text.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI's; -100 bans a token,
+    100 all but forces it). structured_outputs: a ``StructuredOutputsParams``: the output must match its JSON
+    schema, regex, choice or grammar (tokens it cannot take are masked out; needs llguidance).
     """
 
     temperature: float = 1.0
@@ -68,6 +72,8 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _number("temperature", self.temperature)
@@ -130,10 +136,29 @@ class SamplingParams:
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingError(f"SamplingParams: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise SamplingError(f"SamplingParams: logit_bias must be a dict {{token id: bias}}, "
+                                    f"got {self.logit_bias!r:.100}")
+            for t, b in self.logit_bias.items():
+                _int("logit_bias key", t)
+                _number(f"logit_bias[{t}]", b)
+                if t < 0 or not -100 <= b <= 100:
+                    raise SamplingError(f"SamplingParams: logit_bias maps token ids >= 0 to biases in [-100, 100], "
+                                        f"got {t}: {b}")
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingError("SamplingParams: structured_outputs must be a StructuredOutputsParams, got "
+                                f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing that changes the logits: the argmax is the token."""
+        return self.greedy and not self.penalized and not self.logit_bias and self.structured_outputs is None
 
     @property
     def penalized(self) -> bool:
@@ -260,24 +285,39 @@ def _token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[Sa
 
 def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], output_ids: Sequence[Sequence[int]],
-                prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None
+                prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None,
+                allowed: tuple[Sequence[int], torch.Tensor] | None = None
                 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """The next token of each row and, for rows whose ``params.logprobs`` is set, its ``TokenLogprob``.
 
     logits: [B, V] float32, raw model logits; ``params[b]``, ``generators[b]``, ``output_ids[b]`` (generated so
     far), ``prompt_ids[b]`` and ``banned[b]`` (ids that cannot be chosen: the stop ids before ``min_tokens``)
-    belong to row b. Returns (B token ids, B ``TokenLogprob`` or None).
+    belong to row b. allowed: (rows, masks [R, V] bool): the only tokens each of those rows may take (a grammar's);
+    a ban that would leave such a row nothing yields to its mask. Returns (B token ids, B ``TokenLogprob`` or None).
     """
     lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
     bans = [(b, list(ids)) for b, ids in enumerate(banned or ()) if ids]
-    if not lp_rows and not bans and all(p.greedy and not p.penalized for p in params):
+    if not lp_rows and not bans and allowed is None and all(p.plain for p in params):
         return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
     logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
     x = apply_penalties(logits, params, output_ids, prompt_ids)
-    if bans:
+    biased = [b for b, p in enumerate(params) if p.logit_bias]
+    if bans or biased or allowed is not None:
         x = x.clone() if x is logits else x
-        for b, ids in bans:
-            x[b, torch.tensor(ids, dtype=torch.int64)] = -math.inf
+    for b in biased:
+        bias = params[b].logit_bias
+        ids = torch.tensor([t for t in bias if t < x.shape[-1]], dtype=torch.int64)
+        x[b, ids] += torch.tensor([bias[t] for t in bias if t < x.shape[-1]], dtype=x.dtype)
+    if allowed is not None:
+        rows, masks = allowed
+        rows = torch.tensor(list(rows), dtype=torch.int64)
+        free = x[rows]  # [R, V], before the bans
+    for b, ids in bans:
+        x[b, torch.tensor(ids, dtype=torch.int64)] = -math.inf
+    if allowed is not None:
+        masked = x[rows].masked_fill(~masks, -math.inf)
+        dead = torch.isneginf(masked).all(-1, keepdim=True)  # a ban took the grammar's only tokens (its EOS)
+        x[rows] = torch.where(dead, free.masked_fill(~masks, -math.inf), masked)
     tokens = torch.argmax(x, dim=-1).tolist()
     for b, p in enumerate(params):
         if p.greedy:

@@ -32,11 +32,11 @@ class Sequence:
 
     __slots__ = ("request_id", "index", "params", "ids", "num_prompt", "sink", "generator", "blocks", "computed",
                  "prefix_key", "state_slot", "decoder", "text", "emitted", "limit", "stop_ids", "finish_reason",
-                 "stop_reason", "cached_tokens", "arrival", "output_ids")
+                 "stop_reason", "cached_tokens", "arrival", "output_ids", "matcher")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, sink: Sink,
                  limit: int, stop_ids: frozenset[int], decoder, arrival: float,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", matcher=None) -> None:
         self.request_id, self.index, self.params, self.sink = request_id, index, params, sink
         self.ids = list(prompt)
         self.num_prompt = len(prompt)
@@ -56,6 +56,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.cached_tokens = 0
         self.arrival = arrival
+        self.matcher = matcher  # the grammar's state over output_ids (structured outputs), or None
 
     @property
     def finished(self) -> bool:
@@ -137,6 +138,19 @@ class Scheduler:
             out.append((seq, n))
             budget -= n
         return out
+
+    @property
+    def free_state_slots(self) -> int:
+        return len(self._state_slots or ())
+
+    def take_state_slot(self) -> int:
+        """A free row of the state cache, reset (for work outside the queues: an embedding)."""
+        slot = self._state_slots.pop()
+        self._reset_state(slot)
+        return slot
+
+    def give_state_slot(self, slot: int) -> None:
+        self._state_slots.append(slot)
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
         return any(s.request_id == seq.request_id and s.index == 0 and s.computed < s.num_prompt

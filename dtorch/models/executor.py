@@ -114,15 +114,16 @@ class Executor:
             return r.capture_off or "to capture"
         return {b: status(r) if self.capture else self.capture_off for b, r in self.runners.items()}
 
-    def step(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
-        """Run one step; returns float32 logits [N, V] of each sequence's last token (``all_logits``: [T, V])."""
+    def step(self, plan: StepPlan, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
+        """Run one step; returns float32 logits [N, V] of each sequence's last token (``all_logits``: [T, V]; with
+        ``hidden``: the final norm's output of every token, [T, H], instead)."""
         if self.cache is None:
             raise ModelError("Executor.step: no KV cache (call use_cache first)")
         counts = list(plan.counts)
         n, t = len(counts), sum(counts)
-        bucket = bucket_for(t, n, all_logits)
+        bucket = bucket_for(t, n, all_logits, hidden)
         feeds = self.feeds(plan, bucket)
-        logits = self.runner(bucket).run(feeds)["logits"]
+        logits = self.runner(bucket).run(feeds)["hidden" if hidden else "logits"]
         logits = logits[:t] if all_logits else logits[:n]
         return logits if logits.dtype == torch.float32 else logits.float()
 

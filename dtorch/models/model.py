@@ -34,12 +34,14 @@ from dtorch.runtime.blob import DistTensor
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """A step shape: ``tokens`` rows of ``seqs`` sequences (padded); ``all_logits``: logits of every row;
-    ``decode``: every sequence has exactly one row (the gated delta net layers then take their per-step form)."""
+    ``decode``: every sequence has exactly one row (the gated delta net layers then take their per-step form);
+    ``hidden``: the final norm's output of every row instead of logits (embeddings)."""
 
     tokens: int
     seqs: int
     all_logits: bool = False
     decode: bool = False
+    hidden: bool = False
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -49,17 +51,17 @@ def _pow2(n: int, least: int = 1) -> int:
     return b
 
 
-def bucket_for(tokens: int, seqs: int, all_logits: bool = False) -> Bucket:
+def bucket_for(tokens: int, seqs: int, all_logits: bool = False, hidden: bool = False) -> Bucket:
     """The bucket that holds a step of ``tokens`` rows of ``seqs`` sequences; padding rows form one more sequence.
 
     Decode steps (one row per sequence) pad to a power of two of sequences; other steps pad their rows to a
-    power of two (at least 16) and their sequences to a power of two.
+    power of two (at least 16) and their sequences to a power of two. ``hidden``: every row's hidden state.
     """
-    if tokens == seqs and not all_logits:
+    if tokens == seqs and not all_logits and not hidden:
         b = _pow2(seqs)
         return Bucket(b, b, decode=True)
     t = _pow2(tokens, 16)
-    return Bucket(t, _pow2(seqs + (t > tokens)), all_logits)
+    return Bucket(t, _pow2(seqs + (t > tokens)), all_logits or hidden, hidden=hidden)
 
 
 class Transformer:
@@ -134,7 +136,8 @@ class Transformer:
         positions), slot_mapping [T] int64, cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table
         [N, table_width] int32 (each sequence's cache blocks), (unless every row is a sequence's last) last_rows [N]
         int64, and (with gated delta net layers) state_slots [N] int64, each sequence's row of the state cache;
-        output "logits" [N, V] (or [T, V] with ``all_logits``). ``cache``: "k_cache.{l}" / "v_cache.{l}" ->
+        output "logits" [N, V] (or [T, V] with ``all_logits``; "hidden" [T, H] instead with ``hidden``).
+        ``cache``: "k_cache.{l}" / "v_cache.{l}" ->
         [blocks, block_size, Hkv, D] for attention layers, "conv_state.{l}" / "ssm_state.{l}" -> [slots + 1, C, W - 1]
         / [slots + 1, Hv, Dk, Dv] for gated delta net layers, placed by the layout."""
         c = self.config
@@ -175,6 +178,9 @@ class Transformer:
                 o = self._proj(g, g.call("llm.silu_and_mul", gate, up), w, p + "down")
             o = g.redistribute(o, Replicate())
         h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
+        if bucket.hidden:  # [T, hidden], replicated
+            g.output("hidden", h)
+            return g
         if not bucket.all_logits and T != N:  # the last row of each sequence
             h = g.call("llm.embedding", g.input("last_rows", (N,), torch.int64), h)
         logits = self._proj(g, h, w, "lm_head")

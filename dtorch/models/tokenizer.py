@@ -182,9 +182,11 @@ class Tokenizer:
     # --- chat -------------------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
         """The model's chat template rendered over ``messages`` (``[{"role": ..., "content": ...}, ...]``), in a
-        sandbox bounded in time and size (``chat_template.render``)."""
+        sandbox bounded in time and size (``chat_template.render``); ``kwargs`` (``tools``, ``enable_thinking``
+        ...) are the template's too. continue_final_message: end the text with the last message's content, open, so
+        the reply continues it (transformers' option)."""
         if self.chat_template is None:
             raise ModelError(f"{self.source}: the model has no chat template; pass a raw prompt instead")
         messages = _checked_messages(messages)
@@ -192,10 +194,19 @@ class Tokenizer:
                    "eos_token": self._text_of(self.eos_token_ids[0] if self.eos_token_ids else None)}
         context = special | kwargs | {"messages": messages, "add_generation_prompt": add_generation_prompt}
         size = sum(len(str(v)) for m in messages for v in m.values())
-        return chat_template.render(self.chat_template, self.template_source, context, size)
+        text = chat_template.render(self.chat_template, self.template_source, context, size)
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "").strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ArgumentError("apply_chat_template: continue_final_message: the final message's content is "
+                                    "not in the rendered template")
+            text = text[:at + len(final)]
+        return text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
-                    allow_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+                    allow_special_tokens: bool = False, continue_final_message: bool = False,
+                    **kwargs: Any) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template.
 
         Special tokens (``<|im_start|>`` ...) come only from the template: written in the messages (content, or any
@@ -203,12 +214,12 @@ class Tokenizer:
         ``allow_special_tokens=True`` they become control tokens (the rendered text encoded as a whole).
         """
         if allow_special_tokens:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                               add_special_tokens=False)
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                        **kwargs), add_special_tokens=False)
         specials = self._specials
         if not specials:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                               add_special_tokens=False)
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                        **kwargs), add_special_tokens=False)
         # each special token in the messages becomes a mark no template alters; the rendered text is split at the
         # special tokens the template wrote, and the text between them encoded with the marks spelled back as text
         nonce = secrets.token_hex(8)
@@ -226,7 +237,7 @@ class Tokenizer:
             return value
 
         hidden = [hide(m) if isinstance(m, Mapping) else m for m in messages]
-        rendered = self.apply_chat_template(hidden, add_generation_prompt, **kwargs)
+        rendered = self.apply_chat_template(hidden, add_generation_prompt, continue_final_message, **kwargs)
         if not marks.search(rendered):  # nothing to keep as text: exactly the plain encoding
             return self.encode(rendered, add_special_tokens=False)
         ids: list[int] = []

@@ -12,6 +12,7 @@ anything else a 500; none of them stops the server.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -21,6 +22,7 @@ from contextlib import aclosing, asynccontextmanager
 from functools import lru_cache
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,15 +31,17 @@ from starlette.exceptions import HTTPException
 from dtorch.core.errors import ArgumentError, DtorchError, EngineBusy, ModelError, SamplingError
 from dtorch.engine.request import Delta
 from dtorch.serve.metrics import CONTENT_TYPE, ServerMetrics
-from dtorch.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, field_path
+from dtorch.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, error_body, field_path
 from dtorch.serve.responses import (
     Answer,
+    Echo,
     chat_events,
     chat_response,
     completion_events,
     completion_response,
     sse,
 )
+from dtorch.serve.utility import add_utility_routes
 
 log = logging.getLogger("dtorch.serve")
 POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
@@ -57,11 +61,12 @@ class _ClientGone(Exception):
 
 
 def _bad_request(exc: DtorchError, param: str | None) -> ApiError:
-    """A 400 for an error the engine or tokenizer raised; a SamplingError names its own field."""
+    """A 400 for an error the engine or tokenizer raised; a SamplingError names its own field, and so does an error
+    with a ``param`` (``chat_format.field_error``)."""
     if isinstance(exc, SamplingError):
         m = re.match(r"SamplingParams: (\w+)", str(exc))
         param = m.group(1) if m else None
-    return ApiError(400, str(exc), param=param)
+    return ApiError(400, str(exc), param=getattr(exc, "param", None) or param)
 
 
 class _Server:
@@ -78,10 +83,45 @@ class _Server:
         tok = self.llm.tokenizer
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
+    def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None) -> list[Echo]:
+        """The echoed prompts of a completion and, with ``logprobs``, their tokens' logprobs (a forward pass of each
+        prompt of its own: the engine computes only what it samples from)."""
+        out = []
+        for p, t in zip(prompts, ids, strict=True):
+            text = p if isinstance(p, str) else self.llm.tokenizer.decode(t, skip_special_tokens=False) \
+                if self.llm.tokenizer is not None else ""
+            out.append(Echo(text, None if logprobs is None else self._prompt_logprobs(t, logprobs)))
+        return out
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> dict[str, Any]:
+        lp = torch.log_softmax(self.llm.logits(ids).float(), dim=-1)[:-1]  # [T - 1, V]: position i predicts i + 1
+        nxt = torch.tensor(ids[1:], dtype=torch.int64)
+        values = lp.gather(1, nxt[:, None])[:, 0].tolist() if len(ids) > 1 else []
+        tops: list[dict[str, float] | None] = [None]
+        if k and len(ids) > 1:
+            top = torch.topk(lp, k, dim=-1)
+            tops += [{self.token_text(i): v for i, v in zip(ti, tv, strict=True)}
+                     for ti, tv in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+        else:
+            tops += [{} for _ in values]
+        tokens = [self.token_text(t) for t in ids]
+        offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [None, *values], "top_logprobs": tops, "text_offset": offsets}
+
     def check_model(self, model: str | None) -> None:
         if model and model != self.name:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.",
                            "NotFoundError", "model", "model_not_found")
+
+    async def compile(self, params: Any, origin: str | None) -> None:
+        """Compile the request's grammar off the event loop (the engine then only copies it); a 400 naming
+        ``origin`` (response_format, structured_outputs, tool_choice) when the library cannot."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
+        except DtorchError as exc:
+            raise ApiError(400, str(exc), param=origin) from None
 
     def submit(self, rid: str, prompts: list[list[int]], params: Any, param: str) -> asyncio.Queue[Delta]:
         """Add one engine request per prompt (ids ``rid-0``, ``rid-1``, ...); their deltas arrive on the queue."""
@@ -153,13 +193,14 @@ class _Server:
                 self.engine.abort(r)
                 self.metrics.finished.labels("abort").inc(choices)
 
-def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None) -> FastAPI:
+def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pooling: str = "last") -> FastAPI:
     """The FastAPI app serving ``llm`` as ``served_model_name``.
 
     engine_loop: what steps the engine (``stop(grace)``), run by the caller (``dtorch serve`` runs it on its main
     thread, where the model was loaded; see ``EngineLoop``). None: the app starts an ``EngineLoop`` on a thread of its
     own. Either way the app stops it at shutdown, after uvicorn's graceful shutdown has let requests in flight
-    finish, with no grace of its own: what is left is aborted.
+    finish, with no grace of its own: what is left is aborted. pooling: how ``/v1/embeddings`` pools the final hidden
+    states ("last" token or "mean").
     """
     own = engine_loop is None
     if own:
@@ -182,6 +223,7 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None) -> F
     app = FastAPI(title="dtorch", lifespan=lifespan)
     app.state.server = server
     _add_error_handlers(app)
+    add_utility_routes(app, server, pooling)
 
     @app.get("/health")
     async def health() -> Response:
@@ -192,50 +234,78 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None) -> F
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    def card() -> dict[str, Any]:
+        return {"id": server.name, "object": "model", "created": server.created, "owned_by": "dtorch",
+                "max_model_len": llm.max_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
-                                            "owned_by": "dtorch", "max_model_len": llm.max_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        server.check_model(model_id)
+        return card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        params = _sampling(body)
+        params, origin = _sampling(body)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
         try:
-            ids = llm.chat_prompt([m.as_template_input() for m in body.messages])
+            setup = await asyncio.to_thread(
+                llm.chat_setup, [m.as_template_input() for m in body.messages], tools=tools, tool_choice=choice,
+                parallel_tool_calls=body.parallel_tool_calls, chat_template_kwargs=body.template_kwargs(),
+                add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
         except (ArgumentError, ModelError) as exc:
             raise _bad_request(exc, "messages") from None
+        if setup.structured_outputs is not None:
+            if params.structured_outputs is not None:
+                raise ApiError(400, f"tool_choice {body.tool_choice!r:.60} constrains the reply to tool calls; it "
+                                    f"cannot be combined with {origin}", param="tool_choice")
+            params, origin = dataclasses.replace(params, structured_outputs=setup.structured_outputs), "tools"
+        await server.compile(params, origin)
         a = Answer(f"chatcmpl-{uuid.uuid4().hex}", server.name, server.token_text)
-        queue = server.submit(a.id, [ids], params, "messages")
+        queue = server.submit(a.id, [setup.prompt_ids], params, "messages")
         run = server.deltas(a.id, 1, body.n, queue, None if body.stream else request)
         if body.stream:
-            return _EventStream(chat_events(a, body, run))
-        return await _respond(chat_response(a, body, run))
+            return _EventStream(chat_events(a, body, setup, run))
+        return await _respond(chat_response(a, body, setup, run))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        params = _sampling(body)
+        params, origin = _sampling(body)
         prompts = body.prompts()
         try:
-            ids = [llm.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+            ids = await asyncio.to_thread(lambda: [llm.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                                                   for p in prompts])
         except (ArgumentError, ModelError) as exc:
             raise _bad_request(exc, "prompt") from None
         except AttributeError:  # no tokenizer
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt") from None
+        await server.compile(params, origin)
+        echoes = await asyncio.to_thread(server.echoes, prompts, ids, body.logprobs) if body.echo else None
         a = Answer(f"cmpl-{uuid.uuid4().hex}", server.name, server.token_text)
         queue = server.submit(a.id, ids, params, "prompt")
         run = server.deltas(a.id, len(ids), body.n, queue, None if body.stream else request)
         if body.stream:
-            return _EventStream(completion_events(a, body, len(ids), run))
-        return await _respond(completion_response(a, body, len(ids), run))
+            return _EventStream(completion_events(a, body, len(ids), run, echoes))
+        return await _respond(completion_response(a, body, len(ids), run, echoes))
 
     return app
 
 
-def _sampling(body: ChatCompletionRequest | CompletionRequest) -> Any:
+def _sampling(body: ChatCompletionRequest | CompletionRequest) -> tuple[Any, str | None]:
+    """The engine's parameters and the field that asked for a structured output (None: none did)."""
     try:
-        return body.sampling_params()
+        structured, origin = body.constraint()
+    except SamplingError as exc:
+        raise ApiError(400, str(exc), param="structured_outputs" if body.structured_outputs else
+                       "response_format") from None
+    try:
+        return body.sampling_params(structured), origin
     except SamplingError as exc:
         raise _bad_request(exc, None) from None
 
@@ -291,7 +361,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         loc = tuple(first.get("loc", ()))
         where = ".".join(str(p) for p in loc if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))
+        if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+            message = f"Unrecognized request argument supplied: {where}"
+        else:
+            message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))
         return JSONResponse(error_body(message, param=field_path(loc)), status_code=400)
 
     @app.exception_handler(ApiError)

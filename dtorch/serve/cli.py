@@ -37,6 +37,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
                         help="on SIGTERM, seconds that requests in flight get to finish before they are aborted")
+    parser.add_argument("--embedding-pooling", choices=["last", "mean"], default="last",
+                        help="how /v1/embeddings pools the final hidden states: the last token's (decoder models' "
+                             "usual choice) or the mean over the input")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")
 
@@ -73,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     shapes = llm.engine.warmup()
     print(f"dtorch serve: {shapes} step shapes built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    app = build_app(llm, name, engine_loop=loop)
+    app = build_app(llm, name, engine_loop=loop, pooling=args.embedding_pooling)
     # uvicorn's own limit is a backstop: the engine ends what is left at --shutdown-grace
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace + 5)

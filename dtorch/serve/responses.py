@@ -85,26 +85,106 @@ def completion_logprobs(lps: list[TokenLogprob], token_text: Callable[[int], str
             "top_logprobs": [{token_text(i): lp for i, lp in t.top} for t in lps], "text_offset": offsets}
 
 
-async def chat_response(a: Answer, body: ChatCompletionRequest, run: Run) -> dict[str, Any]:
-    acc = Choices(body.n)
+class ChatReply:
+    """How one chat request's choices read: the parser of each (reasoning, content, tool calls), the echoed prefix,
+    whether more than one tool call is kept."""
+
+    def __init__(self, body: ChatCompletionRequest, setup: Any) -> None:
+        self.parsers = [setup.parser() for _ in range(body.n)]
+        self.parallel = setup.parallel_tool_calls
+        self.echo = echo_prefix(body)
+
+    def delta(self, i: int, text: str, final: bool) -> dict[str, Any]:
+        """The chat delta of new text of choice i (empty keys left out)."""
+        p = self.parsers[i].feed(text, final)
+        out: dict[str, Any] = {}
+        if p.reasoning:
+            out["reasoning_content"] = p.reasoning
+        if p.content:
+            out["content"] = p.content
+        calls = [c for c in p.tool_calls if self.parallel or c.index == 0]
+        if calls:
+            out["tool_calls"] = [tool_call_delta(c) for c in calls]
+        return out
+
+    def message(self, i: int) -> dict[str, Any]:
+        """The whole message of choice i, once its text has all been fed."""
+        p = self.parsers[i]
+        calls = p.tool_calls() if self.parallel else p.tool_calls()[:1]
+        content = self.echo + p.content
+        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if p.reasoning:
+            msg["reasoning_content"] = p.reasoning
+        if calls:
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+        return msg
+
+    def finish(self, i: int, reason: str | None) -> str | None:
+        """"tool_calls" for a choice that stopped after calling tools."""
+        return "tool_calls" if reason == "stop" and self.parsers[i].calls else reason
+
+
+def tool_call_delta(c: Any) -> dict[str, Any]:
+    """OpenAI's streamed tool call: index, id, type and name first, then argument chunks."""
+    out: dict[str, Any] = {"index": c.index}
+    if c.id is not None:
+        out |= {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+    else:
+        out["function"] = {"arguments": c.arguments}
+    return out
+
+
+def echo_prefix(body: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content when it has the role of the reply."""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    if not body.echo or last.role != role:
+        return ""
+    return last.as_template_input().get("content") or ""
+
+
+async def chat_response(a: Answer, body: ChatCompletionRequest, setup: Any, run: Run) -> dict[str, Any]:
+    acc, reply = Choices(body.n), ChatReply(body, setup)
     async with aclosing(run):
         async for i, d in run:
             acc.add(i, d)
-    choices = [{"index": i, "message": {"role": "assistant", "content": acc.texts[i]},
+    for i in range(acc.count):
+        reply.delta(i, acc.texts[i], True)
+    choices = [{"index": i, "message": reply.message(i),
                 "logprobs": chat_logprobs(acc.logprobs[i], a.token_text) if body.logprobs else None,
-                "finish_reason": acc.finish[i]} for i in range(acc.count)]
+                "finish_reason": reply.finish(i, acc.finish[i])} for i in range(acc.count)]
     return {"id": a.id, "object": "chat.completion", "created": a.created, "model": a.model, "choices": choices,
             "usage": acc.usage()}
 
 
-async def completion_response(a: Answer, body: CompletionRequest, prompts: int, run: Run) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Echo:
+    """A completion's echoed prompt: its text and, when logprobs were asked for, its tokens' logprobs (completions'
+    shape, the first token's null)."""
+
+    text: str
+    logprobs: dict[str, Any] | None = None
+
+
+def _joined(echo: Echo | None, lps: dict[str, Any] | None) -> dict[str, Any] | None:
+    if echo is None or echo.logprobs is None or lps is None:
+        return lps
+    return {k: echo.logprobs[k] + lps[k] for k in lps}
+
+
+async def completion_response(a: Answer, body: CompletionRequest, prompts: int, run: Run,
+                              echoes: list[Echo] | None = None) -> dict[str, Any]:
     acc = Choices(prompts * body.n)
     async with aclosing(run):
         async for i, d in run:
             acc.add(i, d)
-    choices = [{"index": i, "text": acc.texts[i],
-                "logprobs": completion_logprobs(acc.logprobs[i], a.token_text) if body.logprobs is not None else None,
-                "finish_reason": acc.finish[i]} for i in range(acc.count)]
+    choices = []
+    for i in range(acc.count):
+        echo = echoes[i // body.n] if echoes else None
+        lps = completion_logprobs(acc.logprobs[i], a.token_text, len(echo.text) if echo else 0) \
+            if body.logprobs is not None else None
+        choices.append({"index": i, "text": (echo.text if echo else "") + acc.texts[i], "logprobs": _joined(echo, lps),
+                        "finish_reason": acc.finish[i]})
     return {"id": a.id, "object": "text_completion", "created": a.created, "model": a.model, "choices": choices,
             "usage": acc.usage()}
 
@@ -114,40 +194,52 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def chat_events(a: Answer, body: ChatCompletionRequest, run: Run) -> AsyncIterator[str]:
-    """``chat.completion.chunk`` events: a role chunk per choice, then content; each choice's last chunk carries its
-    finish_reason; with include_usage, a last chunk with no choices and the usage."""
-    acc = Choices(body.n)
+async def chat_events(a: Answer, body: ChatCompletionRequest, setup: Any, run: Run) -> AsyncIterator[str]:
+    """``chat.completion.chunk`` events: a role chunk per choice (with the echoed text), then reasoning, content and
+    tool call deltas; each choice's last chunk carries its finish_reason; with include_usage, a last chunk with no
+    choices and the usage (with continuous_usage_stats, every chunk carries the usage so far)."""
+    acc, reply = Choices(body.n), ChatReply(body, setup)
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        if body.continuous_usage and choices:
+            extra["usage"] = acc.usage()
         return sse({"id": a.id, "object": "chat.completion.chunk", "created": a.created, "model": a.model,
                     "choices": choices, **extra})
 
     for i in range(body.n):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": reply.echo}, "logprobs": None,
                       "finish_reason": None}])
     async with aclosing(run):
         async for i, d in run:
             acc.add(i, d)
-            if d.text or d.logprobs or d.finish_reason:
+            delta = reply.delta(i, d.text, d.finish_reason is not None)
+            if delta or d.logprobs or d.finish_reason:
                 lps = chat_logprobs(list(d.logprobs), a.token_text) if body.logprobs and d.logprobs else None
-                delta = {"content": d.text} if d.text else {}
-                yield chunk([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}])
+                yield chunk([{"index": i, "delta": delta, "logprobs": lps,
+                              "finish_reason": reply.finish(i, d.finish_reason)}])
     if body.include_usage:
         yield chunk([], usage=acc.usage())
 
 
-async def completion_events(a: Answer, body: CompletionRequest, prompts: int, run: Run) -> AsyncIterator[str]:
-    """``text_completion`` events, one per delta that adds something; usage last when asked for."""
+async def completion_events(a: Answer, body: CompletionRequest, prompts: int, run: Run,
+                            echoes: list[Echo] | None = None) -> AsyncIterator[str]:
+    """``text_completion`` events: each choice's echoed prompt first (when asked for), then one per delta that adds
+    something; usage last when asked for (with continuous_usage_stats, in every chunk)."""
     acc = Choices(prompts * body.n)
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        if body.continuous_usage and choices:
+            extra["usage"] = acc.usage()
         return sse({"id": a.id, "object": "text_completion", "created": a.created, "model": a.model,
                     "choices": choices, **extra})
 
+    for i in range(acc.count) if echoes else ():
+        echo = echoes[i // body.n]
+        yield chunk([{"index": i, "text": echo.text, "logprobs": echo.logprobs if body.logprobs is not None else None,
+                      "finish_reason": None}])
     async with aclosing(run):
         async for i, d in run:
-            offset = len(acc.texts[i])
+            offset = len(acc.texts[i]) + (len(echoes[i // body.n].text) if echoes else 0)
             acc.add(i, d)
             if d.text or d.logprobs or d.finish_reason:
                 lps = completion_logprobs(list(d.logprobs), a.token_text, offset) \

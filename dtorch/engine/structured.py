@@ -1,0 +1,183 @@
+"""Structured outputs: a grammar (JSON schema, regex, choice, Lark/GBNF) turned into a token mask by llguidance.
+
+``StructuredOutputsParams`` (vLLM's name and fields) says what the output must match; ``SamplingParams(
+structured_outputs=...)`` asks for it. The engine's ``Grammars`` compiles each distinct grammar once per tokenizer
+(an ``LLMatcher`` kept as a template, copied for each sequence) and, every step, fills one bitmask row per constrained
+sequence: bit ``t`` of row ``r`` says whether token ``t`` may come next. The sampler sets the logits of the others to
+-inf, on those rows only. End-of-sequence is in the mask only where the grammar accepts, and a sequence whose grammar
+can take no more tokens ends there (finish_reason "stop").
+
+llguidance (a Rust wheel with no dependencies) comes with ``pip install 'dtorch[serve]'``; without it, asking for
+structured outputs is a ``DtorchError`` that says what to install.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dtorch.core.errors import DtorchError, SamplingError
+
+CACHE_SIZE = 256  # compiled grammars kept per tokenizer
+# the JSON layout of json.dumps (", " and ": ", no other whitespace): what models are trained on, and no room for a
+# sampled run of blank lines that never closes the object
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """What the output must match: exactly one of
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a regular expression (Rust
+    ``regex`` syntax, matched in full); choice: one of these strings; grammar: a Lark or GBNF (llama.cpp) grammar.
+    strict: refuse schema keywords llguidance does not enforce (else they are ignored, as vLLM does).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise SamplingError("SamplingParams: structured_outputs must set exactly one of json, regex, choice, "
+                                f"grammar, json_object; got {', '.join(given) or 'none'}")
+        if not isinstance(self.json_object, bool) or not isinstance(self.strict, bool):
+            raise SamplingError("SamplingParams: structured_outputs: json_object and strict must be bools")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise SamplingError(f"SamplingParams: structured_outputs: json is not valid JSON ({e})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise SamplingError("SamplingParams: structured_outputs: json must be a JSON schema (an object), "
+                                    f"got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingError(f"SamplingParams: structured_outputs: {name} must be a non-empty str")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, Sequence) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingError("SamplingParams: structured_outputs: choice must be a non-empty list of "
+                                    f"non-empty strings, got {self.choice!r:.200}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def grammar_text(self) -> str:
+        """llguidance's grammar for this constraint."""
+        import llguidance
+
+        m = llguidance.LLMatcher
+        options = JSON_OPTIONS | {"lenient": not self.strict}
+        if self.json is not None:
+            return m.grammar_from_json_schema(self.json, overrides=options)
+        if self.json_object:
+            return m.grammar_from_json_schema({"type": "object"}, overrides=options)
+        if self.regex is not None:
+            return m.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        try:
+            return llguidance.grammar_from("grammar", self.grammar)  # Lark as is, GBNF converted
+        except ValueError as e:
+            raise SamplingError(f"SamplingParams: structured_outputs: grammar: {e}") from None
+
+    @property
+    def key(self) -> str:
+        """The cache key: equal for equal constraints."""
+        value = self.json if self.json is None or isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        kind = next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+        return json.dumps([kind, value if kind == "json" else getattr(self, kind), self.strict])
+
+
+def require_llguidance() -> Any:
+    """The llguidance module; a ``DtorchError`` saying how to install it when it is missing."""
+    try:
+        import llguidance
+        import llguidance.torch  # noqa: F401
+    except ImportError as e:
+        raise DtorchError(f"structured outputs need the llguidance package ({e}); install it with: "
+                          "pip install 'dtorch[serve]' (or pip install llguidance)") from None
+    return llguidance
+
+
+class Grammars:
+    """Compiled grammars for one tokenizer, and the per-step masks of the sequences that use them.
+
+    tokenizer: the model's ``Tokenizer``; vocab_size: the logits' width (may pass the tokenizer's: a padded
+    embedding); eos_token_ids: the ids that end a sequence, allowed where a grammar accepts.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._lock = threading.Lock()
+        self._lltok: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.words = (vocab_size + 31) // 32  # int32 words of a mask row
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def _ll_tokenizer(self) -> Any:
+        if self._lltok is None:
+            llg = require_llguidance()
+            if self.tokenizer is None:
+                raise SamplingError("SamplingParams: structured_outputs needs the model's tokenizer, and this model "
+                                    "has none")
+            if not self.eos_token_ids:
+                raise SamplingError("SamplingParams: structured_outputs needs an end-of-sequence token, and this "
+                                    "model has none")
+            self._lltok = llg.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                          eos_token=self.eos_token_ids)
+        return self._lltok
+
+    def compile(self, so: StructuredOutputsParams) -> Any:
+        """The template matcher of ``so`` (compiled once, then cached); ``SamplingError`` when the library cannot
+        compile it, with its message."""
+        key = so.key
+        with self._lock:
+            m = self._cache.get(key)
+            if m is not None:
+                self._cache.move_to_end(key)
+                return m
+            llg = require_llguidance()
+            tok = self._ll_tokenizer()
+            m = llg.LLMatcher(tok, so.grammar_text(), log_level=0)
+            if m.is_error():
+                raise SamplingError(f"SamplingParams: structured_outputs: the grammar does not compile: "
+                                    f"{m.get_error().strip()}")
+            self._cache[key] = m
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return m
+
+    def matcher(self, so: StructuredOutputsParams) -> Any:
+        """A fresh matcher of ``so`` for one sequence (a copy of the compiled template)."""
+        return self.compile(so).deep_copy()
+
+    def masks(self, matchers: Sequence[Any]) -> torch.Tensor:
+        """The allowed tokens of each matcher's next position: [R, vocab_size] bool."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        words = torch.empty(len(matchers), self.words, dtype=torch.int32)  # [R, W]
+        for r, m in enumerate(matchers):
+            fill_next_token_bitmask(m, words, r)
+        return unpack_bits(words, self.vocab_size, self._bits)
+
+
+def unpack_bits(words: torch.Tensor, vocab: int, bits: torch.Tensor | None = None) -> torch.Tensor:
+    """A bitmask [R, W] int32 (bit j of word w: token 32 w + j) as [R, vocab] bool."""
+    bits = torch.arange(32, dtype=torch.int32, device=words.device) if bits is None else bits
+    return ((words.unsqueeze(-1) >> bits) & 1).view(words.shape[0], -1)[:, :vocab].bool()
