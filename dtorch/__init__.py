@@ -2,7 +2,8 @@
 
 The public surface is what ``__all__`` lists; everything else may move.
 
-- LLM inference, shaped like vLLM: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``.
+- LLM inference, shaped like vLLM: ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``RequestOutput``,
+  ``CompletionOutput``, ``ToolCall``.
 - Ops: ``dtorch.ops.rms_norm(x, w, eps)`` and the rest, each dispatched to the best registered kernel.
 - Kernels: ``dispatcher`` (``register``, ``explain``, ``table``, ``disabled``), keyed by ``KernelKey``;
   ``verify()`` runs the reference kernel beside the active one.
@@ -59,6 +60,8 @@ from dtorch.engine import (
     Logprob as Logprob,
     RequestOutput as RequestOutput,
     SamplingParams as SamplingParams,
+    StructuredOutputsParams as StructuredOutputsParams,
+    ToolCall as ToolCall,
 )
 from dtorch.graph import (
     DeviceMesh as DeviceMesh,
@@ -102,5 +105,5 @@ __all__ = [
     "Blob", "DistTensor", "Kernel", "KernelStream", "Runner", "StreamManager", "StreamType", "Tracer",
     "InProcessCommunicator", "TorchDistCommunicator",
     # engine
-    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
+    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "ToolCall",
 ]

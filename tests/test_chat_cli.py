@@ -27,18 +27,23 @@ def test_conversation_keeps_turns_and_applies_commands():
 
 
 class _FakeLLM:
-    """Records the conversations it is asked to answer; answers "answer N"."""
+    """Records the conversations it is asked to answer; answers "answer N" (after a think block, with
+    ``think``), a few characters at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, think: bool = False) -> None:
         self.asked: list[list[dict]] = []
+        self.think = think
 
-    def chat_prompt(self, messages):
+    def chat_setup(self, messages, chat_template_kwargs=None):
+        from dtorch.engine.chat_format import ChatSetup
+
         self.asked.append([dict(m) for m in messages])
-        return [1, 2, 3]
+        return ChatSetup([1, 2, 3], reasoning=self.think)
 
     def generate(self, _ids, _params, on_text):
-        text = f"answer {len(self.asked)}"
-        on_text(0, text)
+        text = f"<think>hmm {len(self.asked)}</think>\n\n" * self.think + f"answer {len(self.asked)}"
+        for at in range(0, len(text), 3):
+            on_text(0, text[at:at + 3])
         return [SimpleNamespace(outputs=[SimpleNamespace(text=text)])]
 
 
@@ -51,6 +56,15 @@ def test_each_turn_sends_the_whole_conversation(monkeypatch, capsys):
     assert first == [{"role": "user", "content": "What is 2 + 2?"}]
     assert second == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "And 3 + 3?"}]
     assert third == second + [{"role": "assistant", "content": "answer 2"}, {"role": "user", "content": "Then?"}]
+
+
+def test_reasoning_is_shown_apart_or_hidden_and_kept_out_of_the_history(monkeypatch, capsys):
+    for hide, shown in ((False, "hmm 1\nanswer 1\nhmm 2\nanswer 2\n"), (True, "answer 1\nanswer 2\n")):
+        llm = _FakeLLM(think=True)
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nAgain\n"))
+        assert _converse(llm, Conversation(), None, tty=False, hide_reasoning=hide) == 0
+        assert capsys.readouterr().out == shown  # not a terminal: no escape codes
+        assert llm.asked[1][1] == {"role": "assistant", "content": "answer 1"}
 
 
 def test_chat_through_a_pipe_answers_each_line():

@@ -13,7 +13,16 @@ import sys
 from typing import Any
 
 from dtorch.core.errors import ModelError
-from dtorch.engine.cli import INTERRUPTED, add_model_arguments, add_sampling_arguments, load_llm, sampling_params
+from dtorch.engine.cli import (
+    INTERRUPTED,
+    ReplyPrinter,
+    add_model_arguments,
+    add_reply_arguments,
+    add_sampling_arguments,
+    load_llm,
+    sampling_params,
+    template_kwargs,
+)
 
 COMMANDS = "/reset, /system TEXT, /exit"
 
@@ -64,11 +73,13 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, metavar="TEXT", help="the system prompt")
     add_model_arguments(parser)
     add_sampling_arguments(parser)
+    add_reply_arguments(parser)
 
 
 def run_chat(args: argparse.Namespace) -> int:
     """Load the model and converse until /exit or end of input; returns the exit code."""
     params = sampling_params(args)
+    kwargs = template_kwargs(args)
     tty = sys.stdin.isatty()
     if tty:
         try:
@@ -82,16 +93,14 @@ def run_chat(args: argparse.Namespace) -> int:
                              "`python -m dtorch generate --raw PROMPT` to complete text")
         if tty:
             print(f"dtorch chat: {llm.source}; commands: {COMMANDS}", file=sys.stderr, flush=True)
-        return _converse(llm, Conversation(args.system), params, tty)
+        return _converse(llm, Conversation(args.system), params, tty, kwargs, args.hide_reasoning)
     finally:
         llm.close()
 
 
-def _converse(llm: Any, chat: Conversation, params: Any, tty: bool) -> int:
-    def show(_index: int, piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
+def _converse(llm: Any, chat: Conversation, params: Any, tty: bool, kwargs: dict[str, Any] | None = None,
+              hide_reasoning: bool = False) -> int:
+    """Each line a turn; each reply streamed, its reasoning dimmed (or hidden), its content kept in the history."""
     while not chat.done:
         try:
             line = input(">>> ") if tty else sys.stdin.readline()
@@ -113,12 +122,15 @@ def _converse(llm: Any, chat: Conversation, params: Any, tty: bool) -> int:
                 print(note, file=sys.stderr, flush=True)
             continue
         try:
-            outs = llm.generate(llm.chat_prompt(chat.ask(line)), params, on_text=show)
+            setup = llm.chat_setup(chat.ask(line), chat_template_kwargs=kwargs)
+            reply = ReplyPrinter(setup, hide_reasoning)
+            llm.generate(setup.prompt_ids, params, on_text=reply)
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             sys.stdout.flush()
             return INTERRUPTED
+        content = reply.end()
         sys.stdout.write("\n")
         sys.stdout.flush()
-        chat.answer(outs[0].outputs[0].text)
+        chat.answer(content)
     return 0

@@ -12,6 +12,7 @@ ones, ``dtorch serve``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -75,6 +76,66 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+def add_reply_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a chat reply is made and shown: template variables and the model's reasoning."""
+    parser.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                        help='more variables for the chat template, as a JSON object: \'{"enable_thinking": false}\'')
+    parser.add_argument("--hide-reasoning", action="store_true",
+                        help="leave out what the model writes in <think> blocks (default: shown dimmed)")
+
+
+def template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """--chat-template-kwargs as a dict; an ``ArgumentError`` naming the flag when it is not a JSON object."""
+    if args.chat_template_kwargs is None:
+        return {}
+    try:
+        value = json.loads(args.chat_template_kwargs)
+    except ValueError as e:
+        raise ArgumentError(f"--chat-template-kwargs: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ArgumentError(f"--chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs!r}")
+    return value
+
+
+class ReplyPrinter:
+    """Prints a chat reply as it streams (an ``on_text`` callback): the reasoning dimmed on a terminal (plain
+    elsewhere, or not at all with ``hide``), then the content; ``content`` is the reply without its reasoning."""
+
+    DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, setup: Any, hide: bool, show: bool = True) -> None:
+        self.parser, self.hide, self.show = setup.parser(), hide, show
+        self.tty = sys.stdout.isatty()
+        self.thinking = False
+
+    def __call__(self, _index: int, piece: str) -> None:
+        self._print(self.parser.feed(piece))
+
+    def end(self) -> str:
+        """Flush what was held back; returns the content."""
+        self._print(self.parser.feed("", final=True))
+        if self.thinking:
+            self._write(self.RESET if self.tty else "")
+        return self.parser.content
+
+    def _print(self, d: Any) -> None:
+        if d.reasoning and not self.hide:
+            if not self.thinking:
+                self._write(self.DIM if self.tty else "")
+                self.thinking = True
+            self._write(d.reasoning)
+        if d.content:
+            if self.thinking:
+                self._write((self.RESET if self.tty else "") + "\n")
+                self.thinking = False
+            self._write(d.content)
+
+    def _write(self, text: str) -> None:
+        if self.show and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+
 _FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "repetition_penalty",
            "presence_penalty", "frequency_penalty", "stop", "ignore_eos")
 
@@ -85,12 +146,61 @@ def sampling_params(args: argparse.Namespace) -> Any:
 
     fields = {name: getattr(args, name) for name in _FIELDS}
     fields["stop"] = tuple(fields["stop"])
+    structured = structured_outputs(args)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     try:
         return SamplingParams(**fields)
     except SamplingError as exc:
         # "SamplingParams: top_p must be ..." -> "--top-p must be ...": the subject, and snake_case names anywhere
         flag = lambda m: "--" + m[0].replace("_", "-") if m[0] in _FIELDS else m[0]
         raise SamplingError(re.sub(r"^\w+|\b[a-z]+_\w+", flag, str(exc).removeprefix("SamplingParams: "))) from None
+
+
+def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    """The output constraints of ``dtorch generate`` (one at most)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                       help="the answer is JSON following this schema (a file, or the schema itself)")
+    group.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    group.add_argument("--regex", default=None, help="the answer matches this regular expression")
+    group.add_argument("--choice", action="append", default=None, help="the answer is one of these (may repeat)")
+    group.add_argument("--grammar", default=None, metavar="FILE",
+                       help="the answer follows this grammar (a Lark or GBNF file, as llguidance reads them)")
+
+
+def structured_outputs(args: argparse.Namespace) -> Any:
+    """The ``StructuredOutputsParams`` of the constraint flags, or None; a file that cannot be read or a schema
+    that is not JSON is an ``ArgumentError`` naming the flag."""
+    from dtorch.engine.structured import StructuredOutputsParams
+
+    schema, grammar = getattr(args, "json_schema", None), getattr(args, "grammar", None)
+    try:
+        if schema is not None:
+            text = schema if schema.lstrip().startswith("{") else _read(schema, "--json-schema")
+            try:
+                return StructuredOutputsParams(json=json.loads(text))
+            except ValueError as e:
+                raise ArgumentError(f"--json-schema: not a JSON schema ({e})") from None
+        if grammar is not None:
+            return StructuredOutputsParams(grammar=_read(grammar, "--grammar"))
+        if getattr(args, "json_object", False):
+            return StructuredOutputsParams(json_object=True)
+        if getattr(args, "regex", None) is not None:
+            return StructuredOutputsParams(regex=args.regex)
+        if getattr(args, "choice", None):
+            return StructuredOutputsParams(choice=args.choice)
+    except SamplingError as e:
+        raise SamplingError(str(e).replace("SamplingParams: structured_outputs: ", "")) from None
+    return None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArgumentError(f"{flag}: cannot read {path}: {exc}") from None
 
 
 def check_device(device: str) -> None:
@@ -141,6 +251,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn a GGUF's quantized weights into --dtype at load (the float path) instead of "
                              "running on them as stored")
     add_sampling_arguments(parser)
+    add_structured_arguments(parser)
+    add_reply_arguments(parser)
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="record every kernel of the run on its stream and write a Chrome trace JSON (under "
@@ -190,14 +302,18 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
     try:
         if llm.tokenizer is None:
             raise DtorchError(f"{llm.source}: the model has no tokenizer, so it cannot take a text prompt")
-        prompt = text if args.raw or llm.tokenizer.chat_template is None else \
-            llm.chat_prompt([{"role": "user", "content": text}])
         speaker = llm.rank == 0  # every rank runs every step; only rank 0 prints
+        if args.raw or llm.tokenizer.chat_template is None:
+            prompt, reply = text, None
 
-        def show(_index: int, piece: str) -> None:
-            if speaker:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            def show(_index: int, piece: str) -> None:
+                if speaker:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+        else:
+            setup = llm.chat_setup([{"role": "user", "content": text}], chat_template_kwargs=template_kwargs(args))
+            prompt, reply = setup.prompt_ids, ReplyPrinter(setup, args.hide_reasoning, speaker)
+            show = reply
 
         if args.trace:
             llm.executor.set_trace(True)
@@ -210,6 +326,8 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
                 sys.stdout.flush()
                 print_speed(stats_since(llm, before))
             return INTERRUPTED
+        if reply is not None:
+            reply.end()
         if args.trace:
             base, suffix = os.path.splitext(args.trace)
             path = f"{base}.rank{llm.rank}{suffix}" if launched_by_torchrun() else args.trace

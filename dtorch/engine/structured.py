@@ -139,8 +139,8 @@ class Grammars:
             if not self.eos_token_ids:
                 raise SamplingError("SamplingParams: structured_outputs needs an end-of-sequence token, and this "
                                     "model has none")
-            self._lltok = llg.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                          eos_token=self.eos_token_ids)
+            self._lltok = llg.LLTokenizer(_plain_added_tokens(self.tokenizer.backend.to_str()),
+                                          n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         return self._lltok
 
     def compile(self, so: StructuredOutputsParams) -> Any:
@@ -175,6 +175,24 @@ class Grammars:
         for r, m in enumerate(matchers):
             fill_next_token_bitmask(m, words, r)
         return unpack_bits(words, self.vocab_size, self._bits)
+
+
+def _plain_added_tokens(tokenizer_json: str) -> str:
+    """The tokenizer for llguidance, its added tokens that are not special (Qwen's ``<tool_call>``, ``<think>``) moved
+    into a byte-level vocabulary as plain tokens: llguidance takes every added token for a special one, which no
+    grammar text can produce (its mask offered ``<tool_call>`` for the text "<tool_call>", then refused it)."""
+    from dtorch.models.tokenizer import _byte_alphabet
+
+    d = json.loads(tokenizer_json)
+    model = d.get("model") or {}
+    if model.get("type") != "BPE" or (d.get("decoder") or {}).get("type") != "ByteLevel":
+        return tokenizer_json
+    alphabet = _byte_alphabet()
+    plain = [t for t in d.get("added_tokens", ()) if not t.get("special")]
+    for t in plain:
+        model["vocab"]["".join(alphabet[b] for b in t["content"].encode())] = t["id"]
+    d["added_tokens"] = [t for t in d.get("added_tokens", ()) if t.get("special")]
+    return json.dumps(d)
 
 
 def unpack_bits(words: torch.Tensor, vocab: int, bits: torch.Tensor | None = None) -> torch.Tensor:
