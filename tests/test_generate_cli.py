@@ -163,3 +163,27 @@ def test_generate_tensor_parallel_in_one_process_records_its_trace(tmp_path):
             by_kind[e["cat"]].add(e["name"].split("#")[0])
     assert by_kind["communicate"] == {"all_reduce", "all_gather"}
     assert {"matmul.linear", "llm.flash_attention_with_kvcache"} <= by_kind["compute"]  # on weights as stored
+
+
+def test_generate_follows_a_json_schema(tmp_path):
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+                                               "people": {"type": "integer", "minimum": 0, "maximum": 10 ** 8}},
+              "required": ["city", "people"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    proc = _run("The biggest city of France, as JSON.", "--json-schema", str(tmp_path / "schema.json"),
+                "--max-tokens", "40")
+    assert proc.returncode == 0, proc.stderr
+    jsonschema.validate(json.loads(proc.stdout), schema)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json-schema", "{nope"], "--json-schema: not a JSON schema"),
+    (["--grammar", "/no/such.lark"], "--grammar: cannot read /no/such.lark"),
+    (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs: expected a JSON object"),
+])
+def test_bad_constraint_flags_are_clean_errors(args, message):
+    _clean_error(_run("hi", *args), message)
