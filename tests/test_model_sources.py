@@ -170,22 +170,24 @@ def test_unreadable_pytorch_bin(tmp_path):
 
 # --- Mistral ---------------------------------------------------------------------------------------------------
 
-def test_mistral_runs_as_llama_capped_at_its_window(tmp_path):
+def test_mistral_runs_as_llama_past_its_window(tmp_path):
     cfg = transformers.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                      sliding_window=32, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1,
                                      eos_token_id=2, rope_theta=10000.0)
     hf = save_random(transformers, cfg, tmp_path)
     llm = LLM(str(tmp_path), max_num_seqs=2)
-    assert llm.config.family == "llama" and llm.config.max_position_embeddings == 32 and llm.max_len == 32
-    _logits_match(hf, llm, n=31)
+    assert llm.config.family == "llama" and llm.config.max_position_embeddings == 128 and llm.max_len == 128
+    assert [llm.config.window(i) for i in range(2)] == [32, 32]
+    _logits_match(hf, llm, n=100)  # every layer sees only the last 32 keys, as transformers' sliding mask
 
 
 def test_mistral_config_without_a_window():
     c = transformers.MistralConfig(sliding_window=None, max_position_embeddings=4096).to_dict()
-    assert ModelConfig.from_hf(c).max_position_embeddings == 4096
-    assert ModelConfig.from_hf(c | {"sliding_window": 8192}).max_position_embeddings == 4096
-    assert ModelConfig.from_hf(c | {"sliding_window": 1024}).max_position_embeddings == 1024
+    assert ModelConfig.from_hf(c).max_position_embeddings == 4096 and ModelConfig.from_hf(c).kv_window is None
+    for window in (8192, 1024):
+        slides = ModelConfig.from_hf(c | {"sliding_window": window})
+        assert slides.max_position_embeddings == 4096 and slides.kv_window == window
     assert ModelConfig.from_hf(c) == ModelConfig.from_hf(c | {"model_type": "llama"})
 
 

@@ -140,8 +140,11 @@ class BlockManager:
             self._key_of.pop(name, None)
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Let go of a sequence's blocks; the last blocks go first, so they are reused before the prefix."""
+        """Let go of a sequence's blocks; the last blocks go first, so they are reused before the prefix. Entries < 0
+        (blocks already freed behind a sliding window) are skipped."""
         for b in reversed(blocks):
+            if b < 0:
+                continue
             self.holders[b] -= 1
             if self.holders[b] == 0:
                 if b in self._name_of:

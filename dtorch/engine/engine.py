@@ -77,7 +77,8 @@ class Engine:
         prefix = enable_prefix_caching and not cache.has_state  # a recurrent state cannot start mid-prompt
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, prefix)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks,
-                                   cache.num_state_slots if cache.has_state else 0, cache.reset_state)
+                                   cache.num_state_slots if cache.has_state else 0, cache.reset_state,
+                                   window=executor.model.config.kv_window)
         self._requests: dict[str, list[Sequence]] = {}
         self._inbox: deque = deque()
         self._inbox_lock = threading.Lock()

@@ -12,6 +12,10 @@ Every step it picks, within ``max_num_seqs`` running sequences and ``max_num_bat
    blocks the same way.
 
 A sequence's tokens are ``ids`` (prompt, then what it generated); ``computed`` of them have keys in the cache.
+
+Sliding windows: when every attention layer of the model slides (``window``, the widest), a running sequence's blocks
+that lie wholly before the window of its next token are freed before each step (its entry in ``blocks`` becomes -1),
+so a long generation holds about its window of cache.
 """
 
 from __future__ import annotations
@@ -73,9 +77,10 @@ class Scheduler:
     """Which sequences run in the next step, and how many of their tokens; owns the waiting and running queues."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, num_state_slots: int = 0,
-                 reset_state=None) -> None:
+                 reset_state=None, window: int | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.window = window  # keys past which no layer looks (None: some layer reads them all)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._state_slots = list(range(num_state_slots - 1, -1, -1)) if num_state_slots else None
@@ -96,6 +101,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            self._slide(seq)
             n = min(len(seq.ids) - seq.computed, budget)
             need = bm.blocks_for(seq.computed + n) - len(seq.blocks)
             while need > bm.num_free and self.running[-1] is not seq:
@@ -151,6 +157,17 @@ class Scheduler:
 
     def give_state_slot(self, slot: int) -> None:
         self._state_slots.append(slot)
+
+    def _slide(self, seq: Sequence) -> None:
+        """Free the blocks of ``seq`` that lie wholly before the window of its next token (the oldest key any of its
+        next queries sees is computed - window + 1): no layer reads them again."""
+        if self.window is None:
+            return
+        dead = max(0, seq.computed - self.window + 1) // self.blocks.block_size
+        gone = [b for b in seq.blocks[:dead] if b >= 0]
+        if gone:
+            self.blocks.free(gone)
+            seq.blocks[:dead] = [-1] * dead
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
         return any(s.request_id == seq.request_id and s.index == 0 and s.computed < s.num_prompt

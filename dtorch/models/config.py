@@ -9,9 +9,17 @@ Qwen3 has per-head RMS norms on q and k (``qk_norm``), Llama 3 scales its RoPE f
 (``partial_rotary_factor``) and scale their RMS norms by ``1 + weight`` (``norm_plus_one``); Qwen3-Next's sparse
 MoE blocks add a shared expert (``shared_expert_intermediate_size``).
 
-A Mistral ``config.json`` (``model_type`` "mistral") is the Llama architecture and loads as family "llama". Its
-``sliding_window``, when set and shorter than ``max_position_embeddings``, caps the context at the window: within
-it, sliding-window attention is full attention, so the model is exact up to that length and refuses beyond it.
+A Mistral ``config.json`` (``model_type`` "mistral") is the Llama architecture and loads as family "llama"; its
+``sliding_window`` makes every layer a ``sliding_attention`` layer: each query sees its own position and the
+``sliding_window - 1`` before it, past which the paged cache frees what no layer reads any more.
+
+Gemma 3 (``gemma3``: HF ``gemma3_text``, the text part of ``gemma3``, GGUF ``gemma3``) alternates sliding and full
+attention layers (``layer_types``), each kind with its own RoPE base (``rope_local_theta`` for the sliding ones),
+q/k norms, ``(1 + w)`` RMS norms (``norm_plus_one``), norms after attention and after the MLP besides the ones
+before (``sandwich_norm``), a GeGLU MLP (``hidden_act`` "gelu_tanh"), the embedding scaled by sqrt(hidden)
+(``embed_scale``) and queries scaled by ``query_pre_attn_scalar ** -0.5``. Phi-3 (``phi3``) is Llama with q/k/v and
+gate/up fused in its checkpoints (``qkv_proj``, ``gate_up_proj``) and, where its config says so, a sliding window on
+every layer.
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.models.config_fields import _HF_NULLABLE, HF_KEYS, LIMITS, check_field, check_fields
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "gemma3", "phi3")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_next")
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text")
-LAYER_TYPES = ("full_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (GELU with the tanh approximation)
 
 # rope type -> the keys its scaling mapping must hold (besides "rope_type")
 _ROPE_TYPES: dict[str, tuple[str, ...]] = {
@@ -83,6 +92,13 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * factor dims of each head, passes the rest
     attn_output_gate: bool = False  # q_proj also gives a gate per head: attention output * sigmoid(gate)
     norm_plus_one: bool = False  # RMS norms scale by (1 + weight) (zero-centred weights); the gated norm does not
+    # sliding-window attention: the keys a "sliding_attention" layer's query sees, itself included (None: no such layer)
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base, unscaled (None: the global rope_theta)
+    query_pre_attn_scalar: float | None = None  # queries scaled by its -1/2 power (None: head_dim ** -0.5)
+    embed_scale: bool = False  # the embedding output times sqrt(hidden_size) (Gemma)
+    sandwich_norm: bool = False  # RMS norms on the attention and MLP outputs too, before each residual add (Gemma)
+    hidden_act: str = "silu"  # one of ACTIVATIONS
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -120,7 +136,27 @@ class ModelConfig:
         object.__setattr__(self, "eos_token_ids", eos)
         self._check_moe()
         self._check_hybrid()
+        self._check_window()
 
+    def _check_window(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelError(f"ModelConfig: hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        for name in ("embed_scale", "sandwich_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ModelError(f"ModelConfig: {name} must be None or a positive finite number, got {v!r}")
+            if v is not None:
+                object.__setattr__(self, name, float(v))
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ModelError(f"ModelConfig: sliding_window must be None or an int >= 1, got {w!r}")
+        if "sliding_attention" in self.layer_types and w is None:
+            raise ModelError("ModelConfig: layer_types has sliding_attention layers but sliding_window is None; give "
+                             "the window (keys each query of those layers sees)")
     def _check_moe(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             v = getattr(self, name)
@@ -178,6 +214,9 @@ class ModelConfig:
         if "linear_attention" in types and self.family not in HYBRID_FAMILIES:
             raise ModelError(f"ModelConfig: linear_attention layers need a family of {HYBRID_FAMILIES}, got "
                              f"{self.family!r}")
+        if "sliding_attention" in types and self.family in HYBRID_FAMILIES:
+            raise ModelError(f"ModelConfig: layer_types holds ['sliding_attention']; the layers of a {self.family} "
+                             "model are full_attention or linear_attention")
         if "linear_attention" not in types:
             return
         for name in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
@@ -203,6 +242,22 @@ class ModelConfig:
     def attention_layers(self) -> tuple[int, ...]:
         """The full-attention layers (they alone use the KV cache), in order."""
         return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to every earlier key)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window past which no layer reads a key (None: some layer reads them all): the widest window when
+        every attention layer slides. A sequence's cache blocks older than it can be freed."""
+        windows = [self.window(i) for i in self.attention_layers]
+        return None if not windows or None in windows else max(windows)
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor of q k^T: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def rotary_dim(self) -> int:
@@ -239,17 +294,18 @@ class ModelConfig:
         """A config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling). Each field is checked
         for type and range first (``check_fields``); errors name ``source`` (the file) and the key as it spells it."""
         c = dict(config_json)
-        family = c.get("model_type")
-        if family == "mistral":
-            family = "llama"
+        if c.get("model_type") == "gemma3":  # the multimodal checkpoint: its text model
+            text = c.get("text_config")
+            if not isinstance(text, Mapping):
+                raise ModelError(f"{source}: a gemma3 config.json needs a text_config object (the language model)")
+            c = {"model_type": "gemma3_text", **{k: v for k, v in text.items() if k != "model_type"}}
+            source = f"{source}: text_config"
+        family = _HF_FAMILY.get(c.get("model_type"), c.get("model_type"))
         if family not in FAMILIES:
-            raise ModelError(f"{source}: model_type {family!r} is not supported; expected one of "
-                             f"{(*FAMILIES, 'mistral')}")
+            raise ModelError(f"{source}: model_type {c.get('model_type')!r} is not supported; expected one of "
+                             f"{HF_MODEL_TYPES}")
         check_fields(c, HF_KEYS, source, _HF_NULLABLE)
-        if c.get("model_type") == "mistral":  # Llama under another name, with a sliding window (module docstring)
-            window = c.get("sliding_window")
-            if isinstance(window, int) and 0 < window < c.get("max_position_embeddings", 2048):
-                c["max_position_embeddings"] = window
+        extra = _window_fields(c, family, source)
         for flag in ("mlp_bias", "attention_bias"):  # Llama's / Qwen3-MoE's biases (o_proj included) are not modelled
             if family != "qwen2" and c.get(flag):
                 raise ModelError(f"{source}: {flag}=true is not supported for {family} models; expected false")
@@ -267,6 +323,7 @@ class ModelConfig:
             # partial rotary is not a scaling; Qwen3.5's multimodal rope sections are all one position for text
             partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor",
                                                               0.25 if family in HYBRID_FAMILIES else 1.0))
+            partial = 1.0 if partial is None else partial
             check_field("rope_theta", theta, f"{source}: rope_theta")
             check_field("partial_rotary_factor", partial, f"{source}: partial_rotary_factor")
             scaling = {k: v for k, v in rope.items()
@@ -286,8 +343,8 @@ class ModelConfig:
                 max_position_embeddings=c.get("max_position_embeddings", 2048),
                 tie_word_embeddings=c.get("tie_word_embeddings", False),
                 attention_bias=family == "qwen2",  # Qwen2 always has q/k/v biases, the others none
-                qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES), bos_token_id=c.get("bos_token_id"),
-                eos_token_ids=eos, partial_rotary_factor=partial,
+                qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", *HYBRID_FAMILIES),
+                bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, partial_rotary_factor=partial, **extra,
                 **(_moe_fields(c) if family in MOE_FAMILIES else {}),
                 **(_hybrid_fields(c, source) if family in HYBRID_FAMILIES else {}),
             )
@@ -304,6 +361,63 @@ class ModelConfig:
         if name not in PRESETS:
             raise ModelError(f"ModelConfig.preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
+
+
+# model_type -> family, where they differ
+_HF_FAMILY = {"mistral": "llama", "gemma3_text": "gemma3"}
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "gemma3_text",
+                  "gemma3", "phi3")
+
+
+def _window_fields(c: dict[str, Any], family: str, source: str) -> dict[str, Any]:
+    """The sliding-window and Gemma fields of a ``config.json`` (``c`` is changed in place: Gemma 3's RoPE
+    parameters per layer kind become the generic global ones, and the local base is returned).
+
+    Mistral and Phi-3: every layer slides when ``sliding_window`` is set. Gemma 3: ``layer_types`` (or every sixth
+    layer full attention, transformers' default), the local RoPE base (``rope_parameters["sliding_attention"]``, or
+    ``rope_local_base_freq``), ``query_pre_attn_scalar``; logit soft-capping (Gemma 2) is refused.
+    """
+    layers = c.get("num_hidden_layers")
+    window = c.get("sliding_window")
+    out: dict[str, Any] = {}
+    if c.get("model_type") in ("mistral", "phi3"):
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelError(f"{source}: hidden_act={act!r} is not supported; expected 'silu'")
+        if window is not None and isinstance(layers, int):
+            out |= dict(sliding_window=window, layer_types=("sliding_attention",) * layers)
+        return out
+    if family != "gemma3":
+        return out
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(key) is not None:
+            raise ModelError(f"{source}: {key}={c[key]!r} is not supported; expected null (Gemma 3 has none)")
+    if c.get("use_bidirectional_attention"):
+        raise ModelError(f"{source}: use_bidirectional_attention=true is not supported; expected false")
+    act = c.get("hidden_activation", c.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelError(f"{source}: hidden_activation={act!r} is not supported; expected 'gelu_pytorch_tanh'")
+    types = c.get("layer_types")
+    if types is None and isinstance(layers, int):
+        pattern = c.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    rope = c.get("rope_parameters")
+    local_theta = c.get("rope_local_base_freq", 10000.0)
+    if isinstance(rope, Mapping) and "full_attention" in rope:  # transformers 5: one set per layer kind
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelError(f"{source}: rope_parameters.sliding_attention of type {local.get('rope_type')!r} is not "
+                             "supported; expected the default rope")
+        local_theta = local.get("rope_theta", local_theta)
+        c["rope_parameters"] = dict(rope["full_attention"])
+        c["rope_parameters"].setdefault("rope_theta", 1_000_000.0)
+    elif "rope_theta" not in c and "rope_parameters" not in c:
+        c["rope_theta"] = 1_000_000.0
+    check_field("rope_theta", local_theta, f"{source}: the sliding layers' rope_theta")
+    c.setdefault("tie_word_embeddings", True)
+    return dict(layer_types=tuple(types or ()), sliding_window=window if types and "sliding_attention" in types
+                else None, rope_local_theta=local_theta, query_pre_attn_scalar=c.get("query_pre_attn_scalar", 256),
+                embed_scale=True, sandwich_norm=True, norm_plus_one=True, hidden_act="gelu_tanh")
 
 
 def _moe_fields(c: Mapping[str, Any]) -> dict[str, Any]:
@@ -371,15 +485,17 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Map
     return MappingProxyType({"rope_type": kind, **{k: v for k, v in scaling.items() if k != "rope_type"}})
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, ``[rotary_dim // 2]`` float32, with the config's scaling applied.
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """RoPE inverse frequencies, ``[rotary_dim // 2]`` float32, with the config's scaling applied (``local``: the
+    sliding layers' own base ``rope_local_theta``, unscaled).
 
     Rotation i of a head turns by ``position * inv_freq[i]`` (the "rotate half" pairing: dims i and
     i + rotary_dim/2; rotary_dim is head_dim unless the config rotates only part of each head).
     """
     dim = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = None if local else config.rope_scaling
     kind = "default" if s is None else s["rope_type"]
     if kind == "linear":
         return inv_freq / float(s["factor"])

@@ -25,7 +25,8 @@ LIMITS: dict[str, tuple[int, int]] = {
     "linear_num_key_heads": (0, 1 << 12), "linear_num_value_heads": (0, 1 << 12), "linear_key_head_dim": (0, 1 << 12),
     "linear_value_head_dim": (0, 1 << 12), "full_attention_interval": (1, 1 << 12),
 }
-_NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")  # positive finite
+_NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_theta",
+            "query_pre_attn_scalar")  # positive finite
 _BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm")
 _LISTS = ("layer_types", "mlp_only_layers")
 
@@ -45,10 +46,11 @@ HF_KEYS: dict[str, str] = {
     "linear_conv_kernel_dim": "linear_conv_kernel_dim", "linear_num_key_heads": "linear_num_key_heads",
     "linear_num_value_heads": "linear_num_value_heads", "linear_key_head_dim": "linear_key_head_dim",
     "linear_value_head_dim": "linear_value_head_dim", "sliding_window": "sliding_window",
+    "rope_local_theta": "rope_local_base_freq", "query_pre_attn_scalar": "query_pre_attn_scalar",
 }
 # keys config.json may set to null (transformers then derives or omits them)
 _HF_NULLABLE = ("head_dim", "num_key_value_heads", "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters",
-                "layer_types", "mlp_only_layers", "sliding_window")
+                "layer_types", "mlp_only_layers", "sliding_window", "partial_rotary_factor")
 
 
 def gguf_keys(arch: str) -> dict[str, str]:
@@ -84,9 +86,12 @@ def check_field(field_name: str, value: Any, where: str) -> None:
     elif field_name in _BOOLS:
         if not isinstance(value, bool):
             raise bad("true or false")
-    elif field_name in ("bos_token_id", "eos_token_id", "eot_token_id", "sliding_window"):
+    elif field_name in ("bos_token_id", "eos_token_id", "eot_token_id"):
         if not is_int or value < 0:
             raise bad("an int >= 0")
+    elif field_name == "sliding_window":
+        if not is_int or value < 1:
+            raise bad("an int >= 1 (keys a query of a sliding layer sees)")
     elif field_name == "eos_token_ids":
         ids = value if isinstance(value, list | tuple) else [value]
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):

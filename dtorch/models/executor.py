@@ -35,7 +35,8 @@ from dtorch.runtime.stream import StreamManager
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     """One step on the host: sequence i has ``counts[i]`` new tokens at positions ``starts[i]``.., its keys in the
-    cache blocks ``blocks[i]`` (enough for ``starts[i] + counts[i]`` tokens) and, for a model with gated delta net
+    cache blocks ``blocks[i]`` (enough for ``starts[i] + counts[i]`` tokens; -1 for a block freed behind a sliding
+    window, which no layer reads) and, for a model with gated delta net
     layers, its state in row ``state_slots[i]``; ``ids`` are all new tokens, sequence after sequence."""
 
     ids: Sequence[int]
@@ -148,11 +149,12 @@ class Executor:
         if positions and max(positions) >= table.shape[0]:
             raise ModelError(f"position {max(positions)} is past the {table.shape[0]} positions the model was loaded "
                              "for (max_model_len, at most max_position_embeddings)")
-        cs = table[torch.tensor(positions, dtype=torch.int64)]  # [T, 2, D / 2]
+        where = torch.tensor(positions, dtype=torch.int64)
+        cs = table[where]  # [T, 2, D / 2]
         block_table = torch.zeros(N, self.cache.max_blocks_per_seq, dtype=torch.int32)
         for i, blocks in enumerate(plan.blocks):
-            if blocks:
-                block_table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            if blocks:  # a block freed behind a sliding window (-1) is never read: any block will do
+                block_table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).clamp_(min=0)
         feeds = {
             "ids": torch.tensor(ids, dtype=torch.int64),
             "cos": cs[:, 0],
@@ -162,6 +164,9 @@ class Executor:
             "seqlens_k": torch.tensor(lens, dtype=torch.int32),
             "block_table": block_table,
         }
+        if self.model.rope_local_table is not None:  # the sliding layers' own RoPE base
+            local = self.model.rope_local_table[where]
+            feeds["cos_local"], feeds["sin_local"] = local[:, 0], local[:, 1]
         if self.model.config.linear_layers:  # padding sequences read and write the scratch row of the state cache
             state = list(plan.state_slots) + [self.cache.scratch] * (N - n)
             feeds["state_slots"] = torch.tensor(state, dtype=torch.int64)

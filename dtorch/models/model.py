@@ -6,7 +6,9 @@ and builds the step graph of one shape bucket: T rows (tokens) of N sequences pa
 and writing the KV cache in place. A mesh of one device is the same graph; on n devices the placements
 of ``Layout`` make it tensor parallel and the graph inserts the all-reduces and the logits' all-gather.
 
-Family differences are configuration: ``attention_bias`` (Qwen2's q/k/v biases), ``qk_norm``
+Family differences are configuration: sliding-window layers (``ModelConfig.window``: Mistral, Phi-3, Gemma 3's local
+layers, with their own RoPE base), Gemma's embedding scale, GeGLU and norms around each block, ``attention_bias``
+(Qwen2's q/k/v biases), ``qk_norm``
 (Qwen3's per-head RMS norms on q and k), ``tie_word_embeddings``, ``rope_scaling``, and the layers whose MLP is a
 sparse mixture of experts (``ModelConfig.is_sparse``: the router and experts ops, and Qwen3-Next's shared
 expert), and the hybrid families' schedule of gated delta net layers (``ModelConfig.is_linear``): a fused input
@@ -84,10 +86,16 @@ class Transformer:
         self.dtype = dtype
         self.layout = Layout(config, mesh.size)
         self.weights = dict(weights)
-        inv_freq = rope_inv_freq(config)  # float32 [R / 2] (R: the rotary dims), scaled as the config says
         positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
-        angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
-        self.rope_table = torch.stack([angles.cos(), angles.sin()], 1)  # [positions, 2, R / 2]: one gather a step
+
+        def table(local: bool) -> torch.Tensor:  # [positions, 2, R / 2]: one gather a step
+            inv_freq = rope_inv_freq(config, local)  # float32 [R / 2] (R: the rotary dims), scaled as the config says
+            angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
+            return torch.stack([angles.cos(), angles.sin()], 1)
+
+        self.rope_table = table(False)
+        # the sliding layers' own RoPE base (Gemma 3), fed as cos_local / sin_local; None: one table for every layer
+        self.rope_local_table = table(True) if config.rope_local_theta is not None else None
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -153,11 +161,16 @@ class Transformer:
             lens_k=g.input("seqlens_k", (N,), torch.int32),
             table=g.input("block_table", (N, table_width), torch.int32),
             state_slots=g.input("state_slots", (N,), torch.int64) if c.linear_layers else None,
-            bucket=bucket)
+            bucket=bucket,
+            cos_local=g.input("cos_local", (T, R // 2), torch.float32) if self.rope_local_table is not None else None,
+            sin_local=g.input("sin_local", (T, R // 2), torch.float32) if self.rope_local_table is not None else None)
         w = {name: g.param(name, t) for name, t in self.weights.items()}
         eps = c.rms_norm_eps
         # row-parallel results (partial sums on n > 1 devices) are all-reduced into the replicated residual stream
         x = g.redistribute(g.call("llm.embedding", ids, w["embed"]), Replicate())
+        if c.embed_scale:  # Gemma: times sqrt(hidden), rounded to the model's dtype as transformers does
+            x = g.call("binary.mul", x, float(torch.tensor(c.hidden_size ** 0.5, dtype=self.dtype)))
+        act = "llm.gelu_tanh_and_mul" if c.hidden_act == "gelu_tanh" else "llm.silu_and_mul"
         o = None
         for i in range(c.num_layers):
             p = f"layers.{i}."
@@ -170,13 +183,17 @@ class Transformer:
             else:
                 o = self._attention(g, i, h, w, cache, step)
             o = g.redistribute(o, Replicate())
+            if c.sandwich_norm:  # Gemma: the attention output normed before the residual add
+                o = g.call("llm.rms_norm", o, w[p + "attn_out_norm"], eps=eps)
             h, x = g.call("llm.add_rms_norm", o, x, w[p + "post_norm"], eps=eps)
             if c.is_sparse(i):
                 o = self._moe(g, i, h, w)
             else:
                 gate, up = self._proj_split(g, h, w, p + "gate_up", (inter, inter))
-                o = self._proj(g, g.call("llm.silu_and_mul", gate, up), w, p + "down")
+                o = self._proj(g, g.call(act, gate, up), w, p + "down")
             o = g.redistribute(o, Replicate())
+            if c.sandwich_norm:  # and the MLP's
+                o = g.call("llm.rms_norm", o, w[p + "mlp_out_norm"], eps=eps)
         h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
         if bucket.hidden:  # [T, hidden], replicated
             g.output("hidden", h)
@@ -230,13 +247,15 @@ class Transformer:
         T = step.bucket.tokens
         H, Hkv, D, p = c.num_heads, c.num_kv_heads, c.head_dim, f"layers.{i}."
         eps, rot = c.rms_norm_eps, dict(rotary_dim=c.rotary_dim)
+        window = c.window(i)
+        cos, sin = (step.cos_local, step.sin_local) if window and step.cos_local is not None else (step.cos, step.sin)
         # x @ [q | (gate) | k | v]: on each device [q_r | (gate_r) | k_r | v_r], its own heads of each
         bias = w[p + "qkv_bias"] if c.attention_bias else None
         qk_size = c.q_size + c.kv_size
         if not c.qk_norm and self._parts_fit(p + "qkv", (qk_size, c.kv_size)):
             # q and k heads side by side (each device's [q_r | k_r]), rotated by one call
             qk, v = self._proj_split(g, h, w, p + "qkv", (qk_size, c.kv_size), bias)
-            qk = g.call("llm.rope_cached", g.view(qk, (T, H + Hkv, D)), step.cos, step.sin, **rot)
+            qk = g.call("llm.rope_cached", g.view(qk, (T, H + Hkv, D)), cos, sin, **rot)
             q, k = g.split(qk, (H, Hkv), 1)
             v = g.view(v, (T, Hkv, D))
             gate = None
@@ -248,12 +267,12 @@ class Transformer:
             if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
                 q = g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps)
                 k = g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps)
-            q = g.call("llm.rope_cached", q, step.cos, step.sin, **rot)
-            k = g.call("llm.rope_cached", k, step.cos, step.sin, **rot)
+            q = g.call("llm.rope_cached", q, cos, sin, **rot)
+            k = g.call("llm.rope_cached", k, cos, sin, **rot)
         kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
         kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, step.slots)
         a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, step.cu_q, step.lens_k, step.table, causal=True,
-                   scale=D ** -0.5)
+                   scale=c.attn_scale, window=window)
         a = g.view(a, (T, H * D))
         if gate is not None:  # Qwen3-Next / Qwen3.5: each head's output scaled by sigmoid(gate)
             a = g.call("binary.mul", a, g.call("unary.sigmoid", gate))
@@ -323,3 +342,5 @@ class _Step:
     table: object
     state_slots: object
     bucket: Bucket
+    cos_local: object = None  # the sliding layers' RoPE rows where they have their own base
+    sin_local: object = None

@@ -64,10 +64,12 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], Any] | None = None,
                extra: dict[str, tuple[Any, Any]] | None = None) -> None:
-    """Write the transformers model ``hf`` (a dense Llama, Qwen2 or Qwen3) to the GGUF file ``path`` as llama.cpp's
-    ``convert_hf_to_gguf.py`` does: its tensor names, Llama's q/k rows permuted, the ``{arch}.*`` metadata keys.
+    """Write the transformers model ``hf`` (a dense Llama, Qwen2, Qwen3, Gemma 3 text or Phi-3) to the GGUF file
+    ``path`` as llama.cpp's ``convert_hf_to_gguf.py`` does: its tensor names, Llama's q/k rows permuted, Gemma's norms
+    with their 1 added, the ``{arch}.*`` metadata keys (a sliding window, Phi-3's rotated dims).
 
-    ``arch``: "llama" | "qwen2" | "qwen3" (default: the config's ``model_type``). ``qtype(gguf_name)`` gives each
+    ``arch``: "llama" | "qwen2" | "qwen3" | "gemma3" | "phi3" (default: the config's ``model_type``, "gemma3" for
+    "gemma3_text", "llama" for "mistral", as llama.cpp converts it). ``qtype(gguf_name)`` gives each
     matrix's ``gguf.GGMLQuantizationType`` (default F32; Q8_0, Q4_0, Q4_1 ... are quantized by ``gguf.quants``, whose
     rows must be a multiple of 32 long); vectors stay F32. ``extra``: more tensors, name -> (array, type).
     """
@@ -77,15 +79,18 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     from dtorch.models.loaders.gguf import gguf_name, permute_qk
 
     c, Q = hf.config, gguf.GGMLQuantizationType
-    arch = arch or c.model_type
+    arch = arch or {"gemma3_text": "gemma3", "mistral": "llama"}.get(c.model_type, c.model_type)
     tensors = dict(extra or {})
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        g = gguf_name(name)
+        g = gguf_name(name, arch)
         if g is None:
-            raise ValueError(f"write_gguf: {name} has no llama.cpp name (a dense llama, qwen2 or qwen3 model only)")
+            raise ValueError(f"write_gguf: {name} has no llama.cpp name (a dense llama, qwen2, qwen3, gemma3 or phi3 "
+                             "model only)")
         t = t.detach().float().cpu()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1  # the converter's norm_shift: llama.cpp's RMS norm scales by w
         if arch == "llama" and ".attn_q." in g:
             t = permute_qk(t, c.num_attention_heads)
         elif arch == "llama" and ".attn_k." in g:
@@ -101,8 +106,22 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
         "attention.head_count_kv": (c.num_key_value_heads, V.UINT32),
         "attention.key_length": (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, V.UINT32),
         "attention.layer_norm_rms_epsilon": (c.rms_norm_eps, V.FLOAT32),
-        "rope.freq_base": (c.rope_parameters["rope_theta"], V.FLOAT32),
+        "rope.freq_base": (c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"], V.FLOAT32),
         "context_length": (c.max_position_embeddings, V.UINT32)}.items()}
+    if getattr(c, "sliding_window", None) is not None:
+        meta[f"{arch}.attention.sliding_window"] = (c.sliding_window, V.UINT32)
+    if arch == "phi3":
+        head_dim = c.hidden_size // c.num_attention_heads
+        partial = c.rope_parameters.get("partial_rotary_factor") or 1.0
+        meta[f"{arch}.rope.dimension_count"] = (int(head_dim * partial), V.UINT32)
+    if arch == "gemma3":
+        meta[f"{arch}.rope.freq_base_swa"] = (c.rope_parameters["sliding_attention"]["rope_theta"], V.FLOAT32)
+        if c.query_pre_attn_scalar != c.head_dim:  # llama.cpp's default is head_dim ** -0.5
+            meta[f"{arch}.attention.scale"] = (c.query_pre_attn_scalar ** -0.5, V.FLOAT32)
+        full = c.rope_parameters["full_attention"]
+        if full.get("rope_type", "default") == "linear":
+            meta[f"{arch}.rope.scaling.type"] = ("linear", V.STRING)
+            meta[f"{arch}.rope.scaling.factor"] = (full["factor"], V.FLOAT32)
     for key, token in (("bos", c.bos_token_id), ("eos", c.eos_token_id)):
         if isinstance(token, int):
             meta[f"tokenizer.ggml.{key}_token_id"] = (token, V.UINT32)

@@ -278,13 +278,21 @@ def _tensors(c: ModelConfig, layout: Layout):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         n = f"layers.{i}."
         yield n + "input_norm", [(p + "input_layernorm.weight", None, 1)], norm, (E,)
-        yield n + "post_norm", [(p + "post_attention_layernorm.weight", None, 1)], norm, (E,)
+        if c.sandwich_norm:  # Gemma: post_attention_layernorm is the attention output's; the MLP has its own two
+            yield n + "attn_out_norm", [(p + "post_attention_layernorm.weight", None, 1)], norm, (E,)
+            yield n + "post_norm", [(p + "pre_feedforward_layernorm.weight", None, 1)], norm, (E,)
+            yield n + "mlp_out_norm", [(p + "post_feedforward_layernorm.weight", None, 1)], norm, (E,)
+        else:
+            yield n + "post_norm", [(p + "post_attention_layernorm.weight", None, 1)], norm, (E,)
         if c.is_linear(i):
             yield from _delta_net_tensors(c, layout, n, p + "linear_attn.")
         elif c.attn_output_gate:  # q_proj gives [q_h | gate_h] per head: whole groups of 2 G D rows per device
             yield n + "qkv", [(a + "q_proj.weight", 0, 2 * G * D), (a + "k_proj.weight", 0, D),
                               (a + "v_proj.weight", 0, D)], _transposed_rows(_gated_q_rows(D), None, None), \
                 (E, Q + H * D)
+        elif c.family == "phi3":  # fused [q | k | v] rows: each device its heads' rows of each part
+            yield n + "qkv", [(a + "qkv_proj.weight", 0, Shard(0, (H * D, Hkv * D, Hkv * D), (G * D, D, D)))], \
+                _cat_t, (E, Q)
         else:
             yield n + "qkv", [(a + "q_proj.weight", 0, G * D), (a + "k_proj.weight", 0, D),
                               (a + "v_proj.weight", 0, D)], _cat_t, (E, Q)
@@ -299,7 +307,11 @@ def _tensors(c: ModelConfig, layout: Layout):
         if c.is_sparse(i):
             yield from _moe_tensors(c, layout, n, m)
             continue
-        yield n + "gate_up", [(m + "gate_proj.weight", 0, 1), (m + "up_proj.weight", 0, 1)], _cat_t, (E, 2 * inter)
+        if c.family == "phi3":  # fused [gate | up] rows: each device its rows of each half
+            yield n + "gate_up", [(m + "gate_up_proj.weight", 0, Shard(0, (inter, inter), 1))], _cat_t, (E, 2 * inter)
+        else:
+            yield n + "gate_up", [(m + "gate_proj.weight", 0, 1), (m + "up_proj.weight", 0, 1)], _cat_t,\
+                (E, 2 * inter)
         yield n + "down", [(m + "down_proj.weight", 1, 1)], _cat_t, (inter, E)
 
 

@@ -54,10 +54,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         if config.is_linear(i):
             shapes |= _linear_attention_shapes(config, p + "linear_attn.")
+        elif config.family == "phi3":  # q/k/v fused in the checkpoint
+            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "self_attn.o_proj.weight": (h, q)}
         else:
             qo = 2 * q if config.attn_output_gate else q  # q_proj gives [q | gate] per head
             shapes |= {p + "self_attn.q_proj.weight": (qo, h), p + "self_attn.k_proj.weight": (kv, h),
                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+        if config.sandwich_norm:  # Gemma: norms before and after the attention and the MLP
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if config.is_sparse(i):  # the experts' matrices stacked [E, ...] (see ``hf.stack_experts``)
             e, fe = config.num_experts, config.moe_intermediate_size
             shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj": (e, fe, h),
@@ -68,6 +72,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "mlp.shared_expert.up_proj.weight": (fs, h),
                            p + "mlp.shared_expert.down_proj.weight": (h, fs),
                            p + "mlp.shared_expert_gate.weight": (1, h)}
+        elif config.family == "phi3":  # gate/up fused in the checkpoint
+            shapes |= {p + "mlp.gate_up_proj.weight": (2 * ff, h), p + "mlp.down_proj.weight": (h, ff)}
         else:
             shapes |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
                        p + "mlp.down_proj.weight": (h, ff)}

@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized with the ``gguf`` package -> HF names.
 
-Architectures: llama, qwen2, qwen3 and qwen3moe (family ``qwen3_moe``: the router ``ffn_gate_inp`` and the stacked
+Architectures: llama, qwen2, qwen3, gemma3 (norms stored with Gemma's 1 added), phi3 (``attn_qkv`` and ``ffn_up``
+holding the fused q/k/v and gate/up) and qwen3moe (family ``qwen3_moe``: the router ``ffn_gate_inp`` and the stacked
 experts ``ffn_{gate,up,down}_exps`` of each sparse layer, as ``convert_hf_to_gguf.py`` writes them), and the hybrid
 qwen3next (``qwen3_next``) and qwen35 (``qwen3_5_text``): their gated delta net tensors ``ssm_*`` / ``attn_qkv`` /
 ``attn_gate`` are served as transformers holds them, undoing the converter's changes (see ``gguf_hybrid.hybrid_views``).
@@ -68,9 +69,15 @@ _EXPERT_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# where an architecture's converter names a tensor otherwise: arch -> {llama.cpp name: HF name}
+_ARCH_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused as transformers has them
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm"},
+}
 # general.architecture -> ModelConfig family
 _FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen3next": "qwen3_next",
-             "qwen35": "qwen3_5_text"}
+             "qwen35": "qwen3_5_text", "gemma3": "gemma3", "phi3": "phi3"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PARAM_RE = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -79,8 +86,9 @@ _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None for tensors the model does not use."""
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (of a file of architecture ``arch``), or None for tensors the
+    model does not use."""
     m = _PARAM_RE.match(gguf_name)
     if m:
         return f"model.layers.{m.group(1)}.{_PARAM_NAMES[m.group(2)]}"
@@ -88,7 +96,7 @@ def hf_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _EXPERT_NAMES:
         return f"model.layers.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}" if m.group(3) == "weight" else None
     if m:
-        base = _LAYER_NAMES.get(m.group(2))
+        base = _ARCH_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
         return None if base is None else f"model.layers.{m.group(1)}.{base}.{m.group(3)}"
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
@@ -100,11 +108,13 @@ _DENSE_GGUF_NAMES = {hf: g for g, hf in reversed(_LAYER_NAMES.items())}  # the f
 _GLOBAL_GGUF_NAMES = {hf: g for g, hf in _GLOBAL_NAMES.items()}
 
 
-def gguf_name(name: str) -> str | None:
-    """The llama.cpp name of a dense model's Hugging Face tensor name (``hf_name`` inverted), or None if it has none."""
+def gguf_name(name: str, arch: str | None = None) -> str | None:
+    """The llama.cpp name of a dense model's Hugging Face tensor name (``hf_name`` inverted, for a file of
+    architecture ``arch``), or None if it has none."""
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
     if m:
-        base = _DENSE_GGUF_NAMES.get(m.group(2))
+        own = {hf: g for g, hf in _ARCH_NAMES.get(arch, {}).items()}
+        base = own.get(m.group(2)) or _DENSE_GGUF_NAMES.get(m.group(2))
         return None if base is None else f"blk.{m.group(1)}.{base}.{m.group(3)}"
     m = re.match(r"^(.+)\.(weight|bias)$", name)
     base = _GLOBAL_GGUF_NAMES.get(m.group(1)) if m else None
@@ -235,6 +245,12 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
     check_field("head_dim", head_dim, f"{path}: {arch}.embedding_length / {arch}.attention.head_count")
     hybrid = hybrid_fields(need, layers, head_dim, arch, path) if family in HYBRID_FAMILIES else {}
+    if family in ("gemma3", "phi3"):
+        hybrid = _window_fields(meta, family, arch, layers, hidden, heads, head_dim, tensor_names, path)
+    elif family == "llama" and f"{arch}.attention.sliding_window" in meta:  # Mistral, converted to llama
+        window = meta[f"{arch}.attention.sliding_window"]
+        check_field("sliding_window", window, f"{path}: {arch}.attention.sliding_window")
+        hybrid = dict(sliding_window=window, layer_types=("sliding_attention",) * layers)
     try:
         return ModelConfig(
             family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=ff,
@@ -242,16 +258,68 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
             num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
             head_dim=head_dim,
             rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
-            rope_scaling=None if rope_freqs is None else {"rope_type": "factors", "factors": rope_freqs.tolist()},
+            rope_scaling=hybrid.pop("rope_scaling", None) if rope_freqs is None
+            else {"rope_type": "factors", "factors": rope_freqs.tolist()},
             rms_norm_eps=need("attention.layer_norm_rms_epsilon"),
             max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
             tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES),
+            attention_bias=family == "qwen2",
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", *HYBRID_FAMILIES),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)), **moe,
             **hybrid,
         )
     except ModelError as e:  # a key that passed alone but not with the others (head_count vs head_count_kv, ...)
         raise ModelError(f"{path}: {e} (from the {arch}.* metadata keys)") from None
+
+
+def _window_fields(meta: dict[str, Any], family: str, arch: str, layers: int, hidden: int, heads: int, head_dim: int,
+                   tensor_names: set[str], path: Path) -> dict[str, Any]:
+    """The fields of a gemma3 or phi3 file beyond the common keys, read as llama.cpp reads them.
+
+    Both: ``{arch}.attention.sliding_window``. phi3: every layer slides; ``rope.dimension_count`` rotated dims of each
+    head; LongRoPE (``rope_factors_long``) is refused. gemma3: every sixth layer full attention, the others sliding
+    (llama.cpp's pattern); the sliding layers' RoPE base ``rope.freq_base_swa`` (10000 when absent, as llama.cpp);
+    linear RoPE scaling of the global layers from ``rope.scaling.type`` / ``rope.scaling.factor``; queries scaled by
+    ``attention.scale`` when given, else by head_dim ** -0.5 (hidden / heads for the 62-layer 27B, llama.cpp's rule);
+    the embedding scaled by sqrt(hidden), norms around each block, (1 + w) norms (stored with the 1 added), GeGLU.
+    """
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is not None:
+        check_field("sliding_window", window, f"{path}: {arch}.attention.sliding_window")
+    out: dict[str, Any] = {}
+    if family == "phi3":
+        if "rope_factors_long.weight" in tensor_names:
+            raise ModelError(f"{path}: this phi3 file has LongRoPE factors (rope_factors_long.weight); LongRoPE "
+                             "scaling is not supported")
+        rot = meta.get(f"{arch}.rope.dimension_count", head_dim)
+        if isinstance(rot, bool) or not isinstance(rot, int) or not 2 <= rot <= head_dim or rot % 2:
+            raise ModelError(f"{path}: metadata key {arch}.rope.dimension_count is {rot!r}; expected an even number "
+                             f"of rotated dims <= the head dim {head_dim}")
+        out["partial_rotary_factor"] = rot / head_dim
+        if window is not None:
+            out |= dict(sliding_window=window, layer_types=("sliding_attention",) * layers)
+        return out
+    local = meta.get(f"{arch}.rope.freq_base_swa", 10000.0)
+    check_field("rope_local_theta", local, f"{path}: {arch}.rope.freq_base_swa")
+    scale = meta.get(f"{arch}.attention.scale")
+    if scale is not None:
+        check_field("query_pre_attn_scalar", scale, f"{path}: {arch}.attention.scale")
+        scalar = scale ** -2.0
+    else:
+        scalar = hidden / heads if layers == 62 else head_dim
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
+    if window is None:
+        types = ()
+    out = dict(layer_types=types, sliding_window=window, rope_local_theta=local, query_pre_attn_scalar=scalar,
+               embed_scale=True, sandwich_norm=True, norm_plus_one=True, hidden_act="gelu_tanh")
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        factor = meta.get(f"{arch}.rope.scaling.factor")
+        if kind != "linear" or isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+            raise ModelError(f"{path}: rope scaling {kind!r} with factor {factor!r} is not supported; expected "
+                             "linear scaling with a positive factor")
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    return out
 
 
 def dequantize(t: Any, path: Path) -> torch.Tensor:
@@ -353,12 +421,16 @@ def _gguf_reader(reader: Any, config: ModelConfig, path: Path,
     """The HF-named shapes of the file's tensors, a ``Reader`` of their slices (Llama q/k un-permuted, the hybrids'
     tensors as transformers holds them), its packed reader and each tensor's quantization type."""
     views = {}
+    arch = _arch(config)
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is not None:
             views[name] = View((t,), gguf_shape(t))
     if config.family in HYBRID_FAMILIES:
         hybrid_views(views, config, path)
+    if config.family == "gemma3":  # the converter stores Gemma's (1 + w) norms with the 1 added
+        for name in [n for n in views if n.endswith("norm.weight")]:
+            views[name] = View(views[name].parts, views[name].shape, value=lambda w: w - 1)
     shapes = {name: v.shape for name, v in views.items()}
     types = {name: v.parts[0].tensor_type.name for name, v in views.items()}
     heads = {}
@@ -449,7 +521,7 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
     shapes, read, read_packed, types = _gguf_reader(reader, config, path, dtype)
-    packed = {hf_name(t.name): int(t.n_bytes) for t in reader.tensors
+    packed = {hf_name(t.name, _arch(config)): int(t.n_bytes) for t in reader.tensors
               if stored_layout(t.tensor_type, dtype) is not None}
     shapes = used_shapes(shapes, config, dtype, str(path), gguf_keys(meta["general.architecture"]), packed)
     types = {name: types[name] for name in shapes}
@@ -460,14 +532,19 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
                           source=str(path), chat_template=template, read_packed=read_packed,
                           metadata={"tensor_types": types, "gguf": scalars}, check_finite=check_finite,
-                          stored=_stored_formats(reader, types))
+                          stored=_stored_formats(reader, types, _arch(config)))
 
 
-def _stored_formats(reader: Any, types: dict[str, str]) -> dict[str, tuple[str, str, float]]:
+def _arch(config: ModelConfig) -> str:
+    """The general.architecture of a family's files."""
+    return next(a for a, f in _FAMILIES.items() if f == config.family)
+
+
+def _stored_formats(reader: Any, types: dict[str, str], arch: str) -> dict[str, tuple[str, str, float]]:
     """HF name -> (the file's tensor name, its GGUF type name, bits per weight) of every tensor the model uses."""
     import gguf
 
-    names = {hf_name(t.name): t.name for t in reader.tensors}
+    names = {hf_name(t.name, arch): t.name for t in reader.tensors}
     out = {}
     for name, kind in types.items():
         qtype = gguf.GGMLQuantizationType[kind]

@@ -1,0 +1,124 @@
+"""Mistral with a sliding window shorter than its prompts, Gemma 3 (text) and Phi-3 against transformers: tiny random
+checkpoints written by transformers, loaded from their directories and from GGUF files written with llama.cpp's tensor
+names (gguf-py); logits of prompts past the window, greedy ids alone and in a batch, one device and two. Then the
+paged cache of a model whose layers all slide: a long generation holds only its window of blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtorch.engine.llm import LLM
+from dtorch.engine.sampling import SamplingParams
+from dtorch.models.tiny import hf_greedy, save_random, write_gguf
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+VOCAB = 128
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+FAMILIES = {
+    # every layer slides over 16 keys; prompts run to 53 tokens
+    "mistral": lambda: transformers.MistralConfig(**COMMON, num_hidden_layers=2, head_dim=16, sliding_window=16,
+                                                  tie_word_embeddings=False),
+    # transformers' default 5:1 schedule (layers 0-4 slide over 8 keys, 5 is global), the global layers' RoPE
+    # scaled linearly, the local ones on their own base; query_pre_attn_scalar not head_dim
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON, num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # fused qkv_proj and gate_up_proj, 3/4 of each head rotated, every layer sliding over 12 keys
+    "phi3": lambda: transformers.Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=12,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.75}),
+}
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+PROMPTS = [_prompt(9, seed=2), _prompt(40, seed=3), _prompt(23, seed=4)]  # shorter and longer than the windows
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request, tmp_path_factory):
+    """(family, transformers model, checkpoint directory, its GGUF file, greedy ids of PROMPTS by transformers)."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_random(transformers, FAMILIES[request.param](), path)
+    gguf_path = path / "model.gguf"
+    write_gguf(hf, gguf_path)
+    want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    return request.param, hf, path, gguf_path, want
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf", "hf_tp2"])
+def test_logits_and_greedy_ids_match_transformers(model, source):
+    family, hf, path, gguf_path, want = model
+    llm = LLM(str(gguf_path if source == "gguf" else path), max_num_seqs=4,
+              tensor_parallel_size=2 if source == "hf_tp2" else 1)
+    try:
+        ids = _prompt(53)
+        with torch.no_grad():
+            _close(llm.logits(ids), hf(torch.tensor([ids])).logits[0])
+        assert [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS[:2]] == want[:2]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    finally:
+        llm.close()
+
+
+def test_the_config_is_transformers(model):
+    family, hf, path, gguf_path, _ = model
+    for source in (path / "config.json", gguf_path):
+        from dtorch.models.loaders import open_checkpoint
+
+        with open_checkpoint(source.parent if source.name == "config.json" else source) as ckpt:
+            c = ckpt.config
+        windows = [c.window(i) for i in range(c.num_layers)]
+        if family == "gemma3":
+            assert c.family == "gemma3" and windows == [8] * 5 + [None] and c.kv_window is None
+            assert c.rope_local_theta == 1e4 and c.rope_theta == 1e6 and c.rope_scaling["factor"] == 2.0
+            assert c.attn_scale == pytest.approx(24 ** -0.5) and c.embed_scale and c.sandwich_norm
+            assert c.hidden_act == "gelu_tanh" and c.norm_plus_one and c.qk_norm and c.tie_word_embeddings
+        else:
+            window = hf.config.sliding_window
+            assert windows == [window] * c.num_layers and c.kv_window == window
+        if family == "phi3":
+            assert c.rotary_dim == 12 and c.head_dim == 16
+
+
+def test_a_long_generation_holds_only_its_window(model, tmp_path):
+    """Every Mistral / Phi-3 layer slides: blocks that left the window go back to the pool as the sequence grows,
+    and what it generates is still transformers' greedy continuation. Gemma 3's global layer reads every key: none
+    is freed."""
+    family, hf, path, _, _ = model
+    bs = 4
+    llm = LLM(str(path), max_num_seqs=2, block_size=bs, enable_prefix_caching=False)
+    try:
+        prompt, new = _prompt(30, seed=5), 40
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        engine, got, held = llm.engine, [], []
+        engine.add_request("r", prompt, params, got.append)
+        while engine.has_unfinished():
+            engine.step()
+            held.append(engine.blocks.num_used)
+        ids = [t for d in got for t in d.token_ids]
+        assert ids == hf_greedy(hf, prompt, new)
+        # blocks held after the step before the last: prompt + new - 2 keys (the last step's are freed within it)
+        total = -(-(len(prompt) + new - 2) // bs)
+        window = llm.config.kv_window
+        if window is None:
+            assert max(held) == total  # every block kept to the end
+        else:
+            # the window of the next token, the block the next token goes to, and one partly outside the window
+            assert max(held[-5:]) <= window // bs + 2 < total
+        assert engine.blocks.num_used == 0  # and all of them back when it finished
+    finally:
+        llm.close()
