@@ -79,10 +79,12 @@ def test_the_mask_allows_only_its_tokens_and_unconstrained_rows_are_untouched():
     assert masks.shape == (1, 70) and masks[0].nonzero().flatten().tolist() == [37]
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)]
     gens = [None, params[1].generator(), None]
-    tokens, _ = sample_step(logits, params, gens, [()] * 3, [()] * 3, allowed=([1], masks))
+    refused = unpack_bits(words, 70, refused=True)
+    assert torch.equal(refused, ~masks)
+    tokens, _ = sample_step(logits, params, gens, [()] * 3, [()] * 3, allowed=([1], refused))
     assert tokens[1] == 37 and tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
     # a ban (min_tokens) that would leave the row nothing yields to the grammar
-    tokens, _ = sample_step(logits, params, gens, [()] * 3, [()] * 3, banned=[(), [37], ()], allowed=([1], masks))
+    tokens, _ = sample_step(logits, params, gens, [()] * 3, [()] * 3, banned=[(), [37], ()], allowed=([1], refused))
     assert tokens[1] == 37
 
 

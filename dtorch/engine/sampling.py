@@ -292,8 +292,9 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     logits: [B, V] float32, raw model logits; ``params[b]``, ``generators[b]``, ``output_ids[b]`` (generated so
     far), ``prompt_ids[b]`` and ``banned[b]`` (ids that cannot be chosen: the stop ids before ``min_tokens``)
-    belong to row b. allowed: (rows, masks [R, V] bool): the only tokens each of those rows may take (a grammar's);
-    a ban that would leave such a row nothing yields to its mask. Returns (B token ids, B ``TokenLogprob`` or None).
+    belong to row b. allowed: (rows, refused [R, V] bool): the tokens each of those rows may not take (True; a
+    grammar's mask); a ban that would leave such a row nothing yields to the grammar. Returns (B token ids, B
+    ``TokenLogprob`` or None).
     """
     lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
     bans = [(b, list(ids)) for b, ids in enumerate(banned or ()) if ids]
@@ -308,16 +309,17 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
         bias = params[b].logit_bias
         ids = torch.tensor([t for t in bias if t < x.shape[-1]], dtype=torch.int64)
         x[b, ids] += torch.tensor([bias[t] for t in bias if t < x.shape[-1]], dtype=x.dtype)
+    refused = {}
     if allowed is not None:
-        rows, masks = allowed
-        rows = torch.tensor(list(rows), dtype=torch.int64)
-        free = x[rows]  # [R, V], before the bans
+        rows, refuse = allowed
+        for i, b in enumerate(rows):
+            refused[b] = refuse[i]
+            x[b].masked_fill_(refuse[i], -math.inf)  # in place, row by row: no copy of the batch
     for b, ids in bans:
-        x[b, torch.tensor(ids, dtype=torch.int64)] = -math.inf
-    if allowed is not None:
-        masked = x[rows].masked_fill(~masks, -math.inf)
-        dead = torch.isneginf(masked).all(-1, keepdim=True)  # a ban took the grammar's only tokens (its EOS)
-        x[rows] = torch.where(dead, free.masked_fill(~masks, -math.inf), masked)
+        ids = torch.tensor(ids, dtype=torch.int64)
+        if b in refused and refused[b].clone().index_fill_(0, ids, True).all():
+            continue  # the grammar allows nothing but these (its EOS before min_tokens): the grammar wins
+        x[b, ids] = -math.inf
     tokens = torch.argmax(x, dim=-1).tolist()
     for b, p in enumerate(params):
         if p.greedy:

@@ -14,6 +14,7 @@ structured outputs is a ``DtorchError`` that says what to install.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -126,9 +127,9 @@ class Grammars:
         self.eos_token_ids = sorted(eos_token_ids)
         self._lock = threading.Lock()
         self._lltok: Any = None
+        self._executor: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self.words = (vocab_size + 31) // 32  # int32 words of a mask row
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def _ll_tokenizer(self) -> Any:
         if self._lltok is None:
@@ -168,13 +169,17 @@ class Grammars:
         return self.compile(so).deep_copy()
 
     def masks(self, matchers: Sequence[Any]) -> torch.Tensor:
-        """The allowed tokens of each matcher's next position: [R, vocab_size] bool."""
-        from llguidance.torch import fill_next_token_bitmask
+        """The tokens each matcher refuses at its next position: [R, vocab_size] bool (True: refused)."""
+        from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         words = torch.empty(len(matchers), self.words, dtype=torch.int32)  # [R, W]
-        for r, m in enumerate(matchers):
-            fill_next_token_bitmask(m, words, r)
-        return unpack_bits(words, self.vocab_size, self._bits)
+        if len(matchers) == 1:
+            fill_next_token_bitmask(matchers[0], words, 0)
+        else:  # llguidance's threads, one row each
+            if self._executor is None:
+                self._executor = require_llguidance().LLExecutor()
+            fill_next_token_bitmask_par(self._executor, [(m, r) for r, m in enumerate(matchers)], words)
+        return unpack_bits(words, self.vocab_size, refused=True)
 
 
 def _plain_added_tokens(tokenizer_json: str) -> str:
@@ -195,7 +200,13 @@ def _plain_added_tokens(tokenizer_json: str) -> str:
     return json.dumps(d)
 
 
-def unpack_bits(words: torch.Tensor, vocab: int, bits: torch.Tensor | None = None) -> torch.Tensor:
-    """A bitmask [R, W] int32 (bit j of word w: token 32 w + j) as [R, vocab] bool."""
-    bits = torch.arange(32, dtype=torch.int32, device=words.device) if bits is None else bits
-    return ((words.unsqueeze(-1) >> bits) & 1).view(words.shape[0], -1)[:, :vocab].bool()
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: the bits of each byte
+
+
+def unpack_bits(words: torch.Tensor, vocab: int, refused: bool = False) -> torch.Tensor:
+    """A bitmask [R, W] int32 (bit j of word w: token 32 w + j) as [R, vocab] bool, True where the bit is set (or,
+    with ``refused``, where it is clear): each little-endian byte looked up in a table of its 8 bits (byte k of word
+    w holds tokens 32 w + 8 k ..)."""
+    assert sys.byteorder == "little"
+    table = (~_BYTE_BITS if refused else _BYTE_BITS).to(words.device)
+    return table[words.contiguous().view(torch.uint8).long()].view(words.shape[0], -1)[:, :vocab]

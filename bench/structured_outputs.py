@@ -1,0 +1,99 @@
+"""The cost of a constrained row: decode steps of the default model with and without a JSON schema, side by side.
+
+For each batch size, three runs of the same prompts: every row unconstrained, every row under a JSON schema, and a
+mixed batch (half and half). A decode step's time is the engine's decode seconds over its decode steps; the mask
+time is what ``Grammars.masks`` takes per constrained row (llguidance filling the bitmask, then unpacking it), the
+apply time what the sampler's masking adds per step. Each number is the median of ``--repeats`` runs.
+
+    python bench/structured_outputs.py                 # batch 1 and 8, 64 tokens, 5 repeats
+    python bench/structured_outputs.py --batch 1 4 16 --tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import dtorch
+from dtorch.engine import sampling
+from dtorch.engine.structured import StructuredOutputsParams
+
+# long enough never to finish within the tokens asked for: a list of records with strings, numbers, enums
+SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 200, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                     "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"}},
+    "required": ["name", "age", "role", "active"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False}
+
+
+class Timer:
+    """Wraps a function and adds up the seconds spent in it and how many rows it handled."""
+
+    def __init__(self, fn, rows) -> None:
+        self.fn, self.rows, self.seconds, self.count = fn, rows, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        self.count += self.rows(*args, **kwargs)
+        return out
+
+
+def run(llm, prompts, constrained: list[bool], tokens: int) -> dict[str, float]:
+    """One generate of the prompts; ms per decode step, ms of mask per constrained row, ms of sampling per step."""
+    so = StructuredOutputsParams(json=SCHEMA)
+    params = [dtorch.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
+                                    structured_outputs=so if c else None) for c in constrained]
+    g = llm.engine.grammars
+    masks = g.masks = Timer(type(g).masks.__get__(g), lambda matchers: len(matchers))
+    step = sampling.sample_step
+    sample = Timer(step, lambda *a, **k: 1)
+    llm.engine.__class__._accept.__globals__["sample_step"] = sample  # the engine's own reference
+    try:
+        before = llm.engine.stats()
+        outs = llm.generate(prompts, params)
+        after = llm.engine.stats()
+    finally:
+        llm.engine.__class__._accept.__globals__["sample_step"] = step
+        del g.masks
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs), "a row ended early: raise minItems"
+    steps = (after.decode_tokens - before.decode_tokens) / len(prompts)
+    return {"step": 1e3 * (after.decode_seconds - before.decode_seconds) / steps,
+            "mask": 1e3 * masks.seconds / masks.count if masks.count else 0.0,
+            "sample": 1e3 * sample.seconds / sample.count}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    llm = dtorch.LLM(threads=args.threads, max_num_seqs=max(args.batch))
+    llm.engine.warmup()
+    prompt = llm.chat_prompt([{"role": "user", "content": "List the staff records as JSON."}])
+    run(llm, [prompt], [True], 8)  # compile the grammar once, outside the timings
+    print(f"default model, {args.tokens} decode tokens per row, median of {args.repeats} runs, "
+          f"{torch.get_num_threads()} threads\n")
+    head = ("batch", "rows masked", "step ms (none)", "step ms", "overhead", "mask ms/row", "sampling ms/step")
+    print("  ".join(f"{h:>16}" for h in head))
+    for b in args.batch:
+        base = None
+        for masked in (0, b // 2, b) if b > 1 else (0, 1):
+            results = [run(llm, [prompt] * b, [i < masked for i in range(b)], args.tokens)
+                       for _ in range(args.repeats)]
+            med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+            base = med["step"] if masked == 0 else base
+            cells = (b, masked, f"{base:.2f}", f"{med['step']:.2f}", f"{100 * (med['step'] / base - 1):+.1f}%",
+                     f"{med['mask']:.3f}" if masked else "-", f"{med['sample']:.3f}")
+            print("  ".join(f"{c:>16}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
