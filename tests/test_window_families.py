@@ -122,3 +122,41 @@ def test_a_long_generation_holds_only_its_window(model, tmp_path):
         assert engine.blocks.num_used == 0  # and all of them back when it finished
     finally:
         llm.close()
+
+
+def test_the_text_model_of_a_multimodal_gemma3_checkpoint(tmp_path):
+    """A ``gemma3`` checkpoint (Gemma3ForConditionalGeneration): its text_config and language model tensors load, the
+    vision tower and projector are left out, and a text prompt's logits are the multimodal model's."""
+    text = FAMILIES["gemma3"]().to_dict()
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14).to_dict()
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
+                                       eoi_token_index=VOCAB - 2)
+    hf = save_random(transformers, config, tmp_path)
+    llm = LLM(str(tmp_path), max_num_seqs=2)
+    try:
+        assert llm.config.family == "gemma3" and llm.config.kv_window is None
+        ids = _prompt(30, seed=6)
+        with torch.no_grad():
+            _close(llm.logits(ids), hf(torch.tensor([ids])).logits[0])
+    finally:
+        llm.close()
+
+
+def test_variants_it_does_not_run_are_named():
+    import dtorch
+    from dtorch.models.config import ModelConfig
+
+    gemma = FAMILIES["gemma3"]().to_dict()
+    with pytest.raises(dtorch.ModelError, match="final_logit_softcapping=30.0 is not supported"):
+        ModelConfig.from_hf(gemma | {"final_logit_softcapping": 30.0})
+    with pytest.raises(dtorch.ModelError, match="hidden_activation='silu' is not supported"):
+        ModelConfig.from_hf(gemma | {"hidden_activation": "silu"})
+    phi = FAMILIES["phi3"]().to_dict()
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "long_factor": [1.0] * 6, "short_factor": [1.0] * 6,
+                "original_max_position_embeddings": 64}
+    with pytest.raises(dtorch.ModelError, match="rope_scaling type 'longrope' is not supported"):
+        ModelConfig.from_hf(phi | {"rope_parameters": longrope})
+    with pytest.raises(dtorch.ModelError, match="sliding_window must be an int >= 1"):
+        ModelConfig.from_hf(phi | {"sliding_window": 0})

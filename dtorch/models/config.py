@@ -300,7 +300,8 @@ class ModelConfig:
                 raise ModelError(f"{source}: a gemma3 config.json needs a text_config object (the language model)")
             c = {"model_type": "gemma3_text", **{k: v for k, v in text.items() if k != "model_type"}}
             source = f"{source}: text_config"
-        family = _HF_FAMILY.get(c.get("model_type"), c.get("model_type"))
+        family = c.get("model_type")
+        family = _HF_FAMILY.get(family, family) if isinstance(family, str) else family
         if family not in FAMILIES:
             raise ModelError(f"{source}: model_type {c.get('model_type')!r} is not supported; expected one of "
                              f"{HF_MODEL_TYPES}")
@@ -400,11 +401,15 @@ def _window_fields(c: dict[str, Any], family: str, source: str) -> dict[str, Any
     types = c.get("layer_types")
     if types is None and isinstance(layers, int):
         pattern = c.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ModelError(f"{source}: sliding_window_pattern must be an int >= 1, got {pattern!r}")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     rope = c.get("rope_parameters")
     local_theta = c.get("rope_local_base_freq", 10000.0)
     if isinstance(rope, Mapping) and "full_attention" in rope:  # transformers 5: one set per layer kind
         local = rope.get("sliding_attention") or {}
+        if not isinstance(local, Mapping) or not isinstance(rope["full_attention"], Mapping):
+            raise ModelError(f"{source}: rope_parameters.full_attention and .sliding_attention must be objects")
         if local.get("rope_type", "default") != "default":
             raise ModelError(f"{source}: rope_parameters.sliding_attention of type {local.get('rope_type')!r} is not "
                              "supported; expected the default rope")

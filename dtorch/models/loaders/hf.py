@@ -199,6 +199,30 @@ def stack_experts(shapes: dict[str, tuple[int, ...]], read: Reader, num_experts:
     return out, read_stacked
 
 
+# where a multimodal checkpoint keeps its language model (transformers' saved names, older and newer), and the towers
+# a text model does not run
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _language_model(shapes: dict[str, tuple[int, ...]], read: Reader, dtypes: dict[str, torch.dtype]
+                    ) -> tuple[dict[str, tuple[int, ...]], Reader, dict[str, torch.dtype]]:
+    """The tensors of a multimodal checkpoint's language model under the names a text model has them
+    (``language_model.model.layers.0...`` -> ``model.layers.0...``), the vision tower and projector left out."""
+    names: dict[str, str] = {}  # text name -> the file's
+    for name in shapes:
+        if name.startswith(_NOT_TEXT):
+            continue
+        text = next((new + name[len(old):] for old, new in _TEXT_PREFIXES if name.startswith(old)), name)
+        names[text] = name
+
+    def read_text(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+        return read(names[name], dim, runs)
+
+    return ({t: shapes[f] for t, f in names.items()}, read_text, {t: dtypes[f] for t, f in names.items()})
+
+
 def _chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
     jinja = directory / "chat_template.jinja"  # transformers 5 writes the template beside tokenizer_config.json
     if os.path.lexists(jinja):
@@ -235,6 +259,8 @@ def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32, check_fin
                 cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
     config = ModelConfig.from_hf(cfg_json, str(cfg_path))
     shapes, read, dtypes = _open_weights(directory)
+    if cfg_json.get("model_type") == "gemma3":  # a multimodal checkpoint: its language model alone
+        shapes, read, dtypes = _language_model(shapes, read, dtypes)
     if config.num_experts:
         shapes, read = stack_experts(shapes, read, config.num_experts, str(directory))
     shapes = used_shapes(shapes, config, dtype, str(directory), HF_KEYS)
