@@ -127,7 +127,7 @@ def test_history_checks_and_the_default_tool_rendering():
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-        {"role": "tool", "tool_call_id": "c2", "content": "warm"}], native_tools=False)
+        {"role": "tool", "tool_call_id": "c2", "content": "warm"}])
     assert msgs[0]["role"] == "system" and msgs[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
     out = default_tool_rendering(msgs, tools)
@@ -140,7 +140,7 @@ def test_history_checks_and_the_default_tool_rendering():
                       ([{"role": "assistant", "content": None, "tool_calls": [
                           {"function": {"name": "w", "arguments": "{nope"}}]}], "not valid JSON")):
         with pytest.raises(ArgumentError, match=what) as e:
-            check_messages(bad, native_tools=False)
+            check_messages(bad)
         assert e.value.param == "messages"
     grammar = tool_grammar(tools, "w", parallel=True).grammar
     assert grammar.startswith("start: call\ncall: ") and '"const": "w"' in grammar

@@ -88,7 +88,7 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
                                                     "only with add_generation_prompt false")
     source = tokenizer.chat_template or ""
     native = bool(_USES_TOOLS.search(source))
-    msgs = check_messages(messages, native)
+    msgs = check_messages(messages)
     if continue_final_message and msgs[-1]["role"] != "assistant":
         raise field_error("continue_final_message", "continue_final_message: the last message must be the "
                                                     f"assistant's, not {msgs[-1]['role']!r}")
@@ -170,7 +170,7 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> St
     return StructuredOutputsParams(grammar=lark)
 
 
-def check_messages(messages: Any, native_tools: bool) -> list[dict[str, Any]]:
+def check_messages(messages: Any) -> list[dict[str, Any]]:
     """The messages as the template gets them: known roles ("developer" is "system"), an assistant's tool calls with
     their arguments as objects (what templates expect), ``content: null`` as ""."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:

@@ -322,7 +322,7 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
         x[b, ids] = -math.inf
     tokens = torch.argmax(x, dim=-1).tolist()
     for b, p in enumerate(params):
-        if p.greedy:
+        if p.greedy or (b in refused and bool(refused[b].all())):  # a broken grammar refuses all: its matcher ends it
             continue
         probs = torch.softmax(filter_logits(x[b], p), dim=-1)
         g = generators[b]
