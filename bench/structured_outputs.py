@@ -3,7 +3,9 @@
 For each batch size, three runs of the same prompts: every row unconstrained, every row under a JSON schema, and a
 mixed batch (half and half). A decode step's time is the engine's decode seconds over its decode steps; the mask
 time is what ``Grammars.masks`` takes per constrained row (llguidance filling the bitmask, then unpacking it), the
-apply time what the sampler's masking adds per step. Each number is the median of ``--repeats`` runs.
+sampling time what the sampler takes per step (the masking is in it). Each number is the median of ``--repeats``
+runs; "cost/row" is a constrained row's mask time and share of the extra sampling time over the unconstrained
+decode step, which does not depend on how busy the machine was between two runs.
 
     python bench/structured_outputs.py                 # batch 1 and 8, 64 tokens, 5 repeats
     python bench/structured_outputs.py --batch 1 4 16 --tokens 96
@@ -79,20 +81,28 @@ def main() -> None:
     llm.engine.warmup()
     prompt = llm.chat_prompt([{"role": "user", "content": "List the staff records as JSON."}])
     run(llm, [prompt], [True], 8)  # compile the grammar once, outside the timings
-    print(f"default model, {args.tokens} decode tokens per row, median of {args.repeats} runs, "
-          f"{torch.get_num_threads()} threads\n")
-    head = ("batch", "rows masked", "step ms (none)", "step ms", "overhead", "mask ms/row", "sampling ms/step")
+    print(f"default model, {args.tokens} decode tokens per row, median of {args.repeats} runs (each repeat runs the "
+          f"batch's variants one after another), {torch.get_num_threads()} threads\n")
+    head = ("batch", "rows masked", "step ms", "mask ms/row", "sampling ms/step", "cost/row", "step vs none")
     print("  ".join(f"{h:>16}" for h in head))
     for b in args.batch:
-        base = None
-        for masked in (0, b // 2, b) if b > 1 else (0, 1):
-            results = [run(llm, [prompt] * b, [i < masked for i in range(b)], args.tokens)
-                       for _ in range(args.repeats)]
-            med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-            base = med["step"] if masked == 0 else base
-            cells = (b, masked, f"{base:.2f}", f"{med['step']:.2f}", f"{100 * (med['step'] / base - 1):+.1f}%",
-                     f"{med['mask']:.3f}" if masked else "-", f"{med['sample']:.3f}")
+        variants = (0, b // 2, b) if b > 1 else (0, 1)
+        results: dict[int, list[dict[str, float]]] = {m: [] for m in variants}
+        for _ in range(args.repeats):  # interleaved, so a change in the machine's load falls on every variant
+            for masked in variants:
+                results[masked].append(run(llm, [prompt] * b, [i < masked for i in range(b)], args.tokens))
+        med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
+        base = med[0]
+        for masked in variants:
+            m = med[masked]
+            # what one constrained row adds to a step: its mask, and its share of the sampler's extra work
+            cost = m["mask"] + (m["sample"] - base["sample"]) / masked if masked else 0.0
+            cells = (b, masked, f"{m['step']:.2f}", f"{m['mask']:.3f}" if masked else "-", f"{m['sample']:.3f}",
+                     f"{100 * cost / base['step']:.1f}%" if masked else "-",
+                     f"{100 * (m['step'] / base['step'] - 1):+.1f}%")
             print("  ".join(f"{c:>16}" for c in cells), flush=True)
+    print("\ncost/row: a constrained row's mask time plus its share of the extra sampling time, over the "
+          "unconstrained decode step; step vs none: the whole step against the unconstrained batch's")
 
 
 if __name__ == "__main__":

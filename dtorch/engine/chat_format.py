@@ -178,7 +178,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise field_error("messages", f"messages[{i}] must be a dict, got {type(m).__name__}")
+            raise field_error("messages", "messages must be a list of {'role': str, 'content': ...} dicts; "
+                                          f"messages[{i}] is {m!r:.200}")
         role = m.get("role")
         if role not in ROLES:
             raise field_error("messages", f"messages[{i}].role: unknown role {role!r}; the roles are "

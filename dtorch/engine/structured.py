@@ -14,7 +14,6 @@ structured outputs is a ``DtorchError`` that says what to install.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -200,13 +199,11 @@ def _plain_added_tokens(tokenizer_json: str) -> str:
     return json.dumps(d)
 
 
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: the bits of each byte
+_BITS = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32)  # 1 << j (bit 31: the sign bit)
 
 
 def unpack_bits(words: torch.Tensor, vocab: int, refused: bool = False) -> torch.Tensor:
     """A bitmask [R, W] int32 (bit j of word w: token 32 w + j) as [R, vocab] bool, True where the bit is set (or,
-    with ``refused``, where it is clear): each little-endian byte looked up in a table of its 8 bits (byte k of word
-    w holds tokens 32 w + 8 k ..)."""
-    assert sys.byteorder == "little"
-    table = (~_BYTE_BITS if refused else _BYTE_BITS).to(words.device)
-    return table[words.contiguous().view(torch.uint8).long()].view(words.shape[0], -1)[:, :vocab]
+    with ``refused``, where it is clear)."""
+    set_ = words.unsqueeze(-1) & _BITS.to(words.device)  # [R, W, 32]
+    return (set_.eq(0) if refused else set_.ne(0)).view(words.shape[0], -1)[:, :vocab]
