@@ -357,9 +357,9 @@ def test_llm_embed_mean_and_chat_tools_from_python(tiny):
     import dtorch
 
     hf, path = tiny[1], tiny[2]
-    llm = dtorch.LLM(str(path), max_num_seqs=4)
+    llm = dtorch.LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16)  # the long text in chunks
     try:
-        texts = ["What is the weather in Paris?", "sunny today"]
+        texts = ["What is the weather in Paris? " * 6, "sunny today"]
         got = llm.embed(texts, pooling="mean")
         for i, text in enumerate(texts):
             with torch.no_grad():

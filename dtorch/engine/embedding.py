@@ -9,12 +9,19 @@ mean needs every position computed).
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from dtorch.core.errors import ArgumentError
+from dtorch.models.executor import StepPlan
+
+log = logging.getLogger("dtorch.engine")
 
 POOLINGS = ("last", "mean")
 EmbedSink = Callable[[str, "torch.Tensor | BaseException"], None]  # (job id, [H] float32 or the failure)
@@ -52,3 +59,73 @@ class EmbedJob:
     def result(self) -> torch.Tensor:
         v = self.pool / len(self.ids) if self.pooling == "mean" else self.pool
         return torch.nn.functional.normalize(v, dim=0) if self.normalize else v
+
+
+class EmbeddingQueue:
+    """The engine's embedding jobs in arrival order, and the steps that run them (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.jobs: deque[EmbedJob] = deque()
+        self._next = False  # steps alternate while both kinds of work wait
+
+    def turn(self, generating: bool) -> bool:
+        """Whether the engine's next step is an embedding step (``generating``: sequences run or wait)."""
+        mine = bool(self.jobs) and (self._next or not generating)
+        self._next = not mine
+        return mine
+
+    def step(self, engine: Any) -> bool:
+        """One step of jobs on ``engine``'s model, in arrival order within its token budget; False when none could
+        start (no free blocks or state slots yet)."""
+        blocks, scheduler, state = engine.blocks, engine.scheduler, engine.cache.has_state
+        budget, plan = scheduler.config.max_num_batched_tokens, []
+        for job in self.jobs:
+            if budget <= 0:
+                break
+            if not job.blocks:
+                need = blocks.blocks_for(len(job.ids))
+                if need > blocks.num_free or (state and not scheduler.free_state_slots):
+                    break
+                job.blocks = blocks.allocate(need)
+                if state:
+                    job.state_slot = scheduler.take_state_slot()
+            n = min(len(job.ids) - job.computed, budget)
+            plan.append((job, n))
+            budget -= n
+        if not plan:
+            return False
+        t0 = time.perf_counter()
+        try:
+            hidden = engine.executor.step(StepPlan(
+                [t for j, n in plan for t in j.ids[j.computed:j.computed + n]], [n for _, n in plan],
+                [j.computed for j, _ in plan], [j.blocks for j, _ in plan],
+                [j.state_slot for j, _ in plan] if state else ()), hidden=True)  # [T, H]
+        except BaseException as exc:
+            for job, _ in plan:
+                self._done(engine, job, exc)
+            raise
+        at = 0
+        for job, n in plan:
+            job.add(hidden[at:at + n])
+            at += n
+            if job.computed == len(job.ids):
+                self._done(engine, job, job.result())
+        engine.count_prefill(at, time.perf_counter() - t0)
+        return True
+
+    def fail_all(self, engine: Any, exc: BaseException) -> None:
+        for job in list(self.jobs):
+            self._done(engine, job, exc)
+
+    def _done(self, engine: Any, job: EmbedJob, result: torch.Tensor | BaseException) -> None:
+        self.jobs.remove(job)
+        if job.blocks:
+            engine.blocks.free(job.blocks)
+            job.blocks = []
+        if job.state_slot >= 0:
+            engine.scheduler.give_state_slot(job.state_slot)
+            job.state_slot = -1
+        try:
+            job.sink(job.job_id, result)
+        except Exception:
+            log.exception("the sink of embedding %r failed", job.job_id)

@@ -21,7 +21,7 @@ import torch
 
 from dtorch.core.errors import ArgumentError, EngineBusy, ModelError, SamplingError
 from dtorch.engine.block_manager import BlockManager
-from dtorch.engine.embedding import EmbedJob, EmbedSink, check_pooling
+from dtorch.engine.embedding import EmbeddingQueue, EmbedJob, EmbedSink, check_pooling
 from dtorch.engine.request import Delta, Sink
 from dtorch.engine.sampling import SamplingParams, sample_step
 from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -86,8 +86,7 @@ class Engine:
         self.stepped = threading.Condition()  # notified after every step and when new work arrives
         self.accepting = True
         self.grammars = Grammars(tokenizer, vocab_size, sorted(eos_token_ids))
-        self._embeds: deque[EmbedJob] = deque()
-        self._embed_turn = False  # the next step embeds when jobs wait (steps alternate while both kinds wait)
+        self.embeddings = EmbeddingQueue()
         self._counts = dict(prompt=0, generation=0, decode=0, steps=0)
         self._seconds = dict(prefill=0.0, decode=0.0)
 
@@ -169,7 +168,7 @@ class Engine:
         return ids
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests or self._inbox or self._embeds)
+        return bool(self._requests or self._inbox or self.embeddings.jobs)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -222,13 +221,11 @@ class Engine:
         """Run one step; False when there was nothing to do."""
         with self.drive_lock:
             self._take_inbox()
-            if self._embeds and (self._embed_turn or not (self.scheduler.running or self.scheduler.waiting)):
-                self._embed_turn = False
-                if self._embed_step():
-                    with self.stepped:
-                        self.stepped.notify_all()
-                    return True
-            self._embed_turn = True
+            if self.embeddings.turn(bool(self.scheduler.running or self.scheduler.waiting)) and \
+                    self.embeddings.step(self):
+                with self.stepped:
+                    self.stepped.notify_all()
+                return True
             plan = self.scheduler.schedule()
             if not plan:
                 return False
@@ -274,62 +271,15 @@ class Engine:
                 for s in seqs:
                     self.scheduler.add(s)
             elif kind == "embed":
-                self._embeds.append(seqs)
+                self.embeddings.jobs.append(seqs)
             else:
                 self._end([s for s in self._requests.get(rid, ()) if not s.finished], "abort")
 
-    def _embed_step(self) -> bool:
-        """One step of embedding jobs, in arrival order within the token budget; False when none could start (no
-        free blocks or state slots yet)."""
-        budget, plan = self.scheduler.config.max_num_batched_tokens, []
-        for job in self._embeds:
-            if budget <= 0:
-                break
-            if not job.blocks:
-                need = self.blocks.blocks_for(len(job.ids))
-                if need > self.blocks.num_free or (self.cache.has_state and not self.scheduler.free_state_slots):
-                    break
-                job.blocks = self.blocks.allocate(need)
-                if self.cache.has_state:
-                    job.state_slot = self.scheduler.take_state_slot()
-            n = min(len(job.ids) - job.computed, budget)
-            plan.append((job, n))
-            budget -= n
-        if not plan:
-            return False
-        t0 = time.perf_counter()
-        try:
-            hidden = self.executor.step(StepPlan(
-                [t for j, n in plan for t in j.ids[j.computed:j.computed + n]], [n for _, n in plan],
-                [j.computed for j, _ in plan], [j.blocks for j, _ in plan],
-                [j.state_slot for j, _ in plan] if self.cache.has_state else ()), hidden=True)  # [T, H]
-        except BaseException as exc:
-            for job, _ in plan:
-                self._embed_done(job, exc)
-            raise
-        at = 0
-        for job, n in plan:
-            job.add(hidden[at:at + n])
-            at += n
-            if job.computed == len(job.ids):
-                self._embed_done(job, job.result())
-        self._counts["prompt"] += at
+    def count_prefill(self, tokens: int, seconds: float) -> None:
+        """Account for a step of prompt tokens run outside the scheduler (an embedding step)."""
+        self._counts["prompt"] += tokens
         self._counts["steps"] += 1
-        self._seconds["prefill"] += time.perf_counter() - t0
-        return True
-
-    def _embed_done(self, job: EmbedJob, result) -> None:
-        self._embeds.remove(job)
-        if job.blocks:
-            self.blocks.free(job.blocks)
-            job.blocks = []
-        if job.state_slot >= 0:
-            self.scheduler.give_state_slot(job.state_slot)
-            job.state_slot = -1
-        try:
-            job.sink(job.job_id, result)
-        except Exception:
-            log.exception("the sink of embedding %r failed", job.job_id)
+        self._seconds["prefill"] += seconds
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of ``seqs`` (rows of ``logits``), then stop or go on."""
@@ -420,8 +370,7 @@ class Engine:
         """Abort every request, queued or running (at shutdown)."""
         with self.drive_lock:
             self._take_inbox()
-            for job in list(self._embeds):
-                self._embed_done(job, EngineBusy("the engine shut down before the embedding was computed"))
+            self.embeddings.fail_all(self, EngineBusy("the engine shut down before the embedding was computed"))
             self._end([s for seqs in list(self._requests.values()) for s in seqs if not s.finished], "abort")
 
 
