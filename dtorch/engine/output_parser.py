@@ -87,7 +87,11 @@ class _Call:
         if m is None:
             return None
         if self.name is None:
-            self.id, self.name = new_call_id(), json.loads(f'"{m.group(1)}"')
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:  # a bad escape: the name as written
+                name = m.group(1)
+            self.id, self.name = new_call_id(), name
             out.id, out.name = self.id, self.name
         if self.args_at is None:
             m2 = _ARGS.match(self.body, m.end())
