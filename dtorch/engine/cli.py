@@ -298,6 +298,7 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
 
     text = read_prompt(args)
     params = sampling_params(args)
+    kwargs = template_kwargs(args)  # a bad flag fails before the model loads
     llm = load_llm(args, tensor_parallel_size=tp, dequantize=args.dequantize)
     try:
         if llm.tokenizer is None:
@@ -311,7 +312,7 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
         else:
-            setup = llm.chat_setup([{"role": "user", "content": text}], chat_template_kwargs=template_kwargs(args))
+            setup = llm.chat_setup([{"role": "user", "content": text}], chat_template_kwargs=kwargs)
             prompt, reply = setup.prompt_ids, ReplyPrinter(setup, args.hide_reasoning, speaker)
             show = reply
 
