@@ -346,6 +346,8 @@ def main() -> None:
                          _ratio(got.get("decode16"), got.get("decode")),
                          f"{_greedy_match(got['tokens'], ref['tokens'])}/{NEW}" if got and ref else None,
                          f"{100 * got['follow']:.0f}%" if "follow" in got else None])
+            print("  " + " | ".join(f"{h} {v:.4g}" if isinstance(v, float) else f"{h} {v}"
+                                    for h, v in zip(head, rows[-1], strict=True)), file=sys.stderr, flush=True)
     if args.agreement:
         _agreement(names, files, args.cache, max(threads), notes)
 
