@@ -116,10 +116,9 @@ class Engine:
         room = self.max_len - len(ids)
         limit = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        now = time.perf_counter()
         seqs = [Sequence(request_id, i, ids, params, sink, limit, stop_ids,
                          self.tokenizer.stream_decoder(params.skip_special_tokens) if self.tokenizer is not None
-                         else None, now, self.device, matchers[i])
+                         else None, self.device, matchers[i])
                 for i in range(params.n)]
         with self._inbox_lock:
             if request_id in self._requests or any(a[0] == "add" and a[1] == request_id for a in self._inbox):

@@ -36,10 +36,10 @@ class Sequence:
 
     __slots__ = ("request_id", "index", "params", "ids", "num_prompt", "sink", "generator", "blocks", "computed",
                  "prefix_key", "state_slot", "decoder", "text", "emitted", "limit", "stop_ids", "finish_reason",
-                 "stop_reason", "cached_tokens", "arrival", "output_ids", "matcher")
+                 "stop_reason", "cached_tokens", "output_ids", "matcher")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, sink: Sink,
-                 limit: int, stop_ids: frozenset[int], decoder, arrival: float,
+                 limit: int, stop_ids: frozenset[int], decoder,
                  device: torch.device | str = "cpu", matcher=None) -> None:
         self.request_id, self.index, self.params, self.sink = request_id, index, params, sink
         self.ids = list(prompt)
@@ -59,7 +59,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cached_tokens = 0
-        self.arrival = arrival
         self.matcher = matcher  # the grammar's state over output_ids (structured outputs), or None
 
     @property

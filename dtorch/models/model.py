@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dtorch.core.errors import ModelError
-from dtorch.graph import DeviceMesh, LogicalGraph, Replicate
+from dtorch.graph import DeviceMesh, LogicalGraph, Operand, Replicate
 from dtorch.models.config import ModelConfig, rope_inv_freq
 from dtorch.models.layout import Layout
 from dtorch.models.weights import Getter, PackedGetter, load_weights
@@ -332,15 +332,15 @@ class Transformer:
 
 @dataclass(frozen=True, slots=True)
 class _Step:
-    """The step inputs every layer reads."""
+    """The step inputs every layer reads (shapes as in ``Transformer.graph``)."""
 
-    cos: object
-    sin: object
-    slots: object
-    cu_q: object
-    lens_k: object
-    table: object
-    state_slots: object
+    cos: Operand  # [T, R/2] float32
+    sin: Operand
+    slots: Operand  # slot_mapping [T] int64
+    cu_q: Operand  # cu_seqlens_q [N+1] int32
+    lens_k: Operand  # seqlens_k [N] int32
+    table: Operand  # block_table [N, table_width] int32
+    state_slots: Operand | None  # [N] int64, with gated delta net layers only
     bucket: Bucket
-    cos_local: object = None  # the sliding layers' RoPE rows where they have their own base
-    sin_local: object = None
+    cos_local: Operand | None = None  # the sliding layers' RoPE rows where they have their own base
+    sin_local: Operand | None = None
