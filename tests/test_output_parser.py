@@ -144,3 +144,9 @@ def test_history_checks_and_the_default_tool_rendering():
         assert e.value.param == "messages"
     grammar = tool_grammar(tools, "w", parallel=True).grammar
     assert grammar.startswith("start: call\ncall: ") and '"const": "w"' in grammar
+    open_params = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
+                   "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "w", "parameters": open_params}}]
+    schema = json.loads(tool_grammar(tools, "required", False).grammar.split("%json ", 1)[1].rsplit(' "', 1)[0])
+    args = schema["properties"]["arguments"]
+    assert args["additionalProperties"] is False and args["properties"]["a"]["additionalProperties"] is False

@@ -10,7 +10,8 @@ blocks in its content; tool results become a user turn of ``<tool_response>`` bl
 
 ``tool_choice``: "none" (the reply is text), "auto" (the model decides; its ``<tool_call>`` blocks are parsed),
 "required" (at least one call) or ``{"type": "function", "function": {"name": ...}}`` (that one): the last two are a
-grammar over the tools' parameter schemas, so any model makes a valid call.
+grammar over the tools' parameter schemas (objects with listed properties closed to others unless they say
+otherwise, as in OpenAI's strict mode), so any model makes a valid call.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> St
         return None
     chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                               "arguments": f.get("parameters") or {"type": "object"}},
+                                               "arguments": _closed(f.get("parameters") or {"type": "object"})},
               "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
@@ -168,6 +169,21 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> St
     lark = (f"start: call{more}\ncall: {json.dumps(CALL_OPEN + chr(10))} %json {json.dumps(schema)} "
             f"{json.dumps(chr(10) + CALL_CLOSE)}\n")
     return StructuredOutputsParams(grammar=lark)
+
+
+def _closed(schema: Any) -> Any:
+    """A parameters schema whose objects with listed properties take no others unless they say so (as OpenAI's
+    strict function calling has them): a call then carries only the parameters the function declares."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "additionalProperties") else v
+           for k, v in schema.items()}
+    if isinstance(schema.get("properties"), Mapping):
+        out["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
