@@ -155,13 +155,9 @@ def test_a_recording_that_fails_leaves_the_runner_uncaptured():
 # -- a model's decode step ----------------------------------------------------------------------------------------
 
 def _families(transformers):
-    from tests.tiny_models import families
+    from tests.tiny_models import families, hybrid_sizes
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                  layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    common = hybrid_sizes(vocab_size=96, max_position_embeddings=256, initializer_range=0.02)  # transformers' default
     return {
         "qwen3": families(transformers, 4, 2, 96, 16)["qwen3"],
         "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**common),  # gated delta net + attention layers

@@ -17,7 +17,7 @@ from dtorch.engine.engine import EngineLoop
 from dtorch.engine.llm import LLM
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.kv_cache import kv_bytes_per_token
-from tests.tiny_models import families, hf_greedy, random_hybrid, save_random
+from tests.tiny_models import families, hf_greedy, hybrid_sizes, random_hybrid, save_random
 
 transformers = pytest.importorskip("transformers")
 
@@ -397,12 +397,9 @@ def test_n_choices_logprobs_and_seeds(tiny):
 def test_a_hybrid_model_is_preempted_and_resumed_exactly(tmp_path):
     """Gated delta net layers keep a state per sequence: a preempted sequence gives its state slot back and recomputes
     its state from its first token."""
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
-        max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2)
+    config = transformers.Qwen3_5TextConfig(**hybrid_sizes(
+        vocab_size=VOCAB, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=128))
     hf = random_hybrid(transformers, config)
     hf.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), max_num_seqs=3, max_model_len=48, block_size=4, max_num_batched_tokens=16,

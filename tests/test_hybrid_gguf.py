@@ -16,16 +16,13 @@ import dtorch
 from dtorch.engine.llm import LLM
 from dtorch.models import open_checkpoint
 from dtorch.models.config import ModelConfig
-from tests.tiny_models import random_hybrid
+from tests.tiny_models import hybrid_sizes, random_hybrid
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=1024,
-              rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-              layer_types=["linear_attention"] * 3 + ["full_attention"])  # GGUF: full_attention_interval 4
+# GGUF: full_attention_interval 4
+COMMON = hybrid_sizes(vocab_size=VOCAB, layer_types=["linear_attention"] * 3 + ["full_attention"])
 FAMILIES = {  # dtorch family -> (GGUF architecture, transformers config)
     "qwen3_next": ("qwen3next", lambda: transformers.Qwen3NextConfig(
         **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
