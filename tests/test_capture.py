@@ -170,14 +170,14 @@ def _families(transformers):
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5_text", "qwen3_next"])
 def checkpoint(request, tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    from tests.tiny_models import random_hybrid, save_random
+    from tests.tiny_models import save_hybrid, save_random
 
     path = tmp_path_factory.mktemp(request.param)
     config = _families(transformers)[request.param]()
     if request.param == "qwen3":
         save_random(transformers, config, path)
     else:
-        random_hybrid(transformers, config).save_pretrained(path)
+        save_hybrid(transformers, config, path)
     return request.param, path
 
 

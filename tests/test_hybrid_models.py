@@ -13,7 +13,7 @@ import dtorch
 from dtorch.engine.llm import LLM, PREFILL_TOKENS
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.config import ModelConfig
-from tests.tiny_models import hf_greedy, hybrid_sizes, random_hybrid
+from tests.tiny_models import hf_greedy, hybrid_sizes, save_hybrid
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,18 +29,11 @@ FAMILIES = {
 }
 
 
-def save_hybrid(config, path):
-    """A random model of ``config`` (``random_hybrid``) saved to ``path``; returns the transformers model."""
-    hf = random_hybrid(transformers, config)
-    hf.save_pretrained(path)
-    return hf
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def model(request, tmp_path_factory):
     """(family, transformers model, checkpoint directory, dtorch LLM on one device)."""
     path = tmp_path_factory.mktemp(request.param)
-    hf = save_hybrid(FAMILIES[request.param](), path)
+    hf = save_hybrid(transformers, FAMILIES[request.param](), path)
     llm = LLM(str(path), max_num_seqs=4)
     yield request.param, hf, str(path), llm
     llm.close()

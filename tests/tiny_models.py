@@ -9,6 +9,13 @@ from dtorch.models.tiny import (
 )
 
 
+def save_hybrid(transformers, config, path):
+    """A random model of ``config`` (``random_hybrid``) saved to ``path``; returns the transformers model."""
+    hf = random_hybrid(transformers, config)
+    hf.save_pretrained(path)
+    return hf
+
+
 def hybrid_sizes(**overrides) -> dict:
     """Keyword arguments of a tiny transformers config of a gated delta net family (``Qwen3_5TextConfig``, and
     ``Qwen3NextConfig`` with its expert sizes added): 4 layers, linear and full attention alternating, 4 query heads
