@@ -20,7 +20,8 @@ CARRIED = {"gguf"}
 # imported off the check's path, only by the files named: not needed on the machine
 _SERVE = ("dtorch/serve/",)  # the serve extra
 OFF_PATH = {"matplotlib": ("dtorch/cli.py", "dtorch/runtime/tracing.py"),  # the trace's picture
-            "fastapi": _SERVE, "starlette": _SERVE, "pydantic": _SERVE, "uvicorn": _SERVE, "prometheus_client": _SERVE}
+            "fastapi": _SERVE, "starlette": _SERVE, "pydantic": _SERVE, "uvicorn": _SERVE, "prometheus_client": _SERVE,
+            "llguidance": ("dtorch/engine/structured.py",)}  # structured outputs only, imported when one is asked
 
 
 def _needs() -> set[str]:
