@@ -116,60 +116,50 @@ static inline float exp_f32(float x) {
   return p * scale;
 }
 
-// out = silu(gate) * up; bf16: silu rounded to bf16, then the product rounded (as torch's F.silu then mul)
-template <class T>
-static void silu_and_mul_t(const T* gate, const T* up, int64_t ldg, int64_t ldu, T* out, int64_t r0, int64_t r1,
-                           int64_t I) {
+// The gated activations, act(gate) for out = act(gate) * up:
+//  - silu(x) = x / (1 + exp(-x));
+//  - gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)) with u = sqrt(2 / pi) (x + 0.044715 x^3) (GeGLU, Gemma).
+struct Silu {
+  static inline float act(float x) { return x / (1.f + exp_f32(-x)); }
+};
+struct GeluTanh {
+  static inline float act(float x) { return x / (1.f + exp_f32(-1.5957691216057308f * (x + 0.044715f * x * x * x))); }
+};
+
+// out = act(gate) * up; bf16: the activation rounded to bf16, then the product rounded (as torch's F.silu / F.gelu
+// then mul)
+template <class A, class T>
+static void glu_t(const T* gate, const T* up, int64_t ldg, int64_t ldu, T* out, int64_t r0, int64_t r1, int64_t I) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* g = gate + r * ldg;
     const T* u = up + r * ldu;
     T* o = out + r * I;
 #pragma omp simd
     for (int64_t i = 0; i < I; ++i) {
-      const float gv = ld(g, i);
-      float sg = gv / (1.f + exp_f32(-gv));
-      if constexpr (sizeof(T) == 2) sg = bf16_to_f32(f32_to_bf16(sg));
-      st(o, i, sg * ld(u, i));
+      float a = A::act(ld(g, i));
+      if constexpr (sizeof(T) == 2) a = bf16_to_f32(f32_to_bf16(a));
+      st(o, i, a * ld(u, i));
     }
   }
 }
 
-// out = gelu_tanh(gate) * up (GeGLU, Gemma's MLP), gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)) with
-// u = sqrt(2 / pi) (x + 0.044715 x^3); bf16: the gelu rounded to bf16, then the product rounded (as F.gelu then mul)
-template <class T>
-static void gelu_tanh_and_mul_t(const T* gate, const T* up, int64_t ldg, int64_t ldu, T* out, int64_t r0, int64_t r1,
-                                int64_t I) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* g = gate + r * ldg;
-    const T* u = up + r * ldu;
-    T* o = out + r * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float x = ld(g, i);
-      const float t = 1.5957691216057308f * (x + 0.044715f * x * x * x);  // 2u
-      float ge = x / (1.f + exp_f32(-t));
-      if constexpr (sizeof(T) == 2) ge = bf16_to_f32(f32_to_bf16(ge));
-      st(o, i, ge * ld(u, i));
-    }
-  }
-}
-
-static void gelu_tanh_and_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt,
-                              int64_t r0, int64_t r1, int64_t I) {
+template <class A>
+static void glu(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0, int64_t r1,
+                int64_t I) {
   if (dt == F32)
-    gelu_tanh_and_mul_t(static_cast<const float*>(gate), static_cast<const float*>(up), ldg, ldu,
-                        static_cast<float*>(out), r0, r1, I);
+    glu_t<A>(static_cast<const float*>(gate), static_cast<const float*>(up), ldg, ldu, static_cast<float*>(out), r0,
+             r1, I);
   else
-    gelu_tanh_and_mul_t(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up), ldg, ldu,
-                        static_cast<uint16_t*>(out), r0, r1, I);
+    glu_t<A>(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up), ldg, ldu,
+             static_cast<uint16_t*>(out), r0, r1, I);
 }
 
 static void silu_and_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
                          int64_t r1, int64_t I) {
-  if (dt == F32)
-    silu_and_mul_t(static_cast<const float*>(gate), static_cast<const float*>(up), ldg, ldu, static_cast<float*>(out),
-                   r0, r1, I);
-  else
-    silu_and_mul_t(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up), ldg, ldu,
-                   static_cast<uint16_t*>(out), r0, r1, I);
+  glu<Silu>(gate, up, ldg, ldu, out, dt, r0, r1, I);
+}
+
+static void gelu_tanh_and_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt,
+                              int64_t r0, int64_t r1, int64_t I) {
+  glu<GeluTanh>(gate, up, ldg, ldu, out, dt, r0, r1, I);
 }
