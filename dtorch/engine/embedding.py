@@ -96,10 +96,7 @@ class EmbeddingQueue:
             return False
         t0 = time.perf_counter()
         try:
-            hidden = engine.executor.step(StepPlan(
-                [t for j, n in plan for t in j.ids[j.computed:j.computed + n]], [n for _, n in plan],
-                [j.computed for j, _ in plan], [j.blocks for j, _ in plan],
-                [j.state_slot for j, _ in plan] if state else ()), hidden=True)  # [T, H]
+            hidden = engine.executor.step(StepPlan.chunks(plan, state), hidden=True)  # [T, H]
         except BaseException as exc:
             for job, _ in plan:
                 self._done(engine, job, exc)

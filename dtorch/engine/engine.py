@@ -230,10 +230,7 @@ class Engine:
                 return False
             t0 = time.perf_counter()
             try:
-                logits = self.executor.step(StepPlan(
-                    [t for s, n in plan for t in s.ids[s.computed:s.computed + n]], [n for _, n in plan],
-                    [s.computed for s, _ in plan], [s.blocks for s, _ in plan],
-                    [s.state_slot for s, _ in plan] if self.cache.has_state else ()))
+                logits = self.executor.step(StepPlan.chunks(plan, self.cache.has_state))
             except BaseException:
                 self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
                 raise

@@ -19,6 +19,7 @@ import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,14 @@ class StepPlan:
     starts: Sequence[int]
     blocks: Sequence[Sequence[int]]
     state_slots: Sequence[int] = ()
+
+    @classmethod
+    def chunks(cls, plan: Sequence[tuple[Any, int]], state: bool) -> StepPlan:
+        """The step of ``plan``: (item, n) pairs, each item (a running sequence, an embedding job) with ``ids``,
+        ``computed``, ``blocks`` and ``state_slot``, stepping its next n tokens; state slots where ``state``."""
+        return cls([t for s, n in plan for t in s.ids[s.computed:s.computed + n]], [n for _, n in plan],
+                   [s.computed for s, _ in plan], [s.blocks for s, _ in plan],
+                   [s.state_slot for s, _ in plan] if state else ())
 
 
 class Executor:
