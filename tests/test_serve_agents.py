@@ -205,6 +205,18 @@ def test_echo_tokenize_detokenize_and_the_model_card(default):
     assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == t["count"] + 3
     assert c.logprobs.token_logprobs[t["count"]:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
     assert all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    # max_tokens 0 scores the prompt, as OpenAI's: the echo and its logprobs, nothing generated, streamed or not
+    scored = client.completions.create(model=model, prompt="Hello world", max_tokens=0, logprobs=1, echo=True)
+    s = scored.choices[0]
+    assert s.text == "Hello world" and s.finish_reason == "length"
+    assert s.logprobs.tokens == c.logprobs.tokens[:t["count"]]
+    assert s.logprobs.token_logprobs == pytest.approx(c.logprobs.token_logprobs[:t["count"]], abs=1e-4)
+    assert scored.usage.prompt_tokens == t["count"] and scored.usage.completion_tokens == 0
+    chunks = list(client.completions.create(model=model, prompt="Hello world", max_tokens=0, echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "Hello world"
+    assert chunks[-1].usage.completion_tokens == 0
+    assert client.completions.create(model=model, prompt="Hello world", max_tokens=0).choices[0].text == ""
     r = client.chat.completions.create(
         model=model, temperature=0, max_tokens=4,
         messages=WEATHER + [{"role": "assistant", "content": "The weather in Paris is"}],

@@ -39,6 +39,8 @@ from dtorch.serve.responses import (
     chat_response,
     completion_events,
     completion_response,
+    scored_events,
+    scored_response,
     sse,
 )
 from dtorch.serve.utility import add_utility_routes
@@ -276,7 +278,8 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        params, origin = _sampling(body)
+        scoring = body.max_tokens == 0  # the prompt alone: its echo and logprobs, no generation
+        params, origin = _sampling(body) if not scoring else (None, None)
         prompts = body.prompts()
         try:
             ids = await asyncio.to_thread(lambda: [llm.tokenizer.encode(p) if isinstance(p, str) else list(p)
@@ -285,9 +288,14 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
             raise _bad_request(exc, "prompt") from None
         except AttributeError:  # no tokenizer
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt") from None
-        await server.compile(params, origin)
+        if not scoring:
+            await server.compile(params, origin)
         echoes = await asyncio.to_thread(server.echoes, prompts, ids, body.logprobs) if body.echo else None
         a = Answer(f"cmpl-{uuid.uuid4().hex}", server.name, server.token_text)
+        if scoring:
+            if body.stream:
+                return _EventStream(scored_events(a, body, ids, echoes))
+            return JSONResponse(scored_response(a, body, ids, echoes))
         queue = server.submit(a.id, ids, params, "prompt")
         run = server.deltas(a.id, len(ids), body.n, queue, None if body.stream else request)
         if body.stream:

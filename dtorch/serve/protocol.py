@@ -273,7 +273,7 @@ class CompletionRequest(_Sampling):
     logprobs: the prompt tokens' too, the first one's null)."""
 
     prompt: str | list[int] | list[str | list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 scores the prompt (with echo)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None

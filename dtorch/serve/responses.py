@@ -189,6 +189,33 @@ async def completion_response(a: Answer, body: CompletionRequest, prompts: int, 
             "usage": acc.usage()}
 
 
+def scored_response(a: Answer, body: CompletionRequest, ids: list[list[int]],
+                    echoes: list[Echo] | None) -> dict[str, Any]:
+    """A completion of ``max_tokens`` 0, as OpenAI answers it (prompt scoring): no token is generated; each choice
+    is its echoed prompt (with ``logprobs``, its tokens' logprobs, the first null), or empty text without ``echo``."""
+    choices = []
+    for i in range(len(ids) * body.n):
+        echo = echoes[i // body.n] if echoes else None
+        choices.append({"index": i, "text": echo.text if echo else "",
+                        "logprobs": echo.logprobs if echo and body.logprobs is not None else None,
+                        "finish_reason": "length"})
+    prompt = sum(len(p) for p in ids)
+    return {"id": a.id, "object": "text_completion", "created": a.created, "model": a.model, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt,
+                      "prompt_tokens_details": {"cached_tokens": 0}}}
+
+
+async def scored_events(a: Answer, body: CompletionRequest, ids: list[list[int]],
+                        echoes: list[Echo] | None) -> AsyncIterator[str]:
+    """``scored_response`` as ``text_completion`` events: a chunk per choice, then usage when asked for."""
+    reply = scored_response(a, body, ids, echoes)
+    head = {"id": a.id, "object": "text_completion", "created": a.created, "model": a.model}
+    for choice in reply["choices"]:
+        yield sse(head | {"choices": [choice]} | ({"usage": reply["usage"]} if body.continuous_usage else {}))
+    if body.include_usage:
+        yield sse(head | {"choices": [], "usage": reply["usage"]})
+
+
 def sse(obj: Any) -> str:
     """One server-sent event."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
