@@ -164,31 +164,23 @@ def rope(ctx, inputs, outputs):
 # outputs: out [..., I] = act(gate) * up; act rounded to the input dtype before the product, as F.silu / F.gelu.
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, N, sg_m, su_m, so_m, BLOCK: tl.constexpr):
+def _glu_kernel(gate_ptr, up_ptr, out_ptr, N, sg_m, su_m, so_m, GELU: tl.constexpr, BLOCK: tl.constexpr):
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = tl.load(gate_ptr + m * sg_m + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + m * su_m + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + m * so_m + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
+    if GELU:  # 0.5 x (1 + tanh(t / 2)) = x / (1 + exp(-t)), t = 2 sqrt(2/pi) (x + 0.044715 x^3)
+        t = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+    else:  # silu: x / (1 + exp(-x))
+        t = g
+    act = (g / (1.0 + tl.exp(-t))).to(gate_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + m * so_m + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _gelu_tanh_and_mul_kernel(gate_ptr, up_ptr, out_ptr, N, sg_m, su_m, so_m, BLOCK: tl.constexpr):
-    m = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    g = tl.load(gate_ptr + m * sg_m + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + m * su_m + cols, mask=mask, other=0.0).to(tl.float32)
-    t = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 sqrt(2/pi) (x + 0.044715 x^3)
-    gelu = (g / (1.0 + tl.exp(-t))).to(gate_ptr.dtype.element_ty).to(tl.float32)  # 0.5 x (1 + tanh(t / 2))
-    tl.store(out_ptr + m * so_m + cols, (gelu * u).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _glu(kernel, reference, ctx, inputs, outputs) -> None:
-    """A gated activation's launch: one program per row and block of columns; layouts it cannot view as rows go to
-    the torch ``reference``."""
+def _glu(gelu: bool, reference, ctx, inputs, outputs) -> None:
+    """A gated activation's launch (``gelu``: GeGLU, else SiLU): one program per row and block of columns; layouts it
+    cannot view as rows go to the torch ``reference``."""
     gate, up = inputs
     if up is None:  # the fused x [..., 2I]: its two halves
         gate, up = gate.chunk(2, dim=-1)
@@ -199,15 +191,15 @@ def _glu(kernel, reference, ctx, inputs, outputs) -> None:
     M, N = gv.shape
     if M and N:
         grid = (M, triton.cdiv(N, _SILU_BLOCK))
-        kernel[grid](gv, uv, ov, N, gv.stride(0), uv.stride(0), ov.stride(0),
-                     BLOCK=min(_SILU_BLOCK, triton.next_power_of_2(N)))
+        _glu_kernel[grid](gv, uv, ov, N, gv.stride(0), uv.stride(0), ov.stride(0), GELU=gelu,
+                          BLOCK=min(_SILU_BLOCK, triton.next_power_of_2(N)))
 
 
 @KERNELS.kernel("llm.silu_and_mul", FLOATS, **TRITON)
 def silu_and_mul(ctx, inputs, outputs):
-    _glu(_silu_and_mul_kernel, torch_llm.silu_and_mul_reference, ctx, inputs, outputs)
+    _glu(False, torch_llm.silu_and_mul_reference, ctx, inputs, outputs)
 
 
 @KERNELS.kernel("llm.gelu_tanh_and_mul", FLOATS, **TRITON)
 def gelu_tanh_and_mul(ctx, inputs, outputs):
-    _glu(_gelu_tanh_and_mul_kernel, torch_llm.gelu_tanh_and_mul_reference, ctx, inputs, outputs)
+    _glu(True, torch_llm.gelu_tanh_and_mul_reference, ctx, inputs, outputs)
