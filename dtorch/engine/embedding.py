@@ -116,12 +116,7 @@ class EmbeddingQueue:
 
     def _done(self, engine: Any, job: EmbedJob, result: torch.Tensor | BaseException) -> None:
         self.jobs.remove(job)
-        if job.blocks:
-            engine.blocks.free(job.blocks)
-            job.blocks = []
-        if job.state_slot >= 0:
-            engine.scheduler.give_state_slot(job.state_slot)
-            job.state_slot = -1
+        engine.scheduler.release(job)
         try:
             job.sink(job.job_id, result)
         except Exception:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -154,9 +155,6 @@ class Scheduler:
         self._reset_state(slot)
         return slot
 
-    def give_state_slot(self, slot: int) -> None:
-        self._state_slots.append(slot)
-
     def _slide(self, seq: Sequence) -> None:
         """Free the blocks of ``seq`` that lie wholly before the window of its next token (the oldest key any of its
         next queries sees is computed - window + 1): no layer reads them again."""
@@ -180,7 +178,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and state slot and put it at the front of the queue (it is recomputed)."""
-        self._release(seq)
+        self.release(seq)
         seq.computed, seq.prefix_key = 0, -1
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -192,9 +190,11 @@ class Scheduler:
         if any(id(s) in gone for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if id(s) not in gone)
         for s in seqs:
-            self._release(s)
+            self.release(s)
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Any) -> None:
+        """Give back the cache blocks and state row of ``seq`` (a sequence, or an embedding job: anything with
+        ``blocks`` and ``state_slot``)."""
         if seq.blocks:
             self.blocks.free(seq.blocks)
             seq.blocks = []
