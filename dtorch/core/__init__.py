@@ -1,4 +1,4 @@
-"""Core: devices, dtypes, errors and memory accounting (imports nothing else of dtorch)."""
+"""Core: devices, dtypes, placements, errors and memory accounting (imports nothing else of dtorch)."""
 
 from dtorch.core.device import Device, as_device, device_of
 from dtorch.core.dtypes import ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, as_dtype, dtype_name, tolerance

@@ -24,8 +24,8 @@ import torch
 
 from dtorch.core import env
 from dtorch.core.errors import ArgumentError, CommunicationError, DeviceError, ShapeError
+from dtorch.core.placement import Shard, piece_ranges
 from dtorch.core.sync import Rendezvous
-from dtorch.graph.placement import Shard, piece_ranges
 from dtorch.runtime.blob import local_piece
 from dtorch.runtime.comm import Communicator
 

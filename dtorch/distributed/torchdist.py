@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from dtorch.core import env
 from dtorch.core.errors import ArgumentError, CommunicationError
+from dtorch.core.placement import Shard, shard_sizes
 from dtorch.graph.mesh import local_cuda_index
-from dtorch.graph.placement import Shard, shard_sizes
 from dtorch.runtime.blob import local_piece
 from dtorch.runtime.comm import Communicator
 

@@ -23,11 +23,11 @@ import torch
 
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, DtorchError, GraphError
+from dtorch.core.placement import Partial, Placement, Replicate, Shard, as_placement, local_shape
 from dtorch.dispatch.context import KernelParams
 from dtorch.graph.bindings import bind
 from dtorch.graph.mesh import DeviceMesh
 from dtorch.graph.operand import COMMUNICATE, COMPUTE, Operand, Operator
-from dtorch.graph.placement import Partial, Placement, Replicate, Shard, as_placement, local_shape
 from dtorch.graph.strategy import choose
 from dtorch.graph.views import split_placements, view_placement, view_shape
 

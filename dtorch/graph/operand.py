@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtorch.core.dtypes import dtype_name
+from dtorch.core.placement import Placement
 from dtorch.dispatch.context import NO_PARAMS, KernelParams
-from dtorch.graph.placement import Placement
 
 if TYPE_CHECKING:
     from dtorch.graph.logical import LogicalGraph

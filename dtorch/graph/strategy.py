@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from dtorch.core.errors import GraphError
+from dtorch.core.placement import Partial, Placement, Replicate, Shard, shard_offsets, shard_sizes
 from dtorch.dispatch.context import KernelParams
-from dtorch.graph.placement import Partial, Placement, Replicate, Shard, shard_offsets, shard_sizes
 
 R = Replicate()
 P = Partial()

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from dtorch.core.errors import GraphError
-from dtorch.graph.placement import Placement, Replicate, Shard
+from dtorch.core.placement import Placement, Replicate, Shard
 
 
 def view_shape(name: str, shape: tuple[int, ...], new: Sequence[int]) -> tuple[int, ...]:

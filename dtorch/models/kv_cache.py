@@ -25,8 +25,8 @@ import torch
 
 from dtorch.core.errors import ArgumentError
 from dtorch.core.memory import MemoryKind, allocate
+from dtorch.core.placement import local_shape
 from dtorch.graph import DeviceMesh
-from dtorch.graph.placement import local_shape
 from dtorch.models.config import ModelConfig
 from dtorch.models.layout import Layout
 from dtorch.runtime.blob import Blob, DistTensor

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtorch.core.errors import ModelError
-from dtorch.graph.placement import Placement, Replicate, Shard
+from dtorch.core.placement import Placement, Replicate, Shard
 from dtorch.models.config import ModelConfig
 
 R = Replicate()

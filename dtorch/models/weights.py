@@ -17,8 +17,8 @@ import torch
 
 from dtorch.core.errors import ModelError
 from dtorch.core.memory import MemoryKind, adopt
+from dtorch.core.placement import piece_ranges
 from dtorch.graph import DeviceMesh, Shard
-from dtorch.graph.placement import piece_ranges
 from dtorch.graph.views import split_placements
 from dtorch.models.config import ModelConfig
 from dtorch.models.layout import Layout

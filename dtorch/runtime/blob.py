@@ -23,8 +23,8 @@ import torch
 from dtorch.core.device import Device
 from dtorch.core.errors import ArgumentError, CommunicationError, DeviceError, ShapeError
 from dtorch.core.memory import MemoryKind
+from dtorch.core.placement import Partial, Placement, Replicate, Shard, as_placement, piece_ranges
 from dtorch.graph.mesh import DeviceMesh
-from dtorch.graph.placement import Partial, Placement, Replicate, Shard, as_placement, piece_ranges
 
 
 class Blob:
