@@ -22,7 +22,8 @@ def _kernels(args: argparse.Namespace) -> int:
     active = {(_row_name(r.key), r.key.device, r.key.dtype): r for r in rows}
     cols = [(d, dt) for d in devices for dt in ALL_DTYPES if any((k[1], k[2]) == (d, dt) for k in active)]
     names = sorted({k[0] for k in active})
-    notes: dict[str, str] = {}
+    marks = _footnote_marks([active[(n, d, dt)] for n in names for d, dt in cols if (n, d, dt) in active])
+    used: dict[str, tuple[str, set[str]]] = {}  # mark -> (its text, the ops whose cells carry it)
 
     def cell(name, d, dt) -> str:
         r = active.get((name, d, dt))
@@ -30,8 +31,9 @@ def _kernels(args: argparse.Namespace) -> int:
             return "-"
         if not r.varies:
             return r.provider
-        notes[r.provider] = r.varies
-        return r.provider + "*"
+        mark = marks[(r.provider, r.varies)]
+        used.setdefault(mark, (r.varies, set()))[1].add(r.key.op)
+        return mark
 
     head = ["op"] + [f"{d}/{_short(dt)}" for d, dt in cols]
     table = [[name] + [cell(name, d, dt) for d, dt in cols] for name in names]
@@ -40,12 +42,22 @@ def _kernels(args: argparse.Namespace) -> int:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     print(f"\n{len(names)} ops; each cell is the active provider ('-': not registered). "
           "`python -m dtorch explain OP` shows every candidate.")
-    for provider, varies in sorted(notes.items()):
-        print(f"  {provider}*: the path depends on the call: {varies}")
+    for mark, (varies, ops) in sorted(used.items()):
+        print(f"  {mark} ({', '.join(sorted(ops))}): the path depends on the call: {varies}")
     for d in devices:
         for backend, reason in sorted(dispatcher.unavailable(d).items()):
             print(f"  backend {backend!r} unavailable on {d}: {reason}")
     return 0
+
+
+def _footnote_marks(rows) -> dict[tuple[str, str], str]:
+    """(provider, varies text) -> the cell's mark: "native*" where a provider has one such text, "native*1",
+    "native*2" ... where it has several (matmul's, attention's and MoE's differ)."""
+    texts: dict[str, list[str]] = {}
+    for r in rows:
+        if r.varies and r.varies not in texts.setdefault(r.provider, []):
+            texts[r.provider].append(r.varies)
+    return {(p, t): f"{p}*{i if len(ts) > 1 else ''}" for p, ts in texts.items() for i, t in enumerate(ts, 1)}
 
 
 def _row_name(key) -> str:

@@ -93,3 +93,32 @@ def test_every_option_has_help_text():
     for name, parser in sub.choices.items():
         for action in parser._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
+
+
+def test_each_footnote_mark_in_the_kernel_table_has_its_own_text(capsys):
+    """A marked cell ("native*2") points at the note of its own kernel: attention's and MoE's notes are theirs, not
+    matmul's."""
+    from dtorch.core.dtypes import dtype_name
+
+    assert main(["kernels", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = out[0].split()[1:]
+    notes = {}
+    for line in out:
+        if line.startswith("  ") and ": the path depends on the call: " in line:
+            mark, text = line.strip().split(" ", 1)
+            notes[mark] = text.split(": the path depends on the call: ", 1)[1]
+    varies = {(r.key.op if r.key.layout == "strided" else f"{r.key.op} [{r.key.layout}]", dtype_name(r.key.dtype)):
+              r.varies for r in dtorch.dispatcher.table("cpu") if r.active}
+    names = {"f32": "float32", "f64": "float64", "bf16": "bfloat16", "f16": "float16", "i32": "int32", "i64": "int64"}
+    checked = set()
+    for line in out[1:]:
+        if not line or line.startswith(" ") or "ops; each cell" in line:
+            continue
+        name, cells = line.split("  ", 1)[0], line.split("  ", 1)[1].split()
+        for col, cell in zip(header, cells, strict=True):
+            if "*" in cell:
+                expected = varies[(name, names[col.split("/")[1]])]
+                assert notes[cell] == expected, (name, col, cell)
+                checked.add(cell)
+    assert checked == set(notes) and len(set(notes.values())) == len(notes)  # one mark per text, each one used
