@@ -78,3 +78,22 @@ def test_trace_env_flag(monkeypatch):
     with Runner(g) as r:
         r.run({"x": torch.randn(2)})
         assert [label for *_, label, _, _ in r.tracer.events] == ["unary.relu#0 on cpu:0"]
+
+
+def test_trace_png_of_one_stream_draws_its_row(tmp_path):
+    """A one-stream trace gets a figure tall enough for its row: the bars are there, tens of pixels high."""
+    import numpy as np
+    import pytest
+
+    image = pytest.importorskip("matplotlib.image")
+    g = LogicalGraph(DeviceMesh.cpu(1))
+    g.output("y", g.input("x", (8, 4)).exp().relu())
+    with Runner(g, trace=True) as r:
+        r.run({"x": torch.randn(8, 4)})
+        path = r.tracer.write(tmp_path / "one.json")
+    png = tmp_path / "one.png"
+    assert cli.main(["trace", str(path), "--png", str(png)]) == 0
+    pixels = image.imread(png)[..., :3]
+    blue = np.array([0x1F, 0x77, 0xB4]) / 255  # matplotlib's tab:blue, the compute bars' color
+    rows = np.abs(pixels - blue).sum(-1).min(1) < 0.05  # image rows holding a compute bar
+    assert 20 <= rows.sum() <= 0.8 * pixels.shape[0], f"bars {rows.sum()} px high in a {pixels.shape[0]} px image"

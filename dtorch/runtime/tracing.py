@@ -160,7 +160,8 @@ def plot_chrome_trace(json_path: str | os.PathLike, png_path: str | os.PathLike)
     import matplotlib.pyplot as plt
 
     colors = {"compute": "tab:blue", "communicate": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(rows)))
+    # 0.45 in a row, plus room for the title and the time axis (with less, one row is squeezed to nothing)
+    fig, ax = plt.subplots(figsize=(10, 1.3 + 0.45 * len(rows)))
     try:
         for y, row in enumerate(rows):
             mine = by_row[row]
