@@ -30,6 +30,8 @@ FEATURES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "avx512_vnni": ("_is_vnni_supported", ("avx512_vnni",)),
     "avx512_bf16": ("_is_avx512_bf16_supported", ("avx512_bf16",)),
     "amx_bf16": ("_is_amx_tile_supported", ("amx_bf16",)),
+    "avx512_fp16": (None, ("avx512_fp16",)),
+    "amx_fp16": ("_is_amx_fp16_supported", ("amx_fp16",)),
 }
 
 _lock = threading.Lock()
@@ -85,6 +87,12 @@ def has(feature: str) -> bool:
     if forced is None:
         forced = _env_overrides().get(feature)
     return really_has(feature) if forced is None else forced
+
+
+def fast_float16() -> bool:
+    """Whether float16 arithmetic has instructions of its own here (AVX512-FP16 or AMX-FP16); without them torch's
+    float16 CPU paths convert every value, and a model runs many times slower than in bfloat16."""
+    return has("avx512_fp16") or has("amx_fp16")
 
 
 def add_listener(method: Callable[[], None]) -> None:

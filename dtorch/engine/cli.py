@@ -215,11 +215,26 @@ def check_device(device: str) -> None:
                           "(torch.cuda.is_available() is False); use --device cpu, or install a CUDA build of torch")
 
 
+def slow_dtype(device: str, dtype: Any) -> str | None:
+    """Why ``dtype`` on ``device`` will be slow, or None: float16 on a CPU without float16 arithmetic."""
+    import torch
+
+    from dtorch.core import cpu
+
+    if dtype != torch.float16 or device.split(":")[0] != "cpu" or cpu.fast_float16():
+        return None
+    return ("--dtype float16: this CPU has no float16 arithmetic (AVX512-FP16 or AMX-FP16), so every float16 op "
+            "converts its values and the model runs many times slower; use --dtype bfloat16 (or float32)")
+
+
 def load_llm(args: argparse.Namespace, **engine: Any) -> Any:
     """The ``LLM`` of the model flags (plus engine keywords)."""
     from dtorch.engine.llm import LLM
 
     check_device(args.device)
+    slow = slow_dtype(args.device, as_dtype(args.dtype))
+    if slow and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it
+        print(f"dtorch: warning: {slow}", file=sys.stderr, flush=True)
     return LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), threads=args.threads,
                enforce_eager=args.enforce_eager, **engine)
 
