@@ -75,8 +75,10 @@ class ChatSetup:
 def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None,
                  tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True,
                  chat_template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False, allow_special_tokens: bool = False) -> ChatSetup:
-    """The ``ChatSetup`` of one conversation. Errors are ``ArgumentError`` s whose ``param`` names the field."""
+                 continue_final_message: bool = False, allow_special_tokens: bool = False,
+                 limit: int | None = None) -> ChatSetup:
+    """The ``ChatSetup`` of one conversation. Errors are ``ArgumentError`` s whose ``param`` names the field; a
+    rendered conversation past ``limit`` tokens is a ``ModelError`` (``Tokenizer.encode_chat``)."""
     tools = check_tools(tools)
     choice = check_tool_choice(tool_choice, tools)
     kwargs = dict(chat_template_kwargs or {})
@@ -99,7 +101,7 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
         msgs = default_tool_rendering(msgs, tools)
     ids = tokenizer.encode_chat(msgs, add_generation_prompt=add_generation_prompt,
                                 allow_special_tokens=allow_special_tokens,
-                                continue_final_message=continue_final_message, **kwargs)
+                                continue_final_message=continue_final_message, limit=limit, **kwargs)
     reasoning = THINK_OPEN in source
     tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if reasoning else ""
     return ChatSetup(ids, tool_grammar(tools, choice, parallel_tool_calls), reasoning,

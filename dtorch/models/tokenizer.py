@@ -24,6 +24,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _GGUF_PRE = ("default", "gpt2", "smollm", "qwen2", "llama-bpe", "llama3", "llama-v3")
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (SentencePiece-style vocabularies)
 
 
 @functools.cache
@@ -90,18 +91,34 @@ class Tokenizer:
         pre = meta.get("tokenizer.ggml.pre", "default")
         if pre not in _GGUF_PRE:
             raise ModelError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; expected one of {_GGUF_PRE}")
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ModelError(f"{source}: tokenizer.chat_template must be a string (a Jinja template), got "
+                             f"{type(chat_template).__name__} {chat_template!r:.60}")
+        tokens: list[str] = _strings(meta["tokenizer.ggml.tokens"], f"{source}: tokenizer.ggml.tokens")
         merges = meta.get("tokenizer.ggml.merges")
         if not merges:
             raise ModelError(f"{source}: tokenizer.ggml.merges is missing; a byte-level BPE vocabulary needs it")
         alphabet = _byte_alphabet()
         letters = set(alphabet.values())
         # llama.cpp spells byte-level tokens in GPT-2's alphabet; respell the rare token that is not
-        vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        backend = _Backend(BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                               ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3")))
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            t = t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))
+            if vocab.setdefault(t, i) != i:
+                raise ModelError(f"{source}: tokenizer.ggml.tokens spells token {i} {t!r:.60} like token {vocab[t]}; "
+                                 "each token must be spelled once")
+        pairs = []
+        for i, m in enumerate(_strings(merges, f"{source}: tokenizer.ggml.merges")):
+            pair = tuple(m.split(" ", 1))
+            if len(pair) != 2 or not all(pair):
+                raise ModelError(f"{source}: tokenizer.ggml.merges[{i}] is {m!r:.60}; a merge is two tokens "
+                                 "separated by one space")
+            pairs.append(pair)
+        try:
+            backend = _Backend(BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3")))
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception ("Token `x` out of vocabulary")
+            raise ModelError(f"{source}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
         backend.normalizer, backend.pre_tokenizer = _pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         types = list(meta.get("tokenizer.ggml.token_type") or ())
@@ -167,6 +184,44 @@ class Tokenizer:
         """The vocabulary spelling of a token id, or None."""
         return self.backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes that ``token_id`` adds to a text: a byte-level token's raw bytes (a part of a UTF-8 character
+        stays that part), a special or added token's text; ``b""`` for an id past ``vocab_size``."""
+        spelling = self.backend.id_to_token(int(token_id))
+        if spelling is None:
+            return b""
+        if spelling in self._added:
+            return spelling.encode()
+        if self._byte_level and set(spelling) <= self._byte_letters.keys():
+            return bytes(self._byte_letters[c] for c in spelling)
+        m = _BYTE_TOKEN.fullmatch(spelling)  # a byte-fallback token ("<0xE6>")
+        return bytes([int(m.group(1), 16)]) if m else spelling.replace("\u2581", " ").encode()
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of ``len(self.encode(text))`` found without encoding: no token spells more bytes than the
+        vocabulary's longest entry (a quarter of that where a normalizer may shrink the text first). 0 when the
+        tokenizer has no such bound (an unknown token may stand for a whole word)."""
+        per_token = self._max_token_bytes
+        return -(-len(text.encode("utf-8", "surrogatepass")) // per_token) if per_token else 0
+
+    @functools.cached_property
+    def _max_token_bytes(self) -> int:
+        model = self.backend.model
+        if not isinstance(model, BPE) or (model.unk_token is not None and not model.byte_fallback):
+            return 0
+        letters = self._byte_level  # a byte-level spelling has one character per byte it stands for
+        longest = max((len(t) if letters and t not in self._added else len(t.encode())
+                       for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self.backend.normalizer is not None else 1)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return isinstance(self.backend.decoder, decoders.ByteLevel)
+
+    @functools.cached_property
+    def _byte_letters(self) -> dict[str, int]:
+        return {c: b for b, c in _byte_alphabet().items()}
+
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A fresh incremental decoder for one sequence."""
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
@@ -206,20 +261,20 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
                     allow_special_tokens: bool = False, continue_final_message: bool = False,
-                    **kwargs: Any) -> list[int]:
+                    limit: int | None = None, **kwargs: Any) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template.
 
         Special tokens (``<|im_start|>`` ...) come only from the template: written in the messages (content, or any
         other string in them), they are encoded as text, so a user cannot forge a system turn. With
         ``allow_special_tokens=True`` they become control tokens (the rendered text encoded as a whole).
+        ``limit``: tokens at most; a rendered text that ``min_tokens`` puts past it is a ``ModelError`` before any
+        encoding (the encoding of megabytes takes seconds).
         """
-        if allow_special_tokens:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                                        **kwargs), add_special_tokens=False)
         specials = self._specials
-        if not specials:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                                        **kwargs), add_special_tokens=False)
+        if allow_special_tokens or not specials:
+            text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **kwargs)
+            self._check_limit(text, limit)
+            return self.encode(text, add_special_tokens=False)
         # each special token in the messages becomes a mark no template alters; the rendered text is split at the
         # special tokens the template wrote, and the text between them encoded with the marks spelled back as text
         nonce = secrets.token_hex(8)
@@ -238,6 +293,7 @@ class Tokenizer:
 
         hidden = [hide(m) if isinstance(m, Mapping) else m for m in messages]
         rendered = self.apply_chat_template(hidden, add_generation_prompt, continue_final_message, **kwargs)
+        self._check_limit(rendered, limit)
         if not marks.search(rendered):  # nothing to keep as text: exactly the plain encoding
             return self.encode(rendered, add_special_tokens=False)
         ids: list[int] = []
@@ -255,6 +311,12 @@ class Tokenizer:
                 text = text.rstrip()
             ids += self._text_backend.encode(text, add_special_tokens=False).ids
         return ids
+
+    def _check_limit(self, text: str, limit: int | None) -> None:
+        least = self.min_tokens(text) if limit is not None else 0
+        if limit is not None and least > limit:
+            raise ModelError(f"the conversation has at least {least} tokens once rendered ({len(text)} characters), "
+                             f"but at most {limit} fit before the reply (max_model_len)")
 
     @functools.cached_property
     def _added(self) -> dict[str, AddedToken]:
@@ -274,6 +336,17 @@ class Tokenizer:
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def _strings(value: Any, what: str) -> list[str]:
+    """A GGUF string array as a list; ``ModelError`` naming ``what`` when it is not one."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ModelError(f"{what} must be an array of strings, got {type(value).__name__}")
+    out = list(value)
+    bad = next((i for i, t in enumerate(out) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise ModelError(f"{what}[{bad}] must be a string, got {type(out[bad]).__name__} {out[bad]!r:.60}")
+    return out
 
 
 def check_text(text: Any, what: str) -> None:

@@ -21,6 +21,7 @@ from dtorch.core.device import Device
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import (
     CommunicationError,
+    DeviceError,
     DtorchError,
     DTypeError,
     KernelFailure,
@@ -224,6 +225,9 @@ class PythonKernel(Kernel):
         if out.dtype != self.dtype:
             raise DTypeError(f"{self.operator.name}: the Python kernel returned dtype {dtype_name(out.dtype)}, but "
                              f"the graph declares {dtype_name(self.dtype)} (cast inside fn, or declare dtype=)")
+        if out.device.type != self.device.type:
+            raise DeviceError(f"{self.operator.name}: the Python kernel returned a tensor on {out.device.type}, but it "
+                              f"runs on {self.device} (a meta tensor holds no values); return one on that device")
         if self.fixed_out is not None:
             self.fixed_out.copy_(out)
         else:

@@ -18,6 +18,8 @@ from collections import defaultdict
 import torch
 
 from dtorch.core.device import Device
+from dtorch.core.dtypes import dtype_name
+from dtorch.core.errors import DtorchError
 from dtorch.core.memory import MemoryKind, allocate
 from dtorch.graph.logical import LogicalGraph
 from dtorch.graph.operand import COMPUTE
@@ -101,19 +103,23 @@ class Pool:
         self.nbytes = 0
         self.carver = carver  # new buffers carved from storage shared with other Runners, else allocated
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, before: int | None = None) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, what: str, before: int | None = None) -> torch.Tensor:
         free = self.free.get((shape, dtype))
         if free:
             for j in range(len(free) - 1, -1, -1):
                 if before is None or free[j][0] <= before:
                     return free.pop(j)[1]
-        return self.new(shape, dtype)
+        return self.new(shape, dtype, what)
 
-    def new(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if self.carver is not None:
-            t = self.carver.take(shape, dtype)
-        else:
-            t = allocate(shape, dtype, self.device, MemoryKind.WORKSPACE)
+    def new(self, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A new buffer for ``what`` (the operand, named in the error when the device cannot hold it)."""
+        try:
+            t = self.carver.take(shape, dtype) if self.carver is not None else \
+                allocate(shape, dtype, self.device, MemoryKind.WORKSPACE)
+        except RuntimeError as exc:  # the allocator's "can't allocate memory", torch.OutOfMemoryError
+            raise DtorchError(f"static plan: the buffer of {what} ({list(shape)} {dtype_name(dtype)}, "
+                              f"{math.prod(shape) * dtype.itemsize} bytes) does not fit on {self.device} "
+                              f"({str(exc).splitlines()[0][:200]})") from None
         self.nbytes += t.numel() * t.element_size()
         return t
 

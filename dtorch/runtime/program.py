@@ -102,7 +102,7 @@ class Program:
         if plan is not None:
             for x in g.inputs.values():
                 for i in self.local_ids:
-                    self.blobs[(x.index, i)].tensor = pools[i].take(x.local_shapes[i], x.dtype)
+                    self.blobs[(x.index, i)].tensor = pools[i].take(x.local_shapes[i], x.dtype, f"input {x.name!r}")
         by_output: dict[tuple[int, int], Kernel] = {}
         for k, node in enumerate(g.operators):
             for i in self.local_ids:
@@ -150,11 +150,12 @@ class Program:
                 if a is not None:
                     outs.append(ins[a])
                 elif y.index in plan.dedicated:
-                    outs.append(pool.new(y.local_shapes[i], y.dtype))
+                    outs.append(pool.new(y.local_shapes[i], y.dtype, f"{node.name}'s output"))
                 elif y.index in plan.comm:  # written on a communicate stream once it waited for compute op ready[k]
-                    outs.append(comm_pool.take(y.local_shapes[i], y.dtype, before=plan.ready.get(k, -1)))
+                    outs.append(comm_pool.take(y.local_shapes[i], y.dtype, f"{node.name}'s output",
+                                                before=plan.ready.get(k, -1)))
                 else:
-                    outs.append(pool.take(y.local_shapes[i], y.dtype))
+                    outs.append(pool.take(y.local_shapes[i], y.dtype, f"{node.name}'s output"))
             outs = tuple(outs)
         for y, t in zip(node.outputs, outs, strict=True):
             self.blobs[(y.index, i)].tensor = t

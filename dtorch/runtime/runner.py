@@ -21,7 +21,15 @@ import torch
 
 from dtorch.core import env
 from dtorch.core.dtypes import dtype_name
-from dtorch.core.errors import ArgumentError, DtorchError, DTypeError, ShapeError, SyncTimeout
+from dtorch.core.errors import (
+    ArgumentError,
+    DeviceError,
+    DtorchError,
+    DTypeError,
+    LayoutError,
+    ShapeError,
+    SyncTimeout,
+)
 from dtorch.dispatch import dispatcher as _global_dispatcher
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.graph.logical import LogicalGraph
@@ -288,6 +296,12 @@ class Runner:
             x = want[name]
             if not isinstance(t, torch.Tensor):
                 raise DTypeError(f"Runner.run: feed {name!r} must be a torch.Tensor, got {type(t).__name__}")
+            if t.layout is not torch.strided:
+                raise LayoutError(f"Runner.run: feed {name!r} is a {t.layout} tensor; the graph's kernels take dense "
+                                  "(strided) tensors (pass t.to_dense())")
+            if t.is_meta:
+                raise DeviceError(f"Runner.run: feed {name!r} is a meta tensor (a shape without data); feed a tensor "
+                                  "that holds values")
             if tuple(t.shape) != x.shape:
                 raise ShapeError(f"Runner.run: feed {name!r} must have shape {list(x.shape)}, got {list(t.shape)}")
             if t.dtype != x.dtype:
