@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dtorch.core.dtypes import as_dtype
-from dtorch.core.errors import ArgumentError, DtorchError, GraphError
+from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, GraphError
 from dtorch.core.placement import Partial, Placement, Replicate, Shard, as_placement, local_shape
 from dtorch.dispatch.context import KernelParams
 from dtorch.graph.bindings import bind
@@ -119,6 +119,9 @@ class LogicalGraph:
             if layout is not torch.strided:
                 raise ArgumentError(f"LogicalGraph.{what} {name!r}: a {layout} tensor has no kernels; pass a "
                                     "dense (strided) tensor")
+            if value.is_meta:
+                raise DeviceError(f"LogicalGraph.{what} {name!r}: a meta tensor holds no values; pass a tensor on "
+                                  "a real device (cpu, cuda)")
             layout = "strided"
         return self._operand(name, shape, value.dtype, self._placement(pl, shape, name), None, layout)
 
