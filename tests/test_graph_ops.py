@@ -15,9 +15,9 @@ import dtorch
 from dtorch import ops
 from dtorch.core.dtypes import as_dtype
 from dtorch.graph import DeviceMesh, LogicalGraph, Partial, Replicate, Shard
-from dtorch.graph.bindings import SPECS
-from dtorch.graph.strategy import candidates, choose, rule_of
+from dtorch.graph.strategy import candidates, choose
 from dtorch.ops.attention import dense_params
+from dtorch.ops.graph_op import declared
 from dtorch.runtime import DistTensor, Runner
 from tests.op_table import ROWS, Row
 from tests.op_table_llm import LLM_NOT_IN_TABLE, LLM_ROWS
@@ -142,9 +142,9 @@ def test_every_registered_op_has_a_rule_a_binding_and_a_graph_test() -> None:
     registered = {r.key.op for r in dtorch.dispatcher.table("cpu")}
     in_table = {row.op for row in ALL_ROWS}
     for op in sorted(registered):
-        family = op.partition(".")[0]
-        assert rule_of(op) is not None, f"{op} has no placement rule"
-        assert op in SPECS or family in SPECS or op.removesuffix("_scalar") in SPECS, f"{op} has no binding Spec"
+        decl = declared(op) or declared(op.removesuffix("_scalar"))  # binary.add declares add_scalar's graph form
+        assert decl is not None, f"{op} has no graph declaration (dtorch.ops.declare)"
+        assert decl.rule is not None, f"{op} has no placement rule"
         assert op in in_table or op in GRAPH_TESTED_BELOW, f"{op} is neither in the op table nor tested below"
 
 

@@ -151,7 +151,7 @@ class LogicalGraph:
         current = [o.placement if o is not None else None for o in b.inputs]
         # to a rule a blocked or unit shard is a shard of its dim (``move_cost`` 0): it stays as it is
         st = choose(b.kernel_op, shapes, current, b.params, n=self.mesh.size, num_outputs=nout,
-                    pinned=[a for a in aliases if a is not None])
+                    pinned=[a for a in aliases if a is not None], rule=b.rule)
         want = tuple(c if isinstance(c, Shard) and not c.plain and w == _plain(c) else w
                      for c, w in zip(current, st.inputs, strict=False))
         outs = st.output if isinstance(st.output, tuple) else (st.output,)

@@ -23,11 +23,13 @@ import torch
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES
 from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
+from dtorch.core.placement import Shard
 from dtorch.dispatch.context import KernelContext, KernelParams
 from dtorch.dispatch.meta import Call
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import OperatorInitContext, RuntimeContext
+from dtorch.ops.graph_op import Args, R, Shapes, Strategy, declare, head_strategies
 from dtorch.ops.prepared import PreparedOperator
 
 DENSE = "llm.flash_attention"
@@ -304,6 +306,34 @@ class AttentionVarlen(_AttentionBase):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         return self.forward_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out=out)
 
+
+# -- in a graph -------------------------------------------------------------------------------------------------
+
+def _graph_dense(op: str, a: Args) -> KernelParams:
+    return dense_params(a["q"].shape[-1], a["causal"], a["scale"], op)
+
+
+def _graph_varlen(op: str, a: Args) -> KernelParams:
+    return varlen_params(a["q"].shape[-1], a["max_seqlen_q"], a["max_seqlen_k"], a["causal"], a["scale"])
+
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # dense q [B, T, H, D], k/v [B, S, Hkv, D]; varlen q [total_q, H, D], k/v [total_k, Hkv, D], cu_q, cu_k
+    q, k = shapes[0], shapes[1]
+    dense = op == DENSE
+    hd = 2 if dense else 1
+    cus = () if dense else (R, R)
+    out = [Strategy((R, R, R) + cus, R)] + head_strategies(q[hd], k[hd], n, hd, hd, cus)
+    if dense:
+        out.append(Strategy((Shard(0),) * 3, Shard(0)))  # batch
+        if not params.causal:  # a bottom-right causal mask depends on T, so only full attention splits queries
+            out.append(Strategy((Shard(1), R, R), Shard(1)))
+    return out
+
+
+declare(DENSE, flash_attention, ("q", "k", "v"), params=_graph_dense, rule=_rule)
+declare(VARLEN, flash_attention_varlen, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), params=_graph_varlen,
+        rule=_rule)
 
 __all__ = ["Attention", "AttentionVarlen", "flash_attention", "flash_attention_out", "flash_attention_varlen",
            "flash_attention_varlen_out"]

@@ -11,11 +11,13 @@ from torch import Tensor
 
 from dtorch.core.device import device_of
 from dtorch.core.errors import ArgumentError, DTypeError
+from dtorch.core.placement import Placement, Shard
 from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
 from dtorch.ops._checks import STRIDED
 from dtorch.ops._invoke import call, run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, P, R, Shapes, Strategy, declare, elementwise
 from dtorch.ops.prepared import PreparedOperator
 
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "pow")
@@ -85,7 +87,47 @@ def _define(name: str) -> tuple:
     functional.__doc__ = (f"``binary.{name}``: a [broadcast with] b -> new tensor of the broadcast shape; "
                           f"b may be a Python number (``binary.{name}_scalar``).")
     out_form.__doc__ = f"``binary.{name}`` into ``out``, which must have the broadcast shape and a's dtype."
+    declare(f"binary.{name}", functional, _graph_inputs, params=_graph_params, kernel_op=_graph_kernel_op, rule=_rule)
     return functional, out_form
+
+
+# -- in a graph: b is an Operand, or a Python number (the scalar form) ------------------------------------------
+
+def _graph_inputs(a: Args) -> tuple[str, ...]:
+    return ("a",) if isinstance(a["b"], (int, float)) else ("a", "b")
+
+
+def _graph_params(op: str, a: Args) -> KernelParams:
+    return _scalar_params(f"{op}_scalar", a["b"]) if isinstance(a["b"], (int, float)) else NO_PARAMS
+
+
+def _graph_kernel_op(op: str, a: Args) -> str:
+    return f"{op}_scalar" if isinstance(a["b"], (int, float)) else op
+
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    if op.endswith("_scalar"):  # (a1 + a2) * c = a1*c + a2*c, but (a1 + a2) + c != (a1 + c) + (a2 + c)
+        return elementwise(len(shapes[0]), partial_ok=op in ("binary.mul_scalar", "binary.div_scalar"))
+    a, b = shapes
+    nd = max(len(a), len(b))
+    out = [Strategy((R, R), R)]
+    for d in range(nd):
+        pa, pb = _aligned(a, d, nd), _aligned(b, d, nd)
+        if pa != R or pb != R:  # both inputs whole on d: nothing to split
+            out.append(Strategy((pa, pb), Shard(d)))
+    if op in ("binary.add", "binary.sub"):
+        out.append(Strategy((P, P), P))
+    if op == "binary.mul":
+        out += [Strategy((P, R), P), Strategy((R, P), P)]
+    if op == "binary.div":
+        out.append(Strategy((P, R), P))
+    return out
+
+
+def _aligned(shape: tuple[int, ...], d: int, nd: int) -> Placement:
+    """The placement an input of ``shape`` needs for an output sharded on ``d`` (broadcast dims stay whole)."""
+    da = d - (nd - len(shape))
+    return R if da < 0 or shape[da] == 1 else Shard(da)
 
 
 add, add_out = _define("add")

@@ -16,6 +16,7 @@ import torch
 
 from dtorch.core.device import Device
 from dtorch.core.errors import ArgumentError, ShapeError
+from dtorch.core.placement import Shard
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
@@ -25,6 +26,7 @@ from dtorch.kernels.torch.registry import FLOATS
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import OperatorInitContext, RuntimeContext
+from dtorch.ops.graph_op import Args, R, Shapes, Strategy, declare, opt, pair_result, same
 from dtorch.ops.prepared import PreparedOperator
 
 OP = "llm.causal_conv1d"
@@ -297,6 +299,35 @@ class CausalConv1d(PreparedOperator):
         self._check_like("x", x)  # before empty_like, so a non-tensor x is a DtorchError
         return self.update_out(x, conv_state, weight, bias, state_indices, out=torch.empty_like(x))
 
+
+# -- in a graph: the update and varlen forms advance their conv state (pool) in place and return (out, the state);
+# naming the state as an input lets the graph see it read ---------------------------------------------------------
+
+def _graph_params(op: str, a: Args) -> KernelParams:
+    return _params(op, a["activation"])
+
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [B, D, L], weight [D, W], bias [D]?, initial_states [B, D, W-1]? -> (out [B, D, L], final [B, D, W-1])
+    # update: x [B, D(, L)], weight, bias?, conv_state [B, D, S] (a pool [P, D, S] with state_indices [B]),
+    #   state_indices? -> (out like x, conv_state written in place)
+    # varlen: x [T, D], weight, bias?, conv_states [P, D, S], cu_seqlens [N + 1], state_indices [N]
+    #   -> (out [T, D], conv_states written in place)
+    bias, states, ints = shapes[2], shapes[3], tuple(opt(s, R) for s in shapes[4:])
+    out = [Strategy(same(shapes, R), (R, R)),
+           Strategy((Shard(1), Shard(0), opt(bias, Shard(0)), opt(states, Shard(1))) + ints, (Shard(1), Shard(1)))]
+    if not any(ints):  # batch (a pool's rows, or packed tokens, are not the batch)
+        out.append(Strategy((Shard(0), R, opt(bias, R), opt(states, Shard(0))) + ints, (Shard(0), Shard(0))))
+    return out
+
+
+declare(OP, causal_conv1d, ("x", "weight", "bias", "initial_states"), params=_graph_params, rule=_rule,
+        outputs=lambda a: 2 if a["return_final_states"] else 1, result=pair_result)
+declare(OP_UPDATE, causal_conv1d_update, ("x", "weight", "bias", "conv_state", "state_indices"), params=_graph_params,
+        rule=_rule, outputs=2, result=lambda r, a: (r, a["conv_state"]), always_inplace=(None, 3))
+declare(OP_VARLEN, causal_conv1d_varlen, ("x", "weight", "bias", "conv_states", "cu_seqlens", "state_indices"),
+        params=_graph_params, rule=_rule, outputs=2, result=lambda r, a: (r, a["conv_states"]),
+        always_inplace=(None, 3))
 
 __all__ = ["CausalConv1d", "causal_conv1d", "causal_conv1d_out", "causal_conv1d_update", "causal_conv1d_update_out",
            "causal_conv1d_varlen", "causal_conv1d_varlen_out"]

@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 
 from dtorch.core.errors import ArgumentError, ShapeError
+from dtorch.core.placement import Shard
 from dtorch.dispatch.context import KernelParams
 from dtorch.ops import _checks
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, P, R, Shapes, Strategy, declare, opt
 from dtorch.ops.matmul import _launch, _operands
 
 __all__ = ["conv1d", "conv1d_out", "conv2d", "conv2d_out"]
@@ -97,3 +99,24 @@ def conv2d_out(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
                ctx: RuntimeContext | None = None) -> torch.Tensor:
     """``conv.conv2d`` into ``out`` [B, C_out, H_out, W_out]."""
     return _conv(2, x, w, bias, stride, padding, dilation, groups, out, ctx)
+
+
+# -- in a graph -------------------------------------------------------------------------------------------------
+
+def _graph_params(op: str, a: Args) -> KernelParams:
+    return conv_params(int(op[-2]), a["stride"], a["padding"], a["dilation"], a["groups"])
+
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [B, C_in, *spatial], w [C_out, C_in / groups, *k], bias [C_out] or None -> [B, C_out, *spatial']
+    bias = shapes[2]
+    out = [Strategy((R, R, opt(bias, R)), R), Strategy((Shard(0), R, opt(bias, R)), Shard(0))]
+    if params.groups == 1:  # with groups, a channel split would have to follow the group boundaries
+        out.append(Strategy((R, Shard(0), opt(bias, Shard(0))), Shard(1)))  # output channels
+        if bias is None:
+            out.append(Strategy((Shard(1), Shard(1), None), P))  # input channels: partial sums
+    return out
+
+
+declare("conv.conv1d", conv1d, ("x", "w", "bias"), params=_graph_params, rule=_rule)
+declare("conv.conv2d", conv2d, ("x", "w", "bias"), params=_graph_params, rule=_rule)

@@ -10,9 +10,11 @@ import torch
 from dtorch.core.device import device_of
 from dtorch.core.dtypes import ALL_DTYPES, as_dtype, dtype_name
 from dtorch.core.errors import DTypeError, LayoutError
+from dtorch.dispatch.context import KernelParams
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Shapes, Strategy, declare, elementwise
 
 __all__ = ["contiguous", "contiguous_out", "copy", "copy_out"]
 
@@ -68,3 +70,11 @@ def contiguous_out(x: torch.Tensor, *, out: torch.Tensor, ctx: RuntimeContext | 
     if not out.is_contiguous():
         raise LayoutError(f"{op}: 'out' must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
     return _run(op, x, out, ctx)
+
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    return elementwise(len(shapes[0]), partial_ok=False)  # a cast of a partial sum is not the sum of casts
+
+
+declare("copy.copy", copy, ("x",), rule=_rule)
+declare("copy.contiguous", contiguous, ("x",), rule=_rule)

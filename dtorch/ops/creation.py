@@ -19,6 +19,7 @@ from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, declare, replicated
 
 __all__ = ["arange", "arange_out", "empty", "full", "full_out", "ones", "ones_out", "zeros", "zeros_out"]
 
@@ -159,3 +160,18 @@ def arange_out(start: int | float, end: int | float | None = None, step: int | f
     params, n, dt = _arange_params(op, start, end, step, out.dtype)
     _checks.out(op, out, (n,), dt, out.device)
     return _fill(op, out, ctx, params)
+
+
+# -- in a graph: made on every device of the mesh, whole ---------------------------------------------------------
+
+def _graph_full(op: str, a: Args) -> KernelParams:
+    return full_params(a["value"], _dtype(op, a["dtype"]))
+
+
+def _graph_arange(op: str, a: Args) -> KernelParams:
+    return _arange_params(op, a["start"], a["end"], a["step"], a["dtype"])[0]
+
+
+for _fn, _params in ((zeros, None), (ones, None), (empty, None), (full, _graph_full), (arange, _graph_arange)):
+    declare(f"creation.{_fn.__name__}", _fn, (), rule=replicated, creates=True,
+            **({"params": _params} if _params is not None else {}))

@@ -22,11 +22,13 @@ import torch
 from dtorch.core.device import Device
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import ArgumentError, DTypeError, ShapeError
+from dtorch.core.placement import Shard
 from dtorch.dispatch.context import KernelParams
 from dtorch.kernels.torch.registry import FLOATS
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, R, Shapes, Strategy, declare, heads_split, opt, pair_result, same
 from dtorch.ops.prepared import PreparedOperator
 
 OP = "llm.gated_delta_net"
@@ -235,5 +237,28 @@ class GatedDeltaNet(PreparedOperator):
                   (o,) if final is None else (o, final), None)
         return o, final
 
+
+# -- in a graph -------------------------------------------------------------------------------------------------
+
+def _graph_params(op: str, a: Args) -> KernelParams:
+    return _params(a["scale"], a["use_qk_l2norm"], a["mode"], a["chunk_size"])
+
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # q, k [B, T, Hk, K]; v [B, T, H, V]; g, beta [B, T, H]; state [N, H, K, V]? (with state_indices [N]: a pool
+    # [S, H, K, V]); cu_seqlens [N + 1]? -> (o [B, T, H, V], final state [N or S, H, K, V])
+    q, v, state, cu, idx = shapes[0], shapes[2], shapes[5], shapes[6], shapes[7] if len(shapes) > 7 else None
+    ints = (opt(cu, R),) + ((opt(idx, R),) if len(shapes) > 7 else ())
+    out = [Strategy(same(shapes, R), (R, R))]
+    if heads_split(v[2], q[2], n):
+        out.append(Strategy((Shard(2),) * 5 + (opt(state, Shard(1)),) + ints, (Shard(2), Shard(1))))
+    if cu is None and idx is None:  # packed sequences (cu_seqlens) have B == 1; a pool's rows are not the batch
+        out.append(Strategy((Shard(0),) * 5 + (opt(state, Shard(0)),) + (None,) * len(ints), (Shard(0), Shard(0))))
+    return out
+
+
+declare(OP, gated_delta_net, ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "state_indices"),
+        params=_graph_params, rule=_rule, outputs=lambda a: 2 if a["output_final_state"] else 1, result=pair_result,
+        inplace=(("final_state_out", 1, "initial_state"),))
 
 __all__ = ["GatedDeltaNet", "gated_delta_net", "gated_delta_net_out"]

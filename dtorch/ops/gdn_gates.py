@@ -11,10 +11,13 @@ import torch
 
 from dtorch.core.device import Device
 from dtorch.core.errors import ShapeError
+from dtorch.core.placement import Shard
+from dtorch.dispatch.context import KernelParams
 from dtorch.kernels.torch.registry import FLOATS
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import R, Shapes, Strategy, declare
 
 OP = "llm.gdn_gates"
 
@@ -61,5 +64,13 @@ def gdn_gates_out(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias
         workspace=ctx.workspace if ctx is not None else None)
     return g_out, beta_out
 
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # a, b [T, H], A_log [H], dt_bias [H] -> (g [T, H], beta [T, H]): per token and head
+    return [Strategy((R,) * 4, (R, R)), Strategy((Shard(0), Shard(0), R, R), (Shard(0), Shard(0))),
+            Strategy((Shard(1), Shard(1), Shard(0), Shard(0)), (Shard(1), Shard(1)))]
+
+
+declare(OP, gdn_gates, ("a", "b", "A_log", "dt_bias"), rule=_rule, outputs=2, result=lambda r, a: tuple(r))
 
 __all__ = ["gdn_gates", "gdn_gates_out"]

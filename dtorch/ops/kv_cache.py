@@ -23,12 +23,14 @@ import torch
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
 from dtorch.core.errors import ArgumentError, ShapeError
+from dtorch.core.placement import Shard
 from dtorch.dispatch.context import KernelParams
 from dtorch.kernels.torch.kv_cache import first_key
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.attention import _flag, _scale
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, R, Shapes, Strategy, declare, head_strategies
 
 CACHE = "llm.reshape_and_cache"
 ATTN = "llm.flash_attention_with_kvcache"
@@ -184,5 +186,28 @@ def _run(op: str, device: Device, dtype: torch.dtype, inputs: tuple, outputs: tu
     else:
         run(op, device, dtype, inputs, outputs, params, ctx.stream, ctx.workspace)
 
+
+# -- in a graph -------------------------------------------------------------------------------------------------
+
+def _graph_params(op: str, a: Args) -> KernelParams:
+    return kvcache_params(a["q"].shape[-1], a["causal"], a["scale"], a["window"])
+
+
+def _cache_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # key, value [T, Hkv, D], caches [blocks, block_size, Hkv, D], slots [T] -> (key_cache, value_cache), in place
+    return [Strategy((R,) * 5, (R, R)), Strategy((Shard(1), Shard(1), Shard(2), Shard(2), R), (Shard(2), Shard(2)))]
+
+
+def _attention_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # q [total_q, H, D], caches [blocks, block_size, Hkv, D], cu_seqlens_q, seqlens_k, block_table -> [total_q, H, D]
+    ints = (R,) * (len(shapes) - 3)
+    return [Strategy((R, R, R) + ints, R)] + head_strategies(shapes[0][1], shapes[1][2], n, 1, 2, ints)
+
+
+# the kernel writes both caches in place (outputs 2 and 3 are its inputs key_cache and value_cache)
+declare(CACHE, reshape_and_cache, ("key", "value", "key_cache", "value_cache", "slot_mapping"), rule=_cache_rule,
+        outputs=2, result=lambda r, a: tuple(r), always_inplace=(2, 3))
+declare(ATTN, flash_attention_with_kvcache, ("q", "key_cache", "value_cache", "cu_seqlens_q", "seqlens_k",
+                                             "block_table"), params=_graph_params, rule=_attention_rule)
 
 __all__ = ["flash_attention_with_kvcache", "reshape_and_cache"]

@@ -1,6 +1,6 @@
-"""LLM op wrappers and their prepared operators: embedding, rms_norm (+ fused residual add), rope,
-softmax_last_dim, silu_and_mul and gelu_tanh_and_mul (rope itself lives in ``dtorch.ops.rope``, re-exported here).
-Attention lives in ``dtorch.ops.attention``.
+"""LLM op wrappers and their prepared operators: embedding, rms_norm (+ fused residual add) and softmax_last_dim, with
+their graph declarations. Rope lives in ``dtorch.ops.rope`` (re-exported here), the gated activations in
+``dtorch.ops.glu``, attention in ``dtorch.ops.attention``.
 
 Each op has a functional form (allocates) and an ``*_out`` form (``out=`` caller-allocated,
 optional ``ctx: RuntimeContext``). Shapes are checked on every device; values (embedding ids)
@@ -18,11 +18,13 @@ import torch
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
 from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
+from dtorch.core.placement import Shard, shard_offsets
 from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
 from dtorch.ops._checks import STRIDED
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, P, R, Shapes, Strategy, declare
 from dtorch.ops.prepared import PreparedOperator
 from dtorch.ops.rope import RoPE, RoPETables, rope, rope_cached, rope_inv_freq, rope_out
 
@@ -260,7 +262,7 @@ class AddRMSNorm(_PreparedLLM):
         return self.forward_out(x, residual, weight, out=torch.empty_like(x), residual_out=torch.empty_like(x))
 
 
-# -- softmax_last_dim, silu_and_mul --------------------------------------------------------------
+# -- softmax_last_dim --------------------------------------------------------------------------
 
 def _check_float(op: str, x: torch.Tensor, ctx: RuntimeContext | None) -> Device:
     device = _device(op, {"x": x}, ctx)
@@ -286,103 +288,6 @@ def softmax_last_dim_out(x: torch.Tensor, *, out: torch.Tensor, ctx: RuntimeCont
     return out
 
 
-def _split_gate_up(x: torch.Tensor, up: torch.Tensor | None, ctx: RuntimeContext | None,
-                   op: str = "llm.silu_and_mul") -> tuple[Device, torch.Tensor, torch.Tensor]:
-    device = _check_float(op, x, ctx)
-    if up is None:
-        if x.shape[-1] % 2:
-            raise ShapeError(f"{op}: 'x' [..., 2I] must have an even last dim, got shape {tuple(x.shape)}")
-        half = x.shape[-1] // 2
-        return device, x[..., :half], x[..., half:]
-    _device(op, {"x": x, "up": up}, ctx)
-    _checks.same_dtype(op, {"x": x, "up": up})
-    if up.shape != x.shape:
-        raise ShapeError(f"{op}: 'up' must have the shape of 'x' (the gate) {tuple(x.shape)}, got {tuple(up.shape)}")
-    return device, x, up
-
-
-def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU activation: x [..., 2I] -> silu(x[..., :I]) * x[..., I:] [..., I].
-
-    Two-input form: ``silu_and_mul(gate, up)`` with gate and up both [..., I] -> silu(gate) * up.
-    """
-    device, gate, up = _split_gate_up(x, up, None)
-    out = torch.empty(gate.shape, dtype=x.dtype, device=x.device)
-    run("llm.silu_and_mul", device, x.dtype, (gate, up), (out,))
-    return out
-
-
-def silu_and_mul_out(x: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor,
-                     ctx: RuntimeContext | None = None) -> torch.Tensor:
-    """``silu_and_mul`` into ``out`` [..., I]."""
-    device, gate, up = _split_gate_up(x, up, ctx)
-    _checks.out("llm.silu_and_mul", out, gate.shape, x.dtype, x.device)
-    _run("llm.silu_and_mul", device, x.dtype, (gate, up), (out,), NO_PARAMS, ctx)
-    return out
-
-
-GELU_TANH = "llm.gelu_tanh_and_mul"
-
-
-def gelu_tanh_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """GeGLU activation (Gemma's MLP): x [..., 2I] -> gelu_tanh(x[..., :I]) * x[..., I:] [..., I], where gelu_tanh is
-    GELU with the tanh approximation (``F.gelu(approximate="tanh")``), rounded to x's dtype before the product.
-
-    Two-input form: ``gelu_tanh_and_mul(gate, up)`` with gate and up both [..., I].
-    """
-    device, gate, up = _split_gate_up(x, up, None, GELU_TANH)
-    out = torch.empty(gate.shape, dtype=x.dtype, device=x.device)
-    run(GELU_TANH, device, x.dtype, (gate, up), (out,))
-    return out
-
-
-def gelu_tanh_and_mul_out(x: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor,
-                          ctx: RuntimeContext | None = None) -> torch.Tensor:
-    """``gelu_tanh_and_mul`` into ``out`` [..., I]."""
-    device, gate, up = _split_gate_up(x, up, ctx, GELU_TANH)
-    _checks.out(GELU_TANH, out, gate.shape, x.dtype, x.device)
-    _run(GELU_TANH, device, x.dtype, (gate, up), (out,), NO_PARAMS, ctx)
-    return out
-
-
-class SiluAndMul(_PreparedLLM):
-    """Prepared ``llm.silu_and_mul``: ``forward(x)`` with x [..., 2I], or ``forward(gate, up)``."""
-
-    op = "llm.silu_and_mul"
-
-    def _validate(self, x: torch.Tensor, up: torch.Tensor | None, out: torch.Tensor,
-                  ctx: RuntimeContext | None) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_like("x", x)
-        _, gate, up = _split_gate_up(x, up, ctx, self.op)
-        _checks.out(self.op, out, gate.shape, x.dtype, x.device)
-        return gate, up
-
-    def forward_out(self, x: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor,
-                    ctx: RuntimeContext | None = None) -> torch.Tensor:
-        """x [..., 2I] (or gate and up [..., I]) -> out [..., I]."""
-        dt, dev = self._dtype, self._device
-        if (up is None and type(x) is torch.Tensor and x.dim() and x.dtype is dt and x.layout is STRIDED
-                and x.device == dev and not x.shape[-1] % 2
-                and _alike(dt, dev, (*x.shape[:-1], x.shape[-1] // 2), (out,))):
-            half = out.shape[-1]
-            pair = x[..., :half], x[..., half:]
-        else:
-            pair = self._validate(x, up, out, ctx)
-        self._kernel(pair, (out,), ctx, lambda: self._validate(x, up, out, ctx))
-        return out
-
-    def forward(self, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-        self._check_like("x", x)
-        _, gate, _ = _split_gate_up(x, up, None, self.op)
-        return self.forward_out(x, up, out=torch.empty(gate.shape, dtype=x.dtype, device=x.device))
-
-
-class GeluTanhAndMul(SiluAndMul):
-    """Prepared ``llm.gelu_tanh_and_mul`` (GeGLU): ``forward(x)`` with x [..., 2I], or ``forward(gate, up)``."""
-
-    op = GELU_TANH
-
-
 class Embedding(PreparedOperator):
     """Prepared ``llm.embedding``: ``forward(ids, weight)`` -> [..., D]."""
 
@@ -404,9 +309,43 @@ class Embedding(PreparedOperator):
         return out
 
 
+# -- in a graph -------------------------------------------------------------------------------------------------
+
+def _embedding_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # weight [V, D], ids [...] -> [..., D]
+    (vocab, _), ids = shapes
+
+    def vocab_start(p: KernelParams, rank: int, n: int) -> KernelParams:
+        return p.replace(vocab_start=shard_offsets(vocab, n)[rank])
+
+    out = [Strategy((R, R), R)] + [Strategy((R, Shard(d)), Shard(d)) for d in range(len(ids))]
+    out.append(Strategy((Shard(1), R), Shard(len(ids))))  # each device its columns of every row
+    # vocabulary parallel: each device looks up the ids in its rows and gives zeros elsewhere; the sum is whole
+    return out + [Strategy((Shard(0), R), P, vocab_start)]
+
+
+def _last_dim_whole(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    """rms_norm (x, weight), add_rms_norm (x, residual, weight), softmax_last_dim (x): any placement that keeps
+    the normalized last dim whole; never Partial (a norm of a sum is not the sum of norms)."""
+    nd, k = len(shapes[0]), 2 if op == "llm.add_rms_norm" else 1
+    weight = (R,) if op != "llm.softmax_last_dim" else ()
+    outs = (lambda p: (p, p)) if op == "llm.add_rms_norm" else (lambda p: p)  # (out, residual_out)
+    return [Strategy((p,) * k + weight, outs(p)) for p in [R] + [Shard(d) for d in range(nd - 1)]]
+
+
+def _eps(op: str, a: Args) -> KernelParams:
+    return _norm_params(op, a["eps"])
+
+
+# the kernel is keyed by the weight's dtype, so the weight comes first
+declare("llm.embedding", embedding, ("weight", "ids"), rule=_embedding_rule)
+declare("llm.rms_norm", rms_norm, ("x", "weight"), params=_eps, rule=_last_dim_whole, inplace=(("out", 0, "x"),))
+declare("llm.add_rms_norm", add_rms_norm, ("x", "residual", "weight"), params=_eps, rule=_last_dim_whole, outputs=2,
+        result=lambda r, a: tuple(r), inplace=(("residual_out", 1, "residual"),))
+declare("llm.softmax_last_dim", softmax_last_dim, ("x",), rule=_last_dim_whole, inplace=(("out", 0, "x"),))
+
 __all__ = [
-    "AddRMSNorm", "Embedding", "GeluTanhAndMul", "RMSNorm", "RoPE", "RoPETables", "SiluAndMul", "add_rms_norm",
-    "add_rms_norm_out", "embedding", "embedding_out", "gelu_tanh_and_mul", "gelu_tanh_and_mul_out", "rms_norm",
-    "rms_norm_out", "rope", "rope_cached", "rope_inv_freq", "rope_out", "silu_and_mul", "silu_and_mul_out",
+    "AddRMSNorm", "Embedding", "RMSNorm", "RoPE", "RoPETables", "add_rms_norm", "add_rms_norm_out", "embedding",
+    "embedding_out", "rms_norm", "rms_norm_out", "rope", "rope_cached", "rope_inv_freq", "rope_out",
     "softmax_last_dim", "softmax_last_dim_out",
 ]

@@ -12,12 +12,14 @@ from torch import Tensor
 
 from dtorch.core.device import device_of
 from dtorch.core.errors import ArgumentError, DtorchError, ShapeError
-from dtorch.dispatch.context import NO_PARAMS
+from dtorch.core.placement import Shard
+from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.ops import _checks
 from dtorch.ops._checks import STRIDED
 from dtorch.ops._invoke import call, run
 from dtorch.ops.context import OperatorInitContext, RuntimeContext
+from dtorch.ops.graph_op import P, R, Shapes, Strategy, declare, opt
 from dtorch.ops.prepared import PreparedOperator
 
 __all__ = ["Linear", "MatMul", "bmm", "bmm_out", "linear", "linear_out", "mm", "mm_out"]
@@ -287,3 +289,33 @@ class Linear(_PreparedProduct):
         out = torch.empty(_linear_shape(self.op, x, w, bias), dtype=x.dtype, device=x.device)
         self._validate(x, w, bias, out)
         return self.forward_out(x, w, bias, out=out, ctx=ctx)
+
+
+# -- in a graph -------------------------------------------------------------------------------------------------
+
+def _mm_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # a [M, K] @ b [K, N]
+    return [Strategy((R, R), R), Strategy((Shard(0), R), Shard(0)), Strategy((R, Shard(1)), Shard(1)),
+            Strategy((Shard(1), Shard(0)), P)]
+
+
+def _bmm_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # a [B, M, K] @ b [B, K, N]
+    return [Strategy((R, R), R), Strategy((Shard(0), Shard(0)), Shard(0)), Strategy((Shard(1), R), Shard(1)),
+            Strategy((R, Shard(2)), Shard(2)), Strategy((Shard(2), Shard(1)), P)]
+
+
+def _linear_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [..., K], w [N, K], bias [N] or None -> [..., N]
+    nd, bias = len(shapes[0]), shapes[2]
+    out = [Strategy((R, R, opt(bias, R)), R)]
+    out += [Strategy((Shard(d), R, opt(bias, R)), Shard(d)) for d in range(nd - 1)]
+    out.append(Strategy((R, Shard(0), opt(bias, Shard(0))), Shard(nd - 1)))  # column parallel
+    if bias is None:
+        out.append(Strategy((Shard(nd - 1), Shard(1), None), P))  # row parallel: partial sums
+    return out
+
+
+declare("matmul.mm", mm, ("a", "b"), rule=_mm_rule)
+declare("matmul.bmm", bmm, ("a", "b"), rule=_bmm_rule)
+declare("matmul.linear", linear, ("x", "w", "bias"), rule=_linear_rule)

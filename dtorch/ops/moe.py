@@ -16,10 +16,12 @@ import torch
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES
 from dtorch.core.errors import ArgumentError, DTypeError, ShapeError
+from dtorch.core.placement import Shard, shard_offsets
 from dtorch.dispatch.context import NO_PARAMS, KernelParams
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, P, R, Shapes, Strategy, declare
 
 ROUTER = "llm.moe_router"
 EXPERTS = "llm.moe_experts"
@@ -147,5 +149,36 @@ def moe_experts_out(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
     run(EXPERTS, device, x.dtype, (x, w_gate_up, w_down, weights, ids), (out,), NO_PARAMS, *_stream(ctx))
     return out
 
+
+# -- in a graph -------------------------------------------------------------------------------------------------
+
+def _graph_router_params(op: str, a: Args) -> KernelParams:
+    return router_params(a["logits"], a["top_k"], a["norm_topk_prob"])
+
+
+def _router_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # logits [T, E] -> (weights [T, k], ids [T, k]): every token routed alone
+    return [Strategy((R,), (R, R)), Strategy((Shard(0),), (Shard(0), Shard(0)))]
+
+
+def _experts_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights [T, k], ids [T, k] -> [T, H]
+    experts, i2 = shapes[1][0], shapes[1][1]
+
+    def expert_start(p: KernelParams, rank: int, n: int) -> KernelParams:
+        return p.replace(expert_start=shard_offsets(experts, n)[rank])
+
+    return [Strategy((R,) * 5, R),
+            Strategy((Shard(0), R, R, Shard(0), Shard(0)), Shard(0)),  # tokens
+            # expert parallel: each device runs the pairs routed to its experts; the sum over devices is whole
+            Strategy((R, Shard(0), Shard(0), R, R), P, expert_start),
+            # tensor parallel: each device its features of every expert, [gate_r | up_r] (blocked, as the fused
+            # silu_and_mul) and the matching columns of down: partial sums
+            Strategy((R, Shard(1, (i2 // 2, i2 // 2)), Shard(2), R, R), P)]
+
+
+declare(ROUTER, moe_router, ("logits",), params=_graph_router_params, rule=_router_rule, outputs=2,
+        result=lambda r, a: tuple(r))  # (weights, ids)
+declare(EXPERTS, moe_experts, ("x", "w_gate_up", "w_down", "weights", "ids"), rule=_experts_rule)
 
 __all__ = ["moe_experts", "moe_experts_out", "moe_router", "moe_router_out"]

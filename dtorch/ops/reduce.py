@@ -11,10 +11,12 @@ import torch
 
 from dtorch.core.device import device_of
 from dtorch.core.errors import ArgumentError, ShapeError
+from dtorch.core.placement import Partial, Shard
 from dtorch.dispatch.context import KernelParams
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, P, R, Shapes, Strategy, declare
 
 __all__ = ["argmax", "argmax_out", "max", "max_out", "mean", "mean_out", "min", "min_out", "sum", "sum_out"]
 
@@ -113,3 +115,26 @@ def argmax(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
 def argmax_out(x: torch.Tensor, dim: int, keepdim: bool = False, *, out: torch.Tensor,
                ctx: RuntimeContext | None = None) -> torch.Tensor:
     return _reduce("argmax", x, dim, keepdim, out, ctx)
+
+
+# -- in a graph -------------------------------------------------------------------------------------------------
+
+def _graph_params(op: str, a: Args) -> KernelParams:
+    x = a["x"]
+    _, d = reduced_shape(op, torch.empty(x.shape, dtype=x.dtype, device="meta"), a["dim"], a["keepdim"])
+    return _params(d, a["keepdim"])
+
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    nd, dim, keepdim = len(shapes[0]), params.dim, params.keepdim
+    out = [Strategy((R,), R)]
+    out += [Strategy((Shard(e),), Shard(e if keepdim or e < dim else e - 1)) for e in range(nd) if e != dim]
+    if op == "reduce.sum":
+        out += [Strategy((Shard(dim),), P), Strategy((P,), P)]
+    if op == "reduce.max":
+        out.append(Strategy((Shard(dim),), Partial("max")))
+    return out
+
+
+for _fn in (sum, mean, max, min, argmax):
+    declare(f"reduce.{_fn.__name__}", _fn, ("x",), params=_graph_params, rule=_rule)

@@ -16,12 +16,14 @@ import torch
 from dtorch.core.device import Device
 from dtorch.core.dtypes import FLOAT_DTYPES, INT_DTYPES
 from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, ShapeError
+from dtorch.core.placement import Shard
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.meta import Call
 from dtorch.kernels.torch.llm import rope_tables
 from dtorch.ops import _checks
 from dtorch.ops._invoke import run
 from dtorch.ops.context import OperatorInitContext, RuntimeContext
+from dtorch.ops.graph_op import Args, R, Shapes, Strategy, declare
 from dtorch.ops.prepared import PreparedOperator
 
 
@@ -293,5 +295,40 @@ class RoPE(PreparedOperator):
         self._rotate_(k, t, ctx)
         return q, k
 
+
+# -- in a graph: rope(x, positions, ...) runs the kernel's positions form, which gathers cos/sin itself from an
+# inv_freq param; rope_cached(x, cos, sin, ...) its table form ------------------------------------------------
+
+def _graph_params(op: str, a: Args) -> KernelParams:
+    inv = a["inv_freq"]  # a constant tensor, not an Operand: its values become the param (R/2 float32 values)
+    device = inv.device if isinstance(inv, torch.Tensor) else torch.device("cpu")
+    r, inv = rope_frequencies(a["x"].shape[-1], a["theta"], a["rotary_dim"], inv, device)
+    return _rope_params(r, _bool(op, "interleaved", a["interleaved"])).replace(inv_freq=tuple(inv.tolist()))
+
+
+def _graph_cached_params(op: str, a: Args) -> KernelParams:
+    r = a["x"].shape[-1] if a["rotary_dim"] is None else a["rotary_dim"]
+    _check_rotary("llm.rope", r, a["x"].shape[-1], 10000.0)
+    return _rope_params(r, _bool("llm.rope", "interleaved", a["interleaved"]))
+
+
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    # x [..., T, H, D] with positions [T] or [B, T] (positions form), or cos, sin [..., T, R/2] (table form, every
+    # table input placed alike: they follow x's leading dims and never its heads)
+    x, pos = shapes[0], shapes[1]
+    k = len(shapes) - 1  # table inputs
+    nd, t_dim = len(x), len(x) - 3
+    batched = len(pos) == 2 if k == 1 else len(pos) == 3  # a batch dim in front of T
+    out = [Strategy((R,) * (k + 1), R), Strategy((Shard(nd - 2),) + (R,) * k, Shard(nd - 2))]  # heads
+    out += [Strategy((Shard(d),) + (Shard(0) if batched and d == 0 else R,) * k, Shard(d)) for d in range(t_dim)]
+    tokens = Shard(1 if batched else 0)
+    out.append(Strategy((Shard(t_dim),) + (tokens,) * k, Shard(t_dim)))  # tokens, with their positions
+    return out
+
+
+declare("llm.rope", rope, ("x", "positions"), params=_graph_params, rule=_rule, inplace=(("out", 0, "x"),),
+        meta_args=lambda a: a | {"inv_freq": None})  # inv_freq: checked by _graph_params
+declare("llm.rope_cached", rope_cached, ("x", "cos", "sin"), params=_graph_cached_params, rule=_rule,
+        inplace=(("out", 0, "x"),), kernel_op=lambda op, a: "llm.rope")  # the kernel's table form
 
 __all__ = ["RoPE", "RoPETables", "rope", "rope_cached", "rope_inv_freq", "rope_out"]

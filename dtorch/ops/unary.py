@@ -10,6 +10,7 @@ from dtorch.ops import _checks
 from dtorch.ops._checks import STRIDED
 from dtorch.ops._invoke import call, run
 from dtorch.ops.context import RuntimeContext
+from dtorch.ops.graph_op import Args, Shapes, Strategy, declare, elementwise
 
 UNARY_OPS = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu", "silu")
 
@@ -33,6 +34,10 @@ def _unary(name: str, x: torch.Tensor, params: KernelParams = NO_PARAMS) -> torc
     return call(op, device_of(x), x.dtype, (x,), params, lambda: (torch.empty_like(x),))[0]
 
 
+def _rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:
+    return elementwise(len(shapes[0]), partial_ok=op == "unary.neg")  # only negation is linear
+
+
 def _define(name: str) -> tuple:
     def functional(x: torch.Tensor) -> torch.Tensor:
         return _unary(name, x)
@@ -44,6 +49,7 @@ def _define(name: str) -> tuple:
     out_form.__name__ = out_form.__qualname__ = f"{name}_out"
     functional.__doc__ = f"``unary.{name}`` elementwise: returns a new tensor shaped like x."
     out_form.__doc__ = f"``unary.{name}`` elementwise into ``out`` (same shape, dtype and device as x)."
+    declare(f"unary.{name}", functional, ("x",), rule=_rule)
     return functional, out_form
 
 
@@ -80,5 +86,11 @@ def _gelu_params(approximate: str) -> KernelParams:
         raise ArgumentError(f"unary.gelu: 'approximate' must be 'none' or 'tanh', got {approximate!r}")
     return _GELU[approximate]
 
+
+def _graph_gelu_params(op: str, a: Args) -> KernelParams:
+    return _gelu_params(a["approximate"])
+
+
+declare("unary.gelu", gelu, ("x",), params=_graph_gelu_params, rule=_rule)
 
 __all__ = [n for op in UNARY_OPS for n in (op, f"{op}_out")]
