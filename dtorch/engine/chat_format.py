@@ -16,6 +16,7 @@ otherwise, as in OpenAI's strict mode), so any model makes a valid call.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,8 @@ from typing import Any
 
 from dtorch.core.errors import ArgumentError
 from dtorch.engine.output_parser import CALL_CLOSE, CALL_OPEN, THINK_OPEN, OutputParser
+from dtorch.engine.request import CompletionOutput
+from dtorch.engine.sampling import SamplingParams
 from dtorch.engine.structured import JSON_OPTIONS, StructuredOutputsParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -265,3 +268,23 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
     return "" if content is None else str(content)
+
+
+def with_tool_grammar(params: SamplingParams, setup: ChatSetup) -> SamplingParams:
+    """``params`` with the grammar a chat's tool_choice asks for ("required" or a named function)."""
+    if setup.structured_outputs is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ArgumentError("tool_choice 'required' or a named function constrains the reply to tool calls; it "
+                            "cannot be combined with structured_outputs")
+    return dataclasses.replace(params, structured_outputs=setup.structured_outputs)
+
+
+def split_reply(c: CompletionOutput, setup: ChatSetup) -> None:
+    """Set a chat choice's ``text``, ``reasoning_content`` and ``tool_calls`` from its raw text."""
+    parser = setup.parser()
+    parser.feed(c.text, final=True)
+    calls = parser.tool_calls()
+    c.text = parser.content
+    c.reasoning_content = parser.reasoning or None
+    c.tool_calls = (calls if setup.parallel_tool_calls else calls[:1]) or None

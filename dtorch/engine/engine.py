@@ -102,11 +102,12 @@ class Engine:
         """
         if not isinstance(params, SamplingParams):
             raise ArgumentError(f"add_request: params must be SamplingParams, got {type(params).__name__}")
-        ids = self.check_prompt(prompt_token_ids, f"add_request {request_id!r}: the prompt")
-        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad:
-            raise SamplingError(f"SamplingParams: logit_bias has token id {bad[0]}; ids must be in "
-                                f"[0, {self.vocab_size})")
+        ids = self.check_prompt(prompt_token_ids, "the prompt")
+        for field, given in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in given if t >= self.vocab_size]
+            if bad:
+                raise SamplingError(f"SamplingParams: {field} has token id {bad[0]}; ids must be in "
+                                    f"[0, {self.vocab_size})")
         so = params.structured_outputs
         matchers = [self.grammars.matcher(so) for _ in range(params.n)] if so is not None else [None] * params.n
         if not self.accepting:
@@ -132,7 +133,7 @@ class Engine:
         """Queue a prompt to embed: ``sink(job_id, vector)`` gets its final hidden states pooled ("last" token or
         "mean"), L2-normalized unless ``normalize`` is False, a [hidden] float32 tensor (or the exception that ended
         it) on the engine's thread. Embedding steps take turns with generation steps."""
-        ids = self.check_prompt(prompt_token_ids, f"add_embedding {job_id!r}: the prompt")
+        ids = self.check_prompt(prompt_token_ids, "the input")
         check_pooling(pooling)
         if not self.accepting:
             raise EngineBusy("the engine is shutting down and takes no new requests")
@@ -161,10 +162,15 @@ class Engine:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ArgumentError(f"{what} has token id {t!r}; ids must be ints in [0, {vocab})")
-        if len(ids) >= self.max_len:
-            raise ModelError(f"{what} has {len(ids)} tokens, but the context is {self.max_len} tokens "
-                             "(max_model_len) and at least one new token must fit")
+        self.check_length(len(ids), what)
         return ids
+
+    def check_length(self, tokens: int, what: str, at_least: bool = False) -> None:
+        """``ModelError`` when a prompt of ``tokens`` tokens (``at_least``: a lower bound of its count, found before
+        encoding it) leaves no room for a new token."""
+        if tokens >= self.max_len:
+            raise ModelError(f"{what} has {'at least ' if at_least else ''}{tokens} tokens, but the context is "
+                             f"{self.max_len} tokens (max_model_len) and at least one new token must fit")
 
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._inbox or self.embeddings.jobs)

@@ -18,12 +18,10 @@ requests share the batch, each gets only its own tokens, and whichever caller is
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import queue
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +29,12 @@ import torch
 
 from dtorch.core import env
 from dtorch.core.dtypes import as_dtype
-from dtorch.core.errors import ArgumentError, ModelError
+from dtorch.core.errors import ArgumentError, DtorchError, ModelError
 from dtorch.core.memory import map_large_allocations, trim_heap
-from dtorch.engine.chat_format import ChatSetup, prepare_chat
+from dtorch.engine.chat_format import ChatSetup, prepare_chat, split_reply, with_tool_grammar
 from dtorch.engine.embedding import check_pooling
 from dtorch.engine.engine import Engine
-from dtorch.engine.request import CompletionOutput, Delta, Logprob, RequestOutput
+from dtorch.engine.request import CompletionOutput, Delta, GenerationStats, Logprob, RequestOutput
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache, kv_bytes_per_token
@@ -50,25 +48,6 @@ PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at mo
 BLOCK_SIZE = 16  # tokens per KV cache block
 KV_CACHE_BYTES = 1 << 30  # default KV cache budget (a CPU touches pages only as blocks fill)
 _ids = itertools.count()  # request ids of generate calls
-
-
-@dataclass
-class GenerationStats:
-    """Timing of the last ``generate`` call: prefill and decode tokens and seconds (of every request that ran in
-    its steps, when several callers share the engine)."""
-
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 Prompt = str | Sequence[int]
@@ -151,7 +130,7 @@ class LLM:
         self.rank = where.rank
         self.device = where.mesh.device(where.local_ids[0])
         self.executor = Executor(self.model, where.communicator, where.local_ids, where.timeout,
-                                 capture=not enforce_eager and where.mesh.size == 1)
+                                 capture=not enforce_eager)  # Capture.for_steps: one GPU only
         self._spmd = where.spmd
         self.max_num_seqs = max_num_seqs
         self.stats = GenerationStats()
@@ -197,12 +176,15 @@ class LLM:
     def capture_report(self) -> dict[str, str]:
         """Each step shape built so far ("decode 4 seqs", "prefill 64 tokens / 2 seqs") -> "captured", "to capture"
         (its next run records) or why it runs uncaptured."""
+        self._open("capture_report")
         def name(b) -> str:
             return f"decode {b.seqs} seqs" if b.decode else f"{b.tokens} tokens / {b.seqs} seqs"
         return {name(b): status for b, status in self.executor.capture_report().items()}
 
     def close(self) -> None:
-        """Stop the stream threads and release the communicator (also done when the object is collected)."""
+        """Stop the stream threads and release the communicator (also done when the object is collected). Every
+        method but ``close`` then raises a ``DtorchError`` saying the LLM is closed."""
+        self._closed = True
         self.engine.accepting = False
         self.executor.close()
 
@@ -224,6 +206,7 @@ class LLM:
         A text prompt is raw: special tokens written in it (``<|im_start|>``) are control tokens; for a conversation
         whose user text must stay text, use ``chat`` or ``chat_prompt``. No prompts (``[]``): ``[]``, as vLLM.
         """
+        self._open("generate")
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if isinstance(prompts, Mapping) or not isinstance(prompts, Iterable):
@@ -258,6 +241,7 @@ class LLM:
         ``reasoning_content`` and ``tool_calls``; ``on_text`` gets the raw text as it comes.
         ``allow_special_tokens``: as in ``chat_prompt``.
         """
+        self._open("chat")
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ArgumentError("LLM.chat: messages must be a non-empty list of {'role': str, 'content': str} dicts "
                                 f"(or a list of such conversations), got {messages!r:.200}")
@@ -277,8 +261,10 @@ class LLM:
         return outs
 
     def chat_setup(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatSetup:
-        """A conversation's prompt and how to read its reply (``chat_format.prepare_chat``; options as ``chat``)."""
-        return prepare_chat(self._need_tokenizer("chat"), messages, **options)
+        """A conversation's prompt and how to read its reply (``chat_format.prepare_chat``; options as ``chat``); a
+        conversation whose rendered text cannot fit the context is refused before it is encoded."""
+        self._open("chat_setup")
+        return prepare_chat(self._need_tokenizer("chat"), messages, limit=self.max_len - 1, **options)
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], *, allow_special_tokens: bool = False,
                     **options: Any) -> list[int]:
@@ -288,6 +274,7 @@ class LLM:
         Special tokens come only from the template: written in a message (a user forging ``<|im_start|>system``)
         they are text, unless ``allow_special_tokens=True``.
         """
+        self._open("chat_prompt")
         if not isinstance(allow_special_tokens, bool):
             raise ArgumentError(f"LLM.chat_prompt: allow_special_tokens must be a bool, got {allow_special_tokens!r}")
         return self.chat_setup(messages, allow_special_tokens=allow_special_tokens, **options).prompt_ids
@@ -297,6 +284,7 @@ class LLM:
         """Embeddings of prompts (text or token ids): the final hidden states (after the last norm) pooled over
         each prompt ("last" token or "mean"), L2-normalized; [len(prompts), hidden] float32. Batched on the engine
         with whatever else it runs."""
+        self._open("embed")
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -318,17 +306,17 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """The text of one prompt's completion (n = 1), piece by piece as each step makes it."""
+        self._open("stream")
         params = [params or SamplingParams()]
         if params[0].n != 1:
             raise ArgumentError(f"LLM.stream: n = {params[0].n}; it streams one choice (use generate's on_text)")
         outs = self._requests([prompt], params)
-        for pieces in self._run(outs, params):
-            for _, piece in pieces:
-                yield piece
+        return (piece for pieces in self._run(outs, params) for _, piece in pieces)
 
     @torch.no_grad()
     def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Logits of every position of one sequence: [T, vocab] float32; a full forward pass of its own."""
+        self._open("logits")
         ids = self._check_ids(list(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids), 0)
         e, step = self.engine, self.engine.scheduler.config.max_num_batched_tokens
         with e.drive_lock:  # no engine step runs meanwhile; the blocks and state slot are borrowed and given back
@@ -433,6 +421,13 @@ class LLM:
         self.executor.comm.broadcast(self.executor.local_ids[0], t, t, src=0)  # a lost peer: CommunicationError
         return t.tolist()
 
+    _closed = False
+
+    def _open(self, what: str) -> None:
+        if self._closed:
+            raise DtorchError(f"LLM.{what}: this LLM is closed (close() was called) and its streams are gone; load a "
+                              "new LLM to use the model again")
+
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
             raise ModelError(no_tokenizer_message(self.source, what))
@@ -441,7 +436,9 @@ class LLM:
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):
             check_text(prompt, f"LLM.generate: prompt {index}")
-            ids = self._need_tokenizer("text prompts").encode(prompt)
+            tokenizer = self._need_tokenizer("text prompts")
+            self.engine.check_length(tokenizer.min_tokens(prompt), f"LLM: prompt {index}", at_least=True)
+            ids = tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
         else:
@@ -451,23 +448,3 @@ class LLM:
 
     def _check_ids(self, ids: list[int], index: int) -> list[int]:
         return self.engine.check_prompt(ids, f"LLM: prompt {index}")
-
-
-def with_tool_grammar(params: SamplingParams, setup: ChatSetup) -> SamplingParams:
-    """``params`` with the grammar a chat's tool_choice asks for ("required" or a named function)."""
-    if setup.structured_outputs is None:
-        return params
-    if params.structured_outputs is not None:
-        raise ArgumentError("tool_choice 'required' or a named function constrains the reply to tool calls; it "
-                            "cannot be combined with structured_outputs")
-    return dataclasses.replace(params, structured_outputs=setup.structured_outputs)
-
-
-def split_reply(c: CompletionOutput, setup: ChatSetup) -> None:
-    """Set a chat choice's ``text``, ``reasoning_content`` and ``tool_calls`` from its raw text."""
-    parser = setup.parser()
-    parser.feed(c.text, final=True)
-    calls = parser.tool_calls()
-    c.text = parser.content
-    c.reasoning_content = parser.reasoning or None
-    c.tool_calls = (calls if setup.parallel_tool_calls else calls[:1]) or None

@@ -109,6 +109,8 @@ class SamplingParams:
             raise SamplingError(f"SamplingParams: stop_token_ids must be a list of ints, got {ids!r}")
         for i in ids:
             _int("stop_token_ids item", i)
+            if i < 0:
+                raise SamplingError(f"SamplingParams: stop_token_ids has token id {i}; ids must be >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"SamplingParams: ignore_eos must be a bool, got {self.ignore_eos!r}")
