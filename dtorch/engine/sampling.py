@@ -265,7 +265,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], outp
     return full
 
 
-def _token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+def token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
                     tokens: list[int]) -> list[TokenLogprob | None]:
     """logprobs: [L, V], row i belonging to batch row ``rows[i]``; one ``TokenLogprob`` per batch row asking."""
     out: list[TokenLogprob | None] = [None] * len(params)
@@ -285,24 +285,13 @@ def _token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[Sa
     return out
 
 
-def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None], output_ids: Sequence[Sequence[int]],
-                prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None,
-                allowed: tuple[Sequence[int], torch.Tensor] | None = None
-                ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """The next token of each row and, for rows whose ``params.logprobs`` is set, its ``TokenLogprob``.
-
-    logits: [B, V] float32, raw model logits; ``params[b]``, ``generators[b]``, ``output_ids[b]`` (generated so
-    far), ``prompt_ids[b]`` and ``banned[b]`` (ids that cannot be chosen: the stop ids before ``min_tokens``)
-    belong to row b. allowed: (rows, refused [R, V] bool): the tokens each of those rows may not take (True; a
-    grammar's mask); a ban that would leave such a row nothing yields to the grammar. Returns (B token ids, B
-    ``TokenLogprob`` or None).
-    """
-    lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+def shape_logits(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+                 prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None,
+                 allowed: tuple[Sequence[int], torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Each row's logits with its penalties, logit bias, grammar mask and bans applied (arguments as ``sample_step``):
+    [B, V] float32 (``logits`` itself when nothing changes it), and {row: refused [V] bool} of the grammar's rows."""
     bans = [(b, list(ids)) for b, ids in enumerate(banned or ()) if ids]
-    if not lp_rows and not bans and allowed is None and all(p.plain for p in params):
-        return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
-    logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
     x = apply_penalties(logits, params, output_ids, prompt_ids)
     biased = [b for b, p in enumerate(params) if p.logit_bias]
     if bans or biased or allowed is not None:
@@ -322,6 +311,27 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
         if b in refused and refused[b].clone().index_fill_(0, ids, True).all():
             continue  # the grammar allows nothing but these (its EOS before min_tokens): the grammar wins
         x[b, ids] = -math.inf
+    return x, refused
+
+
+def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None], output_ids: Sequence[Sequence[int]],
+                prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None,
+                allowed: tuple[Sequence[int], torch.Tensor] | None = None
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The next token of each row and, for rows whose ``params.logprobs`` is set, its ``TokenLogprob``.
+
+    logits: [B, V] float32, raw model logits; ``params[b]``, ``generators[b]``, ``output_ids[b]`` (generated so
+    far), ``prompt_ids[b]`` and ``banned[b]`` (ids that cannot be chosen: the stop ids before ``min_tokens``)
+    belong to row b. allowed: (rows, refused [R, V] bool): the tokens each of those rows may not take (True; a
+    grammar's mask); a ban that would leave such a row nothing yields to the grammar. Returns (B token ids, B
+    ``TokenLogprob`` or None).
+    """
+    lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+    if not lp_rows and not any(banned or ()) and allowed is None and all(p.plain for p in params):
+        return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
+    logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
+    x, refused = shape_logits(logits, params, output_ids, prompt_ids, banned, allowed)
     tokens = torch.argmax(x, dim=-1).tolist()
     for b, p in enumerate(params):
         if p.greedy or (b in refused and bool(refused[b].all())):  # a broken grammar refuses all: its matcher ends it
@@ -333,7 +343,7 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
         tokens[b] = int(torch.multinomial(probs, 1, generator=g))
     if logprobs is None:
         return tokens, [None] * len(params)
-    return tokens, _token_logprobs(logprobs, lp_rows, params, tokens)
+    return tokens, token_logprobs(logprobs, lp_rows, params, tokens)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
