@@ -117,7 +117,7 @@ def test_runner_says_why_it_cannot_capture():
         assert "static" in r.capture_off
     with Runner(g, static=True) as r:
         assert r.capture_off == "capture was not asked for"
-    with pytest.raises(dtorch.ArgumentError, match="capture"):
+    with pytest.raises(dtorch.ArgumentError, match="'capture' must be a bool or a Capture"):
         Runner(g, static=True, capture="yes")
 
     p = LogicalGraph(DeviceMesh.cpu(1))
@@ -137,6 +137,25 @@ def test_runner_says_why_it_cannot_capture():
         for _ in range(3):
             torch.testing.assert_close(r.run({"x": x})["y"], torch.relu(x @ w) + x, rtol=1e-5, atol=1e-5)
         assert rec.recorded == 0 and not r.captured
+
+
+def test_runners_sharing_a_capture_record_into_its_one_recorder():
+    from dtorch.runtime.capture import Capture
+
+    g, w = _graph()
+    rec = HostRecorder()
+    shared = Capture(recorder=rec)
+    with Runner(g, static=True, capture=shared) as a, Runner(g, static=True, capture=shared) as b:
+        for _ in range(3):
+            for r in (a, b):
+                x = torch.randn(4, 16)
+                torch.testing.assert_close(r.run({"x": x})["y"], torch.relu(x @ w) + x, rtol=1e-5, atol=1e-5)
+        assert a.captured and b.captured and rec.recorded == 2 and rec.replays == 4
+        assert a.capture.status() == "captured"
+    device = dtorch.Device("cpu")
+    assert "mesh of 2 devices" in Capture.for_steps(device, 2, recorder=rec).off
+    assert Capture.for_steps(device, 1, asked=False, recorder=rec).off == "capture was not asked for"
+    assert Capture.for_steps(device, 1, recorder=rec).off is None and "cpu" in Capture(device).off
 
 
 def test_a_recording_that_fails_leaves_the_runner_uncaptured():

@@ -8,9 +8,10 @@ costs one graph build, and buffers only when it needs more than every bucket bef
 Padding rows form one extra sequence with no keys (its rows attend to nothing and write no cache slot, and
 its gated delta net states live in the state cache's scratch row).
 
-With ``capture=True`` the decode buckets (one row per sequence: the steps that repeat every token) are captured:
-their Runners bind capture-safe kernels only and replay one recording per bucket (a CUDA graph on a GPU, all in one
-memory pool); ``capture_report()`` says which buckets replay and why the others do not.
+With ``capture=True`` the decode buckets (one row per sequence: the steps that repeat every token) are captured, where
+``Capture.for_steps`` allows (one GPU): their Runners share one ``Capture``, bind capture-safe kernels only and replay
+one recording per bucket (a CUDA graph on a GPU, all in one memory pool); ``capture_report()`` says which buckets
+replay and why the others do not.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.model import Bucket, Transformer, bucket_for
-from dtorch.runtime.capture import Recorder, default_recorder, no_recorder
+from dtorch.runtime.capture import NOT_ASKED, Capture, Recorder
 from dtorch.runtime.comm import Communicator
 from dtorch.runtime.plan import SharedBuffers
 from dtorch.runtime.runner import Runner
@@ -74,11 +75,9 @@ class Executor:
         # the buckets' step buffers, shared: one step runs at a time and its logits are copied out, so a device holds
         # what its largest bucket needs rather than the sum over every bucket built
         self.buffers = {i: SharedBuffers(model.mesh.device(i)) for i in local_ids}
-        # one recorder for every bucket, so the recordings share one memory pool
-        device = model.mesh.device(local_ids[0])
-        self.recorder = recorder if recorder is not None else default_recorder(device) if capture else None
-        self.capture = capture and self.recorder is not None  # a CPU binds its fastest kernels: nothing records there
-        self.capture_off = None if self.capture else no_recorder(device) if capture else "capture was not asked for"
+        # one capture (one recorder) for every decode bucket, so the recordings share one memory pool
+        self.capture = Capture.for_steps(model.mesh.device(local_ids[0]), model.mesh.size, asked=capture,
+                                         recorder=recorder)
 
     def set_trace(self, on: bool) -> None:
         """Record every kernel's start and end on its stream (``self.tracer``), or stop."""
@@ -99,16 +98,20 @@ class Executor:
         if r is None:
             g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
             r = self.runners[bucket] = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True,
-                                              capture=self.capture and bucket.decode, recorder=self.recorder,
+                                              capture=self._capture(bucket),
                                               buffers=self.buffers)
         return r
+
+    def _capture(self, bucket: Bucket) -> Capture:
+        """Decode buckets are captured (prefill shapes vary); where nothing is, every bucket says why."""
+        return self.capture if bucket.decode or self.capture.off is not None else Capture(off=NOT_ASKED)
 
     def capture_now(self, bucket: Bucket) -> bool:
         """Record ``bucket`` now, where it is to be captured: two runs of padding rows alone (they write no cache
         slot, and gated delta net layers give them the state cache's scratch row), the uncaptured first run and the
         recording. Returns whether the bucket replays a recording afterwards."""
         r = self.runner(bucket)
-        if not self.capture or r.capture_off is not None:
+        if r.capture_off is not None:
             return False
         idle = self.feeds(StepPlan((), (), (), ()), bucket)
         while not r.captured and r.capture_off is None:
@@ -118,11 +121,7 @@ class Executor:
     def capture_report(self) -> dict[Bucket, str]:
         """Each built bucket: "captured" (its runs replay a recording), "to capture" (its next run records) or why
         it runs uncaptured."""
-        def status(r: Runner) -> str:
-            if r.captured:
-                return "captured"
-            return r.capture_off or "to capture"
-        return {b: status(r) if self.capture else self.capture_off for b, r in self.runners.items()}
+        return {b: r.capture.status() for b, r in self.runners.items()}
 
     def step(self, plan: StepPlan, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
         """Run one step; returns float32 logits [N, V] of each sequence's last token (``all_logits``: [T, V]; with

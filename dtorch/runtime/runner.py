@@ -5,7 +5,8 @@ and the first failure is raised naming its op, device and stream. With ``static=
 bound to a buffer planned at build (``dtorch.runtime.plan``): a run allocates nothing, views cost
 nothing, and fed inputs are copied into their buffers on each device's compute stream. With ``capture=True`` as
 well, only capture-safe kernels are bound, and from the second run on the whole run is one recorded replay (a CUDA
-graph on a GPU; ``dtorch.runtime.capture``); ``capture_off`` says why a Runner cannot capture.
+graph on a GPU; ``dtorch.runtime.capture``, which holds the capture state); ``capture_off`` says why a Runner
+cannot capture.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dtorch.dispatch.registry import Dispatcher
 from dtorch.graph.logical import LogicalGraph
 from dtorch.graph.operand import Operand
 from dtorch.runtime.blob import Blob, DistTensor, device_piece, local_piece, record_use
-from dtorch.runtime.capture import Recorder, Recording, default_recorder, no_recorder
+from dtorch.runtime.capture import NOT_ASKED, Capture, Recorder
 from dtorch.runtime.comm import Communicator, default_communicator
 from dtorch.runtime.kernel import RunState
 from dtorch.runtime.plan import SharedBuffers
@@ -84,7 +85,8 @@ class Runner:
     shared with other Runners (its threads outlive this Runner); ``static``: plan every buffer at build;
     ``capture`` (with ``static``): bind capture-safe kernels only, run the first run as usual and replay a recording
     of it afterwards (``recorder``: default a CUDA graph recorder on a GPU; where nothing can record, or a kernel is
-    not capture-safe, the Runner runs uncaptured and ``capture_off`` holds the reason). ``buffers`` (with ``static``):
+    not capture-safe, the Runner runs uncaptured and ``capture_off`` holds the reason); a ``Capture`` instead of True
+    is shared with other Runners (one recorder: one memory pool for their recordings). ``buffers`` (with ``static``):
     global device id -> ``SharedBuffers`` shared with other static Runners that never run at the same time as this
     one; its buffers are carved from them instead of allocated.
     """
@@ -92,7 +94,7 @@ class Runner:
     def __init__(self, graph: LogicalGraph, communicator: Communicator | None = None, *, release: bool = True,
                  trace: bool | None = None, timeout: float | None = None,
                  dispatcher: Dispatcher | None = None, streams: StreamManager | None = None,
-                 static: bool = False, capture: bool = False, recorder: Recorder | None = None,
+                 static: bool = False, capture: bool | Capture = False, recorder: Recorder | None = None,
                  buffers: Mapping[int, SharedBuffers] | None = None) -> None:
         if not isinstance(graph, LogicalGraph):
             raise ArgumentError(f"Runner: expected a LogicalGraph, got {type(graph).__name__}")
@@ -103,12 +105,13 @@ class Runner:
         self.static = static
         if buffers is not None and not static:
             raise ArgumentError("Runner: 'buffers' are shared static buffers; pass static=True with them")
-        if not isinstance(capture, bool):
-            raise ArgumentError(f"Runner: 'capture' must be a bool, got {capture!r}")
-        self.capture = capture
         self.timeout = env.sync_timeout() if timeout is None else _seconds("Runner", timeout)
         self.comm = communicator if communicator is not None else default_communicator(self.mesh.ids, self.timeout)
         self.local_ids = self.mesh.local_ids(self.comm.process)
+        if isinstance(capture, bool):
+            capture = Capture(self.mesh.device(self.local_ids[0]), recorder) if capture else Capture(off=NOT_ASKED)
+        elif not isinstance(capture, Capture):
+            raise ArgumentError(f"Runner: 'capture' must be a bool or a Capture, got {capture!r}")
         self._owns_streams = streams is None
         self._closed = False
         if streams is None:
@@ -123,32 +126,22 @@ class Runner:
         self._lock = threading.Lock()
         self._dirty = False
         self.program = Program(graph, self.comm, self.local_ids, self.manager, dispatcher or _global_dispatcher,
-                               release=release, static=static, capture=capture, shared=buffers)
+                               release=release, static=static, capture=capture.off is None, shared=buffers)
         self.manager.after_caller()  # the streams start after the params' copies to their devices
         self.blobs = self.program.blobs  # (operand index, global id) -> Blob
         self.kernels = self.program.kernels
         self.buffer_bytes = self.program.buffer_bytes  # bytes of the static plan's buffers, all local devices
-        self._recorder: Recorder | None = None
-        self._recording: Recording | None = None
-        self._warm = False  # one run happened uncaptured (lazy initialization, compilation) before recording
-        self.capture_off: str | None = self._capture_check(recorder) if capture else "capture was not asked for"
+        self.capture = capture.runner(self.program.capture_blocker)
 
-    def _capture_check(self, recorder: Recorder | None) -> str | None:
-        """None when this Runner can record its runs (and its recorder is set), else why not."""
-        blocker = self.program.capture_blocker()
-        if blocker is not None:
-            return blocker
-        device = self.mesh.device(self.local_ids[0])
-        recorder = recorder if recorder is not None else default_recorder(device)
-        if recorder is None:
-            return no_recorder(device)
-        self._recorder = recorder
-        return None
+    @property
+    def capture_off(self) -> str | None:
+        """Why this Runner's runs are not recorded; None when they are."""
+        return self.capture.off
 
     @property
     def captured(self) -> bool:
         """True once the runs are replays of a recording."""
-        return self._recording is not None
+        return self.capture.captured
 
     # -- run -----------------------------------------------------------------------------------
 
@@ -173,7 +166,7 @@ class Runner:
                 self.comm.reset()
                 self._dirty = False
             self.comm.set_timeout(limit)
-            if self._recorder is not None and self._warm:
+            if self.capture.replays:
                 return self._run_recorded(feeds, return_dist)
             state = RunState(self.comm)
             self._place_feeds(feeds, state)
@@ -192,7 +185,7 @@ class Runner:
             if state.error is not None:
                 self._dirty = True
                 raise state.error
-            self._warm = True
+            self.capture.warm = True
             return self._results(return_dist)
 
     def _run_recorded(self, feeds: dict[str, torch.Tensor], return_dist: bool = False) -> dict[str, Any]:
@@ -201,15 +194,7 @@ class Runner:
         i = self.local_ids[0]
         for name, x in self.graph.inputs.items():  # one device: each feed is whole; copied as it is, no host wait
             self.blobs[(x.index, i)].tensor.copy_(feeds[name], non_blocking=True)
-        if self._recording is None:
-            try:
-                self._recording = self._recorder.record(self._issue)
-            except Exception as exc:  # noqa: BLE001 - the Runner goes on uncaptured and says why
-                self._recorder = None
-                self.capture_off = f"recording failed ({type(exc).__name__}: {exc}); the runs are not captured"
-                self._issue()
-                return self._results(return_dist)
-        self._recording.replay()
+        self.capture.replay(self._issue)
         return self._results(return_dist)
 
     def _issue(self) -> None:
