@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dtorch import ops
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import ArgumentError, DTypeError, GraphError, ShapeError
 from dtorch.dispatch.context import KernelParams
@@ -48,8 +49,6 @@ class Bound:
 
 def _name(fn: Callable[..., Any]) -> str:
     """``dtorch.ops.rms_norm`` for a wrapper that ``dtorch.ops`` exports, else the wrapper's module and name."""
-    from dtorch import ops
-
     name = getattr(fn, "__name__", "")
     if getattr(ops, name, None) is fn:
         return f"dtorch.ops.{name}"
