@@ -84,6 +84,12 @@ class FakeTokenizer:
     def id_to_token(self, token_id: int) -> str:
         return chr(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode()
+
+    def min_tokens(self, text: str) -> int:
+        return len(text)
+
 
 class FakeEngine:
     """Each step gives every unfinished choice one token "a" (+ its index); a prompt with "forever" in it never
@@ -112,6 +118,17 @@ class FakeEngine:
             self.active[request_id] = dict(params=params, sink=sink, prompt=len(ids), done=[None] * params.n,
                                            count=[0] * params.n, abort=False,
                                            endless="forever" in "".join(chr(t) for t in ids))
+
+    def check_prompt(self, ids, what: str) -> list[int]:
+        ids = list(ids)
+        if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+            raise ArgumentError(f"{what} has a bad token id")
+        self.check_length(len(ids), what)
+        return ids
+
+    def check_length(self, tokens: int, what: str, at_least: bool = False) -> None:
+        if tokens >= self.MAX_LEN:
+            raise ModelError(f"{what} has {tokens} tokens, but the context is {self.MAX_LEN}")
 
     def abort(self, request_id: str) -> None:
         with self.lock:

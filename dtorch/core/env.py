@@ -12,6 +12,7 @@
 | DTORCH_CPU_FEATURES | force CPU probe answers: "+avx512_bf16,-avx512_vnni" | +/- feature names | none |
 | DTORCH_NATIVE_ISA | instruction set of the native CPU kernels | auto, avx512, avx2, portable | auto |
 | DTORCH_NATIVE_CACHE | folder where the native CPU kernels are compiled and cached | a path | ~/.cache/dtorch/native |
+| DTORCH_API_KEY | the key ``dtorch serve`` asks clients for when ``--api-key`` is not given | any text | none |
 
 A flag is one of 1/true/yes/on or 0/false/no/off (or empty). A malformed value, or a ``DTORCH_*`` name
 not in this table, raises ``ConfigError`` listing what is allowed: a typo is never ignored silently.
@@ -26,7 +27,8 @@ import sys
 from dtorch.core.errors import ConfigError
 
 SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
-            "DTORCH_FORBID_SYNC", "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG")
+            "DTORCH_FORBID_SYNC", "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG",
+            "DTORCH_API_KEY")
 NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -138,3 +140,8 @@ def native_isa() -> str:
 
 def native_cache() -> str:
     return _raw("DTORCH_NATIVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dtorch", "native")
+
+
+def api_key() -> str | None:
+    """The API key of ``dtorch serve`` from DTORCH_API_KEY (None: unset or empty)."""
+    return _raw("DTORCH_API_KEY") or None

@@ -6,32 +6,39 @@ engine calls a sink on its thread after each step, which hands the ``Delta`` to 
 A client that hangs up has its engine requests aborted, which frees their cache blocks.
 
 Faults: a bad request is a 400 naming its field (OpenAI's error JSON), an unknown model a 404, a full queue a 503,
-anything else a 500; none of them stops the server.
+anything else a 500; none of them stops the server (``serve.errors``). Chat templates, tokenizers and grammars run on
+a small worker pool of the server's, never on the event loop, and a text that cannot fit the context is refused before
+it is encoded; the event loop only parses and answers. In front of the app (``serve.guard``): CORS, the API key, the
+body limit. Each request ends with a line in the log; a throughput line comes every ``log_interval`` seconds while the
+engine works (``serve.logs``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
-from functools import lru_cache
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response, StreamingResponse
 
 from dtorch.core.errors import ArgumentError, DtorchError, EngineBusy, ModelError, SamplingError
 from dtorch.engine.request import Delta
+from dtorch.serve.cli import MAX_BODY_BYTES
+from dtorch.serve.errors import ApiError, Json, add_error_handlers, bad_request, error_of
+from dtorch.serve.guard import ApiKey, BodyLimit
+from dtorch.serve.logs import RequestLog, log_throughput
 from dtorch.serve.metrics import CONTENT_TYPE, ServerMetrics
-from dtorch.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, error_body, field_path
+from dtorch.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from dtorch.serve.responses import (
     Answer,
     Echo,
@@ -47,43 +54,49 @@ from dtorch.serve.utility import add_utility_routes
 
 log = logging.getLogger("dtorch.serve")
 POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
-
-
-class ApiError(Exception):
-    """An error answered with ``status`` and OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param, code)
+WORKERS = 2  # threads that render templates and run tokenizers and grammar compilers (they release the GIL)
 
 
 class _ClientGone(Exception):
     """The client of a non-streamed request disconnected."""
 
 
-def _bad_request(exc: DtorchError, param: str | None) -> ApiError:
-    """A 400 for an error the engine or tokenizer raised; a SamplingError names its own field, and so does an error
-    with a ``param`` (``chat_format.field_error``)."""
-    if isinstance(exc, SamplingError):
-        m = re.match(r"SamplingParams: (\w+)", str(exc))
-        param = m.group(1) if m else None
-    return ApiError(400, str(exc), param=getattr(exc, "param", None) or param)
-
-
 class _Server:
-    """The app's state: the model, its engine, the metrics, and how a request runs."""
+    """The app's state: the model, its engine, the metrics, the worker pool, and how a request runs."""
 
-    def __init__(self, llm: Any, served_model_name: str) -> None:
+    def __init__(self, llm: Any, served_model_name: str, workers: int) -> None:
         self.llm, self.engine, self.name = llm, llm.engine, served_model_name
         self.metrics = ServerMetrics(self.engine)
         self.created = int(time.time())
         self.serving = False
-        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="dtorch-tokenize")
+        self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
 
-    def _token_text(self, token_id: int) -> str:
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the worker pool: templates, tokenizers, grammars, echo passes."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    def _token_bytes(self, token_id: int) -> bytes:
         tok = self.llm.tokenizer
-        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
+        return tok.token_bytes(token_id) if tok is not None else str(token_id).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as OpenAI shows it: its text, or ``\\xNN`` escapes for bytes that are part of a UTF-8 character."""
+        return self.token_bytes(token_id).decode("utf-8", "backslashreplace")
+
+    def encode(self, prompts: Sequence[str | Sequence[int]], what: str) -> list[list[int]]:
+        """Each prompt's token ids (texts encoded), checked against the context; a text that cannot fit is refused
+        from its length before it is encoded. Run it on the worker pool."""
+        out, tok = [], self.llm.tokenizer
+        for i, p in enumerate(prompts):
+            name = what if len(prompts) == 1 else f"{what}[{i}]"
+            if isinstance(p, str):
+                if tok is None:
+                    raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param=what)
+                self.engine.check_length(tok.min_tokens(p), name, at_least=True)
+                p = tok.encode(p)
+            out.append(self.engine.check_prompt(p, name))
+        return out
 
     def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None) -> list[Echo]:
         """The echoed prompts of a completion and, with ``logprobs``, their tokens' logprobs (a forward pass of each
@@ -121,7 +134,7 @@ class _Server:
         if params.structured_outputs is None:
             return
         try:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
+            await self.off_loop(self.engine.grammars.compile, params.structured_outputs)
         except DtorchError as exc:
             raise ApiError(400, str(exc), param=origin) from None
 
@@ -152,7 +165,7 @@ class _Server:
             if isinstance(exc, EngineBusy):
                 raise ApiError(503, str(exc), "ServiceUnavailableError", None, "engine_busy") from None
             if isinstance(exc, (ArgumentError, ModelError, SamplingError)):
-                raise _bad_request(exc, param) from None
+                raise bad_request(exc, param) from None
             raise
         return queue
 
@@ -162,6 +175,7 @@ class _Server:
         polled, and _ClientGone raised when it left. However this ends, the unfinished engine requests are aborted.
         """
         left = {f"{rid}-{p}": n for p in range(prompts)}
+        record = RequestLog(rid)
         start, first = time.monotonic(), True
         checked = start
         try:
@@ -179,6 +193,7 @@ class _Server:
                             raise _ClientGone()
                     if d is None:
                         continue
+                record.add(d)
                 if d.token_ids:
                     if first:
                         self.metrics.ttft.observe(time.monotonic() - start)
@@ -194,40 +209,58 @@ class _Server:
             for r, choices in left.items():  # their "abort" deltas come after this generator is gone
                 self.engine.abort(r)
                 self.metrics.finished.labels("abort").inc(choices)
+            log.info("%s", record.line(unfinished=sum(left.values())))
 
-def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pooling: str = "last") -> FastAPI:
+
+def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pooling: str = "last",
+              api_key: str | None = None, allowed_origins: Sequence[str] = (), max_body_bytes: int = MAX_BODY_BYTES,
+              log_interval: float = 10.0, workers: int = WORKERS) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``served_model_name``.
 
     engine_loop: what steps the engine (``stop(grace)``), run by the caller (``dtorch serve`` runs it on its main
     thread, where the model was loaded; see ``EngineLoop``). None: the app starts an ``EngineLoop`` on a thread of its
     own. Either way the app stops it at shutdown, after uvicorn's graceful shutdown has let requests in flight
     finish, with no grace of its own: what is left is aborted. pooling: how ``/v1/embeddings`` pools the final hidden
-    states ("last" token or "mean").
+    states ("last" token or "mean"). api_key: the key every request but /health and /metrics must carry (None: no
+    key). allowed_origins: the origins browsers may call from (CORS; "*": any). max_body_bytes: request bodies at
+    most (413). log_interval: seconds between throughput lines while the engine works (0: none). workers: threads of
+    the pool that renders templates and runs tokenizers.
     """
     own = engine_loop is None
     if own:
         from dtorch.engine.engine import EngineLoop
 
         engine_loop = EngineLoop(llm.engine)
-    server = _Server(llm, served_model_name)
+    server = _Server(llm, served_model_name, workers)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if own:
             engine_loop.start()
         server.serving = True
+        stats = asyncio.create_task(log_throughput(server.engine, log_interval)) if log_interval > 0 else None
         try:
             yield
         finally:
             server.serving = False
+            if stats is not None:
+                stats.cancel()
             await asyncio.to_thread(engine_loop.stop, 0.0)
+            server.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="dtorch", lifespan=lifespan)
+    app = FastAPI(title="dtorch", lifespan=lifespan, default_response_class=Json)
     app.state.server = server
-    _add_error_handlers(app)
+    # the last added runs first: CORS (a preflight carries no key), then the key, then the body's size
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    add_error_handlers(app)
     add_utility_routes(app, server, pooling)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         up = server.serving and getattr(server.engine, "accepting", True)  # False once shutting down
         return Response(status_code=200 if up else 503)
@@ -256,19 +289,19 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
         try:
-            setup = await asyncio.to_thread(
+            setup = await server.off_loop(
                 llm.chat_setup, [m.as_template_input() for m in body.messages], tools=tools, tool_choice=choice,
                 parallel_tool_calls=body.parallel_tool_calls, chat_template_kwargs=body.template_kwargs(),
                 add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
         except (ArgumentError, ModelError) as exc:
-            raise _bad_request(exc, "messages") from None
+            raise bad_request(exc, "messages") from None
         if setup.structured_outputs is not None:
             if params.structured_outputs is not None:
                 raise ApiError(400, f"tool_choice {body.tool_choice!r:.60} constrains the reply to tool calls; it "
                                     f"cannot be combined with {origin}", param="tool_choice")
             params, origin = dataclasses.replace(params, structured_outputs=setup.structured_outputs), "tools"
         await server.compile(params, origin)
-        a = Answer(f"chatcmpl-{uuid.uuid4().hex}", server.name, server.token_text)
+        a = Answer(f"chatcmpl-{uuid.uuid4().hex}", server.name, server.token_text, server.token_bytes)
         queue = server.submit(a.id, [setup.prompt_ids], params, "messages")
         run = server.deltas(a.id, 1, body.n, queue, None if body.stream else request)
         if body.stream:
@@ -282,20 +315,17 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
         params, origin = _sampling(body) if not scoring else (None, None)
         prompts = body.prompts()
         try:
-            ids = await asyncio.to_thread(lambda: [llm.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                                                   for p in prompts])
+            ids = await server.off_loop(server.encode, prompts, "prompt")
         except (ArgumentError, ModelError) as exc:
-            raise _bad_request(exc, "prompt") from None
-        except AttributeError:  # no tokenizer
-            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt") from None
+            raise bad_request(exc, "prompt") from None
         if not scoring:
             await server.compile(params, origin)
-        echoes = await asyncio.to_thread(server.echoes, prompts, ids, body.logprobs) if body.echo else None
-        a = Answer(f"cmpl-{uuid.uuid4().hex}", server.name, server.token_text)
+        echoes = await server.off_loop(server.echoes, prompts, ids, body.logprobs) if body.echo else None
+        a = Answer(f"cmpl-{uuid.uuid4().hex}", server.name, server.token_text, server.token_bytes)
         if scoring:
             if body.stream:
                 return _EventStream(scored_events(a, body, ids, echoes))
-            return JSONResponse(scored_response(a, body, ids, echoes))
+            return Json(scored_response(a, body, ids, echoes))
         queue = server.submit(a.id, ids, params, "prompt")
         run = server.deltas(a.id, len(ids), body.n, queue, None if body.stream else request)
         if body.stream:
@@ -315,13 +345,13 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> tuple[Any, str
     try:
         return body.sampling_params(structured), origin
     except SamplingError as exc:
-        raise _bad_request(exc, None) from None
+        raise bad_request(exc, None) from None
 
 
 async def _respond(make: Any) -> Response:
     """The JSON of a non-streamed answer, or an empty 499 when its client left (nobody reads it)."""
     try:
-        return JSONResponse(await make)
+        return Json(await make)
     except _ClientGone:
         return Response(status_code=499)
 
@@ -342,7 +372,7 @@ class _EventStream(StreamingResponse):
                     yield event
         except Exception as exc:
             log.exception("stream failed")
-            yield sse(_error_of(exc)[1])
+            yield sse(error_of(exc)[1])
         yield "data: [DONE]\n\n"
 
     async def stream_response(self, send: Callable) -> None:
@@ -350,43 +380,3 @@ class _EventStream(StreamingResponse):
             await super().stream_response(send)
         finally:
             await self.body_iterator.aclose()  # closes the events, which abort what is unfinished
-
-
-def _error_of(exc: Exception) -> tuple[int, dict[str, Any]]:
-    if isinstance(exc, ApiError):
-        return exc.status, exc.body
-    if isinstance(exc, EngineBusy):
-        return 503, error_body(str(exc), "ServiceUnavailableError", None, "engine_busy")
-    if isinstance(exc, (ArgumentError, ModelError, SamplingError)):
-        return 400, _bad_request(exc, None).body
-    return 500, error_body(f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = tuple(first.get("loc", ()))
-        where = ".".join(str(p) for p in loc if p != "body")
-        if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
-            message = f"Unrecognized request argument supplied: {where}"
-        else:
-            message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))
-        return JSONResponse(error_body(message, param=field_path(loc)), status_code=400)
-
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal(_request: Request, exc: Exception) -> JSONResponse:
-        status, body = _error_of(exc)
-        if status == 500:
-            log.error("request failed", exc_info=exc)
-        return JSONResponse(body, status_code=status)

@@ -2,6 +2,12 @@
 
 On SIGTERM the server stops accepting connections, lets requests in flight finish for up to ``--shutdown-grace``
 seconds, aborts the rest, stops the engine's thread and exits 0.
+
+Facing a network: ``--api-key`` (or DTORCH_API_KEY) makes every request but /health and /metrics carry
+``Authorization: Bearer KEY`` (else 401); ``--allowed-origins`` lets browsers of those origins call it (CORS);
+bodies past ``--max-body-bytes`` get 413, headers past ``--max-header-bytes`` 431. Once it listens it prints a banner
+(the model, its weights' formats, the memory it holds, the threads, the URL with the real port); each request logs one
+line at info level, and while the engine works a throughput line comes every ``--log-stats-interval`` seconds.
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtorch.core import env
 from dtorch.core.errors import DtorchError
 from dtorch.engine.cli import add_model_arguments, at_least, load_llm
+
+MAX_BODY_BYTES = 16 << 20  # request bodies at most (build_app's default too); a prompt past the context is refused
+MAX_HEADER_BYTES = 16 << 10  # h11's default
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +51,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how /v1/embeddings pools the final hidden states: the last token's (decoder models' "
                              "usual choice) or the mean over the input")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                        help="uvicorn's log level")
+                        help="the log level of dtorch's lines (one per request at info) and uvicorn's")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                        help="seconds between throughput lines while the engine works (0: none)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="the key clients must send as 'Authorization: Bearer KEY' (default: DTORCH_API_KEY; "
+                             "none: no key); /health and /metrics stay open")
+    parser.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                        help="comma-separated origins whose browser pages may call the API (CORS), e.g. "
+                             "'http://localhost:3000'; '*' for any (default: none)")
+    parser.add_argument("--max-body-bytes", type=at_least(1), default=MAX_BODY_BYTES, metavar="N",
+                        help="request bodies at most, in bytes; a larger one gets 413")
+    parser.add_argument("--max-header-bytes", type=at_least(1024), default=MAX_HEADER_BYTES, metavar="N",
+                        help="a request's header at most, in bytes; a larger one gets 431")
 
 
 def served_name(source: str | Path) -> str:
     """A model's default name in the API: its file's name without the suffix, or its directory's name."""
     p = Path(source)
     return p.stem if p.is_file() else p.name
+
+
+def listening_url(server: Any, host: str) -> str:
+    """The API's URL of a started uvicorn server, with the port it really bound (``--port 0``: the one it got)."""
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -62,11 +90,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from dtorch.engine.engine import EngineLoop
     from dtorch.serve.app import build_app
+    from dtorch.serve.guard import H11Protocol
+    from dtorch.serve.logs import banner, setup_logging
 
     if not 0 <= args.port <= 65535:
         raise DtorchError(f"--port must be in 0..65535, got {args.port}")
     if args.shutdown_grace < 0:
         raise DtorchError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    if not 0 <= args.log_stats_interval < float("inf"):
+        raise DtorchError(f"--log-stats-interval must be a number of seconds >= 0, got {args.log_stats_interval}")
+    key = args.api_key if args.api_key is not None else env.api_key()
+    if key is not None and not key.strip():
+        raise DtorchError("--api-key is empty; give a key, or leave the option out to serve without one")
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    setup_logging(args.log_level)
     llm = load_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                    max_waiting=args.max_waiting, tensor_parallel_size=args.tensor_parallel_size)
@@ -75,11 +112,13 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_name(llm.source)
     t0 = time.perf_counter()
     shapes = llm.engine.warmup()
-    print(f"dtorch serve: {shapes} step shapes built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    app = build_app(llm, name, engine_loop=loop, pooling=args.embedding_pooling)
+    log.info("%d step shapes built in %.1f s", shapes, time.perf_counter() - t0)
+    app = build_app(llm, name, engine_loop=loop, pooling=args.embedding_pooling, api_key=key,
+                    allowed_origins=origins, max_body_bytes=args.max_body_bytes, log_interval=args.log_stats_interval)
     # uvicorn's own limit is a backstop: the engine ends what is left at --shutdown-grace
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_grace + 5)
+                            timeout_graceful_shutdown=args.shutdown_grace + 5, http=H11Protocol,
+                            h11_max_incomplete_event_size=args.max_header_bytes)
     server = uvicorn.Server(config)
     # HTTP on a thread of its own; the engine steps on this one, which loaded the model (see EngineLoop)
     http = threading.Thread(target=server.run, name="dtorch-http", daemon=True)
@@ -92,10 +131,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, shut_down)
-    print(f"dtorch serve: {llm.source} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    announced = False
+
+    def until() -> bool:  # between engine steps: the banner once the server listens; the end once HTTP is gone
+        nonlocal announced
+        if not announced and server.started:
+            announced = True
+            print(banner(llm, name, listening_url(server, args.host)), file=sys.stderr, flush=True)
+        return not http.is_alive()
+
     try:
         http.start()
-        loop.run(until=lambda: not http.is_alive())  # ends when stopped, or when the server could not start
+        loop.run(until=until)  # ends when stopped, or when the server could not start
         http.join(args.shutdown_grace + 10)
     finally:
         llm.close()

@@ -3,14 +3,15 @@
 Fields are OpenAI's plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``structured_outputs``, ``chat_template_kwargs`` ...). A field the server does not know is a 400
 naming it, as OpenAI answers ("Unrecognized request argument supplied: max_token"), and so is a known field the
-server cannot honour (``suffix``, ``store: true`` ...): nothing is dropped silently. Ranges are checked here, so a
-bad value is a 400 naming its field before any work starts; ``SamplingParams`` checks them again for callers of the
-engine that do not come through HTTP.
+server cannot honour (``suffix``, ``store: true`` ...): nothing is dropped silently. Types are strict, as OpenAI's
+(``"max_tokens": true`` or ``1.5`` is no integer; a number is finite, NaN and Infinity are refused as such), and ranges
+are checked here, so a bad value is a 400 naming its field before any work starts; ``SamplingParams`` checks them
+again for callers of the engine that do not come through HTTP.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -20,7 +21,7 @@ from dtorch.engine.structured import StructuredOutputsParams
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -143,7 +144,7 @@ class _Sampling(_Body):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

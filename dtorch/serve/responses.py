@@ -22,11 +22,13 @@ Run = AsyncIterator[tuple[int, Delta]]
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """What every response of one HTTP request names: its id, the served model, and how a token id reads."""
+    """What every response of one HTTP request names: its id, the served model, and how a token id reads: its text
+    (OpenAI's: ``\\xNN`` escapes for bytes that are part of a UTF-8 character) and its bytes."""
 
     id: str
     model: str
     token_text: Callable[[int], str]
+    token_bytes: Callable[[int], bytes]
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -63,11 +65,11 @@ class Choices:
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
 
-def chat_logprobs(lps: list[TokenLogprob], token_text: Callable[[int], str]) -> dict[str, Any]:
-    """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""
+def chat_logprobs(lps: list[TokenLogprob], a: Answer) -> dict[str, Any]:
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``; each token's ``bytes`` are its
+    own, so that the chosen tokens' bytes joined are the text's."""
     def entry(token_id: int, lp: float) -> dict[str, Any]:
-        s = token_text(token_id)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": a.token_text(token_id), "logprob": lp, "bytes": list(a.token_bytes(token_id))}
 
     return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
                         for t in lps]}
@@ -151,7 +153,7 @@ async def chat_response(a: Answer, body: ChatCompletionRequest, setup: Any, run:
     for i in range(acc.count):
         reply.delta(i, acc.texts[i], True)
     choices = [{"index": i, "message": reply.message(i),
-                "logprobs": chat_logprobs(acc.logprobs[i], a.token_text) if body.logprobs else None,
+                "logprobs": chat_logprobs(acc.logprobs[i], a) if body.logprobs else None,
                 "finish_reason": reply.finish(i, acc.finish[i])} for i in range(acc.count)]
     return {"id": a.id, "object": "chat.completion", "created": a.created, "model": a.model, "choices": choices,
             "usage": acc.usage()}
@@ -241,7 +243,7 @@ async def chat_events(a: Answer, body: ChatCompletionRequest, setup: Any, run: R
             acc.add(i, d)
             delta = reply.delta(i, d.text, d.finish_reason is not None)
             if delta or d.logprobs or d.finish_reason:
-                lps = chat_logprobs(list(d.logprobs), a.token_text) if body.logprobs and d.logprobs else None
+                lps = chat_logprobs(list(d.logprobs), a) if body.logprobs and d.logprobs else None
                 yield chunk([{"index": i, "delta": delta, "logprobs": lps,
                               "finish_reason": reply.finish(i, d.finish_reason)}])
     if body.include_usage:

@@ -13,23 +13,18 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from dtorch.core.errors import ArgumentError, DtorchError, EngineBusy, ModelError
+from dtorch.serve.errors import ApiError, bad_request
 from dtorch.serve.protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
 
 def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
     """Add the embeddings and tokenizer routes of ``server`` (the app's ``_Server``) to ``app``."""
-    from dtorch.serve.app import ApiError, _bad_request
-
     llm = server.llm
 
     def tokenizer() -> Any:
         if llm.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", param="prompt")
         return llm.tokenizer
-
-    def encode(inputs: list[str | list[int]], what: str) -> list[list[int]]:
-        ids = [tokenizer().encode(x) if isinstance(x, str) else list(x) for x in inputs]
-        return [llm.engine.check_prompt(t, f"{what}[{i}]") for i, t in enumerate(ids)]
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
@@ -39,9 +34,9 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
         except ValueError as exc:
             raise ApiError(400, f"input: {exc}", param="input") from None
         try:
-            ids = await asyncio.to_thread(encode, inputs, "input")
+            ids = await server.off_loop(server.encode, inputs, "input")
         except (ArgumentError, ModelError) as exc:
-            raise _bad_request(exc, "input") from None
+            raise bad_request(exc, "input") from None
         width = llm.config.hidden_size
         if body.dimensions is not None and body.dimensions != width:
             raise ApiError(400, f"dimensions: this model's embeddings have {width} dimensions and cannot be "
@@ -94,9 +89,9 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
                                   continue_final_message=body.continue_final_message).prompt_ids
 
         try:
-            ids = await asyncio.to_thread(run)
+            ids = await server.off_loop(run)
         except (ArgumentError, ModelError) as exc:
-            raise _bad_request(exc, "prompt" if body.prompt is not None else "messages") from None
+            raise bad_request(exc, "prompt" if body.prompt is not None else "messages") from None
         strs = [tokenizer().id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": llm.max_len, "tokens": ids, "token_strs": strs}
 
@@ -110,5 +105,5 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
         try:
             return {"prompt": tokenizer().decode(body.tokens)}
         except DtorchError as exc:
-            raise _bad_request(exc, "tokens") from None
+            raise bad_request(exc, "tokens") from None
 

@@ -1,0 +1,112 @@
+"""What ``dtorch serve`` tells its operator: the start banner, one line per request, and while the engine is busy a
+throughput line every few seconds (vLLM's "Avg prompt throughput ..." line).
+
+Everything goes to the ``dtorch.serve`` logger; ``setup_logging`` gives the ``dtorch`` loggers a handler on stderr at
+``--log-level``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+log = logging.getLogger("dtorch.serve")
+MiB = 1 << 20
+
+
+def setup_logging(level: str) -> None:
+    """The ``dtorch`` loggers at ``level`` ("info", ...) on stderr, one line each with the time."""
+    root = logging.getLogger("dtorch")
+    root.setLevel(level.upper())
+    if not any(getattr(h, "dtorch_serve", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)-8s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+        handler.dtorch_serve = True
+        root.addHandler(handler)
+    root.propagate = False
+
+
+def banner(llm: Any, name: str, url: str) -> str:
+    """The start banner: what is served and where, its weights' formats, the memory it holds, the threads."""
+    c, model = llm.config, llm.model
+    formats = Counter(w.layout if w.layout != "strided" else str(w.dtype).removeprefix("torch.")
+                      for w in model.weights.values())
+    kinds = ", ".join(f"{k} x{n}" for k, n in formats.most_common())
+    weights, cache = model.weight_bytes(), llm.cache.nbytes
+    rss = _rss()
+    lines = [f"dtorch serve: {name} on {url}",
+             f"  model    {llm.source} ({c.family}, {c.num_layers} layers, context {llm.max_len} tokens)",
+             f"  weights  {kinds} ({weights / MiB:.0f} MiB); activations {str(model.dtype).removeprefix('torch.')}",
+             f"  memory   weights {weights / MiB:.0f} MiB, KV cache {cache / MiB:.0f} MiB reserved for "
+             f"{llm.cache.num_blocks * llm.cache.block_size} tokens" +
+             (f"; the process holds {rss / MiB:.0f} MiB now" if rss else ""),
+             f"  threads  {torch.get_num_threads()} intra-op on {llm.mesh}; at most {llm.max_num_seqs} sequences a "
+             "step"]
+    return "\n".join(lines)
+
+
+def _rss() -> int | None:
+    """Resident bytes of this process (Linux), else None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class RequestLog:
+    """One HTTP request's log line, kept from its engine deltas: prompt and completion tokens, time to the first
+    token, the decode rate after it, and how its choices finished."""
+
+    def __init__(self, request_id: str) -> None:
+        self.id = request_id
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.prompt: dict[str, int] = {}  # engine request id -> its prompt tokens
+        self.completion: dict[tuple[str, int], int] = {}  # (engine request id, choice) -> tokens so far
+        self.finish: Counter[str] = Counter()
+
+    def add(self, d: Any) -> None:
+        if d.token_ids and self.first is None:
+            self.first = time.monotonic()
+        self.prompt[d.request_id] = d.prompt_tokens
+        self.completion[(d.request_id, d.index)] = d.completion_tokens
+        if d.finish_reason is not None:
+            self.finish[d.finish_reason] += 1
+
+    def line(self, unfinished: int = 0) -> str:
+        tokens = sum(self.completion.values())
+        end = time.monotonic()
+        ttft = f"{self.first - self.start:.3f} s" if self.first is not None else "-"
+        after = tokens - len(self.completion)  # the tokens after each choice's first
+        rate = f"{after / (end - self.first):.1f} tok/s" if self.first is not None and after > 0 and end > self.first \
+            else "- tok/s"
+        finish = dict(self.finish)
+        if unfinished:
+            finish["abort"] = finish.get("abort", 0) + unfinished
+        reasons = ", ".join(r if n == 1 else f"{r} x{n}" for r, n in finish.items()) or "-"
+        return (f"{self.id}: prompt {sum(self.prompt.values())} tokens, completion {tokens} tokens, first token "
+                f"{ttft}, {rate}, {end - self.start:.2f} s, finish {reasons}")
+
+
+async def log_throughput(engine: Any, interval: float) -> None:
+    """Every ``interval`` seconds while the engine works: prompt and generation tokens per second since the last line,
+    requests running and waiting, and the KV cache's use (until cancelled)."""
+    before, then = engine.stats(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        now, at = engine.stats(), time.monotonic()
+        prompt, generated = now.prompt_tokens - before.prompt_tokens, now.generation_tokens - before.generation_tokens
+        if prompt or generated or now.running or now.waiting:
+            span = at - then
+            log.info("throughput: prompt %.1f tok/s, generation %.1f tok/s; %d requests running, %d waiting; "
+                     "KV cache %.1f%% used", prompt / span, generated / span, now.running, now.waiting,
+                     100 * now.kv_usage)
+        before, then = now, at
