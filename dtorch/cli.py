@@ -1,4 +1,4 @@
-"""The command line: ``python -m dtorch {kernels,explain,trace,generate,chat,serve}``."""
+"""The command line: ``python -m dtorch {kernels,explain,trace,generate,chat,bench,info,serve}``."""
 
 from __future__ import annotations
 
@@ -142,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
                 "per line when stdin is not a terminal")
     add_chat_arguments(c)
     c.set_defaults(run=run_chat)
+
+    from dtorch.engine.bench import add_bench_arguments, run_bench
+
+    b = command("bench", "measure prefill and decode tokens per second (llama-bench's tests: ppP and tgN) over "
+                "prompt and generation lengths, batch sizes, threads and -tp; a table of medians, or --json")
+    add_bench_arguments(b)
+    b.set_defaults(run=run_bench)
+
+    from dtorch.engine.info import add_info_arguments, run_info
+
+    i = command("info", "load a model and show its family, shapes, formats and bytes as loaded, the kernels that run "
+                "it, its chat template and the memory a context length needs")
+    add_info_arguments(i)
+    i.set_defaults(run=run_info)
 
     from dtorch.serve.cli import add_serve_arguments, run_serve
 

@@ -77,3 +77,24 @@ def test_chat_through_a_pipe_answers_each_line():
     assert len(answers) == 2 and all(a.strip() for a in answers), proc.stdout
     assert "Paris" in answers[0]
     assert "(conversation cleared)" in proc.stderr
+
+
+def test_chat_and_generate_take_the_same_model_options(monkeypatch, capsys):
+    """-tp, --dequantize and --max-model-len (the context length) reach the LLM from chat as from generate."""
+    import dtorch.engine.llm
+    from dtorch.cli import main
+    from dtorch.core.errors import DtorchError
+
+    seen = []
+
+    def record(model, **kwargs):
+        seen.append(kwargs)
+        raise DtorchError("recorded")  # instead of loading
+
+    monkeypatch.setattr(dtorch.engine.llm, "LLM", record)
+    flags = ["-tp", "2", "--dequantize", "--max-model-len", "64"]
+    assert main(["chat", *flags]) == 2 and main(["generate", "hi", *flags]) == 2
+    assert capsys.readouterr().err.count("dtorch: error: recorded") == 2
+    for kwargs in seen:
+        assert (kwargs["tensor_parallel_size"], kwargs["dequantize"], kwargs["max_model_len"]) == (2, True, 64)
+    assert main(["chat"]) == 2 and seen[-1]["tensor_parallel_size"] == 1 and seen[-1]["max_model_len"] is None

@@ -16,10 +16,11 @@ from dtorch.core.errors import ModelError
 from dtorch.engine.cli import (
     INTERRUPTED,
     ReplyPrinter,
+    add_load_arguments,
     add_model_arguments,
     add_reply_arguments,
     add_sampling_arguments,
-    load_llm,
+    load_and_announce,
     sampling_params,
     template_kwargs,
 )
@@ -72,6 +73,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dtorch chat``."""
     parser.add_argument("--system", default=None, metavar="TEXT", help="the system prompt")
     add_model_arguments(parser)
+    add_load_arguments(parser, "devices of this process to split the model over (default: 1)")
     add_sampling_arguments(parser)
     add_reply_arguments(parser)
 
@@ -86,7 +88,8 @@ def run_chat(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-    llm = load_llm(args)
+    llm = load_and_announce(args, tensor_parallel_size=args.tensor_parallel_size or 1, dequantize=args.dequantize,
+                            max_model_len=args.max_model_len)
     try:
         if llm.tokenizer is None or llm.tokenizer.chat_template is None:
             raise ModelError(f"{llm.source}: the model has no chat template, so it cannot chat; use "

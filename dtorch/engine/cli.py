@@ -52,6 +52,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "threads waiting for a busy core make decode many times slower")
     parser.add_argument("--enforce-eager", action="store_true", help="on a GPU, run every step uncaptured "
                         "(default: each decode shape is recorded as a CUDA graph and replayed)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": '
+                             '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts copied from the prompt and '
+                             'the answer so far) or \'{"method": "draft_model", "model": PATH, '
+                             '"num_speculative_tokens": 4}\'; the output is unchanged (greedy: the same tokens)')
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, tp_help: str) -> None:
+    """-tp, --dequantize and --max-model-len: how ``generate`` and ``chat`` load the model (``serve`` has its own)."""
+    parser.add_argument("-tp", "--tensor-parallel-size", type=at_least(1), default=None, metavar="N", help=tp_help)
+    parser.add_argument("--dequantize", action="store_true",
+                        help="turn a GGUF's quantized weights into --dtype at load (the float path) instead of "
+                             "running on them as stored")
+    parser.add_argument("--max-model-len", type=at_least(2), default=None, metavar="N",
+                        help="context length in tokens, prompt and answer together (default: the model's)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -236,22 +251,53 @@ def load_llm(args: argparse.Namespace, **engine: Any) -> Any:
     if slow and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it
         print(f"dtorch: warning: {slow}", file=sys.stderr, flush=True)
     return LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), threads=args.threads,
-               enforce_eager=args.enforce_eager, **engine)
+               enforce_eager=args.enforce_eager, speculative_config=speculative_config(args), **engine)
+
+
+def speculative_config(args: argparse.Namespace) -> Any:
+    """--speculative-config as a ``SpeculativeConfig`` (None without it); an ``ArgumentError`` naming the flag when
+    it is not a JSON object of known keys."""
+    from dtorch.engine.speculative import SpeculativeConfig
+
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ArgumentError(f"--speculative-config: not JSON ({e})") from None
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except ArgumentError as e:
+        raise ArgumentError(f"--speculative-config: {str(e).removeprefix('speculative_config: ')}") from None
+
+
+def load_and_announce(args: argparse.Namespace, **engine: Any) -> Any:
+    """``load_llm``, then one line on stderr (rank 0) of what was loaded, how, and in how long."""
+    import time
+
+    from dtorch.engine.info import describe_loaded
+
+    t0 = time.perf_counter()
+    llm = load_llm(args, **engine)
+    if llm.rank == 0:
+        print(f"dtorch: {describe_loaded(llm, time.perf_counter() - t0)}", file=sys.stderr, flush=True)
+    return llm
 
 
 def print_speed(stats: Any) -> None:
     """The prefill and decode line on stderr, from a ``GenerationStats``."""
+    spec = f"; speculative: {stats.draft_tokens} drafted, {stats.accepted_tokens} accepted " \
+           f"({stats.acceptance_rate:.0%})" if stats.draft_tokens else ""
     print(f"prefill: {stats.prefill_tokens} tokens, {stats.prefill_tps:.1f} tok/s; "
-          f"decode: {stats.decode_tokens} tokens, {stats.decode_tps:.1f} tok/s", file=sys.stderr, flush=True)
+          f"decode: {stats.decode_tokens} tokens, {stats.decode_tps:.1f} tok/s{spec}", file=sys.stderr, flush=True)
 
 
 def stats_since(llm: Any, before: Any) -> Any:
     """``GenerationStats`` of the engine's work since the snapshot ``before`` (also for an interrupted call)."""
-    from dtorch.engine.llm import GenerationStats
+    from dtorch.engine.request import GenerationStats
 
-    now = llm.engine.stats()
-    return GenerationStats(now.prompt_tokens - before.prompt_tokens, now.prefill_seconds - before.prefill_seconds,
-                           now.decode_tokens - before.decode_tokens, now.decode_seconds - before.decode_seconds)
+    return GenerationStats.between(before, llm.engine.stats())
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -260,11 +306,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the prompt (sent through the model's chat template unless --raw); - reads it from stdin")
     parser.add_argument("--file", default=None, metavar="PATH", help="read the prompt from this file")
     add_model_arguments(parser)
-    parser.add_argument("-tp", "--tensor-parallel-size", type=at_least(1), default=None, metavar="N",
-                        help="devices to split the model over (default: the world size under torchrun, else 1)")
-    parser.add_argument("--dequantize", action="store_true",
-                        help="turn a GGUF's quantized weights into --dtype at load (the float path) instead of "
-                             "running on them as stored")
+    add_load_arguments(parser, "devices to split the model over (default: the world size under torchrun, else 1)")
     add_sampling_arguments(parser)
     add_structured_arguments(parser)
     add_reply_arguments(parser)
@@ -314,7 +356,8 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
     text = read_prompt(args)
     params = sampling_params(args)
     kwargs = template_kwargs(args)  # a bad flag fails before the model loads
-    llm = load_llm(args, tensor_parallel_size=tp, dequantize=args.dequantize)
+    llm = load_and_announce(args, tensor_parallel_size=tp, dequantize=args.dequantize,
+                            max_model_len=args.max_model_len)
     try:
         if llm.tokenizer is None:
             raise DtorchError(f"{llm.source}: the model has no tokenizer, so it cannot take a text prompt")
