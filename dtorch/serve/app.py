@@ -323,6 +323,7 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
         echoes = await server.off_loop(server.echoes, prompts, ids, body.logprobs) if body.echo else None
         a = Answer(f"cmpl-{uuid.uuid4().hex}", server.name, server.token_text, server.token_bytes)
         if scoring:
+            log.info("%s: prompt %d tokens scored (max_tokens 0)", a.id, sum(len(t) for t in ids))
             if body.stream:
                 return _EventStream(scored_events(a, body, ids, echoes))
             return Json(scored_response(a, body, ids, echoes))

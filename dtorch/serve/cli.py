@@ -104,13 +104,14 @@ def run_serve(args: argparse.Namespace) -> int:
         raise DtorchError("--api-key is empty; give a key, or leave the option out to serve without one")
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     setup_logging(args.log_level)
+    t0 = time.perf_counter()
     llm = load_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                    max_waiting=args.max_waiting, tensor_parallel_size=args.tensor_parallel_size)
     log = logging.getLogger("dtorch.serve")
     loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
     name = args.served_model_name or served_name(llm.source)
-    t0 = time.perf_counter()
+    loaded, t0 = time.perf_counter() - t0, time.perf_counter()
     shapes = llm.engine.warmup()
     log.info("%d step shapes built in %.1f s", shapes, time.perf_counter() - t0)
     app = build_app(llm, name, engine_loop=loop, pooling=args.embedding_pooling, api_key=key,
@@ -137,7 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
         nonlocal announced
         if not announced and server.started:
             announced = True
-            print(banner(llm, name, listening_url(server, args.host)), file=sys.stderr, flush=True)
+            print(banner(llm, name, listening_url(server, args.host), loaded), file=sys.stderr, flush=True)
         return not http.is_alive()
 
     try:

@@ -15,10 +15,7 @@ import time
 from collections import Counter
 from typing import Any
 
-import torch
-
 log = logging.getLogger("dtorch.serve")
-MiB = 1 << 20
 
 
 def setup_logging(level: str) -> None:
@@ -33,23 +30,17 @@ def setup_logging(level: str) -> None:
     root.propagate = False
 
 
-def banner(llm: Any, name: str, url: str) -> str:
-    """The start banner: what is served and where, its weights' formats, the memory it holds, the threads."""
-    c, model = llm.config, llm.model
-    formats = Counter(w.layout if w.layout != "strided" else str(w.dtype).removeprefix("torch.")
-                      for w in model.weights.values())
-    kinds = ", ".join(f"{k} x{n}" for k, n in formats.most_common())
-    weights, cache = model.weight_bytes(), llm.cache.nbytes
+def banner(llm: Any, name: str, url: str, load_seconds: float) -> str:
+    """The start banner: what is served and where, what was loaded (its weights' formats, the threads; ``dtorch
+    info``'s line), and the memory the KV cache and the process hold."""
+    from dtorch.engine.info import describe_loaded, mib
+
     rss = _rss()
-    lines = [f"dtorch serve: {name} on {url}",
-             f"  model    {llm.source} ({c.family}, {c.num_layers} layers, context {llm.max_len} tokens)",
-             f"  weights  {kinds} ({weights / MiB:.0f} MiB); activations {str(model.dtype).removeprefix('torch.')}",
-             f"  memory   weights {weights / MiB:.0f} MiB, KV cache {cache / MiB:.0f} MiB reserved for "
-             f"{llm.cache.num_blocks * llm.cache.block_size} tokens" +
-             (f"; the process holds {rss / MiB:.0f} MiB now" if rss else ""),
-             f"  threads  {torch.get_num_threads()} intra-op on {llm.mesh}; at most {llm.max_num_seqs} sequences a "
-             "step"]
-    return "\n".join(lines)
+    cache = llm.cache
+    return "\n".join([f"dtorch serve: {name} on {url}", f"  {describe_loaded(llm, load_seconds)}",
+                      f"  KV cache {mib(cache.nbytes)} reserved for {cache.num_blocks * cache.block_size} tokens" +
+                      (f"; the process holds {mib(rss)} now" if rss else "") +
+                      f"; at most {llm.max_num_seqs} sequences a step"])
 
 
 def _rss() -> int | None:

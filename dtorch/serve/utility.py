@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
+import time
 import uuid
 from typing import Any
 
@@ -15,6 +17,8 @@ from pydantic import ValidationError
 from dtorch.core.errors import ArgumentError, DtorchError, EngineBusy, ModelError
 from dtorch.serve.errors import ApiError, bad_request
 from dtorch.serve.protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+
+log = logging.getLogger("dtorch.serve")
 
 
 def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
@@ -28,6 +32,7 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        start = time.monotonic()
         server.check_model(body.model)
         try:
             inputs = body.inputs()
@@ -68,6 +73,7 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
                 value = v.tolist()
             data.append({"object": "embedding", "index": i, "embedding": value})
         tokens = sum(len(t) for t in ids)
+        log.info("%s: %d inputs, %d tokens, %.2f s", rid, len(ids), tokens, time.monotonic() - start)
         return {"object": "list", "data": data, "model": server.name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
