@@ -25,6 +25,7 @@ from dtorch.engine.embedding import EmbeddingQueue, EmbedJob, EmbedSink, check_p
 from dtorch.engine.request import Delta, Sink
 from dtorch.engine.sampling import SamplingParams, sample_step
 from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from dtorch.engine.speculative import Drafts, Speculator
 from dtorch.engine.structured import Grammars
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
@@ -44,13 +45,15 @@ class EngineStats:
     kv_blocks_resident: int  # held, or free with cached contents: the cache memory in use (on a CPU)
     prompt_tokens: int  # prompt (and recomputed) tokens computed
     generation_tokens: int  # tokens sampled
-    decode_tokens: int  # tokens computed in steps of one token per sequence
+    decode_tokens: int  # tokens generated in steps that computed no prompt token
     preemptions: int
     prefix_queries: int  # prompt tokens of admitted sequences
     prefix_hits: int  # of them, found in the prefix cache
     steps: int
     prefill_seconds: float  # in steps that computed a prompt chunk
-    decode_seconds: float  # in steps of one token per sequence
+    decode_seconds: float  # in the other steps
+    spec_draft_tokens: int = 0  # speculative draft tokens verified
+    spec_accepted_tokens: int = 0  # of them, accepted
 
     @property
     def kv_usage(self) -> float:
@@ -64,16 +67,17 @@ class Engine:
     its params say ``ignore_eos``. max_len: tokens of a sequence at most (prompt and output). max_waiting: queued
     requests at most before ``add_request`` raises ``EngineBusy``. agree: makes every rank take rank 0's sampled
     tokens (SPMD); rank: this process's rank (only rank 0 samples); device: where the logits are (and the sampling
-    generators).
+    generators). speculator: drafts tokens that each step verifies (``speculative.Speculator``), or None.
     """
 
     def __init__(self, executor: Executor, cache: KVCache, *, tokenizer, eos_token_ids: frozenset[int], vocab_size: int,
                  max_len: int, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
                  max_waiting: int, rank: int = 0, agree: Callable[[list[int]], list[int]] | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", speculator: Speculator | None = None) -> None:
         self.executor, self.cache, self.tokenizer = executor, cache, tokenizer
         self.eos_token_ids, self.vocab_size, self.max_len = eos_token_ids, vocab_size, max_len
-        self.max_waiting, self.rank, self._agree, self.device = max_waiting, rank, agree, torch.device(device)
+        self.max_waiting, self.rank, self.agree, self.device = max_waiting, rank, agree, torch.device(device)
+        self.speculator = speculator
         prefix = enable_prefix_caching and not cache.has_state  # a recurrent state cannot start mid-prompt
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, prefix)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks,
@@ -181,7 +185,8 @@ class Engine:
                            self.blocks.num_used, self.blocks.num_blocks, self.blocks.num_resident,
                            self._counts["prompt"],
                            self._counts["generation"], self._counts["decode"], s.preemptions, s.prefix_queries,
-                           s.prefix_hits, self._counts["steps"], self._seconds["prefill"], self._seconds["decode"])
+                           s.prefix_hits, self._counts["steps"], self._seconds["prefill"], self._seconds["decode"],
+                           *((spec.drafted, spec.accepted) if (spec := self.speculator) is not None else (0, 0)))
 
     def warmup(self) -> int:
         """Build the graph of every step shape the scheduler can make, so no request waits for one (a graph takes
@@ -191,12 +196,16 @@ class Engine:
         cfg = self.scheduler.config
         shapes = {bucket_for(t, n) for t in range(1, cfg.max_num_batched_tokens + 1)
                   for n in range(1, min(t, cfg.max_num_seqs) + 1)}
+        spec = self.speculator
+        drafted = spec.shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens) if spec is not None else set()
         with self.drive_lock:
-            for b in sorted(shapes, key=lambda b: (b.tokens, b.seqs, b.decode)):
+            for b in sorted(shapes | drafted, key=lambda b: (b.tokens, b.seqs, b.decode, b.rows)):
                 self.executor.runner(b)
                 if b.decode:
                     self.executor.capture_now(b)
-        return len(shapes)
+            for b in shapes if spec is not None and spec.drafter is not None else ():
+                spec.drafter.executor.runner(b)
+        return len(shapes | drafted)
 
     # -- driving ---------------------------------------------------------------------------------------
 
@@ -234,28 +243,35 @@ class Engine:
             plan = self.scheduler.schedule()
             if not plan:
                 return False
-            t0 = time.perf_counter()
+            t0, made = time.perf_counter(), self._counts["generation"]
             try:
-                logits = self.executor.step(StepPlan.chunks(plan, self.cache.has_state))
+                drafts = self.speculator.draft(self, plan) if self.speculator is not None else None
+                logits = self.executor.step(StepPlan.chunks(plan, self.cache.has_state, drafts and drafts.tokens))
             except BaseException:
                 self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
                 raise
-            ready, rows = [], []
-            for row, (s, n) in enumerate(plan):
-                if not (n == 1 and s.output_ids and s.computed + 1 == len(s.ids)):  # not a decode token
+            widths = drafts.widths if drafts is not None else [1] * len(plan)
+            ready, rows, mine, at, decode = [], [], [], 0, True
+            for i, ((s, n), w) in enumerate(zip(plan, widths, strict=True)):
+                one = self.speculator.decode_rows(s) if self.speculator is not None else 1
+                if not (n == one and s.output_ids and s.computed + n == len(s.ids)):  # not a decode token
                     self._counts["prompt"] += n
+                    decode = False
                 self.scheduler.computed(s, n)
                 if s.computed == len(s.ids):
                     ready.append(s)
-                    rows.append(row)
-            if ready:
+                    rows += range(at, at + w)
+                    mine.append(i)
+                at += w
+            if ready and drafts is None:
                 self._accept(ready, logits[rows] if len(rows) < len(plan) else logits)
+            elif ready:
+                self._verify(ready, logits[rows], drafts, mine)
             if not self.scheduler.running and not self.scheduler.waiting and not self._inbox:
                 self.cache.release(self.blocks.trim(int(self.blocks.num_blocks * IDLE_PREFIX_KEEP)))
-            decode = all(n == 1 for _, n in plan)
             self._seconds["decode" if decode else "prefill"] += time.perf_counter() - t0
             if decode:
-                self._counts["decode"] += len(plan)
+                self._counts["decode"] += self._counts["generation"] - made
             self._counts["steps"] += 1
         with self.stepped:
             self.stepped.notify_all()
@@ -299,40 +315,58 @@ class Engine:
                                            banned, allowed)
         else:
             tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
-        if self._agree is not None:
-            tokens = self._agree(tokens)
-        done = []
-        for s, tok, lp in zip(seqs, tokens, logprobs, strict=True):
-            s.ids.append(tok)
-            s.output_ids.append(tok)
-            self._counts["generation"] += 1
-            reason = None
-            stoppable = len(s.output_ids) >= s.params.min_tokens
-            if tok in s.stop_ids and stoppable:
-                reason = "stop"
-                s.stop_reason = tok if tok in s.params.stop_token_ids else None
-            elif s.decoder is not None:
-                s.text += s.decoder.push(tok)
-                reason = self._stop_string(s) if stoppable else None
-            if s.matcher is not None:  # every rank keeps the grammar's state: they all decide when it ends
-                accepted = s.matcher.consume_token(tok)
-                if reason is None and (not accepted or s.matcher.is_stopped()):  # complete: nothing more may follow
-                    reason = "stop"
-                    if not accepted:
-                        log.error("request %r: the grammar refused token %d (%s)", s.request_id, tok,
-                                  s.matcher.get_error())
-            if reason is None and len(s.output_ids) >= s.limit:
-                reason = "length"
-            hold = 0 if reason else max((len(x) - 1 for x in s.params.stop), default=0)
-            end = max(s.emitted, len(s.text) - hold)
-            piece = s.text[s.emitted:end]
-            s.emitted = end
-            if reason is not None:
-                s.finish_reason = reason
-                done.append(s)
-            self._emit(s, (tok,), piece, None if s.params.logprobs is None else (lp,))
+        if self.agree is not None:
+            tokens = self.agree(tokens)
+        done = [s for s, tok, lp in zip(seqs, tokens, logprobs, strict=True) if self._take(s, tok, lp)]
         if done:
             self._finish(done)
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, drafts: Drafts, entries: list[int]) -> None:
+        """Take each of ``seqs``'s verified tokens (the drafts it keeps, then the target's own; ``logits``: its rows,
+        ``entries``: its entry in the step's ``drafts``) one by one until it ends; then settle what it drafted."""
+        runs, logprobs = self.speculator.verify(self, seqs, logits, drafts, entries)
+        done = []
+        for s, run, lps, i in zip(seqs, runs, logprobs, entries, strict=True):
+            for tok, lp in zip(run, lps, strict=True):
+                if self._take(s, tok, lp):
+                    done.append(s)
+                    break
+            if drafts.tokens[i]:
+                self.speculator.settle(self, s, drafts.tokens[i], run, drafts.rollback)
+        if done:
+            self._finish(done)
+
+    def _take(self, s: Sequence, tok: int, lp) -> bool:
+        """Append ``tok`` (with its logprob ``lp``) to ``s``, decide whether ``s`` ends there and send its delta;
+        returns whether it ended."""
+        s.ids.append(tok)
+        s.output_ids.append(tok)
+        self._counts["generation"] += 1
+        reason = None
+        stoppable = len(s.output_ids) >= s.params.min_tokens
+        if tok in s.stop_ids and stoppable:
+            reason = "stop"
+            s.stop_reason = tok if tok in s.params.stop_token_ids else None
+        elif s.decoder is not None:
+            s.text += s.decoder.push(tok)
+            reason = self._stop_string(s) if stoppable else None
+        if s.matcher is not None:  # every rank keeps the grammar's state: they all decide when it ends
+            accepted = s.matcher.consume_token(tok)
+            if reason is None and (not accepted or s.matcher.is_stopped()):  # complete: nothing more may follow
+                reason = "stop"
+                if not accepted:
+                    log.error("request %r: the grammar refused token %d (%s)", s.request_id, tok,
+                              s.matcher.get_error())
+        if reason is None and len(s.output_ids) >= s.limit:
+            reason = "length"
+        hold = 0 if reason else max((len(x) - 1 for x in s.params.stop), default=0)
+        end = max(s.emitted, len(s.text) - hold)
+        piece = s.text[s.emitted:end]
+        s.emitted = end
+        if reason is not None:
+            s.finish_reason = reason
+        self._emit(s, (tok,), piece, None if s.params.logprobs is None else (lp,))
+        return reason is not None
 
     @staticmethod
     def _stop_string(s: Sequence) -> str | None:

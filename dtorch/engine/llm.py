@@ -36,6 +36,7 @@ from dtorch.engine.embedding import check_pooling
 from dtorch.engine.engine import Engine
 from dtorch.engine.request import CompletionOutput, Delta, GenerationStats, Logprob, RequestOutput
 from dtorch.engine.sampling import SamplingParams
+from dtorch.engine.speculative import SpeculativeConfig, speculator_for
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache, kv_bytes_per_token
 from dtorch.models.loaders import open_checkpoint
@@ -78,6 +79,9 @@ class LLM:
     enforce_eager: never capture. Otherwise, on a single GPU, each decode step shape is recorded as a CUDA graph on its
     second run and replayed after (capture-safe kernels only); ``capture_report()`` says which shapes replay and why
     the others do not. On a CPU, or a mesh of several devices, steps run uncaptured either way.
+    speculative_config: speculative decoding, as vLLM's dict (``speculative.SpeculativeConfig``): ``{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"method": "draft_model",
+    "model": PATH, "num_speculative_tokens": 4}``; outputs are distributed as without it (greedy: the same ids).
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
@@ -86,7 +90,8 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  block_size: int = BLOCK_SIZE,
                  enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None,
-                 check_weights: bool = True, enforce_eager: bool = False) -> None:
+                 check_weights: bool = True, enforce_eager: bool = False,
+                 speculative_config: Mapping[str, Any] | None = None) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
@@ -105,6 +110,7 @@ class LLM:
                            ("enforce_eager", enforce_eager)):
             if not isinstance(flag, bool):
                 raise ArgumentError(f"LLM: {name} must be a bool, got {flag!r}")
+        spec = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
         threads = threads or env.threads()
         if threads:
             torch.set_num_threads(threads)  # before the load: the streams take their share of these
@@ -146,7 +152,8 @@ class LLM:
                              vocab_size=self.config.vocab_size, max_len=self.max_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting, rank=self.rank,
-                             agree=self._agree if self._spmd else None, device=self.device.torch)
+                             agree=self._agree if self._spmd else None, device=self.device.torch,
+                             speculator=speculator_for(spec, self, dtype, where))
 
     def _num_blocks(self, budget: int | None, block_size: int, dtype: torch.dtype) -> int:
         """Blocks of the KV cache: max_num_seqs full-length sequences within the budget, at least one."""
@@ -186,6 +193,8 @@ class LLM:
         method but ``close`` then raises a ``DtorchError`` saying the LLM is closed."""
         self._closed = True
         self.engine.accepting = False
+        if self.engine.speculator is not None:
+            self.engine.speculator.close()
         self.executor.close()
 
     def __repr__(self) -> str:
@@ -381,10 +390,7 @@ class LLM:
             for rid in left:  # an exception or an abandoned stream: the engine drops them at its next step
                 e.abort(rid)
         after = e.stats()
-        self.stats = GenerationStats(after.prompt_tokens - before.prompt_tokens,
-                                     after.prefill_seconds - before.prefill_seconds,
-                                     after.decode_tokens - before.decode_tokens,
-                                     after.decode_seconds - before.decode_seconds)
+        self.stats = GenerationStats.between(before, after)
         if self.tokenizer is not None:
             for o, p in zip(outs, params, strict=True):
                 if p.stop:

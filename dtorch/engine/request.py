@@ -105,12 +105,27 @@ class RequestOutput:
 @dataclass
 class GenerationStats:
     """Timing of the last ``generate`` call: prefill and decode tokens and seconds (of every request that ran in
-    its steps, when several callers share the engine)."""
+    its steps, when several callers share the engine), and the speculative draft tokens verified and accepted."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @classmethod
+    def between(cls, before, after) -> GenerationStats:
+        """The work of the engine between two ``EngineStats`` snapshots."""
+        return cls(after.prompt_tokens - before.prompt_tokens, after.prefill_seconds - before.prefill_seconds,
+                   after.decode_tokens - before.decode_tokens, after.decode_seconds - before.decode_seconds,
+                   after.spec_draft_tokens - before.spec_draft_tokens,
+                   after.spec_accepted_tokens - before.spec_accepted_tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The share of draft tokens accepted (0 without speculation)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def prefill_tps(self) -> float:

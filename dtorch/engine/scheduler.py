@@ -37,7 +37,7 @@ class Sequence:
 
     __slots__ = ("request_id", "index", "params", "ids", "num_prompt", "sink", "generator", "blocks", "computed",
                  "prefix_key", "state_slot", "decoder", "text", "emitted", "limit", "stop_ids", "finish_reason",
-                 "stop_reason", "cached_tokens", "output_ids", "matcher")
+                 "stop_reason", "cached_tokens", "output_ids", "matcher", "spec")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, sink: Sink,
                  limit: int, stop_ids: frozenset[int], decoder,
@@ -61,6 +61,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.cached_tokens = 0
         self.matcher = matcher  # the grammar's state over output_ids (structured outputs), or None
+        self.spec = None  # what speculative decoding keeps for it (``speculative.SeqSpec``), or None
 
     @property
     def finished(self) -> bool:
@@ -144,6 +145,30 @@ class Scheduler:
             out.append((seq, n))
             budget -= n
         return out
+
+    def reserve(self, plan: Seq[tuple[Sequence, int]], wants: Seq[int]) -> list[int]:
+        """Room for ``wants[i]`` draft tokens after the tokens of ``plan[i]`` (a speculative step): as many as the
+        step's token budget left and the free blocks allow, in plan order, never by preempting; their blocks are
+        allocated. Returns how many each entry got."""
+        bm = self.blocks
+        budget = self.config.max_num_batched_tokens - sum(n for _, n in plan)
+        out = []
+        for (seq, n), want in zip(plan, wants, strict=True):
+            end = seq.computed + n
+            k = max(0, min(want, budget, (len(seq.blocks) + bm.num_free) * bm.block_size - end))
+            need = bm.blocks_for(end + k) - len(seq.blocks)
+            if need > 0:
+                seq.blocks += bm.allocate(need)
+            budget -= k
+            out.append(k)
+        return out
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks of ``seq`` past its computed tokens (rejected drafts held them)."""
+        keep = self.blocks.blocks_for(seq.computed)
+        if len(seq.blocks) > keep:
+            self.blocks.free(seq.blocks[keep:])
+            del seq.blocks[keep:]
 
     @property
     def free_state_slots(self) -> int:

@@ -180,6 +180,24 @@ class Grammars:
             fill_next_token_bitmask_par(self._executor, [(m, r) for r, m in enumerate(matchers)], words)
         return unpack_bits(words, self.vocab_size, refused=True)
 
+    def draft_masks(self, matcher: Any, draft: Sequence[int]) -> torch.Tensor:
+        """The tokens ``matcher`` refuses after none, one, ... all of ``draft`` (a speculative step's rows): [len(draft)
+        + 1, vocab_size] bool (True: refused). Rows past a draft token it refuses repeat that row (the step keeps no
+        later draft). The matcher is left as it was."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        words = torch.empty(len(draft) + 1, self.words, dtype=torch.int32)  # [k + 1, W]
+        taken = 0
+        for j in range(len(draft) + 1):
+            if j > taken:
+                words[j] = words[j - 1]
+                continue
+            fill_next_token_bitmask(matcher, words, j)
+            if j < len(draft) and not matcher.is_stopped() and matcher.try_consume_tokens([draft[j]]) == 1:
+                taken += 1
+        matcher.rollback(taken)
+        return unpack_bits(words, self.vocab_size, refused=True)
+
 
 def _plain_added_tokens(tokenizer_json: str) -> str:
     """The tokenizer for llguidance, its added tokens that are not special (Qwen's ``<tool_call>``, ``<think>``) moved

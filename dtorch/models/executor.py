@@ -39,34 +39,48 @@ class StepPlan:
     """One step on the host: sequence i has ``counts[i]`` new tokens at positions ``starts[i]``.., its keys in the
     cache blocks ``blocks[i]`` (enough for ``starts[i] + counts[i]`` tokens; -1 for a block freed behind a sliding
     window, which no layer reads) and, for a model with gated delta net
-    layers, its state in row ``state_slots[i]``; ``ids`` are all new tokens, sequence after sequence."""
+    layers, its state in row ``state_slots[i]``; ``ids`` are all new tokens, sequence after sequence. ``logits``: how
+    many of its last rows each sequence wants logits of (a speculative step: its last token and each draft; empty:
+    one each)."""
 
     ids: Sequence[int]
     counts: Sequence[int]
     starts: Sequence[int]
     blocks: Sequence[Sequence[int]]
     state_slots: Sequence[int] = ()
+    logits: Sequence[int] = ()
 
     @classmethod
-    def chunks(cls, plan: Sequence[tuple[Any, int]], state: bool) -> StepPlan:
+    def chunks(cls, plan: Sequence[tuple[Any, int]], state: bool,
+               drafts: Sequence[Sequence[int]] | None = None) -> StepPlan:
         """The step of ``plan``: (item, n) pairs, each item (a running sequence, an embedding job) with ``ids``,
-        ``computed``, ``blocks`` and ``state_slot``, stepping its next n tokens; state slots where ``state``."""
-        return cls([t for s, n in plan for t in s.ids[s.computed:s.computed + n]], [n for _, n in plan],
-                   [s.computed for s, _ in plan], [s.blocks for s, _ in plan],
-                   [s.state_slot for s, _ in plan] if state else ())
+        ``computed``, ``blocks`` and ``state_slot``, stepping its next n tokens; state slots where ``state``.
+        ``drafts``: per pair, draft tokens that follow its n tokens (their blocks held), each wanting logits."""
+        if drafts is None:
+            return cls([t for s, n in plan for t in s.ids[s.computed:s.computed + n]], [n for _, n in plan],
+                       [s.computed for s, _ in plan], [s.blocks for s, _ in plan],
+                       [s.state_slot for s, _ in plan] if state else ())
+        return cls([t for (s, n), d in zip(plan, drafts, strict=True) for t in (*s.ids[s.computed:s.computed + n], *d)],
+                   [n + len(d) for (_, n), d in zip(plan, drafts, strict=True)], [s.computed for s, _ in plan],
+                   [s.blocks for s, _ in plan], [s.state_slot for s, _ in plan] if state else (),
+                   [1 + len(d) for d in drafts])
 
 
 class Executor:
-    """Runs steps of ``model`` on its mesh; ``cache`` must be set (``use_cache``) before the first step."""
+    """Runs steps of ``model`` on its mesh; ``cache`` must be set (``use_cache``) before the first step. ``streams``:
+    another executor's stream threads to run on (a draft model's: one OpenMP team per device, not two); its owner
+    shuts them down."""
 
     def __init__(self, model: Transformer, communicator: Communicator, local_ids: tuple[int, ...],
-                 timeout: float, trace: bool = False, capture: bool = False, recorder: Recorder | None = None) -> None:
+                 timeout: float, trace: bool = False, capture: bool = False, recorder: Recorder | None = None,
+                 streams: StreamManager | None = None) -> None:
         self.model = model
         self.comm = communicator
         self.local_ids = local_ids
         self.timeout = timeout
-        self.streams = StreamManager(len(local_ids))
-        self._finalizer = weakref.finalize(self, self.streams.shutdown)  # a dropped model leaves no threads
+        self.streams = streams if streams is not None else StreamManager(len(local_ids))
+        # a dropped model leaves no threads
+        self._finalizer = weakref.finalize(self, self.streams.shutdown if streams is None else lambda: None)
         self.tracer = None
         if trace:
             self.set_trace(True)
@@ -124,16 +138,18 @@ class Executor:
         return {b: r.capture.status() for b, r in self.runners.items()}
 
     def step(self, plan: StepPlan, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
-        """Run one step; returns float32 logits [N, V] of each sequence's last token (``all_logits``: [T, V]; with
-        ``hidden``: the final norm's output of every token, [T, H], instead)."""
+        """Run one step; returns float32 logits [N, V] of each sequence's last token (``plan.logits``: [sum of it, V],
+        each sequence's last rows in order; ``all_logits``: [T, V]; with ``hidden``: the final norm's output of every
+        token, [T, H], instead)."""
         if self.cache is None:
             raise ModelError("Executor.step: no KV cache (call use_cache first)")
         counts = list(plan.counts)
         n, t = len(counts), sum(counts)
-        bucket = bucket_for(t, n, all_logits, hidden)
+        rows = sum(plan.logits) if plan.logits else n
+        bucket = bucket_for(t, n, all_logits, hidden, rows)
         feeds = self.feeds(plan, bucket)
         logits = self.runner(bucket).run(feeds)["hidden" if hidden else "logits"]
-        logits = logits[:t] if all_logits else logits[:n]
+        logits = logits[:t] if all_logits or hidden else logits[:rows]
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def feeds(self, plan: StepPlan, bucket: Bucket) -> dict[str, torch.Tensor]:
@@ -178,8 +194,10 @@ class Executor:
         if self.model.config.linear_layers:  # padding sequences read and write the scratch row of the state cache
             state = list(plan.state_slots) + [self.cache.scratch] * (N - n)
             feeds["state_slots"] = torch.tensor(state, dtype=torch.int64)
-        if not bucket.all_logits and T != N:
-            feeds["last_rows"] = torch.tensor([cu[i + 1] - 1 for i in range(n)] + [0] * (N - n), dtype=torch.int64)
+        if not bucket.all_logits and (T != N or bucket.rows):
+            wanted = plan.logits or [1] * n
+            last = [r for i, w in enumerate(wanted) for r in range(cu[i + 1] - w, cu[i + 1])]
+            feeds["last_rows"] = torch.tensor(last + [0] * ((bucket.rows or N) - len(last)), dtype=torch.int64)
         return feeds
 
     def close(self) -> None:

@@ -88,6 +88,10 @@ class KVCache:
         """The state row padding sequences read and write (no sequence's)."""
         return self.num_state_slots
 
+    def state_rows(self, slot: int) -> list[torch.Tensor]:
+        """Row ``slot`` of every gated delta net state (conv and recurrent, each local device's piece), as views."""
+        return [b.tensor[slot] for t in self._states for b in t.blobs.values()]
+
     def reset_state(self, slot: int) -> None:
         """Zero state row ``slot`` for a sequence that starts from its first token."""
         for t in self._states:

@@ -37,13 +37,15 @@ from dtorch.runtime.blob import DistTensor
 class Bucket:
     """A step shape: ``tokens`` rows of ``seqs`` sequences (padded); ``all_logits``: logits of every row;
     ``decode``: every sequence has exactly one row (the gated delta net layers then take their per-step form);
-    ``hidden``: the final norm's output of every row instead of logits (embeddings)."""
+    ``hidden``: the final norm's output of every row instead of logits (embeddings); ``rows``: logits of this many
+    rows (0: each sequence's last), the last few of each sequence (a speculative step's rows beside prompt chunks)."""
 
     tokens: int
     seqs: int
     all_logits: bool = False
     decode: bool = False
     hidden: bool = False
+    rows: int = 0
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -53,12 +55,21 @@ def _pow2(n: int, least: int = 1) -> int:
     return b
 
 
-def bucket_for(tokens: int, seqs: int, all_logits: bool = False, hidden: bool = False) -> Bucket:
+def bucket_for(tokens: int, seqs: int, all_logits: bool = False, hidden: bool = False, rows: int = 0) -> Bucket:
     """The bucket that holds a step of ``tokens`` rows of ``seqs`` sequences; padding rows form one more sequence.
 
     Decode steps (one row per sequence) pad to a power of two of sequences; other steps pad their rows to a
     power of two (at least 16) and their sequences to a power of two. ``hidden``: every row's hidden state.
+    ``rows`` > ``seqs``: a speculative step wants the logits of that many rows. When they are all its rows (each
+    sequence's last token and its drafts) up to 16 rows are not padded: every row of a small step costs about half
+    a decode step on a CPU, which padding to 16 would spend; otherwise the rows pad to a power of two.
     """
+    if rows > seqs and not all_logits and not hidden:
+        if rows == tokens:
+            t = tokens if tokens <= 16 else _pow2(tokens)
+            return Bucket(t, _pow2(seqs + (t > tokens)), all_logits=True)
+        t = _pow2(tokens, 16)
+        return Bucket(t, _pow2(seqs + (t > tokens)), rows=_pow2(rows))
     if tokens == seqs and not all_logits and not hidden:
         b = _pow2(seqs)
         return Bucket(b, b, decode=True)
@@ -143,9 +154,9 @@ class Transformer:
         """The step graph of ``bucket``: inputs ids [T] int64, cos/sin [T, R/2] float32 (RoPE rows of the step's
         positions), slot_mapping [T] int64, cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table
         [N, table_width] int32 (each sequence's cache blocks), (unless every row is a sequence's last) last_rows [N]
-        int64, and (with gated delta net layers) state_slots [N] int64, each sequence's row of the state cache;
-        output "logits" [N, V] (or [T, V] with ``all_logits``; "hidden" [T, H] instead with ``hidden``).
-        ``cache``: "k_cache.{l}" / "v_cache.{l}" ->
+        int64 (``bucket.rows``: [rows]), and (with gated delta net layers) state_slots [N] int64, each sequence's row
+        of the state cache; output "logits" [N, V] (or [T, V] with ``all_logits``, [rows, V] with ``rows``; "hidden"
+        [T, H] instead with ``hidden``). ``cache``: "k_cache.{l}" / "v_cache.{l}" ->
         [blocks, block_size, Hkv, D] for attention layers, "conv_state.{l}" / "ssm_state.{l}" -> [slots + 1, C, W - 1]
         / [slots + 1, Hv, Dk, Dv] for gated delta net layers, placed by the layout."""
         c = self.config
@@ -198,8 +209,8 @@ class Transformer:
         if bucket.hidden:  # [T, hidden], replicated
             g.output("hidden", h)
             return g
-        if not bucket.all_logits and T != N:  # the last row of each sequence
-            h = g.call("llm.embedding", g.input("last_rows", (N,), torch.int64), h)
+        if not bucket.all_logits and (T != N or bucket.rows):  # the last row (or rows) of each sequence
+            h = g.call("llm.embedding", g.input("last_rows", (bucket.rows or N,), torch.int64), h)
         logits = self._proj(g, h, w, "lm_head")
         g.output("logits", g.redistribute(logits, Replicate()))
         return g

@@ -1,8 +1,9 @@
 """``GET /metrics``: Prometheus metrics of one server, in a registry of its own (not prometheus_client's global one).
 
 Read from the engine at scrape time: requests running and waiting, KV cache usage, prompt and generation tokens,
-preemptions. Kept by the server as requests run: time to first token, requests by finish reason, and generation
-tokens per second over the last ``window`` seconds.
+preemptions, and with speculative decoding the draft tokens verified and accepted and the acceptance rate. Kept by
+the server as requests run: time to first token, requests by finish reason, and generation tokens per second over
+the last ``window`` seconds.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("dtorch:generation_tokens", "Tokens generated.", value=s.generation_tokens)
         yield CounterMetricFamily("dtorch:num_preemptions", "Sequences preempted for cache space.",
                                   value=s.preemptions)
+        if self.engine.speculator is not None:  # vLLM's spec_decode names
+            yield CounterMetricFamily("dtorch:spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+                                      value=s.spec_draft_tokens)
+            yield CounterMetricFamily("dtorch:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                      value=s.spec_accepted_tokens)
+            yield GaugeMetricFamily("dtorch:spec_decode_acceptance_rate", "Accepted over verified draft tokens (0..1).",
+                                    value=s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)
 
 
 class ServerMetrics:
