@@ -96,6 +96,7 @@ class FakeEngine:
     ends by itself. ``busy`` / ``fail``: add_request raises EngineBusy / RuntimeError."""
 
     MAX_LEN = 64
+    speculator = None  # no speculative decoding
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
