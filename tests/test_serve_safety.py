@@ -11,6 +11,7 @@ the port it got; a 5 MB prompt is refused while a stream beside it keeps flowing
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import logging
 import re
@@ -195,6 +196,20 @@ def test_each_request_logs_a_line_and_a_busy_engine_a_throughput_line(guarded):
     busy = next(line for line in guarded.lines if line.startswith("throughput: "))
     assert re.fullmatch(r"throughput: prompt \d+\.\d tok/s, generation \d+\.\d tok/s; \d+ requests running, 0 waiting; "
                         r"KV cache \d+\.\d% used", busy), busy
+
+
+def test_the_warmup_bar_shows_on_a_terminal_only(monkeypatch):
+    from dtorch.serve.cli import warmup_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert list(warmup_bar([1, 2, 3])) == [1, 2, 3]
+        assert ("warming up:" in stream.getvalue() and "/3 [" in stream.getvalue()) == shown, stream.getvalue()
+        assert shown or stream.getvalue() == ""
 
 
 # -- part 2: a real server on the default model ---------------------------------------------------------------------

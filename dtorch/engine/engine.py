@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -188,9 +188,10 @@ class Engine:
                            s.prefix_hits, self._counts["steps"], self._seconds["prefill"], self._seconds["decode"],
                            *((spec.drafted, spec.accepted) if (spec := self.speculator) is not None else (0, 0)))
 
-    def warmup(self) -> int:
+    def warmup(self, progress: Callable[[list], Iterable] = iter) -> int:
         """Build the graph of every step shape the scheduler can make, so no request waits for one (a graph takes
-        ~0.1 s to build), and record the decode shapes where the executor captures; returns how many there are."""
+        ~0.1 s to build), and record the decode shapes where the executor captures; returns how many there are.
+        ``progress`` wraps the list of shapes as they are built (a progress bar)."""
         from dtorch.models.model import bucket_for
 
         cfg = self.scheduler.config
@@ -199,7 +200,7 @@ class Engine:
         spec = self.speculator
         drafted = spec.shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens) if spec is not None else set()
         with self.drive_lock:
-            for b in sorted(shapes | drafted, key=lambda b: (b.tokens, b.seqs, b.decode, b.rows)):
+            for b in progress(sorted(shapes | drafted, key=lambda b: (b.tokens, b.seqs, b.decode, b.rows))):
                 self.executor.runner(b)
                 if b.decode:
                     self.executor.capture_now(b)

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,15 @@ def served_name(source: str | Path) -> str:
     return p.stem if p.is_file() else p.name
 
 
+def warmup_bar(shapes: list) -> Iterable:
+    """``shapes`` with a tqdm bar on stderr while they are built, when stderr is a terminal (else quiet)."""
+    if not sys.stderr.isatty():
+        return shapes
+    from tqdm import tqdm
+
+    return tqdm(shapes, desc="warming up", unit="shape", leave=False, file=sys.stderr)
+
+
 def listening_url(server: Any, host: str) -> str:
     """The API's URL of a started uvicorn server, with the port it really bound (``--port 0``: the one it got)."""
     port = server.servers[0].sockets[0].getsockname()[1]
@@ -112,7 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
     loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
     name = args.served_model_name or served_name(llm.source)
     loaded, t0 = time.perf_counter() - t0, time.perf_counter()
-    shapes = llm.engine.warmup()
+    shapes = llm.engine.warmup(progress=warmup_bar)
     log.info("%d step shapes built in %.1f s", shapes, time.perf_counter() - t0)
     app = build_app(llm, name, engine_loop=loop, pooling=args.embedding_pooling, api_key=key,
                     allowed_origins=origins, max_body_bytes=args.max_body_bytes, log_interval=args.log_stats_interval)
