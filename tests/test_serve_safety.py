@@ -248,8 +248,8 @@ def test_the_banner_names_the_real_port_the_model_its_memory_and_threads(real):
     assert real.port != 0 and _get(real.port, "/health")[0] == 200  # the port it printed is the one it serves
     text = "".join(real.out)
     banner = text[text.index("dtorch serve: "):]
-    for words in ("loaded SmolLM2-135M-Instruct.Q4_1.gguf (llama, 30 layers, ", "(gguf.q4_1 x", "context 2048",
-                  " threads", "KV cache ", "MiB reserved for ", "at most 4 sequences a step"):
+    for words in ("loaded SmolLM2-135M-Instruct.Q4_1.gguf (llama, 30 layers, ", "(gguf.q4_1 x",
+                  "context 2048, 1 thread", "KV cache ", "MiB reserved for ", "at most 4 sequences a step"):
         assert words in banner, banner
     assert "\r" not in text and "it/s" not in text  # no progress bar when stderr is not a terminal
 
@@ -264,6 +264,16 @@ def test_logprobs_bytes_join_to_the_reply(real):
     partial = [t for t in content if bytes(t.bytes) and not _utf8(bytes(t.bytes))]
     assert partial and all(t.token == bytes(t.bytes).decode("utf-8", "backslashreplace") for t in partial)
     assert all(bytes(x.bytes).decode("utf-8", "backslashreplace") == x.token for t in content for x in t.top_logprobs)
+
+
+def test_a_prompt_past_the_context_is_named_as_the_client_sent_it(real):
+    for prompt, name in (([1] * 2048, "prompt"), (["hi", [1] * 3000], r"prompt\[1\]")):
+        with pytest.raises(openai.BadRequestError) as e:
+            real.client.completions.create(model=real.model, prompt=prompt, max_tokens=1)
+        message = e.value.body["message"]
+        assert re.fullmatch(rf"{name} has \d+ tokens, but the context is 2048 tokens \(max_model_len\) and at least "
+                            "one new token must fit", message), message
+        assert e.value.body["param"] == "prompt"
 
 
 def _utf8(b: bytes) -> bool:
