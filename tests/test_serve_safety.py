@@ -66,7 +66,8 @@ def guarded():
     thread.join(10)
     log.removeHandler(lines)
     log.level = level
-    assert not [t for t in threading.enumerate() if t.name.startswith("dtorch-tokenize")]  # the pool is gone
+    _wait(lambda: not [t for t in threading.enumerate() if t.name.startswith("dtorch-tokenize")], 5,
+          "the worker pool's threads to end")
 
 
 def _request(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
