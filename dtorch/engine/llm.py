@@ -271,9 +271,11 @@ class LLM:
 
     def chat_setup(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatSetup:
         """A conversation's prompt and how to read its reply (``chat_format.prepare_chat``; options as ``chat``); a
-        conversation whose rendered text cannot fit the context is refused before it is encoded."""
+        conversation whose rendered text cannot fit the context is refused before it is encoded (``limit=None``:
+        encoded whatever its length)."""
         self._open("chat_setup")
-        return prepare_chat(self._need_tokenizer("chat"), messages, limit=self.max_len - 1, **options)
+        options.setdefault("limit", self.max_len - 1)
+        return prepare_chat(self._need_tokenizer("chat"), messages, **options)
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], *, allow_special_tokens: bool = False,
                     **options: Any) -> list[int]:

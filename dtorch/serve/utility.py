@@ -92,7 +92,7 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
             return llm.chat_setup([m.as_template_input() for m in body.messages], tools=tools,
                                   chat_template_kwargs=body.chat_template_kwargs,
                                   add_generation_prompt=body.add_generation_prompt,
-                                  continue_final_message=body.continue_final_message).prompt_ids
+                                  continue_final_message=body.continue_final_message, limit=None).prompt_ids
 
         try:
             ids = await server.off_loop(run)
