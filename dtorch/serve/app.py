@@ -54,7 +54,7 @@ from dtorch.serve.utility import add_utility_routes
 
 log = logging.getLogger("dtorch.serve")
 POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
-WORKERS = 2  # threads that render templates and run tokenizers and grammar compilers (they release the GIL)
+WORKERS = 2  # threads that render templates and run tokenizers (which release the GIL) and grammar compilers
 
 
 class _ClientGone(Exception):
