@@ -4,12 +4,18 @@ Each line is the user's next turn; the answer streams back. ``/system TEXT`` set
 over), ``/reset`` starts over, ``/exit`` (or end of input) quits. When stdin is not a terminal, every line is a
 turn and each answer ends with a newline. The whole conversation is sent each turn; the prefix cache finds the
 blocks of what came before, so a turn prefills only its new part.
+
+On a terminal, Ctrl-C while an answer streams stops that answer (its request is aborted at the next step boundary,
+its cache blocks freed) and returns to the prompt, the conversation kept with the part of the answer shown; a second
+Ctrl-C before that, or Ctrl-C at the prompt, exits (status 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from typing import Any
 
 from dtorch.core.errors import ModelError
@@ -68,6 +74,42 @@ class Conversation:
         """Add the assistant's answer to the last turn."""
         self.turns.append({"role": "assistant", "content": text})
 
+    def withdraw(self) -> None:
+        """Drop the last user turn (its answer was stopped before any of it was shown)."""
+        if self.turns and self.turns[-1]["role"] == "user":
+            self.turns.pop()
+
+
+class StopAnswer:
+    """SIGINT while an answer streams (a context manager, on the main thread): the first one marks the answer to stop,
+    which ``on_text`` does between engine steps (``stop``); a second one raises ``KeyboardInterrupt`` at once."""
+
+    def __init__(self) -> None:
+        self.asked = self.done = False
+        self._previous = None
+
+    def __enter__(self) -> StopAnswer:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._interrupt)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _interrupt(self, _sig: int, _frame: object) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+
+    def stop(self, llm: Any) -> bool:
+        """Whether the answer is stopped; the first time after Ctrl-C, abort it: the engine ends its sequences now
+        (they free their blocks) and ``generate`` returns with what was made."""
+        if self.asked and not self.done:
+            llm.engine.abort_all()  # chat runs one request at a time: its own
+            self.done = True
+        return self.done
+
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dtorch chat``."""
@@ -95,7 +137,8 @@ def run_chat(args: argparse.Namespace) -> int:
             raise ModelError(f"{llm.source}: the model has no chat template, so it cannot chat; use "
                              "`python -m dtorch generate --raw PROMPT` to complete text")
         if tty:
-            print(f"dtorch chat: {llm.source}; commands: {COMMANDS}", file=sys.stderr, flush=True)
+            print(f"dtorch chat: commands: {COMMANDS}; Ctrl-C stops an answer, and exits at the prompt",
+                  file=sys.stderr, flush=True)
         return _converse(llm, Conversation(args.system), params, tty, kwargs, args.hide_reasoning)
     finally:
         llm.close()
@@ -127,7 +170,7 @@ def _converse(llm: Any, chat: Conversation, params: Any, tty: bool, kwargs: dict
         try:
             setup = llm.chat_setup(chat.ask(line), chat_template_kwargs=kwargs)
             reply = ReplyPrinter(setup, hide_reasoning)
-            llm.generate(setup.prompt_ids, params, on_text=reply)
+            stopped = _answer(llm, setup.prompt_ids, params, reply, tty)
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -135,5 +178,25 @@ def _converse(llm: Any, chat: Conversation, params: Any, tty: bool, kwargs: dict
         content = reply.end()
         sys.stdout.write("\n")
         sys.stdout.flush()
-        chat.answer(content)
+        if stopped:
+            print("(answer stopped)", file=sys.stderr, flush=True)
+        if content or not stopped:
+            chat.answer(content)
+        else:
+            chat.withdraw()  # nothing of it was shown: as if it was never asked
     return 0
+
+
+def _answer(llm: Any, prompt_ids: list[int], params: Any, reply: ReplyPrinter, tty: bool) -> bool:
+    """Stream the answer to ``reply``; on a terminal, Ctrl-C stops it (``StopAnswer``). Returns whether it was
+    stopped."""
+    if not tty:
+        llm.generate(prompt_ids, params, on_text=reply)
+        return False
+    with StopAnswer() as stopper:
+        def show(index: int, piece: str) -> None:
+            if not stopper.stop(llm):
+                reply(index, piece)
+
+        llm.generate(prompt_ids, params, on_text=show)
+    return stopper.done

@@ -215,4 +215,4 @@ def describe_loaded(llm: Any, seconds: float) -> str:
     return (f"loaded {Path(llm.source).name} ({c.family}, {c.num_layers} layers, {params / 1e6:.0f}M params) in "
             f"{seconds:.1f} s: {mib(sum(f['bytes'] for f in formats.values()))} of weights ({kinds}) on "
             f"{llm.device.type}{tp}, {dtype_name(llm.model.dtype)}, context {llm.max_len}, "
-            f"{torch.get_num_threads()} threads")
+            f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}")
