@@ -43,9 +43,9 @@ def _lib():
 
 # -- matmul.linear on GGUF weights -------------------------------------------------------------------------
 # inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
-# outputs: out [..., N]. Under 32 rows x is quantized to two int8 levels per 32 values inside, else w is dequantized
-# in panels for torch's GEMM (see ops.qlinear); the reference (torch backend) dequantizes w with
-# layouts.dequantize and runs F.linear.
+# outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two under 4 rows, one from
+# 4 rows for the super-grouped formats), else w is dequantized in panels for torch's GEMM (see ops.qlinear); the
+# reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
 
 def _linear_kernel(layout: str):
     code = layouts.format_code(layout)
@@ -74,8 +74,9 @@ def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | N
 
 for _layout in GGUF_LAYOUTS:
     KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
-                varies="under 32 rows: activations in two int8 levels per 32 values (~16 bits), output rows split "
-                       "over torch's intra-op threads; 32 rows and more: float32 weight panels and torch's GEMM")
+                varies="under 4 rows: activations in two int8 levels per 32 values (~16 bits); 4 to 31 rows: one "
+                       "level (8 bits) for all but q2_k, q3_k, iq4_xs; output rows split over torch's intra-op "
+                       "threads; 32 rows and more: float32 weight panels and torch's GEMM")
 
 
 # -- matmul.linear on float weights: the one-row product ----------------------------------------------------

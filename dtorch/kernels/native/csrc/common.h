@@ -55,6 +55,10 @@ struct SGAct {
   const float* s;
   int64_t nsg;
   const float* sh;  // sh + r * nsg * 32 + g * 32 + 16 h + j: as s, over weights 16 h .. 16 h + 15 of block 16 g + j (Q6_K)
+  // 2: the products use both levels (x as d (hi + lo / 254), about 16 bits); 1: the hi levels alone (x rounded to
+  // 8 bits per block of 32 as llama.cpp's Q8_0 activations: half the integer work, for batches of rows), and the
+  // sums s and sh are then of the hi levels alone (quantize_sg's levels)
+  int levels;
 };
 
 struct Table {
@@ -68,7 +72,7 @@ struct Table {
                 int ydt, int64_t ldy);
   // x rows [r0, r1) of [M, K] -> SGAct arrays
   void (*quantize_sg)(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
-                      float* s, float* sh);
+                      float* s, float* sh, int levels);
   // qgemm for the 32-block formats: w.qs is row 0, w.qs_row the row bytes
   void (*qgemm_sg)(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
                    int ydt, int64_t ldy);

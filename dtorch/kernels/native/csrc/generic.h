@@ -70,7 +70,10 @@ static inline int8_t round_i8(float t) {  // round to nearest even: adding 1.5 *
 }
 
 // Block b of row r of x -> hi[32], lo[32]; returns d; sums[h] = d * sum over half h (16 values) of (hi + lo / 254)
-static inline float quantize_block(const void* x, int dt, int64_t off, int8_t* hi, int8_t* lo, float* sums) {
+// sums[h]: d times the sum of the levels over weights 16 h .. 16 h + 15 (both levels, or hi alone where the products
+// use it alone: then an offset or min term meets the same rounded x as the products, as llama.cpp's Q8_1 sums).
+static inline float quantize_block(const void* x, int dt, int64_t off, int8_t* hi, int8_t* lo, float* sums,
+                                   int levels = 2) {
   float v[32], amax = 0.f;
   if (dt == F32) {
     std::memcpy(v, static_cast<const float*>(x) + off, sizeof(v));
@@ -92,7 +95,7 @@ static inline float quantize_block(const void* x, int dt, int64_t off, int8_t* h
     int sh = 0, sl = 0;
 #pragma omp simd reduction(+ : sh, sl)
     for (int i = 0; i < 16; ++i) { sh += hi[16 * h + i]; sl += lo[16 * h + i]; }
-    sums[h] = d * (float(sh) + float(sl) * (1.f / 254.f));
+    sums[h] = d * (float(sh) + (levels == 2 ? float(sl) * (1.f / 254.f) : 0.f));
   }
   return d;
 }
@@ -135,7 +138,7 @@ static inline int sg_period(int S) {
 
 // One row x [K] -> two int8 levels per block of 32 in super-group order (see SGAct in common.h).
 static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
-                        float* s, float* sh) {
+                        float* s, float* sh, int levels) {
   const int64_t nb = K / 32, nsg = (nb + 15) / 16;
   for (int64_t r = r0; r < r1; ++r) {
     int8_t* qr = q + r * nsg * 1024;
@@ -151,7 +154,7 @@ static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t 
     for (int64_t b = 0; b < nb; ++b) {
       int8_t hi[32], lo[32];
       float sums[2];
-      dr[b] = quantize_block(x, dt, r * ldx + b * 32, hi, lo, sums);  // (b / 16) * 16 + b % 16 == b
+      dr[b] = quantize_block(x, dt, r * ldx + b * 32, hi, lo, sums, levels);  // (b / 16) * 16 + b % 16 == b
       sr[b] = sums[0] + sums[1];
       hr[(b / 16) * 32 + b % 16] = sums[0];
       hr[(b / 16) * 32 + 16 + b % 16] = sums[1];
@@ -222,21 +225,22 @@ static void qgemm_sg_portable_fmt(const QWeight& w, const SGAct& a, int64_t M, i
         const int64_t st = 4 * sg_period(S);  // activation bytes per step
         for (int j = 0; j < S; ++j) {
           int32_t isum[2] = {0, 0};
-          for (int l = 0; l < 2; ++l)
+          for (int l = 0; l < a.levels; ++l)
             for (int u = 0; u < G::qbytes / 4; ++u)
               for (int b = 0; b < 4; ++b) {
                 const uint8_t v = q[u * 4 * S + j * 4 + b];
                 const int8_t* al = aq + 512 * l + j * 4 + b;
-                if constexpr (F == dtn::Q8_0) {
-                  isum[l] += int32_t(v) * al[u * st];
+                if constexpr (F == dtn::Q8_0) {  // signed quants as the SIMD kernels (sign trick): no offset term
+                  isum[l] += (int32_t(v) - 128) * al[u * st];
                 } else {
                   int lo, hi;
                   sg_quants<F>(v, G::hbytes ? qh[j * 4 + b] : 0, u, lo, hi);
+                  if constexpr (G::signed_q) lo -= 128, hi -= 128;
                   isum[l] += lo * al[u * st] + hi * al[(u + 4) * st];
                 }
               }
           const float d = fp16_to_f32(dw[j]);
-          const float m_ = G::scales == 2 ? fp16_to_f32(dw[S + j]) : G::offset * d;
+          const float m_ = G::scales == 2 ? fp16_to_f32(dw[S + j]) : G::signed_q ? 0.f : G::offset * d;
           acc += d * (ad[j] * (float(isum[0]) + float(isum[1]) * (1.f / 254.f))) + m_ * as[j];
         }
       }
@@ -276,15 +280,17 @@ static void qgemm_k_portable(const QWeight& w, const SGAct& a, int64_t M, int64_
           const int64_t blk = 8 * b + j, g = blk / 16, jj = blk % 16;
           const int64_t st = 4 * sg_period(int(nb - g * 16 < 16 ? nb - g * 16 : 16));
           const int8_t* aq = a.q + (m * a.nsg + g) * 1024 + jj * 4;
-          int32_t isum[2][2] = {{0, 0}, {0, 0}};  // [level][half: weights 0..15, 16..31]; Q6_K signed (q - 32)
-          for (int l = 0; l < 2; ++l)
+          int32_t isum[2][2] = {{0, 0}, {0, 0}};  // [level][half: weights 0..15, 16..31] of unsigned quants
+          for (int l = 0; l < a.levels; ++l)
             for (int v = 0; v < 8; ++v)
               for (int t = 0; t < 4; ++t)
-                isum[l][v / 4] += (k_quant<F>(sb, v, j, t) + int(G::offset)) * aq[512 * l + v * st + t];
+                isum[l][v / 4] += k_quant<F>(sb, v, j, t) * aq[512 * l + v * st + t];
           const float ad = a.d[(m * a.nsg + g) * 16 + jj], as = a.s[(m * a.nsg + g) * 16 + jj];
-          if constexpr (F == dtn::Q6_K) {
+          if constexpr (F == dtn::Q6_K) {  // (u - 32): the offset meets the sums per 16 weights, as the SIMD kernels
+            const float* hs = a.sh + (m * a.nsg + g) * 32 + jj;
             for (int h = 0; h < 2; ++h)
-              acc += (d * float(int8_t(sb[2 + 2 * j + h]))) * (ad * (float(isum[0][h]) + float(isum[1][h]) * (1.f / 254.f)));
+              acc += (d * float(int8_t(sb[2 + 2 * j + h]))) *
+                     (ad * (float(isum[0][h]) + float(isum[1][h]) * (1.f / 254.f)) + G::offset * hs[16 * h]);
           } else {
             const float sum = ad * (float(isum[0][0] + isum[0][1]) + float(isum[1][0] + isum[1][1]) * (1.f / 254.f));
             acc += (d * float(sb[4 + j])) * sum - (dmin * float(sb[12 + j])) * as;

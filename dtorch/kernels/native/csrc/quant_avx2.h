@@ -294,7 +294,7 @@ static inline StepLevels step_levels(const int8_t* am, int u, int64_t st) {
   return {at(u * st), at((u + 4) * st), at(512 + u * st), at(512 + (u + 4) * st)};
 }
 
-template <int F, int MR, int NR>
+template <int F, int MR, int NR, bool LO>
 static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
                               float (&out)[MR][NR]) {
   using G = SG<F>;
@@ -342,9 +342,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             const auto [al, ah, ll, lh] = step_levels(ag + m * rs, u, st);
             for (int n = 0; n < NR; ++n) {
               is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(wl[n], al));
-              il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wl[n], ll));
               is2[m][n] = _mm256_add_epi32(is2[m][n], dot_u8s8(wh[n], ah));
-              il2[m][n] = _mm256_add_epi32(il2[m][n], dot_u8s8(wh[n], lh));
+              if constexpr (LO) {
+                il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wl[n], ll));
+                il2[m][n] = _mm256_add_epi32(il2[m][n], dot_u8s8(wh[n], lh));
+              }
             }
           }
         }
@@ -358,10 +360,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           }
           for (int m = 0; m < MR; ++m) {
             const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + u * st));
-            const __m256i lv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + 512 + u * st));
             for (int n = 0; n < NR; ++n) {
               is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(wa[n], _mm256_sign_epi8(av, ws[n])));
-              il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wa[n], _mm256_sign_epi8(lv, ws[n])));
+              if constexpr (LO) {
+                const __m256i lv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + m * rs + 512 + u * st));
+                il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wa[n], _mm256_sign_epi8(lv, ws[n])));
+              }
             }
           }
         }
@@ -389,12 +393,14 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             for (int n = 0; n < NR; ++n) {
               if constexpr (F == dtn::IQ4_NL) {  // signed levels up to 127: each half its own int16 sums
                 is[m][n] = _mm256_add_epi32(is[m][n], _mm256_add_epi32(dot_w<true>(wl[n], al), dot_w<true>(wh[n], ah)));
-                il[m][n] = _mm256_add_epi32(il[m][n], _mm256_add_epi32(dot_w<true>(wl[n], ll), dot_w<true>(wh[n], lh)));
+                if constexpr (LO)
+                  il[m][n] = _mm256_add_epi32(il[m][n], _mm256_add_epi32(dot_w<true>(wl[n], ll), dot_w<true>(wh[n], lh)));
               } else {  // each int16 is at most 2 * 31 * 127 per product: their sum fits
                 is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(_mm256_add_epi16(
                     _mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones));
-                il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(_mm256_add_epi16(
-                    _mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), ones));
+                if constexpr (LO)
+                  il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(_mm256_add_epi16(
+                      _mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), ones));
               }
             }
           }
@@ -426,10 +432,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         const __m256 da = _mm256_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         const __m256 sa = _mm256_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         for (int n = 0; n < NR; ++n) {
-          const __m256 t = _mm256_mul_ps(levels256(is[m][n], il[m][n]), da);
+          const __m256 t = _mm256_mul_ps(LO ? levels256(is[m][n], il[m][n]) : _mm256_cvtepi32_ps(is[m][n]), da);
           if constexpr (F == dtn::Q6_K) {  // (d sc) (u - 32) per 16 weights: - 32 meets the halves' sums
             const float* hs = a.sh + (m0 + m) * a.nsg * 32 + g * 32 + 8 * h;
-            const __m256 t2 = _mm256_mul_ps(levels256(is2[m][n], il2[m][n]), da), k32 = _mm256_set1_ps(-32.f);
+            const __m256 t2 = _mm256_mul_ps(LO ? levels256(is2[m][n], il2[m][n]) : _mm256_cvtepi32_ps(is2[m][n]), da);
+            const __m256 k32 = _mm256_set1_ps(-32.f);
             const __m256 lo_ = _mm256_fmadd_ps(_mm256_loadu_ps(hs), k32, t);
             const __m256 hi_ = _mm256_fmadd_ps(_mm256_loadu_ps(hs + 16), k32, t2);
             acc[m][n] = _mm256_fmadd_ps(hi_, mw[n], _mm256_fmadd_ps(lo_, dw[n], acc[m][n]));
@@ -451,13 +458,13 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
     for (int n = 0; n < NR; ++n) out[m][n] = hsum256_avx2(acc[m][n]);
 }
 
-template <int F, int MR, int NR>
+template <int F, int MR, int NR, bool LO>
 static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int64_t n, const void* bias, void* y,
                                int ydt, int64_t ldy) {
   const uint8_t* rows[NR];
   for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
   float o[MR][NR];
-  sg_tile256<F, MR, NR>(rows, a, m, w.K / 32, o);
+  sg_tile256<F, MR, NR, LO>(rows, a, m, w.K / 32, o);
   for (int j = 0; j < NR; ++j) {
     const float b = bias ? load_f(bias, ydt, n + j) : 0.f;
     for (int r = 0; r < MR; ++r) store_f(y, ydt, (m + r) * ldy + n + j, o[r][j] + b);
@@ -468,15 +475,27 @@ template <int F>
 static void qgemm_sg256_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                             void* y, int ydt, int64_t ldy) {
   int64_t n = n0;
+  if (a.levels == 1) {  // prefill and batches: 4 x 2 tiles, the two weight rows decoded once for 4 rows of x
+    for (; n + 2 <= n1; n += 2) {
+      if (M < 4 && n + 2 + kAhead <= n1)
+        for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) sg_block256<F, 4, 2, false>(w, a, m, n, bias, y, ydt, ldy);
+      for (; m < M; ++m) sg_block256<F, 1, 2, false>(w, a, m, n, bias, y, ydt, ldy);
+    }
+    for (; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, false>(w, a, m, n, bias, y, ydt, ldy);
+    return;
+  }
   for (; n + 2 <= n1; n += 2) {
     if (M < 4 && n + 2 + kAhead <= n1)
       for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) sg_block256<F, 2, 2>(w, a, m, n, bias, y, ydt, ldy);
-    for (; m < M; ++m) sg_block256<F, 1, 2>(w, a, m, n, bias, y, ydt, ldy);
+    for (; m + 2 <= M; m += 2) sg_block256<F, 2, 2, true>(w, a, m, n, bias, y, ydt, ldy);
+    for (; m < M; ++m) sg_block256<F, 1, 2, true>(w, a, m, n, bias, y, ydt, ldy);
   }
   for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1>(w, a, m, n, bias, y, ydt, ldy);
+    for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, true>(w, a, m, n, bias, y, ydt, ldy);
 }
 
 static void qgemm_sg256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,

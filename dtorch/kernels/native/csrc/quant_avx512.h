@@ -246,7 +246,7 @@ static void qgemm_sg512_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t
 
 static void qgemm_sg512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
-  switch (w.fmt) {
+  if (a.levels == 2) switch (w.fmt) {  // one level: quant_avx2.h's tiles for every format
     case dtn::Q8_0: return qgemm_sg512_fmt<dtn::Q8_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_0: return qgemm_sg512_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg512_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
