@@ -519,23 +519,53 @@ static void dequant_sg_fmt(const QWeight& w, int64_t n0, int64_t n1, float* out)
 }
 
 // super-block b: [v 0..7][sub-block j][t 0..3] holds element 256 b + 32 j + 4 v + t (gguf: (d sc) q - (dmin mn), or
-// Q6_K's (d sc) (q - 32))
+// Q6_K's (d sc) (q - 32)). Step u's 32 bytes hold lanes i = 4 j + t of v = u (low nibbles) and v = u + 4 (high), so
+// each step is one vectorizable loop over 32 lanes with the lanes' scales spread once per super-block (k_quant's
+// bits, 32 at a time).
 template <int F>
 static void dequant_k(const QWeight& w, int64_t n0, int64_t n1, float* out) {
+  using G = SG<F>;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < w.K / 256; ++b) {
-      const uint8_t* sb = w.qs + n * w.qs_row + b * SG<F>::kblock;
+      const uint8_t* sb = w.qs + n * w.qs_row + b * G::kblock;
       uint16_t dm[2];
       std::memcpy(dm, sb, 4);
       const float d = fp16_to_f32(dm[0]), dmin = fp16_to_f32(dm[1]);
+      float sl[32], sh[32], mn[32];  // lane i's scale for the low and the high nibbles, and its min
+      for (int i = 0; i < 32; ++i) {
+        const int j = i / 4;
+        if constexpr (F == dtn::Q6_K) {
+          sl[i] = d * float(int8_t(sb[2 + 2 * j]));
+          sh[i] = d * float(int8_t(sb[3 + 2 * j]));
+          mn[i] = 0.f;
+        } else {
+          sl[i] = sh[i] = d * float(sb[4 + j]);
+          mn[i] = dmin * float(sb[12 + j]);
+        }
+      }
       float* o = out + (n - n0) * w.K + b * 256;
-      for (int v = 0; v < 8; ++v)
-        for (int j = 0; j < 8; ++j)
-          for (int t = 0; t < 4; ++t) {
-            const int q = k_quant<F>(sb, v, j, t);
-            o[v * 32 + j * 4 + t] = F == dtn::Q6_K ? (d * float(int8_t(sb[2 + 2 * j + v / 4]))) * float(q - 32)
-                                                   : (d * float(sb[4 + j])) * float(q) - dmin * float(sb[12 + j]);
+      for (int u = 0; u < 4; ++u) {
+        const uint8_t* q = sb + G::kq + u * 32;
+#pragma omp simd
+        for (int i = 0; i < 32; ++i) {
+          int lo = q[i] & 15, hi = q[i] >> 4;
+          if constexpr (F == dtn::Q5_K) {
+            const int hb = sb[G::kh + i];
+            lo |= ((hb >> u) & 1) << 4;
+            hi |= ((hb >> (4 + u)) & 1) << 4;
           }
+          if constexpr (F == dtn::Q6_K) {
+            const int hb = sb[G::kh + (u % 2) * 32 + i] >> (4 * (u / 2));
+            lo |= (hb & 3) << 4;
+            hi |= ((hb >> 2) & 3) << 4;
+            o[u * 32 + i] = sl[i] * float(lo - 32);
+            o[(u + 4) * 32 + i] = sh[i] * float(hi - 32);
+          } else {
+            o[u * 32 + i] = sl[i] * float(lo) - mn[i];
+            o[(u + 4) * 32 + i] = sh[i] * float(hi) - mn[i];
+          }
+        }
+      }
     }
 }
 
