@@ -141,7 +141,7 @@ def test_layouts_name_what_is_wrong():
 # about France's capital (the down projection's input, silu(gate) * up, has heavy outliers). bf16 x: the one
 # rounding of the output to bf16 dominates, 2.0e-6..3.6e-6 on every path. The bounds are ~2x the worst measured.
 FLOAT_ROWS = 32  # qlinear's float path from this many rows (binding.cpp kFloatRows)
-ONE_LEVEL_ROWS = 4  # from this many rows the super-grouped formats use one int8 level (binding.cpp kOneLevelRows)
+ONE_LEVEL_ROWS = 4  # a decode batch of this many rows: one int8 level in the super-grouped formats (kOneLevelRows)
 GROUP_FORMATS = ("gguf.q2_k", "gguf.q3_k", "gguf.iq4_xs")  # always two levels under FLOAT_ROWS
 NMSE_ONE_LEVEL = (5e-5, 4e-4)  # (Gaussian, outliers): int8 x alone, llama.cpp's noise floor (the table's first column)
 NMSE_BOUND = {  # (Gaussian, outliers) for float32 x, fewer than FLOAT_ROWS rows
@@ -176,19 +176,22 @@ def test_qlinear_matches_gguf_reference(fmt, dtype, outliers, isa):
         raw = _raw(fmt, n, k, gen)
         w = layouts.pack(torch.from_numpy(raw), fmt, k)
         wref = _reference(fmt, raw, n, k).double()
-        for m in (1, 3, 17, 33):
+        # (rows, a decode batch?): 17 rows of a batch of decodes take one level from ONE_LEVEL_ROWS, but in the group
+        # formats; the same rows otherwise (a prompt's) keep two
+        for m, batch in ((1, False), (3, True), (17, False), (17, True), (33, True)):
             x = _x(m, k, outliers).to(dtype)
-            got = nk.qlinear(x, w, fmt)
+            got = nk.qlinear(x, w, fmt, one_level=batch)
             assert got.dtype == dtype and got.shape == (m, n)
             ref = x.double() @ wref.T
-            path = "float" if m >= FLOAT_ROWS else "one" if m >= ONE_LEVEL_ROWS and fmt not in GROUP_FORMATS else "two"
+            one = batch and ONE_LEVEL_ROWS <= m < FLOAT_ROWS and fmt not in GROUP_FORMATS
+            path = "float" if m >= FLOAT_ROWS else "one" if one else "two"
             err[path][0] += float(((got.double() - ref) ** 2).sum())
             err[path][1] += float((ref ** 2).sum())
             if isa != "portable" and m < FLOAT_ROWS:  # the SIMD paths sum the same integers as the scalar one
                 with nk.use_isa("portable"):
-                    plain = nk.qlinear(x, w, fmt)
+                    plain = nk.qlinear(x, w, fmt, one_level=batch)
                 bound = 1e-9 if dtype == torch.float32 else 2 ** -16  # bf16: a rounding may flip by one ulp
-                assert _nmse(got, plain.double()) < bound, (fmt, isa, n, k, m)
+                assert _nmse(got, plain.double()) < bound, (fmt, isa, n, k, m, batch)
     nmse = {path: e / r for path, (e, r) in err.items() if r}
     if dtype == torch.bfloat16:
         bounds = {"two": NMSE_BF16, "one": max(NMSE_BF16, NMSE_ONE_LEVEL[outliers]), "float": NMSE_BF16}
@@ -434,17 +437,21 @@ def test_dispatched_quantized_linear(fmt, isa):
     w = _packed(fmt, 19, k, 10)
     wref = layouts.dequantize(w, fmt, k).double()
     bias = torch.randn(19)
-    # a few dozen outputs: the measured NMSE varies more than over the big table; 5 and 14 rows: one level but in
-    # the group formats
-    bound = 5 * (NMSE_BOUND[fmt][0] if fmt in GROUP_FORMATS else NMSE_ONE_LEVEL[0])
+    # a few dozen outputs: the measured NMSE varies more than over the big table; 5 and 14 rows of a decode batch
+    # (param decode): one level but in the group formats
+    two, one = 5 * NMSE_BOUND[fmt][0], 5 * (NMSE_BOUND[fmt][0] if fmt in GROUP_FORMATS else NMSE_ONE_LEVEL[0])
     for x in (torch.randn(5, k), torch.randn(2, 7, 2 * k)[..., ::2]):  # the second one strided
-        out = x.new_empty(*x.shape[:-1], 19)
-        d.select(KernelKey("matmul.linear", "cpu", torch.float32, fmt)).fn(_ctx(), (x, w, bias), (out,))
         ref = x.double() @ wref.T + bias.double()
-        assert _nmse(out, ref) < bound, (fmt, isa)
+        got = {}
+        for path, ctx, bound in (("two", _ctx(), two), ("one", _ctx(decode=True), one)):
+            out = got[path] = x.new_empty(*x.shape[:-1], 19)
+            d.select(KernelKey("matmul.linear", "cpu", torch.float32, fmt)).fn(ctx, (x, w, bias), (out,))
+            assert _nmse(out, ref) < bound, (fmt, isa, ctx.params)
+        if fmt not in GROUP_FORMATS:  # the hint took the one-level path: coarser than two levels
+            assert _nmse(got["one"], ref) > 10 * _nmse(got["two"], ref)
     out = torch.empty(19, 5).T  # a strided output
     d.select(KernelKey("matmul.linear", "cpu", torch.float32, fmt)).fn(_ctx(), (x[0, :5], w, None), (out,))
-    assert _nmse(out, x[0, :5].double() @ wref.T) < bound
+    assert _nmse(out, x[0, :5].double() @ wref.T) < two
 
 
 def test_without_a_compiler_the_dispatcher_falls_back(tmp_path):

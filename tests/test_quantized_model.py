@@ -62,7 +62,7 @@ def _packed(mesh: DeviceMesh, raw: torch.Tensor, layout: str, n: int, k: int, pl
 @pytest.mark.parametrize(("devices", "placement"), [(1, Replicate()), (2, Shard(0)), (2, Shard(1))],
                          ids=["one", "column-parallel", "row-parallel"])
 def test_a_block_format_weight_in_a_graph(devices, placement, native):
-    n, k, t = 64, 256, 3
+    n, k, t = 64, 256, 5
     raw, dq = _quantized(n, k, gguf.GGMLQuantizationType.Q8_0)
     mesh = DeviceMesh.cpu(devices)
     w = _packed(mesh, raw, "gguf.q8_0", n, k, placement)
@@ -78,9 +78,9 @@ def test_a_block_format_weight_in_a_graph(devices, placement, native):
     with dtorch.dispatcher.disabled(*off), Runner(g) as runner:
         got = runner.run({"x": xv})["y"]
     want = F.linear(xv, dq)
-    # the native kernels quantize these 3 rows to two int8 levels per block of 32 (~16 bits; NMSE ~5e-10, see
-    # tests/test_native_kernels.py; from 4 rows one level, as llama.cpp's int8 activations: ~3e-5); the reference is
-    # exact up to float rounding
+    # the native kernels quantize these 5 rows to two int8 levels per block of 32 (~16 bits; NMSE ~5e-10, see
+    # tests/test_native_kernels.py; a batch of decodes takes one level, as llama.cpp's int8 activations: ~3e-5); the
+    # reference is exact up to float rounding
     nmse = ((got - want) ** 2).sum() / (want ** 2).sum()
     assert nmse < (1e-8 if native else 1e-10), f"NMSE {nmse:.2e}"
 
@@ -163,6 +163,70 @@ def test_the_decode_path_agrees_with_the_dequantized_form(models):
     want = floats.logits(ids).argmax(-1)
     agree = (_stepwise_logits(quantized, ids).argmax(-1) == want).float().mean().item()
     assert agree >= 0.97, f"top-1 agreement {agree:.3f} over 256 one-token steps"
+
+
+def test_a_batch_of_decodes_tells_the_kernel_and_a_prompt_does_not(models):
+    """matmul.linear's ``decode`` param (the native GGUF kernels then round x to one int8 level from 4 rows) reaches a
+    plugged-in kernel on a step of 4 decodes, and never on a prompt's rows, however few."""
+    from dtorch.engine.sampling import SamplingParams
+
+    quantized, _ = models
+    key = KernelKey("matmul.linear", "cpu", torch.float32, "gguf.q4_1")
+    below = dtorch.dispatcher.select(key)
+    seen = []
+
+    def spy(ctx, inputs, outputs):
+        seen.append((inputs[0].shape[0], ctx.params.get("decode", False)))
+        below.fn(ctx, inputs, outputs)
+
+    dtorch.dispatcher.register(key, spy, provider="user")
+    try:
+        prompts = ["Hello there, how", "The capital of France is", "One, two, three,", "Once upon a time there"]
+        quantized.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        # the prompts' steps (padded to 16 rows or more) are not decodes; the two decode steps of the four are
+        decodes = [rows for rows, decode in seen if decode]
+        prompts_rows = [rows for rows, decode in seen if not decode]
+        assert decodes and set(decodes) == {4}
+        assert prompts_rows and min(prompts_rows) >= 16
+    finally:
+        dtorch.dispatcher.unregister(key, "user")
+
+
+def _decode_logits(llm, rows: list[int], at: int, blocks: list) -> torch.Tensor:
+    from dtorch.models.executor import StepPlan
+
+    n = len(rows)
+    return llm.executor.step(StepPlan(rows, [1] * n, [at] * n, blocks[:n]))
+
+
+def test_a_sequence_decoded_in_a_batch_is_bit_identical_only_when_batch_invariant(models):
+    """A batch of 8 decodes against the first sequence decoded alone: batch invariant, its logits are the same bits;
+    by default the products of the batch take one int8 level (llama.cpp's activations), close to the two levels of
+    a lone decode but not equal."""
+    from dtorch.engine.llm import LLM
+
+    default, _ = models
+    invariant = LLM(batch_invariant=True)
+    try:
+        assert invariant.model.batch_invariant and not default.model.batch_invariant
+        ids = default.tokenizer.encode(TEXT)[:24]
+        for llm, same in ((invariant, True), (default, False)):
+            blocks = [llm.engine.blocks.allocate(llm.engine.blocks.blocks_for(32)) for _ in range(8)]
+            try:
+                for at, token in enumerate(ids[:-1]):  # the context: 8 copies of one prefix
+                    _decode_logits(llm, [token] * 8, at, blocks)
+                alone = _decode_logits(llm, [ids[-1]], len(ids) - 1, blocks)[0]
+                batch = _decode_logits(llm, [ids[-1]] + [ids[0]] * 7, len(ids) - 1, blocks)[0]
+            finally:
+                for b in blocks:
+                    llm.engine.blocks.free(b)
+            rel = float((batch - alone).norm() / alone.norm())
+            if same:
+                assert torch.equal(batch, alone)
+            else:
+                assert 0 < rel < 0.05, f"one level vs two: relative difference {rel:.2e}"
+    finally:
+        invariant.close()
 
 
 def test_the_quantized_model_still_knows_paris(models):

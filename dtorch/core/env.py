@@ -13,6 +13,7 @@
 | DTORCH_NATIVE_ISA | instruction set of the native CPU kernels | auto, avx512, avx2, portable | auto |
 | DTORCH_NATIVE_CACHE | folder where the native CPU kernels are compiled and cached | a path | ~/.cache/dtorch/native |
 | DTORCH_API_KEY | the key ``dtorch serve`` asks clients for when ``--api-key`` is not given | any text | none |
+| DTORCH_BATCH_INVARIANT | LLM(batch_invariant=None): a sequence's tokens never depend on the batch it ran in | a flag | off |
 
 A flag is one of 1/true/yes/on or 0/false/no/off (or empty). A malformed value, or a ``DTORCH_*`` name
 not in this table, raises ``ConfigError`` listing what is allowed: a typo is never ignored silently.
@@ -28,7 +29,7 @@ from dtorch.core.errors import ConfigError
 
 SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
             "DTORCH_FORBID_SYNC", "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG",
-            "DTORCH_API_KEY")
+            "DTORCH_API_KEY", "DTORCH_BATCH_INVARIANT")
 NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -41,7 +42,7 @@ def check() -> None:
         raise ConfigError(f"unknown environment setting(s) {', '.join(unknown)}; dtorch reads "
                           f"{', '.join(SETTINGS)} (see dtorch/core/env.py)")
     for read in (verify, disabled_providers, sync_timeout, threads, trace, forbid_sync, cpu_features, native_isa,
-                 debug):
+                 debug, batch_invariant):
         read()
 
 
@@ -107,6 +108,10 @@ def threads() -> int:
 
 def trace() -> bool:
     return _flag("DTORCH_TRACE")
+
+
+def batch_invariant() -> bool:
+    return _flag("DTORCH_BATCH_INVARIANT")
 
 
 def forbid_sync() -> bool:

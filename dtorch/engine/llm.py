@@ -82,6 +82,9 @@ class LLM:
     speculative_config: speculative decoding, as vLLM's dict (``speculative.SpeculativeConfig``): ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"method": "draft_model",
     "model": PATH, "num_speculative_tokens": 4}``; outputs are distributed as without it (greedy: the same ids).
+    batch_invariant: a sequence's tokens never depend on the others decoded beside it (None: DTORCH_BATCH_INVARIANT).
+    Off, a batch of 4 or more decodes lets the quantized kernels round activations to 8 bits (as llama.cpp does):
+    1.5-2x faster products, with greedy tokens that may differ from the same request run alone.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
@@ -91,7 +94,8 @@ class LLM:
                  block_size: int = BLOCK_SIZE,
                  enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None,
                  check_weights: bool = True, enforce_eager: bool = False,
-                 speculative_config: Mapping[str, Any] | None = None) -> None:
+                 speculative_config: Mapping[str, Any] | None = None,
+                 batch_invariant: bool | None = None) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
@@ -106,8 +110,9 @@ class LLM:
                             ("threads", 1 if threads is None else threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"LLM: {name} must be an int >= 1, got {value!r}")
+        batch_invariant = env.batch_invariant() if batch_invariant is None else batch_invariant
         for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("check_weights", check_weights),
-                           ("enforce_eager", enforce_eager)):
+                           ("enforce_eager", enforce_eager), ("batch_invariant", batch_invariant)):
             if not isinstance(flag, bool):
                 raise ArgumentError(f"LLM: {name} must be a bool, got {flag!r}")
         spec = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
@@ -128,7 +133,8 @@ class LLM:
                                     "positions (max_position_embeddings)")
             self.max_len = max_model_len or positions
             self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
-                                          None if dequantize else ckpt.get_packed, max_positions=self.max_len)
+                                          None if dequantize else ckpt.get_packed, max_positions=self.max_len,
+                                          batch_invariant=batch_invariant)
             if not dequantize:  # asked for: nothing to say
                 ckpt.report_widened()
         trim_heap()  # the load's buffers (file reads, packing, metadata) are freed: give their pages back

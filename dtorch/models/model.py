@@ -86,7 +86,8 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, DistTensor], mesh: DeviceMesh,
                  dtype: torch.dtype, linear_weights: Iterable[str] = (),
-                 parts: Mapping[str, tuple[str, ...]] | None = None, max_positions: int | None = None) -> None:
+                 parts: Mapping[str, tuple[str, ...]] | None = None, max_positions: int | None = None,
+                 batch_invariant: bool = False) -> None:
         self.config = config
         # float projections stored as W [N, K] (the checkpoint's orientation) for ``matmul.linear``; the others as
         # Wt [K, N] for ``matmul.mm`` (block-format weights are W [N, K] and run ``matmul.linear`` too)
@@ -95,6 +96,7 @@ class Transformer:
         self.parts = dict(parts or {})
         self.mesh = mesh
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
         self.layout = Layout(config, mesh.size)
         self.weights = dict(weights)
         positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
@@ -113,15 +115,16 @@ class Transformer:
     @classmethod
     def load(cls, config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...],
              dtype: torch.dtype, get_packed: PackedGetter | None = None,
-             max_positions: int | None = None) -> Transformer:
+             max_positions: int | None = None, batch_invariant: bool = False) -> Transformer:
         """Place every weight: for each local device, read its pieces through ``get``, fuse, cast, move.
 
         With ``get_packed``, the projections and the embedding stay in their GGUF block format where the file
         has one (packed once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``.
         ``max_positions``: the positions a sequence will use at most (the RoPE table's rows; default: the model's).
+        ``batch_invariant``: the products of a batch of decodes are never told so (``_proj``).
         """
         weights, linear, parts = load_weights(config, get, mesh, local_ids, dtype, get_packed)
-        return cls(config, weights, mesh, dtype, linear, parts, max_positions)
+        return cls(config, weights, mesh, dtype, linear, parts, max_positions, batch_invariant)
 
     def linear_provider(self) -> str:
         """Which kernel the first layer's q/k/v projection runs: "provider" or "provider (layout)"."""
@@ -198,10 +201,10 @@ class Transformer:
                 o = g.call("llm.rms_norm", o, w[p + "attn_out_norm"], eps=eps)
             h, x = g.call("llm.add_rms_norm", o, x, w[p + "post_norm"], eps=eps)
             if c.is_sparse(i):
-                o = self._moe(g, i, h, w)
+                o = self._moe(g, i, h, w, step)
             else:
-                gate, up = self._proj_split(g, h, w, p + "gate_up", (inter, inter))
-                o = self._proj(g, g.call(act, gate, up), w, p + "down")
+                gate, up = self._proj_split(g, h, w, p + "gate_up", (inter, inter), step)
+                o = self._proj(g, g.call(act, gate, up), w, p + "down", step)
             o = g.redistribute(o, Replicate())
             if c.sandwich_norm:  # and the MLP's
                 o = g.call("llm.rms_norm", o, w[p + "mlp_out_norm"], eps=eps)
@@ -211,26 +214,27 @@ class Transformer:
             return g
         if not bucket.all_logits and (T != N or bucket.rows):  # the last row (or rows) of each sequence
             h = g.call("llm.embedding", g.input("last_rows", (bucket.rows or N,), torch.int64), h)
-        logits = self._proj(g, h, w, "lm_head")
+        logits = self._proj(g, h, w, "lm_head", step)
         g.output("logits", g.redistribute(logits, Replicate()))
         return g
 
-    def _proj(self, g: LogicalGraph, x, w, name: str):
+    def _proj(self, g: LogicalGraph, x, w, name: str, step: _Step):
         """x [T, K] times weight ``name``: Wt [K, N] through ``matmul.mm``; W [N, K] (block format, or float stored
-        as the checkpoint has it) through ``matmul.linear``."""
+        as the checkpoint has it) through ``matmul.linear``, told when the rows are a batch of decodes (unless
+        ``batch_invariant``: each row's result then never depends on the others')."""
         t = w[name]
         if t.layout == "strided" and name not in self.linear_weights:
             return g.call("matmul.mm", x, t)
-        return g.call("matmul.linear", x, t, None)
+        return g.call("matmul.linear", x, t, None, decode=step.bucket.decode and not self.batch_invariant)
 
-    def _proj_split(self, g: LogicalGraph, x, w, name: str, sizes: tuple[int, ...], bias=None) -> tuple:
+    def _proj_split(self, g: LogicalGraph, x, w, name: str, sizes: tuple[int, ...], step: _Step, bias=None) -> tuple:
         """x [T, K] times fused weight ``name`` (+ ``bias`` [N]), split into ``sizes`` (adding up to N) on the features.
 
         A weight stored as parts (``self.parts``: its sources differ in format) runs one product per part, each in its
         own layout, and gives their pieces: every size must then lie within one part (``_parts_fit``)."""
         names = self.parts.get(name)
         if names is None:
-            y = self._proj(g, x, w, name)
+            y = self._proj(g, x, w, name, step)
             return g.split(y if bias is None else g.call("binary.add", y, bias), sizes, 1)
         widths = [self.weights[part].shape[0] for part in names]
         biases = g.split(bias, widths, 0) if bias is not None else [None] * len(names)
@@ -242,7 +246,7 @@ class Transformer:
             if sum(take) != width:
                 raise ModelError(f"{name}: the pieces {list(sizes)} straddle its parts {widths} (sources stored in "
                                  "different formats)")
-            y = self._proj(g, x, w, part)
+            y = self._proj(g, x, w, part, step)
             y = y if b is None else g.call("binary.add", y, b)
             out += g.split(y, take, 1) if len(take) > 1 else [y]
         return tuple(out)
@@ -265,14 +269,15 @@ class Transformer:
         qk_size = c.q_size + c.kv_size
         if not c.qk_norm and self._parts_fit(p + "qkv", (qk_size, c.kv_size)):
             # q and k heads side by side (each device's [q_r | k_r]), rotated by one call
-            qk, v = self._proj_split(g, h, w, p + "qkv", (qk_size, c.kv_size), bias)
+            qk, v = self._proj_split(g, h, w, p + "qkv", (qk_size, c.kv_size), step, bias)
             qk = g.call("llm.rope_cached", g.view(qk, (T, H + Hkv, D)), cos, sin, **rot)
             q, k = g.split(qk, (H, Hkv), 1)
             v = g.view(v, (T, Hkv, D))
             gate = None
         else:
             gated = (c.q_size,) if c.attn_output_gate else ()
-            q, *gate, k, v = self._proj_split(g, h, w, p + "qkv", (c.q_size, *gated, c.kv_size, c.kv_size), bias)
+            q, *gate, k, v = self._proj_split(g, h, w, p + "qkv", (c.q_size, *gated, c.kv_size, c.kv_size), step,
+                                              bias)
             gate = gate[0] if gate else None
             q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
             if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
@@ -287,7 +292,7 @@ class Transformer:
         a = g.view(a, (T, H * D))
         if gate is not None:  # Qwen3-Next / Qwen3.5: each head's output scaled by sigmoid(gate)
             a = g.call("binary.mul", a, g.call("unary.sigmoid", gate))
-        return self._proj(g, a, w, p + "o")
+        return self._proj(g, a, w, p + "o", step)
 
     def _delta_net(self, g: LogicalGraph, i: int, h, w, cache, step: _Step):
         """The gated delta net of layer ``i`` on h [T, E]; a partial sum on n > 1.
@@ -301,7 +306,7 @@ class Transformer:
         Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         kd, vd, p = c.linear_key_dim, c.linear_value_dim, f"layers.{i}."
         # [T, 2 kd + 2 vd + 2 Hv]: each device [q_r | k_r | v_r | z_r | b_r | a_r]
-        qkv, z, b, a = self._proj_split(g, h, w, p + "lin_in", (2 * kd + vd, vd, Hv, Hv))
+        qkv, z, b, a = self._proj_split(g, h, w, p + "lin_in", (2 * kd + vd, vd, Hv, Hv), step)
         conv = g.state(f"conv_state.{i}", cache[f"conv_state.{i}"])
         ssm = g.state(f"ssm_state.{i}", cache[f"ssm_state.{i}"])
         if step.bucket.decode:
@@ -321,14 +326,14 @@ class Transformer:
         # the gated RMS norm: norm(o) * weight * silu(z), per value head
         o = g.call("llm.rms_norm", g.view(o, (T, Hv, Dv)), w[p + "lin_norm"], eps=c.rms_norm_eps)
         o = g.call("llm.silu_and_mul", g.view(z, (T, Hv, Dv)), o)
-        return self._proj(g, g.view(o, (T, vd)), w, p + "lin_out")
+        return self._proj(g, g.view(o, (T, vd)), w, p + "lin_out", step)
 
-    def _moe(self, g: LogicalGraph, i: int, h, w):
+    def _moe(self, g: LogicalGraph, i: int, h, w, step: _Step):
         """The sparse MoE block of layer ``i`` on h [T, E]: route each row to its top-k experts (each device's experts
         give a partial sum), plus the shared expert scaled by its sigmoid gate where the family has one."""
         c = self.config
         p = f"layers.{i}."
-        logits = self._proj(g, h, w, p + "router")  # [T, E] (+ the shared expert's gate column), replicated
+        logits = self._proj(g, h, w, p + "router", step)  # [T, E] (+ the shared expert's gate column), replicated
         shared = c.shared_expert_intermediate_size
         if shared:
             logits, sg = g.split(logits, (c.num_experts, 1), 1)
@@ -336,8 +341,8 @@ class Transformer:
         o = g.call("llm.moe_experts", h, w[p + "experts_gate_up"], w[p + "experts_down"], weights, ids)
         if not shared:
             return o
-        gate, up = self._proj_split(g, h, w, p + "shared_gate_up", (shared, shared))
-        s = self._proj(g, g.call("llm.silu_and_mul", gate, up), w, p + "shared_down")
+        gate, up = self._proj_split(g, h, w, p + "shared_gate_up", (shared, shared), step)
+        s = self._proj(g, g.call("llm.silu_and_mul", gate, up), w, p + "shared_down", step)
         return g.call("binary.add", o, g.call("binary.mul", s, g.call("unary.sigmoid", sg)))
 
 

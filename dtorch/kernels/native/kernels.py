@@ -43,9 +43,10 @@ def _lib():
 
 # -- matmul.linear on GGUF weights -------------------------------------------------------------------------
 # inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
-# outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two under 4 rows, one from
-# 4 rows for the super-grouped formats), else w is dequantized in panels for torch's GEMM (see ops.qlinear); the
-# reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
+# params: decode (optional): the rows are a batch of decodes, one per sequence.
+# outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for a decode batch
+# of 4 rows and more in the super-grouped formats), else w is dequantized in panels for torch's GEMM (see
+# ops.qlinear); the reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
 
 def _linear_kernel(layout: str):
     code = layouts.format_code(layout)
@@ -53,30 +54,32 @@ def _linear_kernel(layout: str):
     def kernel(ctx, inputs, outputs):
         x, w, bias = inputs
         out = outputs[0]
+        one_level = ctx.params.get("decode", False)
         if not x.is_contiguous():
             x = x.contiguous()
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if out.is_contiguous():
-            _lib().qlinear(x, w, code, bias, out)
+            _lib().qlinear(x, w, code, bias, out, one_level)
         else:
-            out.copy_(_qlinear(x, w, code, bias))
+            out.copy_(_qlinear(x, w, code, bias, one_level))
 
     kernel.__name__ = kernel.__qualname__ = f"linear_{layout[5:]}"
     return kernel
 
 
-def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | None,
+             one_level: bool) -> torch.Tensor:
     y = x.new_empty(*x.shape[:-1], w.shape[0])
-    _lib().qlinear(x, w, code, bias, y)
+    _lib().qlinear(x, w, code, bias, y, one_level)
     return y
 
 
 for _layout in GGUF_LAYOUTS:
     KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
-                varies="under 4 rows: activations in two int8 levels per 32 values (~16 bits); 4 to 31 rows: one "
-                       "level (8 bits) for all but q2_k, q3_k, iq4_xs; output rows split over torch's intra-op "
-                       "threads; 32 rows and more: float32 weight panels and torch's GEMM")
+                varies="under 32 rows: activations in two int8 levels per 32 values (~16 bits), or one level (8 bits) "
+                       "for a batch of 4 to 31 decodes (param decode) in all but q2_k, q3_k, iq4_xs; output rows "
+                       "split over torch's intra-op threads; 32 rows and more: float32 weight panels and torch's GEMM")
 
 
 # -- matmul.linear on float weights: the one-row product ----------------------------------------------------

@@ -19,20 +19,21 @@ def _lib():
 
 
 def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tensor | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, one_level: bool = False) -> torch.Tensor:
     """out [..., N] = x [..., K] @ dequantize(packed).T (+ bias [N]) for a weight packed uint8 [N, row_bytes]
     in ``layout`` (see dtorch/kernels/layouts.py); K comes from x. x float32 or bfloat16, out and bias alike.
 
-    Up to 3 rows of x (decode): x is quantized once per call to two int8 levels per 32 values, x = d (hi +
+    Under 32 rows of x (decode): x is quantized once per call to two int8 levels per 32 values, x = d (hi +
     lo / 254) with d = amax / 127 (about 16 bits), and the products are integer dot products scaled in float32.
-    From 4 to 31 rows (a batch of decodes) the formats of super-groups (all but Q2_K, Q3_K, IQ4_XS) use the hi
-    level alone (8 bits per block of 32, as llama.cpp's Q8_0 activations: half the integer work). 32 rows and more
-    (prefill): the weight is dequantized to float32 in panels and multiplied with torch's GEMM.
+    ``one_level`` (the rows are a batch of decodes, one per sequence) from 4 rows: the formats of super-groups (all
+    but Q2_K, Q3_K, IQ4_XS) use the hi level alone (8 bits per block of 32, as llama.cpp's Q8_0 activations: half
+    the integer work). 32 rows and more (prefill): the weight is dequantized to float32 in panels and multiplied
+    with torch's GEMM.
     The bias is added before the one rounding to out's dtype.
     """
     if out is None:
         out = x.new_empty(*x.shape[:-1], packed.shape[0])
-    _lib().qlinear(x, packed, layouts.format_code(layout), bias, out)
+    _lib().qlinear(x, packed, layouts.format_code(layout), bias, out, one_level)
     return out
 
 

@@ -195,10 +195,11 @@ std::vector<int64_t> kernel_order(int fmt, int64_t K) {
 // (the dequantization costs as much as ~20-40 rows of integer products: a [576, 49152] head crosses at ~38 rows, a
 // [576, 960] projection at ~20; decode batches up to 32 rows stay integer)
 constexpr int64_t kFloatRows = 32;
-// From kOneLevelRows rows (a batch of decodes) the super-grouped formats (all but Q2_K, Q3_K and IQ4_XS) round x to
-// one int8 level per block of 32 (SGAct::levels, as llama.cpp's Q8_0 activations): half the integer work, in 4 x 2
-// tiles, 1.5-2x the two levels' speed at 16 rows on AVX2. Fewer rows keep both levels: one row waits on memory, not
-// on the products, and a single sequence's decode keeps its ~16-bit activations.
+// A batch of decodes (the caller's one_level: every row is one sequence's next token) of kOneLevelRows rows and more:
+// the super-grouped formats (all but Q2_K, Q3_K and IQ4_XS) round x to one int8 level per block of 32 (SGAct::levels,
+// as llama.cpp's Q8_0 activations): half the integer work, in 4 x 2 tiles, 1.5-2x the two levels' speed at 16 rows
+// on AVX2. Fewer rows keep both levels (one row waits on memory, not on the products, and a single sequence's decode
+// keeps its ~16-bit activations), and so do prompts: their rows' hidden states feed every later token.
 constexpr int64_t kOneLevelRows = 4;
 
 // y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights (they stay in L2)
@@ -238,7 +239,7 @@ void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tenso
 
 // qlinear(x [..., K] f32/bf16, packed uint8 [N, row bytes], fmt int, bias [N] | None, out [..., N])
 ENTRY(py_qlinear)
-  need_args(nargs, 5, "qlinear");
+  need(nargs == 5 || nargs == 6, PyExc_TypeError, "qlinear takes 5 or 6 arguments, got " + std::to_string(nargs));
   const at::Tensor& x = tensor(args[0], "qlinear", "x");
   const at::Tensor& w = tensor(args[1], "qlinear", "packed");
   const long fmt = PyLong_AsLong(args[2]);
@@ -246,6 +247,8 @@ ENTRY(py_qlinear)
   const bool has_bias = args[3] != Py_None;
   const at::Tensor* bias = has_bias ? &tensor(args[3], "qlinear", "bias") : nullptr;
   const at::Tensor& out = tensor(args[4], "qlinear", "out");
+  const int one_level = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
+  if (one_level < 0) throw Fail{};
   const int xdt = float_dt(x, "qlinear", "x");
   need(out.scalar_type() == x.scalar_type(), g_dtype_error,
        std::string("qlinear: out must have x's dtype ") + dtype_name(x) + ", got " + dtype_name(out));
@@ -294,7 +297,7 @@ ENTRY(py_qlinear)
     if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
     if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
     if (int64_t(ws.halves.size()) < M * nsg * 32) ws.halves.resize(size_t(M * nsg * 32));
-    const int levels = M >= kOneLevelRows ? 1 : 2;
+    const int levels = one_level && M >= kOneLevelRows ? 1 : 2;
     const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg, ws.halves.data(), levels};
     Py_BEGIN_ALLOW_THREADS
     parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {
