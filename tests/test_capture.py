@@ -174,29 +174,23 @@ def test_a_recording_that_fails_leaves_the_runner_uncaptured():
 # -- a model's decode step ----------------------------------------------------------------------------------------
 
 def _families(transformers):
-    from tests.tiny_models import families, hybrid_sizes
+    from tests.tiny_models import families, tiny_config
 
-    common = hybrid_sizes(vocab_size=96, max_position_embeddings=256, initializer_range=0.02)  # transformers' default
+    common = dict(vocab_size=96, max_position_embeddings=256, initializer_range=0.02)  # transformers' default init
     return {
         "qwen3": families(transformers, 4, 2, 96, 16)["qwen3"],
-        "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**common),  # gated delta net + attention layers
-        "qwen3_next": lambda: transformers.Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2,
-                                                           moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                                           norm_topk_prob=True),
+        "qwen3_5_text": lambda: tiny_config(transformers, "qwen3_5_text", **common),  # gated delta net + attention
+        "qwen3_next": lambda: tiny_config(transformers, "qwen3_next", **common, num_experts=4),
     }
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5_text", "qwen3_next"])
 def checkpoint(request, tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    from tests.tiny_models import save_hybrid, save_random
+    from tests.tiny_models import save_random
 
     path = tmp_path_factory.mktemp(request.param)
-    config = _families(transformers)[request.param]()
-    if request.param == "qwen3":
-        save_random(transformers, config, path)
-    else:
-        save_hybrid(transformers, config, path)
+    save_random(transformers, _families(transformers)[request.param](), path)
     return request.param, path
 
 

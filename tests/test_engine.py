@@ -17,7 +17,7 @@ from dtorch.engine.engine import EngineLoop
 from dtorch.engine.llm import LLM
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.kv_cache import kv_bytes_per_token
-from tests.tiny_models import families, hf_greedy, hybrid_sizes, save_hybrid, save_random
+from tests.tiny_models import families, hf_greedy, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -397,10 +397,9 @@ def test_n_choices_logprobs_and_seeds(tiny):
 def test_a_hybrid_model_is_preempted_and_resumed_exactly(tmp_path):
     """Gated delta net layers keep a state per sequence: a preempted sequence gives its state slot back and recomputes
     its state from its first token."""
-    config = transformers.Qwen3_5TextConfig(**hybrid_sizes(
-        vocab_size=VOCAB, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        max_position_embeddings=128))
-    hf = save_hybrid(transformers, config, tmp_path)
+    config = tiny_config(transformers, "qwen3_5_text", vocab_size=VOCAB, num_hidden_layers=2,
+                         layer_types=["linear_attention", "full_attention"], max_position_embeddings=128)
+    hf = save_random(transformers, config, tmp_path)
     llm = LLM(str(tmp_path), max_num_seqs=3, max_model_len=48, block_size=4, max_num_batched_tokens=16,
               kv_cache_memory_bytes=one_sequence_cache(str(tmp_path), 48))
     try:

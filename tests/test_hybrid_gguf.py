@@ -16,18 +16,17 @@ import dtorch
 from dtorch.engine.llm import LLM
 from dtorch.models import open_checkpoint
 from dtorch.models.config import ModelConfig
-from tests.tiny_models import hybrid_sizes, random_hybrid
+from tests.tiny_models import random_model, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
 # GGUF: full_attention_interval 4
-COMMON = hybrid_sizes(vocab_size=VOCAB, layer_types=["linear_attention"] * 3 + ["full_attention"])
+COMMON = dict(vocab_size=VOCAB, layer_types=["linear_attention"] * 3 + ["full_attention"])
 FAMILIES = {  # dtorch family -> (GGUF architecture, transformers config)
-    "qwen3_next": ("qwen3next", lambda: transformers.Qwen3NextConfig(
-        **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-        norm_topk_prob=True)),
-    "qwen3_5_text": ("qwen35", lambda: transformers.Qwen3_5TextConfig(**COMMON)),
+    "qwen3_next": ("qwen3next", lambda: tiny_config(transformers, "qwen3_next", **COMMON,
+                                                    shared_expert_intermediate_size=64)),
+    "qwen3_5_text": ("qwen35", lambda: tiny_config(transformers, "qwen3_5_text", **COMMON)),
 }
 # the 2-D / 3-D projections the Q8_0 files quantize (llama.cpp keeps norms, ssm_a, ssm_dt and the conv in F32)
 _QUANTIZED = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_gate", "ssm_out", "ffn_gate", "ffn_up",
@@ -150,7 +149,7 @@ def files(request, tmp_path_factory):
     """(family, transformers model, F32 GGUF, Q8_0-projections GGUF)."""
     arch, config = FAMILIES[request.param]
     directory = tmp_path_factory.mktemp(request.param)
-    hf = random_hybrid(transformers, config())
+    hf = random_model(transformers, config())
     f32, q8 = directory / "f32.gguf", directory / "q8_0.gguf"
     _convert(hf, arch, f32, quantize=False)
     _convert(hf, arch, q8, quantize=True)
@@ -272,7 +271,7 @@ def test_a_q8_0_file_on_two_devices_equals_one(files):
 
 def _write_bad(tmp_path, drop: str = "", **override) -> str:
     """A qwen3next F32 file without tensor ``drop`` and with metadata ``override``."""
-    hf = random_hybrid(transformers, FAMILIES["qwen3_next"][1]())
+    hf = random_model(transformers, FAMILIES["qwen3_next"][1]())
     path = tmp_path / "bad.gguf"
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, 4)
     w = gguf.GGUFWriter(str(path), "qwen3next")

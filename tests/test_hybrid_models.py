@@ -13,19 +13,17 @@ import dtorch
 from dtorch.engine.llm import LLM, PREFILL_TOKENS
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.config import ModelConfig
-from tests.tiny_models import hf_greedy, hybrid_sizes, save_hybrid
+from tests.tiny_models import hf_greedy, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
 SCHEDULE = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-COMMON = hybrid_sizes(vocab_size=VOCAB, layer_types=SCHEDULE)
 FAMILIES = {
-    "qwen3_next": lambda: transformers.Qwen3NextConfig(**COMMON, num_experts=8, num_experts_per_tok=2,
-                                                       moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                                       norm_topk_prob=True, mlp_only_layers=[2]),
-    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**COMMON),
+    "qwen3_next": lambda: tiny_config(transformers, "qwen3_next", vocab_size=VOCAB, layer_types=SCHEDULE,
+                                      mlp_only_layers=[2]),
+    "qwen3_5_text": lambda: tiny_config(transformers, "qwen3_5_text", vocab_size=VOCAB, layer_types=SCHEDULE),
 }
 
 
@@ -33,7 +31,7 @@ FAMILIES = {
 def model(request, tmp_path_factory):
     """(family, transformers model, checkpoint directory, dtorch LLM on one device)."""
     path = tmp_path_factory.mktemp(request.param)
-    hf = save_hybrid(transformers, FAMILIES[request.param](), path)
+    hf = save_random(transformers, FAMILIES[request.param](), path)
     llm = LLM(str(path), max_num_seqs=4)
     yield request.param, hf, str(path), llm
     llm.close()

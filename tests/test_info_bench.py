@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.tiny_models import families, hybrid_sizes, save_hybrid, save_random
+from tests.tiny_models import families, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -107,8 +107,7 @@ def test_the_cache_info_computes_is_the_one_the_engine_allocates(tiny, tmp_path,
     if kind == "llama":
         model = tiny[0]
     else:
-        config = transformers.Qwen3_5TextConfig(**hybrid_sizes())
-        save_hybrid(transformers, config, tmp_path)
+        save_random(transformers, tiny_config(transformers, "qwen3_5_text"), tmp_path)
         model = tmp_path
     for ctx in (40, 64):
         llm = LLM(model, max_model_len=ctx, max_num_seqs=1)

@@ -1,28 +1,51 @@
-"""Tiny random checkpoints for the tests: they live in ``dtorch.models.tiny``, shared with the benchmarks and the GPU
-check; re-exported here under the names the tests import."""
+"""The model tests' one factory: tiny random checkpoints of every family written by transformers (``tiny_config``,
+``random_model``, ``save_random``: they live in ``dtorch.models.tiny``, shared with the benchmarks and the GPU check,
+and are re-exported here), transformers' greedy ids (``hf_greedy``), and transformers' own reading of a GGUF file
+(``transformers_gguf``, ``transformers_from_gguf``): the reference a llama.cpp file is checked against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
 
 from dtorch.models.tiny import (
     families as families,
     hf_greedy as hf_greedy,
-    random_hybrid as random_hybrid,
+    random_model as random_model,
     save_random as save_random,
+    tiny_config as tiny_config,
 )
 
 
-def save_hybrid(transformers, config, path):
-    """A random model of ``config`` (``random_hybrid``) saved to ``path``; returns the transformers model."""
-    hf = random_hybrid(transformers, config)
-    hf.save_pretrained(path)
+def transformers_gguf(path: str | Path) -> tuple[object, dict[str, torch.Tensor]]:
+    """What transformers' own GGUF reader makes of ``path``: its config (``head_dim`` from ``attention.key_length``,
+    which transformers' GGUF config leaves out) and every tensor, dequantized by gguf-py, under transformers' names
+    (Llama's q/k un-permuted). Its reader needs no accelerate (``from_pretrained(gguf_file=)`` does)."""
+    import gguf
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
+    cfg = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    fields = gguf.GGUFReader(str(path)).fields
+    arch = fields["general.architecture"].contents()
+    if f"{arch}.attention.key_length" in fields:
+        cfg.head_dim = fields[f"{arch}.attention.key_length"].contents()
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta)["tensors"]
+    return cfg, {k: torch.as_tensor(v) for k, v in tensors.items()}
+
+
+def transformers_from_gguf(path: str | Path):
+    """A transformers model (float32, eval) holding ``transformers_gguf(path)``'s tensors: every parameter comes from
+    the file but a tied LM head."""
+    import transformers
+
+    cfg, tensors = transformers_gguf(path)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.tie_weights()
     return hf
-
-
-def hybrid_sizes(**overrides) -> dict:
-    """Keyword arguments of a tiny transformers config of a gated delta net family (``Qwen3_5TextConfig``, and
-    ``Qwen3NextConfig`` with its expert sizes added): 4 layers, linear and full attention alternating, 4 query heads
-    over 2 KV heads of 16, 2 key and 4 value heads of 16 in the linear layers. ``overrides`` replace or add entries."""
-    return dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=1024,
-                rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
-                eos_token_id=2) | overrides

@@ -1,25 +1,16 @@
-"""Model configuration: one slotted dataclass for the Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next and Qwen3.5 families.
+"""Model configuration: one slotted dataclass for every family of ``dtorch.models.families``.
 
-The families differ only by configuration: Qwen2 has q/k/v projection biases (``attention_bias``),
-Qwen3 has per-head RMS norms on q and k (``qk_norm``), Llama 3 scales its RoPE frequencies
-(``rope_scaling`` of type "llama3"), Qwen3-MoE is Qwen3 whose MLPs are sparse mixtures of experts on the layers
-``is_sparse`` names (``num_experts`` > 0, ``decoder_sparse_step``, ``mlp_only_layers``). The hybrid families
-(Qwen3-Next, and Qwen3.5's text model) schedule gated delta net layers among the attention layers
-(``layer_types``), gate the attention output (``attn_output_gate``), rotate part of each head
-(``partial_rotary_factor``) and scale their RMS norms by ``1 + weight`` (``norm_plus_one``); Qwen3-Next's sparse
-MoE blocks add a shared expert (``shared_expert_intermediate_size``).
-
-A Mistral ``config.json`` (``model_type`` "mistral") is the Llama architecture and loads as family "llama"; its
-``sliding_window`` makes every layer a ``sliding_attention`` layer: each query sees its own position and the
-``sliding_window - 1`` before it, past which the paged cache frees what no layer reads any more.
-
-Gemma 3 (``gemma3``: HF ``gemma3_text``, the text part of ``gemma3``, GGUF ``gemma3``) alternates sliding and full
-attention layers (``layer_types``), each kind with its own RoPE base (``rope_local_theta`` for the sliding ones),
-q/k norms, ``(1 + w)`` RMS norms (``norm_plus_one``), norms after attention and after the MLP besides the ones
-before (``sandwich_norm``), a GeGLU MLP (``hidden_act`` "gelu_tanh"), the embedding scaled by sqrt(hidden)
-(``embed_scale``) and queries scaled by ``query_pre_attn_scalar ** -0.5``. Phi-3 (``phi3``) is Llama with q/k/v and
-gate/up fused in its checkpoints (``qkv_proj``, ``gate_up_proj``) and, where its config says so, a sliding window on
-every layer.
+The families differ by configuration: Qwen2 has q/k/v projection biases (``attention_bias``), Qwen3 per-head RMS
+norms on q and k (``qk_norm``), Llama 3 scales its RoPE frequencies (``rope_scaling`` of type "llama3"); sparse MoE
+MLPs sit on the layers ``is_sparse`` names (``num_experts`` > 0, ``decoder_sparse_step``, ``mlp_only_layers``, a
+shared expert of ``shared_expert_intermediate_size``). Each layer mixes tokens by full attention, sliding-window
+attention (``sliding_window``: each query sees its own position and the ``sliding_window - 1`` before it) or a gated
+delta net (``layer_types``); attention may gate its output (``attn_output_gate``) and rotate part of each head
+(``partial_rotary_factor``); RMS norms may scale by ``1 + weight`` (``norm_plus_one``) and stand after attention and
+the MLP too (``sandwich_norm``); the MLP is SwiGLU or GeGLU (``hidden_act``); the embedding may be scaled by
+sqrt(hidden) (``embed_scale``), queries by ``query_pre_attn_scalar ** -0.5``, the sliding layers' RoPE have their own
+base (``rope_local_theta``). Which family sets which is its module's business (``families.<name>``); ``from_hf``
+reads a ``config.json`` through it.
 """
 
 from __future__ import annotations
@@ -33,13 +24,13 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import ModelError
-from dtorch.models.config_fields import _HF_NULLABLE, HF_KEYS, LIMITS, check_field, check_fields
+from dtorch.models import families
+from dtorch.models.config_fields import _HF_NULLABLE, LIMITS, check_field, check_fields, hf_keys
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "gemma3", "phi3")
-MOE_FAMILIES = ("qwen3_moe", "qwen3_next")
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text")
 LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (GELU with the tanh approximation)
+# activation -> how a config.json spells it (the first is transformers' own)
+_HF_ACTIVATIONS = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
 
 # rope type -> the keys its scaling mapping must hold (besides "rope_type")
 _ROPE_TYPES: dict[str, tuple[str, ...]] = {
@@ -52,7 +43,7 @@ _ROPE_TYPES: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The shape and constants of a decoder-only transformer of one of ``FAMILIES``."""
+    """The shape and constants of a decoder-only transformer of one of ``families.names()``."""
 
     family: str
     vocab_size: int
@@ -101,8 +92,8 @@ class ModelConfig:
     hidden_act: str = "silu"  # one of ACTIVATIONS
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ModelError(f"ModelConfig: family must be one of {FAMILIES}, got {self.family!r}")
+        if self.family not in families.names():
+            raise ModelError(f"ModelConfig: family must be one of {families.names()}, got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             v, (lo, hi) = getattr(self, name), LIMITS[name]
@@ -174,8 +165,9 @@ class ModelConfig:
         object.__setattr__(self, "mlp_only_layers", only)
         if self.num_experts == 0:
             return
-        if self.family not in MOE_FAMILIES:
-            raise ModelError(f"ModelConfig: num_experts={self.num_experts} needs a family of {MOE_FAMILIES}, got "
+        if not families.get(self.family).moe:
+            moe = tuple(f for f in families.names() if families.get(f).moe)
+            raise ModelError(f"ModelConfig: num_experts={self.num_experts} needs a family of {moe}, got "
                              f"{self.family!r}; use num_experts=0 for a dense model")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelError(f"ModelConfig: num_experts_per_tok must be in 1..num_experts={self.num_experts}, got "
@@ -211,12 +203,14 @@ class ModelConfig:
         bad = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
         if bad:
             raise ModelError(f"ModelConfig: layer_types holds {bad}; each entry must be one of {LAYER_TYPES}")
-        if "linear_attention" in types and self.family not in HYBRID_FAMILIES:
-            raise ModelError(f"ModelConfig: linear_attention layers need a family of {HYBRID_FAMILIES}, got "
-                             f"{self.family!r}")
-        if "sliding_attention" in types and self.family in HYBRID_FAMILIES:
-            raise ModelError(f"ModelConfig: layer_types holds ['sliding_attention']; the layers of a {self.family} "
-                             "model are full_attention or linear_attention")
+        own = families.get(self.family).layer_types
+        if "linear_attention" in types and "linear_attention" not in own:
+            hybrid = tuple(f for f in families.names() if "linear_attention" in families.get(f).layer_types)
+            raise ModelError(f"ModelConfig: linear_attention layers need a family of {hybrid}, got {self.family!r}")
+        other = sorted({t for t in types if t not in own})
+        if other:
+            raise ModelError(f"ModelConfig: layer_types holds {other}; the layers of a {self.family} model are "
+                             f"{' or '.join(own)}")
         if "linear_attention" not in types:
             return
         for name in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
@@ -291,39 +285,39 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config_json: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
-        """A config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling). Each field is checked
-        for type and range first (``check_fields``); errors name ``source`` (the file) and the key as it spells it."""
+        """A config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling), read through the family
+        of its ``model_type`` (``families``). Each field is checked for type and range first (``check_fields``);
+        errors name ``source`` (the file) and the key as it spells it."""
         c = dict(config_json)
-        if c.get("model_type") == "gemma3":  # the multimodal checkpoint: its text model
+        fam = families.by_hf_type(c.get("model_type"))
+        if fam is None:
+            raise ModelError(f"{source}: model_type {c.get('model_type')!r} is not supported; expected one of "
+                             f"{families.hf_types()}")
+        if c["model_type"] in fam.hf_multimodal:  # a multimodal checkpoint: its text model
             text = c.get("text_config")
             if not isinstance(text, Mapping):
-                raise ModelError(f"{source}: a gemma3 config.json needs a text_config object (the language model)")
-            c = {"model_type": "gemma3_text", **{k: v for k, v in text.items() if k != "model_type"}}
+                raise ModelError(f"{source}: a {c['model_type']} config.json needs a text_config object (the language "
+                                 "model)")
+            c = {"model_type": fam.hf_types[0], **{k: v for k, v in text.items() if k != "model_type"}}
             source = f"{source}: text_config"
-        family = c.get("model_type")
-        family = _HF_FAMILY.get(family, family) if isinstance(family, str) else family
-        if family not in FAMILIES:
-            raise ModelError(f"{source}: model_type {c.get('model_type')!r} is not supported; expected one of "
-                             f"{HF_MODEL_TYPES}")
-        check_fields(c, HF_KEYS, source, _HF_NULLABLE)
-        extra = _window_fields(c, family, source)
-        for flag in ("mlp_bias", "attention_bias"):  # Llama's / Qwen3-MoE's biases (o_proj included) are not modelled
-            if family != "qwen2" and c.get(flag):
-                raise ModelError(f"{source}: {flag}=true is not supported for {family} models; expected false")
-        if family == "qwen3_moe" and c.get("use_sliding_window"):
-            raise ModelError(f"{source}: use_sliding_window=true is not supported for qwen3_moe models; "
-                             "expected false (full attention on every layer)")
+        check_fields(c, hf_keys(fam.hf_keys), source, _HF_NULLABLE)
+        act_key = "hidden_activation" if "hidden_activation" in c else "hidden_act"
+        spellings = _HF_ACTIVATIONS[fam.fields.get("hidden_act", "silu")]
+        if act_key in c and c[act_key] not in spellings:
+            raise ModelError(f"{source}: {act_key}={c[act_key]!r} is not supported; expected {spellings[0]!r}")
+        for flag in ("mlp_bias", "attention_bias"):  # biases beyond the q/k/v ones a family declares: not modelled
+            if c.get(flag) and not fam.fields.get("attention_bias"):
+                raise ModelError(f"{source}: {flag}=true is not supported for {fam.name} models; expected false")
         try:
+            own = fam.hf_config(c, source) if fam.hf_config is not None else {}  # may edit c: it runs first
             hidden, heads = c["hidden_size"], c["num_attention_heads"]
-            head_dim = c.get("head_dim") or hidden // heads
             rope = c.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
             if "rope_parameters" not in c:
                 rope = dict(c.get("rope_scaling") or {})
                 rope.setdefault("rope_theta", c.get("rope_theta", 10000.0))
             theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
             # partial rotary is not a scaling; Qwen3.5's multimodal rope sections are all one position for text
-            partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor",
-                                                              0.25 if family in HYBRID_FAMILIES else 1.0))
+            partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
             partial = 1.0 if partial is None else partial
             check_field("rope_theta", theta, f"{source}: rope_theta")
             check_field("partial_rotary_factor", partial, f"{source}: partial_rotary_factor")
@@ -337,20 +331,15 @@ class ModelConfig:
             eos = c.get("eos_token_id")
             eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
             kwargs = dict(
-                family=family, vocab_size=c["vocab_size"], hidden_size=hidden,
+                family=fam.name, vocab_size=c["vocab_size"], hidden_size=hidden,
                 intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
-                num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim, rope_theta=theta,
-                rope_scaling=scaling, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or hidden // heads,
+                rope_theta=theta, rope_scaling=scaling, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
                 max_position_embeddings=c.get("max_position_embeddings", 2048),
-                tie_word_embeddings=c.get("tie_word_embeddings", False),
-                attention_bias=family == "qwen2",  # Qwen2 always has q/k/v biases, the others none
-                qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", *HYBRID_FAMILIES),
-                bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, partial_rotary_factor=partial, **extra,
-                **(_moe_fields(c) if family in MOE_FAMILIES else {}),
-                **(_hybrid_fields(c, source) if family in HYBRID_FAMILIES else {}),
-            )
+                tie_word_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
+                eos_token_ids=eos, partial_rotary_factor=partial) | dict(fam.fields) | own
         except KeyError as e:
-            raise ModelError(f"{source}: missing key {e.args[0]!r} needed for a {family} model") from None
+            raise ModelError(f"{source}: missing key {e.args[0]!r} needed for a {fam.name} model") from None
         try:
             return cls(**kwargs)
         except ModelError as e:  # a field that passed alone but not with the others (heads vs kv heads, ...)
@@ -362,100 +351,6 @@ class ModelConfig:
         if name not in PRESETS:
             raise ModelError(f"ModelConfig.preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
-
-
-# model_type -> family, where they differ
-_HF_FAMILY = {"mistral": "llama", "gemma3_text": "gemma3"}
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "gemma3_text",
-                  "gemma3", "phi3")
-
-
-def _window_fields(c: dict[str, Any], family: str, source: str) -> dict[str, Any]:
-    """The sliding-window and Gemma fields of a ``config.json`` (``c`` is changed in place: Gemma 3's RoPE
-    parameters per layer kind become the generic global ones, and the local base is returned).
-
-    Mistral and Phi-3: every layer slides when ``sliding_window`` is set. Gemma 3: ``layer_types`` (or every sixth
-    layer full attention, transformers' default), the local RoPE base (``rope_parameters["sliding_attention"]``, or
-    ``rope_local_base_freq``), ``query_pre_attn_scalar``; logit soft-capping (Gemma 2) is refused.
-    """
-    layers = c.get("num_hidden_layers")
-    window = c.get("sliding_window")
-    out: dict[str, Any] = {}
-    if c.get("model_type") in ("mistral", "phi3"):
-        act = c.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelError(f"{source}: hidden_act={act!r} is not supported; expected 'silu'")
-        if window is not None and isinstance(layers, int):
-            out |= dict(sliding_window=window, layer_types=("sliding_attention",) * layers)
-        return out
-    if family != "gemma3":
-        return out
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if c.get(key) is not None:
-            raise ModelError(f"{source}: {key}={c[key]!r} is not supported; expected null (Gemma 3 has none)")
-    if c.get("use_bidirectional_attention"):
-        raise ModelError(f"{source}: use_bidirectional_attention=true is not supported; expected false")
-    act = c.get("hidden_activation", c.get("hidden_act", "gelu_pytorch_tanh"))
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ModelError(f"{source}: hidden_activation={act!r} is not supported; expected 'gelu_pytorch_tanh'")
-    types = c.get("layer_types")
-    if types is None and isinstance(layers, int):
-        pattern = c.get("sliding_window_pattern", 6)
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise ModelError(f"{source}: sliding_window_pattern must be an int >= 1, got {pattern!r}")
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    rope = c.get("rope_parameters")
-    local_theta = c.get("rope_local_base_freq", 10000.0)
-    if isinstance(rope, Mapping) and "full_attention" in rope:  # transformers 5: one set per layer kind
-        local = rope.get("sliding_attention") or {}
-        if not isinstance(local, Mapping) or not isinstance(rope["full_attention"], Mapping):
-            raise ModelError(f"{source}: rope_parameters.full_attention and .sliding_attention must be objects")
-        if local.get("rope_type", "default") != "default":
-            raise ModelError(f"{source}: rope_parameters.sliding_attention of type {local.get('rope_type')!r} is not "
-                             "supported; expected the default rope")
-        local_theta = local.get("rope_theta", local_theta)
-        c["rope_parameters"] = dict(rope["full_attention"])
-        c["rope_parameters"].setdefault("rope_theta", 1_000_000.0)
-    elif "rope_theta" not in c and "rope_parameters" not in c:
-        c["rope_theta"] = 1_000_000.0
-    check_field("rope_theta", local_theta, f"{source}: the sliding layers' rope_theta")
-    c.setdefault("tie_word_embeddings", True)
-    return dict(layer_types=tuple(types or ()), sliding_window=window if types and "sliding_attention" in types
-                else None, rope_local_theta=local_theta, query_pre_attn_scalar=c.get("query_pre_attn_scalar", 256),
-                embed_scale=True, sandwich_norm=True, norm_plus_one=True, hidden_act="gelu_tanh")
-
-
-def _moe_fields(c: Mapping[str, Any]) -> dict[str, Any]:
-    """The MoE fields of a Qwen3-MoE ``config.json`` (transformers' defaults where absent; transformers 5 writes
-    ``num_experts`` as ``num_local_experts``)."""
-    nxt = c.get("model_type") == "qwen3_next"  # transformers' defaults differ between the two
-    return dict(num_experts=c.get("num_experts", c.get("num_local_experts", 512 if nxt else 128)),
-                num_experts_per_tok=c.get("num_experts_per_tok", 10 if nxt else 8),
-                moe_intermediate_size=c.get("moe_intermediate_size", 512 if nxt else 768),
-                norm_topk_prob=c.get("norm_topk_prob", nxt),
-                decoder_sparse_step=c.get("decoder_sparse_step", 1),
-                mlp_only_layers=tuple(c.get("mlp_only_layers") or ()))
-
-
-def _hybrid_fields(c: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """The fields of a Qwen3-Next / Qwen3.5 text ``config.json``: the layer schedule (transformers' default: every
-    ``full_attention_interval``-th layer full attention) and the gated delta net's shapes."""
-    layers = c["num_hidden_layers"]
-    types = c.get("layer_types")
-    if types is None:
-        interval = c.get("full_attention_interval", 4)
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    if c.get("hidden_act", "silu") != "silu":
-        raise ModelError(f"{source}: hidden_act={c.get('hidden_act')!r} is not supported; expected 'silu'")
-    out = dict(layer_types=tuple(types), attn_output_gate=True, norm_plus_one=True,
-               linear_conv_kernel_dim=c.get("linear_conv_kernel_dim", 4),
-               linear_num_key_heads=c.get("linear_num_key_heads", 16),
-               linear_num_value_heads=c.get("linear_num_value_heads", 32),
-               linear_key_head_dim=c.get("linear_key_head_dim", 128),
-               linear_value_head_dim=c.get("linear_value_head_dim", 128))
-    if c.get("model_type") == "qwen3_next":
-        out["shared_expert_intermediate_size"] = c.get("shared_expert_intermediate_size", 512)
-    return out
 
 
 def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Mapping[str, Any] | None:

@@ -30,7 +30,8 @@ _NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_t
 _BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm")
 _LISTS = ("layer_types", "mlp_only_layers")
 
-# field -> the key a Hugging Face config.json spells it with (each checked by ``check_fields`` when present)
+# field -> the key every Hugging Face config.json spells it with (each checked by ``check_fields`` when present); a
+# family's own keys are in its module (``Family.hf_keys``)
 HF_KEYS: dict[str, str] = {
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
     "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
@@ -38,31 +39,24 @@ HF_KEYS: dict[str, str] = {
     "rms_norm_eps": "rms_norm_eps", "partial_rotary_factor": "partial_rotary_factor",
     "rope_scaling": "rope_scaling", "rope_parameters": "rope_parameters",
     "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id", "eos_token_ids": "eos_token_id",
-    "num_experts": "num_experts", "num_local_experts": "num_local_experts",
-    "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
-    "norm_topk_prob": "norm_topk_prob", "decoder_sparse_step": "decoder_sparse_step",
-    "mlp_only_layers": "mlp_only_layers", "shared_expert_intermediate_size": "shared_expert_intermediate_size",
-    "layer_types": "layer_types", "full_attention_interval": "full_attention_interval",
-    "linear_conv_kernel_dim": "linear_conv_kernel_dim", "linear_num_key_heads": "linear_num_key_heads",
-    "linear_num_value_heads": "linear_num_value_heads", "linear_key_head_dim": "linear_key_head_dim",
-    "linear_value_head_dim": "linear_value_head_dim", "sliding_window": "sliding_window",
-    "rope_local_theta": "rope_local_base_freq", "query_pre_attn_scalar": "query_pre_attn_scalar",
 }
 # keys config.json may set to null (transformers then derives or omits them)
 _HF_NULLABLE = ("head_dim", "num_key_value_heads", "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters",
                 "layer_types", "mlp_only_layers", "sliding_window", "partial_rotary_factor")
 
 
-def gguf_keys(arch: str) -> dict[str, str]:
-    """field -> the metadata key a GGUF file of architecture ``arch`` spells it with."""
+def hf_keys(own: Mapping[str, str]) -> dict[str, str]:
+    """field -> the key a family's ``config.json`` spells it with: the common ``HF_KEYS`` and the family's ``own``."""
+    return HF_KEYS | dict(own)
+
+
+def gguf_keys(arch: str, own: Mapping[str, str] | None = None) -> dict[str, str]:
+    """field -> the metadata key a GGUF file of architecture ``arch`` spells it with: the common ones and a family's
+    ``own`` (field -> key after ``{arch}.``)."""
     keys = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
             "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
             "head_dim": "attention.key_length", "max_position_embeddings": "context_length",
-            "rope_theta": "rope.freq_base", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-            "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
-            "moe_intermediate_size": "expert_feed_forward_length", "expert_weights_norm": "expert_weights_norm",
-            "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
-            "full_attention_interval": "full_attention_interval"}
+            "rope_theta": "rope.freq_base", "rms_norm_eps": "attention.layer_norm_rms_epsilon"} | dict(own or {})
     return {f: f"{arch}.{k}" for f, k in keys.items()} | {"bos_token_id": "tokenizer.ggml.bos_token_id",
                                                           "eos_token_id": "tokenizer.ggml.eos_token_id",
                                                           "eot_token_id": "tokenizer.ggml.eot_token_id"}

@@ -13,42 +13,78 @@ from typing import Any
 
 import torch
 
+# the common fields of the dense tiny configs, and of the hybrid (gated delta net) ones
+_DENSE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.2,
+              bos_token_id=1, eos_token_id=2)
+_HYBRID = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+# family -> (transformers config class, its fields beyond the common ones)
+_TINY: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(_DENSE, tie_word_embeddings=False, rope_theta=10000.0)),
+    # every layer slides over 16 keys
+    "mistral": ("MistralConfig", dict(_DENSE, head_dim=16, sliding_window=16, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(_DENSE, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", dict(_DENSE, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_DENSE, **_EXPERTS, head_dim=16, tie_word_embeddings=False)),
+    # transformers' default 5:1 schedule (layers 0-4 slide over 8 keys, 5 is global), the global layers' RoPE scaled
+    # linearly, the local ones on their own base; query_pre_attn_scalar not head_dim
+    "gemma3": ("Gemma3TextConfig", dict(
+        _DENSE, num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # fused qkv_proj and gate_up_proj, 3/4 of each head rotated, every layer sliding over 12 keys
+    "phi3": ("Phi3Config", dict(_DENSE, sliding_window=12, pad_token_id=0,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                 "partial_rotary_factor": 0.75})),
+    # linear and full attention layers alternating; 2 key and 4 value heads of 16 in the linear ones
+    "qwen3_5_text": ("Qwen3_5TextConfig", _HYBRID),
+    "qwen3_next": ("Qwen3NextConfig", dict(_HYBRID, **_EXPERTS, shared_expert_intermediate_size=48,
+                                           norm_topk_prob=True)),
+}
+
+
+def tiny_config(transformers, family: str, **overrides: Any):
+    """A tiny transformers config of ``family`` (a dtorch family, or "mistral"): hidden 64, 4 query heads over 2 KV
+    heads, vocabulary 128, 2 layers (4 for the hybrids, 6 for Gemma 3: one of each layer kind at least), every
+    family's particulars on (sliding windows shorter than a test's prompts, partial rotary, experts ...).
+    ``overrides`` replace or add fields."""
+    if family not in _TINY:
+        raise ValueError(f"tiny_config: no tiny {family!r}; known: {sorted(_TINY)}")
+    cls, fields = _TINY[family]
+    return getattr(transformers, cls)(**(fields | overrides))
+
 
 def families(transformers, heads: int, kv_heads: int, vocab: int, qwen3_head_dim: int, **sizes: int) -> dict:
-    """family -> a config factory: 2 layers, hidden 64, ``heads`` / ``kv_heads`` attention heads; ``sizes`` overrides
-    the common fields (``hidden_size=512, num_hidden_layers=4``, ...)."""
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2) | sizes
-    return {
-        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0),
-        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6),
-        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=qwen3_head_dim, tie_word_embeddings=True,
-                                                  rope_theta=1e6),
-    }
+    """family -> a ``tiny_config`` factory of the dense Llama, Qwen2 and Qwen3 with ``heads`` / ``kv_heads`` attention
+    heads and ``vocab`` tokens; ``sizes`` overrides the common fields (``hidden_size=512, num_hidden_layers=4``)."""
+    common = dict(vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=kv_heads) | sizes
+    return {"llama": lambda: tiny_config(transformers, "llama", **common),
+            "qwen2": lambda: tiny_config(transformers, "qwen2", **common),
+            "qwen3": lambda: tiny_config(transformers, "qwen3", **(dict(head_dim=qwen3_head_dim) | common))}
 
 
-def save_random(transformers, config, path: Path):
-    """A random model of ``config`` saved to ``path``; returns the transformers model (eval, float32)."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms at 1 and biases at 0 would hide mistakes in how they are applied or split
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.3)
-    hf.save_pretrained(path)
-    return hf
-
-
-def random_hybrid(transformers, config):
-    """A random Qwen3-Next / Qwen3.5 transformers model (eval, float32) with every norm, A_log and dt_bias moved off
-    its initial value (a norm of zeros, i.e. a scale of 1, would hide a missing ``1 +``)."""
+def random_model(transformers, config):
+    """A random transformers model of ``config`` (eval, float32, seeded) with every norm, bias, A_log and dt_bias moved
+    off its initial value: norms at 1 (or a zero-centred 0) and biases at 0 would hide mistakes in how they are
+    applied or split (a missing ``1 +``)."""
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith(("dt_bias", "A_log")):
+            if "norm" in name or name.endswith((".bias", "dt_bias", "A_log")):
                 p.add_(torch.randn_like(p) * 0.3)
+    return hf
+
+
+def save_random(transformers, config, path: Path, **save: Any):
+    """``random_model`` of ``config`` saved to ``path`` (``save``: ``save_pretrained``'s options); returns it."""
+    hf = random_model(transformers, config)
+    hf.save_pretrained(path, **save)
     return hf
 
 
@@ -76,24 +112,29 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     import gguf
     import numpy as np
 
-    from dtorch.models.loaders.gguf import gguf_name, permute_qk
+    from dtorch.models import families
+    from dtorch.models.config import ModelConfig
+    from dtorch.models.loaders.gguf import permute_qk
 
     c, Q = hf.config, gguf.GGMLQuantizationType
-    arch = arch or {"gemma3_text": "gemma3", "mistral": "llama"}.get(c.model_type, c.model_type)
+    config = ModelConfig.from_hf(c.to_dict())
+    fam = families.get(config.family)
+    arch = arch or fam.gguf_arch
+    names = {hf_name: s.gguf for hf_name, s in families.sources(config).items()}  # the family's llama.cpp names
     tensors = dict(extra or {})
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        g = gguf_name(name, arch)
-        if g is None:
-            raise ValueError(f"write_gguf: {name} has no llama.cpp name (a dense llama, qwen2, qwen3, gemma3 or phi3 "
-                             "model only)")
+        if len(names.get(name, ())) != 1:
+            raise ValueError(f"write_gguf: {name} is not one llama.cpp tensor (a dense llama, qwen2, qwen3, gemma3 or "
+                             "phi3 model only)")
+        g = names[name][0]
         t = t.detach().float().cpu()
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if config.norm_plus_one and name.endswith("norm.weight"):
             t = t + 1  # the converter's norm_shift: llama.cpp's RMS norm scales by w
-        if arch == "llama" and ".attn_q." in g:
+        if fam.gguf_permute_qk and ".attn_q." in g:
             t = permute_qk(t, c.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in g:
+        elif fam.gguf_permute_qk and ".attn_k." in g:
             t = permute_qk(t, c.num_key_value_heads)
         a = np.ascontiguousarray(t.numpy())
         kind = Q.F32 if a.ndim < 2 or qtype is None else qtype(g)

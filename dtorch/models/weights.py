@@ -5,7 +5,7 @@ slices of its own devices), fuses the parts (q/k/v, gate/up, a gated delta net's
 stores it as the model runs it: Wt [K, N] for ``matmul.mm``, or W [N, K] for ``matmul.linear`` (block-format
 weights, and bf16 ones where a native one-row kernel is ``matmul.linear``'s provider). A fused weight whose sources
 a file stores in different formats is kept as parts, one per run of sources sharing a format, each as stored. The
-table of sources is ``_tensors``: (model name, [(HF name, dim split on, unit)], combine, shape).
+table of weights and their sources is the family's (``families.get(config.family).tensors``).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from dtorch.core.errors import ModelError
 from dtorch.core.memory import MemoryKind, adopt
 from dtorch.core.placement import piece_ranges
 from dtorch.graph import DeviceMesh, Shard
 from dtorch.graph.views import split_placements
+from dtorch.models import families
 from dtorch.models.config import ModelConfig
+from dtorch.models.families import Source
 from dtorch.models.layout import Layout
 from dtorch.runtime.blob import Blob, DistTensor
 
@@ -45,7 +46,8 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
     linear: set[str] = set()
     parts: dict[str, tuple[str, ...]] = {}
     rows_first = _float_linear(mesh, dtype)
-    for name, sources, combine, shape in _tensors(config, layout):
+    for weight in families.get(config.family).tensors(config, layout):
+        name, sources, combine, shape = weight.name, weight.sources, weight.combine, weight.shape
         kind = _kind(name)
         if rows_first and kind == "lm_head" and config.tie_word_embeddings and name not in weights \
                 and weights["embed"].layout == "strided":
@@ -56,7 +58,7 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
             if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
                 weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
                 continue
-            stored = _load_parts(config, get, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
+            stored = _load_parts(get, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
                                  layout.placement(kind))
             if len(stored) == 1 and stored[0][1] is not None:
                 weights[name] = stored[0][1]
@@ -73,7 +75,7 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
         as_w = rows_first and kind in (*PACKABLE, "router") and kind != "embed"  # W [N, K] rather than Wt [K, N]
         blobs = {}
         for i in local_ids:
-            parts_i = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(config, sources, mesh, i)]
+            parts_i = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(sources, mesh, i)]
             t = combine(parts_i)
             t = (t.t() if as_w else t).to(device=mesh.device(i).torch, dtype=wdtype).contiguous()
             blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
@@ -91,20 +93,20 @@ PACKABLE = ("embed", "lm_head", "qkv", "o", "gate_up", "down", "lin_in", "lin_ou
 FLOAT32 = ("lin_A_log", "lin_dt_bias")
 
 
-def _slices(config: ModelConfig, sources, mesh: DeviceMesh, device_id: int):
+def _slices(sources: tuple[Source, ...], mesh: DeviceMesh, device_id: int):
     """(HF name, dim, runs) of device ``device_id``'s piece of each source of a weight."""
     rank = mesh.rank(device_id)
-    for hf, dim, unit in sources:  # unit: an int, or the Shard itself for a tensor split in blocks
-        if dim is None or mesh.size == 1:
+    for s in sources:  # unit: an int, or the Shard itself for a tensor split in blocks
+        if s.dim is None or mesh.size == 1:
             runs = []
         else:
-            shard = unit if isinstance(unit, Shard) else Shard(dim, None, unit)
-            runs = piece_ranges(shard, _hf_shape(config, hf)[dim], rank, mesh.size)
-        yield hf, dim, runs
+            shard = s.unit if isinstance(s.unit, Shard) else Shard(s.dim, None, s.unit)
+            runs = piece_ranges(shard, s.shape[s.dim], rank, mesh.size)
+        yield s.hf, s.dim, runs
 
 
-def _load_parts(config: ModelConfig, get: Getter, get_packed: PackedGetter, mesh: DeviceMesh,
-                local_ids: tuple[int, ...], dtype: torch.dtype, sources, combine, shape: tuple[int, ...], kind: str,
+def _load_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_ids: tuple[int, ...],
+                dtype: torch.dtype, sources: tuple[Source, ...], combine, shape: tuple[int, ...], kind: str,
                 placement) -> list[tuple[str | None, DistTensor | None]]:
     """A projection (or the embedding) kept as stored: W [N, K] (logical) whose pieces are packed rows (or 16-bit
     rows, layout "f16" / "bf16", in a model computing in another dtype).
@@ -116,7 +118,7 @@ def _load_parts(config: ModelConfig, get: Getter, get_packed: PackedGetter, mesh
     (the caller's float path then reads the weight). A source whose slice on some device would cut a block is
     read as float."""
     n, k = (shape[1], shape[0]) if kind != "embed" else shape  # Wt [K, N] in the float model
-    slices = {i: list(_slices(config, sources, mesh, i)) for i in local_ids}
+    slices = {i: list(_slices(sources, mesh, i)) for i in local_ids}
     got = {i: [get_packed(hf, dim if runs else None, runs) for hf, dim, runs in slices[i]] for i in local_ids}
     fmts = []
     for j in range(len(sources)):
@@ -125,9 +127,9 @@ def _load_parts(config: ModelConfig, get: Getter, get_packed: PackedGetter, mesh
     if all(f is None for f in fmts):
         return [(None, None)]
     rows = getattr(combine, "rows", None) or (None,) * len(sources)  # per source: a reorder of its rows, or None
-    k_split = sources[0][1] == 1 and mesh.size > 1  # split on K (row parallel): one source, each device its columns
+    k_split = sources[0].dim == 1 and mesh.size > 1  # split on K (row parallel): one source, each device its columns
     runs = [(f, list(g)) for f, g in itertools.groupby(range(len(sources)), key=fmts.__getitem__)]
-    sizes = [sum(_hf_shape(config, sources[j][0])[0] for j in js) for _, js in runs] if kind != "embed" else [n]
+    sizes = [sum(sources[j].shape[0] for j in js) for _, js in runs] if kind != "embed" else [n]
     pieces = _part_placements(placement, (k, n), sizes) if kind != "embed" else [placement]
     out = []
     for (fmt, js), size, pl in zip(runs, sizes, pieces, strict=True):
@@ -141,7 +143,7 @@ def _load_parts(config: ModelConfig, get: Getter, get_packed: PackedGetter, mesh
             raw = torch.cat(raws, 0) if len(raws) > 1 else raws[0]
             k_local = k
             if k_split:
-                k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0][2]), k, mesh.rank(i), mesh.size))
+                k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0].unit), k, mesh.rank(i), mesh.size))
             t = (pack_stored(raw, fmt, k_local) if fmt is not None else raw.contiguous()).to(mesh.device(i).torch)
             blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
         pl = pl if kind == "embed" else _transposed(pl)  # embed is [V, E] either way
@@ -199,159 +201,3 @@ def _float_linear(mesh: DeviceMesh, dtype: torch.dtype) -> bool:
 def _kind(name: str) -> str:
     """The layout entry of a model tensor name ("layers.3.qkv" -> "qkv")."""
     return name.rpartition(".")[2] if name.startswith("layers.") else name
-
-
-def _hf_shape(c: ModelConfig, hf: str) -> tuple[int, ...]:
-    from dtorch.models.loaders.checkpoint import expected_shapes
-
-    shapes = expected_shapes(c)
-    if hf not in shapes:
-        raise ModelError(f"no tensor {hf!r} in a {c.family} model with this config")
-    return shapes[hf]
-
-
-def _cat_t(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, 0).t() if len(parts) > 1 else parts[0].t()
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, 0) if len(parts) > 1 else parts[0]
-
-
-def _cat_1(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, 1)
-
-
-def _plus_one(parts: list[torch.Tensor]) -> torch.Tensor:
-    """A zero-centred RMS norm weight as the scale it stands for: 1 + weight (in float32)."""
-    return parts[0].float() + 1
-
-
-def _first_channel(parts: list[torch.Tensor]) -> torch.Tensor:
-    """A depthwise conv1d weight [C, 1, W] as [C, W]."""
-    return parts[0][:, 0]
-
-
-def _transposed_rows(*rows):
-    """A combine that reorders each part's rows with its function of ``rows`` (None: as they are), joins them and
-    transposes (Wt [K, N]); ``combine.rows`` also reorders block-format rows (``_load_parts``), part by part."""
-    def combine(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([p if f is None else f(p) for f, p in zip(rows, parts, strict=True)], 0).t()
-
-    combine.rows = rows
-    return combine
-
-
-def _gated_q_rows(d: int):
-    """q_proj's rows [q_h | gate_h] per head -> [q | gate]."""
-    def rows(q: torch.Tensor) -> torch.Tensor:
-        qg = q.reshape(-1, 2, d, q.shape[-1])
-        return torch.cat([qg[:, 0].flatten(0, 1), qg[:, 1].flatten(0, 1)], 0)
-
-    return rows
-
-
-def _qkvz_ba_rows(dk: int, dv: int, group: int):
-    """Qwen3-Next's in_proj_qkvz rows [q_h | k_h | v_h | z_h] and in_proj_ba rows [b_h | a_h] per key head h (its
-    ``group`` value heads each) -> [q | k | v | z] and [b | a], each part in head order (two row functions)."""
-    def qkvz_rows(qkvz: torch.Tensor) -> torch.Tensor:
-        parts = qkvz.reshape(-1, 2 * dk + 2 * group * dv, qkvz.shape[-1]).split((dk, dk, group * dv, group * dv), 1)
-        return torch.cat([x.flatten(0, 1) for x in parts], 0)
-
-    def ba_rows(ba: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x.flatten(0, 1) for x in ba.reshape(-1, 2 * group, ba.shape[-1]).split((group, group), 1)])
-
-    return qkvz_rows, ba_rows
-
-
-def _tensors(c: ModelConfig, layout: Layout):
-    """(model name, [(HF name, HF dim it is split on or None, unit)], combine, global shape) of every weight."""
-    H, Hkv, D, E, inter, V = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.vocab_size
-    G = H // Hkv
-    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    norm = _plus_one if c.norm_plus_one else _cat
-    yield "embed", [("model.embed_tokens.weight", 0, 1)], _cat, (V, E)
-    yield "lm_head", [(head, 0, 1)], _cat_t, (E, V)
-    yield "final_norm", [("model.norm.weight", None, 1)], norm, (E,)
-    Q = (H + 2 * Hkv) * D
-    for i in range(c.num_layers):
-        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        n = f"layers.{i}."
-        yield n + "input_norm", [(p + "input_layernorm.weight", None, 1)], norm, (E,)
-        if c.sandwich_norm:  # Gemma: post_attention_layernorm is the attention output's; the MLP has its own two
-            yield n + "attn_out_norm", [(p + "post_attention_layernorm.weight", None, 1)], norm, (E,)
-            yield n + "post_norm", [(p + "pre_feedforward_layernorm.weight", None, 1)], norm, (E,)
-            yield n + "mlp_out_norm", [(p + "post_feedforward_layernorm.weight", None, 1)], norm, (E,)
-        else:
-            yield n + "post_norm", [(p + "post_attention_layernorm.weight", None, 1)], norm, (E,)
-        if c.is_linear(i):
-            yield from _delta_net_tensors(c, layout, n, p + "linear_attn.")
-        elif c.attn_output_gate:  # q_proj gives [q_h | gate_h] per head: whole groups of 2 G D rows per device
-            yield n + "qkv", [(a + "q_proj.weight", 0, 2 * G * D), (a + "k_proj.weight", 0, D),
-                              (a + "v_proj.weight", 0, D)], _transposed_rows(_gated_q_rows(D), None, None), \
-                (E, Q + H * D)
-        elif c.family == "phi3":  # fused [q | k | v] rows: each device its heads' rows of each part
-            yield n + "qkv", [(a + "qkv_proj.weight", 0, Shard(0, (H * D, Hkv * D, Hkv * D), (G * D, D, D)))], \
-                _cat_t, (E, Q)
-        else:
-            yield n + "qkv", [(a + "q_proj.weight", 0, G * D), (a + "k_proj.weight", 0, D),
-                              (a + "v_proj.weight", 0, D)], _cat_t, (E, Q)
-        if c.attention_bias:
-            yield n + "qkv_bias", [(a + "q_proj.bias", 0, G * D), (a + "k_proj.bias", 0, D),
-                                   (a + "v_proj.bias", 0, D)], _cat, (Q,)
-        if not c.is_linear(i):
-            if c.qk_norm:
-                yield n + "q_norm", [(a + "q_norm.weight", None, 1)], norm, (D,)
-                yield n + "k_norm", [(a + "k_norm.weight", None, 1)], norm, (D,)
-            yield n + "o", [(a + "o_proj.weight", 1, G * D)], _cat_t, (H * D, E)
-        if c.is_sparse(i):
-            yield from _moe_tensors(c, layout, n, m)
-            continue
-        if c.family == "phi3":  # fused [gate | up] rows: each device its rows of each half
-            yield n + "gate_up", [(m + "gate_up_proj.weight", 0, Shard(0, (inter, inter), 1))], _cat_t, (E, 2 * inter)
-        else:
-            yield n + "gate_up", [(m + "gate_proj.weight", 0, 1), (m + "up_proj.weight", 0, 1)], _cat_t,\
-                (E, 2 * inter)
-        yield n + "down", [(m + "down_proj.weight", 1, 1)], _cat_t, (inter, E)
-
-
-def _moe_tensors(c: ModelConfig, layout: Layout, n: str, m: str):
-    """A sparse layer's router Wt [H, E] and experts [E, 2I, H] ([gate | up] rows, as llm.moe_experts takes them) and
-    [E, H, I]: the stacked checkpoint tensors split on the dim of their layout placement (experts or features)."""
-    E, H, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    x = m + "experts."
-    fs = c.shared_expert_intermediate_size
-    if fs:  # the shared expert's gate is one more router column: [T, E + 1] from one product
-        yield n + "router", [(m + "gate.weight", None, 1), (m + "shared_expert_gate.weight", None, 1)], _cat_t, \
-            (H, E + 1)
-        s = m + "shared_expert."
-        yield n + "shared_gate_up", [(s + "gate_proj.weight", 0, 1), (s + "up_proj.weight", 0, 1)], _cat_t, (H, 2 * fs)
-        yield n + "shared_down", [(s + "down_proj.weight", 1, 1)], _cat_t, (fs, H)
-    else:
-        yield n + "router", [(m + "gate.weight", None, 1)], _cat_t, (H, E)
-    gu = layout.placement("experts_gate_up")
-    d = gu.dim if isinstance(gu, Shard) else None  # 0: experts; 1: each expert's rows of gate and of up
-    yield n + "experts_gate_up", [(x + "gate_proj", d, 1), (x + "up_proj", d, 1)], _cat_1, (E, 2 * inter, H)
-    dn = layout.placement("experts_down")
-    yield n + "experts_down", [(x + "down_proj", dn.dim if isinstance(dn, Shard) else None, 1)], _cat, (E, H, inter)
-
-
-def _delta_net_tensors(c: ModelConfig, layout: Layout, n: str, a: str):
-    """A gated delta net layer's weights: the fused input projection Wt [E, 2 kd + 2 vd + 2 Hv] ([q | k | v | z | b |
-    a], each device its key heads' share of every part), the conv weight [C, W] over [q | k | v], A_log and dt_bias
-    [Hv] (float32), the gated norm's weight [Dv] and the output projection Wt [vd, E]."""
-    E, kd, vd, hv = c.hidden_size, c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
-    dk, dv, gl = c.linear_key_head_dim, c.linear_value_head_dim, layout.linear_group
-    blocks = Shard(0, (kd, kd, vd), (dk, dk, gl * dv))  # [q | k | v] rows, split by whole key heads
-    shape = (E, 2 * kd + 2 * vd + 2 * hv)
-    if c.family == "qwen3_next":  # interleaved per key head
-        sources = [(a + "in_proj_qkvz.weight", 0, 2 * dk + 2 * gl * dv), (a + "in_proj_ba.weight", 0, 2 * gl)]
-        yield n + "lin_in", sources, _transposed_rows(*_qkvz_ba_rows(dk, dv, gl)), shape
-    else:
-        yield n + "lin_in", [(a + "in_proj_qkv.weight", 0, blocks), (a + "in_proj_z.weight", 0, gl * dv),
-                             (a + "in_proj_b.weight", 0, gl), (a + "in_proj_a.weight", 0, gl)], _cat_t, shape
-    yield n + "lin_conv", [(a + "conv1d.weight", 0, blocks)], _first_channel, (2 * kd + vd, c.linear_conv_kernel_dim)
-    yield n + "lin_A_log", [(a + "A_log", 0, gl)], _cat, (hv,)
-    yield n + "lin_dt_bias", [(a + "dt_bias", 0, gl)], _cat, (hv,)
-    yield n + "lin_norm", [(a + "norm.weight", None, 1)], _cat, (dv,)
-    yield n + "lin_out", [(a + "out_proj.weight", 1, gl * dv)], _cat_t, (vd, E)

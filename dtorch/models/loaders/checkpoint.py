@@ -16,6 +16,7 @@ import torch
 
 from dtorch.core.errors import ModelError
 from dtorch.core.memory import MemoryKind, adopt
+from dtorch.models import families
 from dtorch.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -41,69 +42,18 @@ class Checkpoint:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a model of ``config`` needs, by Hugging Face name, with its shape. A sparse layer's experts are
-    three stacked tensors, ``mlp.experts.gate_proj`` / ``up_proj`` [E, I, H] and ``down_proj`` [E, H, I] (no
-    ``.weight``: the loader stacks a file's per-expert ``mlp.experts.{e}.gate_proj.weight`` ... into them)."""
-    h, q, kv, ff = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
-                                          "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        if config.is_linear(i):
-            shapes |= _linear_attention_shapes(config, p + "linear_attn.")
-        elif config.family == "phi3":  # q/k/v fused in the checkpoint
-            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "self_attn.o_proj.weight": (h, q)}
-        else:
-            qo = 2 * q if config.attn_output_gate else q  # q_proj gives [q | gate] per head
-            shapes |= {p + "self_attn.q_proj.weight": (qo, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
-        if config.sandwich_norm:  # Gemma: norms before and after the attention and the MLP
-            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
-        if config.is_sparse(i):  # the experts' matrices stacked [E, ...] (see ``hf.stack_experts``)
-            e, fe = config.num_experts, config.moe_intermediate_size
-            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj": (e, fe, h),
-                       p + "mlp.experts.up_proj": (e, fe, h), p + "mlp.experts.down_proj": (e, h, fe)}
-            if config.shared_expert_intermediate_size:
-                fs = config.shared_expert_intermediate_size
-                shapes |= {p + "mlp.shared_expert.gate_proj.weight": (fs, h),
-                           p + "mlp.shared_expert.up_proj.weight": (fs, h),
-                           p + "mlp.shared_expert.down_proj.weight": (h, fs),
-                           p + "mlp.shared_expert_gate.weight": (1, h)}
-        elif config.family == "phi3":  # gate/up fused in the checkpoint
-            shapes |= {p + "mlp.gate_up_proj.weight": (2 * ff, h), p + "mlp.down_proj.weight": (h, ff)}
-        else:
-            shapes |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                       p + "mlp.down_proj.weight": (h, ff)}
-        if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-        if config.qk_norm and not config.is_linear(i):
-            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
-                       p + "self_attn.k_norm.weight": (config.head_dim,)}
-    return shapes
-
-
-def _linear_attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """A gated delta net layer's tensors: Qwen3-Next fuses its input projections as ``in_proj_qkvz`` and
-    ``in_proj_ba`` (interleaved per key head), Qwen3.5 keeps ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and
-    ``in_proj_a``."""
-    h, kd, vd, hv = config.hidden_size, config.linear_key_dim, config.linear_value_dim, config.linear_num_value_heads
-    conv = 2 * kd + vd
-    shapes = {p + "conv1d.weight": (conv, 1, config.linear_conv_kernel_dim), p + "A_log": (hv,), p + "dt_bias": (hv,),
-              p + "norm.weight": (config.linear_value_head_dim,), p + "out_proj.weight": (h, vd)}
-    if config.family == "qwen3_next":
-        return shapes | {p + "in_proj_qkvz.weight": (conv + vd, h), p + "in_proj_ba.weight": (2 * hv, h)}
-    return shapes | {p + "in_proj_qkv.weight": (conv, h), p + "in_proj_z.weight": (vd, h),
-                     p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h)}
+    """Every tensor a model of ``config`` needs, by Hugging Face name, with its shape: its family's tensor table
+    (``families.sources``). A sparse layer's experts are three stacked tensors, ``mlp.experts.gate_proj`` /
+    ``up_proj`` [E, I, H] and ``down_proj`` [E, H, I] (no ``.weight``: the loader stacks a file's per-expert
+    ``mlp.experts.{e}.gate_proj.weight`` ... into them)."""
+    return {name: s.shape for name, s in families.sources(config).items()}
 
 
 def _unused(name: str, config: ModelConfig) -> bool:
-    """Tensors a causal LM of the family does not run, as transformers skips them: Qwen3-Next's and Qwen3.5's
-    multi-token prediction head (``mtp.*``) and Qwen3.5's vision tower."""
-    return config.family in ("qwen3_next", "qwen3_5_text") and name.startswith(("mtp.", "model.visual."))
+    """Tensors a causal LM of the family does not run, as transformers skips them (a multi-token prediction head, a
+    vision tower: ``Family.unused``)."""
+    prefixes = families.get(config.family).unused
+    return bool(prefixes) and name.startswith(prefixes)
 
 
 def check_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig, dtype: torch.dtype,

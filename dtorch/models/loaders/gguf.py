@@ -1,17 +1,15 @@
 """GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized with the ``gguf`` package -> HF names.
 
-Architectures: llama, qwen2, qwen3, gemma3 (norms stored with Gemma's 1 added), phi3 (``attn_qkv`` and ``ffn_up``
-holding the fused q/k/v and gate/up) and qwen3moe (family ``qwen3_moe``: the router ``ffn_gate_inp`` and the stacked
-experts ``ffn_{gate,up,down}_exps`` of each sparse layer, as ``convert_hf_to_gguf.py`` writes them), and the hybrid
-qwen3next (``qwen3_next``) and qwen35 (``qwen3_5_text``): their gated delta net tensors ``ssm_*`` / ``attn_qkv`` /
-``attn_gate`` are served as transformers holds them, undoing the converter's changes (see ``gguf_hybrid.hybrid_views``).
+Which architectures load, which metadata keys they read, and which llama.cpp tensor makes which Hugging Face one is
+each family's declaration (``dtorch.models.families``): this module reads the common keys, builds a ``View`` of the
+file's tensors for every entry of the family's tensor table, lets the family undo what its converter changed
+(``Family.gguf_views``: Gemma's norms stored + 1, the hybrids' reordered heads ...), and reads slices of them.
 """
 
 from __future__ import annotations
 
 import functools
 import mmap
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,105 +18,19 @@ import numpy as np
 import torch
 
 from dtorch.core.errors import ModelError
-from dtorch.models.config import HYBRID_FAMILIES, ModelConfig
+from dtorch.models import families
+from dtorch.models.config import ModelConfig
 from dtorch.models.config_fields import check_field, check_fields, gguf_keys
+from dtorch.models.families import GgufMeta, View
+from dtorch.models.families.base import gguf_shape
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, narrow_runs, used_shapes
 from dtorch.models.loaders.files import regular_file
-from dtorch.models.loaders.gguf_hybrid import View, gguf_shape, hybrid_fields, hybrid_views
 
-# llama.cpp tensor name -> Hugging Face name; "{i}" is the layer index
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE's router [E, H]
-    # the hybrids (qwen3next, qwen35); attn_qkv / attn_gate are Qwen3.5's in_proj_qkv / in_proj_z (Qwen3-Next's
-    # in_proj_qkvz is split into them by the converter: ``_hybrid_views`` joins them back)
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [1, H]
-    "attn_qkv": "linear_attn.in_proj_qkv",
-    "attn_gate": "linear_attn.in_proj_z",
-    "ssm_ba": "linear_attn.in_proj_ba",
-    "ssm_beta": "linear_attn.in_proj_b",
-    "ssm_alpha": "linear_attn.in_proj_a",
-    "ssm_conv1d": "linear_attn.conv1d",  # [C, W]; transformers' Conv1d has [C, 1, W]
-    "ssm_norm": "linear_attn.norm",
-    "ssm_out": "linear_attn.out_proj",
-}
-# parameters without a ``.weight``: ssm_a holds -exp(A_log), ssm_dt.bias is dt_bias renamed
-_PARAM_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
-# llama.cpp's stacked experts [E, I, H] / [E, H, I] -> the loaders' stacked names (no ``.weight``: see expected_shapes)
-_EXPERT_NAMES = {
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-# where an architecture's converter names a tensor otherwise: arch -> {llama.cpp name: HF name}
-_ARCH_NAMES = {
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused as transformers has them
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-               "post_attention_norm": "post_attention_layernorm"},
-}
-# general.architecture -> ModelConfig family
-_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen3next": "qwen3_next",
-             "qwen35": "qwen3_5_text", "gemma3": "gemma3", "phi3": "phi3"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_PARAM_RE = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")
-_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+# tensors a file may hold that no family's table names: llama.cpp's Llama 3 RoPE divisors (read into the config)
+_READ_ELSEWHERE = ("rope_freqs.weight",)
 
 # quantization types this loader promises (the gguf package dequantizes more; those are let through too)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
-
-
-def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name (of a file of architecture ``arch``), or None for tensors the
-    model does not use."""
-    m = _PARAM_RE.match(gguf_name)
-    if m:
-        return f"model.layers.{m.group(1)}.{_PARAM_NAMES[m.group(2)]}"
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _EXPERT_NAMES:
-        return f"model.layers.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}" if m.group(3) == "weight" else None
-    if m:
-        base = _ARCH_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
-        return None if base is None else f"model.layers.{m.group(1)}.{base}.{m.group(3)}"
-    m = _GLOBAL_RE.match(gguf_name)
-    if m and m.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    return None
-
-
-_DENSE_GGUF_NAMES = {hf: g for g, hf in reversed(_LAYER_NAMES.items())}  # the first wins: ffn_norm, not the hybrids'
-_GLOBAL_GGUF_NAMES = {hf: g for g, hf in _GLOBAL_NAMES.items()}
-
-
-def gguf_name(name: str, arch: str | None = None) -> str | None:
-    """The llama.cpp name of a dense model's Hugging Face tensor name (``hf_name`` inverted, for a file of
-    architecture ``arch``), or None if it has none."""
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
-    if m:
-        own = {hf: g for g, hf in _ARCH_NAMES.get(arch, {}).items()}
-        base = own.get(m.group(2)) or _DENSE_GGUF_NAMES.get(m.group(2))
-        return None if base is None else f"blk.{m.group(1)}.{base}.{m.group(3)}"
-    m = re.match(r"^(.+)\.(weight|bias)$", name)
-    base = _GLOBAL_GGUF_NAMES.get(m.group(1)) if m else None
-    return None if base is None else f"{base}.{m.group(2)}"
 
 
 def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -193,33 +105,21 @@ def read_metadata(reader: Any, path: Path) -> dict[str, Any]:
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
                      rope_freqs: torch.Tensor | None = None) -> ModelConfig:
-    """A ModelConfig from ``{arch}.*`` metadata keys; tied embeddings when there is no ``output.weight``.
+    """A ModelConfig from the ``{arch}.*`` metadata keys, read through the family of ``general.architecture``
+    (``Family.gguf_config`` adds its own fields); tied embeddings when there is no ``output.weight``.
 
     ``rope_freqs``: llama.cpp's per-frequency RoPE divisors ([head_dim / 2], Llama 3 scaling), if the file has them.
-
-    qwen3moe: ``expert_count``, ``expert_used_count`` and ``expert_feed_forward_length`` give the experts; a layer is
-    sparse when the file has its router ``blk.N.ffn_gate_inp.weight`` (the others are ``mlp_only_layers``, dense
-    MLPs of ``feed_forward_length``). llama.cpp always renormalizes Qwen3-MoE's top-k weights (its converter writes
-    no ``norm_topk_prob``), so ``norm_topk_prob`` is true unless the file says ``{arch}.expert_weights_norm`` false.
-    qwen3next adds ``expert_shared_feed_forward_length`` (the shared expert); the hybrids see
-    ``gguf_hybrid.hybrid_fields``.
     """
     arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch not in _FAMILIES:
+    fam = families.by_gguf_arch(arch) if isinstance(arch, str) else None
+    if fam is None:
         raise ModelError(f"{path}: general.architecture {arch!r} is not supported; expected one of "
-                         f"{', '.join(_FAMILIES)}")
-    family = _FAMILIES[arch]
-
-    def need(key: str) -> Any:
-        if f"{arch}.{key}" not in meta:
-            raise ModelError(f"{path}: metadata key {arch}.{key} is missing; a {arch} GGUF must have it")
-        return meta[f"{arch}.{key}"]
-
-    keys = gguf_keys(arch)
-    check_fields(meta, keys, str(path))
-    hidden, heads = need("embedding_length"), need("attention.head_count")
-    if f"{arch}.vocab_size" in meta:
-        vocab = meta[f"{arch}.vocab_size"]
+                         f"{', '.join(families.gguf_archs())}")
+    m = GgufMeta(meta, arch, path, frozenset(tensor_names))
+    check_fields(meta, gguf_keys(arch, fam.gguf_keys), str(path))
+    hidden, heads = m.need("embedding_length"), m.need("attention.head_count")
+    if m.key("vocab_size") in meta:
+        vocab = m.get("vocab_size")
     else:
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if isinstance(tokens, list) else 0
@@ -227,99 +127,25 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
             raise ModelError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
         check_field("vocab_size", vocab, f"{path}: the length of tokenizer.ggml.tokens")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-    layers = need("block_count")
-    moe: dict[str, Any] = {}
-    if family in ("qwen3_moe", "qwen3_next"):
-        dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
-        moe = dict(num_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
-                   moe_intermediate_size=need("expert_feed_forward_length"),
-                   norm_topk_prob=meta.get(f"{arch}.expert_weights_norm", True), decoder_sparse_step=1,
-                   mlp_only_layers=dense)
-        if family == "qwen3_next":
-            moe["shared_expert_intermediate_size"] = need("expert_shared_feed_forward_length")
-        # the dense layers' width; with every layer sparse it is unused (and feed_forward_length may be absent)
-        ff = need("feed_forward_length") if dense \
-            else meta.get(f"{arch}.feed_forward_length", moe["moe_intermediate_size"])
-    else:
-        ff = need("feed_forward_length")
-    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    head_dim = m.get("attention.key_length", hidden // heads)
     check_field("head_dim", head_dim, f"{path}: {arch}.embedding_length / {arch}.attention.head_count")
-    hybrid = hybrid_fields(need, layers, head_dim, arch, path) if family in HYBRID_FAMILIES else {}
-    if family in ("gemma3", "phi3"):
-        hybrid = _window_fields(meta, family, arch, layers, hidden, heads, head_dim, tensor_names, path)
-    elif family == "llama" and f"{arch}.attention.sliding_window" in meta:  # Mistral, converted to llama
-        window = meta[f"{arch}.attention.sliding_window"]
-        check_field("sliding_window", window, f"{path}: {arch}.attention.sliding_window")
-        hybrid = dict(sliding_window=window, layer_types=("sliding_attention",) * layers)
+    common = dict(family=fam.name, vocab_size=vocab, hidden_size=hidden, intermediate_size=m.get("feed_forward_length"),
+                  num_layers=m.need("block_count"), num_heads=heads,
+                  num_kv_heads=m.get("attention.head_count_kv", heads), head_dim=head_dim,
+                  rope_theta=m.get("rope.freq_base", 10000.0),
+                  rms_norm_eps=m.need("attention.layer_norm_rms_epsilon"),
+                  max_position_embeddings=m.get("context_length", 2048),
+                  tie_word_embeddings="output.weight" not in tensor_names,
+                  bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)))
+    kwargs = common | dict(fam.fields) | (fam.gguf_config(m, common) if fam.gguf_config is not None else {})
+    if kwargs["intermediate_size"] is None:
+        m.need("feed_forward_length")  # raises, naming the key
+    if rope_freqs is not None:
+        kwargs["rope_scaling"] = {"rope_type": "factors", "factors": rope_freqs.tolist()}
     try:
-        return ModelConfig(
-            family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=ff,
-            num_layers=layers, num_heads=heads,
-            num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
-            head_dim=head_dim,
-            rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
-            rope_scaling=hybrid.pop("rope_scaling", None) if rope_freqs is None
-            else {"rope_type": "factors", "factors": rope_freqs.tolist()},
-            rms_norm_eps=need("attention.layer_norm_rms_epsilon"),
-            max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias=family == "qwen2",
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", *HYBRID_FAMILIES),
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)), **moe,
-            **hybrid,
-        )
+        return ModelConfig(**kwargs)
     except ModelError as e:  # a key that passed alone but not with the others (head_count vs head_count_kv, ...)
         raise ModelError(f"{path}: {e} (from the {arch}.* metadata keys)") from None
-
-
-def _window_fields(meta: dict[str, Any], family: str, arch: str, layers: int, hidden: int, heads: int, head_dim: int,
-                   tensor_names: set[str], path: Path) -> dict[str, Any]:
-    """The fields of a gemma3 or phi3 file beyond the common keys, read as llama.cpp reads them.
-
-    Both: ``{arch}.attention.sliding_window``. phi3: every layer slides; ``rope.dimension_count`` rotated dims of each
-    head; LongRoPE (``rope_factors_long``) is refused. gemma3: every sixth layer full attention, the others sliding
-    (llama.cpp's pattern); the sliding layers' RoPE base ``rope.freq_base_swa`` (10000 when absent, as llama.cpp);
-    linear RoPE scaling of the global layers from ``rope.scaling.type`` / ``rope.scaling.factor``; queries scaled by
-    ``attention.scale`` when given, else by head_dim ** -0.5 (hidden / heads for the 62-layer 27B, llama.cpp's rule);
-    the embedding scaled by sqrt(hidden), norms around each block, (1 + w) norms (stored with the 1 added), GeGLU.
-    """
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if window is not None:
-        check_field("sliding_window", window, f"{path}: {arch}.attention.sliding_window")
-    out: dict[str, Any] = {}
-    if family == "phi3":
-        if "rope_factors_long.weight" in tensor_names:
-            raise ModelError(f"{path}: this phi3 file has LongRoPE factors (rope_factors_long.weight); LongRoPE "
-                             "scaling is not supported")
-        rot = meta.get(f"{arch}.rope.dimension_count", head_dim)
-        if isinstance(rot, bool) or not isinstance(rot, int) or not 2 <= rot <= head_dim or rot % 2:
-            raise ModelError(f"{path}: metadata key {arch}.rope.dimension_count is {rot!r}; expected an even number "
-                             f"of rotated dims <= the head dim {head_dim}")
-        out["partial_rotary_factor"] = rot / head_dim
-        if window is not None:
-            out |= dict(sliding_window=window, layer_types=("sliding_attention",) * layers)
-        return out
-    local = meta.get(f"{arch}.rope.freq_base_swa", 10000.0)
-    check_field("rope_local_theta", local, f"{path}: {arch}.rope.freq_base_swa")
-    scale = meta.get(f"{arch}.attention.scale")
-    if scale is not None:
-        check_field("query_pre_attn_scalar", scale, f"{path}: {arch}.attention.scale")
-        scalar = scale ** -2.0
-    else:
-        scalar = hidden / heads if layers == 62 else head_dim
-    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
-    if window is None:
-        types = ()
-    out = dict(layer_types=types, sliding_window=window, rope_local_theta=local, query_pre_attn_scalar=scalar,
-               embed_scale=True, sandwich_norm=True, norm_plus_one=True, hidden_act="gelu_tanh")
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
-        factor = meta.get(f"{arch}.rope.scaling.factor")
-        if kind != "linear" or isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
-            raise ModelError(f"{path}: rope scaling {kind!r} with factor {factor!r} is not supported; expected "
-                             "linear scaling with a positive factor")
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
-    return out
 
 
 def dequantize(t: Any, path: Path) -> torch.Tensor:
@@ -416,25 +242,35 @@ def _packed_rows(data: np.ndarray, shape: tuple[int, ...], layout: str, dim: int
     return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))  # the map is read-only: one tensor's copy
 
 
-def _gguf_reader(reader: Any, config: ModelConfig, path: Path,
-                 dtype: torch.dtype = torch.float32) -> tuple[dict[str, tuple[int, ...]], Reader, Any, dict[str, str]]:
-    """The HF-named shapes of the file's tensors, a ``Reader`` of their slices (Llama q/k un-permuted, the hybrids'
-    tensors as transformers holds them), its packed reader and each tensor's quantization type."""
-    views = {}
-    arch = _arch(config)
-    for t in reader.tensors:
-        name = hf_name(t.name, arch)
-        if name is not None:
-            views[name] = View((t,), gguf_shape(t))
-    if config.family in HYBRID_FAMILIES:
-        hybrid_views(views, config, path)
-    if config.family == "gemma3":  # the converter stores Gemma's (1 + w) norms with the 1 added
-        for name in [n for n in views if n.endswith("norm.weight")]:
-            views[name] = View(views[name].parts, views[name].shape, value=lambda w: w - 1)
-    shapes = {name: v.shape for name, v in views.items()}
-    types = {name: v.parts[0].tensor_type.name for name, v in views.items()}
+def _views(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, View], dict[str, tuple[int, ...]]]:
+    """A ``View`` of the file's tensors for every entry of the family's tensor table the file has (by Hugging Face
+    name), changed back by the family's ``gguf_views``; and the shapes of the file's tensors no entry names, by their
+    own names (``check_shapes`` refuses them: a variant the model does not implement)."""
+    fam = families.get(config.family)
+    by_name = {t.name: t for t in reader.tensors}
+    views: dict[str, View] = {}
+    named = set(_READ_ELSEWHERE)
+    for hf, source in families.sources(config).items():
+        named.update(source.gguf)
+        found = [by_name[g] for g in source.gguf if g in by_name]
+        if not found:
+            continue  # check_shapes names it missing
+        if len(found) < len(source.gguf) or len({gguf_shape(t)[1:] for t in found}) > 1:
+            raise ModelError(f"{path}: {hf!r} is made of the tensors {list(source.gguf)} (rows joined), but the file "
+                             f"has {[(t.name, list(gguf_shape(t))) for t in found]}; expected all, of one width")
+        shapes = [gguf_shape(t) for t in found]
+        views[hf] = View(tuple(found), (sum(s[0] for s in shapes), *shapes[0][1:]) if len(found) > 1 else shapes[0])
+    if fam.gguf_views is not None:
+        fam.gguf_views(views, config, path)
+    return views, {t.name: gguf_shape(t) for t in reader.tensors if t.name not in named}
+
+
+def _gguf_reader(reader: Any, config: ModelConfig, path: Path, views: dict[str, View],
+                 dtype: torch.dtype = torch.float32) -> tuple[Reader, Any]:
+    """A ``Reader`` of slices of the tensors ``views`` (Llama q/k un-permuted, the hybrids' tensors as transformers
+    holds them) and its packed reader."""
     heads = {}
-    if config.family == "llama":  # llama.cpp permutes each head's rows of q and k; a run of whole heads undoes alone
+    if families.get(config.family).gguf_permute_qk:  # each head's q/k rows permuted; a run of whole heads undoes alone
         heads = {n: (config.num_heads if ".q_proj." in n else config.num_kv_heads) for n in views
                  if ".self_attn.q_proj." in n or ".self_attn.k_proj." in n}
 
@@ -481,7 +317,7 @@ def _gguf_reader(reader: Any, config: ModelConfig, path: Path,
                 _release(reader, views[name].parts)
         return read_then_release
 
-    return shapes, released(read), released(read_packed), types
+    return released(read), released(read_packed)
 
 
 def check_tensor_layout(reader: Any, path: Path) -> None:
@@ -520,11 +356,13 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     reader.fields.clear()  # read: its views of every vocabulary string (~80 MB for 49k tokens) go before the weights
     freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
-    shapes, read, read_packed, types = _gguf_reader(reader, config, path, dtype)
-    packed = {hf_name(t.name, _arch(config)): int(t.n_bytes) for t in reader.tensors
-              if stored_layout(t.tensor_type, dtype) is not None}
-    shapes = used_shapes(shapes, config, dtype, str(path), gguf_keys(meta["general.architecture"]), packed)
-    types = {name: types[name] for name in shapes}
+    views, unnamed = _views(reader, config, path)
+    read, read_packed = _gguf_reader(reader, config, path, views, dtype)
+    packed = {name: sum(int(t.n_bytes) for t in v.parts) for name, v in views.items()
+              if all(stored_layout(t.tensor_type, dtype) is not None for t in v.parts)}
+    shapes = used_shapes({name: v.shape for name, v in views.items()} | unnamed, config, dtype, str(path),
+                         gguf_keys(meta["general.architecture"], families.get(config.family).gguf_keys), packed)
+    types = {name: views[name].parts[0].tensor_type.name for name in shapes}
     template = meta.get("tokenizer.chat_template")
     tokenizer = Tokenizer.from_gguf(meta, chat_template=template, source=str(path)) \
         if "tokenizer.ggml.tokens" in meta else None
@@ -532,24 +370,18 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
                           source=str(path), chat_template=template, read_packed=read_packed,
                           metadata={"tensor_types": types, "gguf": scalars}, check_finite=check_finite,
-                          stored=_stored_formats(reader, types, _arch(config)))
+                          stored=_stored_formats(views, types))
 
 
-def _arch(config: ModelConfig) -> str:
-    """The general.architecture of a family's files."""
-    return next(a for a, f in _FAMILIES.items() if f == config.family)
-
-
-def _stored_formats(reader: Any, types: dict[str, str], arch: str) -> dict[str, tuple[str, str, float]]:
+def _stored_formats(views: dict[str, View], types: dict[str, str]) -> dict[str, tuple[str, str, float]]:
     """HF name -> (the file's tensor name, its GGUF type name, bits per weight) of every tensor the model uses."""
     import gguf
 
-    names = {hf_name(t.name, arch): t.name for t in reader.tensors}
     out = {}
     for name, kind in types.items():
         qtype = gguf.GGMLQuantizationType[kind]
         block, size = gguf.GGML_QUANT_SIZES.get(qtype, (1, 4))
-        out[name] = (names.get(name, name), kind, size * 8 / block)
+        out[name] = (views[name].parts[0].name, kind, size * 8 / block)
     return out
 
 

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import ModelError
+from dtorch.models import families
 from dtorch.models.chat_template import read_template
 from dtorch.models.config import ModelConfig
-from dtorch.models.config_fields import HF_KEYS, check_field
+from dtorch.models.config_fields import check_field, hf_keys
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, used_shapes
 from dtorch.models.loaders.files import inside, read_json, regular_file
 
@@ -258,12 +259,13 @@ def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32, check_fin
             if all(isinstance(i, int) for i in flat):
                 cfg_json["eos_token_id"] = list(dict.fromkeys(flat)) or None
     config = ModelConfig.from_hf(cfg_json, str(cfg_path))
+    fam = families.get(config.family)
     shapes, read, dtypes = _open_weights(directory)
-    if cfg_json.get("model_type") == "gemma3":  # a multimodal checkpoint: its language model alone
+    if cfg_json.get("model_type") in fam.hf_multimodal:  # a multimodal checkpoint: its language model alone
         shapes, read, dtypes = _language_model(shapes, read, dtypes)
     if config.num_experts:
         shapes, read = stack_experts(shapes, read, config.num_experts, str(directory))
-    shapes = used_shapes(shapes, config, dtype, str(directory), HF_KEYS)
+    shapes = used_shapes(shapes, config, dtype, str(directory), hf_keys(fam.hf_keys))
 
     tokenizer, template = None, None
     tok_path = directory / "tokenizer_config.json"
