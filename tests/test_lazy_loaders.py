@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from dtorch import ModelError
 from dtorch.models import default_model_path, load_checkpoint, open_checkpoint
 from dtorch.models.loaders import expected_shapes
+from tests.tiny_models import save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,6 +26,11 @@ def _check_slices(lazy, full: dict[str, torch.Tensor], cases) -> None:
         want = full[name] if dim is None else torch.cat([full[name].narrow(dim, a, n) for a, n in runs], dim)
         assert got.dtype == lazy.dtype and _owns_its_memory(got), (name, dim, runs)
         torch.testing.assert_close(got, want.to(lazy.dtype), rtol=0, atol=0, msg=f"{name} {dim} {runs}")
+
+
+def _config(**sizes):
+    return tiny_config(transformers, "llama", vocab_size=96, hidden_size=32, intermediate_size=48,
+                       max_position_embeddings=64, **sizes)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +63,7 @@ def test_gguf_slices_equal_the_whole_tensor_sliced(default_full):
 
 @pytest.mark.parametrize("shard", [False, True])
 def test_safetensors_slices_equal_the_whole_tensor_sliced(tmp_path, shard):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="20KB" if shard else "1GB")
+    save_random(transformers, _config(num_hidden_layers=2), tmp_path, max_shard_size="20KB" if shard else "1GB")
     full = load_checkpoint(tmp_path).tensors
     cases = [("model.layers.1.self_attn.q_proj.weight", 0, [(8, 16)]),
              ("model.layers.1.self_attn.o_proj.weight", 1, [(0, 8), (16, 8)]),
@@ -77,9 +81,7 @@ def test_safetensors_slices_equal_the_whole_tensor_sliced(tmp_path, shard):
 
 
 def test_shapes_are_checked_when_opened_and_bad_reads_are_errors(tmp_path):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    save_random(transformers, _config(num_hidden_layers=1), tmp_path)
     lazy = open_checkpoint(tmp_path)
     name = "model.layers.0.self_attn.k_proj.weight"
     with pytest.raises(ModelError, match="no tensor 'model.layers.5.mlp.up_proj.weight'"):

@@ -15,11 +15,11 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-import transformers
 from test_quantized_model import _stepwise_logits
 
 import dtorch
 from dtorch.engine.llm import LLM
+from tests.tiny_models import transformers_from_gguf
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -99,20 +99,7 @@ def test_every_quantized_weight_stays_in_its_format(name, llm):
 def _reference(name: str) -> torch.Tensor:
     """transformers' logits [T, V] for IDS, its weights the file's tensors dequantized by gguf-py (transformers' own
     GGUF reader: gguf.dequantize, its names, llama's q/k un-permuted)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = _path(name)
-    cfg = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    fields = gguf.GGUFReader(str(path)).fields
-    arch = fields["general.architecture"].contents()
-    cfg.head_dim = fields[f"{arch}.attention.key_length"].contents()  # transformers' GGUF config leaves it out
-    with torch.device("meta"):
-        meta = transformers.AutoModelForCausalLM.from_config(cfg)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta)["tensors"]
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    missing, unexpected = hf.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    hf.tie_weights()
+    hf = transformers_from_gguf(_path(name))
     with torch.no_grad():
         return hf(torch.tensor([IDS])).logits[0].float()
 

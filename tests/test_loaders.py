@@ -20,16 +20,14 @@ from dtorch.core.memory import memory
 from dtorch.models import ModelConfig, default_model_path, load_checkpoint, rope_inv_freq
 from dtorch.models.loaders.gguf import SUPPORTED_TYPES, dequantize
 from dtorch.models.tiny import write_gguf
+from tests.tiny_models import random_model, tiny_config, transformers_gguf
 
-_SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128)
-TINY = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SMALL, bos_token_id=1,
-                                                                            eos_token_id=2)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_SMALL, tie_word_embeddings=True,
-                                                                            eos_token_id=2)),
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_SMALL, head_dim=16,
-                                                                            eos_token_id=2)),
+_SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48)
+TINY = {  # tied embeddings (qwen2) and not (llama, qwen3)
+    "llama": lambda: random_model(transformers, tiny_config(transformers, "llama", **_SMALL)),
+    "qwen2": lambda: random_model(transformers, tiny_config(transformers, "qwen2", **_SMALL)),
+    "qwen3": lambda: random_model(transformers, tiny_config(transformers, "qwen3", **_SMALL, head_dim=16,
+                                                            tie_word_embeddings=False)),
 }
 
 
@@ -220,8 +218,8 @@ def test_gguf_llama3_rope_freqs(tmp_path):
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(_SMALL | {"hidden_size": 128}),
-                                                                   rope_parameters=rope))
+    model = random_model(transformers, tiny_config(transformers, "llama", **(_SMALL | {"hidden_size": 128}),
+                                                   rope_parameters=rope))
     hf = model.config
     ref = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")[0]
     dim = hf.head_dim
@@ -262,14 +260,8 @@ def default_ck():
 
 @pytest.fixture(scope="module")
 def transformers_gguf_tensors():
-    """What transformers reads from the same GGUF (its loader needs accelerate; its tensor reader does not)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = default_model_path()
-    cfg = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    return cfg, load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    """What transformers reads from the same GGUF."""
+    return transformers_gguf(default_model_path())
 
 
 def test_default_model_config(default_ck):

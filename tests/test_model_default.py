@@ -9,6 +9,7 @@ import torch
 from dtorch.engine.llm import LLM
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.default import default_model_path
+from tests.tiny_models import transformers_from_gguf
 
 transformers = pytest.importorskip("transformers")
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -25,19 +26,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf():
-    """transformers' model with the weights its own GGUF reader dequantizes (its from_pretrained(gguf_file=)
-    path needs accelerate, the reader does not)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = default_model_path()
-    cfg = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):
-        meta_model = transformers.AutoModelForCausalLM.from_config(cfg)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta_model)["tensors"]
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    model.tie_weights()
-    return model.eval()
+    """transformers' model with the weights its own GGUF reader dequantizes."""
+    return transformers_from_gguf(default_model_path())
 
 
 def test_greedy_32_tokens_from_a_chat_prompt_match_transformers(llm, hf):

@@ -15,7 +15,7 @@ from dtorch.engine.sampling import SamplingParams
 from dtorch.models import ModelConfig, default_model_path, load_checkpoint, open_checkpoint
 from dtorch.models.loaders import find_model
 from dtorch.models.tokenizer import no_tokenizer_message
-from tests.tiny_models import families, save_random
+from tests.tiny_models import families, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,11 +171,7 @@ def test_unreadable_pytorch_bin(tmp_path):
 # --- Mistral ---------------------------------------------------------------------------------------------------
 
 def test_mistral_runs_as_llama_past_its_window(tmp_path):
-    cfg = transformers.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                     sliding_window=32, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1,
-                                     eos_token_id=2, rope_theta=10000.0)
-    hf = save_random(transformers, cfg, tmp_path)
+    hf = save_random(transformers, tiny_config(transformers, "mistral", sliding_window=32), tmp_path)
     llm = LLM(str(tmp_path), max_num_seqs=2)
     assert llm.config.family == "llama" and llm.config.max_position_embeddings == 128 and llm.max_len == 128
     assert [llm.config.window(i) for i in range(2)] == [32, 32]

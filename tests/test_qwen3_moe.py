@@ -12,7 +12,7 @@ from dtorch.engine.llm import LLM, PREFILL_TOKENS
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.config import ModelConfig
 from dtorch.models.layout import Layout
-from tests.tiny_models import hf_greedy, save_random
+from tests.tiny_models import hf_greedy, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,11 +26,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def _config(schedule: str):
-    return transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, **SCHEDULES[schedule])
+    return tiny_config(transformers, "qwen3_moe", vocab_size=VOCAB, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4, max_position_embeddings=1024, **SCHEDULES[schedule])
 
 
 @pytest.fixture(scope="module", params=sorted(SCHEDULES))

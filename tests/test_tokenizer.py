@@ -9,6 +9,7 @@ import transformers
 from dtorch import ArgumentError, ModelError
 from dtorch.models import Tokenizer, default_model_path, load_checkpoint
 from dtorch.models.loaders.gguf import load_gguf_tokenizer, read_metadata
+from tests.tiny_models import save_random, tiny_config
 
 TEXTS = [
     "Hello, world!",
@@ -163,10 +164,9 @@ def test_qwen2_pre_tokenizer_from_gguf(tmp_path, meta):
 
 def test_hf_directory_tokenizer(tmp_path, theirs):
     """tokenizer.json + tokenizer_config.json (+ chat template) written by transformers load with the checkpoint."""
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2,
-                                   tie_word_embeddings=True)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    cfg = tiny_config(transformers, "llama", vocab_size=49152, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    save_random(transformers, cfg, tmp_path)
     theirs.save_pretrained(tmp_path)
     ck = load_checkpoint(tmp_path)
     tok = ck.tokenizer

@@ -10,31 +10,17 @@ import torch
 
 from dtorch.engine.llm import LLM
 from dtorch.engine.sampling import SamplingParams
-from dtorch.models.tiny import hf_greedy, save_random, write_gguf
+from dtorch.models.tiny import write_gguf
+from tests.tiny_models import hf_greedy, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 VOCAB = 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-              pad_token_id=0)
-FAMILIES = {
-    # every layer slides over 16 keys; prompts run to 53 tokens
-    "mistral": lambda: transformers.MistralConfig(**COMMON, num_hidden_layers=2, head_dim=16, sliding_window=16,
-                                                  tie_word_embeddings=False),
-    # transformers' default 5:1 schedule (layers 0-4 slide over 8 keys, 5 is global), the global layers' RoPE
-    # scaled linearly, the local ones on their own base; query_pre_attn_scalar not head_dim
-    "gemma3": lambda: transformers.Gemma3TextConfig(
-        **COMMON, num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-    # fused qkv_proj and gate_up_proj, 3/4 of each head rotated, every layer sliding over 12 keys
-    "phi3": lambda: transformers.Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=12,
-                                            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                             "partial_rotary_factor": 0.75}),
-}
+# the tiny configs' windows (Mistral 16, Gemma 3's local layers 8, Phi-3 12) are shorter than the prompts (to 53)
+FAMILIES = {family: (lambda family=family: tiny_config(transformers, family, max_position_embeddings=256,
+                                                       pad_token_id=0)) for family in ("mistral", "gemma3", "phi3")}
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:
