@@ -23,6 +23,7 @@ from dtorch.models import families
 from dtorch.models.config import ModelConfig
 from dtorch.models.families import Source
 from dtorch.models.layout import Layout
+from dtorch.models.loaders.checkpoint import progress
 from dtorch.runtime.blob import Blob, DistTensor
 
 # getter(hf_name, dim, runs) -> the rows/columns ``runs`` [(start, length)] of dim ``dim`` of a checkpoint tensor
@@ -46,7 +47,8 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
     linear: set[str] = set()
     parts: dict[str, tuple[str, ...]] = {}
     rows_first = _float_linear(mesh, dtype)
-    for weight in families.get(config.family).tensors(config, layout):
+    tensors = list(families.get(config.family).tensors(config, layout))
+    for weight in progress(tensors, len(tensors), "loading weights"):  # a bar on a terminal
         name, sources, combine, shape = weight.name, weight.sources, weight.combine, weight.shape
         kind = _kind(name)
         if rows_first and kind == "lm_head" and config.tie_word_embeddings and name not in weights \
