@@ -274,12 +274,14 @@ def mlp(c: ModelConfig, i: int, gate_up: Iterable[Source] | None = None) -> Iter
                  cat_t, (inter, E))
 
 
-def dense_layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[Weight]:
-    """A Llama layer: the input norm, attention, the post-attention norm and a dense MLP."""
+def dense_layer(c: ModelConfig, layout: Layout, i: int, qkv: Iterable[Source] | None = None,
+                gate_up: Iterable[Source] | None = None) -> Iterator[Weight]:
+    """A Llama layer: the input norm, attention, the post-attention norm and a dense MLP (``qkv`` / ``gate_up``: their
+    sources where a family's checkpoint stores them otherwise, see ``attention`` and ``mlp``)."""
     yield layer_norm(c, i, "input_norm", "input_layernorm", "attn_norm")
     yield layer_norm(c, i, "post_norm", "post_attention_layernorm", "ffn_norm")
-    yield from attention(c, i)
-    yield from mlp(c, i)
+    yield from attention(c, i, qkv)
+    yield from mlp(c, i, gate_up)
 
 
 def every_layer_slides(window: Any, layers: Any) -> dict[str, Any]:

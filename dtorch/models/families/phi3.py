@@ -9,18 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtorch.core.errors import ModelError
 from dtorch.core.placement import Shard
-from dtorch.models.families.base import (
-    Family,
-    GgufMeta,
-    Weight,
-    attention,
-    decoder,
-    every_layer_slides,
-    gguf_window,
-    layer_norm,
-    layer_source,
-    mlp,
-)
+from dtorch.models.families import base
 
 if TYPE_CHECKING:
     from dtorch.models.config import ModelConfig
@@ -28,33 +17,31 @@ if TYPE_CHECKING:
 
 
 def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
-    return every_layer_slides(c.get("sliding_window"), c.get("num_hidden_layers"))
+    return base.every_layer_slides(c.get("sliding_window"), c.get("num_hidden_layers"))
 
 
-def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
+def _gguf_config(m: base.GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
     """``attention.sliding_window`` (every layer), ``rope.dimension_count`` rotated dims of each head."""
     if "rope_factors_long.weight" in m.tensors:
         raise ModelError(f"{m.path}: this phi3 file has LongRoPE factors (rope_factors_long.weight); LongRoPE "
                          "scaling is not supported")
     return dict(partial_rotary_factor=m.rotary_fraction(common["head_dim"], default=common["head_dim"]),
-                **every_layer_slides(gguf_window(m), common["num_layers"]))
+                **base.every_layer_slides(base.gguf_window(m), common["num_layers"]))
 
 
-def _layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[Weight]:
+def _layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[base.Weight]:
+    """Llama's, its q/k/v and gate/up fused: [q | k | v] rows, each device its heads' rows of each part; [gate | up]
+    rows, each device its rows of each half (llama.cpp keeps them fused too, as attn_qkv and ffn_up)."""
     H, Hkv, D, E, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size
     G = H // Hkv
-    yield layer_norm(c, i, "input_norm", "input_layernorm", "attn_norm")
-    yield layer_norm(c, i, "post_norm", "post_attention_layernorm", "ffn_norm")
-    # [q | k | v] rows: each device its heads' rows of each part
-    yield from attention(c, i, (layer_source(i, "self_attn.qkv_proj.weight", "attn_qkv.weight",
-                                             (c.q_size + 2 * c.kv_size, E), 0,
-                                             Shard(0, (H * D, Hkv * D, Hkv * D), (G * D, D, D))),))
-    # [gate | up] rows: each device its rows of each half (llama.cpp keeps them fused as ffn_up)
-    yield from mlp(c, i, (layer_source(i, "mlp.gate_up_proj.weight", "ffn_up.weight", (2 * inter, E), 0,
-                                       Shard(0, (inter, inter), 1)),))
+    qkv = base.layer_source(i, "self_attn.qkv_proj.weight", "attn_qkv.weight", (c.q_size + 2 * c.kv_size, E), 0,
+                            Shard(0, (H * D, Hkv * D, Hkv * D), (G * D, D, D)))
+    gate_up = base.layer_source(i, "mlp.gate_up_proj.weight", "ffn_up.weight", (2 * inter, E), 0,
+                                Shard(0, (inter, inter), 1))
+    yield from base.dense_layer(c, layout, i, (qkv,), (gate_up,))
 
 
-FAMILY = Family(
+FAMILY = base.Family(
     name="phi3", hf_types=("phi3",), gguf_arch="phi3", hf_keys={"sliding_window": "sliding_window"},
-    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(_layer),
+    hf_config=_hf_config, gguf_config=_gguf_config, tensors=base.decoder(_layer),
 )
