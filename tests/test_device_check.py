@@ -21,6 +21,7 @@ CARRIED = {"gguf"}
 _SERVE = ("dtorch/serve/",)  # the serve extra
 OFF_PATH = {"matplotlib": ("dtorch/cli.py", "dtorch/runtime/tracing.py"),  # the trace's picture
             "fastapi": _SERVE, "starlette": _SERVE, "pydantic": _SERVE, "uvicorn": _SERVE, "prometheus_client": _SERVE,
+            "h11": _SERVE,
             "llguidance": ("dtorch/engine/structured.py",)}  # structured outputs only, imported when one is asked
 
 

@@ -292,4 +292,4 @@ def test_the_cli_marks_shape_dependent_cells():
                    DTORCH_CPU_FEATURES="-avx512_bf16,-amx_bf16")
     assert done.returncode == 0, done.stderr
     assert re.search(r"matmul\.mm\s.*upcast\*", done.stdout), done.stdout
-    assert "upcast*: the path depends on the call: torch's bf16 mm below 16 rows" in done.stdout
+    assert "upcast* (matmul.mm): the path depends on the call: torch's bf16 mm below 16 rows" in done.stdout
