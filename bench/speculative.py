@@ -1,0 +1,133 @@
+"""Speculative decoding against plain decoding, side by side in one run (issue #23).
+
+    python bench/speculative.py [--threads 1] [--repeats 3] [--k 4] [--no-draft-model] [--cache DIR]
+
+The default model (SmolLM2-135M-Instruct Q4_1), greedy, one request at a time, on three chat tasks: repeating a
+paragraph, fixing the typos of a paragraph, and an open question. Each task runs plain and with prompt lookup
+(``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``) on one loaded
+model (the speculator is switched on and off between runs, which alternate, so drift in the machine's speed hits both
+alike): tok/s is the answer's tokens over the whole generate call (prefill included), the median of ``--repeats`` runs
+after a warm-up; "acceptance" is accepted over drafted tokens; "same" says whether the answers are equal id for id.
+
+Then one draft-model row: the Qwen3-0.6B-shaped random GGUF of bench/gguf_formats.py (Q4_K_M, made in ``--cache``
+when missing) as the target, drafted by a tiny random Qwen3 of the same vocabulary (2 layers, hidden 256, written
+there too), on the copy task's prompt as raw text. Random weights agree little: the row shows what a draft step costs.
+The machine is shared and noisy; compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PARAGRAPH = (
+    "The lighthouse stood on a rock at the mouth of the harbour, and for two hundred years its keepers kept the lamp "
+    "burning through every storm. The first tower was built of timber and burned down within a decade; the second, of "
+    "granite brought by barge from a quarry upriver, still stands. Each keeper wrote in a logbook the weather, the "
+    "ships that passed and the oil that the lamp consumed, and those books, kept today in the town library, tell the "
+    "story of the coast better than any history.")
+TYPOS = (
+    "The lighthouse stod on a rock at the mouth of the harbour, and for two hundred years its keepers kept the lamp "
+    "burnin through every storm. The first tower was bilt of timber and burned down within a decade; the secnd, of "
+    "granite brought by barge from a quarry upriver, still stands. Each keeper wrote in a logbok the weather, the "
+    "ships that pased and the oil that the lamp consumed, and those books, kept today in the town library, tell the "
+    "story of the coast beter than any history.")
+TASKS = {
+    "copy": ("Repeat this paragraph exactly, without any comment:\n\n" + PARAGRAPH, 160),
+    "fix typos": ("Fix the spelling mistakes in this paragraph and write it out in full, without any comment:\n\n"
+                  + TYPOS, 160),
+    "open question": ("Why do cities grow near rivers? Answer in two paragraphs.", 160),
+}
+TINY_DRAFT = dict(hidden=256, intermediate=768, layers=2, heads=4, kv_heads=2, head_dim=64)
+
+
+def ngram(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def measure(llm, prompt, params, repeats: int) -> dict:
+    """Plain and speculative runs of one prompt, alternating: medians of tok/s, the acceptance, the two answers."""
+    from dtorch.engine.request import GenerationStats
+
+    spec = llm.engine.speculator
+    tps: dict[str, list[float]] = {"plain": [], "spec": []}
+    answers, drafted, accepted = {}, 0, 0
+    for r in range(repeats + 1):
+        for name in ("plain", "spec"):
+            llm.engine.speculator = spec if name == "spec" else None
+            before = llm.engine.stats()
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params)[0].outputs[0]
+            seconds = time.perf_counter() - t0
+            answers[name] = out.token_ids
+            if r:  # the first round warms up (and builds the step shapes)
+                tps[name].append(len(out.token_ids) / seconds)
+                if name == "spec":
+                    g = GenerationStats.between(before, llm.engine.stats())
+                    drafted, accepted = drafted + g.draft_tokens, accepted + g.accepted_tokens
+    llm.engine.speculator = spec
+    plain, fast = statistics.median(tps["plain"]), statistics.median(tps["spec"])
+    return {"tokens": len(answers["plain"]), "plain": plain, "spec": fast, "speedup": fast / plain,
+            "acceptance": accepted / drafted if drafted else 0.0, "same": answers["plain"] == answers["spec"]}
+
+
+def draft_files(cache: Path) -> tuple[Path, Path]:
+    """The Qwen3-0.6B-shaped Q4_K_M target and the tiny random Qwen3 draft of its vocabulary (made when missing)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gguf_files as gf
+    from gguf_formats import make_files
+
+    from dtorch.models.default import default_model_path
+
+    cache.mkdir(parents=True, exist_ok=True)
+    made = make_files(["qwen3-0.6b-Q4_K_M"], cache, str(gf.LLAMACPP_PYTHON))["qwen3-0.6b-Q4_K_M"]
+    if isinstance(made, str):
+        raise SystemExit(f"bench/speculative.py: cannot make the 0.6B target: {made}")
+    s = TINY_DRAFT
+    shape = gf.Shape("qwen3", s["hidden"], s["intermediate"], s["layers"], s["heads"], s["kv_heads"], s["head_dim"],
+                     gf.QWEN3_0_6B.vocab)
+    return made, gf.random_model(cache / "qwen3-tiny-F16.gguf", shape, default_model_path())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--no-draft-model", action="store_true", help="leave out the draft-model row")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dtorch" / "bench-gguf")
+    args = ap.parse_args()
+
+    from _timing import table
+
+    from dtorch import LLM, SamplingParams
+
+    rows = []
+    llm = LLM(max_model_len=1024, threads=args.threads, speculative_config=ngram(args.k))
+    for task, (text, new) in TASKS.items():
+        prompt = llm.chat_prompt([{"role": "user", "content": text}])
+        m = measure(llm, prompt, SamplingParams(temperature=0.0, max_tokens=new), args.repeats)
+        rows.append([f"{task} (ngram)", m["tokens"], m["plain"], m["spec"], m["speedup"], f"{m['acceptance']:.0%}",
+                     "yes" if m["same"] else "NO"])
+        print(table(["task", "tokens", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "same"], rows[-1:]),
+              file=sys.stderr, flush=True)  # each row as it is measured
+    llm.close()
+    if not args.no_draft_model:
+        target, draft = draft_files(args.cache)
+        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
+        llm = LLM(str(target), max_model_len=1024, threads=args.threads, speculative_config=config)
+        prompt = llm.tokenizer.encode(TASKS["copy"][0])
+        m = measure(llm, prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), args.repeats)
+        rows.append([f"copy, {target.stem} drafted by {draft.stem}", m["tokens"], m["plain"], m["spec"], m["speedup"],
+                     f"{m['acceptance']:.0%}", "yes" if m["same"] else "NO"])
+        llm.close()
+    print(f"\nspeculative decoding, {args.threads} thread(s), greedy, one request, k = {args.k}, medians of "
+          f"{args.repeats} runs (whole generate calls)")
+    print(table(["task", "tokens", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "same"], rows))
+
+
+if __name__ == "__main__":
+    main()
