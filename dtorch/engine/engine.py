@@ -15,14 +15,13 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
 from dtorch.core.errors import ArgumentError, EngineBusy, ModelError, SamplingError
 from dtorch.engine.block_manager import BlockManager
 from dtorch.engine.embedding import EmbeddingQueue, EmbedJob, EmbedSink, check_pooling
-from dtorch.engine.request import Delta, Sink
+from dtorch.engine.request import Delta, EngineStats, Sink
 from dtorch.engine.sampling import SamplingParams, sample_step
 from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from dtorch.engine.speculative import Drafts, Speculator
@@ -32,32 +31,6 @@ from dtorch.models.kv_cache import KVCache
 
 log = logging.getLogger("dtorch.engine")
 IDLE_PREFIX_KEEP = 0.25  # share of the cache's blocks that keep their cached prefixes when the engine goes idle
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot: sequences running and waiting, cache blocks in use, and totals since the engine started."""
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_blocks_resident: int  # held, or free with cached contents: the cache memory in use (on a CPU)
-    prompt_tokens: int  # prompt (and recomputed) tokens computed
-    generation_tokens: int  # tokens sampled
-    decode_tokens: int  # tokens generated in steps that computed no prompt token
-    preemptions: int
-    prefix_queries: int  # prompt tokens of admitted sequences
-    prefix_hits: int  # of them, found in the prefix cache
-    steps: int
-    prefill_seconds: float  # in steps that computed a prompt chunk
-    decode_seconds: float  # in the other steps
-    spec_draft_tokens: int = 0  # speculative draft tokens verified
-    spec_accepted_tokens: int = 0  # of them, accepted
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class Engine:

@@ -2,7 +2,10 @@
 
 A request with ``n`` choices runs as ``n`` sequences; each delta names its choice by ``index``. Deltas of one choice
 arrive in order, and the last one has ``finish_reason`` set: "stop" (an end-of-sequence token, a stop token id or a
-stop string), "length" (max_tokens or the context) or "abort" (cancelled, or the engine shut down).
+stop string), "length" (max_tokens or the context) or "abort" (cancelled, or the engine shut down). With speculative
+decoding a step may produce several tokens of one choice: each comes in a delta of its own.
+
+And what it reports about itself: ``EngineStats`` snapshots, and ``GenerationStats`` between two of them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class TokenLogprob:
 class Delta:
     """What one step added to choice ``index`` of request ``request_id``.
 
-    token_ids: the new tokens (one per step; none in the final delta of an aborted choice). text: the new text; a
+    token_ids: the new tokens (one per delta; none in the final delta of an aborted choice). text: the new text; a
     piece that could be the start of a stop string is held back until that is decided, and a stop string never
     appears. logprobs: one per new token when the request asked for logprobs, else None. finish_reason: None while
     the choice runs. The counts are the totals so far: prompt tokens, tokens generated, prompt tokens whose keys
@@ -102,6 +105,32 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot: sequences running and waiting, cache blocks in use, and totals since the engine started."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_resident: int  # held, or free with cached contents: the cache memory in use (on a CPU)
+    prompt_tokens: int  # prompt (and recomputed) tokens computed
+    generation_tokens: int  # tokens sampled
+    decode_tokens: int  # tokens generated in steps that computed no prompt token
+    preemptions: int
+    prefix_queries: int  # prompt tokens of admitted sequences
+    prefix_hits: int  # of them, found in the prefix cache
+    steps: int
+    prefill_seconds: float  # in steps that computed a prompt chunk
+    decode_seconds: float  # in the other steps
+    spec_draft_tokens: int = 0  # speculative draft tokens verified
+    spec_accepted_tokens: int = 0  # of them, accepted
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
 @dataclass
 class GenerationStats:
     """Timing of the last ``generate`` call: prefill and decode tokens and seconds (of every request that ran in
@@ -115,7 +144,7 @@ class GenerationStats:
     accepted_tokens: int = 0
 
     @classmethod
-    def between(cls, before, after) -> GenerationStats:
+    def between(cls, before: EngineStats, after: EngineStats) -> GenerationStats:
         """The work of the engine between two ``EngineStats`` snapshots."""
         return cls(after.prompt_tokens - before.prompt_tokens, after.prefill_seconds - before.prefill_seconds,
                    after.decode_tokens - before.decode_tokens, after.decode_seconds - before.decode_seconds,
