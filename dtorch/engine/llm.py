@@ -38,16 +38,14 @@ from dtorch.engine.request import CompletionOutput, Delta, GenerationStats, Logp
 from dtorch.engine.sampling import SamplingParams
 from dtorch.engine.speculative import SpeculativeConfig, speculator_for
 from dtorch.models.executor import Executor, StepPlan
-from dtorch.models.kv_cache import KVCache, kv_bytes_per_token
+from dtorch.models.kv_cache import KVCache, kv_blocks
 from dtorch.models.loaders import open_checkpoint
-from dtorch.models.loaders.checkpoint import available_memory
 from dtorch.models.model import Transformer
 from dtorch.models.parallel import MeshSetup, setup_mesh
 from dtorch.models.tokenizer import check_text, no_tokenizer_message
 
 PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at most (a longer prompt is chunked)
 BLOCK_SIZE = 16  # tokens per KV cache block
-KV_CACHE_BYTES = 1 << 30  # default KV cache budget (a CPU touches pages only as blocks fill)
 _ids = itertools.count()  # request ids of generate calls
 
 
@@ -151,7 +149,7 @@ class LLM:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.cache = KVCache(self.model.layout, self.mesh, self.executor.local_ids,
-                             self._num_blocks(kv_cache_memory_bytes, block_size, dtype), block_size, self.max_len,
+                             kv_blocks(self.config, dtype, max_num_seqs, self.max_len, kv_cache_memory_bytes, block_size), block_size, self.max_len,
                              max_num_seqs, dtype)
         self.executor.use_cache(self.cache)
         self.engine = Engine(self.executor, self.cache, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
@@ -160,27 +158,6 @@ class LLM:
                              enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting, rank=self.rank,
                              agree=self._agree if self._spmd else None, device=self.device.torch,
                              speculator=speculator_for(spec, self, dtype, where))
-
-    def _num_blocks(self, budget: int | None, block_size: int, dtype: torch.dtype) -> int:
-        """Blocks of the KV cache: max_num_seqs full-length sequences within the budget, at least one."""
-        per_token = kv_bytes_per_token(self.config, dtype)
-        tokens = self.max_num_seqs * self.max_len
-        if per_token:
-            have = available_memory()
-            if budget is not None and have is not None and budget > have:
-                raise ArgumentError(f"LLM: kv_cache_memory_bytes {budget} is more than the {have} bytes this machine "
-                                    "has available; lower it")
-            one = per_token * self.max_len  # the default holds at least one full sequence where memory allows
-            default = max(KV_CACHE_BYTES, one) if have is None else min(max(KV_CACHE_BYTES, one), have // 2)
-            fit = (budget or default) // per_token
-            if fit < self.max_len:
-                what = f"kv_cache_memory_bytes {budget}" if budget is not None else \
-                    f"the default KV cache ({default} bytes: half the available memory)"
-                raise ArgumentError(f"LLM: {what} holds {fit} tokens, less than one sequence of max_model_len "
-                                    f"{self.max_len} ({per_token} bytes per token); lower max_model_len or give "
-                                    "kv_cache_memory_bytes")
-            tokens = max(self.max_len, min(tokens, fit))
-        return -(-tokens // block_size)
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -37,6 +37,36 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * len(config.attention_layers) * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
+KV_CACHE_BYTES = 1 << 30  # default KV cache budget (a CPU touches pages only as blocks fill)
+
+
+def kv_blocks(config: ModelConfig, dtype: torch.dtype, max_num_seqs: int, max_len: int, budget: int | None,
+              block_size: int) -> int:
+    """Blocks of LLM's KV cache: ``max_num_seqs`` sequences of ``max_len`` tokens within ``budget`` bytes
+    (``kv_cache_memory_bytes``; None: the default, at most half the available memory), and never less than one
+    sequence of ``max_len``: an ArgumentError says what to lower when that does not fit."""
+    from dtorch.models.loaders.checkpoint import available_memory
+
+    per_token = kv_bytes_per_token(config, dtype)
+    tokens = max_num_seqs * max_len
+    if per_token:
+        have = available_memory()
+        if budget is not None and have is not None and budget > have:
+            raise ArgumentError(f"LLM: kv_cache_memory_bytes {budget} is more than the {have} bytes this machine "
+                                "has available; lower it")
+        one = per_token * max_len  # the default holds at least one full sequence where memory allows
+        default = max(KV_CACHE_BYTES, one) if have is None else min(max(KV_CACHE_BYTES, one), have // 2)
+        fit = (budget or default) // per_token
+        if fit < max_len:
+            what = f"kv_cache_memory_bytes {budget}" if budget is not None else \
+                f"the default KV cache ({default} bytes: half the available memory)"
+            raise ArgumentError(f"LLM: {what} holds {fit} tokens, less than one sequence of max_model_len "
+                                f"{max_len} ({per_token} bytes per token); lower max_model_len or give "
+                                "kv_cache_memory_bytes")
+        tokens = max(max_len, min(tokens, fit))
+    return -(-tokens // block_size)
+
+
 class KVCache:
     """``num_blocks`` blocks of ``block_size`` tokens per attention layer on ``mesh``, and ``num_state_slots`` rows
     of gated delta net state per linear layer where the model has them.
