@@ -13,7 +13,7 @@
 | DTORCH_NATIVE_ISA | instruction set of the native CPU kernels | auto, avx512, avx2, portable | auto |
 | DTORCH_NATIVE_CACHE | folder where the native CPU kernels are compiled and cached | a path | ~/.cache/dtorch/native |
 | DTORCH_API_KEY | the key ``dtorch serve`` asks clients for when ``--api-key`` is not given | any text | none |
-| DTORCH_BATCH_INVARIANT | LLM(batch_invariant=None): a sequence's tokens never depend on the batch it ran in | a flag | off |
+| DTORCH_BATCH_INVARIANT | LLM(batch_invariant=None): a sequence's tokens never depend on its batch | a flag | off |
 
 A flag is one of 1/true/yes/on or 0/false/no/off (or empty). A malformed value, or a ``DTORCH_*`` name
 not in this table, raises ``ConfigError`` listing what is allowed: a typo is never ignored silently.

@@ -148,8 +148,8 @@ class LLM:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
-        self.cache = KVCache(self.model.layout, self.mesh, self.executor.local_ids,
-                             kv_blocks(self.config, dtype, max_num_seqs, self.max_len, kv_cache_memory_bytes, block_size), block_size, self.max_len,
+        blocks = kv_blocks(self.config, dtype, max_num_seqs, self.max_len, kv_cache_memory_bytes, block_size)
+        self.cache = KVCache(self.model.layout, self.mesh, self.executor.local_ids, blocks, block_size, self.max_len,
                              max_num_seqs, dtype)
         self.executor.use_cache(self.cache)
         self.engine = Engine(self.executor, self.cache, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
