@@ -170,7 +170,9 @@ COLUMNS = ("model", "size", "params", "device", "dtype", "threads", "tp", "batch
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
-    return [r["model"], f"{r['weight_bytes'] / 2**20:.1f} MiB", f"{r['params'] / 1e6:.0f}M", r["device"], r["dtype"],
+    from dtorch.engine.info import mib, params_text
+
+    return [r["model"], mib(r["weight_bytes"]), params_text(r["params"]), r["device"], r["dtype"],
             str(r["threads"]), str(r["tp"]), str(r["batch"]), r["test"], f"{r['tps_median']:.2f}",
             f"{min(r['tps']):.2f} - {max(r['tps']):.2f}"]
 

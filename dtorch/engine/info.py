@@ -162,6 +162,11 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def params_text(n: int) -> str:
+    """A parameter count as people write it: "135M", "1.7B", "83K"."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
 def _print(r: dict[str, Any]) -> None:
     def line(label: str, text: str) -> None:
         print(f"{label:<14}{text}")
@@ -169,7 +174,7 @@ def _print(r: dict[str, Any]) -> None:
     line("model", r["model"])
     layers = f"{r['layers']} layers" + (f" ({r['linear_layers']} gated delta net, {r['attention_layers']} attention)"
                                         if r["linear_layers"] else "")
-    line("family", f"{r['family']}, {layers}, {r['params'] / 1e6:.0f}M params")
+    line("family", f"{r['family']}, {layers}, {params_text(r['params'])} params")
     line("shapes", f"hidden {r['hidden_size']}, intermediate {r['intermediate_size']}, vocab {r['vocab_size']}; "
                    f"{r['heads']} heads, {r['kv_heads']} KV heads of {r['head_dim']}")
     if r["experts"]:
@@ -212,7 +217,7 @@ def describe_loaded(llm: Any, seconds: float) -> str:
     params = sum(f["params"] for f in formats.values())
     kinds = ", ".join(f"{fmt} x{f['weights']}" for fmt, f in formats.items())
     tp = f" x{llm.tensor_parallel_size}" if llm.tensor_parallel_size > 1 else ""
-    return (f"loaded {Path(llm.source).name} ({c.family}, {c.num_layers} layers, {params / 1e6:.0f}M params) in "
+    return (f"loaded {Path(llm.source).name} ({c.family}, {c.num_layers} layers, {params_text(params)} params) in "
             f"{seconds:.1f} s: {mib(sum(f['bytes'] for f in formats.values()))} of weights ({kinds}) on "
             f"{llm.device.type}{tp}, {dtype_name(llm.model.dtype)}, context {llm.max_len}, "
             f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}")
