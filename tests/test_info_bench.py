@@ -170,3 +170,22 @@ def test_loading_shows_a_bar_on_a_terminal_only(tiny, monkeypatch, file):
             assert "loading weights" in shown and f"/{weights} [" in shown, shown  # tensors to load, in all
         else:
             assert shown == ""
+
+
+def test_weight_bytes_count_tied_embeddings_once(tmp_path):
+    """A Qwen2 GGUF with tied embeddings in Q8_0: the LM head is the packed embedding itself, so the weights take
+    what the file's tensors take (gguf's reader), not one embedding more."""
+    from dtorch.engine.info import weight_formats
+    from dtorch.engine.llm import LLM
+    from dtorch.models.tiny import write_gguf
+
+    config = tiny_config(transformers, "qwen2")
+    assert config.tie_word_embeddings
+    write_gguf(save_random(transformers, config, tmp_path), tmp_path / "tied.gguf",
+               qtype=lambda _name: gguf.GGMLQuantizationType.Q8_0)
+    stored = sum(int(t.n_bytes) for t in gguf.GGUFReader(tmp_path / "tied.gguf").tensors)
+    llm = LLM(tmp_path / "tied.gguf", max_model_len=32, max_num_seqs=1)
+    try:
+        assert llm.model.weight_bytes() == stored == sum(f["bytes"] for f in weight_formats(llm.model).values())
+    finally:
+        llm.close()

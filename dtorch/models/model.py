@@ -143,9 +143,10 @@ class Transformer:
                f"({w.layout})"
 
     def weight_bytes(self, device_id: int | None = None) -> int:
-        """Bytes of the weights one device holds (default: every local device)."""
+        """Bytes of the weights one device holds (default: every local device); a weight two names share (tied
+        embeddings) counts once."""
         total = 0
-        for w in self.weights.values():
+        for w in {id(w): w for w in self.weights.values()}.values():
             for i, b in w.blobs.items():
                 if device_id is None or i == device_id:
                     total += b.tensor.numel() * b.tensor.element_size()
