@@ -1,13 +1,19 @@
 """Speculative decoding against plain decoding, side by side in one run (issue #23).
 
-    python bench/speculative.py [--threads 1] [--repeats 3] [--k 4] [--no-draft-model] [--cache DIR]
+    python bench/speculative.py [--threads 1] [--repeats 3] [--k 2 4] [--no-draft-model] [--cache DIR]
 
 The default model (SmolLM2-135M-Instruct Q4_1), greedy, one request at a time, on three chat tasks: repeating a
 paragraph, fixing the typos of a paragraph, and an open question. Each task runs plain and with prompt lookup
 (``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``) on one loaded
 model (the speculator is switched on and off between runs, which alternate, so drift in the machine's speed hits both
 alike): tok/s is the answer's tokens over the whole generate call (prefill included), the median of ``--repeats`` runs
-after a warm-up; "acceptance" is accepted over drafted tokens; "same" says whether the answers are equal id for id.
+after a warm-up; "acceptance" is accepted over drafted tokens; "same" says whether the answers are equal id for id;
+"ms/step" is the mean time of the engine's steps, plain then speculative (a speculative step verifies up to k + 1
+rows). Each ``--k`` gets its rows.
+
+The profile behind the speed-ups: what one ``matmul.linear`` of the default model costs on x of 1..k+1 rows against
+one row (the native kernels' integer products, the median of 40 calls), for a layer's gate/up projection and for
+the LM head: a verify step of k + 1 rows pays this on every product.
 
 Then one draft-model row: the Qwen3-0.6B-shaped random GGUF of bench/gguf_formats.py (Q4_K_M, made in ``--cache``
 when missing) as the target, drafted by a tiny random Qwen3 of the same vocabulary (2 layers, hidden 256, written
@@ -49,11 +55,11 @@ def ngram(k: int) -> dict:
 
 
 def measure(llm, prompt, params, repeats: int) -> dict:
-    """Plain and speculative runs of one prompt, alternating: medians of tok/s, the acceptance, the two answers."""
-    from dtorch.engine.request import GenerationStats
-
+    """Plain and speculative runs of one prompt, alternating: medians of tok/s, the acceptance, the mean step time,
+    whether the two answers are equal."""
     spec = llm.engine.speculator
     tps: dict[str, list[float]] = {"plain": [], "spec": []}
+    steps = {"plain": [0, 0.0], "spec": [0, 0.0]}
     answers, drafted, accepted = {}, 0, 0
     for r in range(repeats + 1):
         for name in ("plain", "spec"):
@@ -61,17 +67,46 @@ def measure(llm, prompt, params, repeats: int) -> dict:
             before = llm.engine.stats()
             t0 = time.perf_counter()
             out = llm.generate([prompt], params)[0].outputs[0]
-            seconds = time.perf_counter() - t0
+            seconds, after = time.perf_counter() - t0, llm.engine.stats()
             answers[name] = out.token_ids
             if r:  # the first round warms up (and builds the step shapes)
                 tps[name].append(len(out.token_ids) / seconds)
-                if name == "spec":
-                    g = GenerationStats.between(before, llm.engine.stats())
-                    drafted, accepted = drafted + g.draft_tokens, accepted + g.accepted_tokens
+                steps[name][0] += after.steps - before.steps
+                steps[name][1] += after.prefill_seconds + after.decode_seconds - before.prefill_seconds - \
+                    before.decode_seconds
+                drafted += after.spec_draft_tokens - before.spec_draft_tokens
+                accepted += after.spec_accepted_tokens - before.spec_accepted_tokens
     llm.engine.speculator = spec
     plain, fast = statistics.median(tps["plain"]), statistics.median(tps["spec"])
+    ms = {name: 1e3 * t / n for name, (n, t) in steps.items()}
     return {"tokens": len(answers["plain"]), "plain": plain, "spec": fast, "speedup": fast / plain,
-            "acceptance": accepted / drafted if drafted else 0.0, "same": answers["plain"] == answers["spec"]}
+            "acceptance": accepted / drafted if drafted else 0.0, "same": answers["plain"] == answers["spec"],
+            "ms": f"{ms['plain']:.1f} -> {ms['spec']:.1f}"}
+
+
+def row_costs(llm, rows: int) -> list[list]:
+    """matmul.linear's cost on 1..rows rows of x against one row, for a gate/up projection and the LM head."""
+    import torch
+
+    from dtorch.kernels.native import ops
+
+    out = []
+    for name in ("layers.0.gate_up", "lm_head" if "lm_head" in llm.model.weights else "embed"):
+        w = llm.model.weights[name]
+        packed = next(iter(w.blobs.values())).tensor
+        times = []
+        for m in range(1, rows + 1):
+            x = torch.randn(m, w.shape[1])
+            for _ in range(3):
+                ops.qlinear(x, packed, w.layout)
+            samples = []
+            for _ in range(40):
+                t0 = time.perf_counter()
+                ops.qlinear(x, packed, w.layout)
+                samples.append(time.perf_counter() - t0)
+            times.append(statistics.median(samples))
+        out.append([f"{name} {w.layout} {list(w.shape)}", f"{times[0] * 1e6:.0f}"] + [t / times[0] for t in times[1:]])
+    return out
 
 
 def draft_files(cache: Path) -> tuple[Path, Path]:
@@ -96,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, nargs="+", default=[2, 4], help="num_speculative_tokens (each gets its rows)")
     ap.add_argument("--no-draft-model", action="store_true", help="leave out the draft-model row")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dtorch" / "bench-gguf")
     args = ap.parse_args()
@@ -104,29 +139,36 @@ def main() -> None:
     from _timing import table
 
     from dtorch import LLM, SamplingParams
+    from dtorch.engine.speculative import ROW_COST, SpeculativeConfig, Speculator
 
+    head = ["task", "k", "tokens", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "ms/step", "same"]
     rows = []
-    llm = LLM(max_model_len=1024, threads=args.threads, speculative_config=ngram(args.k))
-    for task, (text, new) in TASKS.items():
-        prompt = llm.chat_prompt([{"role": "user", "content": text}])
-        m = measure(llm, prompt, SamplingParams(temperature=0.0, max_tokens=new), args.repeats)
-        rows.append([f"{task} (ngram)", m["tokens"], m["plain"], m["spec"], m["speedup"], f"{m['acceptance']:.0%}",
-                     "yes" if m["same"] else "NO"])
-        print(table(["task", "tokens", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "same"], rows[-1:]),
-              file=sys.stderr, flush=True)  # each row as it is measured
+    llm = LLM(max_model_len=1024, threads=args.threads)
+    for k in args.k:
+        llm.engine.speculator = Speculator(SpeculativeConfig.from_dict(ngram(k)), ROW_COST[llm.device.type])
+        for task, (text, new) in TASKS.items():
+            prompt = llm.chat_prompt([{"role": "user", "content": text}])
+            m = measure(llm, prompt, SamplingParams(temperature=0.0, max_tokens=new), args.repeats)
+            rows.append([f"{task} (ngram)", k, m["tokens"], m["plain"], m["spec"], m["speedup"],
+                         f"{m['acceptance']:.0%}", m["ms"], "yes" if m["same"] else "NO"])
+            print(table(head, rows[-1:]), file=sys.stderr, flush=True)  # each row as it is measured
+    costs = row_costs(llm, max(args.k) + 1)
     llm.close()
     if not args.no_draft_model:
         target, draft = draft_files(args.cache)
-        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
+        k = max(args.k)
+        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
         llm = LLM(str(target), max_model_len=1024, threads=args.threads, speculative_config=config)
         prompt = llm.tokenizer.encode(TASKS["copy"][0])
         m = measure(llm, prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), args.repeats)
-        rows.append([f"copy, {target.stem} drafted by {draft.stem}", m["tokens"], m["plain"], m["spec"], m["speedup"],
-                     f"{m['acceptance']:.0%}", "yes" if m["same"] else "NO"])
+        rows.append([f"copy, {target.stem} drafted by {draft.stem}", k, m["tokens"], m["plain"], m["spec"],
+                     m["speedup"], f"{m['acceptance']:.0%}", m["ms"], "yes" if m["same"] else "NO"])
         llm.close()
-    print(f"\nspeculative decoding, {args.threads} thread(s), greedy, one request, k = {args.k}, medians of "
-          f"{args.repeats} runs (whole generate calls)")
-    print(table(["task", "tokens", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "same"], rows))
+    print(f"\nspeculative decoding, {args.threads} thread(s), greedy, one request, medians of {args.repeats} runs "
+          "(whole generate calls)")
+    print(table(head, rows))
+    print(f"\nmatmul.linear on x of m rows against one row ({args.threads} thread(s))")
+    print(table(["weight", "1 row us"] + [f"{m} rows" for m in range(2, max(args.k) + 2)], costs))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import dtorch
 from dtorch.engine.llm import LLM
 from dtorch.engine.request import GenerationStats
 from dtorch.engine.sampling import SamplingParams
-from dtorch.engine.speculative import NgramIndex, SpeculativeConfig, Speculator
+from dtorch.engine.speculative import ROW_COST, Adaptive, NgramIndex, SpeculativeConfig, Speculator, best_k
 from dtorch.models.kv_cache import kv_bytes_per_token
 from tests.tiny_models import save_random, tiny_config
 
@@ -85,7 +85,7 @@ class Oracle:
 def use_oracle(llm: LLM, answers: dict, k: int = 3) -> None:
     """Make ``llm`` draft with an ``Oracle`` (drafts at every step: a row costs nothing to the adaptive k)."""
     config = SpeculativeConfig("draft_model", k, model="oracle")
-    llm.engine.speculator = Speculator(config, 0.0, Oracle(answers))
+    llm.engine.speculator = Speculator(config, (0.0, 0.0), Oracle(answers))
 
 
 def blocks_free(llm: LLM) -> bool:
@@ -130,6 +130,19 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
                     want = ids[starts[-1] + n:starts[-1] + n + 3][:end - starts[-1] - n]
                     break
             assert proposal == want[:3], (ids[:end], proposal, want)
+
+
+def test_the_adaptive_k_pauses_after_rejections_and_probes_with_one_draft():
+    cpu, free = ROW_COST["cpu"], (0.0, 0.0)
+    a = Adaptive()
+    assert a.want(4, cpu) == 1 and Adaptive().want(4, free) == 4  # on a CPU a second row is cheap, a third is not
+    for _ in range(3):
+        a.observe(1, 0)
+    assert [a.want(4, cpu) for _ in range(10)] == [0, 1, 0, 0, 1, 0, 0, 0, 0, 1]  # each pause twice the last
+    for _ in range(4):
+        a.observe(1, 1)
+    assert a.want(4, cpu) == 1 and a.wait == 1  # kept drafts end the pauses
+    assert best_k(0.3, 4, cpu) == 0 and best_k(0.3, 4, ROW_COST["cuda"]) == 2
 
 
 # -- greedy: the same ids as without speculation, on every family ---------------------------------------------------
@@ -200,6 +213,9 @@ def test_a_draft_model_keeps_the_targets_greedy_ids(pair, draft, tp):
     target, drafts, answers = pair
     config = {"method": "draft_model", "model": drafts[draft], "num_speculative_tokens": 3}
     llm = LLM(target, max_num_seqs=4, tensor_parallel_size=tp, speculative_config=config)
+    agreed = []
+    if draft == "small":  # every rank takes rank 0's drafts and tokens (torchrun): here one rank, through the same path
+        llm.engine.agree = lambda tokens: agreed.append(len(tokens)) or list(tokens)
     try:
         if tp == 1 and draft == "first":
             assert llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids == answers[tuple(PROMPTS[1])]
@@ -209,6 +225,7 @@ def test_a_draft_model_keeps_the_targets_greedy_ids(pair, draft, tp):
         assert s.spec_draft_tokens > 0 and blocks_free(llm)
         if draft == "first":  # (one layer of two agrees with the whole about a fifth of the time)
             assert s.spec_accepted_tokens > 0
+        assert bool(agreed) == (draft == "small")
     finally:
         llm.close()
 
@@ -284,7 +301,7 @@ def test_sampling_keeps_the_distribution(pair):
     llm = LLM(target, max_num_seqs=16, speculative_config={"model": drafts["first"], "num_speculative_tokens": 1})
     try:
         speculators = {"plain": None, "draft model": llm.engine.speculator,
-                       "ngram": Speculator(SpeculativeConfig.from_dict(NGRAM), 0.5)}
+                       "ngram": Speculator(SpeculativeConfig.from_dict(NGRAM), (0.35, 0.7))}
         runs, made = {}, {}
         for name, spec in speculators.items():
             llm.engine.speculator = spec
@@ -322,9 +339,11 @@ PARAGRAPH = ("The lighthouse stood on a rock at the mouth of the harbour, and fo
 
 @pytest.fixture(scope="module")
 def default():
-    """The default model with prompt lookup, and a chat prompt asking it to repeat a paragraph."""
-    llm = LLM(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    """The default model with prompt lookup of up to 4 tokens a step (rows priced at nothing, so the adaptive k drafts
+    all 4 where they are kept), and a chat prompt asking it to repeat a paragraph."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    llm = LLM(max_model_len=512, speculative_config=config)
+    llm.engine.speculator = Speculator(SpeculativeConfig.from_dict(config), (0.0, 0.0))
     yield llm, llm.chat_prompt([{"role": "user", "content": "Repeat this sentence exactly:\n\n" + PARAGRAPH}])
     llm.close()
 

@@ -13,9 +13,10 @@ own. The kept drafts' keys are already in the cache; a rejected draft's slot lie
 where the next step writes, and blocks that held only rejected drafts go back to the free list.
 
 Adaptive k (``Adaptive``): per sequence, an estimate of the chance that a draft token is accepted (recent rounds
-weigh more) picks the k that makes the most tokens per unit of step time, an extra row costing ``row_cost`` of a
-decode step; when no k pays, the sequence drafts nothing for a while (twice as long each time, up to ``MAX_PAUSE``
-steps), then tries one draft token again.
+weigh more) picks the k that makes the most tokens per unit of step time (``step_cost``: what a step of k + 1 rows
+costs against a decode step, by device); when no k pays, the sequence drafts nothing for a while (twice as long each
+time, up to ``MAX_PAUSE`` steps), then tries one draft token again. The choice depends on the sequence's own history
+only, so a seeded request draws the same numbers each time it runs.
 
 Gated delta net layers (hybrid models) advance a recurrent state over every row, rejected drafts included: the state
 rows of a drafted sequence are copied before its step and put back when a draft is rejected, and the tokens it kept
@@ -40,10 +41,17 @@ METHODS = ("ngram", "draft_model")
 MAX_PAUSE = 32  # steps a sequence whose drafts do not pay waits at most before it tries again
 DECAY = 0.7  # weight of the previous rounds in the acceptance estimate
 PRIOR = (1.4, 2.0)  # (accepted, drafted) pseudo-counts the estimate starts from: a chance of 0.7
-# what one more row of a step costs, as a share of a one-row decode step: on a CPU the products read every weight once
-# per step and spend about half a decode step's time per row on the arithmetic (the default model, one thread); a GPU
-# step of a few rows costs about what one row does
-ROW_COST = {"cpu": 0.5, "cuda": 0.05}
+# what a step's second row and each further one cost, as shares of a one-row decode step: on a CPU the native integer
+# kernels take the rows of x in pairs, so a second row costs about a third of a step and each further one about 0.7
+# (the default model on one thread, bench/speculative.py: 17.2 ms a step of one row, 23.2 of two, 33.9 of three, 68.5
+# of five); on a GPU a step of a few rows costs about what one row does
+ROW_COST = {"cpu": (0.35, 0.7), "cuda": (0.05, 0.05)}
+
+
+def step_cost(rows: int, row_cost: tuple[float, float]) -> float:
+    """What a step of one sequence's ``rows`` rows costs against a one-row step (``row_cost``: as ``ROW_COST``'s)."""
+    second, more = row_cost
+    return 1.0 + (second if rows > 1 else 0.0) + more * max(0, rows - 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,17 +116,17 @@ def _positive(name: str, value: object) -> None:
         raise ArgumentError(f"speculative_config: {name} must be an int >= 1, got {value!r}")
 
 
-def best_k(chance: float, k_max: int, row_cost: float) -> int:
+def best_k(chance: float, k_max: int, row_cost: tuple[float, float]) -> int:
     """The number of drafts that makes the most tokens per unit of step time: k drafts, each accepted with
-    probability ``chance`` (given the ones before it), give 1 + chance + ... + chance^k tokens for 1 + row_cost k;
-    0 when no k beats a plain step."""
+    probability ``chance`` (given the ones before it), give 1 + chance + ... + chance^k tokens for a step of k + 1
+    rows; 0 when no k beats a plain step."""
     best, value = 0, 1.0
     made, p = 1.0, 1.0
     for k in range(1, k_max + 1):
         p *= chance
         made += p
-        if made / (1 + row_cost * k) > value:
-            best, value = k, made / (1 + row_cost * k)
+        if made / step_cost(k + 1, row_cost) > value:
+            best, value = k, made / step_cost(k + 1, row_cost)
     return best
 
 
@@ -133,7 +141,7 @@ class Adaptive:
         self.pause = 0  # steps left without drafts
         self.wait = 1  # the next pause
 
-    def want(self, k_max: int, row_cost: float) -> int:
+    def want(self, k_max: int, row_cost: tuple[float, float]) -> int:
         """Drafts to ask for this step (the probe after a pause: one)."""
         if self.pause > 0:
             self.pause -= 1
@@ -227,10 +235,11 @@ class Rollback:
 
 class Speculator:
     """The engine's drafting: which sequences of a step get drafts and how many (``draft``), and what follows the
-    verified step (``settle``). ``drafter``: a ``DraftModel`` for method "draft_model", else None (prompt lookup).
+    verified step (``settle``). ``row_cost``: the device's ``ROW_COST``. ``drafter``: a ``DraftModel`` for method
+    "draft_model", else None (prompt lookup).
     Counts drafted and accepted tokens since the engine started."""
 
-    def __init__(self, config: SpeculativeConfig, row_cost: float, drafter: Any = None) -> None:
+    def __init__(self, config: SpeculativeConfig, row_cost: tuple[float, float], drafter: Any = None) -> None:
         self.config, self.row_cost, self.drafter = config, row_cost, drafter
         self.drafted = self.accepted = 0
 
