@@ -2,7 +2,8 @@
 rank, started by the test and bounded in time (the whole process group is killed on a timeout).
 
 - the default model, 3 ranks, through the CLI: the same greedy text as one process, printed once;
-- a tiny random Llama (4 KV heads), 2 ranks: the same greedy ids as tp=1 in one process, for a batch of prompts;
+- a tiny random Llama (4 KV heads), 2 ranks: the same greedy ids as tp=1 in one process, for a batch of prompts,
+  also with speculative decoding (the model drafting for itself: every rank takes rank 0's drafts and tokens);
 - a rank that dies mid-generation: the survivor raises a dtorch error naming the collective and the peer;
 - bad sizes: clear errors with exit code 2.
 
@@ -31,18 +32,21 @@ DIE_AFTER = 3  # rank 1 exits ("die") or hangs ("stall") after this many decode 
 # -- what each rank runs -------------------------------------------------------------------------------------------
 
 def _worker(mode: str, model: str) -> int:
-    """One rank: "greedy" prints the batch's greedy ids as JSON (rank 0); "die" / "stall" lose rank 1
-    mid-generation (it exits / hangs) and report the survivor's error on stderr (exit 3)."""
+    """One rank: "greedy" prints the batch's greedy ids as JSON (rank 0), "speculative" too with the model as its own
+    draft model; "die" / "stall" lose rank 1 mid-generation (it exits / hangs) and report the survivor's error on
+    stderr (exit 3)."""
     from dtorch.core.errors import DtorchError
     from dtorch.engine.llm import LLM
     from dtorch.engine.sampling import SamplingParams
     from dtorch.models.executor import Executor
 
     rank = int(os.environ["RANK"])
-    params = SamplingParams(temperature=0.0, max_tokens=10 if mode == "greedy" else 40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10 if mode in ("greedy", "speculative") else 40,
+                            ignore_eos=True)
+    spec = {"model": model, "num_speculative_tokens": 2} if mode == "speculative" else None
     llm, t0 = None, time.monotonic()
     try:
-        llm = LLM(model, tensor_parallel_size=int(os.environ["WORLD_SIZE"]), max_num_seqs=4)
+        llm = LLM(model, tensor_parallel_size=int(os.environ["WORLD_SIZE"]), max_num_seqs=4, speculative_config=spec)
         if mode in ("die", "stall") and rank == 1:
             step, steps = Executor.step, []
 
@@ -58,6 +62,8 @@ def _worker(mode: str, model: str) -> int:
         outs = llm.generate(BATCH, params)
         if rank == 0:
             print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+            if spec is not None:
+                print(f"accepted {llm.engine.stats().spec_accepted_tokens}", flush=True)
         return 0
     except DtorchError as exc:
         print(f"rank {rank}: {type(exc).__name__} after {time.monotonic() - t0:.1f}s: {exc}", file=sys.stderr,
@@ -142,7 +148,8 @@ def test_default_model_three_ranks_print_one_processs_text():
     print(f"3 ranks: {seconds:.1f}s")
 
 
-def test_tiny_llama_two_ranks_greedy_ids_equal_one_process(tiny_llama):
+@pytest.mark.parametrize("mode", ["greedy", "speculative"])
+def test_tiny_llama_two_ranks_greedy_ids_equal_one_process(tiny_llama, mode):
     from dtorch.engine.llm import LLM
     from dtorch.engine.sampling import SamplingParams
 
@@ -152,11 +159,13 @@ def test_tiny_llama_two_ranks_greedy_ids_equal_one_process(tiny_llama):
                                                                         ignore_eos=True))]
     finally:
         llm.close()
-    proc, _ = _run(_torchrun(2, __file__, "greedy", str(tiny_llama)), timeout=300)
+    proc, _ = _run(_torchrun(2, __file__, mode, str(tiny_llama)), timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert len(lines) == 1, proc.stdout  # rank 0 only
     assert json.loads(lines[0]) == want
+    if mode == "speculative":  # the drafts were kept (a model agrees with itself)
+        assert int(proc.stdout.split("accepted ")[1].split()[0]) > 0, proc.stdout
 
 
 @pytest.mark.parametrize(("mode", "group_timeout", "why"), [
