@@ -23,7 +23,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 
 
 class _EngineCollector(Collector):
-    """One ``engine.stats()`` per scrape, as gauges and counters."""
+    """One ``engine.stats()`` per scrape, as gauges and counters (the speculative ones where the engine has a
+    ``speculator``)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -38,7 +39,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("dtorch:generation_tokens", "Tokens generated.", value=s.generation_tokens)
         yield CounterMetricFamily("dtorch:num_preemptions", "Sequences preempted for cache space.",
                                   value=s.preemptions)
-        if self.engine.speculator is not None:  # vLLM's spec_decode names
+        if getattr(self.engine, "speculator", None) is not None:  # vLLM's spec_decode names
             yield CounterMetricFamily("dtorch:spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
                                       value=s.spec_draft_tokens)
             yield CounterMetricFamily("dtorch:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
