@@ -33,6 +33,16 @@ FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {
             "qwen3_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread for this module's models (and back after): on this shared 2-core machine a team of two
+    that waits at every barrier for a descheduled thread made the default model's steps up to 20 times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def rand_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -230,6 +240,27 @@ def test_a_draft_model_keeps_the_targets_greedy_ids(pair, draft, tp):
         llm.close()
 
 
+def test_blocks_of_kept_drafts_are_named_for_the_prefix_cache(pair):
+    """A prompt that goes on from an answer whose tokens were mostly kept drafts finds all its whole blocks in the
+    prefix cache, and continues as transformers does."""
+    target, _, answers = pair
+    llm = LLM(target, max_num_seqs=4, block_size=4)
+    try:
+        use_oracle(llm, answers)
+        prompt = PROMPTS[2]
+        assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == answers[tuple(prompt)]
+        assert llm.engine.stats().spec_accepted_tokens > NEW // 2
+        longer = prompt + answers[tuple(prompt)]
+        before = llm.engine.stats().prefix_hits
+        llm.engine.speculator = None
+        out = llm.generate([longer], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+        assert llm.engine.stats().prefix_hits - before == 4 * ((len(longer) - 1) // 4)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
+        assert out.outputs[0].token_ids == hf_continue(hf, longer, 6) and blocks_free(llm)
+    finally:
+        llm.close()
+
+
 def test_a_draft_model_must_share_the_vocabulary_and_attend(pair, tmp_path):
     target, _, _ = pair
     save_random(transformers, tiny_config(transformers, "qwen3", vocab_size=130), tmp_path / "vocab")
@@ -359,9 +390,9 @@ def both(llm: LLM, prompt, params: SamplingParams, plain: bool = True):
         before.update({id(s): len(s.output_ids) for s in seqs})
         return verify(engine, seqs, *rest)
 
-    def watch_settle(engine, seq, draft, tokens, rollback):
+    def watch_settle(engine, seq, draft, tokens, taken, rollback):
         rounds.append((before[id(seq)], list(tokens), len(seq.output_ids)))
-        return settle(engine, seq, draft, tokens, rollback)
+        return settle(engine, seq, draft, tokens, taken, rollback)
 
     llm.engine.speculator = None
     plain = llm.generate([prompt], params)[0].outputs[0] if plain else None

@@ -301,12 +301,14 @@ class Engine:
         runs, logprobs = self.speculator.verify(self, seqs, logits, drafts, entries)
         done = []
         for s, run, lps, i in zip(seqs, runs, logprobs, entries, strict=True):
+            taken = 0
             for tok, lp in zip(run, lps, strict=True):
+                taken += 1
                 if self._take(s, tok, lp):
                     done.append(s)
                     break
             if drafts.tokens[i]:
-                self.speculator.settle(self, s, drafts.tokens[i], run, drafts.rollback)
+                self.speculator.settle(self, s, drafts.tokens[i], run, taken, drafts.rollback)
         if done:
             self._finish(done)
 

@@ -307,13 +307,13 @@ class Speculator:
         redo, st.redo = st.redo, 0
         return 1 + redo
 
-    def settle(self, engine: Any, seq: Any, draft: Sequence[int], tokens: Sequence[int],
+    def settle(self, engine: Any, seq: Any, draft: Sequence[int], tokens: Sequence[int], taken: int,
                rollback: Rollback | None) -> None:
-        """After ``seq`` took ``tokens`` (the drafts verification kept, then the target's own; fewer when it ended on
-        one): count them, feed the adaptive k, and unless it ended, mark the kept drafts computed (their keys are in
-        the cache; their full blocks are named for the prefix cache) or, where a rejected draft advanced the hybrid
-        state, put the state back and compute the kept tokens again next step; blocks past its computed tokens go
-        back."""
+        """After ``seq`` took ``taken`` of ``tokens`` (the drafts verification kept, then the target's own; fewer when
+        it ended on one): count them and feed the adaptive k; mark the kept drafts it took computed (their keys are in
+        the cache; their full blocks are named for the prefix cache, also when it ended) or, where a rejected draft
+        advanced the hybrid state, put the state back and compute the kept tokens again next step; unless it ended,
+        give back the blocks past its computed tokens."""
         st = self.state(seq)
         kept = len(tokens) - 1
         self.drafted += len(draft)
@@ -321,14 +321,14 @@ class Speculator:
         st.adaptive.observe(len(draft), kept)
         if self.drafter is not None:
             st.draft_computed += min(kept, len(draft) - 1)  # the draft model has keys for the drafts it read
-        if seq.finished:
-            return
         if rollback is not None and kept < len(draft):
-            seq.computed = rollback.restore(seq)
-            st.redo = len(seq.ids) - 1 - seq.computed
+            if not seq.finished:
+                seq.computed = rollback.restore(seq)
+                st.redo = len(seq.ids) - 1 - seq.computed
         else:
-            engine.scheduler.computed(seq, kept)
-        engine.scheduler.trim(seq)
+            engine.scheduler.computed(seq, min(kept, taken))
+        if not seq.finished:
+            engine.scheduler.trim(seq)
 
     def close(self) -> None:
         if self.drafter is not None:
