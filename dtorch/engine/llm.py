@@ -92,7 +92,7 @@ class LLM:
                  block_size: int = BLOCK_SIZE,
                  enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None,
                  check_weights: bool = True, enforce_eager: bool = False,
-                 speculative_config: Mapping[str, Any] | None = None,
+                 speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
                  batch_invariant: bool | None = None) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
