@@ -44,6 +44,20 @@ def test_push_returns_at_once_and_synchronize_waits():
     assert s.close()
 
 
+@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_sigmask"), reason="POSIX signal masks")
+def test_stream_threads_leave_ctrl_c_and_sigterm_to_the_main_thread():
+    """A Ctrl-C the kernel delivered to a stream thread would wait for the main thread's next bytecode (never, in a
+    blocking input() or select()): the stream threads block SIGINT and SIGTERM, the main thread does not."""
+    import signal
+
+    s = KernelStream(Device("cpu", 0), StreamType.COMPUTE)
+    seen = []
+    s.push(_Item(lambda: seen.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+    assert s.synchronize(5.0) and s.close()
+    assert {signal.SIGINT, signal.SIGTERM} <= seen[0]
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
 def test_events_order_work_across_streams_without_blocking_the_host():
     mgr = StreamManager(1)
     comp = mgr.stream(Device("cpu", 0), StreamType.COMPUTE)

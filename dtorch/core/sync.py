@@ -10,8 +10,20 @@ round trip on ``threading.Event`` and 56 us on ``Flag``.
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 from collections.abc import Callable
+
+# the signals a person sends a process: a worker thread blocks them so that the kernel delivers them to the main
+# thread, whose Python handlers (KeyboardInterrupt, a server's shutdown) then run at once. Delivered to a worker, they
+# would wait until the main thread next ran Python code, and a main thread blocked in input() or select() never does.
+_PROCESS_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def leave_signals_to_main() -> None:
+    """Block SIGINT and SIGTERM in the calling thread (a worker thread calls it first thing); POSIX only."""
+    if hasattr(signal, "pthread_sigmask") and threading.current_thread() is not threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_BLOCK, _PROCESS_SIGNALS)
 
 
 class Flag:

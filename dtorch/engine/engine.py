@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence as Seq
 import torch
 
 from dtorch.core.errors import ArgumentError, EngineBusy, ModelError, SamplingError
+from dtorch.core.sync import leave_signals_to_main
 from dtorch.engine.block_manager import BlockManager
 from dtorch.engine.embedding import EmbeddingQueue, EmbedJob, EmbedSink, check_pooling
 from dtorch.engine.request import Delta, EngineStats, Sink
@@ -414,6 +415,7 @@ class EngineLoop:
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
         """Step on this thread until ``stop`` (or until ``until()`` turns true, checked at least every 0.1 s)."""
+        leave_signals_to_main()  # on a thread of its own: Ctrl-C and SIGTERM stay the main thread's
         e = self.engine
         while not self._stop.is_set() and not (until is not None and until()):
             try:

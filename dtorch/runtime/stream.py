@@ -30,7 +30,7 @@ import torch
 from dtorch.core import env, hostsync
 from dtorch.core.device import Device
 from dtorch.core.errors import ArgumentError, DtorchError, SyncTimeout
-from dtorch.core.sync import Flag
+from dtorch.core.sync import Flag, leave_signals_to_main
 
 
 class StreamType(enum.Enum):
@@ -158,6 +158,7 @@ class KernelStream:
         """Hook for device streams: the device runs later work of this stream after ``event.device_event``."""
 
     def _loop(self) -> None:
+        leave_signals_to_main()
         self._setup_thread()
         get, done = self._queue.get, self.in_flight.popleft
         while True:
