@@ -477,7 +477,7 @@ static void qgemm_sg256_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t
   int64_t n = n0;
   if (a.levels == 1) {  // prefill and batches: 4 x 2 tiles, the two weight rows decoded once for 4 rows of x
     for (; n + 2 <= n1; n += 2) {
-      if (M < 4 && n + 2 + kAhead <= n1)
+      if (n + 2 + kAhead <= n1)
         for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) sg_block256<F, 4, 2, false>(w, a, m, n, bias, y, ydt, ldy);
@@ -488,7 +488,7 @@ static void qgemm_sg256_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t
     return;
   }
   for (; n + 2 <= n1; n += 2) {
-    if (M < 4 && n + 2 + kAhead <= n1)
+    if (n + 2 + kAhead <= n1)
       for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
     int64_t m = 0;
     for (; m + 2 <= M; m += 2) sg_block256<F, 2, 2, true>(w, a, m, n, bias, y, ydt, ldy);
