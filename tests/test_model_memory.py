@@ -148,7 +148,7 @@ def test_building_and_running_a_model_graph_never_imports_sympy(tiny):
 def test_meta_inference_keeps_strides_where_the_op_asks_for_them():
     """The graph's ``empty_like`` shortcut serves contiguous tensors only: a transposed meta input still gets torch's
     own ``empty_like``, strides and all."""
-    from dtorch.graph.logical import _MetaEmptyLike
+    from dtorch.graph.infer import _MetaEmptyLike
 
     x = torch.empty(4, 6, device="meta").t()
     with _MetaEmptyLike():

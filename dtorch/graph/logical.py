@@ -22,34 +22,17 @@ from typing import Any
 import torch
 
 from dtorch.core.dtypes import as_dtype
-from dtorch.core.errors import ArgumentError, DeviceError, DtorchError, GraphError
+from dtorch.core.errors import ArgumentError, DeviceError, GraphError
 from dtorch.core.placement import Partial, Placement, Replicate, Shard, as_placement, local_shape
 from dtorch.dispatch.context import KernelParams
 from dtorch.graph.bindings import bind
+from dtorch.graph.infer import as_tuple, infer_outputs, meta_tensor
 from dtorch.graph.mesh import DeviceMesh
 from dtorch.graph.operand import COMMUNICATE, COMPUTE, Operand, Operator
 from dtorch.graph.strategy import choose
 from dtorch.graph.views import split_placements, view_placement, view_shape
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-
-
-class _MetaEmptyLike(torch.overrides.TorchFunctionMode):
-    """``torch.empty_like`` of a contiguous meta tensor as ``torch.empty`` of its shape, while inferring.
-
-    Torch's meta ``empty_like`` computes the output's strides through ``torch._refs``, which imports its symbolic
-    shapes module and sympy: 33 MiB of resident memory in every process that builds a graph, for strides that a
-    contiguous tensor already has.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.empty_like and len(args) == 1 and args[0].device.type == "meta":
-            x, fmt = args[0], kwargs.get("memory_format", torch.preserve_format)
-            rest = {k: v for k, v in kwargs.items() if k != "memory_format"}
-            if (fmt is torch.contiguous_format or x.is_contiguous()) and set(rest) <= {"dtype", "device"}:
-                return torch.empty(x.shape, dtype=rest.get("dtype") or x.dtype, device=rest.get("device") or x.device)
-        return func(*args, **kwargs)
 
 
 class LogicalGraph:
@@ -145,7 +128,7 @@ class LogicalGraph:
         name = f"{b.kernel_op}#{next(self._seq)}"
         nout = b.num_outputs
         aliases = b.aliases or (None,) * nout
-        glob = _outputs(name, self._infer(name, b.infer, [_meta(o.shape, o.dtype) if o is not None else None
+        glob = as_tuple(name, infer_outputs(name, b.infer, [meta_tensor(o.shape, o.dtype) if o is not None else None
                                                          for o in b.inputs], nout), nout)
         shapes = [o.shape if o is not None else None for o in b.inputs]
         current = [o.placement if o is not None else None for o in b.inputs]
@@ -168,8 +151,8 @@ class LogicalGraph:
             moved = tuple(self._move(o, w) if o is not None else None for o, w in zip(b.inputs, want, strict=False))
             local: list[dict[int, tuple[int, ...]]] = [{} for _ in range(nout)]
             for i in self.mesh.ids:
-                metas = [_meta(o.local_shapes[i], o.dtype) if o is not None else None for o in moved]
-                for j, t in enumerate(_outputs(name, self._infer(name, b.infer, metas, nout), nout)):
+                metas = [meta_tensor(o.local_shapes[i], o.dtype) if o is not None else None for o in moved]
+                for j, t in enumerate(as_tuple(name, infer_outputs(name, b.infer, metas, nout), nout)):
                     local[j][i] = tuple(t.shape)
             per_device = None
             if local_params is not None:
@@ -202,7 +185,7 @@ class LogicalGraph:
             self._own(o, f"python kernel argument {i}")
         label = f"python.{name or getattr(fn, '__name__', 'fn')}#{next(self._seq)}"
         if shape is None or dtype is None:
-            out = self._infer(label, lambda t: fn(*t), [_meta(o.shape, o.dtype) for o in inputs])
+            out = infer_outputs(label, lambda t: fn(*t), [meta_tensor(o.shape, o.dtype) for o in inputs])
             shape = out.shape if shape is None else shape
             dtype = out.dtype if dtype is None else dtype
         shape = tuple(shape)
@@ -372,21 +355,6 @@ class LogicalGraph:
             del self.operators[sizes[1]:]
             raise
 
-    def _infer(self, name: str, infer: Callable, metas: list, nout: int = 1) -> Any:
-        try:
-            with _MetaEmptyLike():
-                out = infer(metas)
-        except DtorchError as exc:
-            raise type(exc)(f"graph operator {name}: {exc}") from exc
-        except Exception as exc:
-            raise GraphError(f"graph operator {name}: inferring its output on meta tensors failed: "
-                             f"{type(exc).__name__}: {exc} (give shape= and dtype= for a Python kernel)") from exc
-        if isinstance(out, torch.Tensor) or (nout > 1 and isinstance(out, tuple)
-                                             and all(isinstance(t, torch.Tensor) for t in out)):
-            return out
-        raise GraphError(f"graph operator {name}: must produce {'one tensor' if nout == 1 else f'{nout} tensors'}, "
-                         f"got {type(out).__name__}")
-
     def _placement(self, p: object, shape: tuple[int, ...], what: str) -> Placement:
         pl = as_placement(p, f"{what}: placement")
         if isinstance(pl, Shard) and pl.dim >= len(shape):
@@ -446,17 +414,6 @@ def _carry(p: Placement, shape: torch.Size, shaped: set) -> Placement:
         return p
     same = [(bl, u) for bl, u, extent in shaped if extent == shape[p.dim]]
     return Shard(p.dim, *same[0]) if len(same) == 1 else p
-
-
-def _outputs(name: str, out: Any, nout: int) -> tuple[torch.Tensor, ...]:
-    outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-    if len(outs) != nout:
-        raise GraphError(f"graph operator {name}: inferred {len(outs)} outputs, expected {nout}")
-    return outs
-
-
-def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 __all__ = ["COLLECTIVES", "LogicalGraph"]
