@@ -471,31 +471,29 @@ static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int6
   }
 }
 
-template <int F>
-static void qgemm_sg256_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
-                            void* y, int ydt, int64_t ldy) {
+// Rows n0..n1 of w against M rows of x in MR x 2 tiles (the two weight rows decoded once for MR rows of x), the rows
+// kAhead on prefetched; LO: both levels of x
+template <int F, int MR, bool LO>
+static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                        void* y, int ydt, int64_t ldy) {
   int64_t n = n0;
-  if (a.levels == 1) {  // prefill and batches: 4 x 2 tiles, the two weight rows decoded once for 4 rows of x
-    for (; n + 2 <= n1; n += 2) {
-      if (n + 2 + kAhead <= n1)
-        for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) sg_block256<F, 4, 2, false>(w, a, m, n, bias, y, ydt, ldy);
-      for (; m < M; ++m) sg_block256<F, 1, 2, false>(w, a, m, n, bias, y, ydt, ldy);
-    }
-    for (; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, false>(w, a, m, n, bias, y, ydt, ldy);
-    return;
-  }
   for (; n + 2 <= n1; n += 2) {
     if (n + 2 + kAhead <= n1)
       for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) sg_block256<F, 2, 2, true>(w, a, m, n, bias, y, ydt, ldy);
-    for (; m < M; ++m) sg_block256<F, 1, 2, true>(w, a, m, n, bias, y, ydt, ldy);
+    for (; m + MR <= M; m += MR) sg_block256<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+    for (; m < M; ++m) sg_block256<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
   }
   for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, true>(w, a, m, n, bias, y, ydt, ldy);
+    for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
+}
+
+// a batch of decodes on one level: 4 x 2 tiles (half the accumulators of two levels); else 2 x 2
+template <int F>
+static void qgemm_sg256_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                            void* y, int ydt, int64_t ldy) {
+  if (a.levels == 1) return sg_tiles256<F, 4, false>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  sg_tiles256<F, 2, true>(w, a, M, n0, n1, bias, y, ydt, ldy);
 }
 
 static void qgemm_sg256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
