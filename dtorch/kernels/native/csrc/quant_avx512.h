@@ -1,6 +1,6 @@
-// Quantized products with AVX-512 VNNI: Q8_0, Q4_0 and Q4_1 in super-groups (SGAct), one lane per block. The other
-// formats run quant_avx2.h's kernels (included before this file): they are tested on the AVX2 machines they were
-// written on, and no AVX-512 machine has yet measured a 512-bit version of them.
+// Quantized products with AVX-512 VNNI: every super-grouped format (SGAct), one lane per block. The group formats
+// (Q2_K, Q3_K, IQ4_XS) and the last super-group of a row under 16 blocks run quant_avx2.h's kernels (included
+// before this file).
 // Included inside namespace DTN_ISA of isa_avx512.cpp.
 
 // the two activation levels' integer sums as one float: hi + lo / 254 (as the portable kernels round it)
@@ -132,80 +132,176 @@ static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t
   }
 }
 
-template <int F, int MR, int NR>
+// Every super-grouped format (SG in generic.h) on whole super-groups: per step u, one 64-byte vector of each weight
+// row (a K-quant's two super-blocks side by side) meets a 64-byte load of each activation row in vpdpbusd, the
+// quants unsigned (Q8_0 stored as q + 128, IQ4_NL as its level + 128; their offsets meet SGAct's sums). A last
+// super-group of S < 16 blocks: sg_tail512 for Q8_0 / Q4_0 / Q4_1 on both levels, else quant_avx2.h's tile on the
+// activations from that group on. LO: both activation levels.
+static inline __m512i two_halves(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+static inline __m512 two_ps(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+template <int F, int MR, int NR, bool LO>
 static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
                               float (&out)[MR][NR]) {
   using G = SG<F>;
-  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  constexpr bool Q6 = F == dtn::Q6_K;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
+  const __m512i iq4 = _mm512_xor_si512(
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dtn::kIq4Levels))),
+      _mm512_set1_epi8(char(0x80)));  // level + 128
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
   const int64_t rs = a.nsg * 1024;
+  const int64_t gbytes = G::kblock ? 2 * G::kblock : 16 * G::bytes;  // a super-group's bytes in a weight row
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
-    const __mmask16 lm = __mmask16((1u << S) - 1);
-    const __mmask64 bm = S == 16 ? ~0ull : (1ull << (4 * S)) - 1;
     const uint8_t* p[NR];
-    for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * 16 * G::bytes;
-    const int64_t qoff = 2 * S * G::scales;
+    for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * gbytes;
     const int8_t* ag = a.q + m0 * rs + g * 1024;  // hi levels, then lo at + 512
     if (S < 16) {
-      sg_tail512<F, MR, NR>(p, ag, rs, a.d + m0 * a.nsg * 16 + g * 16, a.s + m0 * a.nsg * 16 + g * 16, a.nsg * 16, S,
-                            acc);
+      if constexpr (LO && (F == dtn::Q8_0 || F == dtn::Q4_0 || F == dtn::Q4_1)) {
+        sg_tail512<F, MR, NR>(p, ag, rs, a.d + m0 * a.nsg * 16 + g * 16, a.s + m0 * a.nsg * 16 + g * 16,
+                              a.nsg * 16, S, acc);
+      } else {
+        const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
+        float o[MR][NR];
+        sg_tile256<F, MR, NR, LO>(p, at, m0, nb - g * 16, o);
+        for (int m = 0; m < MR; ++m)
+          for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_add_ps(acc[m][n], _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0,
+                                                                                           0, 0, 0, 0, 0, 0, 0, o[m][n]));
+      }
       continue;
     }
-    __m512i is[MR][NR], il[MR][NR];
+    const int64_t qoff = 2 * 16 * G::scales + 16 * G::hbytes;  // 32-block formats: the quants after scales, high bits
+    auto quants = [&](int n, int u) -> __m512i {  // step u's 64 bytes of row n
+      if constexpr (G::kblock != 0) return two_halves(p[n] + G::kq + 32 * u, p[n] + G::kblock + G::kq + 32 * u);
+      return _mm512_loadu_si512(p[n] + qoff + 64 * u);
+    };
+    auto high = [&](int n, int off) -> __m512i {  // Q5's fifth bits of the 16 blocks (Q6_K: high bits at + off)
+      if constexpr (G::kblock != 0) return two_halves(p[n] + G::kh + off, p[n] + G::kblock + G::kh + off);
+      return _mm512_loadu_si512(p[n] + 2 * 16 * G::scales);
+    };
+    __m512i is[MR][NR], il[MR][NR], is2[MR][NR], il2[MR][NR];  // is2, il2: Q6_K's high nibbles (own scales)
     for (int m = 0; m < MR; ++m)
-      for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm512_setzero_si512();
+      for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = is2[m][n] = il2[m][n] = _mm512_setzero_si512();
     if constexpr (F == dtn::Q8_0) {
       for (int u = 0; u < 8; ++u) {
         __m512i wv[NR];
-        for (int n = 0; n < NR; ++n) wv[n] = _mm512_maskz_loadu_epi8(bm, p[n] + qoff + u * 4 * S);
+        for (int n = 0; n < NR; ++n) wv[n] = _mm512_loadu_si512(p[n] + qoff + 64 * u);
         for (int m = 0; m < MR; ++m) {
           const __m512i av = _mm512_loadu_si512(ag + m * rs + u * 64);
-          const __m512i lv = _mm512_loadu_si512(ag + m * rs + 512 + u * 64);
-          for (int n = 0; n < NR; ++n) {
-            is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
-            il[m][n] = _mm512_dpbusd_epi32(il[m][n], wv[n], lv);
+          for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
+          if constexpr (LO) {
+            const __m512i lv = _mm512_loadu_si512(ag + m * rs + 512 + u * 64);
+            for (int n = 0; n < NR; ++n) il[m][n] = _mm512_dpbusd_epi32(il[m][n], wv[n], lv);
           }
         }
       }
     } else {
+      __m512i hv[NR];
+      if constexpr (G::hbytes != 0)
+        for (int n = 0; n < NR; ++n) hv[n] = high(n, 0);
       for (int u = 0; u < 4; ++u) {
         __m512i wl[NR], wh[NR];
         for (int n = 0; n < NR; ++n) {
-          const __m512i v = _mm512_maskz_loadu_epi8(bm, p[n] + qoff + u * 4 * S);
+          const __m512i v = quants(n, u);
           wl[n] = _mm512_and_si512(v, lo4);
           wh[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+          if constexpr (Q6) {  // two high bits per quant, 4 steps a byte (as quant_avx2.h)
+            const __m512i hq = high(n, 32 * (u % 2));
+            const __m512i hl = u < 2 ? _mm512_slli_epi16(hq, 4) : hq;
+            const __m512i hh = u < 2 ? _mm512_slli_epi16(hq, 2) : _mm512_srli_epi16(hq, 2);
+            wl[n] = _mm512_or_si512(wl[n], _mm512_and_si512(hl, b45));
+            wh[n] = _mm512_or_si512(wh[n], _mm512_and_si512(hh, b45));
+          } else if constexpr (G::hbytes != 0) {  // bit u of each byte: the low nibble's fifth bit, 4 + u the high's
+            wl[n] = _mm512_or_si512(wl[n], _mm512_and_si512(_mm512_slli_epi16(hv[n], 4 - u), b4));
+            wh[n] = _mm512_or_si512(wh[n], _mm512_and_si512(_mm512_srli_epi16(hv[n], u), b4));
+          }
+          if constexpr (F == dtn::IQ4_NL) {
+            wl[n] = _mm512_shuffle_epi8(iq4, wl[n]);
+            wh[n] = _mm512_shuffle_epi8(iq4, wh[n]);
+          }
         }
-        for (int m = 0; m < MR; ++m) {
+        for (int m = 0; m < MR; ++m) {  // a low nibble meets step u, a high one step u + 4
           const int8_t* am = ag + m * rs;
           const __m512i al = _mm512_loadu_si512(am + u * 64), ah = _mm512_loadu_si512(am + (u + 4) * 64);
-          const __m512i ll = _mm512_loadu_si512(am + 512 + u * 64), lh = _mm512_loadu_si512(am + 512 + (u + 4) * 64);
           for (int n = 0; n < NR; ++n) {
-            is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
-            il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], wl[n], ll), wh[n], lh);
+            if constexpr (Q6) {
+              is[m][n] = _mm512_dpbusd_epi32(is[m][n], wl[n], al);
+              is2[m][n] = _mm512_dpbusd_epi32(is2[m][n], wh[n], ah);
+            } else {
+              is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
+            }
+          }
+          if constexpr (LO) {
+            const __m512i ll = _mm512_loadu_si512(am + 512 + u * 64), lh = _mm512_loadu_si512(am + 512 + (u + 4) * 64);
+            for (int n = 0; n < NR; ++n) {
+              if constexpr (Q6) {
+                il[m][n] = _mm512_dpbusd_epi32(il[m][n], wl[n], ll);
+                il2[m][n] = _mm512_dpbusd_epi32(il2[m][n], wh[n], lh);
+              } else {
+                il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], wl[n], ll), wh[n], lh);
+              }
+            }
           }
         }
       }
     }
-    __m512 dw[NR], mw[NR];
+    __m512 dw[NR], mw[NR];  // per block: the scale, and the min (Q6_K: the second 16 weights' scale)
     for (int n = 0; n < NR; ++n) {
-      dw[n] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lm, p[n]));
-      mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lm, p[n] + 2 * S)) : dw[n];
+      if constexpr (Q6) {  // d sc per 16 weights: dw the first 16 weights' (sc[2 j]), mw the second's
+        const __m128i ev = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m128i s0 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[n] + 2)), ev);
+        const __m128i s1 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[n] + G::kblock + 2)), ev);
+        uint16_t d0, d1;
+        std::memcpy(&d0, p[n], 2);
+        std::memcpy(&d1, p[n] + G::kblock, 2);
+        const __m512 d = two_ps(_mm256_set1_ps(_cvtsh_ss(d0)), _mm256_set1_ps(_cvtsh_ss(d1)));
+        dw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))));
+        mw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))));
+      } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per block
+        uint16_t dm0[2], dm1[2];
+        std::memcpy(dm0, p[n], 4);
+        std::memcpy(dm1, p[n] + G::kblock, 4);
+        auto bytes16 = [&](int off) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + off)),
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + G::kblock + off)))));
+        };
+        dw[n] = _mm512_mul_ps(two_ps(_mm256_set1_ps(_cvtsh_ss(dm0[0])), _mm256_set1_ps(_cvtsh_ss(dm1[0]))),
+                              bytes16(4));
+        mw[n] = _mm512_mul_ps(two_ps(_mm256_set1_ps(-_cvtsh_ss(dm0[1])), _mm256_set1_ps(-_cvtsh_ss(dm1[1]))),
+                              bytes16(12));
+      } else {
+        dw[n] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n])));
+        mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n] + 32)))
+                               : dw[n];
+      }
     }
     for (int m = 0; m < MR; ++m) {
       const __m512 da = _mm512_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16);
-      __m512 sa = _mm512_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16);
-      if constexpr (G::scales == 2) {
-        for (int n = 0; n < NR; ++n) {
-          acc[m][n] = _mm512_fmadd_ps(_mm512_mul_ps(levels512(is[m][n], il[m][n]), da), dw[n], acc[m][n]);
-          acc[m][n] = _mm512_fmadd_ps(mw[n], sa, acc[m][n]);
+      const __m512 sa = _mm512_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16);
+      for (int n = 0; n < NR; ++n) {
+        const __m512 t = _mm512_mul_ps(LO ? levels512(is[m][n], il[m][n]) : _mm512_cvtepi32_ps(is[m][n]), da);
+        if constexpr (Q6) {  // (d sc) (u - 32) per 16 weights: - 32 meets the sums of each 16
+          const float* hs = a.sh + (m0 + m) * a.nsg * 32 + g * 32;
+          const __m512 t2 = _mm512_mul_ps(LO ? levels512(is2[m][n], il2[m][n]) : _mm512_cvtepi32_ps(is2[m][n]), da);
+          const __m512 k32 = _mm512_set1_ps(-32.f);
+          const __m512 lo_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs), k32, t);
+          const __m512 hi_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs + 16), k32, t2);
+          acc[m][n] = _mm512_fmadd_ps(hi_, mw[n], _mm512_fmadd_ps(lo_, dw[n], acc[m][n]));
+        } else if constexpr (G::scales == 2) {  // Q4_1, Q5_1, Q4_K, Q5_K: d u + m
+          acc[m][n] = _mm512_fmadd_ps(mw[n], sa, _mm512_fmadd_ps(t, dw[n], acc[m][n]));
+        } else {  // d (u + offset): d (da isum + offset sa)
+          acc[m][n] = _mm512_fmadd_ps(dw[n], _mm512_fmadd_ps(sa, _mm512_set1_ps(G::offset), t), acc[m][n]);
         }
-      } else {  // w = d (q + offset): d (da isum + offset sa)
-        sa = _mm512_mul_ps(sa, _mm512_set1_ps(G::offset));
-        for (int n = 0; n < NR; ++n)
-          acc[m][n] = _mm512_fmadd_ps(dw[n], _mm512_fmadd_ps(levels512(is[m][n], il[m][n]), da, sa), acc[m][n]);
       }
     }
   }
@@ -213,45 +309,62 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
     for (int n = 0; n < NR; ++n) out[m][n] = _mm512_reduce_add_ps(acc[m][n]);
 }
 
-template <int F, int MR, int NR>
+template <int F, int MR, int NR, bool LO>
 static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int64_t n, const void* bias, void* y,
                                int ydt, int64_t ldy) {
   const uint8_t* rows[NR];
   for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
   float o[MR][NR];
-  sg_tile512<F, MR, NR>(rows, a, m, w.K / 32, o);
+  sg_tile512<F, MR, NR, LO>(rows, a, m, w.K / 32, o);
   for (int j = 0; j < NR; ++j) {
     const float b = bias ? load_f(bias, ydt, n + j) : 0.f;
     for (int r = 0; r < MR; ++r) store_f(y, ydt, (m + r) * ldy + n + j, o[r][j] + b);
   }
 }
 
+// decode (under 4 rows): 1 x 4 tiles, 4 weight rows sharing each activation load, the rows kAhead on prefetched;
+// more rows: 4 x 2 tiles, the two weight rows staying in L1 while x passes
+template <int F, bool LO>
+static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                        void* y, int ydt, int64_t ldy) {
+  constexpr int NR = F == dtn::Q6_K && LO ? 2 : 4;  // Q6_K's four integer sums per tile fill the registers at 4
+  int64_t n = n0;
+  for (; n + NR <= n1 && M < 4; n += NR) {
+    if (n + NR + kAhead <= n1)
+      for (int j = 0; j < NR; ++j) prefetch_row(w, n + kAhead + j);
+    for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, NR, LO>(w, a, m, n, bias, y, ydt, ldy);
+  }
+  for (; n + 2 <= n1; n += 2) {
+    if (n + 2 + kAhead <= n1)
+      for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) sg_block512<F, 4, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+    for (; m < M; ++m) sg_block512<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
+}
+
 template <int F>
 static void qgemm_sg512_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                             void* y, int ydt, int64_t ldy) {
-  int64_t n = n0;
-  for (; n + 4 <= n1 && M < 4; n += 4) {  // decode: 4 weight rows share each activation load
-    if (n + 4 + kAhead <= n1)
-      for (int j = 0; j < 4; ++j) prefetch_row(w, n + kAhead + j);
-    for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 4>(w, a, m, n, bias, y, ydt, ldy);
-  }
-  for (; n + 2 <= n1; n += 2) {  // prefill: 4 x 2 tiles; the two weight rows stay in L1 while x passes
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) sg_block512<F, 4, 2>(w, a, m, n, bias, y, ydt, ldy);
-    for (; m < M; ++m) sg_block512<F, 1, 2>(w, a, m, n, bias, y, ydt, ldy);
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1>(w, a, m, n, bias, y, ydt, ldy);
+  if (a.levels == 1) return sg_tiles512<F, false>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  sg_tiles512<F, true>(w, a, M, n0, n1, bias, y, ydt, ldy);
 }
 
 static void qgemm_sg512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
-  if (a.levels == 2) switch (w.fmt) {  // one level: quant_avx2.h's tiles for every format
+  switch (w.fmt) {
     case dtn::Q8_0: return qgemm_sg512_fmt<dtn::Q8_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_0: return qgemm_sg512_fmt<dtn::Q4_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q4_1: return qgemm_sg512_fmt<dtn::Q4_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q4_K: return qgemm_sg512_fmt<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_K: return qgemm_sg512_fmt<dtn::Q5_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q6_K: return qgemm_sg512_fmt<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_0: return qgemm_sg512_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::Q5_1: return qgemm_sg512_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::IQ4_NL: return qgemm_sg512_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
-  qgemm_sg256(w, a, M, n0, n1, bias, y, ydt, ldy);  // Q5_0, Q5_1, IQ4_NL and the K-quants: quant_avx2.h
 }
 
 // -- dequantization in the packed order (Table::dequant; see generic.h): 16 lanes = 4 blocks x 4 bytes per chunk ----
