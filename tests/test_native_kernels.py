@@ -141,6 +141,7 @@ def test_layouts_name_what_is_wrong():
 # about France's capital (the down projection's input, silu(gate) * up, has heavy outliers). bf16 x: the one
 # rounding of the output to bf16 dominates, 2.0e-6..3.6e-6 on every path. The bounds are ~2x the worst measured.
 FLOAT_ROWS = 32  # qlinear's float path from this many rows (binding.cpp kFloatRows)
+INT_PREFILL_ISAS = ("avx512",)  # but the super-grouped formats stay integer at every row count (Table::int_prefill)
 ONE_LEVEL_ROWS = 4  # a decode batch of this many rows: one int8 level in the super-grouped formats (kOneLevelRows)
 GROUP_FORMATS = ("gguf.q2_k", "gguf.q3_k", "gguf.iq4_xs")  # always two levels under FLOAT_ROWS
 NMSE_ONE_LEVEL = (5e-5, 4e-4)  # (Gaussian, outliers): int8 x alone, llama.cpp's noise floor (the table's first column)
@@ -183,8 +184,9 @@ def test_qlinear_matches_gguf_reference(fmt, dtype, outliers, isa):
             got = nk.qlinear(x, w, fmt, one_level=batch)
             assert got.dtype == dtype and got.shape == (m, n)
             ref = x.double() @ wref.T
-            one = batch and ONE_LEVEL_ROWS <= m < FLOAT_ROWS and fmt not in GROUP_FORMATS
-            path = "float" if m >= FLOAT_ROWS else "one" if one else "two"
+            integer = m < FLOAT_ROWS or (isa in INT_PREFILL_ISAS and fmt not in GROUP_FORMATS)
+            one = batch and ONE_LEVEL_ROWS <= m and integer and fmt not in GROUP_FORMATS
+            path = "float" if not integer else "one" if one else "two"
             err[path][0] += float(((got.double() - ref) ** 2).sum())
             err[path][1] += float((ref ** 2).sum())
             if isa != "portable" and m < FLOAT_ROWS:  # the SIMD paths sum the same integers as the scalar one

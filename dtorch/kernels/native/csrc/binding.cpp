@@ -191,7 +191,9 @@ std::vector<int64_t> kernel_order(int fmt, int64_t K) {
 }
 
 // From this many rows of x on, qlinear dequantizes panels of the weight to float32 and multiplies with torch's GEMM
-// (exact float products; the integer kernels' work grows with the rows, the dequantization does not)
+// (exact float products; the integer kernels' work grows with the rows, the dequantization does not), unless the
+// ISA's integer tiles are the faster at every row count (Table::int_prefill: AVX-512 VNNI's two levels run ~1.5x
+// torch's float32 GEMM on one core)
 // (the dequantization costs as much as ~20-40 rows of integer products: a [576, 49152] head crosses at ~38 rows, a
 // [576, 960] projection at ~20; decode batches up to 32 rows stay integer)
 constexpr int64_t kFloatRows = 32;
@@ -278,7 +280,7 @@ ENTRY(py_qlinear)
   const void* bp = has_bias ? bias->data_ptr() : nullptr;
   const void* xp = x.data_ptr();
   void* yp = out.data_ptr();
-  if (M >= kFloatRows) {
+  if (M >= kFloatRows && !(tb->int_prefill && dtn::super_grouped(int(fmt)))) {
     std::string err;  // an ATen error must not unwind past the GIL release
     Py_BEGIN_ALLOW_THREADS
     try {

@@ -19,7 +19,7 @@ namespace dtn {
 const Table* table_avx2() {
   static const Table t{"avx2", DTN_ISA::quantize_rows, DTN_ISA::qgemm256, DTN_ISA::quantize_sg, DTN_ISA::qgemm_sg256,
                        DTN_ISA::gemv256, DTN_ISA::rms_norm, DTN_ISA::rope,
-                       DTN_ISA::silu_and_mul, DTN_ISA::dequant};
+                       DTN_ISA::silu_and_mul, DTN_ISA::dequant, false};
   return &t;
 }
 }  // namespace dtn

@@ -18,7 +18,7 @@ namespace dtn {
 const Table* table_portable() {
   static const Table t{"portable", DTN_ISA::quantize_rows, DTN_ISA::qgemm_portable, DTN_ISA::quantize_sg, DTN_ISA::qgemm_sg_portable,
                        DTN_ISA::gemv_portable, DTN_ISA::rms_norm, DTN_ISA::rope,
-                       DTN_ISA::silu_and_mul, DTN_ISA::dequant};
+                       DTN_ISA::silu_and_mul, DTN_ISA::dequant, false};
   return &t;
 }
 }  // namespace dtn

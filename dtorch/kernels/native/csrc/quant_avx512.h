@@ -323,26 +323,38 @@ static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int6
 }
 
 // decode (under 4 rows): 1 x 4 tiles, 4 weight rows sharing each activation load, the rows kAhead on prefetched;
-// more rows: 4 x 2 tiles, the two weight rows staying in L1 while x passes
+// more rows: MR x 2 tiles, the two weight rows staying in L1 while x passes, over chunks of kChunk rows of x that stay
+// in L2 while the weight rows pass (a prompt's rows are as many as its tokens)
 template <int F, bool LO>
 static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
   constexpr int NR = F == dtn::Q6_K && LO ? 2 : 4;  // Q6_K's four integer sums per tile fill the registers at 4
-  int64_t n = n0;
-  for (; n + NR <= n1 && M < 4; n += NR) {
-    if (n + NR + kAhead <= n1)
-      for (int j = 0; j < NR; ++j) prefetch_row(w, n + kAhead + j);
-    for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, NR, LO>(w, a, m, n, bias, y, ydt, ldy);
+  constexpr int MR = F == dtn::Q6_K && LO ? 2 : 4;
+  constexpr int64_t kChunk = 64;
+  if (M < 4) {
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) {
+      if (n + NR + kAhead <= n1)
+        for (int j = 0; j < NR; ++j) prefetch_row(w, n + kAhead + j);
+      for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, NR, LO>(w, a, m, n, bias, y, ydt, ldy);
+    }
+    for (; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
+    return;
   }
-  for (; n + 2 <= n1; n += 2) {
-    if (n + 2 + kAhead <= n1)
-      for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) sg_block512<F, 4, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
-    for (; m < M; ++m) sg_block512<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+  for (int64_t mc = 0; mc < M; mc += kChunk) {
+    const int64_t me = mc + kChunk < M ? mc + kChunk : M;
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+      if (n + 2 + kAhead <= n1)
+        for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
+      int64_t m = mc;
+      for (; m + MR <= me; m += MR) sg_block512<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+      for (; m < me; ++m) sg_block512<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+    }
+    for (; n < n1; ++n)
+      for (int64_t m = mc; m < me; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
   }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
 }
 
 template <int F>
