@@ -143,7 +143,7 @@ def test_layouts_name_what_is_wrong():
 FLOAT_ROWS = 32  # qlinear's float path from this many rows (binding.cpp kFloatRows)
 INT_PREFILL_ISAS = ("avx512",)  # but the super-grouped formats stay integer at every row count (Table::int_prefill)
 ONE_LEVEL_ROWS = 4  # a decode batch of this many rows: one int8 level in the super-grouped formats (kOneLevelRows)
-GROUP_FORMATS = ("gguf.q2_k", "gguf.q3_k", "gguf.iq4_xs")  # always two levels under FLOAT_ROWS
+GROUP_FORMATS = ("gguf.q2_k", "gguf.q3_k")  # always two levels under FLOAT_ROWS
 NMSE_ONE_LEVEL = (5e-5, 4e-4)  # (Gaussian, outliers): int8 x alone, llama.cpp's noise floor (the table's first column)
 NMSE_BOUND = {  # (Gaussian, outliers) for float32 x, fewer than FLOAT_ROWS rows
     "gguf.q8_0": (1e-9, 6e-9), "gguf.q4_0": (1e-9, 6e-9), "gguf.q4_1": (1e-9, 6e-9), "gguf.q4_k": (1e-9, 7e-9),

@@ -1,17 +1,16 @@
-"""The GGUF formats laid out in groups of 128 weights: Q2_K, Q3_K and IQ4_XS. Their packed row is ``[qs | d | aux]``.
+"""The GGUF formats laid out in groups of 128 weights: Q2_K and Q3_K. Their packed row is ``[qs | d | aux]``.
 (``split_q5_k`` also serves Q5_K's own layout in ``layouts``.)
 
-``qs`` holds each weight's unsigned quant u (IQ4: the index into the non-linear table ``KVALUES``) in groups of 4
+``qs`` holds each weight's unsigned quant u in groups of 4
 sub-blocks of 32, as two halves L = [s0[0:16], s1[0:16], ...] and H = [s0[16:32], ...]. A group is a list of bit
 planes, each 64 values wide:
 
-- ``nib``: 4 bits, byte i = L[i] | H[i] << 4 (64 bytes);
 - ``bit``: 1 bit, the L bits then the H bits, little-endian (bit i of the bytes is value i; 8 + 8 bytes);
 - ``two``: 2 bits of a whole group, byte i = L[i] | L[32 + i] << 2 | H[i] << 4 | H[32 + i] << 6 (32 bytes).
 
 ``d`` holds the fp16 scales (per 256: d, then dmin where the format has one) and
 ``aux`` the sub-block scales: Q3_K int8 (scale - 32) and Q2_K the GGUF byte
-(sc | mn << 4), 8 per group as [L s0..s3, H s0..s3] (a scale per 16 weights); IQ4_XS int8 (scale - 32) per 32.
+(sc | mn << 4), 8 per group as [L s0..s3, H s0..s3] (a scale per 16 weights).
 
 ``values`` computes each weight as ``gguf.quants.dequantize`` does, to the bit.
 """
@@ -37,7 +36,7 @@ class Planes:
     @property
     def bytes(self) -> int:
         """Bytes of a group."""
-        return sum({"nib": 64, "bit": 16, "two": 32}[kind] for kind, _ in self.planes)
+        return sum({"bit": 16, "two": 32}[kind] for kind, _ in self.planes)
 
 
 def le_bits(x: torch.Tensor) -> torch.Tensor:
@@ -58,9 +57,7 @@ def encode(u: torch.Tensor, planes: Planes) -> torch.Tensor:
     parts = []
     for kind, shift in planes.planes:
         a, b = lo >> shift, hi >> shift
-        if kind == "nib":
-            parts.append((a & 15) | ((b & 15) << 4))
-        elif kind == "bit":
+        if kind == "bit":
             parts += [le_bits(a & 1), le_bits(b & 1)]
         else:
             a, b = a & 3, b & 3
@@ -76,12 +73,7 @@ def decode(qs: torch.Tensor, planes: Planes, k: int) -> torch.Tensor:
     hi = torch.zeros_like(lo)
     off = 0
     for kind, shift in planes.planes:
-        if kind == "nib":
-            b = g[..., off:off + 64]
-            lo |= (b & 15) << shift
-            hi |= (b >> 4) << shift
-            off += 64
-        elif kind == "bit":
+        if kind == "bit":
             lo |= unbits(g[..., off:off + 8]) << shift
             hi |= unbits(g[..., off + 8:off + 16]) << shift
             off += 16
@@ -96,10 +88,6 @@ def decode(qs: torch.Tensor, planes: Planes, k: int) -> torch.Tensor:
 def _fp16(b: torch.Tensor) -> torch.Tensor:
     """Bytes [..., 2 m] -> float32 [..., m]."""
     return b.contiguous().view(torch.float16).float()
-
-
-def _levels(idx: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(KVALUES, dtype=torch.float32)[idx.long()]
 
 
 def _per_group(x: torch.Tensor, n: int, ns: int) -> torch.Tensor:
@@ -167,25 +155,8 @@ def values_q2_k(u, d, aux, n, k):
     return (dl * u.reshape(n, ns, 16, 16).float() - ml).reshape(n, k)
 
 
-def split_iq4_xs(b, n, k):
-    ns = k // 256
-    idx = ((b[..., 8:136].reshape(n, ns, 8, 1, 16) >> _SHIFT4[:, None]) & 15).reshape(n, k)
-    low = ((b[..., 4:8].reshape(n, ns, 4, 1) >> _SHIFT4) & 15).reshape(n, ns, 8)
-    sh = b[..., 2:4].to(torch.int32)
-    high = (((sh[..., 0:1] | (sh[..., 1:2] << 8)) >> (2 * torch.arange(8))) & 3).to(torch.uint8)
-    scale = ((low | (high << 4)).view(torch.int8) - 32).view(torch.uint8)
-    return idx, b[..., 0:2].reshape(n, -1), scale.reshape(n, -1)
-
-
-def values_iq4_xs(u, d, aux, n, k):
-    ns = k // 256
-    dl = (_fp16(d)[..., None] * aux.reshape(n, ns, 8).view(torch.int8).float())[..., None]
-    return (dl * _levels(u.reshape(n, ns, 8, 32))).reshape(n, k)
-
-
 # layout -> (planes, split, values)
 FORMATS = {
     "gguf.q2_k": (Planes((("two", 0),)), split_q2_k, values_q2_k),
     "gguf.q3_k": (Planes((("two", 0), ("bit", 2))), split_q3_k, values_q3_k),
-    "gguf.iq4_xs": (Planes((("nib", 0),)), split_iq4_xs, values_iq4_xs),
 }

@@ -12,10 +12,11 @@ Inside a row:
   1..15 blocks), each ``[d: S fp16 | m: S fp16 (Q4_1, Q5_1) | Q5's fifth bits | quants]`` with the quants
   transposed to [step u][block j][4 bytes]: one 4 S byte load holds 4 quants of every block, so SIMD lane j sums
   block j alone and each scale applies once per super-group (see ``_super_groups``). Row bytes equal GGUF's.
-- Q4_K, Q5_K, Q6_K: super-blocks of 8 sub-blocks laid out as the super-groups above, ``[d | dmin | sc[8] | mn[8] |
-  quants [step u][sub-block j][4 bytes]]`` (Q5_K: the fifth bits before the quants, as Q5_0's; Q6_K: ``[d |
-  sc[16] | low 4 bits | high 2 bits]``), the 6-bit scales and mins unpacked (``_pack_q4_k`` ...).
-- Q2_K, Q3_K, IQ4_XS: groups of 128 weights, ``[qs | d | aux]`` (``group_formats``).
+- Q4_K, Q5_K, Q6_K, IQ4_XS: super-blocks of 8 sub-blocks laid out as the super-groups above, ``[d | dmin | sc[8] |
+  mn[8] | quants [step u][sub-block j][4 bytes]]`` (Q5_K: the fifth bits before the quants, as Q5_0's; Q6_K: ``[d |
+  sc[16] | low 4 bits | high 2 bits]``; IQ4_XS: ``[d | sc int8[8] (scale - 32) | indices as Q4_K's quants]``), the
+  6-bit scales and mins unpacked (``_pack_q4_k`` ...).
+- Q2_K, Q3_K: groups of 128 weights, ``[qs | d | aux]`` (``group_formats``).
 
 | layout | row bytes | K = 576 | K = 1536 | bits per weight |
 |---|---|---|---|---|
@@ -33,7 +34,7 @@ Inside a row:
 | gguf.iq4_xs | 138 K / 256 (GGUF: 136) | - | 828 | 4.3125 |
 
 Weights are w = d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), (d * sc) * q - dmin * mn (Q4_K) and
-(d * sc) * (q - 32) (Q6_K, a scale per 16 weights); the other formats are laid out as Q4_K and Q6_K are, in groups
+(d * sc) * (q - 32) (Q6_K, a scale per 16 weights), (d * sc) * level (IQ4_XS); Q2_K and Q3_K are laid out in groups
 of 128 weights (``group_formats``). ``dequantize`` computes them exactly as ``gguf.quants`` does.
 Pure torch: packing and dequantizing need no compiler.
 """
@@ -78,7 +79,7 @@ assert tuple(_SPECS) == GGUF_LAYOUTS
 _BY_GGML = {spec.ggml: name for name, spec in _SPECS.items()}
 # the formats in super-groups of 16 blocks (the rest are in groups of 128 weights: group_formats)
 SUPER_GROUPED = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl", "gguf.q4_k",
-                 "gguf.q5_k", "gguf.q6_k")
+                 "gguf.q5_k", "gguf.q6_k", "gguf.iq4_xs")
 
 
 def layout_of_gguf(ggml_type: int) -> str | None:
@@ -282,6 +283,19 @@ def _pack_q6_k(b: torch.Tensor, n: int, k: int):
         b[..., :0], b[..., :0]
 
 
+def _pack_iq4_xs(b: torch.Tensor, n: int, k: int):
+    """[d | sc int8[8] (scale - 32) | level indices as Q4_K's quants]: 138 bytes. GGUF's 6-bit scale of sub-block j:
+    the low 4 bits from nibble j of bytes 4..7, the high 2 from bits 2 j of the uint16 at 2."""
+    ns = k // 256
+    idx = ((b[..., 8:136].reshape(n, ns, 8, 1, 16) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 15)
+    low = ((b[..., 4:8].reshape(n, ns, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 15).reshape(n, ns, 8)
+    sh = b[..., 2:4].to(torch.int32)
+    high = (((sh[..., 0:1] | (sh[..., 1:2] << 8)) >> (2 * torch.arange(8))) & 3).to(torch.uint8)
+    scale = ((low | (high << 4)).view(torch.int8) - 32).view(torch.uint8)
+    return torch.cat([b[..., 0:2], scale, _steps(idx.reshape(n, ns, 8, 32))], -1).reshape(n, -1), \
+        b[..., :0], b[..., :0]
+
+
 def _q6k_values(b: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks [N, ns, 210] -> quants 0..63 uint8 [N, ns, 256] in weight order (as gguf's dequantize)."""
     n, ns = b.shape[:2]
@@ -294,7 +308,7 @@ def _q6k_values(b: torch.Tensor) -> torch.Tensor:
 
 _PACK = {"gguf.q8_0": _pack_q8_0, "gguf.q4_0": _pack_q4_0, "gguf.q4_1": _pack_q4_1, "gguf.q5_0": _pack_q5_0,
          "gguf.q5_1": _pack_q5_1, "gguf.iq4_nl": _pack_q4_0, "gguf.q4_k": _pack_q4_k,
-         "gguf.q6_k": _pack_q6_k, "gguf.q5_k": _pack_q5_k}
+         "gguf.q6_k": _pack_q6_k, "gguf.q5_k": _pack_q5_k, "gguf.iq4_xs": _pack_iq4_xs}
 
 
 # -- dequantize -------------------------------------------------------------------------------------------
@@ -386,6 +400,14 @@ def _dq_q6_k(rows, n, k):
     return (scale[..., None] * (u.to(torch.int8) - 32).float()).reshape(n, k)
 
 
+def _dq_iq4_xs(rows, n, k):
+    sb = rows.reshape(n, k // 256, 138)
+    d = sb[..., 0:2].contiguous().view(torch.float16).float()
+    scale = (d * sb[..., 2:10].contiguous().view(torch.int8).float())[..., None]   # [N, ns, 8, 1]
+    levels = torch.tensor(group_formats.KVALUES, dtype=torch.float32)[_unsteps(sb[..., 10:]).long()]
+    return (scale * levels).reshape(n, k)
+
+
 _DEQUANTIZE = {"gguf.q8_0": _dq_q8_0, "gguf.q4_0": _dq_q4_0, "gguf.q4_1": _dq_q4_1, "gguf.q5_0": _dq_q5_0,
                "gguf.q5_1": _dq_q5_1, "gguf.iq4_nl": _dq_iq4_nl, "gguf.q4_k": _dq_q4_k,
-               "gguf.q6_k": _dq_q6_k, "gguf.q5_k": _dq_q5_k}
+               "gguf.q6_k": _dq_q6_k, "gguf.q5_k": _dq_q5_k, "gguf.iq4_xs": _dq_iq4_xs}

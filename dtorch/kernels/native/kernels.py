@@ -46,8 +46,8 @@ def _lib():
 # params: decode (optional): the rows are a batch of decodes, one per sequence.
 # outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for a decode batch
 # of 4 rows and more in the super-grouped formats), else w is dequantized in panels for torch's GEMM (see
-# ops.qlinear), except on AVX-512 VNNI, whose integer tiles outrun that GEMM at every row count in all but q2_k, q3_k
-# and iq4_xs; the reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
+# ops.qlinear), except on AVX-512 VNNI, whose integer tiles outrun that GEMM at every row count in all but q2_k
+# and q3_k; the reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
 
 def _linear_kernel(layout: str):
     code = layouts.format_code(layout)
@@ -79,9 +79,9 @@ def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | N
 for _layout in GGUF_LAYOUTS:
     KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
                 varies="under 32 rows: activations in two int8 levels per 32 values (~16 bits), or one level (8 bits) "
-                       "for a batch of 4 or more decodes (param decode) in all but q2_k, q3_k, iq4_xs; output rows "
+                       "for a batch of 4 or more decodes (param decode) in all but q2_k and q3_k; output rows "
                        "split over torch's intra-op threads; 32 rows and more: float32 weight panels and torch's GEMM, "
-                       "but on avx512 the integer levels at every row count in all but q2_k, q3_k, iq4_xs")
+                       "but on avx512 the integer levels at every row count in all but q2_k and q3_k")
 
 
 # -- matmul.linear on float weights: the one-row product ----------------------------------------------------

@@ -26,7 +26,7 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tens
     Under 32 rows of x (decode): x is quantized once per call to two int8 levels per 32 values, x = d (hi +
     lo / 254) with d = amax / 127 (about 16 bits), and the products are integer dot products scaled in float32.
     ``one_level`` (the rows are a batch of decodes, one per sequence) from 4 rows: the formats of super-groups (all
-    but Q2_K, Q3_K, IQ4_XS) use the hi level alone (8 bits per block of 32, as llama.cpp's Q8_0 activations: half
+    but Q2_K and Q3_K) use the hi level alone (8 bits per block of 32, as llama.cpp's Q8_0 activations: half
     the integer work). 32 rows and more (prefill): the weight is dequantized to float32 in panels and multiplied
     with torch's GEMM, except on AVX-512 VNNI (``isa() == "avx512"``), where the super-grouped formats stay on the
     integer levels at every row count (two, or one for a batch of decodes): ~1.5x torch's float32 GEMM there.

@@ -162,7 +162,7 @@ Sizes sizes(int fmt, int64_t K) {
     case dtn::Q2_K: return {K / 4, K / 64, K / 16, 256};
     case dtn::Q3_K: return {K / 256 * 96, K / 128, K / 16, 256};
     case dtn::Q5_K: return {K / 256 * 180, 0, 0, 256};
-    case dtn::IQ4_XS: return {K / 2, K / 128, K / 32, 256};
+    case dtn::IQ4_XS: return {K / 256 * 138, 0, 0, 256};
   }
   fail(g_arg_error, "qlinear: unknown format code " + std::to_string(fmt));
 }
@@ -170,8 +170,8 @@ Sizes sizes(int fmt, int64_t K) {
 // Element k of the K inputs that position i of a dequantized row holds (Table::dequant): the packed order
 std::vector<int64_t> kernel_order(int fmt, int64_t K) {
   std::vector<int64_t> k(size_t(K), 0);
-  if (fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::Q6_K) {  // super-block b: [v 0..7][sub-block j][4] holds
-                                                                    // element 256 b + 32 j + 4 v + t
+  // super-block b: [v 0..7][sub-block j][4] holds element 256 b + 32 j + 4 v + t
+  if (fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::Q6_K || fmt == dtn::IQ4_XS) {
     for (int64_t i = 0; i < K; ++i) k[size_t(i)] = i / 256 * 256 + (i % 32) / 4 * 32 + (i % 256) / 32 * 4 + i % 4;
   } else if (dtn::super_grouped(fmt)) {  // super-group g of S blocks: [v 0..7][block j][4] holds element 32 (16 g + j) + 4 v + t
     for (int64_t g = 0, nb = K / 32; g * 16 < nb; ++g) {
@@ -198,7 +198,7 @@ std::vector<int64_t> kernel_order(int fmt, int64_t K) {
 // [576, 960] projection at ~20; decode batches up to 32 rows stay integer)
 constexpr int64_t kFloatRows = 32;
 // A batch of decodes (the caller's one_level: every row is one sequence's next token) of kOneLevelRows rows and more:
-// the super-grouped formats (all but Q2_K, Q3_K and IQ4_XS) round x to one int8 level per block of 32 (SGAct::levels,
+// the super-grouped formats (all but Q2_K and Q3_K) round x to one int8 level per block of 32 (SGAct::levels,
 // as llama.cpp's Q8_0 activations): half the integer work, in 4 x 2 tiles, 1.5-2x the two levels' speed at 16 rows
 // on AVX2. Fewer rows keep both levels (one row waits on memory, not on the products, and a single sequence's decode
 // keeps its ~16-bit activations), and so do prompts: their rows' hidden states feed every later token.

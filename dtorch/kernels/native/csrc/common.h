@@ -7,13 +7,13 @@
 namespace dtn {
 
 // GGUF block formats, repacked (see dtorch/kernels/layouts.py and group_formats.py for the byte layouts). The 32-block
-// formats are laid out in super-groups of 16 blocks and Q4_K, Q5_K and Q6_K in super-blocks of 8 (SGAct); Q2_K, Q3_K
-// and IQ4_XS in groups of 128 weights (QAct).
+// formats are laid out in super-groups of 16 blocks and Q4_K, Q5_K, Q6_K and IQ4_XS in super-blocks of 8 (SGAct);
+// Q2_K and Q3_K in groups of 128 weights (QAct).
 enum Fmt : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0 = 5, Q5_1 = 6, IQ4_NL = 7, Q2_K = 8, Q3_K = 9,
                  Q5_K = 10, IQ4_XS = 11 };
 constexpr bool super_grouped(int fmt) {
   return fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == IQ4_NL || fmt == Q4_K ||
-         fmt == Q5_K || fmt == Q6_K;
+         fmt == Q5_K || fmt == Q6_K || fmt == IQ4_XS;
 }
 // IQ4_NL's and IQ4_XS's 16 weight levels (llama.cpp's kvalues_iq4nl)
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};

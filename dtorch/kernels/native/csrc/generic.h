@@ -179,13 +179,15 @@ template <int F> struct SG {
   static constexpr int hbytes = F == dtn::Q5_0 || F == dtn::Q5_1 || F == dtn::Q5_K ? 4 : 0;
   static constexpr int qbytes = F == dtn::Q8_0 ? 32 : 16;
   static constexpr int bytes = 2 * scales + hbytes + qbytes;  // per block (32-block formats)
-  static constexpr float offset = F == dtn::Q8_0 || F == dtn::IQ4_NL ? -128.f : F == dtn::Q4_0 ? -8.f
-                                  : F == dtn::Q5_0 ? -16.f : F == dtn::Q6_K ? -32.f : 0.f;
+  static constexpr float offset = F == dtn::Q8_0 || F == dtn::IQ4_NL || F == dtn::IQ4_XS ? -128.f
+                                  : F == dtn::Q4_0 ? -8.f : F == dtn::Q5_0 ? -16.f : F == dtn::Q6_K ? -32.f : 0.f;
   // the SIMD kernels multiply these as signed int8 (sign trick) and need no offset term
-  static constexpr bool signed_q = F == dtn::Q8_0 || F == dtn::IQ4_NL;
-  static constexpr int kblock = F == dtn::Q4_K ? 148 : F == dtn::Q5_K ? 180 : F == dtn::Q6_K ? 210 : 0;
-  static constexpr int kq = F == dtn::Q5_K ? 52 : F == dtn::Q6_K ? 18 : 20;  // the quants' offset in a super-block
-  static constexpr int kh = F == dtn::Q6_K ? 146 : 20;                         // the high bits'
+  static constexpr bool signed_q = F == dtn::Q8_0 || F == dtn::IQ4_NL || F == dtn::IQ4_XS;
+  static constexpr int kblock = F == dtn::Q4_K ? 148 : F == dtn::Q5_K ? 180 : F == dtn::Q6_K ? 210
+                                : F == dtn::IQ4_XS ? 138 : 0;
+  // the quants' offset in a super-block, and the high bits'
+  static constexpr int kq = F == dtn::Q5_K ? 52 : F == dtn::Q6_K ? 18 : F == dtn::IQ4_XS ? 10 : 20;
+  static constexpr int kh = F == dtn::Q6_K ? 146 : 20;
 };
 
 // A 4-bit byte's two unsigned quants (low: weight 4 u + t, high: weight 16 + 4 u + t of step u), with Q5's fifth
@@ -259,10 +261,12 @@ static inline int k_quant(const uint8_t* sb, int v, int j, int t) {
   int x = v < 4 ? q & 15 : q >> 4;
   if constexpr (F == dtn::Q5_K) x |= ((sb[G::kh + at] >> (v < 4 ? u : 4 + u)) & 1) << 4;
   if constexpr (F == dtn::Q6_K) x |= ((sb[G::kh + (u % 2) * 32 + at] >> (4 * (u / 2) + 2 * (v >= 4))) & 3) << 4;
+  if constexpr (F == dtn::IQ4_XS) x = dtn::kIq4Levels[x];
   return x;
 }
 
-// The K-quants in super-blocks of 8 (Q4_K, Q5_K: (d sc) u - dmin mn; Q6_K: (d sc) (u - 32), sc per 16 weights)
+// The K-quants in super-blocks of 8 (Q4_K, Q5_K: (d sc) u - dmin mn; Q6_K: (d sc) (u - 32), sc per 16 weights;
+// IQ4_XS: (d sc) level, its signed levels summed as the SIMD kernels' sign trick does)
 template <int F>
 static void qgemm_k_portable(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                              void* y, int ydt, int64_t ldy) {
@@ -293,7 +297,8 @@ static void qgemm_k_portable(const QWeight& w, const SGAct& a, int64_t M, int64_
                      (ad * (float(isum[0][h]) + float(isum[1][h]) * (1.f / 254.f)) + G::offset * hs[16 * h]);
           } else {
             const float sum = ad * (float(isum[0][0] + isum[0][1]) + float(isum[1][0] + isum[1][1]) * (1.f / 254.f));
-            acc += (d * float(sb[4 + j])) * sum - (dmin * float(sb[12 + j])) * as;
+            if constexpr (F == dtn::IQ4_XS) acc += (d * float(int8_t(sb[2 + j]))) * sum;
+            else acc += (d * float(sb[4 + j])) * sum - (dmin * float(sb[12 + j])) * as;
           }
         }
       }
@@ -313,6 +318,7 @@ static void qgemm_sg_portable(const QWeight& w, const SGAct& a, int64_t M, int64
     case dtn::Q4_K: return qgemm_k_portable<dtn::Q4_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_K: return qgemm_k_portable<dtn::Q5_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q6_K: return qgemm_k_portable<dtn::Q6_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::IQ4_XS: return qgemm_k_portable<dtn::IQ4_XS>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
 
@@ -331,7 +337,6 @@ struct GroupS {
 // Bytes of a whole group's quants (the qs section) per group format
 static inline int64_t group_bytes(int fmt) {
   switch (fmt) {
-    case dtn::IQ4_XS: return 64;
     case dtn::Q3_K: return 48;
     case dtn::Q2_K: return 32;
   }
@@ -339,10 +344,6 @@ static inline int64_t group_bytes(int fmt) {
 }
 
 // bit planes (group_formats.py): OR each quant's bits in at `shift`
-static inline void plane_nib(const uint8_t* p, int shift, GroupS& o) {
-  for (int i = 0; i < 64; ++i) { o.wl[i] |= uint8_t((p[i] & 15) << shift); o.wh[i] |= uint8_t((p[i] >> 4) << shift); }
-}
-
 static inline void plane_bit(const uint8_t* p, int shift, GroupS& o) {
   for (int i = 0; i < 64; ++i) {
     o.wl[i] |= uint8_t(((p[i >> 3] >> (i & 7)) & 1) << shift);
@@ -356,13 +357,6 @@ static inline void plane_two(const uint8_t* p, GroupS& o) {  // whole groups onl
     o.wl[32 + i] |= (p[i] >> 2) & 3;
     o.wh[i] |= (p[i] >> 4) & 3;
     o.wh[32 + i] |= (p[i] >> 6) & 3;
-  }
-}
-
-static inline void iq4_levels(GroupS& o) {  // indices -> level + 128
-  for (int i = 0; i < 64; ++i) {
-    o.wl[i] = uint8_t(dtn::kIq4Levels[o.wl[i]] + 128);
-    o.wh[i] = uint8_t(dtn::kIq4Levels[o.wh[i]] + 128);
   }
 }
 
@@ -398,16 +392,6 @@ static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, G
         o.dh[s] = dd * float(ah & 15);
         o.m[s] = -(dmin * float(al >> 4));
         o.m[4 + s] = -(dmin * float(ah >> 4));
-      }
-      break;
-    }
-    case dtn::IQ4_XS: {  // (d (scale - 32)) level
-      plane_nib(p, 0, o);
-      iq4_levels(o);
-      o.off = 128;
-      for (int s = 0; s < 4; ++s) {
-        o.dl[s] = o.dh[s] = fp16_to_f32(d[sup]) * float(int8_t(aux[sup * 8 + half * 4 + s]));
-        o.m[s] = o.m[4 + s] = -128.f * o.dl[s];
       }
       break;
     }
@@ -538,6 +522,9 @@ static void dequant_k(const QWeight& w, int64_t n0, int64_t n1, float* out) {
           sl[i] = d * float(int8_t(sb[2 + 2 * j]));
           sh[i] = d * float(int8_t(sb[3 + 2 * j]));
           mn[i] = 0.f;
+        } else if constexpr (F == dtn::IQ4_XS) {
+          sl[i] = sh[i] = d * float(int8_t(sb[2 + j]));
+          mn[i] = 0.f;
         } else {
           sl[i] = sh[i] = d * float(sb[4 + j]);
           mn[i] = dmin * float(sb[12 + j]);
@@ -560,6 +547,9 @@ static void dequant_k(const QWeight& w, int64_t n0, int64_t n1, float* out) {
             hi |= ((hb >> 2) & 3) << 4;
             o[u * 32 + i] = sl[i] * float(lo - 32);
             o[(u + 4) * 32 + i] = sh[i] * float(hi - 32);
+          } else if constexpr (F == dtn::IQ4_XS) {
+            o[u * 32 + i] = sl[i] * float(dtn::kIq4Levels[lo]);
+            o[(u + 4) * 32 + i] = sh[i] * float(dtn::kIq4Levels[hi]);
           } else {
             o[u * 32 + i] = sl[i] * float(lo) - mn[i];
             o[(u + 4) * 32 + i] = sh[i] * float(hi) - mn[i];
@@ -580,6 +570,7 @@ static void dequant(const QWeight& w, int64_t n0, int64_t n1, float* out) {
     case dtn::Q4_K: return dequant_k<dtn::Q4_K>(w, n0, n1, out);
     case dtn::Q5_K: return dequant_k<dtn::Q5_K>(w, n0, n1, out);
     case dtn::Q6_K: return dequant_k<dtn::Q6_K>(w, n0, n1, out);
+    case dtn::IQ4_XS: return dequant_k<dtn::IQ4_XS>(w, n0, n1, out);
   }
   GroupS gr;  // the group formats (K a multiple of 256): the L half of group g, then its H half, at 128 g
   for (int64_t n = n0; n < n1; ++n)

@@ -1,6 +1,6 @@
 // Quantized products with AVX2: a group of 128 weights is worked as two pairs of sub-blocks (32 bytes of each
-// half); vpmaddubsw + vpmaddwd give 8 int32 lanes, lanes 4j..4j+3 summing sub-block 2p + j (K-quants, QAct).
-// The 32-block formats (SGAct, at the end): one lane per block.
+// half); vpmaddubsw + vpmaddwd give 8 int32 lanes, lanes 4j..4j+3 summing sub-block 2p + j (Q2_K, Q3_K: QAct).
+// The super-grouped formats (SGAct, at the end): one lane per block.
 // Included inside namespace DTN_ISA of isa_avx2.cpp.
 
 struct Row256 {
@@ -16,29 +16,9 @@ struct Dec256 {
   __m256 m;              // offsets [L s0..s3, H s0..s3] (unused for Q8_0)
 };
 
-static inline __m256i load_half(const uint8_t* p, int n) {  // 32 or 16 bytes (zeros after)
-  return n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-static inline void nibbles2(const uint8_t* p, int gs, Dec256& o) {
-  const __m256i lo = _mm256_set1_epi8(0x0f);
-  for (int pp = 0; pp * 2 < gs; ++pp) {
-    const __m256i v = load_half(p + 32 * pp, 16 * (gs - 2 * pp));
-    o.wl[pp] = _mm256_and_si256(v, lo);
-    o.wh[pp] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
-  }
-}
-
-static inline __m128 u8x4_avx2(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(v)));
-}
-
 template <int F> struct Fmt256;
 
-// -- the other group formats (group_formats.py)
+// -- the group formats (group_formats.py)
 
 static inline __m256i bits_to_bytes(uint32_t bits) {  // byte i = 0xff where bit i is set
   const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
@@ -100,22 +80,6 @@ template <> struct Fmt256<dtn::Q2_K> {  // (d sc) u - dmin mn, sc | mn << 4 per 
     o.dl = _mm256_castps256_ps128(d);
     o.dh = _mm256_extractf128_ps(d, 1);
     o.m = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(r.d[r.nsup + (g >> 1)])), mn);
-  }
-};
-
-template <> struct Fmt256<dtn::IQ4_XS> {  // d (scale - 32) level
-  static constexpr bool split = true, has_m = false, sgn = true;
-  static inline void decode(const Row256& r, int64_t g, int, Dec256& o) {
-    nibbles2(r.qs + g * 64, 4, o);
-    const __m256i t = iq4_table256();
-    for (int pp = 0; pp < 2; ++pp) {
-      o.wl[pp] = _mm256_shuffle_epi8(t, o.wl[pp]);
-      o.wh[pp] = _mm256_shuffle_epi8(t, o.wh[pp]);
-    }
-    int32_t v;
-    std::memcpy(&v, r.aux + (g >> 1) * 8 + (g & 1) * 4, 4);
-    const __m128 sc = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(v)));
-    o.dl = o.dh = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(r.d[g >> 1])), sc);
   }
 };
 
@@ -226,7 +190,6 @@ static void qgemm256(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int
   switch (w.fmt) {
     case dtn::Q2_K: return qgemm256_fmt<dtn::Q2_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q3_K: return qgemm256_fmt<dtn::Q3_K>(w, a, M, n0, n1, bias, y, ydt, ldy);
-    case dtn::IQ4_XS: return qgemm256_fmt<dtn::IQ4_XS>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
 
@@ -383,7 +346,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
               wl[n] = _mm256_or_si256(wl[n], _mm256_and_si256(_mm256_slli_epi16(hv[n], 4 - u), b4));
               wh[n] = _mm256_or_si256(wh[n], _mm256_and_si256(_mm256_srli_epi16(hv[n], u), b4));
             }
-            if constexpr (F == dtn::IQ4_NL) {
+            if constexpr (F == dtn::IQ4_NL || F == dtn::IQ4_XS) {
               wl[n] = _mm256_shuffle_epi8(iq4, wl[n]);
               wh[n] = _mm256_shuffle_epi8(iq4, wh[n]);
             }
@@ -391,7 +354,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           for (int m = 0; m < MR; ++m) {
             const auto [al, ah, ll, lh] = step_levels(ag + m * rs, u, st);
             for (int n = 0; n < NR; ++n) {
-              if constexpr (F == dtn::IQ4_NL) {  // signed levels up to 127: each half its own int16 sums
+              if constexpr (F == dtn::IQ4_NL || F == dtn::IQ4_XS) {  // signed levels up to 127: each half its own
+                                                                      // int16 sums
                 is[m][n] = _mm256_add_epi32(is[m][n], _mm256_add_epi32(dot_w<true>(wl[n], al), dot_w<true>(wh[n], ah)));
                 if constexpr (LO)
                   il[m][n] = _mm256_add_epi32(il[m][n], _mm256_add_epi32(dot_w<true>(wl[n], ll), dot_w<true>(wh[n], lh)));
@@ -417,6 +381,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           const __m256 d = _mm256_set1_ps(_cvtsh_ss(d16));
           dw[n] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
           mw[n] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        } else if constexpr (F == dtn::IQ4_XS) {  // (d sc) level per sub-block
+          const uint8_t* sb = p[n] + h * G::kblock;
+          uint16_t d16;
+          std::memcpy(&d16, sb, 2);
+          dw[n] = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d16)), int8x8_ps(sb + 2));
+          mw[n] = dw[n];
         } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per sub-block
           const uint8_t* sb = p[n] + h * G::kblock;
           uint16_t dm[2];
@@ -444,7 +414,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (!G::signed_q) {  // Q4_0, Q5_0: d (u + offset)
             acc[m][n] = _mm256_fmadd_ps(dw[n], _mm256_fmadd_ps(sa, _mm256_set1_ps(G::offset), t), acc[m][n]);
-          } else {  // Q8_0, IQ4_NL: signed quants
+          } else {  // Q8_0, IQ4_NL, IQ4_XS: signed quants
             acc[m][n] = _mm256_fmadd_ps(dw[n], t, acc[m][n]);
           }
         }
@@ -508,5 +478,6 @@ static void qgemm_sg256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q5_0: return qgemm_sg256_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_1: return qgemm_sg256_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::IQ4_NL: return qgemm_sg256_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::IQ4_XS: return qgemm_sg256_fmt<dtn::IQ4_XS>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }

@@ -1,5 +1,5 @@
 // Quantized products with AVX-512 VNNI: every super-grouped format (SGAct), one lane per block. The group formats
-// (Q2_K, Q3_K, IQ4_XS) and the last super-group of a row under 16 blocks run quant_avx2.h's kernels (included
+// (Q2_K, Q3_K) and the last super-group of a row under 16 blocks run quant_avx2.h's kernels (included
 // before this file).
 // Included inside namespace DTN_ISA of isa_avx512.cpp.
 
@@ -14,7 +14,7 @@ static inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// the group formats (Q2_K, Q3_K, IQ4_XS): quant_avx2.h, tested on AVX2 machines
+// the group formats (Q2_K, Q3_K): quant_avx2.h
 static void qgemm512(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
                      int ydt, int64_t ldy) {
   qgemm256(w, a, M, n0, n1, bias, y, ydt, ldy);
@@ -134,7 +134,8 @@ static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t
 
 // Every super-grouped format (SG in generic.h) on whole super-groups: per step u, one 64-byte vector of each weight
 // row (a K-quant's two super-blocks side by side) meets a 64-byte load of each activation row in vpdpbusd, the
-// quants unsigned (Q8_0 stored as q + 128, IQ4_NL as its level + 128; their offsets meet SGAct's sums). A last
+// quants unsigned (Q8_0 stored as q + 128, IQ4_NL and IQ4_XS as their level + 128; their offsets meet SGAct's
+// sums). A last
 // super-group of S < 16 blocks: sg_tail512 for Q8_0 / Q4_0 / Q4_1 on both levels, else quant_avx2.h's tile on the
 // activations from that group on. LO: both activation levels.
 static inline __m512i two_halves(const uint8_t* a, const uint8_t* b) {
@@ -224,7 +225,7 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
             wl[n] = _mm512_or_si512(wl[n], _mm512_and_si512(_mm512_slli_epi16(hv[n], 4 - u), b4));
             wh[n] = _mm512_or_si512(wh[n], _mm512_and_si512(_mm512_srli_epi16(hv[n], u), b4));
           }
-          if constexpr (F == dtn::IQ4_NL) {
+          if constexpr (F == dtn::IQ4_NL || F == dtn::IQ4_XS) {
             wl[n] = _mm512_shuffle_epi8(iq4, wl[n]);
             wh[n] = _mm512_shuffle_epi8(iq4, wh[n]);
           }
@@ -266,6 +267,15 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
         const __m512 d = two_ps(_mm256_set1_ps(_cvtsh_ss(d0)), _mm256_set1_ps(_cvtsh_ss(d1)));
         dw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))));
         mw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))));
+      } else if constexpr (F == dtn::IQ4_XS) {  // (d sc) level per block
+        uint16_t d0, d1;
+        std::memcpy(&d0, p[n], 2);
+        std::memcpy(&d1, p[n] + G::kblock, 2);
+        const __m512 d = two_ps(_mm256_set1_ps(_cvtsh_ss(d0)), _mm256_set1_ps(_cvtsh_ss(d1)));
+        dw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + 2)),
+                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + G::kblock + 2))))));
+        mw[n] = dw[n];
       } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per block
         uint16_t dm0[2], dm1[2];
         std::memcpy(dm0, p[n], 4);
@@ -376,6 +386,7 @@ static void qgemm_sg512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     case dtn::Q5_0: return qgemm_sg512_fmt<dtn::Q5_0>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::Q5_1: return qgemm_sg512_fmt<dtn::Q5_1>(w, a, M, n0, n1, bias, y, ydt, ldy);
     case dtn::IQ4_NL: return qgemm_sg512_fmt<dtn::IQ4_NL>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    case dtn::IQ4_XS: return qgemm_sg512_fmt<dtn::IQ4_XS>(w, a, M, n0, n1, bias, y, ydt, ldy);
   }
 }
 
