@@ -333,14 +333,14 @@ static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int6
 }
 
 // decode (under 4 rows): 1 x 4 tiles, 4 weight rows sharing each activation load, the rows kAhead on prefetched;
-// more rows: MR x 2 tiles, the two weight rows staying in L1 while x passes, over chunks of kChunk rows of x that stay
-// in L2 while the weight rows pass (a prompt's rows are as many as its tokens)
+// more rows: MR x 2 tiles over panels of the weight (a prompt's rows are as many as its tokens: x is reread from
+// L1 by every pair of weight rows of a panel, the panel from L2 by every tile of x)
 template <int F, bool LO>
 static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
   constexpr int NR = F == dtn::Q6_K && LO ? 2 : 4;  // Q6_K's four integer sums per tile fill the registers at 4
   constexpr int MR = F == dtn::Q6_K && LO ? 2 : 4;
-  constexpr int64_t kChunk = 64;
+  constexpr int64_t kPanel = 192 << 10;
   if (M < 4) {
     int64_t n = n0;
     for (; n + NR <= n1; n += NR) {
@@ -352,18 +352,22 @@ static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
       for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
     return;
   }
-  for (int64_t mc = 0; mc < M; mc += kChunk) {
-    const int64_t me = mc + kChunk < M ? mc + kChunk : M;
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) {
-      if (n + 2 + kAhead <= n1)
-        for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
-      int64_t m = mc;
-      for (; m + MR <= me; m += MR) sg_block512<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
-      for (; m < me; ++m) sg_block512<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
-    }
-    for (; n < n1; ++n)
-      for (int64_t m = mc; m < me; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
+  // panels of weight rows that stay in L2 (kPanel bytes); in a panel, each MR-row tile of x stays in L1 while the
+  // panel's rows pass two at a time (the first tile's pass brings them in, kAhead rows ahead)
+  const int64_t panel = kPanel / w.qs_row >= 4 ? kPanel / w.qs_row / 2 * 2 : 2;
+  for (int64_t nc = n0; nc < n1; nc += panel) {
+    const int64_t ne = nc + panel < n1 ? nc + panel : n1, npair = nc + (ne - nc) / 2 * 2;
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR)
+      for (int64_t n = nc; n < npair; n += 2) {
+        if (m == 0 && n + 2 + kAhead <= ne)
+          for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
+        sg_block512<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+      }
+    for (; m < M; ++m)
+      for (int64_t n = nc; n < npair; n += 2) sg_block512<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+    if (npair < ne)
+      for (int64_t r = 0; r < M; ++r) sg_block512<F, 1, 1, LO>(w, a, r, npair, bias, y, ydt, ldy);
   }
 }
 
