@@ -256,7 +256,10 @@ def test_a_q8_0_file_on_two_devices_equals_one(files):
     one, two = LLM(str(q8), max_num_seqs=2), LLM(str(q8), tensor_parallel_size=2, max_num_seqs=2)
     try:
         want = one.logits(ids)
-        torch.testing.assert_close(two.logits(ids), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        # the projections split over K sum their halves in another order, and where the prompt's rows are quantized
+        # to int8 levels (every row count with AVX-512 VNNI) a last-bit difference can move a level by one in a later
+        # layer: ~1e-4 of the logits' scale, where a wrong shard would be O(1)
+        torch.testing.assert_close(two.logits(ids), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
         params = dtorch.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         got, want = (m.generate([ids[:9]], params)[0].outputs[0].token_ids for m in (two, one))
         assert got == want
