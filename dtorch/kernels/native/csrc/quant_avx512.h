@@ -65,17 +65,26 @@ static void gemv512(const void* x, int xdt, int64_t M, const void* w, int wdt, i
 // costs ceil(steps P / 16) vectors instead of a whole super-group's steps. Its integer sums are scaled per lane
 // (the scales permuted to lane l % P); the per-block offset terms apply unreplicated.
 
-template <int F, int MR, int NR>
+template <int F, int MR, int NR, bool LO>
 static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t rs, const float* ad, const float* as,
                               int64_t ars, int S, __m512 (&acc)[MR][NR]) {
   using G = SG<F>;
-  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), bit0 = _mm512_set1_epi32(0x01010101);
+  const __m512i iq4 = _mm512_xor_si512(
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dtn::kIq4Levels))),
+      _mm512_set1_epi8(char(0x80)));  // level + 128
   const int P = sg_period(S), T = (F == dtn::Q8_0 ? 8 : 4) * P;  // T: dword lanes of weights in all
   const int nch = (T + 15) / 16, per = 16 / P * S;                 // vectors; weight dwords per whole vector
+  const int lgp = __builtin_ctz(unsigned(P));
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i idx = _mm512_and_si512(iota, _mm512_set1_epi32(P - 1));
   const __mmask16 pat = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(S));
-  const int64_t qoff = 2 * S * G::scales;
+  const __mmask16 sm = __mmask16((1u << S) - 1);
+  const int64_t qoff = 2 * S * G::scales + S * G::hbytes;
+  __m512i hv[NR];  // Q5: each block's high-bit dword in its lanes (lane l: block l % P)
+  if constexpr (G::hbytes != 0)
+    for (int n = 0; n < NR; ++n)
+      hv[n] = _mm512_permutexvar_epi32(idx, _mm512_maskz_loadu_epi32(sm, p[n] + 2 * S * G::scales));
   __m512i is[MR][NR], il[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm512_setzero_si512();
@@ -91,42 +100,56 @@ static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t
     if constexpr (F == dtn::Q8_0) {
       for (int m = 0; m < MR; ++m) {
         const __m512i av = _mm512_loadu_si512(ag + m * rs + 64 * c);
-        const __m512i lv = _mm512_loadu_si512(ag + m * rs + 512 + 64 * c);
-        for (int n = 0; n < NR; ++n) {
-          is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
-          il[m][n] = _mm512_dpbusd_epi32(il[m][n], wv[n], lv);
+        for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
+        if constexpr (LO) {
+          const __m512i lv = _mm512_loadu_si512(ag + m * rs + 512 + 64 * c);
+          for (int n = 0; n < NR; ++n) il[m][n] = _mm512_dpbusd_epi32(il[m][n], wv[n], lv);
         }
       }
     } else {
       __m512i wl[NR], wh[NR];
+      // lane l holds step (16 c + l) / P (< 4): Q5's fifth bits are bit u (low nibble) and 4 + u (high) of each byte
+      const __m512i step = _mm512_srlv_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)), _mm512_set1_epi32(lgp));
       for (int n = 0; n < NR; ++n) {
         wl[n] = _mm512_and_si512(wv[n], lo4);
         wh[n] = _mm512_and_si512(_mm512_srli_epi16(wv[n], 4), lo4);
+        if constexpr (G::hbytes != 0) {  // lanes outside km hold no weight (their activations may be another step's)
+          const __m512i bl = _mm512_maskz_and_epi32(km, _mm512_srlv_epi32(hv[n], step), bit0);
+          const __m512i bh = _mm512_maskz_and_epi32(
+              km, _mm512_srlv_epi32(hv[n], _mm512_add_epi32(step, _mm512_set1_epi32(4))), bit0);
+          wl[n] = _mm512_or_si512(wl[n], _mm512_slli_epi32(bl, 4));
+          wh[n] = _mm512_or_si512(wh[n], _mm512_slli_epi32(bh, 4));
+        }
+        if constexpr (F == dtn::IQ4_NL) {  // and lanes outside km stay zero, not the level of index 0
+          wl[n] = _mm512_maskz_mov_epi32(km, _mm512_shuffle_epi8(iq4, wl[n]));
+          wh[n] = _mm512_maskz_mov_epi32(km, _mm512_shuffle_epi8(iq4, wh[n]));
+        }
       }
       for (int m = 0; m < MR; ++m) {  // a low nibble meets step u, a high one step u + 4 (16 P bytes on)
         const int8_t* am = ag + m * rs + 64 * c;
         const __m512i al = _mm512_loadu_si512(am), ah = _mm512_loadu_si512(am + 16 * P);
-        const __m512i ll = _mm512_loadu_si512(am + 512), lh = _mm512_loadu_si512(am + 512 + 16 * P);
-        for (int n = 0; n < NR; ++n) {
-          is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
-          il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], wl[n], ll), wh[n], lh);
+        for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
+        if constexpr (LO) {
+          const __m512i ll = _mm512_loadu_si512(am + 512), lh = _mm512_loadu_si512(am + 512 + 16 * P);
+          for (int n = 0; n < NR; ++n)
+            il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], wl[n], ll), wh[n], lh);
         }
       }
     }
   }
-  const __mmask16 sm = __mmask16((1u << S) - 1);
-  __m512 dw[NR], dwr[NR], mw[NR];
+  __m512 dwr[NR], mw[NR];
   for (int n = 0; n < NR; ++n) {
-    dw[n] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p[n]));
-    dwr[n] = _mm512_permutexvar_ps(idx, dw[n]);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p[n]));
+    dwr[n] = _mm512_permutexvar_ps(idx, dw);
     mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p[n] + 2 * S))
-                           : _mm512_mul_ps(dw[n], _mm512_set1_ps(G::offset));
+                           : _mm512_mul_ps(dw, _mm512_set1_ps(G::offset));
   }
   for (int m = 0; m < MR; ++m) {
     const __m512 dar = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(ad + m * ars));
     const __m512 sa = _mm512_loadu_ps(as + m * ars);
     for (int n = 0; n < NR; ++n) {
-      acc[m][n] = _mm512_fmadd_ps(_mm512_mul_ps(levels512(is[m][n], il[m][n]), dar), dwr[n], acc[m][n]);
+      const __m512 t = LO ? levels512(is[m][n], il[m][n]) : _mm512_cvtepi32_ps(is[m][n]);
+      acc[m][n] = _mm512_fmadd_ps(_mm512_mul_ps(t, dar), dwr[n], acc[m][n]);
       if (G::scales == 2 || G::offset != 0.f) acc[m][n] = _mm512_fmadd_ps(mw[n], sa, acc[m][n]);
     }
   }
@@ -135,9 +158,8 @@ static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t
 // Every super-grouped format (SG in generic.h) on whole super-groups: per step u, one 64-byte vector of each weight
 // row (a K-quant's two super-blocks side by side) meets a 64-byte load of each activation row in vpdpbusd, the
 // quants unsigned (Q8_0 stored as q + 128, IQ4_NL and IQ4_XS as their level + 128; their offsets meet SGAct's
-// sums). A last
-// super-group of S < 16 blocks: sg_tail512 for Q8_0 / Q4_0 / Q4_1 on both levels, else quant_avx2.h's tile on the
-// activations from that group on. LO: both activation levels.
+// sums). A last super-group of S < 16 blocks: sg_tail512 for the 32-block formats, else (a K-quant's lone
+// super-block) quant_avx2.h's tile on the activations from that group on. LO: both activation levels.
 static inline __m512i two_halves(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
@@ -167,8 +189,8 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * gbytes;
     const int8_t* ag = a.q + m0 * rs + g * 1024;  // hi levels, then lo at + 512
     if (S < 16) {
-      if constexpr (LO && (F == dtn::Q8_0 || F == dtn::Q4_0 || F == dtn::Q4_1)) {
-        sg_tail512<F, MR, NR>(p, ag, rs, a.d + m0 * a.nsg * 16 + g * 16, a.s + m0 * a.nsg * 16 + g * 16,
+      if constexpr (G::kblock == 0) {
+        sg_tail512<F, MR, NR, LO>(p, ag, rs, a.d + m0 * a.nsg * 16 + g * 16, a.s + m0 * a.nsg * 16 + g * 16,
                               a.nsg * 16, S, acc);
       } else {
         const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
