@@ -224,7 +224,9 @@ def test_a_sequence_decoded_in_a_batch_is_bit_identical_only_when_batch_invarian
             if same:
                 assert torch.equal(batch, alone)
             else:
-                assert 0 < rel < 0.05, f"one level vs two: relative difference {rel:.2e}"
+                # 8-bit rounding noise of 24 steps, one realization per ISA (4.8% on AVX2, 5.7% on AVX-512 VNNI when
+                # measured); a wrong product is of the order of the logits themselves
+                assert 0 < rel < 0.1, f"one level vs two: relative difference {rel:.2e}"
     finally:
         invariant.close()
 
