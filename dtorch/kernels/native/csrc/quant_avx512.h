@@ -65,14 +65,32 @@ static void gemv512(const void* x, int xdt, int64_t M, const void* w, int wdt, i
 // costs ceil(steps P / 16) vectors instead of a whole super-group's steps. Its integer sums are scaled per lane
 // (the scales permuted to lane l % P); the per-block offset terms apply unreplicated.
 
+static inline __m512i iq4_table512() {  // IQ4 indices -> level + 128 through vpshufb
+  return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dtn::kIq4Levels))),
+                          _mm512_set1_epi8(char(0x80)));
+}
+
+// two super-blocks side by side: the fp16 at a in lanes 0..7 and the one at b in lanes 8..15
+static inline __m512 fp16_pair(const uint8_t* a, const uint8_t* b) {
+  uint16_t x, y;
+  std::memcpy(&x, a, 2);
+  std::memcpy(&y, b, 2);
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(_cvtsh_ss(x)))),
+                                             _mm256_castps_pd(_mm256_set1_ps(_cvtsh_ss(y))), 1));
+}
+
+// and 8 bytes of each (a super-block's per-block scales): 16 bytes
+static inline __m128i bytes_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+}
+
 template <int F, int MR, int NR, bool LO>
 static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t rs, const float* ad, const float* as,
                               int64_t ars, int S, __m512 (&acc)[MR][NR]) {
   using G = SG<F>;
   const __m512i lo4 = _mm512_set1_epi8(0x0f), bit0 = _mm512_set1_epi32(0x01010101);
-  const __m512i iq4 = _mm512_xor_si512(
-      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dtn::kIq4Levels))),
-      _mm512_set1_epi8(char(0x80)));  // level + 128
+  const __m512i iq4 = iq4_table512();
   const int P = sg_period(S), T = (F == dtn::Q8_0 ? 8 : 4) * P;  // T: dword lanes of weights in all
   const int nch = (T + 15) / 16, per = 16 / P * S;                 // vectors; weight dwords per whole vector
   const int lgp = __builtin_ctz(unsigned(P));
@@ -128,7 +146,8 @@ static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t
       for (int m = 0; m < MR; ++m) {  // a low nibble meets step u, a high one step u + 4 (16 P bytes on)
         const int8_t* am = ag + m * rs + 64 * c;
         const __m512i al = _mm512_loadu_si512(am), ah = _mm512_loadu_si512(am + 16 * P);
-        for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
+        for (int n = 0; n < NR; ++n)
+          is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
         if constexpr (LO) {
           const __m512i ll = _mm512_loadu_si512(am + 512), lh = _mm512_loadu_si512(am + 512 + 16 * P);
           for (int n = 0; n < NR; ++n)
@@ -165,22 +184,17 @@ static inline __m512i two_halves(const uint8_t* a, const uint8_t* b) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
 
-static inline __m512 two_ps(__m256 a, __m256 b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
-}
-
 template <int F, int MR, int NR, bool LO>
 static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
                               float (&out)[MR][NR]) {
   using G = SG<F>;
   constexpr bool Q6 = F == dtn::Q6_K;
   const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
-  const __m512i iq4 = _mm512_xor_si512(
-      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dtn::kIq4Levels))),
-      _mm512_set1_epi8(char(0x80)));  // level + 128
+  const __m512i iq4 = iq4_table512();
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  float tail[MR][NR] = {};  // a K-quant row's lone last super-block (the AVX2 tile's sums)
   const int64_t rs = a.nsg * 1024;
   const int64_t gbytes = G::kblock ? 2 * G::kblock : 16 * G::bytes;  // a super-group's bytes in a weight row
   for (int64_t g = 0; g * 16 < nb; ++g) {
@@ -194,11 +208,7 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
                               a.nsg * 16, S, acc);
       } else {
         const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
-        float o[MR][NR];
-        sg_tile256<F, MR, NR, LO>(p, at, m0, nb - g * 16, o);
-        for (int m = 0; m < MR; ++m)
-          for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_add_ps(acc[m][n], _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0,
-                                                                                           0, 0, 0, 0, 0, 0, 0, o[m][n]));
+        sg_tile256<F, MR, NR, LO>(p, at, m0, nb - g * 16, tail);
       }
       continue;
     }
@@ -252,65 +262,44 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
             wh[n] = _mm512_shuffle_epi8(iq4, wh[n]);
           }
         }
-        for (int m = 0; m < MR; ++m) {  // a low nibble meets step u, a high one step u + 4
-          const int8_t* am = ag + m * rs;
-          const __m512i al = _mm512_loadu_si512(am + u * 64), ah = _mm512_loadu_si512(am + (u + 4) * 64);
+        // one level's sums: low nibbles against step u (a), high ones against step u + 4 (b); Q6_K keeps them apart
+        auto dots = [&](__m512i a, __m512i b, __m512i(&s)[MR][NR], __m512i(&s2)[MR][NR], int m) {
           for (int n = 0; n < NR; ++n) {
             if constexpr (Q6) {
-              is[m][n] = _mm512_dpbusd_epi32(is[m][n], wl[n], al);
-              is2[m][n] = _mm512_dpbusd_epi32(is2[m][n], wh[n], ah);
+              s[m][n] = _mm512_dpbusd_epi32(s[m][n], wl[n], a);
+              s2[m][n] = _mm512_dpbusd_epi32(s2[m][n], wh[n], b);
             } else {
-              is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
+              s[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[m][n], wl[n], a), wh[n], b);
             }
           }
-          if constexpr (LO) {
-            const __m512i ll = _mm512_loadu_si512(am + 512 + u * 64), lh = _mm512_loadu_si512(am + 512 + (u + 4) * 64);
-            for (int n = 0; n < NR; ++n) {
-              if constexpr (Q6) {
-                il[m][n] = _mm512_dpbusd_epi32(il[m][n], wl[n], ll);
-                il2[m][n] = _mm512_dpbusd_epi32(il2[m][n], wh[n], lh);
-              } else {
-                il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], wl[n], ll), wh[n], lh);
-              }
-            }
-          }
+        };
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* am = ag + m * rs;
+          dots(_mm512_loadu_si512(am + u * 64), _mm512_loadu_si512(am + (u + 4) * 64), is, is2, m);
+          if constexpr (LO)
+            dots(_mm512_loadu_si512(am + 512 + u * 64), _mm512_loadu_si512(am + 512 + (u + 4) * 64), il, il2, m);
         }
       }
     }
     __m512 dw[NR], mw[NR];  // per block: the scale, and the min (Q6_K: the second 16 weights' scale)
     for (int n = 0; n < NR; ++n) {
+      const uint8_t* q = p[n] + G::kblock;  // K-quants: the second super-block
       if constexpr (Q6) {  // d sc per 16 weights: dw the first 16 weights' (sc[2 j]), mw the second's
         const __m128i ev = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
         const __m128i s0 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[n] + 2)), ev);
-        const __m128i s1 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[n] + G::kblock + 2)), ev);
-        uint16_t d0, d1;
-        std::memcpy(&d0, p[n], 2);
-        std::memcpy(&d1, p[n] + G::kblock, 2);
-        const __m512 d = two_ps(_mm256_set1_ps(_cvtsh_ss(d0)), _mm256_set1_ps(_cvtsh_ss(d1)));
+        const __m128i s1 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2)), ev);
+        const __m512 d = fp16_pair(p[n], q);
         dw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))));
         mw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))));
       } else if constexpr (F == dtn::IQ4_XS) {  // (d sc) level per block
-        uint16_t d0, d1;
-        std::memcpy(&d0, p[n], 2);
-        std::memcpy(&d1, p[n] + G::kblock, 2);
-        const __m512 d = two_ps(_mm256_set1_ps(_cvtsh_ss(d0)), _mm256_set1_ps(_cvtsh_ss(d1)));
-        dw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
-                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + 2)),
-                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + G::kblock + 2))))));
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes_pair(p[n] + 2, q + 2)));
+        dw[n] = _mm512_mul_ps(fp16_pair(p[n], q), sc);
         mw[n] = dw[n];
       } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per block
-        uint16_t dm0[2], dm1[2];
-        std::memcpy(dm0, p[n], 4);
-        std::memcpy(dm1, p[n] + G::kblock, 4);
-        auto bytes16 = [&](int off) {
-          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + off)),
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + G::kblock + off)))));
-        };
-        dw[n] = _mm512_mul_ps(two_ps(_mm256_set1_ps(_cvtsh_ss(dm0[0])), _mm256_set1_ps(_cvtsh_ss(dm1[0]))),
-                              bytes16(4));
-        mw[n] = _mm512_mul_ps(two_ps(_mm256_set1_ps(-_cvtsh_ss(dm0[1])), _mm256_set1_ps(-_cvtsh_ss(dm1[1]))),
-                              bytes16(12));
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes_pair(p[n] + 4, q + 4)));
+        dw[n] = _mm512_mul_ps(fp16_pair(p[n], q), sc);
+        mw[n] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), fp16_pair(p[n] + 2, q + 2)),
+                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes_pair(p[n] + 12, q + 12))));
       } else {
         dw[n] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n])));
         mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n] + 32)))
@@ -338,7 +327,7 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) out[m][n] = _mm512_reduce_add_ps(acc[m][n]);
+    for (int n = 0; n < NR; ++n) out[m][n] = _mm512_reduce_add_ps(acc[m][n]) + tail[m][n];
 }
 
 template <int F, int MR, int NR, bool LO>
