@@ -17,7 +17,8 @@ import dtorch
 from dtorch.engine.llm import LLM
 from dtorch.engine.request import GenerationStats
 from dtorch.engine.sampling import SamplingParams
-from dtorch.engine.speculative import ROW_COST, Adaptive, NgramIndex, SpeculativeConfig, Speculator, best_k
+from dtorch.engine.speculative import (ROW_COST, Adaptive, NgramIndex, SpeculativeConfig, Speculator, best_k,
+                                      row_cost)
 from dtorch.models.kv_cache import kv_bytes_per_token
 from tests.tiny_models import save_random, tiny_config
 
@@ -153,6 +154,20 @@ def test_the_adaptive_k_pauses_after_rejections_and_probes_with_one_draft():
         a.observe(1, 1)
     assert a.want(4, cpu) == 1 and a.wait == 1  # kept drafts end the pauses
     assert best_k(0.3, 4, cpu) == 0 and best_k(0.3, 4, ROW_COST["cuda"]) == 2
+
+
+def test_the_row_costs_follow_the_native_kernels_isa():
+    """Where rows cost alike (AVX-512 VNNI), drafts that are nearly always kept are taken four at a time; where a third
+    row costs twice the second (AVX2), one at a time."""
+    native = pytest.importorskip("dtorch.kernels.native")
+    if native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
+    for isa in native.available_isas():
+        with native.use_isa(isa):
+            got = row_cost("cpu")
+        assert got == ROW_COST["cpu-avx512" if isa == "avx512" else "cpu"], isa
+        assert best_k(0.95, 4, got) == (4 if isa == "avx512" else 1), isa
+    assert row_cost("cuda") == ROW_COST["cuda"] and row_cost("mps") == ROW_COST["cuda"]
 
 
 # -- greedy: the same ids as without speculation, on every family ---------------------------------------------------

@@ -41,11 +41,25 @@ METHODS = ("ngram", "draft_model")
 MAX_PAUSE = 32  # steps a sequence whose drafts do not pay waits at most before it tries again
 DECAY = 0.7  # weight of the previous rounds in the acceptance estimate
 PRIOR = (1.4, 2.0)  # (accepted, drafted) pseudo-counts the estimate starts from: a chance of 0.7
-# what a step's second row and each further one cost, as shares of a one-row decode step: on a CPU the native integer
-# kernels take the rows of x in pairs, so a second row costs about a third of a step and each further one about 0.7
-# (the default model on one thread, bench/speculative.py: 17.2 ms a step of one row, 23.2 of two, 33.9 of three, 68.5
-# of five); on a GPU a step of a few rows costs about what one row does
-ROW_COST = {"cpu": (0.35, 0.7), "cuda": (0.05, 0.05)}
+# what a step's second row and each further one cost, as shares of a one-row decode step (bench/speculative.py, the
+# default model on one thread): with AVX2 the native integer kernels take the rows of x in pairs, so a second row
+# costs about a third of a step and each further one about 0.7 (17.2 ms a step of one row, 23.2 of two, 33.9 of
+# three, 68.5 of five); with AVX-512 VNNI one row already runs at about the speed of several (the same tiles of
+# 64-byte dot products), and rows cost alike, about half a step each (a step of two rows 1.4-1.6 times one row's
+# of 7.5-9.5 ms, of three 1.9, of five 2.8-3.1); on a GPU a step of a few rows costs about what one row does
+ROW_COST = {"cpu": (0.35, 0.7), "cpu-avx512": (0.45, 0.5), "cuda": (0.05, 0.05)}
+
+
+def row_cost(device_type: str) -> tuple[float, float]:
+    """``ROW_COST``'s entry for a device type; on a CPU, for the native kernels' ISA that runs now."""
+    if device_type != "cpu":
+        return ROW_COST.get(device_type, ROW_COST["cuda"])
+    from dtorch.kernels import native
+
+    try:
+        return ROW_COST["cpu-avx512"] if native.isa() == "avx512" else ROW_COST["cpu"]
+    except native.NativeUnavailable:
+        return ROW_COST["cpu"]
 
 
 def step_cost(rows: int, row_cost: tuple[float, float]) -> float:
@@ -345,4 +359,4 @@ def speculator_for(config: SpeculativeConfig | None, llm: Any, dtype: torch.dtyp
         from dtorch.engine.draft_model import DraftModel
 
         drafter = DraftModel.load(config.model, llm, dtype, where.communicator, where.timeout)
-    return Speculator(config, ROW_COST.get(llm.device.type, ROW_COST["cuda"]), drafter)
+    return Speculator(config, row_cost(llm.device.type), drafter)
