@@ -1,7 +1,7 @@
 """GGUF files as users download them, dtorch against llama.cpp on each, side by side in one run (issue #21).
 
     python bench/gguf_formats.py [--files PATTERN ...] [--threads 1 2] [--repeats 3] [--quick] [--agreement]
-                                 [--cache DIR] [--llamacpp-python PATH]
+                                 [--kv-cache-dtype auto|bfloat16|float32] [--cache DIR] [--llamacpp-python PATH]
 
 The files are made here, once, into ``--cache`` (default ``~/.cache/dtorch/bench-gguf``) and reused:
 - ``smollm2-*``: the default model (SmolLM2-135M-Instruct Q4_1) dequantized to F32, then quantized again;
@@ -153,11 +153,11 @@ def _peak_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
-def _llm(path: str, threads: int, dequantize: bool = False):
+def _llm(path: str, threads: int, dequantize: bool = False, kv_cache_dtype: str = "auto"):
     from dtorch.engine.llm import LLM
 
     return LLM(path, threads=threads, max_model_len=CONTEXT, max_num_seqs=SEQS, enable_prefix_caching=False,
-               dequantize=dequantize)
+               dequantize=dequantize, kv_cache_dtype=kv_cache_dtype)
 
 
 def _weights_kept(llm) -> dict:
@@ -176,13 +176,13 @@ def _weights_kept(llm) -> dict:
 
 
 def worker_dtorch(path: str, threads: int, repeats: int, prefill: tuple[int, ...], ids: list[int],
-                  follow: list[int]) -> dict:
+                  follow: list[int], kv_cache_dtype: str = "auto") -> dict:
     """Prefill, decode and model memory of one sequence, then the 16-sequence decode throughput, and the share of
     ``follow`` (llama.cpp's greedy tokens after the prompt) that dtorch ranks first in the same context."""
     from dtorch.engine.sampling import SamplingParams
 
     base = _current_rss_mib()
-    llm = _llm(path, threads)
+    llm = _llm(path, threads, kv_cache_dtype=kv_cache_dtype)
     out: dict = {"kept": _weights_kept(llm)}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for n in prefill:
@@ -290,6 +290,9 @@ def main() -> None:
                     help=f"1 thread, 1 repeat, prefill of {PREFILL[0]} only; files {' '.join(QUICK_FILES)} unless "
                          "--files says otherwise")
     ap.add_argument("--agreement", action="store_true", help="top-1 agreement with the float source (slow)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="dtorch's KV cache (LLM's kv_cache_dtype; llama.cpp keeps float16 keys): the speed and "
+                         "memory runs only, the agreement runs keep the activations' float32")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dtorch" / "bench-gguf")
     ap.add_argument("--llamacpp-python", default=str(gf.LLAMACPP_PYTHON))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -304,7 +307,8 @@ def main() -> None:
     if args.worker:
         if args.worker == "dtorch":
             follow = [int(i) for i in args.follow.split(",")] if args.follow else []
-            out = worker_dtorch(args.path, threads[0], repeats, prefill, _ids(max(prefill)), follow)
+            out = worker_dtorch(args.path, threads[0], repeats, prefill, _ids(max(prefill)), follow,
+                                args.kv_cache_dtype)
         else:
             out = worker_agreement(args.path, threads[0], args.reference, args.dequantize)
         print(json.dumps(out))
@@ -334,7 +338,7 @@ def main() -> None:
             ref = _run([lcpp, "-c", LLAMACPP_WORKER, str(path), str(t), str(repeats), str(CONTEXT),
                         ",".join(map(str, ids)), json.dumps(list(prefill)), str(PROMPT), str(NEW)])
             follow = ("--follow", ",".join(map(str, ref["tokens"]))) if ref else ()
-            got = _dtorch("dtorch", path, t, repeats, quick + follow)
+            got = _dtorch("dtorch", path, t, repeats, quick + follow + ("--kv-cache-dtype", args.kv_cache_dtype))
             ref, got = ref or {}, got or {}
             notes[name].update(kept=got.get("kept"), llamacpp=ref.get("version"))
             pp = [(ref.get(f"prefill{n}"), got.get(f"prefill{n}")) for n in (128, 512)]
@@ -354,7 +358,8 @@ def main() -> None:
     version = next((n["llamacpp"] for n in notes.values() if n.get("llamacpp")), "?")
     print(f"\ndtorch {_commit()} against llama.cpp (llama-cpp-python {version}); greedy, context {CONTEXT}; "
           f"prefill of {' and '.join(map(str, prefill))} tokens, decode of {NEW} after {PROMPT}; 16-seq: {SEQS} "
-          f"prompts of {PROMPT}, {NEW} new tokens each (dtorch only); medians of {repeats} after a warm-up; "
+          f"prompts of {PROMPT}, {NEW} new tokens each (dtorch only); dtorch's KV cache {args.kv_cache_dtype}; "
+          f"medians of {repeats} after a warm-up; "
           f"tok/s; x = dtorch / llama.cpp (memory: lower is better)\n")
     _print(head, rows)
     agree = " | top-1 agreement with the float source, 256 one-token steps: as stored / dequantized at load"

@@ -93,7 +93,7 @@ def test_info_text_names_what_config_json_says(tiny, capsys):
     assert lines["context"] == f"{config['max_position_embeddings']} tokens"
     assert lines["chat template"] == "none"
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 16 * 4
-    assert f"KV cache {per_token * 112 / 2**20:.1f} MiB ({per_token} bytes a token)" in lines["memory"]
+    assert f"KV cache {per_token * 112 / 2**20:.1f} MiB (float32, {per_token} bytes a token)" in lines["memory"]
     assert "matmul." in done.stdout and "llm.rms_norm" in done.stdout
     assert main(["info", str(path), "--ctx", "100000"]) == 2
     assert "--ctx 100000 is more than the model's 128 positions" in capsys.readouterr().err

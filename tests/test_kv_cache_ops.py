@@ -72,6 +72,40 @@ def test_cache_then_attend_matches_torch(provider, dtype, block_size):
     assert torch.equal(out[10], torch.zeros_like(out[10]))
 
 
+@pytest.mark.parametrize("kernel", ["reference", "sdpa", "padded"])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                               (torch.bfloat16, torch.float32)])
+def test_a_cache_of_another_dtype_is_rounded_once_and_read_widened(kernel, dtype, cache_dtype):
+    """The torch kernels on caches whose dtype is not the activations' (LLM(kv_cache_dtype=...))."""
+    from dtorch.dispatch.context import KernelContext, KernelParams
+    from dtorch.kernels.torch import kv_cache as torch_kv_cache
+
+    torch.manual_seed(1)
+    bs, per = 4, 3
+    kc = torch.zeros(2 * per, bs, HKV, D, dtype=cache_dtype)
+    vc = torch.zeros_like(kc)
+    table = torch.randperm(2 * per).view(2, per).to(torch.int32)
+    n = [10, 7]
+    keys = [torch.randn(m, HKV, D, dtype=dtype) for m in n]
+    vals = [torch.randn_like(k) for k in keys]
+    slots = torch.tensor([int(table[i, p // bs]) * bs + p % bs for i, m in enumerate(n) for p in range(m)])
+    ctx = KernelContext(dtorch.Device("cpu"), None, None, KernelParams())
+    torch_kv_cache.reshape_and_cache_reference(ctx, (torch.cat(keys), torch.cat(vals), kc, vc, slots), (kc, vc))
+    assert torch.equal(kc.flatten(0, 1)[slots], torch.cat(keys).to(cache_dtype))  # rounded once, as .to() does
+    q = torch.randn(3, H, D, dtype=dtype)
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    lens = torch.tensor(n, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    run = {"reference": torch_kv_cache.flash_attention_with_kvcache_reference,
+           "sdpa": torch_kv_cache.flash_attention_with_kvcache_sdpa,
+           "padded": torch_kv_cache.flash_attention_with_kvcache_padded}[kernel]
+    run(KernelContext(dtorch.Device("cpu"), None, None, KernelParams(causal=True, scale=D ** -0.5)),
+        (q, kc, vc, cu, lens, table), (out,))
+    for i in range(2):  # the reference on the cache's values, widened exactly
+        want = _reference(q[cu[i]:cu[i + 1]], keys[i].to(cache_dtype).to(dtype), vals[i].to(cache_dtype).to(dtype))
+        torch.testing.assert_close(out[cu[i]:cu[i + 1]], want, **TOL[dtype])
+
+
 def test_bad_inputs_name_the_argument():
     kc = torch.zeros(2, 4, HKV, D)
     k = torch.randn(3, HKV, D)

@@ -111,6 +111,49 @@ def test_attention_matches_torch_kernel_and_plain_math(case, dtype, isa):
     torch.testing.assert_close(got, plain, **TOL[dtype], msg=f"{case[0]} {isa} vs plain math")
 
 
+# a cache whose dtype is not the activations' (LLM(kv_cache_dtype=...)): float32 activations over a bfloat16 cache
+# (half the bytes each step reads), and the reverse
+MIXED = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5]], ids=[CASES[i][0] for i in (1, 3, 5)])
+@pytest.mark.parametrize("dtype,cache_dtype", MIXED, ids=["f32_over_bf16", "bf16_over_f32"])
+def test_attention_over_a_cache_of_another_dtype(case, dtype, cache_dtype, isa):
+    inputs, params = _attention_inputs(case, dtype)
+    q, kc, vc, *rest = inputs
+    inputs = (q, kc.to(cache_dtype), vc.to(cache_dtype), *rest)
+    got = torch.full(q.shape, float("nan"), dtype=dtype)
+    want = got.clone()
+    native.flash_attention_with_kvcache(_ctx(**params), inputs, (got,))
+    torch_kv_cache.flash_attention_with_kvcache_reference(_ctx(**params), inputs, (want,))
+    torch.testing.assert_close(got, want, **TOL[dtype], msg=f"{case[0]} {isa}")
+    plain = _plain_attention(inputs, **params).to(dtype)  # the cache's values widened exactly
+    torch.testing.assert_close(got, plain, **TOL[dtype], msg=f"{case[0]} {isa} vs plain math")
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", MIXED, ids=["f32_over_bf16", "bf16_over_f32"])
+def test_reshape_and_cache_rounds_into_a_cache_of_another_dtype(dtype, cache_dtype):
+    """Keys are rounded once as they are stored, bit for bit as torch's .to() rounds them (a NaN stays a NaN,
+    whatever its payload)."""
+    gen = torch.Generator().manual_seed(2)
+    kc, vc = torch.zeros(4, 16, 2, 64, dtype=cache_dtype), torch.zeros(4, 16, 2, 64, dtype=cache_dtype)
+    qkv = torch.randn(6, 8 * 64, generator=gen).to(dtype) * 1e3
+    qkv[0, 4 * 64] = float("nan")
+    qkv[1, 4 * 64 + 1] = float("inf")
+    qkv[2, 4 * 64 + 2] = 1 + 2**-8 + 2**-10  # a bf16 rounding that is not a truncation
+    k, v = qkv[:, 4 * 64:6 * 64].view(6, 2, 64), qkv[:, 6 * 64:].view(6, 2, 64)
+    slots = torch.tensor([3, 9, -1, 40, 63, 17])
+    got, want = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+    native.reshape_and_cache(_ctx(), (k, v, *got, slots), got)
+    torch_kv_cache.reshape_and_cache_reference(_ctx(), (k, v, *want, slots), want)
+    ok = slots >= 0
+    for a, b in ((got[0], want[0]), (got[1], want[1]), (got[0].flatten(0, 1)[slots[ok]], k[ok].to(cache_dtype)),
+                 (got[1].flatten(0, 1)[slots[ok]], v[ok].to(cache_dtype))):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    assert got[0].flatten(0, 1)[3, 0, 0].isnan() and got[0].flatten(0, 1)[9, 0, 1].isinf()
+
+
 def test_attention_into_a_strided_out():
     inputs, params = _attention_inputs(CASES[3], torch.float32)
     big = torch.zeros(inputs[0].shape[0], inputs[0].shape[1] + 3, inputs[0].shape[2])

@@ -17,8 +17,7 @@ import dtorch
 from dtorch.engine.llm import LLM
 from dtorch.engine.request import GenerationStats
 from dtorch.engine.sampling import SamplingParams
-from dtorch.engine.speculative import (ROW_COST, Adaptive, NgramIndex, SpeculativeConfig, Speculator, best_k,
-                                      row_cost)
+from dtorch.engine.speculative import ROW_COST, Adaptive, NgramIndex, SpeculativeConfig, Speculator, best_k, row_cost
 from dtorch.models.kv_cache import kv_bytes_per_token
 from tests.tiny_models import save_random, tiny_config
 

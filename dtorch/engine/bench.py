@@ -104,6 +104,7 @@ def _load(args: argparse.Namespace, dtype: torch.dtype, tp: int, threads: int, s
     """The model for one (tp, threads) pair, with a cache that holds ``seqs`` sequences of ``need`` tokens."""
     from dtorch.engine.info import kv_cache_bytes
     from dtorch.engine.llm import LLM
+    from dtorch.models.kv_cache import cache_dtype
     from dtorch.models.loaders import open_checkpoint
 
     with open_checkpoint(args.model if args.model is not None else _default(), dtype) as ckpt:
@@ -112,11 +113,11 @@ def _load(args: argparse.Namespace, dtype: torch.dtype, tp: int, threads: int, s
         raise ArgumentError(f"bench: -p/-n need {need} positions, more than the model's "
                             f"{config.max_position_embeddings}")
     need = min(-(-need // 16) * 16, config.max_position_embeddings)  # whole cache blocks for every sequence
-    kv = kv_cache_bytes(config, dtype, need)[0] * seqs
+    kv = kv_cache_bytes(config, dtype, need, kv_dtype=cache_dtype(args.kv_cache_dtype, dtype))[0] * seqs
     return LLM(args.model, device=args.device, dtype=dtype, dequantize=args.dequantize, tensor_parallel_size=tp,
                threads=threads, max_num_seqs=seqs, max_model_len=need, enable_prefix_caching=False,
                kv_cache_memory_bytes=max(kv, 1), enforce_eager=args.enforce_eager,
-               speculative_config=speculative_config(args))
+               speculative_config=speculative_config(args), kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _default() -> str:

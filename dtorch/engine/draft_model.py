@@ -53,7 +53,8 @@ class DraftModel:
                                      max_positions=target.max_len)
         executor = Executor(model, communicator, target.executor.local_ids, timeout, streams=target.executor.streams)
         t = target.cache
-        cache = KVCache(model.layout, target.mesh, executor.local_ids, t.num_blocks, t.block_size, t.max_len, 1, dtype)
+        cache = KVCache(model.layout, target.mesh, executor.local_ids, t.num_blocks, t.block_size, t.max_len, 1, dtype,
+                        t.kv_dtype)
         executor.use_cache(cache)
         return cls(executor, cache, target.config.vocab_size)
 

@@ -20,7 +20,7 @@ import torch
 
 from dtorch.core.dtypes import as_dtype, dtype_name
 from dtorch.core.errors import ArgumentError
-from dtorch.engine.cli import at_least, check_device
+from dtorch.engine.cli import add_kv_cache_dtype, at_least, check_device
 
 TEMPLATE_LINES = 4  # lines of the chat template shown
 PREFILL_TOKENS = 16  # the prefill step whose kernels are listed
@@ -33,6 +33,7 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for one GPU)")
     parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
     parser.add_argument("--dequantize", action="store_true", help="as generate --dequantize: every weight in --dtype")
+    add_kv_cache_dtype(parser)
     parser.add_argument("-tp", "--tensor-parallel-size", type=at_least(1), default=1, metavar="N",
                         help="devices of this process to split the model over")
     parser.add_argument("--ctx", type=at_least(1), default=None, metavar="N",
@@ -44,10 +45,12 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
 def run_info(args: argparse.Namespace) -> int:
     """Load the model and print what ``info`` shows; returns the exit code."""
     from dtorch.engine.llm import LLM
+    from dtorch.models.kv_cache import cache_dtype
     from dtorch.models.loaders import open_checkpoint
 
     check_device(args.device)
     dtype = as_dtype(args.dtype)
+    kv_dtype = cache_dtype(args.kv_cache_dtype, dtype)
     with open_checkpoint(args.model if args.model is not None else _default(), dtype) as ckpt:
         config, stored, template = ckpt.config, dict(ckpt.stored), ckpt.chat_template
     positions = config.max_position_embeddings
@@ -57,9 +60,10 @@ def run_info(args: argparse.Namespace) -> int:
     small = min(PREFILL_TOKENS * 2, positions)  # a small cache: the bucket graphs are built, not run
     llm = LLM(args.model, device=args.device, dtype=dtype, dequantize=args.dequantize, max_model_len=small,
               max_num_seqs=1, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=True,
-              kv_cache_memory_bytes=max(1, kv_cache_bytes(config, dtype, small)[0]))
+              kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=max(1, kv_cache_bytes(config, dtype, small, 16,
+                                                                                     kv_dtype)[0]))
     try:
-        report = _report(llm, stored, template, ctx, dtype)
+        report = _report(llm, stored, template, ctx, dtype, kv_dtype)
     finally:
         llm.close()
     if args.json:
@@ -92,12 +96,14 @@ def weight_formats(model: Any) -> dict[str, dict[str, int]]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
-def kv_cache_bytes(config: Any, dtype: torch.dtype, tokens: int, block_size: int = 16) -> tuple[int, int]:
+def kv_cache_bytes(config: Any, dtype: torch.dtype, tokens: int, block_size: int = 16,
+                   kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(KV cache bytes, gated delta net state bytes) the engine allocates for one sequence of ``tokens`` tokens: keys
-    and values of every attention layer in whole blocks, and two state rows (the sequence's and the padding row)."""
+    and values of every attention layer in whole blocks (in ``kv_dtype``, default ``dtype``), and two state rows (the
+    sequence's and the padding row)."""
     from dtorch.models.kv_cache import kv_bytes_per_token
 
-    kv = kv_bytes_per_token(config, dtype) * -(-tokens // block_size) * block_size
+    kv = kv_bytes_per_token(config, kv_dtype or dtype) * -(-tokens // block_size) * block_size
     conv = (2 * config.linear_key_dim + config.linear_value_dim) * max(config.linear_conv_kernel_dim - 1, 0)
     ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
     state = len(config.linear_layers) * (conv * dtype.itemsize + ssm * 4)  # the recurrent state is float32
@@ -129,13 +135,13 @@ def bound_kernels(llm: Any) -> dict[str, dict[str, Any]]:
 
 
 def _report(llm: Any, stored: dict[str, tuple[str, str, float]], template: str | None, ctx: int,
-            dtype: torch.dtype) -> dict[str, Any]:
+            dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, Any]:
     from dtorch.models.kv_cache import kv_bytes_per_token
 
     c = llm.config
     formats = weight_formats(llm.model)
     weights = sum(f["bytes"] for f in formats.values())
-    kv, state = kv_cache_bytes(c, dtype, ctx)
+    kv, state = kv_cache_bytes(c, dtype, ctx, 16, kv_dtype)
     lines = template.strip().splitlines() if template else []
     return {
         "model": llm.source, "family": c.family, "layers": c.num_layers,
@@ -150,7 +156,8 @@ def _report(llm: Any, stored: dict[str, tuple[str, str, float]], template: str |
         "formats": formats, "weight_bytes": weights,
         "kernels": bound_kernels(llm),
         "chat_template": {"lines": len(lines), "first_lines": lines[:TEMPLATE_LINES]} if template else None,
-        "ctx": ctx, "kv_bytes_per_token": kv_bytes_per_token(c, dtype), "kv_cache_bytes": kv,
+        "ctx": ctx, "kv_cache_dtype": dtype_name(kv_dtype), "kv_bytes_per_token": kv_bytes_per_token(c, kv_dtype),
+        "kv_cache_bytes": kv,
         "state_bytes": state, "total_bytes": weights + kv + state,
     }
 
@@ -204,7 +211,8 @@ def _print(r: dict[str, Any]) -> None:
             print("  ...")
     state = f" + state {mib(r['state_bytes'])}" if r["state_bytes"] else ""
     line("memory", f"at --ctx {r['ctx']}: weights {mib(r['weight_bytes'])} + KV cache {mib(r['kv_cache_bytes'])} "
-                   f"({r['kv_bytes_per_token']} bytes a token){state} = {mib(r['total_bytes'])}")
+                   f"({r['kv_cache_dtype']}, {r['kv_bytes_per_token']} bytes a token){state} = "
+                   f"{mib(r['total_bytes'])}")
     sys.stdout.flush()
 
 
@@ -217,7 +225,8 @@ def describe_loaded(llm: Any, seconds: float) -> str:
     params = sum(f["params"] for f in formats.values())
     kinds = ", ".join(f"{fmt} x{f['weights']}" for fmt, f in formats.items())
     tp = f" x{llm.tensor_parallel_size}" if llm.tensor_parallel_size > 1 else ""
+    kv = "" if llm.cache.kv_dtype == llm.model.dtype else f" (KV cache {dtype_name(llm.cache.kv_dtype)})"
     return (f"loaded {Path(llm.source).name} ({c.family}, {c.num_layers} layers, {params_text(params)} params) in "
             f"{seconds:.1f} s: {mib(sum(f['bytes'] for f in formats.values()))} of weights ({kinds}) on "
-            f"{llm.device.type}{tp}, {dtype_name(llm.model.dtype)}, context {llm.max_len}, "
+            f"{llm.device.type}{tp}, {dtype_name(llm.model.dtype)}{kv}, context {llm.max_len}, "
             f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}")

@@ -38,7 +38,7 @@ from dtorch.engine.request import CompletionOutput, Delta, GenerationStats, Logp
 from dtorch.engine.sampling import SamplingParams
 from dtorch.engine.speculative import SpeculativeConfig, speculator_for
 from dtorch.models.executor import Executor, StepPlan
-from dtorch.models.kv_cache import KVCache, kv_blocks
+from dtorch.models.kv_cache import KVCache, cache_dtype, kv_blocks
 from dtorch.models.loaders import open_checkpoint
 from dtorch.models.model import Transformer
 from dtorch.models.parallel import MeshSetup, setup_mesh
@@ -69,7 +69,10 @@ class LLM:
     (default: the model's max_position_embeddings). kv_cache_memory_bytes: the paged KV cache's size (default: what
     max_num_seqs sequences of max_model_len need, at most 1 GiB but at least one such sequence, and at most half the
     available memory). block_size: tokens per
-    cache block. enable_prefix_caching: share the cached blocks of common prompt prefixes. max_waiting: queued
+    cache block. kv_cache_dtype: the keys' and values' dtype in the cache, "auto" (the activations'), "bfloat16",
+    "float16" or "float32": bfloat16 under float32 activations halves the cache's memory and what attention reads
+    each step (llama.cpp keeps float16 keys), each key rounded once as it is stored. enable_prefix_caching: share the
+    cached blocks of common prompt prefixes. max_waiting: queued
     requests at most before the engine refuses more (``EngineBusy``; ``generate`` itself always queues).
     threads: intra-op CPU threads, set for the process with ``torch.set_num_threads`` (None: ``DTORCH_THREADS``,
     else torch's default, one per physical core); on cores busy with other work, give only the free ones.
@@ -89,7 +92,7 @@ class LLM:
                  dtype: torch.dtype | str = torch.float32, max_num_seqs: int = 16, tensor_parallel_size: int = 1,
                  dequantize: bool = False, max_num_batched_tokens: int = PREFILL_TOKENS,
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 block_size: int = BLOCK_SIZE,
+                 block_size: int = BLOCK_SIZE, kv_cache_dtype: torch.dtype | str = "auto",
                  enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None,
                  check_weights: bool = True, enforce_eager: bool = False,
                  speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
@@ -118,6 +121,7 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)  # before the load: the streams take their share of these
         dtype = as_dtype(dtype)
+        kv_dtype = cache_dtype(kv_cache_dtype, dtype)
         where: MeshSetup = setup_mesh(device, tensor_parallel_size)
         map_large_allocations()  # the load's freed buffers then leave RSS instead of staying in the heap
         # reads names and shapes; then only this process's slices
@@ -148,9 +152,9 @@ class LLM:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
-        blocks = kv_blocks(self.config, dtype, max_num_seqs, self.max_len, kv_cache_memory_bytes, block_size)
+        blocks = kv_blocks(self.config, kv_dtype, max_num_seqs, self.max_len, kv_cache_memory_bytes, block_size)
         self.cache = KVCache(self.model.layout, self.mesh, self.executor.local_ids, blocks, block_size, self.max_len,
-                             max_num_seqs, dtype)
+                             max_num_seqs, dtype, kv_dtype)
         self.executor.use_cache(self.cache)
         self.engine = Engine(self.executor, self.cache, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
                              vocab_size=self.config.vocab_size, max_len=self.max_len, max_num_seqs=max_num_seqs,

@@ -37,6 +37,23 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * len(config.attention_layers) * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cache_dtype(value: object, dtype: torch.dtype) -> torch.dtype:
+    """LLM's ``kv_cache_dtype``: "auto" (or None) for the activations' ``dtype``, else one of ``KV_DTYPES`` by name
+    ("bfloat16", "float16", "float32", or their short names) or as a torch dtype."""
+    if value is None or value == "auto":
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    got = names.get(value) if isinstance(value, str) else value
+    if got not in KV_DTYPES:
+        raise ArgumentError("LLM: kv_cache_dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got "
+                            f"{value!r:.60}")
+    return got
+
+
 KV_CACHE_BYTES = 1 << 30  # default KV cache budget (a CPU touches pages only as blocks fill)
 
 
@@ -75,7 +92,8 @@ class KVCache:
     """
 
     def __init__(self, layout: Layout, mesh: DeviceMesh, local_ids: tuple[int, ...], num_blocks: int,
-                 block_size: int, max_len: int, num_state_slots: int, dtype: torch.dtype) -> None:
+                 block_size: int, max_len: int, num_state_slots: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_len", max_len),
                             ("num_state_slots", num_state_slots)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -84,7 +102,8 @@ class KVCache:
         self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
         self.max_blocks_per_seq = -(-max_len // block_size)
         self.num_state_slots = num_state_slots
-        self.dtype = dtype
+        self.dtype = dtype  # the activations' (and the gated delta nets' conv state)
+        self.kv_dtype = kv_dtype or dtype  # the keys' and values' (LLM's kv_cache_dtype)
         self.tensors: dict[str, DistTensor] = {}
         self._states: list[DistTensor] = []
 
@@ -101,7 +120,7 @@ class KVCache:
         kv = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         for i in c.attention_layers:  # untouched blocks cost no resident memory on a CPU (pages come on first write)
             for kind in ("k_cache", "v_cache"):
-                place(f"{kind}.{i}", kind, kv, dtype, zero=False)
+                place(f"{kind}.{i}", kind, kv, self.kv_dtype, zero=False)
         conv = (num_state_slots + 1, 2 * c.linear_key_dim + c.linear_value_dim, c.linear_conv_kernel_dim - 1)
         ssm = (num_state_slots + 1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         for i in c.linear_layers:

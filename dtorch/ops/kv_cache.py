@@ -48,6 +48,13 @@ def _check_cache(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor) ->
         raise ShapeError(f"{op}: the caches must be contiguous (rows are addressed as block * block_size + offset)")
 
 
+def _check_cache_dtype(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """The caches share one float dtype, which may differ from the activations' (a bfloat16 cache under float32
+    activations: keys and values are rounded once as they are stored, and read back widened)."""
+    _checks.dtype_in(op, "key_cache", key_cache, FLOAT_DTYPES)
+    _checks.same_dtype(op, {"key_cache": key_cache, "value_cache": value_cache})
+
+
 def _check_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                              ctx: RuntimeContext | None) -> Device:
@@ -59,7 +66,8 @@ def _check_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: 
         _checks.tensor(op, name, t)
     device = _checks.same_device(op, named, ctx.device if ctx is not None else None)
     _checks.dtype_in(op, "key", key, FLOAT_DTYPES)
-    _checks.same_dtype(op, {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache})
+    _checks.same_dtype(op, {"key": key, "value": value})
+    _check_cache_dtype(op, key_cache, value_cache)
     _checks.dtype_in(op, "slot_mapping", slot_mapping, INT_DTYPES)
     if key.dim() != 3 or key.shape != value.shape:
         raise ShapeError(f"{op}: 'key' and 'value' must both be [T, Hkv, D], got {tuple(key.shape)} and "
@@ -100,7 +108,7 @@ def _check_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         _checks.tensor(op, name, t)
     device = _checks.same_device(op, named, ctx.device if ctx is not None else None)
     _checks.dtype_in(op, "q", q, FLOAT_DTYPES)
-    _checks.same_dtype(op, {"q": q, "key_cache": key_cache, "value_cache": value_cache})
+    _check_cache_dtype(op, key_cache, value_cache)
     for name in ("cu_seqlens_q", "seqlens_k", "block_table"):
         _checks.dtype_in(op, name, named[name], (torch.int32,))
     if q.dim() != 3 or q.shape[-1] != key_cache.shape[-1]:

@@ -49,7 +49,7 @@ def reshape_and_cache_reference(ctx, inputs, outputs):
     dst = torch.where(valid, slots, torch.where(some, slots[first], 0))       # [T]: where it goes
     for new, cache in ((key, kc), (value, vc)):
         flat = cache.flatten(0, 1)                                            # [blocks * block_size, Hkv, D]
-        rows = torch.where(some, new.index_select(0, src), flat[0])           # a new tensor: flat[0] is copied
+        rows = torch.where(some, new.index_select(0, src).to(cache.dtype), flat[0])  # new: flat[0] is copied
         flat.index_copy_(0, dst, rows)
 
 
@@ -79,11 +79,14 @@ def _sequences(cu_q: torch.Tensor, seqlens_k: torch.Tensor, block_table: torch.T
             yield bq[i], bq[i + 1], n - skip * block_size, blocks
 
 
-def _keys(cache: torch.Tensor, blocks: list[int], length: int) -> torch.Tensor:
-    """[length, Hkv, D]: a view of one block when the sequence fits in it, else the blocks gathered."""
+def _keys(cache: torch.Tensor, blocks: list[int], length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[length, Hkv, D] in ``dtype`` (q's): a view of one block when the sequence fits in it, else the blocks
+    gathered; a cache of another dtype (bfloat16 under float32 activations) is widened."""
     if len(blocks) <= 1:
-        return cache[blocks[0], :length] if length else cache[0, :0]
-    return cache[blocks].flatten(0, 1)[:length]
+        keys = cache[blocks[0], :length] if length else cache[0, :0]
+    else:
+        keys = cache[blocks].flatten(0, 1)[:length]
+    return keys.to(dtype)
 
 
 @KERNELS.kernel("llm.flash_attention_with_kvcache", FLOATS, meta=HOST_LOOP)
@@ -93,8 +96,8 @@ def flash_attention_with_kvcache_reference(ctx, inputs, outputs):
     p = ctx.params
     w = p.get("window", 0)
     for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1], w):
-        o = attention_dense_reference(q[None, q0:q1], _keys(kc, blocks, n)[None], _keys(vc, blocks, n)[None],
-                                      p.causal, p.scale, w)
+        o = attention_dense_reference(q[None, q0:q1], _keys(kc, blocks, n, q.dtype)[None],
+                                      _keys(vc, blocks, n, q.dtype)[None], p.causal, p.scale, w)
         out[q0:q1].copy_(o[0])
 
 
@@ -106,8 +109,8 @@ def flash_attention_with_kvcache_sdpa(ctx, inputs, outputs):
     p = ctx.params
     w = p.get("window", 0)
     for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1], w):
-        _sdpa_into(q[None, q0:q1], _keys(kc, blocks, n)[None], _keys(vc, blocks, n)[None], out[None, q0:q1],
-                   p.causal, p.scale, w)
+        _sdpa_into(q[None, q0:q1], _keys(kc, blocks, n, q.dtype)[None], _keys(vc, blocks, n, q.dtype)[None],
+                   out[None, q0:q1], p.causal, p.scale, w)
 
 
 # The "torch" kernel pads instead of walking the sequences, so nothing is read on the host: each sequence's whole
@@ -174,6 +177,7 @@ def flash_attention_with_kvcache_padded(ctx, inputs, outputs):
         qp = q.new_zeros(n * t, h, d).index_copy_(0, where, q).view(n, t, h, d)
         mask = visible.new_zeros(n * t, s).index_copy_(0, where, visible).view(n, 1, t, s)
         kvseq = visible
+    kp, vp = kp.to(q.dtype), vp.to(q.dtype)                               # a cache of another dtype, widened
     # NaN rows: a query row that reads a non-finite q, k or v value; padded and masked keys are zeroed, leaking nothing
     bad = _nonfinite(kp) + _nonfinite(vp)                                 # [T or N, S, Hkv]
     bad = bad if where is None else bad.index_select(0, seq)              # [T, S, Hkv]

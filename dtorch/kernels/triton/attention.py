@@ -77,8 +77,9 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, table_ptr
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k_off = block * stride_kb + offset * stride_ks + kvh * stride_kh
         v_off = block * stride_vb + offset * stride_vs + kvh * stride_vh
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # [N, D]; a cache of another dtype than q's (bfloat16 under float32 activations) is widened as it is read
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         kv_bad = tl.sum(k.to(tl.float32) * 0.0, axis=1) + tl.sum(v.to(tl.float32) * 0.0, axis=1)  # [N]
         k = tl.where(k * 0.0 == 0.0, k, 0.0)
         v = tl.where(v * 0.0 == 0.0, v, 0.0)

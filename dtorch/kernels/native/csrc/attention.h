@@ -83,14 +83,14 @@ constexpr int kChunk = 64;  // keys per online-softmax step
 constexpr int kRows = 16;   // rows per item at most
 
 // One item: for each row, softmax(scale * q k^T) v over its visible keys, accumulated chunk by chunk.
-template <class T, int NV>
+template <class T, class C, int NV>
 static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   constexpr int D = 16 * NV;
   const int64_t G = c.G, bs = c.block_size, row = c.hkv * D, h = it.head;
   const int64_t q0 = c.cu_q[it.seq], nq = c.cu_q[it.seq + 1] - q0, n = c.seqlens_k[it.seq];
   const int32_t* blocks = c.table + it.seq * c.ld_table;
-  const T* kc = static_cast<const T*>(c.k) + h * D;
-  const T* vc = static_cast<const T*>(c.v) + h * D;
+  const C* kc = static_cast<const C*>(c.k) + h * D;
+  const C* vc = static_cast<const C*>(c.v) + h * D;
   const int nr = it.r1 - it.r0;
   const float scale = c.scale;
   const T* qp[kRows];
@@ -115,8 +115,8 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
     bad[r] = false;
     for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, v16_zero());
   }
-  const T* kpc[kChunk];
-  const T* vpc[kChunk];
+  const C* kpc[kChunk];
+  const C* vpc[kChunk];
   alignas(64) float p[kChunk];
   if (kmin > kmax) kmin = kmax;
   for (int64_t j0 = kmin; j0 < kmax; j0 += kChunk) {
@@ -132,8 +132,8 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
       const int64_t s0 = lo[r] > j0 ? lo[r] - j0 : 0;  // this row's keys of the chunk: [s0, cr)
       const int64_t cr = (lim[r] - j0 < cn ? lim[r] - j0 : cn) - s0;
       if (cr <= 0) continue;
-      const T* const* kp = kpc + s0;
-      const T* const* vp = vpc + s0;
+      const C* const* kp = kpc + s0;
+      const C* const* vp = vpc + s0;
       V16 qv[NV];
       for (int v = 0; v < NV; ++v) qv[v] = v16_load(qp[r] + 16 * v);
       int64_t jj = 0;
@@ -209,16 +209,19 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   }
 }
 
-template <class T, int NV = 1>
+template <class T, class C, int NV = 1>
 static void attend_items(const dtn::AttnCall& c, const dtn::AttnItem* items, int64_t i0, int64_t i1) {
   if constexpr (NV < 16) {
-    if (c.D != 16 * NV) return attend_items<T, NV + 1>(c, items, i0, i1);
+    if (c.D != 16 * NV) return attend_items<T, C, NV + 1>(c, items, i0, i1);
   }
-  for (int64_t i = i0; i < i1; ++i) attend_item<T, NV>(c, items[i]);
+  for (int64_t i = i0; i < i1; ++i) attend_item<T, C, NV>(c, items[i]);
 }
 }  // namespace attn
 
 static void attend(const dtn::AttnCall& c, const dtn::AttnItem* items, int64_t i0, int64_t i1) {
-  if (c.dt == F32) attn::attend_items<float>(c, items, i0, i1);
-  else attn::attend_items<uint16_t>(c, items, i0, i1);
+  // q and out in c.dt, the caches in c.cdt (a bf16 cache under float32 activations: half the bytes read)
+  if (c.dt == F32 && c.cdt == F32) attn::attend_items<float, float>(c, items, i0, i1);
+  else if (c.dt == F32) attn::attend_items<float, uint16_t>(c, items, i0, i1);
+  else if (c.cdt == F32) attn::attend_items<uint16_t, float>(c, items, i0, i1);
+  else attn::attend_items<uint16_t, uint16_t>(c, items, i0, i1);
 }

@@ -600,10 +600,11 @@ ENTRY(py_paged_attention)
   const long long window = PyLong_AsLongLong(args[9]);
   if (window == -1 && PyErr_Occurred()) throw Fail{};
   NEED(window >= 0, g_arg_error, std::string(op) + ": window must be >= 0 (0: none), got " + std::to_string(window));
-  const int dt = float_dt(q, op, "q");
-  for (const at::Tensor* t : {&kc, &vc, &out})
-    NEED(t->scalar_type() == q.scalar_type(), g_dtype_error, std::string(op) + ": caches and out must have q's "
-         "dtype " + dtype_name(q) + ", got " + dtype_name(*t));
+  const int dt = float_dt(q, op, "q"), cdt = float_dt(kc, op, "k_cache");
+  NEED(out.scalar_type() == q.scalar_type(), g_dtype_error, std::string(op) + ": out must have q's dtype " +
+       dtype_name(q) + ", got " + dtype_name(out));
+  NEED(vc.scalar_type() == kc.scalar_type(), g_dtype_error, std::string(op) + ": v_cache must have k_cache's dtype " +
+       dtype_name(kc) + ", got " + dtype_name(vc));
   for (const at::Tensor* t : {&cu, &lens, &table}) need_dtype(*t, at::kInt, op, "cu_seqlens_q/seqlens_k/block_table");
   int64_t q_head = 0, o_head = 0;
   const int64_t q_tok = token_stride(q, &q_head, op, "q"), o_tok = token_stride(out, &o_head, op, "out");
@@ -644,7 +645,7 @@ ENTRY(py_paged_attention)
     work += double(rows) * double(hkv) * double(window > 0 ? std::min<int64_t>(n, window + nq) : n) * double(D);
   }
   const dtn::AttnCall c{q.data_ptr(), q_tok, q_head, kc.data_ptr(), vc.data_ptr(), bs, hkv, out.data_ptr(), o_tok,
-                        o_head, cp, lp, tp, mb, dt, D, G, float(scale), causal, int64_t(window)};
+                        o_head, cp, lp, tp, mb, dt, D, G, float(scale), causal, int64_t(window), cdt};
   const dtn::AttnTable* at = attn_table();
   const dtn::AttnItem* ip = items.data();
   const int64_t ni = int64_t(items.size());
@@ -668,9 +669,11 @@ ENTRY(py_cache_store)
   const at::Tensor& kc = tensor(args[2], op, "k_cache");
   const at::Tensor& vc = tensor(args[3], op, "v_cache");
   const at::Tensor& slots = tensor(args[4], op, "slot_mapping");
-  for (const at::Tensor* t : {&v, &kc, &vc})
-    NEED(t->scalar_type() == k.scalar_type(), g_dtype_error, std::string(op) + ": value and the caches must have "
-         "key's dtype " + dtype_name(k) + ", got " + dtype_name(*t));
+  NEED(v.scalar_type() == k.scalar_type(), g_dtype_error, std::string(op) + ": value must have key's dtype " +
+       dtype_name(k) + ", got " + dtype_name(v));
+  NEED(vc.scalar_type() == kc.scalar_type(), g_dtype_error, std::string(op) + ": v_cache must have k_cache's dtype " +
+       dtype_name(kc) + ", got " + dtype_name(vc));
+  const int kdt = float_dt(k, op, "key"), cdt = float_dt(kc, op, "k_cache");
   NEED(slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt, g_dtype_error,
        std::string(op) + ": slot_mapping must be int64 or int32, got " + dtype_name(slots));
   NEED(k.dim() == 3 && v.sizes() == k.sizes() && kc.dim() == 4 && vc.sizes() == kc.sizes() &&
@@ -679,7 +682,7 @@ ENTRY(py_cache_store)
        "slot_mapping [T]; got " + dims(k) + ", " + dims(kc) + ", " + dims(slots));
   const int64_t T = k.size(0), rows = kc.size(0) * kc.size(1);
   const int64_t ldk = row_stride(k, 2, op, "key"), ldv = row_stride(v, 2, op, "value");
-  const int64_t esz = k.element_size(), width = k.size(1) * k.size(2);
+  const int64_t esz = kc.element_size(), width = k.size(1) * k.size(2);
   const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
   char *kcp = static_cast<char*>(kc.data_ptr()), *vcp = static_cast<char*>(vc.data_ptr());
   const bool wide = slots.scalar_type() == at::kLong;
@@ -689,8 +692,25 @@ ENTRY(py_cache_store)
     if (s < 0) continue;
     NEED(s < rows, g_arg_error, std::string(op) + ": slot " + std::to_string(s) + " is past the cache's " +
          std::to_string(rows) + " rows");
-    std::memcpy(kcp + s * width * esz, kp + t * ldk * esz, size_t(width * esz));
-    std::memcpy(vcp + s * width * esz, vp + t * ldv * esz, size_t(width * esz));
+    if (kdt == cdt) {
+      std::memcpy(kcp + s * width * esz, kp + t * ldk * esz, size_t(width * esz));
+      std::memcpy(vcp + s * width * esz, vp + t * ldv * esz, size_t(width * esz));
+    } else {  // rounded to a bf16 cache, or widened to a float32 one, as torch's .to() does (c10's conversions)
+      const int64_t ld[2] = {ldk, ldv};
+      const char* src[2] = {kp, vp};
+      char* dst[2] = {kcp, vcp};
+      for (int j = 0; j < 2; ++j) {
+        if (cdt == dtn::BF16) {
+          const float* a = reinterpret_cast<const float*>(src[j]) + t * ld[j];
+          c10::BFloat16* b = reinterpret_cast<c10::BFloat16*>(dst[j]) + s * width;
+          for (int64_t i = 0; i < width; ++i) b[i] = c10::BFloat16(a[i]);
+        } else {
+          const c10::BFloat16* a = reinterpret_cast<const c10::BFloat16*>(src[j]) + t * ld[j];
+          float* b = reinterpret_cast<float*>(dst[j]) + s * width;
+          for (int64_t i = 0; i < width; ++i) b[i] = float(a[i]);
+        }
+      }
+    }
   }
   Py_RETURN_NONE;
 EXIT

@@ -132,6 +132,7 @@ struct AttnCall {
   void* out; int64_t o_tok, o_head;
   const int32_t* cu_q; const int32_t* seqlens_k; const int32_t* table; int64_t ld_table;
   int dt; int64_t D, G; float scale; bool causal; int64_t window;
+  int cdt;  // the caches' dtype (F32 or BF16; dt: q's and out's)
 };
 
 // A unit of work: rows [r0, r1) of sequence seq and kv head head, row r = i * G + g being query i of the
