@@ -279,6 +279,36 @@ def test_rms_norm_and_add_rms_norm(dtype, isa):
         assert torch.equal(r2, res + x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_token_strided_heads(dtype, isa):
+    """Qwen3's per-head q / k norms run on [T, H, D] views of a fused qkv output (tokens a row of q, k and v heads
+    apart): the same values as on a contiguous copy, into a fresh out or in place; a residual wants contiguous x."""
+    torch.manual_seed(8)
+    w = torch.rand(64).to(dtype)
+    for t in (1, 7):
+        qkv = torch.randn(t, (6 + 2 * 2) * 64).to(dtype)
+        for x in (qkv[:, :6 * 64].view(t, 6, 64), qkv[:, 6 * 64:8 * 64].view(t, 2, 64), qkv[:, 8 * 64:9 * 64]):
+            want = nk.rms_norm(x.contiguous(), w, 1e-6)
+            assert torch.equal(nk.rms_norm(x, w, 1e-6), want)
+            torch.testing.assert_close(want, _rms_ref(x, w, 1e-6), **FUSED_TOL[dtype])
+            before = qkv.clone()
+            nk.rms_norm(x, w, 1e-6, out=x)  # in place on the view: the other heads untouched
+            assert torch.equal(x, want)
+            assert torch.equal(qkv.flatten()[_outside(qkv, x)], before.flatten()[_outside(qkv, x)])
+    q = torch.randn(3, 10, 64).to(dtype)[:, :4]
+    with pytest.raises(LayoutError, match="contiguous with a residual"):
+        nk.load().rms_norm(q, q.clone(), q.clone(), w, q.clone(), 1e-6)
+
+
+def _outside(base: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """The flat indices of ``base`` that ``view`` does not cover."""
+    idx = torch.arange(base.numel()).view(base.shape)
+    inside = torch.as_strided(idx, view.shape, view.stride(), view.storage_offset() - base.storage_offset())
+    keep = torch.ones(base.numel(), dtype=torch.bool)
+    keep[inside.flatten()] = False
+    return keep.nonzero().flatten()
+
+
 def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, interleaved: bool) -> torch.Tensor:
     xf, out = x.float(), x.float().clone()
     if interleaved:

@@ -350,12 +350,12 @@ EXIT
 // rms_norm(x [..., D], res [..., D] | None, res_out | None, w [D], out [..., D], eps float); one dtype for all
 ENTRY(py_rms_norm)
   need_args(nargs, 6, "rms_norm");
-  const at::Tensor& x = tensor(args[0], "rms_norm", "x");
+  const at::Tensor& x = any_tensor(args[0], "rms_norm", "x");
   const bool has_res = args[1] != Py_None;
   const at::Tensor* res = has_res ? &tensor(args[1], "rms_norm", "residual") : nullptr;
   const at::Tensor* res_out = has_res ? &tensor(args[2], "rms_norm", "residual_out") : nullptr;
   const at::Tensor& w = tensor(args[3], "rms_norm", "weight");
-  const at::Tensor& out = tensor(args[4], "rms_norm", "out");
+  const at::Tensor& out = any_tensor(args[4], "rms_norm", "out");
   const double eps = PyFloat_AsDouble(args[5]);
   if (eps == -1.0 && PyErr_Occurred()) throw Fail{};
   const int dt = float_dt(x, "rms_norm", "x");
@@ -372,6 +372,23 @@ ENTRY(py_rms_norm)
   const void *xp = x.data_ptr(), *rp = has_res ? res->data_ptr() : nullptr, *wp = w.data_ptr();
   void *rop = has_res ? res_out->data_ptr() : nullptr, *op = out.data_ptr();
   const float e = float(eps);
+  if (!x.is_contiguous() || !out.is_contiguous()) {
+    // a token-strided view, e.g. Qwen3's q / k heads [T, H, D] of a fused qkv output (per-head norms): the H rows
+    // of each token are dense, the tokens a uniform stride apart
+    need(!has_res, g_layout_error, "rms_norm: x " + dims(x) + " must be contiguous with a residual");
+    const int inner = x.dim() >= 3 ? 2 : 1;
+    const int64_t lx = row_stride(x, inner, "rms_norm", "x"), lo = row_stride(out, inner, "rms_norm", "out");
+    const int64_t H = inner == 2 ? x.size(-2) : 1, T = H ? R / H : 0, esz = x.element_size();
+    const char* xb = static_cast<const char*>(xp);
+    char* ob = static_cast<char*>(op);
+    Py_BEGIN_ALLOW_THREADS
+    parallel_rows(T, 4 * D * H, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        tb->rms_norm(xb + t * lx * esz, nullptr, nullptr, wp, ob + t * lo * esz, dt, 0, H, D, e);
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+  }
   Py_BEGIN_ALLOW_THREADS
   parallel_rows(R, 4 * D, [&](int64_t r0, int64_t r1) { tb->rms_norm(xp, rp, rop, wp, op, dt, r0, r1, D, e); });
   Py_END_ALLOW_THREADS
