@@ -75,6 +75,37 @@ def test_speculation_over_a_bfloat16_cache_keeps_the_greedy_ids(pair):
         spec.close()
 
 
+# the families whose attention differs: sliding windows (gemma3), a hybrid of gated delta nets beside attention
+# (qwen3_next: its states stay in the activations' dtype), experts (qwen3_moe)
+FAMILIES = {"gemma3": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+            "qwen3_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+            "qwen3_moe": {}}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_kind_of_attention_reads_a_bfloat16_cache(family, tmp_path):
+    """Prompt logits, the bfloat16 cache against the float32 one."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tiny_models import save_random, tiny_config
+
+    save_random(transformers, tiny_config(transformers, family, **FAMILIES[family]), tmp_path)
+    ids = [5, 17, 3, 99, 42, 8, 61, 23, 77, 12]
+    got = {}
+    for kv in ("auto", "bfloat16"):
+        llm = LLM(str(tmp_path), max_model_len=64, max_num_seqs=2, kv_cache_dtype=kv, enable_prefix_caching=False)
+        try:
+            assert llm.cache.tensors[next(n for n in llm.cache.tensors if "k_cache" in n)].dtype == \
+                (torch.bfloat16 if kv == "bfloat16" else torch.float32)
+            # the last logits of each prefix of the prompt (a fresh prefill each), then every row of the whole prompt
+            steps = [llm.logits(ids[:i + 1])[-1] for i in range(len(ids))]
+            got[kv] = torch.stack(steps).float(), llm.logits(ids).float()
+        finally:
+            llm.close()
+    for want, have in zip(got["auto"], got["bfloat16"], strict=True):
+        assert torch.isfinite(have).all()
+        assert (have - want).abs().max() < 0.05 * want.abs().max()
+
+
 @pytest.mark.parametrize("value", ["auto", None, "bfloat16", "bf16", "float16", "float32", torch.bfloat16])
 def test_the_names_it_takes(value):
     want = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
