@@ -60,8 +60,8 @@ def run_info(args: argparse.Namespace) -> int:
     small = min(PREFILL_TOKENS * 2, positions)  # a small cache: the bucket graphs are built, not run
     llm = LLM(args.model, device=args.device, dtype=dtype, dequantize=args.dequantize, max_model_len=small,
               max_num_seqs=1, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=True,
-              kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=max(1, kv_cache_bytes(config, dtype, small, 16,
-                                                                                     kv_dtype)[0]))
+              kv_cache_dtype=kv_dtype,
+              kv_cache_memory_bytes=max(1, kv_cache_bytes(config, dtype, small, kv_dtype=kv_dtype)[0]))
     try:
         report = _report(llm, stored, template, ctx, dtype, kv_dtype)
     finally:
@@ -141,7 +141,7 @@ def _report(llm: Any, stored: dict[str, tuple[str, str, float]], template: str |
     c = llm.config
     formats = weight_formats(llm.model)
     weights = sum(f["bytes"] for f in formats.values())
-    kv, state = kv_cache_bytes(c, dtype, ctx, 16, kv_dtype)
+    kv, state = kv_cache_bytes(c, dtype, ctx, kv_dtype=kv_dtype)
     lines = template.strip().splitlines() if template else []
     return {
         "model": llm.source, "family": c.family, "layers": c.num_layers,

@@ -23,7 +23,8 @@ import sys
 
 import torch
 
-from dtorch.core.errors import ArgumentError
+from dtorch.core.dtypes import as_dtype
+from dtorch.core.errors import ArgumentError, DTypeError
 from dtorch.core.memory import MemoryKind, allocate
 from dtorch.core.placement import local_shape
 from dtorch.graph import DeviceMesh
@@ -42,12 +43,13 @@ KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def cache_dtype(value: object, dtype: torch.dtype) -> torch.dtype:
     """LLM's ``kv_cache_dtype``: "auto" (or None) for the activations' ``dtype``, else one of ``KV_DTYPES`` by name
-    ("bfloat16", "float16", "float32", or their short names) or as a torch dtype."""
+    (as ``as_dtype`` reads it: "bfloat16", "bf16", "float16", "float32" ...) or as a torch dtype."""
     if value is None or value == "auto":
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    got = names.get(value) if isinstance(value, str) else value
+    try:
+        got = as_dtype(value) if isinstance(value, (str, torch.dtype)) else None
+    except DTypeError:
+        got = None
     if got not in KV_DTYPES:
         raise ArgumentError("LLM: kv_cache_dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got "
                             f"{value!r:.60}")

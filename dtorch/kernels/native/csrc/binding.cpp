@@ -676,6 +676,19 @@ ENTRY(py_paged_attention)
   Py_RETURN_NONE;
 EXIT
 
+// n values from element `from` of src to element `to` of dst, float32 -> bf16 (cdt BF16) or bf16 -> float32
+void convert_row(char* dst, const char* src, int64_t to, int64_t from, int64_t n, int cdt) {
+  if (cdt == dtn::BF16) {
+    const float* a = reinterpret_cast<const float*>(src) + from;
+    c10::BFloat16* b = reinterpret_cast<c10::BFloat16*>(dst) + to;
+    for (int64_t i = 0; i < n; ++i) b[i] = c10::BFloat16(a[i]);
+  } else {
+    const c10::BFloat16* a = reinterpret_cast<const c10::BFloat16*>(src) + from;
+    float* b = reinterpret_cast<float*>(dst) + to;
+    for (int64_t i = 0; i < n; ++i) b[i] = float(a[i]);
+  }
+}
+
 // cache_store(key, value [T, Hkv, D], k_cache, v_cache [blocks, block_size, Hkv, D], slots int32/int64 [T]):
 // row t to flat cache row slots[t]; a negative slot is skipped. key/value rows may be strided (heads dense).
 ENTRY(py_cache_store)
@@ -713,20 +726,8 @@ ENTRY(py_cache_store)
       std::memcpy(kcp + s * width * esz, kp + t * ldk * esz, size_t(width * esz));
       std::memcpy(vcp + s * width * esz, vp + t * ldv * esz, size_t(width * esz));
     } else {  // rounded to a bf16 cache, or widened to a float32 one, as torch's .to() does (c10's conversions)
-      const int64_t ld[2] = {ldk, ldv};
-      const char* src[2] = {kp, vp};
-      char* dst[2] = {kcp, vcp};
-      for (int j = 0; j < 2; ++j) {
-        if (cdt == dtn::BF16) {
-          const float* a = reinterpret_cast<const float*>(src[j]) + t * ld[j];
-          c10::BFloat16* b = reinterpret_cast<c10::BFloat16*>(dst[j]) + s * width;
-          for (int64_t i = 0; i < width; ++i) b[i] = c10::BFloat16(a[i]);
-        } else {
-          const c10::BFloat16* a = reinterpret_cast<const c10::BFloat16*>(src[j]) + t * ld[j];
-          float* b = reinterpret_cast<float*>(dst[j]) + s * width;
-          for (int64_t i = 0; i < width; ++i) b[i] = float(a[i]);
-        }
-      }
+      convert_row(kcp, kp, s * width, t * ldk, width, cdt);
+      convert_row(vcp, vp, s * width, t * ldv, width, cdt);
     }
   }
   Py_RETURN_NONE;
