@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding, side by side in one run (issue #23).
 
-    python bench/speculative.py [--threads 1] [--repeats 3] [--k 4] [--forced 1 2 4] [--no-draft-model]
+    python bench/speculative.py [--threads 1] [--repeats 3] [--k 8] [--forced 1 2 4] [--no-draft-model]
                                 [--cache DIR]
 
 The default model (SmolLM2-135M-Instruct Q4_1), greedy, one request at a time, on three chat tasks: repeating a
@@ -8,10 +8,12 @@ paragraph, fixing the typos of a paragraph, and an open question. Each task runs
 (``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``) on one loaded
 model (the speculator is switched on and off between runs, which alternate, so drift in the machine's speed hits both
 alike): tok/s is the answer's tokens over the whole generate call (prefill included), the median of ``--repeats`` runs
-after a warm-up; "acceptance" is accepted over drafted tokens; "same" says whether the answers are equal id for id;
-"ms/step" is the mean time of the engine's steps, plain then speculative (a speculative step verifies up to k + 1
-rows). The adaptive k picks how many of the ``--k`` drafts a step verifies from what rows cost on the device; the
-"forced" rows price rows at nothing, so every step drafts ``--forced`` tokens where it can (the copy task).
+after a warm-up; "decode tok/s" (plain -> speculative) counts the decode steps only, the tokens after the first over
+their time (what ``dtorch generate``'s speed line and llama.cpp's speculative example report); "acceptance" is
+accepted over drafted tokens; "same" says whether the answers are equal id for id; "ms/step" is the mean time of the
+engine's steps, plain then speculative (a speculative step verifies up to k + 1 rows). The adaptive k picks how many
+of the ``--k`` drafts a step verifies from what rows cost on the device; the "forced" rows price rows at nothing, so
+every step drafts ``--forced`` tokens where it can (the copy task).
 
 The profile behind the speed-ups: what one ``matmul.linear`` of the default model costs on x of 1..k+1 rows against
 one row (the native kernels' integer products, the median of 40 calls), for a layer's gate/up projection and for
@@ -63,6 +65,7 @@ def measure(llm, prompt, params, repeats: int) -> dict:
     whether the two answers are equal."""
     spec = llm.engine.speculator
     tps: dict[str, list[float]] = {"plain": [], "spec": []}
+    dps: dict[str, list[float]] = {"plain": [], "spec": []}  # decode steps only: no prefill, no first token
     steps = {"plain": [0, 0.0], "spec": [0, 0.0]}
     answers, drafted, accepted = {}, 0, 0
     for r in range(repeats + 1):
@@ -75,6 +78,8 @@ def measure(llm, prompt, params, repeats: int) -> dict:
             answers[name] = out.token_ids
             if r:  # the first round warms up (and builds the step shapes)
                 tps[name].append(len(out.token_ids) / seconds)
+                dps[name].append((after.decode_tokens - before.decode_tokens) /
+                                 (after.decode_seconds - before.decode_seconds))
                 steps[name][0] += after.steps - before.steps
                 steps[name][1] += after.prefill_seconds + after.decode_seconds - before.prefill_seconds - \
                     before.decode_seconds
@@ -82,8 +87,10 @@ def measure(llm, prompt, params, repeats: int) -> dict:
                 accepted += after.spec_accepted_tokens - before.spec_accepted_tokens
     llm.engine.speculator = spec
     plain, fast = statistics.median(tps["plain"]), statistics.median(tps["spec"])
+    dplain, dfast = statistics.median(dps["plain"]), statistics.median(dps["spec"])
     ms = {name: 1e3 * t / n for name, (n, t) in steps.items()}
     return {"tokens": len(answers["plain"]), "plain": plain, "spec": fast, "speedup": fast / plain,
+            "decode": f"{dplain:.0f} -> {dfast:.0f}", "decode_speedup": dfast / dplain,
             "acceptance": accepted / drafted if drafted else 0.0, "same": answers["plain"] == answers["spec"],
             "ms": f"{ms['plain']:.1f} -> {ms['spec']:.1f}"}
 
@@ -132,7 +139,8 @@ def draft_files(cache: Path) -> tuple[Path, Path]:
 
 
 def row(label: str, k: str, m: dict) -> list:
-    return [label, k, m["tokens"], m["plain"], m["spec"], m["speedup"], f"{m['acceptance']:.0%}", m["ms"],
+    return [label, k, m["tokens"], m["plain"], m["spec"], m["speedup"], m["decode"], m["decode_speedup"],
+            f"{m['acceptance']:.0%}", m["ms"],
             "yes" if m["same"] else "NO"]
 
 
@@ -140,8 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--forced", type=int, nargs="*", default=[1, 2, 4],
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--forced", type=int, nargs="*", default=[2, 4, 8, 12],
                     help="k drafted at every step, whatever they cost, on the copy task (the profile)")
     ap.add_argument("--no-draft-model", action="store_true", help="leave out the draft-model row")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dtorch" / "bench-gguf")
@@ -152,7 +160,8 @@ def main() -> None:
     from dtorch import LLM, SamplingParams
     from dtorch.engine.speculative import SpeculativeConfig, Speculator
 
-    head = ["task", "k", "tokens", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "ms/step", "same"]
+    head = ["task", "k", "tokens", "plain tok/s", "spec tok/s", "speed-up", "decode tok/s", "decode speed-up",
+            "acceptance", "ms/step", "same"]
     rows = []
 
     def add(r: list) -> None:

@@ -127,9 +127,10 @@ def test_layouts_name_what_is_wrong():
 # Error bound: NMSE = sum((got - ref)^2) / sum(ref^2) over every output of the shapes above, ref =
 # x @ gguf_dequantize(w).T in float64 (llama.cpp's test-backend-ops uses 5e-4 for its quantized mul_mat).
 # Fewer than 32 rows (decode): x in two int8 levels per 32 values, x = d (hi + lo / 254) (csrc/generic.h), integer
-# dot products; 32 rows and more (prefill): the weight dequantized to float32 in panels and torch's GEMM, exact up to
-# float rounding. The weights enter exactly either way. Measured on these shapes (3 seeds, every ISA, which agree
-# to float rounding), float32 x, Gaussian / with outliers (x = randn, K / 128 channels per row times 50 randn):
+# dot products; 32 rows and more (prefill): the weight dequantized to float32 in panels and a float GEMM (oneDNN's or
+# torch's; on AVX-512 VNNI from 128 rows per thread, see INT_PREFILL_ISAS), exact up to float rounding. The weights
+# enter exactly either way. Measured on these shapes (3 seeds, every ISA, which agree to float rounding), float32
+# x, Gaussian / with outliers (x = randn, K / 128 channels per row times 50 randn):
 #
 # | format | int8 x alone (before) | two levels, < 32 rows | float path, >= 32 rows |
 # |---|---|---|---|
@@ -141,7 +142,9 @@ def test_layouts_name_what_is_wrong():
 # about France's capital (the down projection's input, silu(gate) * up, has heavy outliers). bf16 x: the one
 # rounding of the output to bf16 dominates, 2.0e-6..3.6e-6 on every path. The bounds are ~2x the worst measured.
 FLOAT_ROWS = 32  # qlinear's float path from this many rows (binding.cpp kFloatRows)
-INT_PREFILL_ISAS = ("avx512",)  # but the super-grouped formats stay integer at every row count (Table::int_prefill)
+INT_PREFILL_ISAS = ("avx512",)  # but the super-grouped formats stay integer (Table::int_prefill) under ONEDNN_ROWS
+ONEDNN_ROWS = 128  # rows per thread from which they take the float path in oneDNN's GEMM (binding.cpp kOneDnnRows)
+FAST_TILES = ("gguf.q4_k", "gguf.q5_k", "gguf.iq4_xs")  # or at every row count (float_rows)
 ONE_LEVEL_ROWS = 4  # a decode batch of this many rows: one int8 level in the super-grouped formats (kOneLevelRows)
 GROUP_FORMATS = ("gguf.q2_k", "gguf.q3_k")  # always two levels under FLOAT_ROWS
 NMSE_ONE_LEVEL = (5e-5, 4e-4)  # (Gaussian, outliers): int8 x alone, llama.cpp's noise floor (the table's first column)
@@ -165,6 +168,15 @@ def _x(m: int, k: int, outliers: bool) -> torch.Tensor:
     return x
 
 
+def _integer_path(fmt: str, isa: str, m: int) -> bool:
+    """Whether qlinear multiplies m rows of x on the integer levels (else dequantized float panels)."""
+    if m < FLOAT_ROWS:
+        return True
+    if isa not in INT_PREFILL_ISAS or fmt in GROUP_FORMATS:
+        return False
+    return m < ONEDNN_ROWS * torch.get_num_threads() or fmt in FAST_TILES or nk.float_gemm() != "onednn"
+
+
 @pytest.mark.parametrize("outliers", [False, True], ids=["gaussian", "outliers"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", GGUF_LAYOUTS)
@@ -179,12 +191,12 @@ def test_qlinear_matches_gguf_reference(fmt, dtype, outliers, isa):
         wref = _reference(fmt, raw, n, k).double()
         # (rows, a decode batch?): 17 rows of a batch of decodes take one level from ONE_LEVEL_ROWS, but in the group
         # formats; the same rows otherwise (a prompt's) keep two
-        for m, batch in ((1, False), (3, True), (17, False), (17, True), (33, True)):
+        for m, batch in ((1, False), (3, True), (17, False), (17, True), (33, True), (ONEDNN_ROWS + 2, False)):
             x = _x(m, k, outliers).to(dtype)
             got = nk.qlinear(x, w, fmt, one_level=batch)
             assert got.dtype == dtype and got.shape == (m, n)
             ref = x.double() @ wref.T
-            integer = m < FLOAT_ROWS or (isa in INT_PREFILL_ISAS and fmt not in GROUP_FORMATS)
+            integer = _integer_path(fmt, isa, m)
             one = batch and ONE_LEVEL_ROWS <= m and integer and fmt not in GROUP_FORMATS
             path = "float" if not integer else "one" if one else "two"
             err[path][0] += float(((got.double() - ref) ** 2).sum())
@@ -203,6 +215,28 @@ def test_qlinear_matches_gguf_reference(fmt, dtype, outliers, isa):
         assert value < bounds[path], f"{fmt} {isa} {dtype}, {path} path: NMSE {value:.2e}"
     if fmt not in GROUP_FORMATS and dtype == torch.float32:  # the one level is coarser than two, as it should be
         assert nmse["one"] > 10 * nmse["two"]
+
+
+@pytest.mark.parametrize("fmt", ["gguf.q5_0", "gguf.q6_k", "gguf.q8_0", "gguf.q4_k", "gguf.q3_k"])
+def test_prompt_rows_in_either_float_gemm(fmt, isa):
+    # a prompt's rows through the float panels (oneDNN's GEMM, or torch's mm where torch lacks oneDNN) or the integer
+    # tiles, with a bias: exact float products against gguf's dequantization, whichever GEMM is set
+    gen = np.random.default_rng(5)
+    torch.manual_seed(5)
+    n, k = 300, 576 if layouts.block_size(fmt) == 32 else 768
+    raw = _raw(fmt, n, k, gen)
+    w = layouts.pack(torch.from_numpy(raw), fmt, k)
+    x, bias = torch.randn(ONEDNN_ROWS * torch.get_num_threads() + 3, k), torch.randn(n)
+    ref = x.double() @ _reference(fmt, raw, n, k).double().T + bias.double()
+    got = {}
+    for gemm in ("onednn", "torch"):
+        with nk.use_float_gemm(gemm):
+            got[gemm] = nk.qlinear(x, w, fmt, bias)
+            bound = NMSE_BOUND[fmt][0] if _integer_path(fmt, isa, x.shape[0]) else NMSE_FLOAT_PATH
+            assert _nmse(got[gemm], ref) < bound, (fmt, isa, gemm)
+    assert _nmse(got["onednn"], got["torch"].double()) < 2 * NMSE_BOUND[fmt][0]
+    with pytest.raises(ArgumentError, match="float GEMM must be"):
+        nk.load().set_float_gemm("blas")
 
 
 @native

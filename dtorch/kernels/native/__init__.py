@@ -13,10 +13,12 @@ from dtorch.kernels.native.loader import (
     ISAS as ISAS,
     NativeUnavailable as NativeUnavailable,
     available_isas as available_isas,
+    float_gemm as float_gemm,
     isa as isa,
     load as load,
     set_isa as set_isa,
     unavailable_reason as unavailable_reason,
+    use_float_gemm as use_float_gemm,
     use_isa as use_isa,
 )
 from dtorch.kernels.native.ops import (

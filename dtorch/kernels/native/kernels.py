@@ -80,8 +80,9 @@ for _layout in GGUF_LAYOUTS:
     KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
                 varies="under 32 rows: activations in two int8 levels per 32 values (~16 bits), or one level (8 bits) "
                        "for a batch of 4 or more decodes (param decode) in all but q2_k and q3_k; output rows "
-                       "split over torch's intra-op threads; 32 rows and more: float32 weight panels and torch's GEMM, "
-                       "but on avx512 the integer levels at every row count in all but q2_k and q3_k")
+                       "split over torch's intra-op threads; 32 rows and more: float32 weight panels in oneDNN's GEMM "
+                       "(torch's mm without oneDNN), but on avx512 the integer levels in all but q2_k and q3_k "
+                       "under 128 rows per thread, and at every row count in q4_k, q5_k and iq4_xs")
 
 
 # -- matmul.linear on float weights: the one-row product ----------------------------------------------------

@@ -97,3 +97,19 @@ def use_isa(name: str) -> Iterator[None]:
         yield
     finally:
         set_isa(before)
+
+
+def float_gemm() -> str:
+    """The float GEMM that ``qlinear``'s dequantized panels (prefill) go through: "onednn" (torch's oneDNN linear,
+    where torch has it) or "torch" (``torch.mm``)."""
+    return load().set_float_gemm(None)
+
+
+@contextmanager
+def use_float_gemm(name: str) -> Iterator[None]:
+    """Run the block with the panels in ``name``'s GEMM ("onednn" or "torch"), then restore the previous choice."""
+    before = load().set_float_gemm(name)
+    try:
+        yield
+    finally:
+        load().set_float_gemm(before)

@@ -28,8 +28,10 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tens
     ``one_level`` (the rows are a batch of decodes, one per sequence) from 4 rows: the formats of super-groups (all
     but Q2_K and Q3_K) use the hi level alone (8 bits per block of 32, as llama.cpp's Q8_0 activations: half
     the integer work). 32 rows and more (prefill): the weight is dequantized to float32 in panels and multiplied
-    with torch's GEMM, except on AVX-512 VNNI (``isa() == "avx512"``), where the super-grouped formats stay on the
-    integer levels at every row count (two, or one for a batch of decodes): ~1.5x torch's float32 GEMM there.
+    in a float GEMM (``float_gemm()``: oneDNN's where torch has it, else torch's mm; the products are exact), except
+    on AVX-512 VNNI (``isa() == "avx512"``), where the super-grouped formats stay on the integer levels (two, or one
+    for a batch of decodes) below 128 rows, and Q4_K, Q5_K and IQ4_XS (whose tiles run at about oneDNN's speed) at
+    every row count.
     The bias is added before the one rounding to out's dtype.
     """
     if out is None:

@@ -4,6 +4,8 @@
 #include <Python.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -190,13 +192,51 @@ std::vector<int64_t> kernel_order(int fmt, int64_t K) {
   return k;
 }
 
-// From this many rows of x on, qlinear dequantizes panels of the weight to float32 and multiplies with torch's GEMM
-// (exact float products; the integer kernels' work grows with the rows, the dequantization does not), unless the
-// ISA's integer tiles are the faster at every row count (Table::int_prefill: AVX-512 VNNI's two levels run ~1.5x
-// torch's float32 GEMM on one core)
-// (the dequantization costs as much as ~20-40 rows of integer products: a [576, 49152] head crosses at ~38 rows, a
-// [576, 960] projection at ~20; decode batches up to 32 rows stay integer)
+// From this many rows of x on, qlinear dequantizes panels of the weight to float32 and multiplies them in a float
+// GEMM (exact float products; the integer kernels' work grows with the rows, the dequantization does not): the
+// dequantization costs as much as ~20-40 rows of integer products (a [576, 49152] head crosses at ~38 rows, a
+// [576, 960] projection at ~20), so decode batches up to 32 rows stay integer. With AVX-512 VNNI (Table::int_prefill)
+// the integer tiles run 45-110 GMAC/s on one core, by format, and the float panels only pay from kOneDnnRows rows
+// in oneDNN's GEMM (float_rows).
 constexpr int64_t kFloatRows = 32;
+// oneDNN's float32 GEMM (torch's mkldnn::_linear_pointwise) reaches ~107 GMAC/s on one AVX-512 core where torch's
+// mm (MKL on an AMD CPU) runs ~40; with the panels' dequantization, measured on one core of an AVX-512 VNNI EPYC:
+// 53-77 GMAC/s at 64 rows, 75-91 at 128, 98-107 at 512, against the two-level integer tiles' 45-56 (K = 576: Q5_0,
+// Q5_1, Q6_K, IQ4_NL, Q8_0), 54-68 (Q6_K, Q8_0 at K = 1024, 3072) and 93-109 (Q4_K, Q5_K, IQ4_XS at K = 1024).
+// oneDNN shares each product among the intra-op threads, which pays on larger products only: the panels take
+// kOneDnnRows rows per thread (measured on one and two)
+constexpr int64_t kOneDnnRows = 128;
+// which float GEMM the panels go through: oneDNN's when torch has it, or torch's mm (set_float_gemm)
+bool g_onednn = true;
+
+// oneDNN's linear op, or null when torch is built without it
+const c10::OperatorHandle* onednn_linear() {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  return g_onednn && op ? &*op : nullptr;
+}
+
+// the rows of x from which qlinear takes the float panels for a weight of format fmt
+int64_t float_rows(const dtn::Table* tb, int fmt) {
+  if (!tb->int_prefill || !dtn::super_grouped(fmt)) return kFloatRows;
+  const bool fast_tiles = fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::IQ4_XS;
+  return !fast_tiles && onednn_linear() ? kOneDnnRows * at::get_num_threads() : INT64_MAX;
+}
+
+// yv [M, N] (a view) = x [M, K] @ w [N, K].T (+ b [N]), in oneDNN's GEMM or torch's
+void panel_product(at::Tensor& yv, const at::Tensor& x, const at::Tensor& w, const at::Tensor* b) {
+  if (const c10::OperatorHandle* op = onednn_linear()) {
+    torch::jit::Stack st{x, w, b ? c10::IValue(*b) : c10::IValue(), std::string("none"),
+                         c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+    op->callBoxed(&st);
+    yv.copy_(st[0].toTensor());
+  } else if (b) {
+    at::addmm_out(yv, *b, x, w.t());
+  } else {
+    at::mm_out(yv, x, w.t());
+  }
+}
+
 // A batch of decodes (the caller's one_level: every row is one sequence's next token) of kOneLevelRows rows and more:
 // the super-grouped formats (all but Q2_K and Q3_K) round x to one int8 level per block of 32 (SGAct::levels,
 // as llama.cpp's Q8_0 activations): half the integer work, in 4 x 2 tiles, 1.5-2x the two levels' speed at 16 rows
@@ -204,10 +244,13 @@ constexpr int64_t kFloatRows = 32;
 // keeps its ~16-bit activations), and so do prompts: their rows' hidden states feed every later token.
 constexpr int64_t kOneLevelRows = 4;
 
-// y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights (they stay in L2)
+// y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights: 512 KB on one
+// thread (they stay in L2; larger panels measured no faster), more on several, where oneDNN splits each panel's
+// product among the threads and small products do not pay for it (two threads, 128-row Q8_0 prompts of a
+// Qwen3-0.6B: 0.43x the integer tiles' speed with 512 KB panels, 0.91x with 8 MB; 512 rows: 0.89x, 1.15x)
 void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tensor& x,
                    const at::Tensor* bias, const at::Tensor& out, int64_t M, int64_t N, int64_t K) {
-  constexpr int64_t kPanel = 512 << 10;
+  const int64_t threads = at::get_num_threads(), kPanel = (512 << 10) * threads * threads;
   const int64_t rows = std::max<int64_t>(16, kPanel / (4 * K) / 16 * 16);
   // x in the packed order and the weight panel live in a per-thread workspace: fresh pages each call cost more
   // than small products
@@ -228,9 +271,8 @@ void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tenso
     const int64_t nc = std::min(rows, N - n0);
     parallel_rows(nc, 4 * K, [&](int64_t r0, int64_t r1) { tb->dequant(qw, n0 + r0, n0 + r1, pp + r0 * K); });
     at::Tensor yv = y.narrow(1, n0, nc);
-    const at::Tensor wt = panel.narrow(0, 0, nc).t();
-    if (bias) at::addmm_out(yv, b32.narrow(0, n0, nc), xk, wt);
-    else at::mm_out(yv, xk, wt);
+    const at::Tensor bv = bias ? b32.narrow(0, n0, nc) : at::Tensor();
+    panel_product(yv, xk, panel.narrow(0, 0, nc), bias ? &bv : nullptr);
   }
   if (!direct) out.view({M, N}).copy_(y);
 }
@@ -280,7 +322,7 @@ ENTRY(py_qlinear)
   const void* bp = has_bias ? bias->data_ptr() : nullptr;
   const void* xp = x.data_ptr();
   void* yp = out.data_ptr();
-  if (M >= kFloatRows && !(tb->int_prefill && dtn::super_grouped(int(fmt)))) {
+  if (M >= float_rows(tb, int(fmt))) {
     std::string err;  // an ATen error must not unwind past the GIL release
     Py_BEGIN_ALLOW_THREADS
     try {
@@ -496,6 +538,20 @@ ENTRY(py_set_isa)
   Py_RETURN_NONE;
 EXIT
 
+// set_float_gemm(name | None) -> the name in use before: "onednn" or "torch" (torch has no oneDNN: always "torch")
+ENTRY(py_set_float_gemm)
+  need_args(nargs, 1, "set_float_gemm");
+  const char* was = onednn_linear() ? "onednn" : "torch";
+  if (args[0] != Py_None) {
+    const char* s = PyUnicode_AsUTF8(args[0]);
+    if (!s) throw Fail{};
+    const std::string name(s);
+    need(name == "onednn" || name == "torch", g_arg_error, "float GEMM must be 'onednn' or 'torch', got '" + name + "'");
+    g_onednn = name == "onednn";
+  }
+  return PyUnicode_FromString(was);
+EXIT
+
 ENTRY(py_isa)
   (void)args;
   (void)nargs;
@@ -539,6 +595,8 @@ PyMethodDef methods[] = {
      "gelu_tanh(gate) * up into out"},
     {"set_isa", (PyCFunction)(void (*)())py_set_isa, METH_FASTCALL, "choose the kernel table"},
     {"isa", (PyCFunction)(void (*)())py_isa, METH_FASTCALL, "the kernel table in use"},
+    {"set_float_gemm", (PyCFunction)(void (*)())py_set_float_gemm, METH_FASTCALL,
+     "the float GEMM of qlinear's dequantized panels (onednn or torch); returns the one before"},
     {"cpu_supports", (PyCFunction)(void (*)())py_cpu_supports, METH_FASTCALL, "whether this CPU runs an ISA"},
     {"set_errors", (PyCFunction)(void (*)())py_set_errors, METH_FASTCALL, "the dtorch error classes to raise"},
     {"paged_attention", (PyCFunction)(void (*)())py_paged_attention, METH_FASTCALL, "attention over paged KV caches"},

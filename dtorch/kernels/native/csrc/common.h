@@ -93,7 +93,8 @@ struct Table {
   // rows [n0, n1) of a packed weight -> float32 out [n1 - n0, K] with K in the packed order (see kernel_order in
   // binding.cpp), equal to gguf's dequantization
   void (*dequant)(const QWeight& w, int64_t n0, int64_t n1, float* out);
-  // the super-grouped formats' integer tiles beat dequantized float panels at every row count (prefill too)
+  // the super-grouped formats' integer tiles beat dequantized float panels in torch's mm at every row count (in
+  // oneDNN's GEMM the panels win from 128 rows on most formats: float_rows in binding.cpp)
   bool int_prefill;
 };
 
