@@ -153,6 +153,9 @@ def test_the_adaptive_k_pauses_after_rejections_and_probes_with_one_draft():
         a.observe(1, 1)
     assert a.want(4, cpu) == 1 and a.wait == 1  # kept drafts end the pauses
     assert best_k(0.3, 4, cpu) == 0 and best_k(0.3, 4, ROW_COST["cuda"]) == 2
+    # 17 rows and more pad to a power of two (bucket_for): drafts always kept stop at 15 rather than pay for 32 rows
+    assert best_k(1.0, 15, ROW_COST["cpu-avx512"]) == 15 and best_k(1.0, 24, ROW_COST["cpu-avx512"]) == 15
+    assert best_k(1.0, 31, ROW_COST["cpu-avx512"]) == 31  # 32 rows: no padding left to waste
 
 
 def test_the_row_costs_follow_the_native_kernels_isa():

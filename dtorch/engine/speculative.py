@@ -63,7 +63,11 @@ def row_cost(device_type: str) -> tuple[float, float]:
 
 
 def step_cost(rows: int, row_cost: tuple[float, float]) -> float:
-    """What a step of one sequence's ``rows`` rows costs against a one-row step (``row_cost``: as ``ROW_COST``'s)."""
+    """What a step of one sequence's ``rows`` rows costs against a one-row step (``row_cost``: as ``ROW_COST``'s),
+    counting the rows its step shape pads them to (past 16 rows, a power of two: 17 rows compute 32)."""
+    from dtorch.models.model import bucket_for
+
+    rows = bucket_for(rows, 1, rows=rows).tokens if rows > 1 else 1
     second, more = row_cost
     return 1.0 + (second if rows > 1 else 0.0) + more * max(0, rows - 2)
 
