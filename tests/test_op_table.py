@@ -23,7 +23,7 @@ from dtorch.core.dtypes import dtype_name
 from dtorch.dispatch.context import KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
-from dtorch.kernels.torch.matmul import native_bf16_matmul
+from dtorch.kernels.torch.matmul import native_bf16_matmul, onednn_linear_op
 from dtorch.ops import (
     Attention,
     AttentionVarlen,
@@ -210,12 +210,18 @@ def test_accelerated_overrides_are_visible() -> None:
                 want = "upcast"  # torch's bf16 products, upcast when rows make it pay
             if (op, dt) == ("matmul.linear", torch.bfloat16) and "native" not in dtorch.dispatcher.unavailable("cpu"):
                 want = "native"  # our one-row GEMV, the rest handed to torch's kernels
+            if op in ("matmul.linear", "matmul.mm") and dt == torch.float32 and onednn_linear_op() is not None:
+                want = "onednn"  # oneDNN's GEMM, over torch's linear
             assert exp.winner is not None and exp.winner.provider == want, str(exp)
             statuses = {c.provider: s for c, s in exp.rows}
             assert statuses["reference"].startswith("lower priority"), str(exp)
             assert provider in str(exp) and "reference" in str(exp)
         rows = [r for r in dtorch.dispatcher.table("cpu") if r.key == KernelKey(op, "cpu", torch.float32)]
-        assert {(r.provider, r.active) for r in rows} == {(provider, True), ("reference", False)}
+        if op in ("matmul.linear", "matmul.mm") and onednn_linear_op() is not None:  # blas behind oneDNN's GEMM
+            assert {(r.provider, r.active) for r in rows} == {("onednn", True), (provider, False),
+                                                               ("reference", False)}
+        else:
+            assert {(r.provider, r.active) for r in rows} == {(provider, True), ("reference", False)}
 
 
 # -- verify mode ---------------------------------------------------------------------------------

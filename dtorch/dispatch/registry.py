@@ -36,7 +36,8 @@ Loader = Callable[["Dispatcher", str], None]  # loader(dispatcher, device_type) 
 # The providers dtorch's backends register, with their default priority when a registration names none;
 # reference kernels always lose. Any other name may be registered; these are what DTORCH_DISABLE_PROVIDERS
 # accepts, and what ``disabled`` accepts besides the names already registered (a typo gets "did you mean").
-PROVIDER_PRIORITY = {"reference": 0, "gathered": 5, "torch": 10, "chunked": 10, "blas": 20, "sdpa": 20, "upcast": 25,
+PROVIDER_PRIORITY = {"reference": 0, "gathered": 5, "torch": 10, "chunked": 10, "blas": 20, "sdpa": 20, "onednn": 22,
+                     "upcast": 25,
                      "triton": 30, "native": 30, "fla": 35, "user": 100}
 
 # The loader that registers a device type's backends, run once before its first registration or lookup.

@@ -4,7 +4,8 @@ A weight [N, K] stored as float16 / bfloat16 is a plain tensor of that dtype; th
 
 - ``matmul.linear``: inputs x [..., K] (the key's dtype), w [N, K] 16-bit, bias [N] or None; outputs out [..., N].
   Converts W to x's dtype one panel of rows at a time (about ``PANEL_BYTES`` each), so a call never holds a
-  converted copy of the whole weight: x @ w.to(x.dtype).T, panel by panel of output columns.
+  converted copy of the whole weight: x @ w.to(x.dtype).T, panel by panel of output columns (float32 x on a CPU:
+  in oneDNN's GEMM where torch has it, ``matmul.linear_onednn``'s reason).
 - ``llm.embedding``: inputs w [V, E] 16-bit, ids [...]; outputs out [..., E]; params as the float kernel
   (``vocab_start`` for a vocabulary-parallel piece). Converts only the rows it gathers.
 """
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dtorch.kernels.half import HALF_LAYOUTS
+from dtorch.kernels.torch.matmul import onednn_linear, onednn_linear_op
 from dtorch.kernels.torch.registry import KERNELS
 
 ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,13 +29,19 @@ def linear_half(ctx, inputs, outputs):
     n, k = w.shape
     x2, o2 = x.reshape(-1, k), out.view(-1, n)
     rows = max(1, PANEL_BYTES // (k * x.element_size()))
+    onednn = x.dtype == torch.float32 and x.device.type == "cpu" and onednn_linear_op() is not None and (
+        bias is None or bias.dtype == x.dtype)
+    if onednn:
+        x2 = x2.contiguous()
     for r0 in range(0, n, rows):
         panel = w[r0:r0 + rows].to(x.dtype)  # [rows, K] in the activations' dtype
         b = None if bias is None else bias[r0:r0 + rows]
+        y = onednn_linear(x2, panel.contiguous(), b if b is None else b.contiguous()) if onednn else \
+            F.linear(x2, panel, b)
         if rows >= n:
-            o2.copy_(F.linear(x2, panel, b))
+            o2.copy_(y)
         else:
-            o2[:, r0:r0 + rows] = F.linear(x2, panel, b)
+            o2[:, r0:r0 + rows] = y
 
 
 def embedding_half(ctx, inputs, outputs):
