@@ -45,9 +45,10 @@ def _lib():
 # inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
 # params: decode (optional): the rows are a batch of decodes, one per sequence.
 # outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for a decode batch
-# of 4 rows and more in the super-grouped formats), else w is dequantized in panels for torch's GEMM (see
-# ops.qlinear), except on AVX-512 VNNI, whose integer tiles outrun that GEMM at every row count in all but q2_k
-# and q3_k; the reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
+# of 4 rows and more in the super-grouped formats), else w is dequantized in panels for oneDNN's float32 GEMM (torch's
+# mm without it; see ops.qlinear), except on AVX-512 VNNI, whose integer tiles keep all but q2_k and q3_k under 128
+# rows per thread (q4_k, q5_k and iq4_xs at every row count); the reference (torch backend) dequantizes w with
+# layouts.dequantize and runs F.linear.
 
 def _linear_kernel(layout: str):
     code = layouts.format_code(layout)
