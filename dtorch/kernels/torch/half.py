@@ -36,8 +36,7 @@ def linear_half(ctx, inputs, outputs):
     for r0 in range(0, n, rows):
         panel = w[r0:r0 + rows].to(x.dtype)  # [rows, K] in the activations' dtype
         b = None if bias is None else bias[r0:r0 + rows]
-        y = onednn_linear(x2, panel.contiguous(), b if b is None else b.contiguous()) if onednn else \
-            F.linear(x2, panel, b)
+        y = onednn_linear(x2, panel.contiguous(), b) if onednn else F.linear(x2, panel, b)
         if rows >= n:
             o2.copy_(y)
         else:
