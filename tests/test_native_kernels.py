@@ -239,6 +239,26 @@ def test_prompt_rows_in_either_float_gemm(fmt, isa):
         nk.load().set_float_gemm("blas")
 
 
+@pytest.mark.parametrize("fmt", [f for f in GGUF_LAYOUTS if f not in GROUP_FORMATS])
+def test_rows_together_equal_each_row_alone(fmt, isa):
+    # a speculative verify step scores a sequence's last token and its drafts as rows of one product; its greedy
+    # output equals plain decoding only if every row's result is the bits that row gets alone (a one-row decode
+    # step). K with and without a last super-group of under 16 blocks (its rows' own pass), N over several panels
+    # of the tiles and off the 16-row chunks, with a bias
+    gen = np.random.default_rng(7)
+    torch.manual_seed(7)
+    ks = (544, 576, 480, 1536) if layouts.block_size(fmt) == 32 else (768, 1280)
+    for k in ks:
+        n = 1100 if k == 576 else 37
+        w = layouts.pack(torch.from_numpy(_raw(fmt, n, k, gen)), fmt, k)
+        bias = torch.randn(n)
+        x = _x(17, k, outliers=True)
+        alone = torch.cat([nk.qlinear(x[i:i + 1], w, fmt, bias) for i in range(17)])
+        for m in (2, 3, 4, 5, 9, 17):
+            got = nk.qlinear(x[:m], w, fmt, bias)
+            assert torch.equal(got, alone[:m]), (fmt, isa, k, m, (got - alone[:m]).abs().max().item())
+
+
 @native
 def test_qlinear_leading_dims_out_bias_and_slices():
     w = _packed("gguf.q4_1", 16, 64, 3)

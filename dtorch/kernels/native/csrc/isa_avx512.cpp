@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <vector>
 
 #include "common.h"
 

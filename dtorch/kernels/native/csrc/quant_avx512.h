@@ -85,91 +85,107 @@ static inline __m128i bytes_pair(const uint8_t* a, const uint8_t* b) {
                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
 }
 
-template <int F, int MR, int NR, bool LO>
-static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t rs, const float* ad, const float* as,
-                              int64_t ars, int S, __m512 (&acc)[MR][NR]) {
+// dwords 0 .. c - 1 (c <= 16) of 16 rows (row r at p + r * stride; rows from nr on read as zero) as vectors of one
+// dword per row: out[j] lane r = dword j of row r (a 16 x 16 transpose: unpacks of dwords and qwords, then of the
+// 128-bit lanes)
+static inline void rows_to_lanes(const uint8_t* p, int64_t stride, int nr, int c, __m512i* out) {
+  const __mmask16 cm = c >= 16 ? __mmask16(0xffff) : __mmask16((1u << c) - 1);
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < nr ? _mm512_maskz_loadu_epi32(cm, p + i * stride) : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + j], 128-bit lane k: dword 4 k + j of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+    const __m512i e = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), f = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+    if (j < c) out[j] = _mm512_shuffle_i32x4(a, e, 0x88);
+    if (4 + j < c) out[4 + j] = _mm512_shuffle_i32x4(a, e, 0xdd);
+    if (8 + j < c) out[8 + j] = _mm512_shuffle_i32x4(b, f, 0x88);
+    if (12 + j < c) out[12 + j] = _mm512_shuffle_i32x4(b, f, 0xdd);
+  }
+}
+
+// The last super-group of a row of S < 16 blocks (32-block formats; K = 576: S = 2), one weight row per lane: its
+// few blocks cost a whole tile's epilogue per pair of rows in the tiles' lane-per-block order, here one per block and
+// activation row for 16 weight rows. The rows' scales, Q5's fifth bits and quants (S dwords per step) are transposed
+// to one dword per lane, and step j of block b meets the activation's dword of that step and block, broadcast; per
+// block, x's scale and sum are broadcast and the weights' scales are lanes. out[m * ldo + n - n0]: that part of
+// y[m, n] for rows m < M, weight rows n0..n1 (the tiles add it to the whole super-groups' sum).
+template <int F, bool LO>
+static void sg_tails512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, float* out,
+                        int64_t ldo) {
   using G = SG<F>;
-  const __m512i lo4 = _mm512_set1_epi8(0x0f), bit0 = _mm512_set1_epi32(0x01010101);
-  const __m512i iq4 = iq4_table512();
-  const int P = sg_period(S), T = (F == dtn::Q8_0 ? 8 : 4) * P;  // T: dword lanes of weights in all
-  const int nch = (T + 15) / 16, per = 16 / P * S;                 // vectors; weight dwords per whole vector
-  const int lgp = __builtin_ctz(unsigned(P));
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i idx = _mm512_and_si512(iota, _mm512_set1_epi32(P - 1));
-  const __mmask16 pat = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(S));
-  const __mmask16 sm = __mmask16((1u << S) - 1);
-  const int64_t qoff = 2 * S * G::scales + S * G::hbytes;
-  __m512i hv[NR];  // Q5: each block's high-bit dword in its lanes (lane l: block l % P)
-  if constexpr (G::hbytes != 0)
-    for (int n = 0; n < NR; ++n)
-      hv[n] = _mm512_permutexvar_epi32(idx, _mm512_maskz_loadu_epi32(sm, p[n] + 2 * S * G::scales));
-  __m512i is[MR][NR], il[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm512_setzero_si512();
-  for (int c = 0; c < nch; ++c) {
-    const __mmask16 km = __mmask16(pat & (T - 16 * c >= 16 ? 0xffffu : (1u << (T - 16 * c)) - 1));
-    const int cnt = __builtin_popcount(unsigned(km));
-    const __mmask16 lm = __mmask16(cnt == 16 ? 0xffffu : (1u << cnt) - 1);
-    __m512i wv[NR];
-    for (int n = 0; n < NR; ++n) {
-      wv[n] = _mm512_maskz_loadu_epi32(lm, p[n] + qoff + int64_t(c) * per * 4);
-      if (S != P) wv[n] = _mm512_maskz_expand_epi32(km, wv[n]);
-    }
-    if constexpr (F == dtn::Q8_0) {
-      for (int m = 0; m < MR; ++m) {
-        const __m512i av = _mm512_loadu_si512(ag + m * rs + 64 * c);
-        for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
-        if constexpr (LO) {
-          const __m512i lv = _mm512_loadu_si512(ag + m * rs + 512 + 64 * c);
-          for (int n = 0; n < NR; ++n) il[m][n] = _mm512_dpbusd_epi32(il[m][n], wv[n], lv);
+  constexpr int kSteps = F == dtn::Q8_0 ? 8 : 4;  // dwords of a block's quants
+  const int64_t nb = w.K / 32, g = nb / 16;
+  const int S = int(nb - g * 16), P = sg_period(S);
+  const int64_t qoff = 2 * S * G::scales + S * G::hbytes, rs = a.nsg * 1024, ars = a.nsg * 16;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), bit0 = _mm512_set1_epi32(0x01010101), iq4 = iq4_table512();
+  __m512i raw[8 * 15], sc[16], hb[16];
+  __m512i wq[8 * 15];  // [b][j]: block b's quants that meet x's step j (Q4: the low nibbles of steps 0..3, the high)
+  __m512 dw[15], mw[15];
+  for (int64_t nc = n0; nc < n1; nc += 16) {
+    const int nr = int(n1 - nc < 16 ? n1 - nc : 16);
+    const __mmask16 km = __mmask16(nr == 16 ? 0xffffu : (1u << nr) - 1);
+    const uint8_t* p = w.qs + nc * w.qs_row + g * 16 * G::bytes;
+    rows_to_lanes(p, w.qs_row, nr, (2 * S * G::scales + 3) / 4, sc);
+    auto half = [&](int byte) {  // the fp16 at byte (even) of each row
+      const __m512i v = sc[byte / 4];
+      return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(byte % 4 ? _mm512_srli_epi32(v, 16) : v));
+    };
+    if constexpr (G::hbytes != 0) rows_to_lanes(p + 2 * S * G::scales, w.qs_row, nr, S, hb);
+    for (int c0 = 0; c0 < kSteps * S; c0 += 16)
+      rows_to_lanes(p + qoff + 4 * c0, w.qs_row, nr, kSteps * S - c0 < 16 ? kSteps * S - c0 : 16, raw + c0);
+    for (int b = 0; b < S; ++b) {
+      dw[b] = half(2 * b);
+      mw[b] = G::scales == 2 ? half(2 * S + 2 * b) : _mm512_mul_ps(dw[b], _mm512_set1_ps(G::offset));
+      for (int u = 0; u < kSteps; ++u) {
+        const __m512i v = raw[u * S + b];
+        if constexpr (F == dtn::Q8_0) {
+          wq[b * 8 + u] = v;
+          continue;
         }
-      }
-    } else {
-      __m512i wl[NR], wh[NR];
-      // lane l holds step (16 c + l) / P (< 4): Q5's fifth bits are bit u (low nibble) and 4 + u (high) of each byte
-      const __m512i step = _mm512_srlv_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)), _mm512_set1_epi32(lgp));
-      for (int n = 0; n < NR; ++n) {
-        wl[n] = _mm512_and_si512(wv[n], lo4);
-        wh[n] = _mm512_and_si512(_mm512_srli_epi16(wv[n], 4), lo4);
-        if constexpr (G::hbytes != 0) {  // lanes outside km hold no weight (their activations may be another step's)
-          const __m512i bl = _mm512_maskz_and_epi32(km, _mm512_srlv_epi32(hv[n], step), bit0);
-          const __m512i bh = _mm512_maskz_and_epi32(
-              km, _mm512_srlv_epi32(hv[n], _mm512_add_epi32(step, _mm512_set1_epi32(4))), bit0);
-          wl[n] = _mm512_or_si512(wl[n], _mm512_slli_epi32(bl, 4));
-          wh[n] = _mm512_or_si512(wh[n], _mm512_slli_epi32(bh, 4));
+        __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        if constexpr (G::hbytes != 0) {  // bit u of each byte: the low nibble's fifth bit, 4 + u the high's
+          wl = _mm512_or_si512(wl, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb[b], u), bit0), 4));
+          wh = _mm512_or_si512(wh, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb[b], 4 + u), bit0), 4));
         }
-        if constexpr (F == dtn::IQ4_NL) {  // and lanes outside km stay zero, not the level of index 0
-          wl[n] = _mm512_maskz_mov_epi32(km, _mm512_shuffle_epi8(iq4, wl[n]));
-          wh[n] = _mm512_maskz_mov_epi32(km, _mm512_shuffle_epi8(iq4, wh[n]));
+        if constexpr (F == dtn::IQ4_NL) {
+          wl = _mm512_shuffle_epi8(iq4, wl);
+          wh = _mm512_shuffle_epi8(iq4, wh);
         }
-      }
-      for (int m = 0; m < MR; ++m) {  // a low nibble meets step u, a high one step u + 4 (16 P bytes on)
-        const int8_t* am = ag + m * rs + 64 * c;
-        const __m512i al = _mm512_loadu_si512(am), ah = _mm512_loadu_si512(am + 16 * P);
-        for (int n = 0; n < NR; ++n)
-          is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], wl[n], al), wh[n], ah);
-        if constexpr (LO) {
-          const __m512i ll = _mm512_loadu_si512(am + 512), lh = _mm512_loadu_si512(am + 512 + 16 * P);
-          for (int n = 0; n < NR; ++n)
-            il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], wl[n], ll), wh[n], lh);
-        }
+        wq[b * 8 + u] = wl;
+        wq[b * 8 + 4 + u] = wh;
       }
     }
-  }
-  __m512 dwr[NR], mw[NR];
-  for (int n = 0; n < NR; ++n) {
-    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p[n]));
-    dwr[n] = _mm512_permutexvar_ps(idx, dw);
-    mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, p[n] + 2 * S))
-                           : _mm512_mul_ps(dw, _mm512_set1_ps(G::offset));
-  }
-  for (int m = 0; m < MR; ++m) {
-    const __m512 dar = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(ad + m * ars));
-    const __m512 sa = _mm512_loadu_ps(as + m * ars);
-    for (int n = 0; n < NR; ++n) {
-      const __m512 t = LO ? levels512(is[m][n], il[m][n]) : _mm512_cvtepi32_ps(is[m][n]);
-      acc[m][n] = _mm512_fmadd_ps(_mm512_mul_ps(t, dar), dwr[n], acc[m][n]);
-      if (G::scales == 2 || G::offset != 0.f) acc[m][n] = _mm512_fmadd_ps(mw[n], sa, acc[m][n]);
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* am = a.q + m * rs + g * 1024;
+      const float* ad = a.d + m * ars + g * 16;
+      const float* as = a.s + m * ars + g * 16;
+      __m512 v = _mm512_setzero_ps();
+      for (int b = 0; b < S; ++b) {  // step j of block b: activation dword j P + b (Q4's high nibbles: steps 4..7)
+        __m512i is0 = _mm512_setzero_si512(), is1 = is0, il0 = is0, il1 = is0;
+        auto dword = [&](int off) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(am + off)); };
+        for (int j = 0; j < 8; j += 2) {
+          is0 = _mm512_dpbusd_epi32(is0, wq[b * 8 + j], dword(4 * (j * P + b)));
+          is1 = _mm512_dpbusd_epi32(is1, wq[b * 8 + j + 1], dword(4 * ((j + 1) * P + b)));
+          if constexpr (LO) {
+            il0 = _mm512_dpbusd_epi32(il0, wq[b * 8 + j], dword(512 + 4 * (j * P + b)));
+            il1 = _mm512_dpbusd_epi32(il1, wq[b * 8 + j + 1], dword(512 + 4 * ((j + 1) * P + b)));
+          }
+        }
+        const __m512i is = _mm512_add_epi32(is0, is1);
+        const __m512 t = LO ? levels512(is, _mm512_add_epi32(il0, il1)) : _mm512_cvtepi32_ps(is);
+        v = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(ad[b])), dw[b], v);
+        if (G::scales == 2 || G::offset != 0.f) v = _mm512_fmadd_ps(mw[b], _mm512_set1_ps(as[b]), v);
+      }
+      _mm512_mask_storeu_ps(out + m * ldo + (nc - n0), km, v);
     }
   }
 }
@@ -177,16 +193,17 @@ static inline void sg_tail512(const uint8_t* const* p, const int8_t* ag, int64_t
 // Every super-grouped format (SG in generic.h) on whole super-groups: per step u, one 64-byte vector of each weight
 // row (a K-quant's two super-blocks side by side) meets a 64-byte load of each activation row in vpdpbusd, the
 // quants unsigned (Q8_0 stored as q + 128, IQ4_NL and IQ4_XS as their level + 128; their offsets meet SGAct's
-// sums). A last super-group of S < 16 blocks: sg_tail512 for the 32-block formats, else (a K-quant's lone
-// super-block) quant_avx2.h's tile on the activations from that group on. LO: both activation levels.
+// sums). A last super-group of S < 16 blocks: the 32-block formats' come from sg_tails512 (pre[m * ldp + n], added
+// to the sum of the whole super-groups), a K-quant's lone super-block from quant_avx2.h's tile on the activations
+// from that group on. LO: both activation levels.
 static inline __m512i two_halves(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
 
 template <int F, int MR, int NR, bool LO>
-static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
-                              float (&out)[MR][NR]) {
+static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb, const float* pre,
+                              int64_t ldp, float (&out)[MR][NR]) {
   using G = SG<F>;
   constexpr bool Q6 = F == dtn::Q6_K;
   const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
@@ -194,7 +211,10 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
-  float tail[MR][NR] = {};  // a K-quant row's lone last super-block (the AVX2 tile's sums)
+  float tail[MR][NR] = {};  // the last super-group of S < 16 blocks
+  if (pre)
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) tail[m][n] = pre[m * ldp + n];
   const int64_t rs = a.nsg * 1024;
   const int64_t gbytes = G::kblock ? 2 * G::kblock : 16 * G::bytes;  // a super-group's bytes in a weight row
   for (int64_t g = 0; g * 16 < nb; ++g) {
@@ -203,10 +223,7 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * gbytes;
     const int8_t* ag = a.q + m0 * rs + g * 1024;  // hi levels, then lo at + 512
     if (S < 16) {
-      if constexpr (G::kblock == 0) {
-        sg_tail512<F, MR, NR, LO>(p, ag, rs, a.d + m0 * a.nsg * 16 + g * 16, a.s + m0 * a.nsg * 16 + g * 16,
-                              a.nsg * 16, S, acc);
-      } else {
+      if constexpr (G::kblock != 0) {  // (the 32-block formats' are in pre)
         const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
         sg_tile256<F, MR, NR, LO>(p, at, m0, nb - g * 16, tail);
       }
@@ -331,12 +348,12 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
 }
 
 template <int F, int MR, int NR, bool LO>
-static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int64_t n, const void* bias, void* y,
-                               int ydt, int64_t ldy) {
+static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int64_t n, const float* pre, int64_t ldp,
+                               const void* bias, void* y, int ydt, int64_t ldy) {
   const uint8_t* rows[NR];
   for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
   float o[MR][NR];
-  sg_tile512<F, MR, NR, LO>(rows, a, m, w.K / 32, o);
+  sg_tile512<F, MR, NR, LO>(rows, a, m, w.K / 32, pre, ldp, o);
   for (int j = 0; j < NR; ++j) {
     const float b = bias ? load_f(bias, ydt, n + j) : 0.f;
     for (int r = 0; r < MR; ++r) store_f(y, ydt, (m + r) * ldy + n + j, o[r][j] + b);
@@ -345,40 +362,83 @@ static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int6
 
 // decode (under 4 rows): 1 x 4 tiles, 4 weight rows sharing each activation load, the rows kAhead on prefetched;
 // more rows: MR x 2 tiles over panels of the weight (a prompt's rows are as many as its tokens: x is reread from
-// L1 by every pair of weight rows of a panel, the panel from L2 by every tile of x)
+// L1 by every pair of weight rows of a panel, the panel from L2 by every tile of x). A 32-block format's last
+// super-group of under 16 blocks is summed first, for a chunk of weight rows (sg_tails512), and each tile adds it.
 template <int F, bool LO>
 static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
   constexpr int NR = F == dtn::Q6_K && LO ? 2 : 4;  // Q6_K's four integer sums per tile fill the registers at 4
   constexpr int MR = F == dtn::Q6_K && LO ? 2 : 4;
   constexpr int64_t kPanel = 192 << 10;
+  const bool tails = SG<F>::kblock == 0 && (w.K / 32) % 16 != 0;
   if (M < 4) {
-    int64_t n = n0;
-    for (; n + NR <= n1; n += NR) {
-      if (n + NR + kAhead <= n1)
-        for (int j = 0; j < NR; ++j) prefetch_row(w, n + kAhead + j);
-      for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, NR, LO>(w, a, m, n, bias, y, ydt, ldy);
+    if (!tails) {
+      int64_t n = n0;
+      for (; n + NR <= n1; n += NR) {
+        if (n + NR + kAhead <= n1)
+          for (int j = 0; j < NR; ++j) prefetch_row(w, n + kAhead + j);
+        for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, NR, LO>(w, a, m, n, nullptr, 0, bias, y, ydt, ldy);
+      }
+      for (; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, nullptr, 0, bias, y, ydt, ldy);
+      return;
     }
-    for (; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
+    // chunks of 16 rows: the whole super-groups' sums, then the tails of the same rows (still in cache: the rows are
+    // prefetched whole), then y = (sums + tails) + bias as the tiles write it
+    constexpr int64_t kChunk = 16;
+    float part[4 * kChunk], pre[4 * kChunk];
+    const uint8_t* rows[NR];
+    for (int64_t nc = n0; nc < n1; nc += kChunk) {
+      const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
+      int64_t n = nc;
+      for (; n + NR <= ne; n += NR) {
+        if (n + NR + kAhead <= n1)
+          for (int j = 0; j < NR; ++j) prefetch_row(w, n + kAhead + j);
+        for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
+        for (int64_t m = 0; m < M; ++m) {
+          float o[1][NR];
+          sg_tile512<F, 1, NR, LO>(rows, a, m, w.K / 32, nullptr, 0, o);
+          for (int j = 0; j < NR; ++j) part[m * kChunk + n - nc + j] = o[0][j];
+        }
+      }
+      for (; n < ne; ++n) {
+        rows[0] = w.qs + n * w.qs_row;
+        for (int64_t m = 0; m < M; ++m) {
+          float o[1][1];
+          sg_tile512<F, 1, 1, LO>(rows, a, m, w.K / 32, nullptr, 0, o);
+          part[m * kChunk + n - nc] = o[0][0];
+        }
+      }
+      sg_tails512<F, LO>(w, a, M, nc, ne, pre, kChunk);
+      for (int64_t m = 0; m < M; ++m)
+        for (n = nc; n < ne; ++n) {
+          const float b = bias ? load_f(bias, ydt, n) : 0.f;
+          store_f(y, ydt, m * ldy + n, (part[m * kChunk + n - nc] + pre[m * kChunk + n - nc]) + b);
+        }
+    }
     return;
   }
   // panels of weight rows that stay in L2 (kPanel bytes); in a panel, each MR-row tile of x stays in L1 while the
   // panel's rows pass two at a time (the first tile's pass brings them in, kAhead rows ahead)
   const int64_t panel = kPanel / w.qs_row >= 4 ? kPanel / w.qs_row / 2 * 2 : 2;
+  thread_local std::vector<float> t_pre;
+  if (tails && int64_t(t_pre.size()) < M * panel) t_pre.resize(size_t(M * panel));
+  float* const pre = t_pre.data();
   for (int64_t nc = n0; nc < n1; nc += panel) {
-    const int64_t ne = nc + panel < n1 ? nc + panel : n1, npair = nc + (ne - nc) / 2 * 2;
+    const int64_t ne = nc + panel < n1 ? nc + panel : n1, npair = nc + (ne - nc) / 2 * 2, ld = ne - nc;
+    if (tails) sg_tails512<F, LO>(w, a, M, nc, ne, pre, ld);
+    auto at = [&](int64_t m, int64_t n) { return tails ? pre + m * ld + (n - nc) : nullptr; };
     int64_t m = 0;
     for (; m + MR <= M; m += MR)
       for (int64_t n = nc; n < npair; n += 2) {
         if (m == 0 && n + 2 + kAhead <= ne)
           for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
-        sg_block512<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+        sg_block512<F, MR, 2, LO>(w, a, m, n, at(m, n), ld, bias, y, ydt, ldy);
       }
     for (; m < M; ++m)
-      for (int64_t n = nc; n < npair; n += 2) sg_block512<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+      for (int64_t n = nc; n < npair; n += 2) sg_block512<F, 1, 2, LO>(w, a, m, n, at(m, n), ld, bias, y, ydt, ldy);
     if (npair < ne)
-      for (int64_t r = 0; r < M; ++r) sg_block512<F, 1, 1, LO>(w, a, r, npair, bias, y, ydt, ldy);
+      for (int64_t r = 0; r < M; ++r) sg_block512<F, 1, 1, LO>(w, a, r, npair, at(r, npair), ld, bias, y, ydt, ldy);
   }
 }
 
