@@ -419,16 +419,38 @@ static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     return;
   }
   // panels of weight rows that stay in L2 (kPanel bytes); in a panel, each MR-row tile of x stays in L1 while the
-  // panel's rows pass two at a time (the first tile's pass brings them in, kAhead rows ahead)
+  // panel's rows pass two at a time (the first tile's pass brings them in, kAhead rows ahead). With tails, that first
+  // pass keeps its sums apart, the tails are summed once the panel is in cache, and its rows are written then.
   const int64_t panel = kPanel / w.qs_row >= 4 ? kPanel / w.qs_row / 2 * 2 : 2;
-  thread_local std::vector<float> t_pre;
+  thread_local std::vector<float> t_pre, t_part;
   if (tails && int64_t(t_pre.size()) < M * panel) t_pre.resize(size_t(M * panel));
+  if (tails && int64_t(t_part.size()) < MR * panel) t_part.resize(size_t(MR * panel));
   float* const pre = t_pre.data();
+  float* const part = t_part.data();
   for (int64_t nc = n0; nc < n1; nc += panel) {
     const int64_t ne = nc + panel < n1 ? nc + panel : n1, npair = nc + (ne - nc) / 2 * 2, ld = ne - nc;
-    if (tails) sg_tails512<F, LO>(w, a, M, nc, ne, pre, ld);
     auto at = [&](int64_t m, int64_t n) { return tails ? pre + m * ld + (n - nc) : nullptr; };
     int64_t m = 0;
+    if (tails) {
+      const uint8_t* rows[2];
+      for (int64_t n = nc; n < npair; n += 2) {
+        if (n + 2 + kAhead <= ne)
+          for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
+        rows[0] = w.qs + n * w.qs_row;
+        rows[1] = rows[0] + w.qs_row;
+        float o[MR][2];
+        sg_tile512<F, MR, 2, LO>(rows, a, 0, w.K / 32, nullptr, 0, o);
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < 2; ++j) part[r * ld + n - nc + j] = o[r][j];
+      }
+      sg_tails512<F, LO>(w, a, M, nc, ne, pre, ld);
+      for (int r = 0; r < MR; ++r)
+        for (int64_t n = nc; n < npair; ++n) {
+          const float b = bias ? load_f(bias, ydt, n) : 0.f;
+          store_f(y, ydt, r * ldy + n, (part[r * ld + n - nc] + pre[r * ld + n - nc]) + b);
+        }
+      m = MR;
+    }
     for (; m + MR <= M; m += MR)
       for (int64_t n = nc; n < npair; n += 2) {
         if (m == 0 && n + 2 + kAhead <= ne)
