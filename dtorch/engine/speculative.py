@@ -45,9 +45,10 @@ PRIOR = (1.4, 2.0)  # (accepted, drafted) pseudo-counts the estimate starts from
 # default model on one thread): with AVX2 the native integer kernels take the rows of x in pairs, so a second row
 # costs about a third of a step and each further one about 0.7 (17.2 ms a step of one row, 23.2 of two, 33.9 of
 # three, 68.5 of five); with AVX-512 VNNI one row already runs at about the speed of several (the same tiles of
-# 64-byte dot products), and rows cost alike, about half a step each (a step of two rows 1.4-1.6 times one row's
-# of 7.5-9.5 ms, of three 1.9, of five 2.8-3.1); on a GPU a step of a few rows costs about what one row does
-ROW_COST = {"cpu": (0.35, 0.7), "cpu-avx512": (0.45, 0.5), "cuda": (0.05, 0.05)}
+# 64-byte dot products), and rows cost alike, about 0.3 of a step each since a row's last super-group of under 16
+# blocks has its own pass (9 rows forced at every step of the copy task: 23.2 ms a step against 6.8 for one row, 13
+# rows 28.7 against 7.1, prompt steps included); on a GPU a step of a few rows costs about what one row does
+ROW_COST = {"cpu": (0.35, 0.7), "cpu-avx512": (0.3, 0.3), "cuda": (0.05, 0.05)}
 
 
 def row_cost(device_type: str) -> tuple[float, float]:
