@@ -61,7 +61,7 @@ def bucket_for(tokens: int, seqs: int, all_logits: bool = False, hidden: bool = 
     Decode steps (one row per sequence) pad to a power of two of sequences; other steps pad their rows to a
     power of two (at least 16) and their sequences to a power of two. ``hidden``: every row's hidden state.
     ``rows`` > ``seqs``: a speculative step wants the logits of that many rows. When they are all its rows (each
-    sequence's last token and its drafts) up to 16 rows are not padded: every row of a small step costs about half
+    sequence's last token and its drafts) up to 16 rows are not padded: every row of a small step costs a third to half
     a decode step on a CPU, which padding to 16 would spend; otherwise the rows pad to a power of two.
     """
     if rows > seqs and not all_logits and not hidden:
