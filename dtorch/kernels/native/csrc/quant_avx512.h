@@ -241,16 +241,34 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
     __m512i is[MR][NR], il[MR][NR], is2[MR][NR], il2[MR][NR];  // is2, il2: Q6_K's high nibbles (own scales)
     for (int m = 0; m < MR; ++m)
       for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = is2[m][n] = il2[m][n] = _mm512_setzero_si512();
-    if constexpr (F == dtn::Q8_0) {
+    if constexpr (F == dtn::Q8_0 && MR == 1) {
       for (int u = 0; u < 8; ++u) {
         __m512i wv[NR];
         for (int n = 0; n < NR; ++n) wv[n] = _mm512_loadu_si512(p[n] + qoff + 64 * u);
+        const __m512i av = _mm512_loadu_si512(ag + u * 64);
+        for (int n = 0; n < NR; ++n) is[0][n] = _mm512_dpbusd_epi32(is[0][n], wv[n], av);
+        if constexpr (LO) {
+          const __m512i lv = _mm512_loadu_si512(ag + 512 + u * 64);
+          for (int n = 0; n < NR; ++n) il[0][n] = _mm512_dpbusd_epi32(il[0][n], wv[n], lv);
+        }
+      }
+    } else if constexpr (F == dtn::Q8_0) {
+      // several rows of x: two steps a pass, each sum taking two products in a row (as the 4-bit formats'), 1.2-1.9x
+      // the speed of one step a pass from 9 rows on
+      for (int u = 0; u < 8; u += 2) {
+        __m512i w0[NR], w1[NR];
+        for (int n = 0; n < NR; ++n) {
+          w0[n] = _mm512_loadu_si512(p[n] + qoff + 64 * u);
+          w1[n] = _mm512_loadu_si512(p[n] + qoff + 64 * (u + 1));
+        }
         for (int m = 0; m < MR; ++m) {
-          const __m512i av = _mm512_loadu_si512(ag + m * rs + u * 64);
-          for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(is[m][n], wv[n], av);
+          const int8_t* am = ag + m * rs + u * 64;
+          const __m512i a0 = _mm512_loadu_si512(am), a1 = _mm512_loadu_si512(am + 64);
+          for (int n = 0; n < NR; ++n) is[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[m][n], w0[n], a0), w1[n], a1);
           if constexpr (LO) {
-            const __m512i lv = _mm512_loadu_si512(ag + m * rs + 512 + u * 64);
-            for (int n = 0; n < NR; ++n) il[m][n] = _mm512_dpbusd_epi32(il[m][n], wv[n], lv);
+            const __m512i l0 = _mm512_loadu_si512(am + 512), l1 = _mm512_loadu_si512(am + 576);
+            for (int n = 0; n < NR; ++n)
+              il[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][n], w0[n], l0), w1[n], l1);
           }
         }
       }
