@@ -54,3 +54,31 @@ def test_static_buffers_are_shared_by_liveness():
                          for x in g.operands if x.producer is not None)
     with Runner(g, static=True) as r:
         assert 0 < r.buffer_bytes < 0.5 * 2 * per_device_all
+
+
+def test_outputs_reuse_a_dropped_copy_and_never_one_still_held():
+    # a static run hands out copies of its outputs; the next copy goes into the previous one once the caller has let
+    # go of it and of every view of it (no fresh pages each step), never into one that is still held
+    g, ws = _mlp_microbatches(1, mbs=1)
+    with Runner(g, static=True) as r:
+        feeds = [{"x0": torch.randn(8, 32)} for _ in range(5)]
+        first = r.run(feeds[0])["y0"]
+        ptr = first.data_ptr()
+        del first
+        blocker = torch.empty(8, 32)  # where a fresh copy could land if the dropped one were freed
+        second = r.run(feeds[1])["y0"]
+        assert second.data_ptr() == ptr != blocker.data_ptr()  # reused
+        torch.testing.assert_close(second, _reference(feeds[1]["x0"], ws), rtol=1e-4, atol=1e-4)
+        third = r.run(feeds[2])["y0"]  # second still held: a new tensor
+        assert third.data_ptr() != second.data_ptr()
+        torch.testing.assert_close(second, _reference(feeds[1]["x0"], ws), rtol=1e-4, atol=1e-4)
+        row = third[3]  # a view outlives its tensor
+        del third
+        fourth = r.run(feeds[3])["y0"]
+        assert fourth.data_ptr() != row.data_ptr() - 3 * 32 * 4
+        torch.testing.assert_close(row, _reference(feeds[2]["x0"], ws)[3], rtol=1e-4, atol=1e-4)
+        array = fourth.numpy()  # and so does a numpy array of it
+        del fourth
+        r.run(feeds[4])
+        np_ref = _reference(feeds[3]["x0"], ws)
+        torch.testing.assert_close(torch.from_numpy(array), np_ref, rtol=1e-4, atol=1e-4)

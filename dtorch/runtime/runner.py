@@ -12,6 +12,7 @@ cannot capture.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import warnings
 import weakref
@@ -125,6 +126,8 @@ class Runner:
             self.tracer = streams.tracer
         self._lock = threading.Lock()
         self._dirty = False
+        # the copies of outputs handed out (_copy_out), shared by the Runners of the same buffers (one runs at a time)
+        self._outs = buffers[self.local_ids[0]].outputs if buffers else {}
         self.program = Program(graph, self.comm, self.local_ids, self.manager, dispatcher or _global_dispatcher,
                                release=release, static=static, capture=capture.off is None, shared=buffers)
         self.manager.after_caller()  # the streams start after the params' copies to their devices
@@ -261,16 +264,27 @@ class Runner:
                 stream.wait(events[item], state)
 
     def _results(self, return_dist: bool) -> dict[str, Any]:
-        return {name: self._result(x, return_dist) for name, x in self.graph.outputs.items()}
+        return {name: self._result(name, x, return_dist) for name, x in self.graph.outputs.items()}
 
-    def _result(self, x: Operand, return_dist: bool) -> Any:
+    def _result(self, name: str, x: Operand, return_dist: bool) -> Any:
         blobs = {i: Blob(self.mesh.device(i), tensor=record_use(self.blobs[(x.index, i)].tensor))
                  for i in self.local_ids}
         dt = DistTensor(self.mesh, x.placement, x.shape, x.dtype, blobs)
         if return_dist:
             return dt
         full = dt.full()
-        return full.clone() if self.static and any(full is b.tensor for b in blobs.values()) else full
+        return self._copy_out(name, full) if self.static and any(full is b.tensor for b in blobs.values()) else full
+
+    def _copy_out(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """A copy of output ``name`` (the next run writes over the static buffer ``full``): into the previous copy
+        when nothing holds that one or a view of it any more, else a new tensor. A new tensor is fresh pages, which
+        cost ~1-10 us each to touch on a VM: up to ~10 ms a step for 16 sequences' logits over a vocabulary of 152k."""
+        prev = self._outs.get(name)
+        if (prev is not None and prev.shape == full.shape and prev.dtype == full.dtype and prev.device == full.device
+                and sys.getrefcount(prev) == 3 and _storage_users(prev) == 1):  # 3: the dict's, prev's, the call's
+            return prev.copy_(full)
+        out = self._outs[name] = full.clone()
+        return out
 
     def _check_feeds(self, feeds: dict[str, torch.Tensor]) -> None:
         want = self.graph.inputs
@@ -319,3 +333,10 @@ class Runner:
 
     def __repr__(self) -> str:
         return f"Runner({len(self.kernels)} kernels on {len(self.manager.streams)} streams, {self.mesh})"
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (views, numpy arrays of it): torch's count less this call's own
+    reference; a large number where this torch lacks the count, so that nothing is reused."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count(t.untyped_storage()._cdata) - 1 if count is not None else 1 << 30
