@@ -5,6 +5,7 @@
 #include <cstring>
 #include <immintrin.h>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 

@@ -269,6 +269,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
   const int64_t rs = a.nsg * 1024;
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
+    if (S < 16 && G::kblock == 0) continue;  // a 32-block format's last super-group: sg_tails256
     const uint8_t* p[NR];
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * (G::kblock ? 2 * G::kblock : 16 * G::bytes);  // K: block 2 g
     const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes;
@@ -441,21 +442,173 @@ static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int6
   }
 }
 
+// dwords 0 .. c - 1 of 8 rows (row r at p + r * stride; rows from nr on read as zero) as vectors of one dword per
+// row: out[j] lane r = dword j of row r (8 x 8 transposes: unpacks of dwords and qwords, then of the 128-bit lanes)
+static inline void rows_to_lanes256(const uint8_t* p, int64_t stride, int nr, int c, __m256i* out) {
+  for (int c0 = 0; c0 < c; c0 += 8) {
+    const __m256i cm = lanes_mask(c - c0);
+    __m256i r[8], t[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = i < nr ? _mm256_maskload_epi32(reinterpret_cast<const int*>(p + i * stride + 4 * c0), cm)
+                    : _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  // r[i + j], 128-bit lane k: dword 4 k + j of rows i .. i + 3
+      r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+      r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+      r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+      r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      if (c0 + j < c) out[c0 + j] = _mm256_permute2x128_si256(r[j], r[4 + j], 0x20);
+      if (c0 + 4 + j < c) out[c0 + 4 + j] = _mm256_permute2x128_si256(r[j], r[4 + j], 0x31);
+    }
+  }
+}
+
+// the fp16 in the low half of each of 8 dwords, as floats
+static inline __m256 low_halves(__m256i v) {
+  const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08)));
+}
+
+// The last super-group of a row of S < 16 blocks (32-block formats; K = 576: S = 2), one weight row per lane, as
+// quant_avx512.h's sg_tails512 does it for 16 rows: the tiles' half-groups would pay a whole half's products and
+// epilogue per pair of rows for its few blocks. out[m * ldo + n - n0]: that part of y[m, n], rows m < M, weight
+// rows n0..n1 (at most 8 a call).
+template <int F, bool LO>
+static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, float* out,
+                        int64_t ldo) {
+  using G = SG<F>;
+  constexpr int kSteps = F == dtn::Q8_0 ? 8 : 4;  // dwords of a block's quants
+  constexpr bool kSigned = F == dtn::Q8_0 || F == dtn::IQ4_NL;  // multiplied with their sign (dot_w)
+  const int64_t nb = w.K / 32, g = nb / 16;
+  const int S = int(nb - g * 16), P = sg_period(S), nr = int(n1 - n0);
+  const int64_t qoff = 2 * S * G::scales + S * G::hbytes, rs = a.nsg * 1024, ars = a.nsg * 16;
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), bit0 = _mm256_set1_epi32(0x01010101);
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), iq4 = iq4_table256();
+  const uint8_t* p = w.qs + n0 * w.qs_row + g * 16 * G::bytes;
+  __m256i raw[8 * 15], sc[15], hb[15], wq[8 * 15];  // wq[b][j]: block b's quants that meet x's step j
+  __m256 dw[15], mw[15];
+  rows_to_lanes256(p, w.qs_row, nr, (2 * S * G::scales + 3) / 4, sc);
+  auto half = [&](int byte) {  // the fp16 at byte (even) of each row
+    const __m256i v = sc[byte / 4];
+    return low_halves(byte % 4 ? _mm256_srli_epi32(v, 16) : v);
+  };
+  if constexpr (G::hbytes != 0) rows_to_lanes256(p + 2 * S * G::scales, w.qs_row, nr, S, hb);
+  rows_to_lanes256(p + qoff, w.qs_row, nr, kSteps * S, raw);
+  for (int b = 0; b < S; ++b) {
+    dw[b] = half(2 * b);
+    mw[b] = G::scales == 2 ? half(2 * S + 2 * b) : _mm256_mul_ps(dw[b], _mm256_set1_ps(G::offset));
+    for (int u = 0; u < kSteps; ++u) {
+      const __m256i v = raw[u * S + b];
+      if constexpr (F == dtn::Q8_0) {
+        wq[b * 8 + u] = _mm256_xor_si256(v, flip);  // q, signed
+        continue;
+      }
+      __m256i wl = _mm256_and_si256(v, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      if constexpr (G::hbytes != 0) {  // bit u of each byte: the low nibble's fifth bit, 4 + u the high's
+        wl = _mm256_or_si256(wl, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb[b], u), bit0), 4));
+        wh = _mm256_or_si256(wh, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb[b], 4 + u), bit0), 4));
+      }
+      if constexpr (F == dtn::IQ4_NL) {  // signed levels
+        wl = _mm256_shuffle_epi8(iq4, wl);
+        wh = _mm256_shuffle_epi8(iq4, wh);
+      }
+      wq[b * 8 + u] = wl;
+      wq[b * 8 + 4 + u] = wh;
+    }
+  }
+  const __m256i keep = lanes_mask(nr);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* am = a.q + m * rs + g * 1024;
+    const float* ad = a.d + m * ars + g * 16;
+    const float* as = a.s + m * ars + g * 16;
+    __m256 v = _mm256_setzero_ps();
+    for (int b = 0; b < S; ++b) {  // step j of block b: activation dword j P + b (Q4's high nibbles: steps 4..7)
+      __m256i is = _mm256_setzero_si256(), il = is;
+      auto dword = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(am + off)); };
+      for (int j = 0; j < 8; ++j) {
+        const __m256i q = wq[b * 8 + j];
+        is = _mm256_add_epi32(is, dot_w<kSigned>(q, dword(4 * (j * P + b))));
+        if constexpr (LO) il = _mm256_add_epi32(il, dot_w<kSigned>(q, dword(512 + 4 * (j * P + b))));
+      }
+      const __m256 t = LO ? levels256(is, il) : _mm256_cvtepi32_ps(is);
+      v = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(ad[b])), dw[b], v);
+      if (!kSigned && (G::scales == 2 || G::offset != 0.f)) v = _mm256_fmadd_ps(mw[b], _mm256_set1_ps(as[b]), v);
+    }
+    _mm256_maskstore_ps(out + m * ldo, keep, v);
+  }
+}
+
 // Rows n0..n1 of w against M rows of x in MR x 2 tiles (the two weight rows decoded once for MR rows of x), the rows
-// kAhead on prefetched; LO: both levels of x
+// kAhead on prefetched; LO: both levels of x. A 32-block format's last super-group of under 16 blocks is summed by
+// sg_tails256 for 8 weight rows at a time after their tiles (the rows are in cache then), and y = (tiles' sum +
+// tails) + bias for every row count alike.
 template <int F, int MR, bool LO>
 static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) {
-    if (n + 2 + kAhead <= n1)
-      for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
-    int64_t m = 0;
-    for (; m + MR <= M; m += MR) sg_block256<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
-    for (; m < M; ++m) sg_block256<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+  if (SG<F>::kblock != 0 || (w.K / 32) % 16 == 0) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+      if (n + 2 + kAhead <= n1)
+        for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
+      int64_t m = 0;
+      for (; m + MR <= M; m += MR) sg_block256<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+      for (; m < M; ++m) sg_block256<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy);
+    }
+    for (; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
+    return;
   }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy);
+  constexpr int64_t kChunk = 8;
+  thread_local std::vector<float> t_part, t_pre;
+  if (int64_t(t_part.size()) < M * kChunk) {
+    t_part.resize(size_t(M * kChunk));
+    t_pre.resize(size_t(M * kChunk));
+  }
+  float* const part = t_part.data();
+  float* const pre = t_pre.data();
+  const uint8_t* rows[2];
+  for (int64_t nc = n0; nc < n1; nc += kChunk) {
+    const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
+    int64_t n = nc;
+    for (; n + 2 <= ne; n += 2) {
+      if (n + 2 + kAhead <= n1)
+        for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
+      rows[0] = w.qs + n * w.qs_row;
+      rows[1] = rows[0] + w.qs_row;
+      int64_t m = 0;
+      for (; m + MR <= M; m += MR) {
+        float o[MR][2];
+        sg_tile256<F, MR, 2, LO>(rows, a, m, w.K / 32, o);
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < 2; ++j) part[(m + r) * kChunk + n - nc + j] = o[r][j];
+      }
+      for (; m < M; ++m) {
+        float o[1][2];
+        sg_tile256<F, 1, 2, LO>(rows, a, m, w.K / 32, o);
+        for (int j = 0; j < 2; ++j) part[m * kChunk + n - nc + j] = o[0][j];
+      }
+    }
+    if (n < ne) {
+      rows[0] = w.qs + n * w.qs_row;
+      for (int64_t m = 0; m < M; ++m) {
+        float o[1][1];
+        sg_tile256<F, 1, 1, LO>(rows, a, m, w.K / 32, o);
+        part[m * kChunk + n - nc] = o[0][0];
+      }
+    }
+    sg_tails256<F, LO>(w, a, M, nc, ne, pre, kChunk);
+    for (int64_t m = 0; m < M; ++m)
+      for (n = nc; n < ne; ++n) {
+        const float b = bias ? load_f(bias, ydt, n) : 0.f;
+        store_f(y, ydt, m * ldy + n, (part[m * kChunk + n - nc] + pre[m * kChunk + n - nc]) + b);
+      }
+  }
 }
 
 // a batch of decodes on one level: 4 x 2 tiles (half the accumulators of two levels); else 2 x 2
