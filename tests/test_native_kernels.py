@@ -144,7 +144,7 @@ def test_layouts_name_what_is_wrong():
 FLOAT_ROWS = 32  # qlinear's float path from this many rows (binding.cpp kFloatRows)
 INT_PREFILL_ISAS = ("avx512",)  # but the super-grouped formats stay integer (Table::int_prefill) under ONEDNN_ROWS
 ONEDNN_ROWS = 128  # rows per thread from which they take the float path in oneDNN's GEMM (binding.cpp kOneDnnRows)
-FAST_TILES = ("gguf.q4_k", "gguf.q5_k", "gguf.iq4_xs")  # or at every row count (float_rows)
+FAST_TILES = ("gguf.q4_k", "gguf.q5_k", "gguf.iq4_xs", "gguf.q8_0")  # or at every row count (float_rows)
 ONE_LEVEL_ROWS = 4  # a decode batch of this many rows: one int8 level in the super-grouped formats (kOneLevelRows)
 GROUP_FORMATS = ("gguf.q2_k", "gguf.q3_k")  # always two levels under FLOAT_ROWS
 NMSE_ONE_LEVEL = (5e-5, 4e-4)  # (Gaussian, outliers): int8 x alone, llama.cpp's noise floor (the table's first column)

@@ -47,7 +47,7 @@ def _lib():
 # outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for a decode batch
 # of 4 rows and more in the super-grouped formats), else w is dequantized in panels for oneDNN's float32 GEMM (torch's
 # mm without it; see ops.qlinear), except on AVX-512 VNNI, whose integer tiles keep all but q2_k and q3_k under 128
-# rows per thread (q4_k, q5_k and iq4_xs at every row count); the reference (torch backend) dequantizes w with
+# rows per thread (q4_k, q5_k, iq4_xs and q8_0 at every row count); the reference (torch backend) dequantizes w with
 # layouts.dequantize and runs F.linear.
 
 def _linear_kernel(layout: str):
@@ -83,7 +83,7 @@ for _layout in GGUF_LAYOUTS:
                        "for a batch of 4 or more decodes (param decode) in all but q2_k and q3_k; output rows "
                        "split over torch's intra-op threads; 32 rows and more: float32 weight panels in oneDNN's GEMM "
                        "(torch's mm without oneDNN), but on avx512 the integer levels in all but q2_k and q3_k "
-                       "under 128 rows per thread, and at every row count in q4_k, q5_k and iq4_xs")
+                       "under 128 rows per thread, and at every row count in q4_k, q5_k, iq4_xs and q8_0")
 
 
 # -- matmul.linear on float weights: the one-row product ----------------------------------------------------

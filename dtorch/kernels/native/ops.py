@@ -30,8 +30,8 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tens
     the integer work). 32 rows and more (prefill): the weight is dequantized to float32 in panels and multiplied
     in a float GEMM (``float_gemm()``: oneDNN's where torch has it, else torch's mm; the products are exact), except
     on AVX-512 VNNI (``isa() == "avx512"``), where the super-grouped formats stay on the integer levels (two, or one
-    for a batch of decodes) below 128 rows, and Q4_K, Q5_K and IQ4_XS (whose tiles run at about oneDNN's speed) at
-    every row count.
+    for a batch of decodes) below 128 rows, and Q4_K, Q5_K, IQ4_XS and Q8_0 (whose tiles run at about oneDNN's
+    speed) at every row count.
     The bias is added before the one rounding to out's dtype.
     """
     if out is None:

@@ -202,9 +202,12 @@ constexpr int64_t kFloatRows = 32;
 // oneDNN's float32 GEMM (torch's mkldnn::_linear_pointwise) reaches ~107 GMAC/s on one AVX-512 core where torch's
 // mm (MKL on an AMD CPU) runs ~40; with the panels' dequantization, measured on one core of an AVX-512 VNNI EPYC:
 // 53-77 GMAC/s at 64 rows, 75-91 at 128, 98-107 at 512, against the two-level integer tiles' 45-56 (K = 576: Q5_0,
-// Q5_1, Q6_K, IQ4_NL, Q8_0), 54-68 (Q6_K, Q8_0 at K = 1024, 3072) and 93-109 (Q4_K, Q5_K, IQ4_XS at K = 1024).
-// oneDNN shares each product among the intra-op threads, which pays on larger products only: the panels take
-// kOneDnnRows rows per thread (measured on one and two)
+// Q5_1, Q6_K, IQ4_NL), 54-68 (Q6_K at K = 1024, 3072) and 93-109 (Q4_K, Q5_K, IQ4_XS at K = 1024). oneDNN shares
+// each product among the intra-op threads, which pays on larger products only: the panels take kOneDnnRows rows per
+// thread (measured on one and two). Q8_0's tiles (two steps a pass, the tails in their own pass) keep up with the
+// panels in the model, where the panels' dequantization reads cold weights: prompts of 128 / 512 / 1000 tokens of a
+// Qwen3-0.6B-shaped Q8_0 file 1.29x / 1.01x / 1.01x the panels' speed on one thread, 1.02-1.06x on two (SmolLM2 Q8_0:
+// 0.98-1.36x)
 constexpr int64_t kOneDnnRows = 128;
 // which float GEMM the panels go through: oneDNN's when torch has it, or torch's mm (set_float_gemm)
 bool g_onednn = true;
@@ -219,7 +222,7 @@ const c10::OperatorHandle* onednn_linear() {
 // the rows of x from which qlinear takes the float panels for a weight of format fmt
 int64_t float_rows(const dtn::Table* tb, int fmt) {
   if (!tb->int_prefill || !dtn::super_grouped(fmt)) return kFloatRows;
-  const bool fast_tiles = fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::IQ4_XS;
+  const bool fast_tiles = fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::IQ4_XS || fmt == dtn::Q8_0;
   return !fast_tiles && onednn_linear() ? kOneDnnRows * at::get_num_threads() : INT64_MAX;
 }
 
