@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding, side by side in one run (issue #23).
 
-    python bench/speculative.py [--threads 1] [--repeats 3] [--k 8] [--forced 1 2 4] [--no-draft-model]
+    python bench/speculative.py [--threads 1] [--repeats 3] [--k 12] [--forced 2 4 8 12] [--no-draft-model]
                                 [--cache DIR]
 
 The default model (SmolLM2-135M-Instruct Q4_1), greedy, one request at a time, on three chat tasks: repeating a
@@ -148,7 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=12, help="num_speculative_tokens")
     ap.add_argument("--forced", type=int, nargs="*", default=[2, 4, 8, 12],
                     help="k drafted at every step, whatever they cost, on the copy task (the profile)")
     ap.add_argument("--no-draft-model", action="store_true", help="leave out the draft-model row")
