@@ -12,7 +12,6 @@ cannot capture.
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import warnings
 import weakref
@@ -277,14 +276,17 @@ class Runner:
 
     def _copy_out(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """A copy of output ``name`` (the next run writes over the static buffer ``full``): into the previous copy
-        when nothing holds that one or a view of it any more, else a new tensor. A new tensor is fresh pages, which
-        cost ~1-10 us each to touch on a VM: up to ~10 ms a step for 16 sequences' logits over a vocabulary of 152k."""
-        prev = self._outs.get(name)
-        if (prev is not None and prev.shape == full.shape and prev.dtype == full.dtype and prev.device == full.device
-                and sys.getrefcount(prev) == 3 and _storage_users(prev) == 1):  # 3: the dict's, prev's, the call's
-            return prev.copy_(full)
-        out = self._outs[name] = full.clone()
-        return out
+        when nothing holds it or a view of it any more, else a new tensor. A new tensor is fresh pages, which cost
+        ~1-10 us each to touch on a VM: up to ~10 ms a step for 16 sequences' logits over a vocabulary of 152k.
+        The caller gets an alias of the kept copy, so the storage's use count says whether any caller still holds
+        it (no Python reference counting involved)."""
+        keep = self._outs.get(name)
+        if (keep is not None and keep.shape == full.shape and keep.dtype == full.dtype and keep.device == full.device
+                and _storage_users(keep) == 1):
+            keep.copy_(full)
+        else:
+            keep = self._outs[name] = full.clone()
+        return keep.detach()
 
     def _check_feeds(self, feeds: dict[str, torch.Tensor]) -> None:
         want = self.graph.inputs
@@ -336,7 +338,8 @@ class Runner:
 
 
 def _storage_users(t: torch.Tensor) -> int:
-    """How many tensors share ``t``'s storage (views, numpy arrays of it): torch's count less this call's own
-    reference; a large number where this torch lacks the count, so that nothing is reused."""
+    """How many tensors share ``t``'s storage (``t``, its aliases and views; a numpy array holds its tensor): torch's
+    count less this call's own reference; a large number where this torch lacks the count, so that nothing is
+    reused."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     return count(t.untyped_storage()._cdata) - 1 if count is not None else 1 << 30

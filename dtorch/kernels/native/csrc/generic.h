@@ -38,6 +38,18 @@ static inline void store_f(void* p, int dt, int64_t i, float v) {
 
 static inline float round_to(int dt, float v) { return dt == F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
 
+// y[m, n] = (sums + tails) + bias for rows m < M of x and n0 <= n < n1 of w, sums and tails at [m * ld + n - n0]: a
+// row whose last super-group of under 16 blocks was summed apart (the SIMD tiles' tails passes), written as the tiles
+// write it, so a row gets the same bits at every row count
+static void store_with_tails(const float* sums, const float* tails, int64_t ld, int64_t M, int64_t n0, int64_t n1,
+                             const void* bias, void* y, int ydt, int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      const float b = bias ? load_f(bias, ydt, n) : 0.f;
+      store_f(y, ydt, m * ldy + n, (sums[m * ld + n - n0] + tails[m * ld + n - n0]) + b);
+    }
+}
+
 static inline float fp16_to_f32(uint16_t h) {  // exact; the SIMD paths use F16C
   uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
   if (exp == 0x1f) {

@@ -603,11 +603,7 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
       }
     }
     sg_tails256<F, LO>(w, a, M, nc, ne, pre, kChunk);
-    for (int64_t m = 0; m < M; ++m)
-      for (n = nc; n < ne; ++n) {
-        const float b = bias ? load_f(bias, ydt, n) : 0.f;
-        store_f(y, ydt, m * ldy + n, (part[m * kChunk + n - nc] + pre[m * kChunk + n - nc]) + b);
-      }
+    store_with_tails(part, pre, kChunk, M, nc, ne, bias, y, ydt, ldy);
   }
 }
 

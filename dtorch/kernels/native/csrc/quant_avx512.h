@@ -428,11 +428,7 @@ static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
         }
       }
       sg_tails512<F, LO>(w, a, M, nc, ne, pre, kChunk);
-      for (int64_t m = 0; m < M; ++m)
-        for (n = nc; n < ne; ++n) {
-          const float b = bias ? load_f(bias, ydt, n) : 0.f;
-          store_f(y, ydt, m * ldy + n, (part[m * kChunk + n - nc] + pre[m * kChunk + n - nc]) + b);
-        }
+      store_with_tails(part, pre, kChunk, M, nc, ne, bias, y, ydt, ldy);
     }
     return;
   }
@@ -462,11 +458,7 @@ static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
           for (int j = 0; j < 2; ++j) part[r * ld + n - nc + j] = o[r][j];
       }
       sg_tails512<F, LO>(w, a, M, nc, ne, pre, ld);
-      for (int r = 0; r < MR; ++r)
-        for (int64_t n = nc; n < npair; ++n) {
-          const float b = bias ? load_f(bias, ydt, n) : 0.f;
-          store_f(y, ydt, r * ldy + n, (part[r * ld + n - nc] + pre[r * ld + n - nc]) + b);
-        }
+      store_with_tails(part, pre, ld, MR, nc, npair, bias, y, ydt, ldy);  // (an odd last row: below, with pre)
       m = MR;
     }
     for (; m + MR <= M; m += MR)
