@@ -128,9 +128,9 @@ def test_layouts_name_what_is_wrong():
 # x @ gguf_dequantize(w).T in float64 (llama.cpp's test-backend-ops uses 5e-4 for its quantized mul_mat).
 # Fewer than 32 rows (decode): x in two int8 levels per 32 values, x = d (hi + lo / 254) (csrc/generic.h), integer
 # dot products; 32 rows and more (prefill): the weight dequantized to float32 in panels and a float GEMM (oneDNN's or
-# torch's; on AVX-512 VNNI from 128 rows per thread, see INT_PREFILL_ISAS), exact up to float rounding. The weights
-# enter exactly either way. Measured on these shapes (3 seeds, every ISA, which agree to float rounding), float32
-# x, Gaussian / with outliers (x = randn, K / 128 channels per row times 50 randn):
+# torch's; on AVX-512 VNNI from 128 rows per thread but never for coarse rows, see INT_PREFILL_ISAS), exact up to
+# float rounding. The weights enter exactly either way. Measured on these shapes (3 seeds, every ISA, which agree to
+# float rounding), float32 x, Gaussian / with outliers (x = randn, K / 128 channels per row times 50 randn):
 #
 # | format | int8 x alone (before) | two levels, < 32 rows | float path, >= 32 rows |
 # |---|---|---|---|
@@ -168,13 +168,15 @@ def _x(m: int, k: int, outliers: bool) -> torch.Tensor:
     return x
 
 
-def _integer_path(fmt: str, isa: str, m: int) -> bool:
-    """Whether qlinear multiplies m rows of x on the integer levels (else dequantized float panels)."""
+def _integer_path(fmt: str, isa: str, m: int, one_level: bool = False) -> bool:
+    """Whether qlinear multiplies m rows of x on the integer levels (else dequantized float panels); coarse rows
+    (``one_level``) stay on VNNI's integer tiles at every row count."""
     if m < FLOAT_ROWS:
         return True
     if isa not in INT_PREFILL_ISAS or fmt in GROUP_FORMATS:
         return False
-    return m < ONEDNN_ROWS * torch.get_num_threads() or fmt in FAST_TILES or nk.float_gemm() != "onednn"
+    return (one_level or m < ONEDNN_ROWS * torch.get_num_threads() or fmt in FAST_TILES
+            or nk.float_gemm() != "onednn")
 
 
 @pytest.mark.parametrize("outliers", [False, True], ids=["gaussian", "outliers"])
@@ -189,14 +191,15 @@ def test_qlinear_matches_gguf_reference(fmt, dtype, outliers, isa):
         raw = _raw(fmt, n, k, gen)
         w = layouts.pack(torch.from_numpy(raw), fmt, k)
         wref = _reference(fmt, raw, n, k).double()
-        # (rows, a decode batch?): 17 rows of a batch of decodes take one level from ONE_LEVEL_ROWS, but in the group
-        # formats; the same rows otherwise (a prompt's) keep two
-        for m, batch in ((1, False), (3, True), (17, False), (17, True), (33, True), (ONEDNN_ROWS + 2, False)):
+        # (rows, coarse?): 17 coarse rows (a batch of decodes) take one level from ONE_LEVEL_ROWS, but in the group
+        # formats; the same rows otherwise keep two; a long coarse prompt stays on the integer tiles on VNNI
+        big = ONEDNN_ROWS * torch.get_num_threads() + 2
+        for m, batch in ((1, False), (3, True), (17, False), (17, True), (33, True), (big, False), (big, True)):
             x = _x(m, k, outliers).to(dtype)
             got = nk.qlinear(x, w, fmt, one_level=batch)
             assert got.dtype == dtype and got.shape == (m, n)
             ref = x.double() @ wref.T
-            integer = _integer_path(fmt, isa, m)
+            integer = _integer_path(fmt, isa, m, batch)
             one = batch and ONE_LEVEL_ROWS <= m and integer and fmt not in GROUP_FORMATS
             path = "float" if not integer else "one" if one else "two"
             err[path][0] += float(((got.double() - ref) ** 2).sum())
@@ -524,12 +527,12 @@ def test_dispatched_quantized_linear(fmt, isa):
     wref = layouts.dequantize(w, fmt, k).double()
     bias = torch.randn(19)
     # a few dozen outputs: the measured NMSE varies more than over the big table; 5 and 14 rows of a decode batch
-    # (param decode): one level but in the group formats
+    # (param coarse): one level but in the group formats
     two, one = 5 * NMSE_BOUND[fmt][0], 5 * (NMSE_BOUND[fmt][0] if fmt in GROUP_FORMATS else NMSE_ONE_LEVEL[0])
     for x in (torch.randn(5, k), torch.randn(2, 7, 2 * k)[..., ::2]):  # the second one strided
         ref = x.double() @ wref.T + bias.double()
         got = {}
-        for path, ctx, bound in (("two", _ctx(), two), ("one", _ctx(decode=True), one)):
+        for path, ctx, bound in (("two", _ctx(), two), ("one", _ctx(coarse=True), one)):
             out = got[path] = x.new_empty(*x.shape[:-1], 19)
             d.select(KernelKey("matmul.linear", "cpu", torch.float32, fmt)).fn(ctx, (x, w, bias), (out,))
             assert _nmse(out, ref) < bound, (fmt, isa, ctx.params)

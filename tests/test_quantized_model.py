@@ -165,31 +165,105 @@ def test_the_decode_path_agrees_with_the_dequantized_form(models):
     assert agree >= 0.97, f"top-1 agreement {agree:.3f} over 256 one-token steps"
 
 
-def test_a_batch_of_decodes_tells_the_kernel_and_a_prompt_does_not(models):
-    """matmul.linear's ``decode`` param (the native GGUF kernels then round x to one int8 level from 4 rows) reaches a
-    plugged-in kernel on a step of 4 decodes, and never on a prompt's rows, however few."""
-    from dtorch.engine.sampling import SamplingParams
-
-    quantized, _ = models
-    key = KernelKey("matmul.linear", "cpu", torch.float32, "gguf.q4_1")
+def _spying(key: KernelKey):
+    """A kernel registered over ``key``'s winner that records (rows, params.coarse) of each call; unregister after."""
     below = dtorch.dispatcher.select(key)
     seen = []
 
     def spy(ctx, inputs, outputs):
-        seen.append((inputs[0].shape[0], ctx.params.get("decode", False)))
+        seen.append((inputs[0].shape[0], ctx.params.get("coarse", False)))
         below.fn(ctx, inputs, outputs)
 
     dtorch.dispatcher.register(key, spy, provider="user")
+    return seen
+
+
+def test_long_prompts_and_decode_batches_are_coarse_verified_rows_and_logits_are_not(models):
+    """matmul.linear's ``coarse`` param (the native GGUF kernels then round x to one int8 level from 4 rows) reaches a
+    plugged-in kernel on a prompt step of COARSE_PROMPT_ROWS rows and more and on a step of decodes (whose kernel keeps
+    two levels under 4 rows); never on a shorter prompt step, on the rows of every position's logits (``logits``) or
+    on the rows a speculative step verifies."""
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
+    from dtorch.models.model import COARSE_PROMPT_ROWS
+
+    quantized, _ = models
+    key = KernelKey("matmul.linear", "cpu", torch.float32, "gguf.q4_1")
+    seen = _spying(key)
     try:
         prompts = ["Hello there, how", "The capital of France is", "One, two, three,", "Once upon a time there"]
         quantized.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-        # the prompts' steps (padded to 16 rows or more) are not decodes; the two decode steps of the four are
-        decodes = [rows for rows, decode in seen if decode]
-        prompts_rows = [rows for rows, decode in seen if not decode]
-        assert decodes and set(decodes) == {4}
-        assert prompts_rows and min(prompts_rows) >= 16
+        # the prompts' step (its rows padded to 32), then two decode steps of the four
+        assert {(rows, coarse) for rows, coarse in seen} == {(32, False), (4, True)}
+        seen.clear()
+        long = quantized.tokenizer.encode(TEXT)[:COARSE_PROMPT_ROWS - 8]
+        quantized.generate([long], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        assert seen and {(rows, coarse) for rows, coarse in seen} == {(COARSE_PROMPT_ROWS, True)}
+        seen.clear()
+        quantized.logits(quantized.tokenizer.encode(TEXT)[:40])
+        assert seen and not any(coarse for rows, coarse in seen)
     finally:
         dtorch.dispatcher.unregister(key, "user")
+    text = "one two three four five six seven eight nine ten one two three four five six seven eight nine ten"
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = quantized.generate([text * 4], greedy)
+    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    seen = _spying(key)
+    try:
+        # a long prompt's step drafts nothing, and stays coarse; the steps after it verify drafts
+        out = spec.generate([text * 4], greedy)
+        assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+        assert (COARSE_PROMPT_ROWS, True) in seen
+        assert [rows for rows, coarse in seen if 1 < rows < 16 and not coarse]
+        assert not any(coarse for rows, coarse in seen if 1 < rows < 16)
+        # a short prompt's step verifies drafts beside its rows, which then keep two levels as well (a prompt that
+        # shares no cached prefix with the one before)
+        seen.clear()
+        spec.generate([text.replace("one", "eleven")], greedy)
+        assert len({rows for rows, coarse in seen}) >= 2 and not any(coarse for rows, coarse in seen if rows > 1)
+    finally:
+        dtorch.dispatcher.unregister(key, "user")
+        spec.close()
+
+
+def _prompt_logits(llm, ids: list[int]) -> torch.Tensor:
+    """The last row's logits of ``ids`` run as one prompt step (coarse rows unless the model is batch invariant)."""
+    from dtorch.models.executor import StepPlan
+
+    blocks = llm.engine.blocks.allocate(llm.engine.blocks.blocks_for(len(ids)))
+    try:
+        return llm.executor.step(StepPlan(list(ids), [len(ids)], [0], [blocks]))[-1]
+    finally:
+        llm.engine.blocks.free(blocks)
+
+
+def test_a_long_prompts_8_bit_activations_keep_the_next_token(models):
+    """A long prompt's rows take one int8 level per 32 values on AVX-512 VNNI (as llama.cpp's activations; the
+    batch-invariant model keeps two, about 16 bits; other CPUs take exact float panels from 32 rows): at the end of
+    prefixes of a real text, the logits move from the exact product's (the dequantized model) by a few percent, not by
+    the size of the logits as a wrong product would, and the next token is the exact product's as often as the two
+    levels' is, but for one prefix."""
+    from dtorch.engine.llm import LLM
+    from dtorch.kernels.native import loader
+
+    quantized, floats = models
+    precise = LLM(batch_invariant=True)
+    try:
+        ids = quantized.tokenizer.encode(TEXT)[:256]
+        moved, two, top = [], [], {"coarse": 0, "precise": 0}
+        for n in range(72, 129, 8):  # steps of 128 rows, coarse
+            want, coarse, fine = (_prompt_logits(m, ids[:n]) for m in (floats, quantized, precise))
+            moved.append(float((coarse - want).norm() / want.norm()))
+            two.append(float((fine - want).norm() / want.norm()))
+            top["coarse"] += int(coarse.argmax() == want.argmax())
+            top["precise"] += int(fine.argmax() == want.argmax())
+        # measured on AVX-512 VNNI: 1.5-9% against the two levels' 0.005-0.03%
+        assert max(moved) < 0.15 and max(two) < 0.01, (moved, two)
+        if loader.unavailable_reason() is None and loader.isa() == "avx512":
+            assert min(moved) > 0.001, moved
+        assert top["coarse"] >= top["precise"] - 1 and top["coarse"] >= len(moved) - 2, top
+    finally:
+        precise.close()
 
 
 def _decode_logits(llm, rows: list[int], at: int, blocks: list) -> torch.Tensor:

@@ -97,22 +97,23 @@ def _bmm(a, b, out=None, ctx=None) -> torch.Tensor:
 
 
 _LINEAR = "matmul.linear"
-_DECODE = KernelParams(decode=True)
+_COARSE = KernelParams(coarse=True)
 
 
-def linear_params(decode: bool) -> KernelParams:
-    """``decode=True``: the rows are a batch of decodes, one row per sequence; a kernel may then trade each row's
-    precision for speed (the native GGUF kernels round x to 8 bits from 4 rows; see dtorch/kernels/native)."""
-    if not isinstance(decode, bool):
-        raise ArgumentError(f"{_LINEAR}: 'decode' must be a bool, got {decode!r}")
-    return _DECODE if decode else NO_PARAMS
+def linear_params(coarse: bool) -> KernelParams:
+    """``coarse=True``: a kernel may trade each row's precision for speed (a prompt's rows, a batch of decodes: the
+    native GGUF kernels then round x to 8 bits per 32 values from 4 rows; see dtorch/kernels/native). False: each
+    row's result must be what a lone decode makes of it (the rows a speculative step verifies)."""
+    if not isinstance(coarse, bool):
+        raise ArgumentError(f"{_LINEAR}: 'coarse' must be a bool, got {coarse!r}")
+    return _COARSE if coarse else NO_PARAMS
 
 
-def _linear(x, w, bias, out=None, ctx=None, decode: bool = False) -> torch.Tensor:
+def _linear(x, w, bias, out=None, ctx=None, coarse: bool = False) -> torch.Tensor:
     op = _LINEAR
     dtype, device = _operands(op, {"x": x, "w": w, "bias": bias}, ctx)
     return _launch(op, (x, w, bias), _linear_shape(op, x, w, bias), dtype, device, out, ctx,
-                   names=("x", "w", "bias"), params=linear_params(decode))
+                   names=("x", "w", "bias"), params=linear_params(coarse))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -135,9 +136,9 @@ def bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, ctx: Runtime
     return _bmm(a, b, out, ctx)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, decode: bool = False) -> torch.Tensor:
-    """``matmul.linear``: x [..., K], w [N, K], bias [N] or None -> x @ w.T + bias, [..., N]. ``decode``: the rows
-    are a batch of decodes (``linear_params``)."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, coarse: bool = False) -> torch.Tensor:
+    """``matmul.linear``: x [..., K], w [N, K], bias [N] or None -> x @ w.T + bias, [..., N]. ``coarse``: each row's
+    precision may be traded for speed (``linear_params``)."""
     # The hot path: plain strided tensors of one dtype and device with matching shapes (identity checks and
     # a few comparisons); anything else takes the full validation, which raises the precise error.
     if type(x) is Tensor and type(w) is Tensor:
@@ -146,15 +147,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
                 and xs and xs[-1] == ws[1]
                 and (bias is None or (type(bias) is Tensor and bias.dtype is dt and bias.layout is STRIDED
                                       and bias.device == dev and bias.shape == ws[:1]))):
-            return call(_LINEAR, device_of(x), dt, (x, w, bias), linear_params(decode),
+            return call(_LINEAR, device_of(x), dt, (x, w, bias), linear_params(coarse),
                         lambda: (torch.empty((*xs[:-1], ws[0]), dtype=dt, device=dev),))[0]
-    return _linear(x, w, bias, decode=decode)
+    return _linear(x, w, bias, coarse=coarse)
 
 
 def linear_out(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor,
-               ctx: RuntimeContext | None = None, decode: bool = False) -> torch.Tensor:
+               ctx: RuntimeContext | None = None, coarse: bool = False) -> torch.Tensor:
     """``matmul.linear`` into ``out`` [..., N]."""
-    return _linear(x, w, bias, out, ctx, decode)
+    return _linear(x, w, bias, out, ctx, coarse)
 
 
 class _PreparedProduct(PreparedOperator):
@@ -328,5 +329,5 @@ def _linear_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[
 
 declare("matmul.mm", mm, ("a", "b"), rule=_mm_rule)
 declare("matmul.bmm", bmm, ("a", "b"), rule=_bmm_rule)
-declare("matmul.linear", linear, ("x", "w", "bias"), params=lambda op, a: linear_params(a["decode"]),
+declare("matmul.linear", linear, ("x", "w", "bias"), params=lambda op, a: linear_params(a["coarse"]),
         rule=_linear_rule)

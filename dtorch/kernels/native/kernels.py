@@ -43,12 +43,12 @@ def _lib():
 
 # -- matmul.linear on GGUF weights -------------------------------------------------------------------------
 # inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
-# params: decode (optional): the rows are a batch of decodes, one per sequence.
-# outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for a decode batch
-# of 4 rows and more in the super-grouped formats), else w is dequantized in panels for oneDNN's float32 GEMM (torch's
-# mm without it; see ops.qlinear), except on AVX-512 VNNI, whose integer tiles keep all but q2_k and q3_k under 128
-# rows per thread (q4_k, q5_k, iq4_xs and q8_0 at every row count); the reference (torch backend) dequantizes w with
-# layouts.dequantize and runs F.linear.
+# params: coarse (optional): each row's precision may be traded for speed (a prompt's rows, a batch of decodes).
+# outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for coarse rows,
+# 4 and more, in the super-grouped formats), else w is dequantized in panels for oneDNN's float32 GEMM (torch's
+# mm without it; see ops.qlinear), except on AVX-512 VNNI, whose integer tiles keep all but q2_k and q3_k: coarse rows
+# at every row count, others under 128 rows per thread (q4_k, q5_k, iq4_xs and q8_0 at every row count); the
+# reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
 
 def _linear_kernel(layout: str):
     code = layouts.format_code(layout)
@@ -56,7 +56,7 @@ def _linear_kernel(layout: str):
     def kernel(ctx, inputs, outputs):
         x, w, bias = inputs
         out = outputs[0]
-        one_level = ctx.params.get("decode", False)
+        one_level = ctx.params.get("coarse", False)
         if not x.is_contiguous():
             x = x.contiguous()
         if bias is not None and bias.dtype != x.dtype:

@@ -219,8 +219,12 @@ const c10::OperatorHandle* onednn_linear() {
   return g_onednn && op ? &*op : nullptr;
 }
 
-// the rows of x from which qlinear takes the float panels for a weight of format fmt
-int64_t float_rows(const dtn::Table* tb, int fmt) {
+// the rows of x from which qlinear takes the float panels for a weight of format fmt, its rows coarse (one_level) or
+// not. One level on AVX-512 VNNI: the tiles at every row count, in the model 0.9-2.0x the panels' speed (prompts of
+// 128 / 512 tokens, one thread: SmolLM2 Q4_K_M's Q5_0 and Q6_K 1.0-1.6x / 1.7-2.0x; Qwen3-0.6B-shaped Q4_K_M and
+// Q6_K files 0.9-1.25x), where the panels' dequantization reads cold weights.
+int64_t float_rows(const dtn::Table* tb, int fmt, bool one_level) {
+  if (one_level && tb->int_prefill && dtn::super_grouped(fmt)) return INT64_MAX;
   if (!tb->int_prefill || !dtn::super_grouped(fmt)) return kFloatRows;
   const bool fast_tiles = fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::IQ4_XS || fmt == dtn::Q8_0;
   return !fast_tiles && onednn_linear() ? kOneDnnRows * at::get_num_threads() : INT64_MAX;
@@ -240,11 +244,12 @@ void panel_product(at::Tensor& yv, const at::Tensor& x, const at::Tensor& w, con
   }
 }
 
-// A batch of decodes (the caller's one_level: every row is one sequence's next token) of kOneLevelRows rows and more:
-// the super-grouped formats (all but Q2_K and Q3_K) round x to one int8 level per block of 32 (SGAct::levels,
-// as llama.cpp's Q8_0 activations): half the integer work, in 4 x 2 tiles, 1.5-2x the two levels' speed at 16 rows
-// on AVX2. Fewer rows keep both levels (one row waits on memory, not on the products, and a single sequence's decode
-// keeps its ~16-bit activations), and so do prompts: their rows' hidden states feed every later token.
+// Coarse rows (the caller's one_level: a prompt's rows, a batch of decodes) of kOneLevelRows rows and more: the
+// super-grouped formats (all but Q2_K and Q3_K) round x to one int8 level per block of 32 (SGAct::levels, as
+// llama.cpp's Q8_0 activations, finer than its Q8_K's 256): half the integer work, 1.5-2x the two levels' speed at 16
+// rows on AVX2, 1.2-2x on 128-512 rows on AVX-512 VNNI. Fewer rows keep both levels (one row waits on memory, not
+// on the products: a single sequence's decode keeps its ~16-bit activations for free), and so does every row the
+// caller wants as precise as a lone decode's (a speculative step's verified rows).
 constexpr int64_t kOneLevelRows = 4;
 
 // y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights: 512 KB on one
@@ -325,7 +330,7 @@ ENTRY(py_qlinear)
   const void* bp = has_bias ? bias->data_ptr() : nullptr;
   const void* xp = x.data_ptr();
   void* yp = out.data_ptr();
-  if (M >= float_rows(tb, int(fmt))) {
+  if (M >= float_rows(tb, int(fmt), one_level)) {
     std::string err;  // an ATen error must not unwind past the GIL release
     Py_BEGIN_ALLOW_THREADS
     try {
