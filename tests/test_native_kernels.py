@@ -242,6 +242,68 @@ def test_prompt_rows_in_either_float_gemm(fmt, isa):
         nk.load().set_float_gemm("blas")
 
 
+# x and the weight each rounded to bfloat16: measured 0.68e-5..0.85e-5 (one level: 2.6e-5..2.9e-5)
+NMSE_BF16_PANELS = 2e-5
+
+
+@pytest.mark.parametrize("fmt", ["gguf.q4_k", "gguf.q6_k", "gguf.q5_0", "gguf.q8_0", "gguf.q2_k"])
+def test_coarse_rows_through_bf16_panels_where_amx_works(fmt, isa):
+    """Where AMX works (forced here: oneDNN's bf16 GEMM runs the same products on any CPU, only slower without AMX),
+    coarse rows of FLOAT_ROWS and more go through bfloat16 panels, with the bias added in float32; fewer coarse rows
+    and precise rows keep their paths. Forced off (DTORCH_CPU_FEATURES=-amx_bf16), the integer tiles or float32
+    panels."""
+    from dtorch.core import cpu
+
+    if nk.float_gemm() != "onednn":
+        pytest.skip("torch lacks oneDNN: no bf16 panels")
+    gen = np.random.default_rng(7)
+    torch.manual_seed(7)
+    n, k = 300, 576 if layouts.block_size(fmt) == 32 else 768
+    raw = _raw(fmt, n, k, gen)
+    w = layouts.pack(torch.from_numpy(raw), fmt, k)
+    wref = _reference(fmt, raw, n, k).double()
+    x, bias = torch.randn(FLOAT_ROWS + 8, k), torch.randn(n)
+    ref = x.double() @ wref.T + bias.double()
+    with cpu.forced(amx_bf16=True):
+        assert nk.bf16_panels()
+        coarse = _nmse(nk.qlinear(x, w, fmt, bias, one_level=True), ref)
+        precise = _nmse(nk.qlinear(x, w, fmt, bias), ref)
+        few = _nmse(nk.qlinear(x[:8], w, fmt, bias[:], one_level=True), ref[:8])
+    assert 1e-7 < coarse < NMSE_BF16_PANELS, coarse  # bf16's rounding, not float32's nor a wrong product
+    assert precise < NMSE_BOUND[fmt][0]  # two levels or float32 panels, as before
+    assert few < NMSE_ONE_LEVEL[0] and abs(few - coarse) > 1e-9  # 8 rows: the integer levels
+    with cpu.forced(amx_bf16=False):
+        assert not nk.bf16_panels()
+        off = _nmse(nk.qlinear(x, w, fmt, bias, one_level=True), ref)
+    assert off < NMSE_ONE_LEVEL[0] and off != coarse
+
+
+def test_amx_is_used_only_where_a_child_process_ran_it(monkeypatch):
+    """cpu.amx_works(): False without asking when torch's probe says no AMX; with it, the answer of a bf16 product in a
+    child process, whose crash (a VM that reports AMX and faults on it) answers False instead of killing this one."""
+    from dtorch.core import cpu
+
+    monkeypatch.setattr(cpu, "really_has", lambda feature: feature == "amx_bf16")
+    for script, works in (("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", False),
+                          (cpu._AMX_CHECK, True)):
+        monkeypatch.setattr(cpu, "_AMX_CHECK", script)
+        cpu.amx_works.cache_clear()
+        try:
+            assert cpu.amx_works() is works
+            assert cpu.use_amx() is works
+            with cpu.forced(amx_bf16=not works):
+                assert cpu.use_amx() is not works
+        finally:
+            cpu.amx_works.cache_clear()
+    monkeypatch.setattr(cpu, "really_has", lambda feature: False)
+    monkeypatch.setattr(cpu, "_AMX_CHECK", "raise SystemExit('must not run')")
+    assert cpu.amx_works() is False
+    monkeypatch.undo()
+    cpu.amx_works.cache_clear()
+    nk.loader._bf16_panels()  # the setting the real probe gives, for the tests after this one
+    assert nk.bf16_panels() is cpu.use_amx()
+
+
 @pytest.mark.parametrize("fmt", [f for f in GGUF_LAYOUTS if f not in GROUP_FORMATS])
 def test_rows_together_equal_each_row_alone(fmt, isa):
     # a speculative verify step scores a sequence's last token and its drafts as rows of one product; its greedy

@@ -95,6 +95,41 @@ def fast_float16() -> bool:
     return has("avx512_fp16") or has("amx_fp16")
 
 
+# a bf16 product big enough for oneDNN's AMX kernels, checked against float32, in a child process: a CPU whose CPUID
+# reports AMX may still fault on it (llama.cpp's AMX path crashes on such VMs), and a crash must not take this process
+_AMX_CHECK = """
+import torch
+a, b = torch.randn(64, 256), torch.randn(256, 64)
+got = torch.mm(a.bfloat16(), b.bfloat16()).float()
+assert ((got - a @ b).norm() / (a @ b).norm()).item() < 1e-2
+"""
+
+
+@cache
+def amx_works() -> bool:
+    """Whether AMX really runs here: torch's probe says so (it also asks the kernel for the tile state) and a bf16
+    product through oneDNN, which takes its AMX kernels where it can, returns the right numbers in a child process."""
+    if not really_has("amx_bf16"):
+        return False
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _AMX_CHECK], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def use_amx() -> bool:
+    """Whether to take the AMX paths: a forced answer for ``amx_bf16`` if any (their products run wherever oneDNN
+    does: AMX tiles or not, only the speed differs), else ``amx_works()``."""
+    forced = _overrides.get("amx_bf16")
+    if forced is None:
+        forced = _env_overrides().get("amx_bf16")
+    return amx_works() if forced is None else forced
+
+
 def add_listener(method: Callable[[], None]) -> None:
     """Call ``method`` (held weakly when it is a bound method) whenever a forced answer changes."""
     _listeners.append(weakref.WeakMethod(method) if hasattr(method, "__self__") else method)

@@ -13,6 +13,7 @@ from dtorch.kernels.native.loader import (
     ISAS as ISAS,
     NativeUnavailable as NativeUnavailable,
     available_isas as available_isas,
+    bf16_panels as bf16_panels,
     float_gemm as float_gemm,
     isa as isa,
     load as load,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-from dtorch.core import env
+from dtorch.core import cpu, env
 from dtorch.core.errors import ArgumentError, DtorchError, DTypeError, LayoutError, ShapeError
 
 ISAS = ("avx512", "avx2", "portable")  # best first
@@ -52,7 +52,21 @@ def load() -> ModuleType:
         _reason = str(e)
         raise
     _mod = mod
+    _bf16_panels()
+    cpu.add_listener(_bf16_panels)
     return mod
+
+
+def _bf16_panels() -> None:
+    """Coarse prompt rows through bfloat16 panels (oneDNN's AMX GEMM) where AMX works (``cpu.use_amx``; forced with
+    DTORCH_CPU_FEATURES=-amx_bf16 or +amx_bf16), else on the integer tiles or float32 panels."""
+    if _mod is not None:
+        _mod.set_bf16_panels(cpu.use_amx())
+
+
+def bf16_panels() -> bool:
+    """Whether coarse prompt rows go through bfloat16 panels (AMX) now."""
+    return load().set_bf16_panels(None)
 
 
 def unavailable_reason() -> str | None:

@@ -31,7 +31,8 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tens
     in a float GEMM (``float_gemm()``: oneDNN's where torch has it, else torch's mm; the products are exact), except
     on AVX-512 VNNI (``isa() == "avx512"``), where the super-grouped formats stay on the integer levels: one level
     (coarse rows) at every row count, two below 128 rows per thread, and for Q4_K, Q5_K, IQ4_XS and Q8_0 (whose tiles
-    run at about oneDNN's speed) at every row count.
+    run at about oneDNN's speed) at every row count. Where AMX works (``bf16_panels()``, ``dtorch.core.cpu.use_amx``),
+    coarse rows of 32 and more go through bfloat16 panels in oneDNN's GEMM (its AMX tiles) instead.
     The bias is added before the one rounding to out's dtype.
     """
     if out is None:

@@ -211,6 +211,10 @@ constexpr int64_t kFloatRows = 32;
 constexpr int64_t kOneDnnRows = 128;
 // which float GEMM the panels go through: oneDNN's when torch has it, or torch's mm (set_float_gemm)
 bool g_onednn = true;
+// Coarse rows (one_level) of kFloatRows and more through bfloat16 panels in oneDNN's GEMM, which runs them on AMX
+// tiles (set_bf16_panels; the loader sets it where AMX really works, dtorch.core.cpu.use_amx): ~16x a core's VNNI
+// int8 rate at 8 bits of mantissa, against the one-level tiles' 8 bits per 32 values
+bool g_bf16_panels = false;
 
 // oneDNN's linear op, or null when torch is built without it
 const c10::OperatorHandle* onednn_linear() {
@@ -224,6 +228,7 @@ const c10::OperatorHandle* onednn_linear() {
 // 128 / 512 tokens, one thread: SmolLM2 Q4_K_M's Q5_0 and Q6_K 1.0-1.6x / 1.7-2.0x; Qwen3-0.6B-shaped Q4_K_M and
 // Q6_K files 0.9-1.25x), where the panels' dequantization reads cold weights.
 int64_t float_rows(const dtn::Table* tb, int fmt, bool one_level) {
+  if (one_level && g_bf16_panels && onednn_linear()) return kFloatRows;
   if (one_level && tb->int_prefill && dtn::super_grouped(fmt)) return INT64_MAX;
   if (!tb->int_prefill || !dtn::super_grouped(fmt)) return kFloatRows;
   const bool fast_tiles = fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::IQ4_XS || fmt == dtn::Q8_0;
@@ -256,8 +261,9 @@ constexpr int64_t kOneLevelRows = 4;
 // thread (they stay in L2; larger panels measured no faster), more on several, where oneDNN splits each panel's
 // product among the threads and small products do not pay for it (two threads, 128-row Q8_0 prompts of a
 // Qwen3-0.6B: 0.43x the integer tiles' speed with 512 KB panels, 0.91x with 8 MB; 512 rows: 0.89x, 1.15x)
+// bf16: the panels and x rounded to bfloat16 for oneDNN's bf16 GEMM (AMX), the bias added in float32 after it.
 void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tensor& x,
-                   const at::Tensor* bias, const at::Tensor& out, int64_t M, int64_t N, int64_t K) {
+                   const at::Tensor* bias, const at::Tensor& out, int64_t M, int64_t N, int64_t K, bool bf16) {
   const int64_t threads = at::get_num_threads(), kPanel = (512 << 10) * threads * threads;
   const int64_t rows = std::max<int64_t>(16, kPanel / (4 * K) / 16 * 16);
   // x in the packed order and the weight panel live in a per-thread workspace: fresh pages each call cost more
@@ -275,12 +281,24 @@ void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tenso
   const at::Tensor b32 = bias ? bias->to(at::kFloat) : at::Tensor();
   float* pp = t_panel.data();
   const at::Tensor panel = at::from_blob(pp, {std::min(rows, N), K}, xk.options());
+  thread_local std::vector<at::BFloat16> t_xb, t_pb;  // bf16: x and the panel rounded
+  if (bf16 && int64_t(t_xb.size()) < M * K) t_xb.resize(size_t(M * K));
+  if (bf16 && int64_t(t_pb.size()) < rows * K) t_pb.resize(size_t(rows * K));
+  const at::Tensor xb = bf16 ? at::from_blob(t_xb.data(), {M, K}, xk.options().dtype(at::kBFloat16)) : xk;
+  const at::Tensor pb = bf16 ? at::from_blob(t_pb.data(), {std::min(rows, N), K}, xb.options()) : panel;
+  if (bf16) const_cast<at::Tensor&>(xb).copy_(xk);
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     const int64_t nc = std::min(rows, N - n0);
     parallel_rows(nc, 4 * K, [&](int64_t r0, int64_t r1) { tb->dequant(qw, n0 + r0, n0 + r1, pp + r0 * K); });
     at::Tensor yv = y.narrow(1, n0, nc);
     const at::Tensor bv = bias ? b32.narrow(0, n0, nc) : at::Tensor();
-    panel_product(yv, xk, panel.narrow(0, 0, nc), bias ? &bv : nullptr);
+    if (bf16) {
+      pb.narrow(0, 0, nc).copy_(panel.narrow(0, 0, nc));
+      panel_product(yv, xb, pb.narrow(0, 0, nc), nullptr);
+      if (bias) yv.add_(bv);
+    } else {
+      panel_product(yv, xk, panel.narrow(0, 0, nc), bias ? &bv : nullptr);
+    }
   }
   if (!direct) out.view({M, N}).copy_(y);
 }
@@ -334,7 +352,7 @@ ENTRY(py_qlinear)
     std::string err;  // an ATen error must not unwind past the GIL release
     Py_BEGIN_ALLOW_THREADS
     try {
-      qlinear_float(tb, qw, x, bias, out, M, N, K);
+      qlinear_float(tb, qw, x, bias, out, M, N, K, one_level && g_bf16_panels && onednn_linear());
     } catch (const std::exception& e) {
       err = e.what();
     }
@@ -546,6 +564,18 @@ ENTRY(py_set_isa)
   Py_RETURN_NONE;
 EXIT
 
+// set_bf16_panels(bool | None) -> the setting before: coarse rows through bfloat16 panels (g_bf16_panels)
+ENTRY(py_set_bf16_panels)
+  need_args(nargs, 1, "set_bf16_panels");
+  const bool was = g_bf16_panels;
+  if (args[0] != Py_None) {
+    const int on = PyObject_IsTrue(args[0]);
+    if (on < 0) throw Fail{};
+    g_bf16_panels = on;
+  }
+  return PyBool_FromLong(was);
+EXIT
+
 // set_float_gemm(name | None) -> the name in use before: "onednn" or "torch" (torch has no oneDNN: always "torch")
 ENTRY(py_set_float_gemm)
   need_args(nargs, 1, "set_float_gemm");
@@ -605,6 +635,8 @@ PyMethodDef methods[] = {
     {"isa", (PyCFunction)(void (*)())py_isa, METH_FASTCALL, "the kernel table in use"},
     {"set_float_gemm", (PyCFunction)(void (*)())py_set_float_gemm, METH_FASTCALL,
      "the float GEMM of qlinear's dequantized panels (onednn or torch); returns the one before"},
+    {"set_bf16_panels", (PyCFunction)(void (*)())py_set_bf16_panels, METH_FASTCALL,
+     "coarse rows of qlinear through bfloat16 panels (oneDNN's AMX GEMM); returns the setting before"},
     {"cpu_supports", (PyCFunction)(void (*)())py_cpu_supports, METH_FASTCALL, "whether this CPU runs an ISA"},
     {"set_errors", (PyCFunction)(void (*)())py_set_errors, METH_FASTCALL, "the dtorch error classes to raise"},
     {"paged_attention", (PyCFunction)(void (*)())py_paged_attention, METH_FASTCALL, "attention over paged KV caches"},
