@@ -81,11 +81,15 @@ def _env_overrides() -> dict[str, bool]:
     return forced
 
 
+def _forced(feature: str) -> bool | None:
+    """The forced answer for ``feature`` (``forced`` first, then DTORCH_CPU_FEATURES), or None."""
+    forced = _overrides.get(feature)
+    return _env_overrides().get(feature) if forced is None else forced
+
+
 def has(feature: str) -> bool:
     """Whether to act as if the CPU has ``feature``: a forced answer if any, else the probe's."""
-    forced = _overrides.get(feature)
-    if forced is None:
-        forced = _env_overrides().get(feature)
+    forced = _forced(feature)
     return really_has(feature) if forced is None else forced
 
 
@@ -124,9 +128,7 @@ def amx_works() -> bool:
 def use_amx() -> bool:
     """Whether to take the AMX paths: a forced answer for ``amx_bf16`` if any (their products run wherever oneDNN
     does: AMX tiles or not, only the speed differs), else ``amx_works()``."""
-    forced = _overrides.get("amx_bf16")
-    if forced is None:
-        forced = _env_overrides().get("amx_bf16")
+    forced = _forced("amx_bf16")
     return amx_works() if forced is None else forced
 
 

@@ -223,12 +223,15 @@ const c10::OperatorHandle* onednn_linear() {
   return g_onednn && op ? &*op : nullptr;
 }
 
+// whether rows, coarse or not (one_level), go through the bf16 panels from kFloatRows rows
+bool bf16_rows(bool one_level) { return one_level && g_bf16_panels && onednn_linear(); }
+
 // the rows of x from which qlinear takes the float panels for a weight of format fmt, its rows coarse (one_level) or
 // not. One level on AVX-512 VNNI: the tiles at every row count, in the model 0.9-2.0x the panels' speed (prompts of
 // 128 / 512 tokens, one thread: SmolLM2 Q4_K_M's Q5_0 and Q6_K 1.0-1.6x / 1.7-2.0x; Qwen3-0.6B-shaped Q4_K_M and
 // Q6_K files 0.9-1.25x), where the panels' dequantization reads cold weights.
 int64_t float_rows(const dtn::Table* tb, int fmt, bool one_level) {
-  if (one_level && g_bf16_panels && onednn_linear()) return kFloatRows;
+  if (bf16_rows(one_level)) return kFloatRows;
   if (one_level && tb->int_prefill && dtn::super_grouped(fmt)) return INT64_MAX;
   if (!tb->int_prefill || !dtn::super_grouped(fmt)) return kFloatRows;
   const bool fast_tiles = fmt == dtn::Q4_K || fmt == dtn::Q5_K || fmt == dtn::IQ4_XS || fmt == dtn::Q8_0;
@@ -286,7 +289,7 @@ void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tenso
   if (bf16 && int64_t(t_pb.size()) < rows * K) t_pb.resize(size_t(rows * K));
   const at::Tensor xb = bf16 ? at::from_blob(t_xb.data(), {M, K}, xk.options().dtype(at::kBFloat16)) : xk;
   const at::Tensor pb = bf16 ? at::from_blob(t_pb.data(), {std::min(rows, N), K}, xb.options()) : panel;
-  if (bf16) const_cast<at::Tensor&>(xb).copy_(xk);
+  if (bf16) xb.copy_(xk);
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     const int64_t nc = std::min(rows, N - n0);
     parallel_rows(nc, 4 * K, [&](int64_t r0, int64_t r1) { tb->dequant(qw, n0 + r0, n0 + r1, pp + r0 * K); });
@@ -352,7 +355,7 @@ ENTRY(py_qlinear)
     std::string err;  // an ATen error must not unwind past the GIL release
     Py_BEGIN_ALLOW_THREADS
     try {
-      qlinear_float(tb, qw, x, bias, out, M, N, K, one_level && g_bf16_panels && onednn_linear());
+      qlinear_float(tb, qw, x, bias, out, M, N, K, bf16_rows(one_level));
     } catch (const std::exception& e) {
       err = e.what();
     }
