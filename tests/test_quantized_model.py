@@ -180,9 +180,10 @@ def _spying(key: KernelKey):
 
 def test_long_prompts_and_decode_batches_are_coarse_verified_rows_and_logits_are_not(models):
     """matmul.linear's ``coarse`` param (the native GGUF kernels then round x to one int8 level from 4 rows) reaches a
-    plugged-in kernel on a prompt step of COARSE_PROMPT_ROWS rows and more and on a step of decodes (whose kernel keeps
-    two levels under 4 rows); never on a shorter prompt step, on the rows of every position's logits (``logits``) or
-    on the rows a speculative step verifies."""
+    plugged-in kernel on a prompt step of COARSE_PROMPT_ROWS rows and more whose prompts all have that many tokens, and
+    on a step of decodes (whose kernel keeps two levels under 4 rows); never on a shorter prompt step, on a step as
+    long that short prompts fill or that holds a short prompt beside a long one, on the rows of every position's
+    logits (``logits``) or on the rows a speculative step verifies."""
     from dtorch.engine.llm import LLM
     from dtorch.engine.sampling import SamplingParams
     from dtorch.models.model import COARSE_PROMPT_ROWS
@@ -196,9 +197,16 @@ def test_long_prompts_and_decode_batches_are_coarse_verified_rows_and_logits_are
         # the prompts' step (its rows padded to 32), then two decode steps of the four
         assert {(rows, coarse) for rows, coarse in seen} == {(32, False), (4, True)}
         seen.clear()
-        long = quantized.tokenizer.encode(TEXT)[:COARSE_PROMPT_ROWS - 8]
-        quantized.generate([long], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        ids = quantized.tokenizer.encode(TEXT)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        quantized.generate([ids[:COARSE_PROMPT_ROWS]], one)
         assert seen and {(rows, coarse) for rows, coarse in seen} == {(COARSE_PROMPT_ROWS, True)}
+        seen.clear()
+        # a step of 128 rows (padded) that short prompts fill, and one that holds a short prompt beside a long one
+        quantized.generate([ids[i:i + 12] for i in range(0, 120, 12)], one)
+        quantized.generate([ids[1:COARSE_PROMPT_ROWS + 1], ids[150:162]], one)  # no prefix cached before
+        assert {rows for rows, coarse in seen} == {COARSE_PROMPT_ROWS, 2 * COARSE_PROMPT_ROWS}
+        assert not any(coarse for rows, coarse in seen)
         seen.clear()
         quantized.logits(quantized.tokenizer.encode(TEXT)[:40])
         assert seen and not any(coarse for rows, coarse in seen)
@@ -206,14 +214,14 @@ def test_long_prompts_and_decode_batches_are_coarse_verified_rows_and_logits_are
         dtorch.dispatcher.unregister(key, "user")
     text = "one two three four five six seven eight nine ten one two three four five six seven eight nine ten"
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    plain = quantized.generate([text * 4], greedy)
+    plain = quantized.generate([text * 7], greedy)
     spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     seen = _spying(key)
     try:
         # a long prompt's step drafts nothing, and stays coarse; the steps after it verify drafts
-        out = spec.generate([text * 4], greedy)
+        out = spec.generate([text * 7], greedy)
         assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
-        assert (COARSE_PROMPT_ROWS, True) in seen
+        assert (2 * COARSE_PROMPT_ROWS, True) in seen
         assert [rows for rows, coarse in seen if 1 < rows < 16 and not coarse]
         assert not any(coarse for rows, coarse in seen if 1 < rows < 16)
         # a short prompt's step verifies drafts beside its rows, which then keep two levels as well (a prompt that
@@ -227,12 +235,13 @@ def test_long_prompts_and_decode_batches_are_coarse_verified_rows_and_logits_are
 
 
 def _prompt_logits(llm, ids: list[int]) -> torch.Tensor:
-    """The last row's logits of ``ids`` run as one prompt step (coarse rows unless the model is batch invariant)."""
+    """The last row's logits of ``ids`` run as one long prompt's step (coarse rows from COARSE_PROMPT_ROWS rows,
+    padded, unless the model is batch invariant)."""
     from dtorch.models.executor import StepPlan
 
     blocks = llm.engine.blocks.allocate(llm.engine.blocks.blocks_for(len(ids)))
     try:
-        return llm.executor.step(StepPlan(list(ids), [len(ids)], [0], [blocks]))[-1]
+        return llm.executor.step(StepPlan(list(ids), [len(ids)], [0], [blocks], long=True))[-1]
     finally:
         llm.engine.blocks.free(blocks)
 

@@ -346,9 +346,7 @@ def test_sampling_keeps_the_distribution(pair):
     target, drafts, _ = pair
     p = SamplingParams(temperature=0.8, top_k=4, repetition_penalty=1.2, max_tokens=2, ignore_eos=True)
     prompt, exact = drafted_prompt(transformers.AutoModelForCausalLM.from_pretrained(target).eval(), p)
-    # prompt steps (4 prompts) under model.COARSE_PROMPT_ROWS rows, which verify the first token's drafts (a longer
-    # one drafts nothing)
-    llm = LLM(target, max_num_seqs=4, speculative_config={"model": drafts["first"], "num_speculative_tokens": 1})
+    llm = LLM(target, max_num_seqs=16, speculative_config={"model": drafts["first"], "num_speculative_tokens": 1})
     try:
         speculators = {"plain": None, "draft model": llm.engine.speculator,
                        "ngram": Speculator(SpeculativeConfig.from_dict(NGRAM), (0.35, 0.7))}

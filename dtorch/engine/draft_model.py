@@ -23,6 +23,7 @@ from dtorch.core.errors import ModelError
 from dtorch.engine.sampling import filter_logits, shape_logits
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
+from dtorch.models.model import long_prompts
 
 
 class DraftModel:
@@ -77,7 +78,7 @@ class DraftModel:
             return tokens, probs
         step = StepPlan([t for i, a in catch for t in plan[i][0].ids[a:plan[i][0].computed + plan[i][1]]],
                         [plan[i][0].computed + plan[i][1] - a for i, a in catch], [a for _, a in catch],
-                        [plan[i][0].blocks for i, _ in catch])
+                        [plan[i][0].blocks for i, _ in catch], long=long_prompts(plan[i] for i, _ in catch))
         logits = self._fit(self.executor.step(step))  # [len(catch), V]: each entry's last token
         drafting = [(i, plan[i][0], ks[i]) for i, _ in catch if ks[i]]
         for i, _ in catch:

@@ -29,6 +29,7 @@ from dtorch.engine.speculative import Drafts, Speculator
 from dtorch.engine.structured import Grammars
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
+from dtorch.models.model import long_prompts
 
 log = logging.getLogger("dtorch.engine")
 IDLE_PREFIX_KEEP = 0.25  # share of the cache's blocks that keep their cached prefixes when the engine goes idle
@@ -169,8 +170,8 @@ class Engine:
         from dtorch.models.model import bucket_for
 
         cfg = self.scheduler.config
-        shapes = {bucket_for(t, n) for t in range(1, cfg.max_num_batched_tokens + 1)
-                  for n in range(1, min(t, cfg.max_num_seqs) + 1)}
+        shapes = {bucket_for(t, n, long=long) for t in range(1, cfg.max_num_batched_tokens + 1)
+                  for n in range(1, min(t, cfg.max_num_seqs) + 1) for long in (False, True)}
         spec = self.speculator
         drafted = spec.shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens) if spec is not None else set()
         with self.drive_lock:
@@ -221,7 +222,8 @@ class Engine:
             t0, made = time.perf_counter(), self._counts["generation"]
             try:
                 drafts = self.speculator.draft(self, plan) if self.speculator is not None else None
-                logits = self.executor.step(StepPlan.chunks(plan, self.cache.has_state, drafts and drafts.tokens))
+                logits = self.executor.step(StepPlan.chunks(plan, self.cache.has_state, drafts and drafts.tokens,
+                                                            long_prompts(plan)))
             except BaseException:
                 self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
                 raise

@@ -273,9 +273,9 @@ class Speculator:
         k_max = self.config.num_speculative_tokens
         # a long prompt step drafts nothing: with drafts its rows would keep two levels (model.COARSE_PROMPT_ROWS);
         # one step without drafts costs a decode step, the 8-bit prompt rows 1.4-1.9x less prefill
-        from dtorch.models.model import bucket_for
+        from dtorch.models.model import bucket_for, long_prompts
 
-        step = bucket_for(sum(n for _, n in plan), len(plan))
+        step = bucket_for(sum(n for _, n in plan), len(plan), long=long_prompts(plan))
         long_prompt = engine.executor.model.coarse(step) and not step.decode
         wants, found = [], []
         for s, n in plan:

@@ -41,7 +41,8 @@ class StepPlan:
     window, which no layer reads) and, for a model with gated delta net
     layers, its state in row ``state_slots[i]``; ``ids`` are all new tokens, sequence after sequence. ``logits``: how
     many of its last rows each sequence wants logits of (a speculative step: its last token and each draft; empty:
-    one each)."""
+    one each). ``long``: every prompt in the step has ``COARSE_PROMPT_ROWS`` tokens or more (``long_prompts``), so
+    its rows may be coarse."""
 
     ids: Sequence[int]
     counts: Sequence[int]
@@ -49,17 +50,19 @@ class StepPlan:
     blocks: Sequence[Sequence[int]]
     state_slots: Sequence[int] = ()
     logits: Sequence[int] = ()
+    long: bool = False
 
     @classmethod
     def chunks(cls, plan: Sequence[tuple[Any, int]], state: bool,
-               drafts: Sequence[Sequence[int]] | None = None) -> StepPlan:
+               drafts: Sequence[Sequence[int]] | None = None, long: bool = False) -> StepPlan:
         """The step of ``plan``: (item, n) pairs, each item (a running sequence, an embedding job) with ``ids``,
         ``computed``, ``blocks`` and ``state_slot``, stepping its next n tokens; state slots where ``state``.
-        ``drafts``: per pair, draft tokens that follow its n tokens (their blocks held), each wanting logits."""
+        ``drafts``: per pair, draft tokens that follow its n tokens (their blocks held), each wanting logits.
+        ``long``: as StepPlan's."""
         if drafts is None:
             return cls([t for s, n in plan for t in s.ids[s.computed:s.computed + n]], [n for _, n in plan],
                        [s.computed for s, _ in plan], [s.blocks for s, _ in plan],
-                       [s.state_slot for s, _ in plan] if state else ())
+                       [s.state_slot for s, _ in plan] if state else (), long=long)
         return cls([t for (s, n), d in zip(plan, drafts, strict=True) for t in (*s.ids[s.computed:s.computed + n], *d)],
                    [n + len(d) for (_, n), d in zip(plan, drafts, strict=True)], [s.computed for s, _ in plan],
                    [s.blocks for s, _ in plan], [s.state_slot for s, _ in plan] if state else (),
@@ -146,7 +149,7 @@ class Executor:
         counts = list(plan.counts)
         n, t = len(counts), sum(counts)
         rows = sum(plan.logits) if plan.logits else n
-        bucket = bucket_for(t, n, all_logits, hidden, rows)
+        bucket = bucket_for(t, n, all_logits, hidden, rows, plan.long)
         feeds = self.feeds(plan, bucket)
         logits = self.runner(bucket).run(feeds)["hidden" if hidden else "logits"]
         logits = logits[:t] if all_logits or hidden else logits[:rows]
