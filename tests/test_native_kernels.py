@@ -276,6 +276,9 @@ def test_coarse_rows_through_bf16_panels_where_amx_works(fmt, isa):
         assert not nk.bf16_panels()
         off = _nmse(nk.qlinear(x, w, fmt, bias, one_level=True), ref)
     assert off < NMSE_ONE_LEVEL[0] and off != coarse
+    with cpu.forced(amx_bf16=True, amx_int8=False):  # -amx_int8 forces the path without AMX as well
+        assert not nk.bf16_panels()
+        assert _nmse(nk.qlinear(x, w, fmt, bias, one_level=True), ref) == off
 
 
 def test_amx_is_used_only_where_a_child_process_ran_it(monkeypatch):
@@ -293,6 +296,11 @@ def test_amx_is_used_only_where_a_child_process_ran_it(monkeypatch):
             assert cpu.use_amx() is works
             with cpu.forced(amx_bf16=not works):
                 assert cpu.use_amx() is not works
+            for feature in cpu.AMX:  # either feature forced off turns the AMX paths off
+                with cpu.forced(**{feature: False}):
+                    assert cpu.use_amx() is False
+                with cpu.forced(**{feature: True}):
+                    assert cpu.use_amx() is True
         finally:
             cpu.amx_works.cache_clear()
     monkeypatch.setattr(cpu, "really_has", lambda feature: False)

@@ -30,6 +30,7 @@ FEATURES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "avx512_vnni": ("_is_vnni_supported", ("avx512_vnni",)),
     "avx512_bf16": ("_is_avx512_bf16_supported", ("avx512_bf16",)),
     "amx_bf16": ("_is_amx_tile_supported", ("amx_bf16",)),
+    "amx_int8": ("_is_amx_tile_supported", ("amx_int8",)),
     "avx512_fp16": (None, ("avx512_fp16",)),
     "amx_fp16": ("_is_amx_fp16_supported", ("amx_fp16",)),
 }
@@ -125,11 +126,17 @@ def amx_works() -> bool:
     return done.returncode == 0
 
 
+AMX = ("amx_bf16", "amx_int8")
+
+
 def use_amx() -> bool:
-    """Whether to take the AMX paths: a forced answer for ``amx_bf16`` if any (their products run wherever oneDNN
-    does: AMX tiles or not, only the speed differs), else ``amx_works()``."""
-    forced = _forced("amx_bf16")
-    return amx_works() if forced is None else forced
+    """Whether to take the AMX paths: no where ``amx_bf16`` or ``amx_int8`` is forced off
+    (``DTORCH_CPU_FEATURES=-amx_int8`` and ``-amx_bf16`` each force the paths without AMX), yes where either is forced
+    on (their products run wherever oneDNN does: AMX tiles or not, only the speed differs), else ``amx_works()``."""
+    answers = {_forced(f) for f in AMX} - {None}
+    if answers:
+        return all(answers)
+    return amx_works()
 
 
 def add_listener(method: Callable[[], None]) -> None:

@@ -59,7 +59,7 @@ def load() -> ModuleType:
 
 def _bf16_panels() -> None:
     """Coarse prompt rows through bfloat16 panels (oneDNN's AMX GEMM) where AMX works (``cpu.use_amx``; forced with
-    DTORCH_CPU_FEATURES=-amx_bf16 or +amx_bf16), else on the integer tiles or float32 panels."""
+    DTORCH_CPU_FEATURES=-amx_bf16 or -amx_int8, +amx_bf16), else on the integer tiles or float32 panels."""
     if _mod is not None:
         _mod.set_bf16_panels(cpu.use_amx())
 
