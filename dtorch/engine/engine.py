@@ -221,9 +221,10 @@ class Engine:
                 return False
             t0, made = time.perf_counter(), self._counts["generation"]
             try:
-                drafts = self.speculator.draft(self, plan) if self.speculator is not None else None
+                long = long_prompts(plan)
+                drafts = self.speculator.draft(self, plan, long) if self.speculator is not None else None
                 logits = self.executor.step(StepPlan.chunks(plan, self.cache.has_state, drafts and drafts.tokens,
-                                                            long_prompts(plan)))
+                                                            long))
             except BaseException:
                 self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
                 raise

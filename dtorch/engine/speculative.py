@@ -267,15 +267,16 @@ class Speculator:
             seq.spec = SeqSpec(self.config)
         return seq.spec
 
-    def draft(self, engine: Any, plan: Sequence[tuple[Any, int]]) -> Drafts | None:
+    def draft(self, engine: Any, plan: Sequence[tuple[Any, int]], long: bool) -> Drafts | None:
         """Drafts for the entries of ``plan`` whose tokens reach their end, within what the scheduler can give them
-        (their blocks held); None when no entry gets any."""
+        (their blocks held); None when no entry gets any. ``long``: the step's prompts are all long
+        (``model.long_prompts``)."""
         k_max = self.config.num_speculative_tokens
         # a long prompt step drafts nothing: with drafts its rows would keep two levels (model.COARSE_PROMPT_ROWS);
         # one step without drafts costs a decode step, the 8-bit prompt rows 1.4-1.9x less prefill
-        from dtorch.models.model import bucket_for, long_prompts
+        from dtorch.models.model import bucket_for
 
-        step = bucket_for(sum(n for _, n in plan), len(plan), long=long_prompts(plan))
+        step = bucket_for(sum(n for _, n in plan), len(plan), long=long)
         long_prompt = engine.executor.model.coarse(step) and not step.decode
         wants, found = [], []
         for s, n in plan:
