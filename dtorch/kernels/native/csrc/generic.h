@@ -411,8 +411,18 @@ static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, G
 }
 
 // Decode streams rows from memory: ask for row n + kAhead's bytes while row n computes, so the loads overlap
-// the arithmetic instead of waiting on the hardware prefetcher's ramp-up at every short row.
+// the arithmetic instead of waiting on the hardware prefetcher's ramp-up at every short row (quant_avx2.h's tiles).
 constexpr int64_t kAhead = 8;
+
+// The AVX-512 decode's distance, in bytes rather than rows: its rows are read one after another, and 8 KB on hides
+// the memory's latency behind their arithmetic (at 8 rows of 576 bytes one-row products read ~20 GB/s of the ~30 a
+// plain read of the same weights gets here; at 8 KB ~26-30). ahead_rows: that many bytes in rows, 4 to 64.
+constexpr int64_t kAheadBytes = 8 << 10;
+
+static inline int64_t ahead_rows(const QWeight& w) {
+  const int64_t r = kAheadBytes / (w.qs_row > 0 ? w.qs_row : 1);
+  return r < 4 ? 4 : r > 64 ? 64 : r;
+}
 
 static inline void prefetch_row(const QWeight& w, int64_t n) {  // a packed row is qs_row bytes from qs
   const char* q = reinterpret_cast<const char*>(w.qs + n * w.qs_row);

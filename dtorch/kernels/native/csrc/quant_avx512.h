@@ -70,13 +70,27 @@ static inline __m512i iq4_table512() {  // IQ4 indices -> level + 128 through vp
                           _mm512_set1_epi8(char(0x80)));
 }
 
-// two super-blocks side by side: the fp16 at a in lanes 0..7 and the one at b in lanes 8..15
+// two super-blocks side by side: the fp16 at a in lanes 0..7 and the one at b in lanes 8..15 (both halves converted
+// in one vcvtph2ps, then spread by one permute)
 static inline __m512 fp16_pair(const uint8_t* a, const uint8_t* b) {
   uint16_t x, y;
   std::memcpy(&x, a, 2);
   std::memcpy(&y, b, 2);
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(_cvtsh_ss(x)))),
-                                             _mm256_castps_pd(_mm256_set1_ps(_cvtsh_ss(y))), 1));
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(int(x) | int(y) << 16));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                               _mm512_castps128_ps512(f));
+}
+
+// a K-quant pair's [d | dmin] (the first 4 bytes at a and at b): d in lanes 0..7 / 8..15, and -dmin the same way
+static inline void fp16_pairs2(const uint8_t* a, const uint8_t* b, __m512& d, __m512& mdmin) {
+  uint32_t x, y;
+  std::memcpy(&x, a, 4);
+  std::memcpy(&y, b, 4);
+  const __m128 f = _mm_xor_ps(_mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(int(x)), _mm_cvtsi32_si128(int(y)))),
+                              _mm_castsi128_ps(_mm_setr_epi32(0, int(0x80000000u), 0, int(0x80000000u))));
+  const __m512 v = _mm512_castps128_ps512(f);  // [dA, -dminA, dB, -dminB]
+  d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), v);
+  mdmin = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), v);
 }
 
 // and 8 bytes of each (a super-block's per-block scales): 16 bytes
@@ -331,10 +345,13 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
         dw[n] = _mm512_mul_ps(fp16_pair(p[n], q), sc);
         mw[n] = dw[n];
       } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per block
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes_pair(p[n] + 4, q + 4)));
-        dw[n] = _mm512_mul_ps(fp16_pair(p[n], q), sc);
-        mw[n] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), fp16_pair(p[n] + 2, q + 2)),
-                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes_pair(p[n] + 12, q + 12))));
+        // [sc | mn] of each super-block in one load: the scales the low halves of both, the mins the high
+        const __m128i ha = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[n] + 4));
+        const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4));
+        __m512 d, mdmin;
+        fp16_pairs2(p[n], q, d, mdmin);
+        dw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ha, hb))));
+        mw[n] = _mm512_mul_ps(mdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ha, hb))));
       } else {
         dw[n] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n])));
         mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n] + 32)))
@@ -378,10 +395,12 @@ static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int6
   }
 }
 
-// decode (under 4 rows): 1 x 4 tiles, 4 weight rows sharing each activation load, the rows kAhead on prefetched;
-// more rows: MR x 2 tiles over panels of the weight (a prompt's rows are as many as its tokens: x is reread from
-// L1 by every pair of weight rows of a panel, the panel from L2 by every tile of x). A 32-block format's last
-// super-group of under 16 blocks is summed first, for a chunk of weight rows (sg_tails512), and each tile adds it.
+// decode (under 4 rows): one weight row at a time against every row of x, the rows ahead_rows on prefetched (tiles of
+// 4 weight rows shared each activation load, but their 8 interleaved 32-byte streams read memory at ~18 GB/s where one
+// row after another reads ~26); more rows: MR x 2 tiles over panels of the weight (a prompt's rows are as many as its
+// tokens: x is reread from L1 by every pair of weight rows of a panel, the panel from L2 by every tile of x). A
+// 32-block format's last super-group of under 16 blocks is summed first, for a chunk of weight rows (sg_tails512), and
+// each tile adds it.
 template <int F, bool LO>
 static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
@@ -389,16 +408,14 @@ static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   constexpr int MR = F == dtn::Q6_K && LO ? 2 : 4;
   constexpr int64_t kPanel = 192 << 10;
   const bool tails = SG<F>::kblock == 0 && (w.K / 32) % 16 != 0;
+  const int64_t ahead = ahead_rows(w);
   if (M < 4) {
+    for (int64_t n = n0; n < n1 && n < n0 + ahead; ++n) prefetch_row(w, n);  // the first rows, before the loop asks
     if (!tails) {
-      int64_t n = n0;
-      for (; n + NR <= n1; n += NR) {
-        if (n + NR + kAhead <= n1)
-          for (int j = 0; j < NR; ++j) prefetch_row(w, n + kAhead + j);
-        for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, NR, LO>(w, a, m, n, nullptr, 0, bias, y, ydt, ldy);
-      }
-      for (; n < n1; ++n)
+      for (int64_t n = n0; n < n1; ++n) {
+        if (n + ahead < n1) prefetch_row(w, n + ahead);
         for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, nullptr, 0, bias, y, ydt, ldy);
+      }
       return;
     }
     // chunks of 16 rows: the whole super-groups' sums, then the tails of the same rows (still in cache: the rows are
@@ -410,8 +427,8 @@ static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
       const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
       int64_t n = nc;
       for (; n + NR <= ne; n += NR) {
-        if (n + NR + kAhead <= n1)
-          for (int j = 0; j < NR; ++j) prefetch_row(w, n + kAhead + j);
+        if (n + NR + ahead <= n1)
+          for (int j = 0; j < NR; ++j) prefetch_row(w, n + ahead + j);
         for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
         for (int64_t m = 0; m < M; ++m) {
           float o[1][NR];
