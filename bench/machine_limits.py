@@ -1,0 +1,133 @@
+"""What one core of this machine can do at most, for reading the figures of ``bench/gguf_formats.py`` against.
+
+    python bench/machine_limits.py [--repeats 5] [--threads 1 2]
+
+Two probes, compiled here with the native build's compiler (``CXX``, default ``c++``) into a temporary directory and
+run in a subprocess, medians of ``--repeats`` runs printed per thread count:
+- **read**: 512 MiB streamed with 64-byte loads, four independent sums (no arithmetic to hide): the memory's ceiling
+  for one-row decode, which reads every weight once per token;
+- **vpdpbusd**: 12 independent 512-bit accumulators, each step one ``vpdpbusd`` (64 int8 multiply-adds): the ceiling
+  of any integer-dot-product kernel for prompts and batched decode on AVX-512 VNNI (needs the ``avx512_vnni`` CPU
+  flag; skipped without it).
+
+How to read them: a decode token reads the model's weight bytes once (for the 0.6B Q4_K_M file, ~395 MB), so
+tok/s <= read GB/s / weight GB; a prompt of T tokens multiplies about T x (the layers' weights) int8 pairs, so
+tok/s <= vpdpbusd GMAC/s / (GMAC per token). The issue's targets are ratios to llama.cpp on the same machine: where
+the ratio times llama.cpp's own rate passes these ceilings, no kernel on this CPU reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+__attribute__((target("avx512f,avx512bw"))) static double read_gbs(char* p, size_t n) {
+  double t0 = omp_get_wtime();
+  long long total = 0;
+#pragma omp parallel reduction(+ : total)
+  {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+#pragma omp for schedule(static)
+    for (size_t i = 0; i < n; i += 256) {
+      a0 = _mm512_add_epi32(a0, _mm512_load_si512(p + i));
+      a1 = _mm512_add_epi32(a1, _mm512_load_si512(p + i + 64));
+      a2 = _mm512_add_epi32(a2, _mm512_load_si512(p + i + 128));
+      a3 = _mm512_add_epi32(a3, _mm512_load_si512(p + i + 192));
+    }
+    total += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+  }
+  double t = omp_get_wtime() - t0;
+  if (total == 42) printf("#");
+  return n / t / 1e9;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static double vnni_gmacs(long steps) {
+  double t0 = omp_get_wtime();
+  long long total = 0;
+#pragma omp parallel reduction(+ : total)
+  {
+    __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5), a[12];
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
+    for (long s = 0; s < steps; ++s) {
+      for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], w, x);
+      __asm__ volatile("" : "+v"(w), "+v"(x));
+    }
+    __m512i r = a[0];
+    for (int i = 1; i < 12; ++i) r = _mm512_add_epi32(r, a[i]);
+    total += _mm512_reduce_add_epi32(r);
+  }
+  double t = omp_get_wtime() - t0;
+  if (total == 42) printf("#");
+  return double(steps) * 12 * 64 * omp_get_max_threads() / t / 1e9;
+}
+
+int main(int argc, char** argv) {
+  size_t n = size_t(512) << 20;
+  char* p = static_cast<char*>(aligned_alloc(64, n));
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i += 4096) memset(p + i, 1, 4096);
+  read_gbs(p, n);
+  printf("read %.2f\n", read_gbs(p, n));
+  if (argc > 1 && strcmp(argv[1], "vnni") == 0) printf("vpdpbusd %.2f\n", vnni_gmacs(20000000));
+  free(p);
+  return 0;
+}
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = ap.parse_args()
+    flags = _cpu_flags()
+    if "avx512f" not in flags or "avx512bw" not in flags:
+        sys.exit("machine_limits: the probes need AVX-512 (F, BW); this CPU lacks them")
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        sys.exit(f"machine_limits: no compiler {cxx!r} (set CXX)")
+    vnni = "avx512_vnni" in flags
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "limits.cpp", Path(tmp) / "limits"
+        src.write_text(_SOURCE)
+        subprocess.run([cxx, "-O2", "-fopenmp", str(src), "-o", str(exe)], check=True)
+        print("| threads | read GB/s (median, min-max) | vpdpbusd GMAC/s (median, min-max) |")
+        print("|---|---|---|")
+        for t in args.threads:
+            got: dict[str, list[float]] = {"read": [], "vpdpbusd": []}
+            for _ in range(args.repeats):
+                out = subprocess.run([str(exe)] + (["vnni"] if vnni else []), capture_output=True, text=True,
+                                     check=True, env={**os.environ, "OMP_NUM_THREADS": str(t)}).stdout
+                for line in out.splitlines():
+                    name, value = line.split()
+                    got[name].append(float(value))
+            cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" if v else "n/a (no VNNI)"
+                     for v in got.values()]
+            print(f"| {t} | {cells[0]} | {cells[1]} |")
+
+
+if __name__ == "__main__":
+    main()
