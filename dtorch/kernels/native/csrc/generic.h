@@ -411,7 +411,7 @@ static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, G
 }
 
 // Decode streams rows from memory: ask for row n + kAhead's bytes while row n computes, so the loads overlap
-// the arithmetic instead of waiting on the hardware prefetcher's ramp-up at every short row (quant_avx2.h's tiles).
+// the arithmetic instead of waiting on the hardware prefetcher's ramp-up at every short row (quant_avx2.h's tiles, and the prompt panels' first pass).
 constexpr int64_t kAhead = 8;
 
 // The AVX-512 decode's distance, in bytes rather than rows: its rows are read one after another, and 8 KB on hides

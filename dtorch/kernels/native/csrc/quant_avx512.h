@@ -408,8 +408,8 @@ static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   constexpr int MR = F == dtn::Q6_K && LO ? 2 : 4;
   constexpr int64_t kPanel = 192 << 10;
   const bool tails = SG<F>::kblock == 0 && (w.K / 32) % 16 != 0;
-  const int64_t ahead = ahead_rows(w);
   if (M < 4) {
+    const int64_t ahead = ahead_rows(w);
     for (int64_t n = n0; n < n1 && n < n0 + ahead; ++n) prefetch_row(w, n);  // the first rows, before the loop asks
     if (!tails) {
       for (int64_t n = n0; n < n1; ++n) {
