@@ -99,9 +99,9 @@ def test_the_lean_reader_reads_what_gguf_reads(tmp_path):
     assert np.array_equal(lean.tensors[0].data, plain.tensors[0].data)
 
 
-def _mapped_kib(address: int) -> int:
+def _mapped_kib(address: int, field: str = "Rss") -> int:
     """This process's resident KiB of the mapping that holds ``address`` (/proc/self/smaps: pages mapped here, not
-    the page cache)."""
+    the page cache); ``field``: another of its lines, such as AnonHugePages."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -109,9 +109,49 @@ def _mapped_kib(address: int) -> int:
             if "-" in head and ":" not in head:
                 lo, hi = (int(v, 16) for v in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "Rss:":
+            elif inside and head == field + ":":
                 return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_huge_pages_moves_a_large_tensor_into_2_mib_pages_in_place():
+    from dtorch.core.memory import HUGE_PAGE, huge_pages
+
+    big = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB: at least four whole aligned huge pages inside
+    small = torch.arange(256 << 10, dtype=torch.int32)  # 1 MiB: none is sure to lie inside, left alone
+    before = big.clone()
+    done = huge_pages([big, big[5:], small])  # a storage seen twice is collapsed once
+    if done == 0:  # the kernel refuses (before 6.1, or transparent huge pages "never"): nothing may have moved
+        assert _mapped_kib(big.data_ptr(), "AnonHugePages") == 0
+        pytest.skip("this kernel refuses madvise(MADV_COLLAPSE)")
+    assert done % HUGE_PAGE == 0 and 4 * HUGE_PAGE <= done <= big.nbytes
+    assert _mapped_kib(big.data_ptr(), "AnonHugePages") * 1024 >= done
+    assert torch.equal(big, before)  # the same bytes
+    assert huge_pages([small]) == 0 and huge_pages([torch.empty(8 << 20, device="meta")]) == 0
+
+
+def test_no_huge_pages_leaves_the_weights_alone(tiny, monkeypatch):
+    import dtorch.engine.llm as llm_module
+
+    seen = []
+    monkeypatch.setattr(llm_module, "huge_pages", lambda tensors: seen.append(list(tensors)) or 123)
+    llm = LLM(tiny[1], threads=1)
+    try:  # every weight of the model is offered
+        assert llm.weights_in_huge_pages == 123 and len(seen) == 1
+        assert {t.data_ptr() for t in seen[0]} == {b.tensor.data_ptr() for w in llm.model.weights.values()
+                                                   for b in w.blobs.values()}
+    finally:
+        llm.close()
+    monkeypatch.setenv("DTORCH_NO_HUGE_PAGES", "1")
+    llm = LLM(tiny[1], threads=1)
+    try:
+        assert llm.weights_in_huge_pages == 0 and len(seen) == 1
+    finally:
+        llm.close()
+    monkeypatch.setenv("DTORCH_NO_HUGE_PAGES", "sometimes")
+    with pytest.raises(dtorch.DtorchError, match="DTORCH_NO_HUGE_PAGES"):
+        LLM(tiny[1], threads=1)
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/smaps"),

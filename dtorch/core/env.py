@@ -14,6 +14,7 @@
 | DTORCH_NATIVE_CACHE | folder where the native CPU kernels are compiled and cached | a path | ~/.cache/dtorch/native |
 | DTORCH_API_KEY | the key ``dtorch serve`` asks clients for when ``--api-key`` is not given | any text | none |
 | DTORCH_BATCH_INVARIANT | LLM(batch_invariant=None): a sequence's tokens never depend on its batch | a flag | off |
+| DTORCH_NO_HUGE_PAGES | leave a CPU model's weights in 4 KiB pages (no MADV_COLLAPSE after the load) | a flag | off |
 
 A flag is one of 1/true/yes/on or 0/false/no/off (or empty). A malformed value, or a ``DTORCH_*`` name
 not in this table, raises ``ConfigError`` listing what is allowed: a typo is never ignored silently.
@@ -29,7 +30,7 @@ from dtorch.core.errors import ConfigError
 
 SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
             "DTORCH_FORBID_SYNC", "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG",
-            "DTORCH_API_KEY", "DTORCH_BATCH_INVARIANT")
+            "DTORCH_API_KEY", "DTORCH_BATCH_INVARIANT", "DTORCH_NO_HUGE_PAGES")
 NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -112,6 +113,10 @@ def trace() -> bool:
 
 def batch_invariant() -> bool:
     return _flag("DTORCH_BATCH_INVARIANT")
+
+
+def no_huge_pages() -> bool:
+    return _flag("DTORCH_NO_HUGE_PAGES")
 
 
 def forbid_sync() -> bool:

@@ -16,16 +16,13 @@ by every step. Row ``s`` belongs to the running sequence given state slot ``s`` 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import mmap
-import sys
 
 import torch
 
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, DTypeError
-from dtorch.core.memory import MemoryKind, allocate
+from dtorch.core.memory import MemoryKind, allocate, libc_madvise
 from dtorch.core.placement import local_shape
 from dtorch.graph import DeviceMesh
 from dtorch.models.config import ModelConfig
@@ -171,19 +168,9 @@ class KVCache:
                    for b in t.blobs.values())
 
 
-@functools.cache
-def _madvise():
-    if sys.platform != "linux":
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-
-
 def _drop_pages(t: torch.Tensor, runs: list[tuple[int, int]]) -> None:
     """madvise(MADV_DONTNEED) over the whole pages of rows [a, b) of ``t`` (dim 0), for each run."""
-    madvise = _madvise()
+    madvise = libc_madvise()
     if madvise is None or t.device.type != "cpu" or not t.is_contiguous():
         return
     row, base, page = t.stride(0) * t.element_size(), t.data_ptr(), mmap.PAGESIZE
