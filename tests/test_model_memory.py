@@ -125,7 +125,7 @@ def test_huge_pages_moves_a_large_tensor_into_2_mib_pages_in_place():
     if done == 0:  # the kernel refuses (before 6.1, or transparent huge pages "never")
         assert torch.equal(big, before)
         pytest.skip("this kernel refuses madvise(MADV_COLLAPSE)")
-    assert done % HUGE_PAGE == 0 and 4 * HUGE_PAGE <= done <= big.nbytes
+    assert done % HUGE_PAGE == 0 and done <= big.nbytes  # each range may be refused alone (busy pages)
     assert _mapped_kib(big.data_ptr(), "AnonHugePages") * 1024 >= done
     assert torch.equal(big, before)  # the same bytes
     assert huge_pages([small]) == 0 and huge_pages([torch.empty(8 << 20, device="meta")]) == 0
