@@ -22,7 +22,7 @@ import torch
 
 from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, DTypeError
-from dtorch.core.memory import MemoryKind, allocate, libc_madvise
+from dtorch.core.memory import MemoryKind, allocate, libc_function
 from dtorch.core.placement import local_shape
 from dtorch.graph import DeviceMesh
 from dtorch.models.config import ModelConfig
@@ -170,7 +170,7 @@ class KVCache:
 
 def _drop_pages(t: torch.Tensor, runs: list[tuple[int, int]]) -> None:
     """madvise(MADV_DONTNEED) over the whole pages of rows [a, b) of ``t`` (dim 0), for each run."""
-    madvise = libc_madvise()
+    madvise = libc_function("madvise")
     if madvise is None or t.device.type != "cpu" or not t.is_contiguous():
         return
     row, base, page = t.stride(0) * t.element_size(), t.data_ptr(), mmap.PAGESIZE
