@@ -131,6 +131,25 @@ def test_huge_pages_moves_a_large_tensor_into_2_mib_pages_in_place():
     assert huge_pages([small]) == 0 and huge_pages([torch.empty(8 << 20, device="meta")]) == 0
 
 
+def test_huge_pages_counts_nothing_where_the_kernel_refuses(monkeypatch):
+    """A kernel before 6.1 (or THP "never") answers madvise(MADV_COLLAPSE) with -1: nothing is counted, nothing
+    moves; with no C library to call, nothing is tried."""
+    import importlib
+
+    memory = importlib.import_module("dtorch.core.memory")  # (the package's "memory" is the tracker)
+    calls = []
+    refuse = lambda addr, size, advice: calls.append((addr.value, size.value, advice)) or -1  # noqa: E731
+    monkeypatch.setattr(memory, "libc_function", lambda name: refuse if name == "madvise" else None)
+    big = torch.arange(3 << 20, dtype=torch.int32)
+    before = big.clone()
+    assert memory.huge_pages([big]) == 0 and torch.equal(big, before)
+    ((addr, size, advice),) = calls
+    assert advice == memory.MADV_COLLAPSE and addr % memory.HUGE_PAGE == 0 and size % memory.HUGE_PAGE == 0
+    assert big.data_ptr() <= addr and addr + size <= big.data_ptr() + big.nbytes  # inside the storage only
+    monkeypatch.setattr(memory, "libc_function", lambda name: None)
+    assert memory.huge_pages([big]) == 0
+
+
 def test_no_huge_pages_leaves_the_weights_alone(tiny, monkeypatch):
     import dtorch.engine.llm as llm_module
 
