@@ -5,6 +5,7 @@ logprobs carry) and its length bound, against the text's own UTF-8 bytes and the
 from __future__ import annotations
 
 import gc
+import re
 import threading
 
 import pytest
@@ -90,10 +91,14 @@ def test_a_well_formed_gguf_tokenizer_loads(tmp_path):
     ({"tokenizer.ggml.tokens": (["a", "b", "ab", "a"] + TOKENS[4:], V.ARRAY)},
      r"tokenizer.ggml.tokens spells token 3 'a' like token 0"),
 ])
-def test_malformed_gguf_tokenizers_are_model_errors_at_load(tmp_path, override, match):
+def test_malformed_gguf_tokenizers_are_model_errors_naming_the_fault(tmp_path, override, match):
+    from dtorch.models.loaders import load_gguf_tokenizer
+
     path = _write_gguf(tmp_path / "m.gguf", _tokenizer_meta(**override))
     with pytest.raises(ModelError, match=rf"m.gguf: {match}"):
-        load_checkpoint(path)
+        load_gguf_tokenizer(path)
+    ckpt = load_checkpoint(path)  # the weights load; what needs text is refused, naming the fault
+    assert ckpt.tokenizer is None and re.match(match, ckpt.tokenizer_error)
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def run_chat(args: argparse.Namespace) -> int:
     llm = load_and_announce(args, tensor_parallel_size=args.tensor_parallel_size or 1, dequantize=args.dequantize,
                             max_model_len=args.max_model_len)
     try:
-        if llm.tokenizer is None or llm.tokenizer.chat_template is None:
+        if llm.need_tokenizer("chat").chat_template is None:
             raise ModelError(f"{llm.source}: the model has no chat template, so it cannot chat; use "
                              "`python -m dtorch generate --raw PROMPT` to complete text")
         if tty:

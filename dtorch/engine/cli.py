@@ -315,6 +315,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=None,
                         help="the prompt (sent through the model's chat template unless --raw); - reads it from stdin")
     parser.add_argument("--file", default=None, metavar="PATH", help="read the prompt from this file")
+    parser.add_argument("--prompt-ids", type=token_ids, default=None, metavar="ID,..",
+                        help="the prompt as token ids (comma or space separated), sent as is; works without a "
+                             "tokenizer, and then prints the answer's ids")
     add_model_arguments(parser)
     add_load_arguments(parser, "devices to split the model over (default: the world size under torchrun, else 1)")
     add_sampling_arguments(parser)
@@ -327,11 +330,22 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                              "`python -m dtorch trace FILE --png out.png`")
 
 
-def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt of the argument, of stdin (``-``) or of ``--file``."""
-    if (args.prompt is None) == (args.file is None):
-        raise ArgumentError("generate: give the prompt as an argument, - to read it from stdin, or --file PATH "
-                            "(one of them)")
+def token_ids(text: str) -> list[int]:
+    """An argparse ``type``: token ids, comma or space separated ("1,2,3"), at least one, each an int >= 0."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected token ids >= 0 separated by commas or spaces, got {text!r:.80}")
+    return [int(p) for p in parts]
+
+
+def read_prompt(args: argparse.Namespace) -> str | list[int]:
+    """The prompt of the argument, of stdin (``-``), of ``--file``, or of ``--prompt-ids`` (a list of ids)."""
+    given = [args.prompt is not None, args.file is not None, getattr(args, "prompt_ids", None) is not None]
+    if sum(given) != 1:
+        raise ArgumentError("generate: give the prompt as an argument, - to read it from stdin, --file PATH or "
+                            "--prompt-ids ID,.. (one of them)")
+    if given[2]:
+        return args.prompt_ids
     if args.file is not None:
         try:
             with open(args.file, encoding="utf-8") as f:
@@ -369,10 +383,8 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
     llm = load_and_announce(args, tensor_parallel_size=tp, dequantize=args.dequantize,
                             max_model_len=args.max_model_len)
     try:
-        if llm.tokenizer is None:
-            raise DtorchError(f"{llm.source}: the model has no tokenizer, so it cannot take a text prompt")
         speaker = llm.rank == 0  # every rank runs every step; only rank 0 prints
-        if args.raw or llm.tokenizer.chat_template is None:
+        if isinstance(text, list) or args.raw or llm.need_tokenizer("text prompts").chat_template is None:
             prompt, reply = text, None
 
             def show(_index: int, piece: str) -> None:
@@ -388,7 +400,7 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
             llm.executor.set_trace(True)
         before = llm.engine.stats()
         try:
-            llm.generate([prompt], params, on_text=show)
+            out = llm.generate([prompt], params, on_text=show)[0]
         except KeyboardInterrupt:
             if speaker:
                 sys.stdout.write("\n")
@@ -405,6 +417,8 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
             except OSError as exc:
                 raise DtorchError(f"--trace: cannot write {path}: {exc}") from None
         if speaker:
+            if llm.tokenizer is None:  # no text to show: the answer's ids
+                sys.stdout.write(" ".join(str(i) for c in out.outputs for i in c.token_ids))
             sys.stdout.write("\n")
             sys.stdout.flush()
             print_speed(llm.stats)

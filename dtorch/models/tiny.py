@@ -99,7 +99,8 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], Any] | None = None,
-               extra: dict[str, tuple[Any, Any]] | None = None) -> None:
+               extra: dict[str, tuple[Any, Any]] | None = None,
+               metadata: dict[str, tuple[Any, Any]] | None = None) -> None:
     """Write the transformers model ``hf`` (a dense Llama, Qwen2, Qwen3, Gemma 3 text or Phi-3) to the GGUF file
     ``path`` as llama.cpp's ``convert_hf_to_gguf.py`` does: its tensor names, Llama's q/k rows permuted, Gemma's norms
     with their 1 added, the ``{arch}.*`` metadata keys (a sliding window, Phi-3's rotated dims).
@@ -108,6 +109,7 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     "gemma3_text", "llama" for "mistral", as llama.cpp converts it). ``qtype(gguf_name)`` gives each
     matrix's ``gguf.GGMLQuantizationType`` (default F32; Q8_0, Q4_0, Q4_1 ... are quantized by ``gguf.quants``, whose
     rows must be a multiple of 32 long); vectors stay F32. ``extra``: more tensors, name -> (array, type).
+    ``metadata``: more keys (or keys replaced), key -> (value, ``gguf.GGUFValueType``).
     """
     import gguf
     import numpy as np
@@ -166,6 +168,7 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     for key, token in (("bos", c.bos_token_id), ("eos", c.eos_token_id)):
         if isinstance(token, int):
             meta[f"tokenizer.ggml.{key}_token_id"] = (token, V.UINT32)
+    meta |= metadata or {}
     w = gguf.GGUFWriter(str(path), arch)
     for key, (value, vtype) in meta.items():
         w.add_key_value(key, value, vtype)

@@ -387,9 +387,13 @@ def _checked_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def no_tokenizer_message(source: str, what: str) -> str:
+def no_tokenizer_message(source: str, what: str, reason: str | None = None) -> str:
     """What to tell a user who needs text (``what``: "text prompts", "chat" ...) from a model whose files carry no
-    tokenizer (``source``: its ``.gguf`` file or directory): what is missing and what to add."""
+    tokenizer (``source``: its ``.gguf`` file or directory), or one whose vocabulary could not be built (``reason``:
+    why): what is missing and what to add."""
+    if reason is not None:
+        return (f"{source}: the model's vocabulary could not be built ({reason}), so {what} is not available; the "
+                "model still runs on token ids (pass prompts as lists of ids)")
     if source.endswith(".gguf"):
         fix = ("the .gguf file has no tokenizer.ggml.* metadata; convert the model again with llama.cpp's "
                "convert_hf_to_gguf.py, which writes the tokenizer into the file")

@@ -92,7 +92,10 @@ class _Server:
             name = what if len(prompts) == 1 else f"{what}[{i}]"
             if isinstance(p, str):
                 if tok is None:
-                    raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param=what)
+                    try:
+                        self.llm.need_tokenizer("text prompts")  # raises, saying what is missing and why
+                    except ModelError as exc:
+                        raise ApiError(400, str(exc), param=what) from None
                 self.engine.check_length(tok.min_tokens(p), name, at_least=True)
                 p = tok.encode(p)
             out.append(self.engine.check_prompt(p, name))

@@ -26,9 +26,10 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
     llm = server.llm
 
     def tokenizer() -> Any:
-        if llm.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer", param="prompt")
-        return llm.tokenizer
+        try:
+            return llm.need_tokenizer("tokenizing text")
+        except ModelError as exc:
+            raise ApiError(400, str(exc), param="prompt") from None
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:

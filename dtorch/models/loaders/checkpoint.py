@@ -37,6 +37,7 @@ class Checkpoint:
     tokenizer: Tokenizer | None = None
     source: str = ""
     chat_template: str | None = None
+    tokenizer_error: str | None = None  # why the file's vocabulary was not built (None: built, or there is none)
     # loader extras: GGUF files give "tensor_types" (HF name -> quantization type) and "gguf" (scalar metadata keys)
     metadata: dict[str, object] = field(default_factory=dict)
 
@@ -103,6 +104,8 @@ class LazyCheckpoint:
     source: str = ""
     chat_template: str | None = None
     metadata: dict[str, object] = field(default_factory=dict)
+    # why the file's vocabulary was not built (the tokenizer is then None): the model runs on token ids alone
+    tokenizer_error: str | None = None
     # (name, dim, runs) -> (layout, GGUF bytes uint8 [rows, row bytes], or 16-bit rows for "f16" / "bf16") or None;
     # None: no weight is kept as stored
     read_packed: Callable[[str, int | None, list[tuple[int, int]]], tuple[str, torch.Tensor] | None] | None = None
@@ -180,7 +183,8 @@ class LazyCheckpoint:
         tensors = {name: adopt(self.get(name), MemoryKind.PERSISTENT)
                    for name in progress(list(self.shapes), len(self.shapes), f"loading {Path(self.source).name}")}
         return Checkpoint(config=self.config, tensors=tensors, tokenizer=self.tokenizer, source=self.source,
-                          chat_template=self.chat_template, metadata=self.metadata)
+                          chat_template=self.chat_template, metadata=self.metadata,
+                          tokenizer_error=self.tokenizer_error)
 
     def close(self) -> None:
         """Drop the reader, and with it the file handles and maps it holds; ``get`` raises afterwards."""

@@ -347,8 +347,6 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     offsets, alignment, names and shapes checked, the memory it implies compared with what is available, and its
     tokenizer; the returned ``LazyCheckpoint.get`` dequantizes only the blocks of the slices asked for, and refuses
     non-finite values unless ``check_finite`` is False."""
-    from dtorch.models.tokenizer import Tokenizer
-
     path = regular_file(path, "a .gguf model file")
     reader = _open(path)
     check_tensor_layout(reader, path)  # the reader maps lazily: bad offsets would show only when read
@@ -364,13 +362,26 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
                          gguf_keys(meta["general.architecture"], families.get(config.family).gguf_keys), packed)
     types = {name: views[name].parts[0].tensor_type.name for name in shapes}
     template = meta.get("tokenizer.chat_template")
-    tokenizer = Tokenizer.from_gguf(meta, chat_template=template, source=str(path)) \
-        if "tokenizer.ggml.tokens" in meta else None
+    tokenizer, why = _file_tokenizer(meta, path)
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list)}  # the vocabulary stays in the tokenizer
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
-                          source=str(path), chat_template=template, read_packed=read_packed,
-                          metadata={"tensor_types": types, "gguf": scalars}, check_finite=check_finite,
-                          stored=_stored_formats(views, types))
+                          source=str(path), chat_template=template if isinstance(template, str) else None,
+                          read_packed=read_packed, metadata={"tensor_types": types, "gguf": scalars},
+                          check_finite=check_finite, stored=_stored_formats(views, types), tokenizer_error=why)
+
+
+def _file_tokenizer(meta: dict[str, Any], path: Path) -> tuple[Any, str | None]:
+    """(the file's tokenizer, None), (None, None) when it has no vocabulary, or (None, why) when its vocabulary cannot
+    be built (a kind or pre-tokenizer dtorch does not build, or a malformed one): the weights still load, and the
+    model runs on token ids (``info``, ``bench``, generation from ids); what needs text says ``why``."""
+    from dtorch.models.tokenizer import Tokenizer
+
+    if "tokenizer.ggml.tokens" not in meta:
+        return None, None
+    try:
+        return Tokenizer.from_gguf(meta, chat_template=meta.get("tokenizer.chat_template"), source=str(path)), None
+    except ModelError as e:
+        return None, str(e).removeprefix(f"{path}: ")
 
 
 def _stored_formats(views: dict[str, View], types: dict[str, str]) -> dict[str, tuple[str, str, float]]:
