@@ -140,9 +140,8 @@ def test_variants_it_does_not_run_are_named():
     with pytest.raises(dtorch.ModelError, match="hidden_activation='silu' is not supported"):
         ModelConfig.from_hf(gemma | {"hidden_activation": "silu"})
     phi = FAMILIES["phi3"]().to_dict()
-    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "long_factor": [1.0] * 6, "short_factor": [1.0] * 6,
-                "original_max_position_embeddings": 64}
-    with pytest.raises(dtorch.ModelError, match="rope_scaling type 'longrope' is not supported"):
-        ModelConfig.from_hf(phi | {"rope_parameters": longrope})
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(dtorch.ModelError, match="rope_scaling type 'dynamic' is not supported"):
+        ModelConfig.from_hf(phi | {"rope_parameters": dynamic})
     with pytest.raises(dtorch.ModelError, match="sliding_window must be an int >= 1"):
         ModelConfig.from_hf(phi | {"sliding_window": 0})

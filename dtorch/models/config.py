@@ -18,28 +18,21 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any
-
-import torch
 
 from dtorch.core.errors import ModelError
 from dtorch.models import families
 from dtorch.models.config_fields import _HF_NULLABLE, LIMITS, check_field, check_fields, hf_keys
+from dtorch.models.rope_scaling import (
+    check_rope_scaling,
+    rope_attention_factor as rope_attention_factor,
+    rope_inv_freq as rope_inv_freq,
+)
 
 LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (GELU with the tanh approximation)
 # activation -> how a config.json spells it (the first is transformers' own)
 _HF_ACTIVATIONS = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
-
-# rope type -> the keys its scaling mapping must hold (besides "rope_type")
-_ROPE_TYPES: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    # llama.cpp's rope_freqs tensor: one divisor per frequency (how GGUF files carry Llama 3 scaling)
-    "factors": ("factors",),
-}
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -112,7 +105,6 @@ class ModelConfig:
                 raise ModelError(f"ModelConfig: {name} must be a positive finite number, got {v!r}")
         object.__setattr__(self, "rope_theta", float(self.rope_theta))
         object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
-        object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling, self.head_dim))
         for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
@@ -128,6 +120,7 @@ class ModelConfig:
         self._check_moe()
         self._check_hybrid()
         self._check_window()
+        object.__setattr__(self, "rope_scaling", check_rope_scaling(self.rope_scaling, self.rotary_dim))
 
     def _check_window(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -326,6 +319,11 @@ class ModelConfig:
                                     "mrope_interleaved")}
             if "type" in rope and "rope_type" not in scaling:  # old spelling
                 scaling["rope_type"] = rope["type"]
+            if scaling.get("rope_type") == "su":  # Phi-3's first name for LongRoPE
+                scaling["rope_type"] = "longrope"
+            if scaling.get("rope_type") in ("yarn", "longrope") and c.get("original_max_position_embeddings"):
+                # Phi-3 keeps it beside rope_scaling; transformers moves it in, over a value there
+                scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
             if scaling.get("rope_type", "default") == "default":
                 scaling = None
             eos = c.get("eos_token_id")
@@ -351,68 +349,6 @@ class ModelConfig:
         if name not in PRESETS:
             raise ModelError(f"ModelConfig.preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
-
-
-def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Mapping[str, Any] | None:
-    if scaling is None:
-        return None
-    if not isinstance(scaling, Mapping):
-        raise ModelError(f"ModelConfig: rope_scaling must be None or a mapping, got {type(scaling).__name__}")
-    kind = scaling.get("rope_type", "default")
-    if not isinstance(kind, str) or kind not in _ROPE_TYPES:
-        raise ModelError(f"ModelConfig: rope_scaling type {kind!r} is not supported; expected one of "
-                         f"{sorted(_ROPE_TYPES)}")
-    missing = [k for k in _ROPE_TYPES[kind] if k not in scaling]
-    if missing:
-        raise ModelError(f"ModelConfig: rope_scaling of type {kind!r} needs keys {list(_ROPE_TYPES[kind])}, "
-                         f"missing {missing}")
-    if kind == "factors":
-        factors = scaling["factors"]
-        factors = tuple(factors) if isinstance(factors, list | tuple) else ()
-        ok = all(isinstance(f, int | float) and not isinstance(f, bool) and math.isfinite(f) and f > 0 for f in factors)
-        factors = tuple(float(f) for f in factors) if ok else ()
-        if len(factors) != head_dim // 2:
-            raise ModelError(f"ModelConfig: rope_scaling['factors'] must be {head_dim // 2} positive numbers "
-                             f"(head_dim / 2), got {len(factors)} values")
-        return MappingProxyType({"rope_type": kind, "factors": factors})
-    for k in _ROPE_TYPES[kind]:
-        v = scaling[k]
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-            raise ModelError(f"ModelConfig: rope_scaling[{k!r}] must be a positive number, got {v!r}")
-    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-        raise ModelError(f"ModelConfig: llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
-                         f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
-    return MappingProxyType({"rope_type": kind, **{k: v for k, v in scaling.items() if k != "rope_type"}})
-
-
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """RoPE inverse frequencies, ``[rotary_dim // 2]`` float32, with the config's scaling applied (``local``: the
-    sliding layers' own base ``rope_local_theta``, unscaled).
-
-    Rotation i of a head turns by ``position * inv_freq[i]`` (the "rotate half" pairing: dims i and
-    i + rotary_dim/2; rotary_dim is head_dim unless the config rotates only part of each head).
-    """
-    dim = config.rotary_dim
-    theta = config.rope_local_theta if local else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = None if local else config.rope_scaling
-    kind = "default" if s is None else s["rope_type"]
-    if kind == "linear":
-        return inv_freq / float(s["factor"])
-    if kind == "factors":
-        return inv_freq / torch.tensor(s["factors"], dtype=torch.float32)
-    if kind == "llama3":
-        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old_len = float(s["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        # long wavelengths (> old_len / low) are slowed by `factor`, short ones (< old_len / high) kept,
-        # the band between is interpolated smoothly
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled).to(torch.float32)
-    return inv_freq.to(torch.float32)
 
 
 PRESETS: dict[str, ModelConfig] = {

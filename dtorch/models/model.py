@@ -28,7 +28,7 @@ import torch
 
 from dtorch.core.errors import ModelError
 from dtorch.graph import DeviceMesh, LogicalGraph, Operand, Replicate
-from dtorch.models.config import ModelConfig, rope_inv_freq
+from dtorch.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from dtorch.models.layout import Layout
 from dtorch.models.weights import Getter, PackedGetter, load_weights
 from dtorch.runtime.blob import DistTensor
@@ -126,9 +126,11 @@ class Transformer:
         positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
 
         def table(local: bool) -> torch.Tensor:  # [positions, 2, R / 2]: one gather a step
-            inv_freq = rope_inv_freq(config, local)  # float32 [R / 2] (R: the rotary dims), scaled as the config says
+            # float32 [R / 2] (R: the rotary dims), scaled as the config says for a context of `positions`
+            inv_freq = rope_inv_freq(config, local, positions)
             angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
-            return torch.stack([angles.cos(), angles.sin()], 1)
+            scale = 1.0 if local else rope_attention_factor(config)  # YaRN / LongRoPE: on every rotated dim of q, k
+            return torch.stack([angles.cos(), angles.sin()], 1) * scale
 
         self.rope_table = table(False)
         # the sliding layers' own RoPE base (Gemma 3), fed as cos_local / sin_local; None: one table for every layer

@@ -109,7 +109,8 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     "gemma3_text", "llama" for "mistral", as llama.cpp converts it). ``qtype(gguf_name)`` gives each
     matrix's ``gguf.GGMLQuantizationType`` (default F32; Q8_0, Q4_0, Q4_1 ... are quantized by ``gguf.quants``, whose
     rows must be a multiple of 32 long); vectors stay F32. ``extra``: more tensors, name -> (array, type).
-    ``metadata``: more keys (or keys replaced), key -> (value, ``gguf.GGUFValueType``).
+    ``metadata``: more keys (or keys replaced), key -> (value, ``gguf.GGUFValueType``). YaRN and LongRoPE scaling
+    are written as the converter writes them (``_rope_scaling_keys``).
     """
     import gguf
     import numpy as np
@@ -165,6 +166,9 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
         if full.get("rope_type", "default") == "linear":
             meta[f"{arch}.rope.scaling.type"] = ("linear", V.STRING)
             meta[f"{arch}.rope.scaling.factor"] = (full["factor"], V.FLOAT32)
+    rope_meta, rope_tensors = _rope_scaling_keys(c, arch)
+    meta |= rope_meta
+    tensors |= rope_tensors
     for key, token in (("bos", c.bos_token_id), ("eos", c.eos_token_id)):
         if isinstance(token, int):
             meta[f"tokenizer.ggml.{key}_token_id"] = (token, V.UINT32)
@@ -178,3 +182,34 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _rope_scaling_keys(c, arch: str) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
+    """(metadata, tensors) of a config's YaRN or LongRoPE scaling as llama.cpp's converter writes them: YaRN as
+    ``rope.scaling.type`` / ``.factor`` / ``.original_context_length`` and, where the config sets them,
+    ``.yarn_attn_factor`` / ``.yarn_beta_fast`` / ``.yarn_beta_slow``; Phi-3's LongRoPE as the
+    ``rope_factors_long`` / ``_short.weight`` tensors, ``rope.scaling.original_context_length`` and
+    ``rope.scaling.attn_factor`` (sqrt(1 + ln(s) / ln(original)), s = max positions / original)."""
+    import math
+
+    import gguf
+    import numpy as np
+
+    V, Q = gguf.GGUFValueType, gguf.GGMLQuantizationType
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    kind, meta, tensors = rope.get("rope_type", "default"), {}, {}
+    if kind == "yarn":
+        meta = {"type": ("yarn", V.STRING), "factor": (rope["factor"], V.FLOAT32),
+                "original_context_length": (rope["original_max_position_embeddings"], V.UINT32)}
+        for key, name in (("attention_factor", "yarn_attn_factor"), ("beta_fast", "yarn_beta_fast"),
+                          ("beta_slow", "yarn_beta_slow")):
+            if rope.get(key) is not None:
+                meta[name] = (rope[key], V.FLOAT32)
+    elif kind == "longrope":
+        old = rope["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / old
+        meta = {"original_context_length": (old, V.UINT32),
+                "attn_factor": (math.sqrt(1 + math.log(scale) / math.log(old)) if scale > 1 else 1.0, V.FLOAT32)}
+        tensors = {f"rope_factors_{n}.weight": (np.asarray(rope[f"{n}_factor"], dtype=np.float32), Q.F32)
+                   for n in ("long", "short")}
+    return {f"{arch}.rope.scaling.{k}": v for k, v in meta.items()}, tensors

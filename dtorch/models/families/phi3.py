@@ -1,13 +1,12 @@
 """Phi-3 (and Phi-4-mini): Llama with q/k/v fused in one ``qkv_proj`` and gate/up in one ``gate_up_proj`` in its
 checkpoints (each device reads its heads' rows of each part), part of each head rotated, and, where its config says
-so, a sliding window on every layer. LongRoPE is refused."""
+so, a sliding window on every layer. The 128k models' LongRoPE is a rope scaling (``models.rope_scaling``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dtorch.core.errors import ModelError
 from dtorch.core.placement import Shard
 from dtorch.models.families import base
 
@@ -22,9 +21,6 @@ def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _gguf_config(m: base.GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
     """``attention.sliding_window`` (every layer), ``rope.dimension_count`` rotated dims of each head."""
-    if "rope_factors_long.weight" in m.tensors:
-        raise ModelError(f"{m.path}: this phi3 file has LongRoPE factors (rope_factors_long.weight); LongRoPE "
-                         "scaling is not supported")
     return dict(partial_rotary_factor=m.rotary_fraction(common["head_dim"], default=common["head_dim"]),
                 **base.every_layer_slides(base.gguf_window(m), common["num_layers"]))
 

@@ -25,9 +25,7 @@ from dtorch.models.families import GgufMeta, View
 from dtorch.models.families.base import gguf_shape
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, narrow_runs, used_shapes
 from dtorch.models.loaders.files import regular_file
-
-# tensors a file may hold that no family's table names: llama.cpp's Llama 3 RoPE divisors (read into the config)
-_READ_ELSEWHERE = ("rope_freqs.weight",)
+from dtorch.models.rope_scaling import GGUF_ROPE_TENSORS, rope_scaling_from_gguf
 
 # quantization types this loader promises (the gguf package dequantizes more; those are let through too)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -104,11 +102,12 @@ def read_metadata(reader: Any, path: Path) -> dict[str, Any]:
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
-                     rope_freqs: torch.Tensor | None = None) -> ModelConfig:
+                     rope_tensors: dict[str, torch.Tensor] | None = None) -> ModelConfig:
     """A ModelConfig from the ``{arch}.*`` metadata keys, read through the family of ``general.architecture``
     (``Family.gguf_config`` adds its own fields); tied embeddings when there is no ``output.weight``.
 
-    ``rope_freqs``: llama.cpp's per-frequency RoPE divisors ([head_dim / 2], Llama 3 scaling), if the file has them.
+    ``rope_tensors``: the file's tensors of ``GGUF_ROPE_TENSORS`` (llama.cpp's per-frequency RoPE divisors of Llama
+    3, Phi-3's LongRoPE factors), dequantized; with the ``rope.scaling.*`` keys they give the rope scaling.
     """
     arch = meta.get("general.architecture")
     fam = families.by_gguf_arch(arch) if isinstance(arch, str) else None
@@ -137,11 +136,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
                   max_position_embeddings=m.get("context_length", 2048),
                   tie_word_embeddings="output.weight" not in tensor_names,
                   bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)))
+    common["rope_scaling"] = rope_scaling_from_gguf(m, common["max_position_embeddings"], rope_tensors or {})
     kwargs = common | dict(fam.fields) | (fam.gguf_config(m, common) if fam.gguf_config is not None else {})
     if kwargs["intermediate_size"] is None:
         m.need("feed_forward_length")  # raises, naming the key
-    if rope_freqs is not None:
-        kwargs["rope_scaling"] = {"rope_type": "factors", "factors": rope_freqs.tolist()}
     try:
         return ModelConfig(**kwargs)
     except ModelError as e:  # a key that passed alone but not with the others (head_count vs head_count_kv, ...)
@@ -249,7 +247,7 @@ def _views(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, View
     fam = families.get(config.family)
     by_name = {t.name: t for t in reader.tensors}
     views: dict[str, View] = {}
-    named = set(_READ_ELSEWHERE)
+    named = set(GGUF_ROPE_TENSORS)  # read into the config
     for hf, source in families.sources(config).items():
         named.update(source.gguf)
         found = [by_name[g] for g in source.gguf if g in by_name]
@@ -352,8 +350,8 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     check_tensor_layout(reader, path)  # the reader maps lazily: bad offsets would show only when read
     meta = read_metadata(reader, path)
     reader.fields.clear()  # read: its views of every vocabulary string (~80 MB for 49k tokens) go before the weights
-    freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
-    config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
+    rope = {t.name: dequantize(t, path) for t in reader.tensors if t.name in GGUF_ROPE_TENSORS}
+    config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, rope)
     views, unnamed = _views(reader, config, path)
     read, read_packed = _gguf_reader(reader, config, path, views, dtype)
     packed = {name: sum(int(t.n_bytes) for t in v.parts) for name, v in views.items()
