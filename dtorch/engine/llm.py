@@ -140,8 +140,8 @@ class LLM:
             self.tokenizer = ckpt.tokenizer
             self.tokenizer_error = ckpt.tokenizer_error  # why the file's vocabulary was not built, or None
             if self.tokenizer_error is not None:
-                _say_once(f"{self.source}: {self.tokenizer_error}; the model runs on token ids only (generate from "
-                          "ids, info, bench), and text prompts and chat are refused")
+                _say_once(f"{self.source}: no tokenizer: {self.tokenizer_error}; the model runs on token ids only "
+                          "(generate from ids, info, bench), and text prompts and chat are refused")
             positions = self.config.max_position_embeddings
             if max_model_len is not None and max_model_len > positions:
                 raise ArgumentError(f"LLM: max_model_len {max_model_len} is more than the model's {positions} "
