@@ -342,7 +342,7 @@ def read_prompt(args: argparse.Namespace) -> str | list[int]:
     """The prompt of the argument, of stdin (``-``), of ``--file``, or of ``--prompt-ids`` (a list of ids)."""
     given = [args.prompt is not None, args.file is not None, getattr(args, "prompt_ids", None) is not None]
     if sum(given) != 1:
-        raise ArgumentError("generate: give the prompt as an argument, - to read it from stdin, --file PATH or "
+        raise ArgumentError("generate: give the prompt as an argument, - to read it from stdin, or --file PATH, or "
                             "--prompt-ids ID,.. (one of them)")
     if given[2]:
         return args.prompt_ids
