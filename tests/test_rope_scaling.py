@@ -69,6 +69,34 @@ def test_frequencies_and_attention_factor_equal_transformers(name):
         assert rope_attention_factor(ours) == pytest.approx(want_factor, rel=1e-6)
 
 
+# config.json as the models ship it (transformers 4 spelling: rope_theta and rope_scaling at the top, "type"; Phi-3's
+# original context beside rope_scaling, its first LongRoPE name "su")
+SHIPPED = {
+    "Qwen2.5-7B-Instruct, yarn as its README says": dict(
+        model_type="qwen2", hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6,
+        max_position_embeddings=32768, rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768,
+                                                     "type": "yarn"}),
+    "Phi-3-mini-128k-instruct": dict(
+        model_type="phi3", hidden_size=3072, num_attention_heads=32, rope_theta=10000.0,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_scaling={"type": "su", "long_factor": PHI3_LONG, "short_factor": PHI3_SHORT}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_config_json_spellings(name):
+    raw = dict(SHIPPED[name], vocab_size=256, intermediate_size=64, num_hidden_layers=1, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0)
+    hf = transformers.AutoConfig.for_model(**raw)
+    ours = ModelConfig.from_hf(raw)
+    kind = hf.rope_parameters["rope_type"]
+    assert ours.rope_scaling["rope_type"] == kind
+    for context in (4096, 8192):
+        want, want_factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu", seq_len=context)
+        torch.testing.assert_close(rope_inv_freq(ours, context=context), want.float(), rtol=1e-6, atol=0)
+        assert rope_attention_factor(ours) == pytest.approx(want_factor, rel=1e-6)
+
+
 def _prompt(n: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()
 
