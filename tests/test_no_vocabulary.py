@@ -74,7 +74,10 @@ def test_generation_from_ids_equals_transformers(llm, tiny):
 
 
 def test_text_and_chat_are_refused_naming_the_reason(llm):
-    from dtorch import SamplingParams
+    from dtorch import SamplingError, SamplingParams
+
+    with pytest.raises(SamplingError, match="stop strings need the model's tokenizer"):  # no text to match them in
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, stop=["a"]))
 
     with pytest.raises(ModelError, match=rf"vocabulary could not be built \(.*{PRE}.*\), so text prompts is not"):
         llm.generate("hello", SamplingParams(max_tokens=2))

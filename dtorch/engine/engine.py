@@ -87,6 +87,9 @@ class Engine:
             if bad:
                 raise SamplingError(f"SamplingParams: {field} has token id {bad[0]}; ids must be in "
                                     f"[0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:  # stop strings match text, and there is none to match
+            raise SamplingError("SamplingParams: stop strings need the model's tokenizer, and this model has none; "
+                                "use stop_token_ids")
         so = params.structured_outputs
         matchers = [self.grammars.matcher(so) for _ in range(params.n)] if so is not None else [None] * params.n
         if not self.accepting:
