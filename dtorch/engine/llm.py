@@ -92,6 +92,8 @@ class LLM:
     speculative_config: speculative decoding, as vLLM's dict (``speculative.SpeculativeConfig``): ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"method": "draft_model",
     "model": PATH, "num_speculative_tokens": 4}``; outputs are distributed as without it (greedy: the same ids).
+    A GGUF file whose vocabulary dtorch cannot build loads without a tokenizer (``tokenizer`` None, ``tokenizer_error``
+    says why, once as a warning): prompts are token ids, and what needs text raises naming the reason.
     batch_invariant: a sequence's tokens never depend on the others decoded beside it (None: DTORCH_BATCH_INVARIANT).
     Off, a batch of 4 or more decodes lets the quantized kernels round activations to 8 bits (as llama.cpp does):
     1.5-2x faster products, with greedy tokens that may differ from the same request run alone.
