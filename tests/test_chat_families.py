@@ -111,7 +111,7 @@ def _vocabulary(specials: list[str], template: str | None) -> tuple[list[str], d
     letters = list(_byte_alphabet().values())
     merged = ["Ġt", "he", "Ġthe"]
     tokens = specials + letters + merged
-    meta = {"tokenizer.ggml.model": ("gpt2", V.STRING), "tokenizer.ggml.pre": ("gpt2", V.STRING),
+    meta = {"tokenizer.ggml.model": ("gpt2", V.STRING), "tokenizer.ggml.pre": ("qwen2", V.STRING),
             "tokenizer.ggml.tokens": (tokens, V.ARRAY),
             "tokenizer.ggml.token_type": ([3] * len(specials) + [1] * (len(tokens) - len(specials)), V.ARRAY),
             "tokenizer.ggml.merges": (["Ġ t", "h e", "Ġt he"], V.ARRAY)}
