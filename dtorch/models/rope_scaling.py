@@ -12,8 +12,9 @@ into inverse frequencies (``rope_inv_freq``) and a factor on cos and sin (``rope
 - "longrope": Phi-3 / Phi-3.5 128k: one divisor per frequency, ``short_factor`` or ``long_factor``; cos and sin scaled
   by ``attention_factor`` (default ``sqrt(1 + ln(factor) / ln(original))``, factor = max positions / original).
   Which list applies is fixed by the context the model is loaded for, as llama.cpp decides it: the long one when
-  that context passes ``original_max_position_embeddings`` (transformers switches by the longest position of a
-  forward pass, which gives the same frequencies for any sequence that fits either side of the limit).
+  that context passes ``original_max_position_embeddings``. transformers switches by the longest position of each
+  forward pass instead: the two agree for a context within the limit, and for sequences past it; a short sequence
+  in a long context gets the long factors here, the short ones there.
 """
 
 from __future__ import annotations
