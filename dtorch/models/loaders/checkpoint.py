@@ -111,6 +111,10 @@ class LazyCheckpoint:
     # records in ``widened`` each tensor it returns wider than stored (``report_widened`` says so)
     stored: Mapping[str, tuple[str, str, float]] = field(default_factory=dict)
     widened: dict[str, list[int]] = field(default_factory=dict)  # name -> [bytes as read, bytes as stored]
+    # (name, dim, runs) -> (layout, shape, dtype) of what ``read_packed`` would give, from the metadata alone (None:
+    # read as float); what ``hollow`` serves
+    packed_layout: Callable[[str, int | None, list[tuple[int, int]]],
+                            tuple[str, tuple[int, ...], torch.dtype] | None] | None = None
 
     def get_packed(self, name: str, dim: int | None = None,
                    runs: Sequence[tuple[int, int]] = ()) -> tuple[str, torch.Tensor] | None:
@@ -152,6 +156,26 @@ class LazyCheckpoint:
             cost[0] += t.numel() * t.element_size()
             cost[1] += math.ceil(t.numel() * stored[2] / 8)
         return t
+
+    def hollow(self) -> LazyCheckpoint:
+        """This checkpoint with nothing read: ``get`` gives an uninitialized tensor of the slice's shape, ``get_packed``
+        one of the shape and layout the file stores it in (from the metadata; no byte of a weight is touched). What
+        ``dtorch info`` loads: the formats, bytes and kernels of a model without reading or repacking it."""
+
+        def read(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+            shape = list(self.shapes[name])
+            if dim is not None and runs:
+                shape[dim] = sum(n for _, n in runs)
+            return torch.empty(shape, dtype=self.dtype)
+
+        def read_packed(name: str, dim: int | None, runs: list[tuple[int, int]]) -> tuple[str, torch.Tensor] | None:
+            got = self.packed_layout(name, dim, runs) if self.packed_layout is not None else None
+            return None if got is None else (got[0], torch.empty(got[1], dtype=got[2]))
+
+        return LazyCheckpoint(config=self.config, shapes=self.shapes, read=read, dtype=self.dtype,
+                              tokenizer=self.tokenizer, source=self.source, chat_template=self.chat_template,
+                              metadata=self.metadata, read_packed=read_packed, check_finite=False,
+                              stored=self.stored)
 
     def report_widened(self) -> str | None:
         """Log, once, the tensors ``get`` returned wider than the file stores them (a format no kernel keeps as
@@ -271,7 +295,7 @@ def check_memory(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], dty
 
 # layout -> (bytes per GGUF block, byte offsets of its fp16 scales in the block)
 _SCALES = {"gguf.q8_0": (34, (0,)), "gguf.q4_0": (18, (0,)), "gguf.q4_1": (20, (0, 2)), "gguf.q4_k": (144, (0, 2)),
-           "gguf.q6_k": (210, (208,))}
+           "gguf.q6_k": (210, (208,)), "gguf.q5_0": (22, (0,)), "gguf.q5_1": (24, (0, 2)), "gguf.iq4_nl": (18, (0,))}
 
 
 def packed_scales_finite(layout: str, rows: torch.Tensor) -> bool:
@@ -284,7 +308,8 @@ def packed_scales_finite(layout: str, rows: torch.Tensor) -> bool:
     if not offsets or rows.numel() % size:
         return True
     blocks = rows.reshape(-1, size)
-    return all(bool(torch.isfinite(blocks[:, o:o + 2].contiguous().view(torch.float16)).all()) for o in offsets)
+    # an fp16 is NaN or inf when its 5 exponent bits are all set: bits 2..6 of its high (little-endian: second) byte
+    return not any(bool(blocks[:, o + 1].bitwise_and(0x7C).eq_(0x7C).any()) for o in offsets)
 
 
 def narrow_runs(t: torch.Tensor, dim: int | None, runs: Sequence[tuple[int, int]]) -> torch.Tensor:

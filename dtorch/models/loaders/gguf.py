@@ -327,10 +327,24 @@ def stored_layout(ggml_type: Any, dtype: torch.dtype) -> str | None:
     return layout
 
 
+def _read_bytes(path: Path, t: Any) -> np.ndarray:
+    """GGUF tensor ``t``'s bytes read from ``path`` into memory of their own, shaped and typed as its map ``t.data``."""
+    out = np.empty(t.data.shape, t.data.dtype)
+    view = memoryview(out).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        f.seek(int(t.data_offset))
+        got = f.readinto(view)
+    if got != len(view):
+        raise ModelError(f"{path}: truncated: tensor {t.name!r} needs {len(view)} bytes at {int(t.data_offset)}, "
+                         f"read {got}")
+    return out
+
+
 def _packed_rows(data: np.ndarray, shape: tuple[int, ...], layout: str, dim: int | None,
-                 runs: list[tuple[int, int]]) -> torch.Tensor | None:
+                 runs: list[tuple[int, int]], own: bool = False) -> torch.Tensor | None:
     """GGUF block bytes ``data`` [rows, row bytes] of a 2-D tensor ``shape``, sliced: uint8 torch, or None when the
-    slice cuts blocks; a 16-bit float tensor ("f16", "bf16") as torch float16 / bfloat16 [rows, cols]."""
+    slice cuts blocks; a 16-bit float tensor ("f16", "bf16") as torch float16 / bfloat16 [rows, cols]. ``own``:
+    ``data`` is memory of its own, not a view of the file map (no copy needed)."""
     from dtorch.kernels.half import HALF_LAYOUTS
     from dtorch.kernels.layouts import block_size
 
@@ -342,9 +356,11 @@ def _packed_rows(data: np.ndarray, shape: tuple[int, ...], layout: str, dim: int
         data = np.concatenate([data[:, a // block * per_block:(a + n) // block * per_block] for a, n in runs], 1)
     elif dim == 0 and runs:
         data = np.concatenate([data[a:a + n] for a, n in runs], 0)
+    own = own and not runs
     if layout in HALF_LAYOUTS:  # F16 maps as float16, BF16 as its bytes
-        return torch.from_numpy(np.array(data, copy=True)).view(HALF_LAYOUTS[layout])
-    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))  # the map is read-only: one tensor's copy
+        return torch.from_numpy(data if own else np.array(data, copy=True)).view(HALF_LAYOUTS[layout])
+    # the map is read-only: one tensor's copy
+    return torch.from_numpy(data.view(np.uint8) if own else np.array(data, dtype=np.uint8, copy=True))
 
 
 def _views(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, View], dict[str, tuple[int, ...]]]:
@@ -371,7 +387,7 @@ def _views(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, View
 
 
 def _gguf_reader(reader: Any, config: ModelConfig, path: Path, views: dict[str, View],
-                 dtype: torch.dtype = torch.float32) -> tuple[Reader, Any]:
+                 dtype: torch.dtype = torch.float32) -> tuple[Reader, Any, Any]:
     """A ``Reader`` of slices of the tensors ``views`` (Llama q/k un-permuted, the hybrids' tensors as transformers
     holds them) and its packed reader."""
     heads = {}
@@ -401,17 +417,47 @@ def _gguf_reader(reader: Any, config: ModelConfig, path: Path, views: dict[str, 
         layout = layouts.pop() if len(layouts) == 1 else None
         if layout is None or len(v.shape) != 2 or v.cols is not None or v.value is not None:
             return None
-        data = v.parts[0].data if len(v.parts) == 1 else np.concatenate([t.data for t in v.parts], 0)
+        own = len(v.parts) == 1 and v.rows is None and dim is None and reader.byte_order == "I"
+        if own:  # the whole tensor: one read of its bytes (a copy of the map would fault in each 4 KiB page)
+            data = _read_bytes(path, v.parts[0])
+        else:
+            data = v.parts[0].data if len(v.parts) == 1 else np.concatenate([t.data for t in v.parts], 0)
         if v.rows is not None:
             data = data[v.rows.numpy()]
         if name in heads:
             d = config.head_dim
             if dim == 0 and not all(a % d == 0 and n % d == 0 for a, n in runs):
                 return None
-            rows = _packed_rows(data, v.shape, layout, dim, runs)
+            rows = _packed_rows(data, v.shape, layout, dim, runs, own)
             return None if rows is None else (layout, unpermute_qk(rows, rows.shape[0] // d).contiguous())
-        rows = _packed_rows(data, v.shape, layout, dim, runs)
+        rows = _packed_rows(data, v.shape, layout, dim, runs, own)
         return None if rows is None else (layout, rows)
+
+    def packed_layout(name: str, dim: int | None, runs: list[tuple[int, int]]):
+        """(layout, shape, dtype) of what ``read_packed`` gives for the slice, or None where it gives None; from the
+        metadata alone (``LazyCheckpoint.hollow``)."""
+        from dtorch.kernels.half import HALF_LAYOUTS
+        from dtorch.kernels.layouts import block_size, gguf_block_bytes
+
+        v = views[name]
+        layouts = {stored_layout(t.tensor_type, dtype) for t in v.parts}
+        layout = layouts.pop() if len(layouts) == 1 else None
+        if layout is None or len(v.shape) != 2 or v.cols is not None or v.value is not None:
+            return None
+        d = config.head_dim
+        if name in heads and dim == 0 and not all(a % d == 0 and n % d == 0 for a, n in runs):
+            return None
+        rows, cols = v.shape
+        block = 1 if layout in HALF_LAYOUTS else block_size(layout)
+        if dim == 1 and runs:
+            if any(a % block or n % block for a, n in runs):
+                return None
+            cols = sum(n for _, n in runs)
+        elif dim == 0 and runs:
+            rows = sum(n for _, n in runs)
+        if layout in HALF_LAYOUTS:
+            return layout, (rows, cols), HALF_LAYOUTS[layout]
+        return layout, (rows, cols // block * gguf_block_bytes(layout)), torch.uint8
 
     def released(fn: Callable) -> Callable:
         """``fn``, then the pages of the file map under the tensor dropped (``_release``): what was read is a copy."""
@@ -422,7 +468,7 @@ def _gguf_reader(reader: Any, config: ModelConfig, path: Path, views: dict[str, 
                 _release(reader, views[name].parts)
         return read_then_release
 
-    return released(read), released(read_packed)
+    return released(read), released(read_packed), packed_layout
 
 
 def check_tensor_layout(reader: Any, path: Path) -> None:
@@ -462,7 +508,7 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     freqs = [dequantize(t, path) for t in reader.tensors if t.name == "rope_freqs.weight"]
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, freqs[0] if freqs else None)
     views, unnamed = _views(reader, config, path)
-    read, read_packed = _gguf_reader(reader, config, path, views, dtype)
+    read, read_packed, packed_layout = _gguf_reader(reader, config, path, views, dtype)
     packed = {name: sum(int(t.n_bytes) for t in v.parts) for name, v in views.items()
               if all(stored_layout(t.tensor_type, dtype) is not None for t in v.parts)}
     shapes = used_shapes({name: v.shape for name, v in views.items()} | unnamed, config, dtype, str(path),
@@ -475,7 +521,7 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
                           source=str(path), chat_template=template, read_packed=read_packed,
                           metadata={"tensor_types": types, "gguf": scalars}, check_finite=check_finite,
-                          stored=_stored_formats(views, types))
+                          stored=_stored_formats(views, types), packed_layout=packed_layout)
 
 
 def _stored_formats(views: dict[str, View], types: dict[str, str]) -> dict[str, tuple[str, str, float]]:
