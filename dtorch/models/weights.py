@@ -55,9 +55,8 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
     for weight in progress(tensors, len(tensors), "loading weights"):  # a bar on a terminal
         name, sources, combine, shape = weight.name, weight.sources, weight.combine, weight.shape
         kind = _kind(name)
-        if rows_first and kind == "lm_head" and config.tie_word_embeddings and name not in weights \
-                and weights["embed"].layout == "strided":
-            weights[name] = weights["embed"]  # tied: the embedding rows [V, E] are the head's W
+        if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout == "strided":
+            weights[name] = weights["embed"]  # tied: the embedding rows [V, E] are the head's W, one tensor
             linear.add(name)
             continue
         if get_packed is not None and kind in PACKABLE:
