@@ -168,9 +168,9 @@ def measure_serve(path: Path, threads: int, env: dict[str, str]) -> dict:
     import threading
 
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "dtorch", "serve", str(path), "--port", "0", "--max-model-len",
-                             str(CONTEXT), "--threads", str(threads), "--log-stats-interval", "0"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dtorch", "serve", "--model", str(path), "--port", "0",
+                             "--max-model-len", str(CONTEXT), "--threads", str(threads), "--log-stats-interval", "0"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     url: list[str] = []
     ready = threading.Event()

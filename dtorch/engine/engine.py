@@ -458,7 +458,8 @@ class EngineLoop:
                 worked = True
                 if self.on_error is not None:
                     self.on_error(exc)
-            if not worked and not e.warm_next():  # idle: build a queued step shape, if any, else wait for work
+            # idle: build a queued step shape, if any (not once shutting down), else wait for work
+            if not worked and not (e.accepting and e.warm_next()):
                 with e.stepped:
                     if not e.has_unfinished() and not self._stop.is_set():
                         e.stepped.wait(0.1)

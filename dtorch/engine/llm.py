@@ -74,7 +74,10 @@ class LLM:
     """A model loaded for generation on one device or a mesh, with its engine.
 
     model: a ``.gguf`` file, a Hugging Face directory, a directory holding one ``.gguf``, or a Hugging Face id found
-    in the local Hugging Face cache (nothing is downloaded; None: the default model). dtype: the activations' dtype
+    in the local Hugging Face cache (nothing is downloaded; None: the default model); or a ``LazyCheckpoint`` the
+    caller opened (``open_checkpoint``, same dtype and check_weights) so its metadata is not parsed again (it is
+    closed after the load). A GGUF's packed weights come from, or go to, the pack cache (``dtorch.models.pack_cache``;
+    ``pack_cache.status`` says which); ``load_seconds`` is how long this took. dtype: the activations' dtype
     (float32 or bfloat16 ...), and the float weights'. A GGUF's block-quantized projections and embedding stay as
     stored and run on kernels of their layout ("gguf.q4_1" ...), each part of a fused projection in its own format;
     float16 / bfloat16 ones (GGUF or safetensors) stay 16-bit ("f16", "bf16") beside wider activations; a format no

@@ -16,7 +16,8 @@ Writers are safe beside each other and beside readers: an entry is written to a 
 renamed over the old one (a reader sees the old entry or the new one, whole), under an exclusive ``flock`` of the
 entry's ``.lock`` file (a second writer of the same entry skips its write: the first one's will do). The write runs on
 a thread of its own after the load (the weights are never changed), so ``LLM(path)`` does not wait for it; the process
-waits for it before it exits.
+waits for it before it exits. A write also deletes the entries of model files that no longer exist. The cache holds
+about one model's packed bytes per (file, dtype, mesh) loaded; delete the folder to reclaim it.
 """
 
 from __future__ import annotations
@@ -112,14 +113,7 @@ class PackCache:
 
     def _read_header(self) -> None:
         try:
-            with open(self.path, "rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    raise ValueError("not a dtorch pack cache entry")
-                size = int.from_bytes(f.read(8), "little")
-                if not 0 < size < 1 << 30:
-                    raise ValueError(f"header of {size} bytes")
-                header = json.loads(f.read(size))
-                self.start = _data_start(size)
+            header, self.start = _header(self.path)
         except FileNotFoundError:
             self.status, self.dirty = "miss", True
             return
@@ -218,6 +212,34 @@ class PackCache:
         except BaseException:
             os.unlink(tmp)
             raise
+        _prune(folder, self.path)
+
+
+def _header(path: Path) -> tuple[Any, int]:
+    """(an entry's header, where its tensor bytes start); ValueError when it is no entry."""
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ValueError("not a dtorch pack cache entry")
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size < 1 << 30:
+            raise ValueError(f"header of {size} bytes")
+        return json.loads(f.read(size)), _data_start(size)
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Delete the entries (and their locks) of model files that no longer exist: a file deleted or moved leaves its
+    entry behind, which no load can ever read again. Entries of files that exist are kept (another dtype, mesh, or a
+    copy of the file elsewhere)."""
+    for entry in folder.glob("*.dtpk"):
+        if entry == keep:
+            continue
+        try:
+            source = _header(entry)[0]["identity"]["file"]["path"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: its own next load rewrites it
+        if isinstance(source, str) and not os.path.exists(source):
+            entry.unlink(missing_ok=True)
+            entry.with_suffix(".lock").unlink(missing_ok=True)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
