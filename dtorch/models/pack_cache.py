@@ -9,8 +9,9 @@ One entry per (file, dtype, this process's devices of the mesh) in ``DTORCH_PACK
 and its header holds the identity it was made for: the file's path, size, mtime, inode and a hash of its first MiB
 (its header and metadata), the hash of the code that packs (``CODE``'s sources: a new layout is a new version),
 ``FORMAT``, the dtype, the mesh and ``check_finite``; then per weight its parts, each tensor's dtype, shape, offset and
-CRC-32. Nothing is trusted: an entry whose identity differs (the file changed: stale) is rebuilt, and a tensor whose
-CRC differs (corrupt) is read again from the model file, after which the whole entry is written again.
+the CRC-32 of each 16 MiB of it. Nothing is trusted: an entry whose identity differs (the file changed: stale) is
+rebuilt, and a weight with a CRC that differs (corrupt) is read again from the model file, after which the whole entry
+is written again.
 
 Writers are safe beside each other and beside readers: an entry is written to a temporary file in the same folder and
 renamed over the old one (a reader sees the old entry or the new one, whole), under an exclusive ``flock`` of the
@@ -40,9 +41,11 @@ import torch
 from dtorch.core import env
 from dtorch.core.memory import empty_in_huge_pages
 
-FORMAT = 1
+FORMAT = 2
 MAGIC = b"DTORCHPK"
 ALIGN = 4096
+CHUNK = 16 << 20  # bytes per CRC: a large tensor is read and checked in chunks, several threads at once
+READERS = 4  # threads reading an entry (each preadv and CRC releases the GIL)
 HEAD_BYTES = 1 << 20  # the first MiB of the model file is hashed into the identity (GGUF header and metadata)
 # the modules whose code decides the packed bytes: any change to them makes every entry stale
 CODE = ("kernels/layouts.py", "kernels/group_formats.py", "kernels/half.py", "kernels/native/csrc/repack.h",
@@ -91,6 +94,8 @@ class PackCache:
     dirty: bool = False
     status: str = "miss"  # "hit", "miss", "stale" or "corrupt"
     start: int = 0  # where the entry's tensor bytes start
+    _fd: int | None = None  # the entry, open while the load reads it
+    _pool: ThreadPoolExecutor | None = None
     writer: threading.Thread | None = None
 
     @classmethod
@@ -134,10 +139,14 @@ class PackCache:
             self.dirty = True
             return None
         try:
-            with open(self.path, "rb", buffering=0) as f:
-                jobs = [(f.fileno(), self.start, t) for r in records for t in r["tensors"].values()]
-                with ThreadPoolExecutor(min(4, len(jobs))) as pool:  # reads and CRCs release the GIL
-                    read = list(pool.map(lambda job: _read_tensor(*job), jobs))
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+                self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="dtorch-pack-read")
+            read = [_empty(t) for r in records for t in r["tensors"].values()]
+            recs = [t for r in records for t in r["tensors"].values()]
+            jobs = [(self._fd, self.start, rec, out, c) for rec, out in zip(recs, read, strict=True)
+                    for c in range(len(rec["crcs"]))]
+            list(self._pool.map(lambda job: _read_chunk(*job), jobs))  # reads and CRCs release the GIL
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("%s: weight %r in the pack cache is corrupt (%s); it is read from the model file again and "
                         "the entry rewritten", self.path, name, e)
@@ -155,9 +164,17 @@ class PackCache:
         """Record weight ``name``'s parts as the load made them (written by ``commit``)."""
         self.made[name] = parts
 
+    def close(self) -> None:
+        """Stop reading the entry (its file and reader threads); a load that fails ends here."""
+        if self._fd is not None:
+            self._pool.shutdown()
+            os.close(self._fd)
+            self._fd = self._pool = None
+
     def commit(self) -> None:
-        """Write the entry, on a thread of its own, when the load made anything the entry lacked (a miss, a stale or
-        corrupt entry); the weights recorded must not change afterwards."""
+        """The load is over: close the entry, and write it, on a thread of its own, when the load made anything the
+        entry lacked (a miss, a stale or corrupt entry); the weights recorded must not change afterwards."""
+        self.close()
         if not self.dirty or not self.made:
             return
         self.writer = threading.Thread(target=self._write, name="dtorch-pack-cache", daemon=False)
@@ -192,8 +209,10 @@ class PackCache:
                 tensors = {}
                 for i, t in p.tensors.items():
                     data = _bytes(t)
+                    view = memoryview(data.numpy())
+                    crcs = [zlib.crc32(view[c:c + CHUNK]) for c in range(0, len(view), CHUNK)]
                     tensors[str(i)] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                       "offset": offset, "nbytes": data.numel(), "crc": zlib.crc32(data.numpy())}
+                                       "offset": offset, "nbytes": data.numel(), "crcs": crcs}
                     order.append((offset, data))
                     offset += -(-data.numel() // ALIGN) * ALIGN
                 records.append({"layout": p.layout, "rows": p.rows, "tensors": tensors})
@@ -248,20 +267,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _read_tensor(fd: int, start: int, rec: dict[str, Any]) -> torch.Tensor:
-    """One tensor of an entry (its bytes at ``start`` + its offset of file ``fd``): read into memory of its own, its
-    CRC checked (ValueError when it differs)."""
+def _empty(rec: dict[str, Any]) -> torch.Tensor:
+    """The memory a recorded tensor is read into: in 2 MiB pages from its first write (unless
+    ``DTORCH_NO_HUGE_PAGES``), as the load's own packing would give it."""
     dtype, shape = _DTYPES[rec["dtype"]], [int(n) for n in rec["shape"]]
     t = torch.empty(shape, dtype=dtype) if env.no_huge_pages() else empty_in_huge_pages(shape, dtype)
-    data = _bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    if data.numel() != int(rec["nbytes"]):
-        raise ValueError(f"{rec['nbytes']} bytes recorded for a {list(t.shape)} {rec['dtype']} tensor")
-    buf = memoryview(data.numpy())
-    got = os.preadv(fd, [buf], start + int(rec["offset"]))
-    if got != len(buf) or zlib.crc32(buf) != int(rec["crc"]):
-        raise ValueError(f"a tensor at byte {rec['offset']} is truncated or its CRC differs")
+    if t.numel() * t.element_size() != int(rec["nbytes"]):
+        raise ValueError(f"{rec['nbytes']} bytes recorded for a {shape} {rec['dtype']} tensor")
     return t
 
+
+def _read_chunk(fd: int, start: int, rec: dict[str, Any], out: torch.Tensor, chunk: int) -> None:
+    """Chunk ``chunk`` (``CHUNK`` bytes) of a recorded tensor, read from file ``fd`` (its bytes at ``start`` + its
+    offset) into ``out``; ValueError when it is short or its CRC differs."""
+    view = memoryview(_bytes(out).numpy())[chunk * CHUNK:(chunk + 1) * CHUNK]
+    got = os.preadv(fd, [view], start + int(rec["offset"]) + chunk * CHUNK)
+    if got != len(view) or zlib.crc32(view) != int(rec["crcs"][chunk]):
+        raise ValueError(f"chunk {chunk} of a tensor at byte {rec['offset']} is truncated or its CRC differs")
 
 
 def _data_start(header_bytes: int) -> int:

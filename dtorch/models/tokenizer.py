@@ -103,13 +103,18 @@ class Tokenizer:
             raise ModelError(f"{source}: tokenizer.ggml.merges is missing; a byte-level BPE vocabulary needs it")
         alphabet = _byte_alphabet()
         letters = set(alphabet.values())
-        # llama.cpp spells byte-level tokens in GPT-2's alphabet; respell the rare token that is not
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            t = t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))
-            if vocab.setdefault(t, i) != i:
-                raise ModelError(f"{source}: tokenizer.ggml.tokens spells token {i} {t!r:.60} like token {vocab[t]}; "
-                                 "each token must be spelled once")
+        # llama.cpp spells byte-level tokens in GPT-2's alphabet; respell the rare token that is not (one look at all
+        # of them first: a 150k-token vocabulary then costs one pass in C, not a set per token)
+        spelled = tokens
+        if not set("".join(tokens)) <= letters:
+            spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
+        vocab: dict[str, int] = dict(zip(spelled, range(len(spelled)), strict=True))
+        if len(vocab) < len(spelled):  # a token spelled twice: name the first one
+            seen: dict[str, int] = {}
+            for i, t in enumerate(spelled):
+                if seen.setdefault(t, i) != i:
+                    raise ModelError(f"{source}: tokenizer.ggml.tokens spells token {i} {t!r:.60} like token "
+                                     f"{seen[t]}; each token must be spelled once")
         pairs = []
         for i, m in enumerate(_strings(merges, f"{source}: tokenizer.ggml.merges")):
             pair = tuple(m.split(" ", 1))

@@ -47,11 +47,23 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
     the getters read nothing (``LazyCheckpoint.hollow``), and nothing is packed either: each packed weight is an
     uninitialized tensor of its packed shape (``dtorch info``)."""
     layout = Layout(config, mesh.size)
+    tensors = list(families.get(config.family).tensors(config, layout))
+    try:
+        return _load_all(config, get, mesh, local_ids, dtype, get_packed, cache, hollow, layout, tensors)
+    except BaseException:
+        if cache is not None:
+            cache.close()  # nothing written for a load that failed
+        raise
+
+
+def _load_all(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...], dtype: torch.dtype,
+              get_packed: PackedGetter | None, cache: PackCache | None, hollow: bool, layout: Layout, tensors: list
+              ) -> tuple[dict[str, DistTensor], set[str], dict[str, tuple[str, ...]]]:
+    """``load_weights``' loop over the family's weight table ``tensors``."""
     weights: dict[str, DistTensor] = {}
     linear: set[str] = set()
     parts: dict[str, tuple[str, ...]] = {}
     rows_first = _float_linear(mesh, dtype)
-    tensors = list(families.get(config.family).tensors(config, layout))
     for weight in progress(tensors, len(tensors), "loading weights"):  # a bar on a terminal
         name, sources, combine, shape = weight.name, weight.sources, weight.combine, weight.shape
         kind = _kind(name)
