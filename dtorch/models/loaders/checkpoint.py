@@ -143,7 +143,7 @@ class LazyCheckpoint:
                     raise ModelError(f"{self.source}: rows [{a}, {a + n}) of dim {dim} are outside tensor {name!r} "
                                      f"{list(shape)}")
         t = self.read(name, dim if runs else None, runs).to(self.dtype).contiguous()
-        if self.check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if self.check_finite and t.is_floating_point() and not all_finite(t):
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()
             raise ModelError(f"{self.source}: tensor {name!r} {list(shape)} holds non-finite values (NaN or inf), "
                              f"e.g. at {bad}{'' if dim is None else f' of the slice of dim {dim} read'}; expected "
@@ -303,13 +303,23 @@ def packed_scales_finite(layout: str, rows: torch.Tensor) -> bool:
     finite: the cheap check of a packed weight (its quants are small ints, finite by construction); a 16-bit float
     weight ("f16", "bf16") is checked whole."""
     if rows.is_floating_point():
-        return bool(torch.isfinite(rows).all())
+        return all_finite(rows)
     size, offsets = _SCALES.get(layout, (0, ()))
     if not offsets or rows.numel() % size:
         return True
     blocks = rows.reshape(-1, size)
     # an fp16 is NaN or inf when its 5 exponent bits are all set: bits 2..6 of its high (little-endian: second) byte
     return not any(bool(blocks[:, o + 1].bitwise_and(0x7C).eq_(0x7C).any()) for o in offsets)
+
+
+FINITE_CHUNK = 1 << 22  # elements checked at a time: torch.isfinite makes a float and two bool temporaries as large
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of float tensor ``t`` is finite, checked a chunk at a time: on a 640 MB embedding at
+    once, ``torch.isfinite``'s temporaries (``abs``, two masks) would take 1.1 GB more at the load's peak."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + FINITE_CHUNK]).all()) for i in range(0, flat.numel(), FINITE_CHUNK))
 
 
 def narrow_runs(t: torch.Tensor, dim: int | None, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
