@@ -140,6 +140,16 @@ def test_a_corrupt_entry_is_rebuilt_never_trusted(quantized, uncached, cache_dir
     assert status == "corrupt" and torch.equal(logits, uncached)
 
 
+def test_entries_of_deleted_files_are_pruned(quantized, cache_dir, tmp_path):
+    gone = tmp_path / "gone.gguf"
+    gone.write_bytes(quantized.read_bytes())
+    _load(gone)
+    assert len(list(cache_dir.glob("gone-*.dtpk"))) == 1
+    gone.unlink()
+    assert _load(quantized)[1] == "miss"  # its write deletes the entry no load can read again
+    assert not list(cache_dir.glob("gone-*")) and len(list(cache_dir.glob("tiny-*.dtpk"))) == 1
+
+
 WRITER = f"""
 import sys, torch
 from dtorch.engine.llm import LLM

@@ -329,7 +329,10 @@ def stored_layout(ggml_type: Any, dtype: torch.dtype) -> str | None:
 
 def _read_bytes(path: Path, t: Any) -> np.ndarray:
     """GGUF tensor ``t``'s bytes read from ``path`` into memory of their own, shaped and typed as its map ``t.data``."""
-    out = np.empty(t.data.shape, t.data.dtype)
+    from dtorch.core.memory import empty_in_huge_pages
+
+    # a transient buffer: faulted in 2 MiB pages, 512x fewer faults than 4 KiB ones
+    out = empty_in_huge_pages((int(t.data.nbytes),), torch.uint8).numpy().view(t.data.dtype).reshape(t.data.shape)
     view = memoryview(out).cast("B")
     with open(path, "rb", buffering=0) as f:
         f.seek(int(t.data_offset))
