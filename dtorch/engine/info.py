@@ -83,6 +83,8 @@ class Hollow:
     executor: Any
     device: Any
     tensor_parallel_size: int
+    tokenizer: Any = None
+    tokenizer_error: str | None = None  # why a file's vocabulary could not be built, where the loader says so
 
     def close(self) -> None:
         self.executor.close()
@@ -108,7 +110,8 @@ def hollow_model(ckpt: Any, device: str, dtype: torch.dtype, kv_dtype: torch.dty
     blocks = kv_blocks(config, kv_dtype, 1, small, max(1, kv_cache_bytes(config, dtype, small, kv_dtype=kv_dtype)[0]),
                        16)
     executor.use_cache(KVCache(model.layout, where.mesh, executor.local_ids, blocks, 16, small, 1, dtype, kv_dtype))
-    return Hollow(ckpt.source, config, model, executor, where.mesh.device(where.local_ids[0]), where.mesh.size)
+    return Hollow(ckpt.source, config, model, executor, where.mesh.device(where.local_ids[0]), where.mesh.size,
+                  ckpt.tokenizer, getattr(ckpt, "tokenizer_error", None))
 
 
 def _default() -> str:

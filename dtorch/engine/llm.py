@@ -121,7 +121,8 @@ class LLM:
             from dtorch.models.default import default_model_path
             model = default_model_path()
         if not isinstance(model, (str, os.PathLike, LazyCheckpoint)):
-            raise ArgumentError(f"LLM: model must be a path (str or Path) or a Hugging Face id, got {model!r:.100}")
+            raise ArgumentError(f"LLM: model must be a path (str or Path), a Hugging Face id or an opened "
+                                f"checkpoint (open_checkpoint), got {model!r:.100}")
         if not isinstance(device, str):
             raise ArgumentError(f"LLM: device must be a str ('cpu' or 'cuda'), got {device!r:.100}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),

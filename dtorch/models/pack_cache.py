@@ -176,6 +176,7 @@ class PackCache:
         entry lacked (a miss, a stale or corrupt entry); the weights recorded must not change afterwards."""
         self.close()
         if not self.dirty or not self.made:
+            self.made = {}  # (on a GPU, the cpu copies of its weights)
             return
         self.writer = threading.Thread(target=self._write, name="dtorch-pack-cache", daemon=False)
         self.writer.start()
@@ -198,6 +199,8 @@ class PackCache:
         except OSError as e:  # a full disk, a read-only folder: the next load packs again
             log.warning("%s: could not write the pack cache entry (%s); set DTORCH_PACK_CACHE=0 to stop trying",
                         self.path, e)
+        finally:
+            self.made = {}  # written: the weights are the model's alone again (on a GPU, their cpu copies go)
 
     def _write_locked(self, folder: Path) -> None:
         weights: dict[str, list[dict[str, Any]]] = {}

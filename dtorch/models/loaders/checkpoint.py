@@ -3,6 +3,7 @@ and a getter that reads only the slices asked for) or, read whole, a ``Checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -172,10 +173,7 @@ class LazyCheckpoint:
             got = self.packed_layout(name, dim, runs) if self.packed_layout is not None else None
             return None if got is None else (got[0], torch.empty(got[1], dtype=got[2]))
 
-        return LazyCheckpoint(config=self.config, shapes=self.shapes, read=read, dtype=self.dtype,
-                              tokenizer=self.tokenizer, source=self.source, chat_template=self.chat_template,
-                              metadata=self.metadata, read_packed=read_packed, check_finite=False,
-                              stored=self.stored)
+        return dataclasses.replace(self, read=read, read_packed=read_packed, check_finite=False, widened={})
 
     def report_widened(self) -> str | None:
         """Log, once, the tensors ``get`` returned wider than the file stores them (a format no kernel keeps as
