@@ -63,7 +63,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seqs", type=int, default=1, help="sequences generated together (prompts of varied lengths)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON too")
+    ap.add_argument("--tied-gemma3-270m", action="store_true",
+                    help="a Gemma 3 270M-shaped float32 Hugging Face checkpoint with a tied head (random weights, "
+                         "written by transformers into --cache once) instead of --model")
+    ap.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dtorch", "bench-hf"))
     args = ap.parse_args(argv)
+    if args.tied_gemma3_270m:
+        args.model = str(_tied_gemma3(args.cache))
 
     import torch
 
@@ -148,6 +154,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{label:<44} {_mib(s['VmRSS'])} {_mib(s['VmRSS'] - base['VmRSS'])} "
               f"{_mib(s['VmHWM'] - base['VmRSS'])} {_mib(s['RssAnon'])} {_mib(s['RssFile'])}")
     print(f"\nmodel MiB (peak RSS - RSS after imports): {peak / 2**20:.1f}\n")
+    weights = sum(n for what, n, _ in holders if what.startswith("weights "))
+    loaded = next(st for label, st in phases if label == "LLM(...) returned")
+    held, top = loaded["VmRSS"] - base["VmRSS"], loaded["VmHWM"] - base["VmRSS"]
+    print(f"weights {weights / 2**20:.1f} MiB; after the load the process holds {held / 2**20:.1f} MiB above its "
+          f"imports = {held / weights:.3f}x the weights, its peak during the load {top / weights:.3f}x\n")
     print(f"{'held by':<80} {'reserved':>8} {'resident':>8}")
     for what, n, res in holders:
         print(f"{what[:80]:<80} {_mib(n)} {_mib(res)}")
@@ -159,6 +170,28 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result, indent=1))
     llm.close()
     return result
+
+
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                   sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True)  # google/gemma-3-270m
+
+
+def _tied_gemma3(cache: str) -> str:
+    """A Gemma 3 270M-shaped float32 checkpoint (random weights, tie_word_embeddings) written by transformers, made
+    once into ``cache``."""
+    path = os.path.join(cache, "gemma3-270m-f32-tied")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.Gemma3TextConfig(**GEMMA3_270M)
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf.save_pretrained(path + ".part")
+        os.replace(path + ".part", path)
+        del hf
+    return path
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""Shared test set-up: deterministic seeds, one intra-op thread per test process, and triton's interpreter (the
+"""Shared test set-up: deterministic seeds, one intra-op thread per test process, triton's interpreter (the
 triton kernels run on CPU tensors; it is chosen when a kernel is decorated, so before any of them is imported;
-a GPU run sets TRITON_INTERPRET=0 to compile them)."""
+a GPU run sets TRITON_INTERPRET=0 to compile them), and the packed-weight cache of the GGUF files tests make in a
+folder of this run's own (not the user's cache)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("DTORCH_PACK_CACHE_DIR", tempfile.mkdtemp(prefix="dtorch-pack-cache-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -143,10 +143,12 @@ def test_bench_prints_a_table_row_per_test(tiny, capsys):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header[-3:] == ["test", "t/s (median)", "min - max"] and len(lines) == 4
+    assert header[-5:] == ["test", "t/s (median)", "min - max", "load s", "warm-up s"] and len(lines) == 4
     for line, test in zip(lines[2:], ("pp16", "tg4"), strict=True):
         cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
         assert cells["model"] == "tiny.gguf" and cells["test"] == test and float(cells["t/s (median)"]) > 0
+        seconds, cache = cells["load s"].split()  # the Q8_0 file's packed weights: made, or read from the cache
+        assert float(seconds) > 0 and cache in ("(miss)", "(hit)") and float(cells["warm-up s"]) > 0
     assert main(["bench", "--model", str(path), "-n", "1"]) == 2
     assert "-p/-n: a test's length is 0 (no such test) or at least 2 tokens" in capsys.readouterr().err
 

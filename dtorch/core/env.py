@@ -15,6 +15,8 @@
 | DTORCH_API_KEY | the key ``dtorch serve`` asks clients for when ``--api-key`` is not given | any text | none |
 | DTORCH_BATCH_INVARIANT | LLM(batch_invariant=None): a sequence's tokens never depend on its batch | a flag | off |
 | DTORCH_NO_HUGE_PAGES | leave a CPU model's weights in 4 KiB pages (no MADV_COLLAPSE after the load) | a flag | off |
+| DTORCH_PACK_CACHE | cache a GGUF file's packed weights, so a later load is one read | a flag | on |
+| DTORCH_PACK_CACHE_DIR | folder of that cache (``dtorch.models.pack_cache``) | a path | ~/.cache/dtorch/packed |
 
 A flag is one of 1/true/yes/on or 0/false/no/off (or empty). A malformed value, or a ``DTORCH_*`` name
 not in this table, raises ``ConfigError`` listing what is allowed: a typo is never ignored silently.
@@ -30,7 +32,8 @@ from dtorch.core.errors import ConfigError
 
 SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
             "DTORCH_FORBID_SYNC", "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG",
-            "DTORCH_API_KEY", "DTORCH_BATCH_INVARIANT", "DTORCH_NO_HUGE_PAGES")
+            "DTORCH_API_KEY", "DTORCH_BATCH_INVARIANT", "DTORCH_NO_HUGE_PAGES", "DTORCH_PACK_CACHE",
+            "DTORCH_PACK_CACHE_DIR")
 NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -43,7 +46,7 @@ def check() -> None:
         raise ConfigError(f"unknown environment setting(s) {', '.join(unknown)}; dtorch reads "
                           f"{', '.join(SETTINGS)} (see dtorch/core/env.py)")
     for read in (verify, disabled_providers, sync_timeout, threads, trace, forbid_sync, cpu_features, native_isa,
-                 debug, batch_invariant):
+                 debug, batch_invariant, pack_cache):
         read()
 
 
@@ -117,6 +120,15 @@ def batch_invariant() -> bool:
 
 def no_huge_pages() -> bool:
     return _flag("DTORCH_NO_HUGE_PAGES")
+
+
+def pack_cache() -> bool:
+    """Whether GGUF loads read and write the packed-weight cache (on unless DTORCH_PACK_CACHE is a false flag)."""
+    return _raw("DTORCH_PACK_CACHE") == "" or _flag("DTORCH_PACK_CACHE")
+
+
+def pack_cache_dir() -> str:
+    return _raw("DTORCH_PACK_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dtorch", "packed")
 
 
 def forbid_sync() -> bool:

@@ -165,6 +165,25 @@ def huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     return done
 
 
+MADV_HUGEPAGE = 14
+
+
+def empty_in_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype)`` on the cpu whose whole 2 MiB pages are marked MADV_HUGEPAGE before anything is
+    written: the first write then faults them in as transparent huge pages directly (THP "madvise" or "always"), where
+    ``huge_pages`` would copy 4 KiB pages into huge ones after the fact (1.3 s for a 400 MB model on a busy core).
+    Where the C library or the kernel says no, a plain ``torch.empty``."""
+    t = torch.empty(tuple(shape), dtype=dtype)
+    madvise = libc_function("madvise")
+    size = t.untyped_storage().nbytes()
+    if madvise is not None and size >= 2 * HUGE_PAGE:
+        base = t.untyped_storage().data_ptr()
+        lo, hi = -(-base // HUGE_PAGE) * HUGE_PAGE, (base + size) // HUGE_PAGE * HUGE_PAGE
+        if hi > lo:
+            madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE)
+    return t
+
+
 @functools.cache
 def libc_function(name: str):
     """The C library's function ``name`` (errno kept), or None: not Linux, no C library ctypes finds, or not there."""

@@ -10,7 +10,10 @@ For each tensor-parallel size and thread count (``-tp``, ``-t``: the model is lo
   those steps' seconds.
 
 The seconds are the engine's own step times (``Engine.stats``), so tokenization and Python around the engine are
-left out, as llama-bench times its decode calls. Prefix caching is off, so a repeat prefills every token again.
+left out, as llama-bench times its decode calls. Each row also shows the model's load (``LLM(...)``, seconds, and
+whether its packed weights came from the pack cache: "hit", or "miss" / "stale" / "corrupt" when they were made, "off"
+when the cache is off or nothing is packed) and the wall time of its test's warm-up run (the step graphs it builds).
+Prefix caching is off, so a repeat prefills every token again.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +88,14 @@ def run_bench(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for tp in sizes:
         for t in threads:
+            started = time.perf_counter()
             llm = _load(args, dtype, tp, t, max(batches), need)
+            loaded = time.perf_counter() - started  # the file's opening included
             try:
                 for b in batches:
                     for test, length in [("pp", p) for p in prompts] + [("tg", n) for n in gens]:
                         row = _measure(llm, test, length, b, repeats)
-                        row.update(threads=t, tp=tp)
+                        row.update(threads=t, tp=tp, load_s=loaded)
                         rows.append(_describe(llm, row))
                         if not args.json:
                             _print_row(rows[-1], first=len(rows) == 1)
@@ -107,14 +113,15 @@ def _load(args: argparse.Namespace, dtype: torch.dtype, tp: int, threads: int, s
     from dtorch.models.kv_cache import cache_dtype
     from dtorch.models.loaders import open_checkpoint
 
-    with open_checkpoint(args.model if args.model is not None else _default(), dtype) as ckpt:
-        config = ckpt.config
+    ckpt = open_checkpoint(args.model if args.model is not None else _default(), dtype)  # LLM takes it: one parse
+    config = ckpt.config
     if need > config.max_position_embeddings:
+        ckpt.close()
         raise ArgumentError(f"bench: -p/-n need {need} positions, more than the model's "
                             f"{config.max_position_embeddings}")
     need = min(-(-need // 16) * 16, config.max_position_embeddings)  # whole cache blocks for every sequence
     kv = kv_cache_bytes(config, dtype, need, kv_dtype=cache_dtype(args.kv_cache_dtype, dtype))[0] * seqs
-    return LLM(args.model, device=args.device, dtype=dtype, dequantize=args.dequantize, tensor_parallel_size=tp,
+    return LLM(ckpt, device=args.device, dtype=dtype, dequantize=args.dequantize, tensor_parallel_size=tp,
                threads=threads, max_num_seqs=seqs, max_model_len=need, enable_prefix_caching=False,
                kv_cache_memory_bytes=max(kv, 1), enforce_eager=args.enforce_eager,
                speculative_config=speculative_config(args), kv_cache_dtype=args.kv_cache_dtype)
@@ -140,10 +147,12 @@ def _measure(llm: Any, test: str, length: int, batch: int, repeats: int) -> dict
     for run in range(repeats + 1):
         prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
         before = llm.engine.stats()
+        t0 = time.perf_counter()
         llm.generate(prompts, params)
         after = llm.engine.stats()
-        if run == 0:
-            continue  # the warm-up builds the step graphs
+        if run == 0:  # the warm-up builds the step graphs
+            warmup = time.perf_counter() - t0
+            continue
         if test == "pp":
             tokens.append(after.prompt_tokens - before.prompt_tokens)
             seconds.append(after.prefill_seconds - before.prefill_seconds)
@@ -153,7 +162,7 @@ def _measure(llm: Any, test: str, length: int, batch: int, repeats: int) -> dict
     tps = [n / s if s > 0 else 0.0 for n, s in zip(tokens, seconds, strict=True)]
     return {"test": f"{test}{length}", "n_prompt": length if test == "pp" else 0,
             "n_gen": length if test == "tg" else 0, "batch": batch, "tokens": tokens, "seconds": seconds,
-            "tps": tps, "tps_median": statistics.median(tps)}
+            "tps": tps, "tps_median": statistics.median(tps), "warmup_s": warmup}
 
 
 def _describe(llm: Any, row: dict[str, Any]) -> dict[str, Any]:
@@ -163,11 +172,12 @@ def _describe(llm: Any, row: dict[str, Any]) -> dict[str, Any]:
     return {"model": Path(llm.source).name, "formats": list(formats),
             "weight_bytes": sum(f["bytes"] for f in formats.values()),
             "params": sum(f["params"] for f in formats.values()), "device": llm.device.type,
-            "dtype": dtype_name(llm.model.dtype)} | row
+            "dtype": dtype_name(llm.model.dtype),
+            "pack_cache": llm.pack_cache.status if llm.pack_cache is not None else "off"} | row
 
 
 COLUMNS = ("model", "size", "params", "device", "dtype", "threads", "tp", "batch", "test", "t/s (median)",
-           "min - max")
+           "min - max", "load s", "warm-up s")
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
@@ -175,13 +185,15 @@ def _cells(r: dict[str, Any]) -> list[str]:
 
     return [r["model"], mib(r["weight_bytes"]), params_text(r["params"]), r["device"], r["dtype"],
             str(r["threads"]), str(r["tp"]), str(r["batch"]), r["test"], f"{r['tps_median']:.2f}",
-            f"{min(r['tps']):.2f} - {max(r['tps']):.2f}"]
+            f"{min(r['tps']):.2f} - {max(r['tps']):.2f}", f"{r['load_s']:.2f} ({r['pack_cache']})",
+            f"{r['warmup_s']:.2f}"]
 
 
 def _print_row(r: dict[str, Any], first: bool) -> None:
     """A Markdown table row (the header before the first), printed as soon as it is measured."""
     if first:
         print("| " + " | ".join(COLUMNS) + " |")
-        print("|" + "|".join("---:" if c in ("threads", "tp", "batch", "t/s (median)") else "---" for c in COLUMNS)
+        print("|" + "|".join("---:" if c in ("threads", "tp", "batch", "t/s (median)", "warm-up s") else "---"
+                             for c in COLUMNS)
               + "|")
     print("| " + " | ".join(_cells(r)) + " |", flush=True)

@@ -29,7 +29,7 @@ from dtorch.engine.speculative import Drafts, Speculator
 from dtorch.engine.structured import Grammars
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
-from dtorch.models.model import long_prompts
+from dtorch.models.model import Bucket, long_prompts
 
 log = logging.getLogger("dtorch.engine")
 IDLE_PREFIX_KEEP = 0.25  # share of the cache's blocks that keep their cached prefixes when the engine goes idle
@@ -62,6 +62,9 @@ class Engine:
         self._inbox: deque = deque()
         self._inbox_lock = threading.Lock()
         self.drive_lock = threading.RLock()  # held by whoever runs steps
+        # step shapes queued to be built while the engine is idle (start_warmup): (bucket, for the drafter)
+        self._warming: list[tuple[Bucket, bool]] = []
+        self.warm_total, self.warm_built = 0, 0
         self.stepped = threading.Condition()  # notified after every step and when new work arrives
         self.accepting = True
         self.grammars = Grammars(tokenizer, vocab_size, sorted(eos_token_ids))
@@ -169,7 +172,15 @@ class Engine:
     def warmup(self, progress: Callable[[list], Iterable] = iter) -> int:
         """Build the graph of every step shape the scheduler can make, so no request waits for one (a graph takes
         ~0.1 s to build), and record the decode shapes where the executor captures; returns how many there are.
-        ``progress`` wraps the list of shapes as they are built (a progress bar)."""
+        ``progress`` wraps the list of shapes as they are built (a progress bar). ``dtorch serve`` builds them in
+        the background instead (``start_warmup``, then ``warm_next`` between steps)."""
+        shapes = self.start_warmup()
+        for _ in progress(list(shapes)):
+            self.warm_next()
+        return len(shapes)
+
+    def start_warmup(self) -> list:
+        """Queue every step shape the scheduler can make (smallest first) for ``warm_next`` to build; returns them."""
         from dtorch.models.model import bucket_for
 
         cfg = self.scheduler.config
@@ -177,14 +188,33 @@ class Engine:
                   for n in range(1, min(t, cfg.max_num_seqs) + 1) for long in (False, True)}
         spec = self.speculator
         drafted = spec.shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens) if spec is not None else set()
+        order = sorted(shapes | drafted, key=lambda b: (b.tokens, b.seqs, b.decode, b.rows))
+        drafter = spec.drafter if spec is not None else None
+        self._warming = [(b, False) for b in order] + [(b, True) for b in sorted(
+            shapes, key=lambda b: (b.tokens, b.seqs, b.decode, b.rows)) if drafter is not None]
+        self.warm_total, self.warm_built = len(self._warming), 0
+        return order
+
+    def warm_next(self) -> bool:
+        """Build the next queued step shape (``start_warmup``); False when none is left. A shape a request needed
+        first was built then (``Executor.runner`` builds on first use) and costs nothing here."""
         with self.drive_lock:
-            for b in progress(sorted(shapes | drafted, key=lambda b: (b.tokens, b.seqs, b.decode, b.rows))):
+            if not self._warming:
+                return False
+            b, drafter = self._warming.pop(0)
+            if drafter:
+                self.speculator.drafter.executor.runner(b)
+            else:
                 self.executor.runner(b)
                 if b.decode:
                     self.executor.capture_now(b)
-            for b in shapes if spec is not None and spec.drafter is not None else ():
-                spec.drafter.executor.runner(b)
-        return len(shapes | drafted)
+            self.warm_built += 1
+            return True
+
+    @property
+    def warm(self) -> bool:
+        """Whether no step shape waits to be built (``start_warmup``): every request runs on built graphs."""
+        return not self._warming
 
     # -- driving ---------------------------------------------------------------------------------------
 
@@ -420,7 +450,8 @@ class EngineLoop:
         return not self._stop.is_set()
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Step on this thread until ``stop`` (or until ``until()`` turns true, checked at least every 0.1 s)."""
+        """Step on this thread until ``stop`` (or until ``until()`` turns true, checked at least every 0.1 s); while
+        there is no work, build the step shapes ``Engine.start_warmup`` queued, one between two looks for work."""
         leave_signals_to_main()  # on a thread of its own: Ctrl-C and SIGTERM stay the main thread's
         e = self.engine
         while not self._stop.is_set() and not (until is not None and until()):
@@ -430,7 +461,8 @@ class EngineLoop:
                 worked = True
                 if self.on_error is not None:
                     self.on_error(exc)
-            if not worked:
+            # idle: build a queued step shape, if any (not once shutting down), else wait for work
+            if not worked and not (e.accepting and e.warm_next()):
                 with e.stepped:
                     if not e.has_unfinished() and not self._stop.is_set():
                         e.stepped.wait(0.1)

@@ -1,8 +1,9 @@
 """``dtorch info MODEL``: what a model is, how it loads, which kernels run it and what a context length costs.
 
-The model is loaded as ``generate`` would load it (``--device``, ``--dtype``, ``--dequantize``, ``-tp``), so the
+The model is laid out as ``generate`` would load it (``--device``, ``--dtype``, ``--dequantize``, ``-tp``), so the
 formats and bytes shown are those of the loaded weights, and the kernels those the dispatcher binds for a decode step
-and a prefill step. The KV cache of ``--ctx N`` tokens is computed from the config, as the engine sizes it: blocks
+and a prefill step; no weight is read or repacked for it (``hollow_model``): it costs the metadata's parse and the two
+step graphs. The KV cache of ``--ctx N`` tokens is computed from the config, as the engine sizes it: blocks
 of 16 tokens, keys and values of every attention layer, plus one row of gated delta net state (and the padding row)
 for a hybrid model. ``describe_loaded`` is the line ``generate`` and ``chat`` print once the model is ready.
 """
@@ -14,6 +15,7 @@ import json
 import math
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,8 +47,8 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    """Load the model and print what ``info`` shows; returns the exit code."""
-    from dtorch.engine.llm import LLM
+    """Open the model (its metadata parsed once), lay its weights out as ``generate`` would without reading or
+    repacking them (``hollow``), and print what ``info`` shows; returns the exit code."""
     from dtorch.models.kv_cache import cache_dtype
     from dtorch.models.loaders import open_checkpoint
 
@@ -58,15 +60,12 @@ def run_info(args: argparse.Namespace) -> int:
     kv_dtype = cache_dtype(args.kv_cache_dtype, dtype)
     with open_checkpoint(args.model if args.model is not None else _default(), dtype) as ckpt:
         config, stored, template = ckpt.config, dict(ckpt.stored), ckpt.chat_template
-    positions = config.max_position_embeddings
-    ctx = args.ctx or positions
-    if ctx > positions:
-        raise ArgumentError(f"--ctx {ctx} is more than the model's {positions} positions (max_position_embeddings)")
-    small = min(PREFILL_TOKENS * 2, positions)  # a small cache: the bucket graphs are built, not run
-    llm = LLM(args.model, device=args.device, dtype=dtype, dequantize=args.dequantize, max_model_len=small,
-              max_num_seqs=1, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=True,
-              kv_cache_dtype=kv_dtype,
-              kv_cache_memory_bytes=max(1, kv_cache_bytes(config, dtype, small, kv_dtype=kv_dtype)[0]))
+        positions = config.max_position_embeddings
+        ctx = args.ctx or positions
+        if ctx > positions:
+            raise ArgumentError(f"--ctx {ctx} is more than the model's {positions} positions "
+                                "(max_position_embeddings)")
+        llm = hollow_model(ckpt, args.device, dtype, kv_dtype, args.dequantize, args.tensor_parallel_size)
     try:
         report = _report(llm, stored, template, ctx, dtype, kv_dtype)
     finally:
@@ -76,6 +75,48 @@ def run_info(args: argparse.Namespace) -> int:
     else:
         _print(report)
     return 0
+
+
+@dataclass
+class Hollow:
+    """A model laid out as ``LLM`` loads it, its weights uninitialized (nothing read or repacked) and its step graphs
+    built on demand: what ``info`` reports (``weight_formats``, ``bound_kernels``)."""
+
+    source: str
+    config: Any
+    model: Any
+    executor: Any
+    device: Any
+    tensor_parallel_size: int
+    tokenizer: Any = None
+    tokenizer_error: str | None = None  # why a file's vocabulary could not be built, where the loader says so
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def hollow_model(ckpt: Any, device: str, dtype: torch.dtype, kv_dtype: torch.dtype, dequantize: bool,
+                 tensor_parallel_size: int) -> Hollow:
+    """``ckpt`` (an open ``LazyCheckpoint``) laid out on ``device`` as ``LLM`` would with these settings, nothing
+    read: every weight an uninitialized tensor of the layout, shape and bytes the load would give it, and a KV cache
+    of one sequence of ``PREFILL_TOKENS * 2`` tokens, enough to build a decode and a prefill step's graph."""
+    from dtorch.models.executor import Executor
+    from dtorch.models.kv_cache import KVCache, kv_blocks
+    from dtorch.models.model import Transformer
+    from dtorch.models.parallel import setup_mesh
+
+    config = ckpt.config
+    small = min(PREFILL_TOKENS * 2, config.max_position_embeddings)
+    where = setup_mesh(device, tensor_parallel_size)
+    hollow = ckpt.hollow()
+    model = Transformer.load(config, hollow.get, where.mesh, where.local_ids, dtype,
+                             None if dequantize else hollow.get_packed, max_positions=small, hollow=True)
+    executor = Executor(model, where.communicator, where.local_ids, where.timeout, capture=False)
+    blocks = kv_blocks(config, kv_dtype, 1, small, max(1, kv_cache_bytes(config, dtype, small, kv_dtype=kv_dtype)[0]),
+                       16)
+    executor.use_cache(KVCache(model.layout, where.mesh, executor.local_ids, blocks, 16, small, 1, dtype, kv_dtype))
+    return Hollow(ckpt.source, config, model, executor, where.mesh.device(where.local_ids[0]), where.mesh.size,
+                  ckpt.tokenizer, getattr(ckpt, "tokenizer_error", None))
 
 
 def _default() -> str:

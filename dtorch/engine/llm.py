@@ -18,10 +18,12 @@ requests share the batch, each gets only its own tokens, and whichever caller is
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import queue
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,9 @@ from dtorch.engine.speculative import SpeculativeConfig, speculator_for
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache, cache_dtype, kv_blocks
 from dtorch.models.loaders import open_checkpoint
+from dtorch.models.loaders.checkpoint import LazyCheckpoint
 from dtorch.models.model import Transformer
+from dtorch.models.pack_cache import PackCache
 from dtorch.models.parallel import MeshSetup, setup_mesh
 from dtorch.models.tokenizer import check_text, no_tokenizer_message
 
@@ -62,11 +66,27 @@ Prompt = str | Sequence[int]
 OnText = Any  # Callable[[int, str], None]
 
 
+@contextlib.contextmanager
+def _opened(model: str | Path | LazyCheckpoint, dtype: torch.dtype, check_finite: bool) -> Iterator[LazyCheckpoint]:
+    """``model`` opened (``open_checkpoint``), or as it is when the caller opened it already (its metadata is then
+    not parsed again; it is closed here all the same)."""
+    if not isinstance(model, LazyCheckpoint):
+        model = open_checkpoint(model, dtype, check_finite=check_finite)
+    elif model.dtype != dtype or model.check_finite != check_finite:
+        raise ArgumentError(f"LLM: the checkpoint {model.source} was opened with dtype {model.dtype} and "
+                            f"check_finite={model.check_finite}; expected {dtype} and {check_finite}")
+    with model:
+        yield model
+
+
 class LLM:
     """A model loaded for generation on one device or a mesh, with its engine.
 
     model: a ``.gguf`` file, a Hugging Face directory, a directory holding one ``.gguf``, or a Hugging Face id found
-    in the local Hugging Face cache (nothing is downloaded; None: the default model). dtype: the activations' dtype
+    in the local Hugging Face cache (nothing is downloaded; None: the default model); or a ``LazyCheckpoint`` the
+    caller opened (``open_checkpoint``, same dtype and check_weights) so its metadata is not parsed again (it is
+    closed after the load). A GGUF's packed weights come from, or go to, the pack cache (``dtorch.models.pack_cache``;
+    ``pack_cache.status`` says which); ``load_seconds`` is how long this took. dtype: the activations' dtype
     (float32 or bfloat16 ...), and the float weights'. A GGUF's block-quantized projections and embedding stay as
     stored and run on kernels of their layout ("gguf.q4_1" ...), each part of a fused projection in its own format;
     float16 / bfloat16 ones (GGUF or safetensors) stay 16-bit ("f16", "bf16") beside wider activations; a format no
@@ -111,8 +131,9 @@ class LLM:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
-        if not isinstance(model, (str, os.PathLike)):
-            raise ArgumentError(f"LLM: model must be a path (str or Path) or a Hugging Face id, got {model!r:.100}")
+        if not isinstance(model, (str, os.PathLike, LazyCheckpoint)):
+            raise ArgumentError(f"LLM: model must be a path (str or Path), a Hugging Face id or an opened "
+                                f"checkpoint (open_checkpoint), got {model!r:.100}")
         if not isinstance(device, str):
             raise ArgumentError(f"LLM: device must be a str ('cpu' or 'cuda'), got {device!r:.100}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -135,8 +156,9 @@ class LLM:
         kv_dtype = cache_dtype(kv_cache_dtype, dtype)
         where: MeshSetup = setup_mesh(device, tensor_parallel_size)
         map_large_allocations()  # the load's freed buffers then leave RSS instead of staying in the heap
+        started = time.perf_counter()
         # reads names and shapes; then only this process's slices
-        with open_checkpoint(model, dtype, check_finite=check_weights) as ckpt:
+        with _opened(model, dtype, check_weights) as ckpt:
             self.source = ckpt.source
             self.config = ckpt.config
             self.tokenizer = ckpt.tokenizer
@@ -149,9 +171,12 @@ class LLM:
                 raise ArgumentError(f"LLM: max_model_len {max_model_len} is more than the model's {positions} "
                                     "positions (max_position_embeddings)")
             self.max_len = max_model_len or positions
+            # the packed weights' cache entry of a GGUF file (None: off, or nothing kept packed)
+            self.pack_cache = None if dequantize else PackCache.open(
+                ckpt.source, dtype, f"{where.mesh!r} local {list(where.local_ids)}", check_weights)
             self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
                                           None if dequantize else ckpt.get_packed, max_positions=self.max_len,
-                                          batch_invariant=batch_invariant)
+                                          batch_invariant=batch_invariant, cache=self.pack_cache)
             if not dequantize:  # asked for: nothing to say
                 ckpt.report_widened()
         trim_heap()  # the load's buffers (file reads, packing, metadata) are freed: give their pages back
@@ -180,6 +205,7 @@ class LLM:
                              enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting, rank=self.rank,
                              agree=self._agree if self._spmd else None, device=self.device.torch,
                              speculator=speculator_for(spec, self, dtype, where))
+        self.load_seconds = time.perf_counter() - started  # LLM(...) from the file's opening to a ready engine
 
     @property
     def tensor_parallel_size(self) -> int:

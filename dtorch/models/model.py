@@ -30,6 +30,7 @@ from dtorch.core.errors import ModelError
 from dtorch.graph import DeviceMesh, LogicalGraph, Operand, Replicate
 from dtorch.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from dtorch.models.layout import Layout
+from dtorch.models.pack_cache import PackCache
 from dtorch.models.weights import Getter, PackedGetter, load_weights
 from dtorch.runtime.blob import DistTensor
 
@@ -141,15 +142,18 @@ class Transformer:
     @classmethod
     def load(cls, config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...],
              dtype: torch.dtype, get_packed: PackedGetter | None = None,
-             max_positions: int | None = None, batch_invariant: bool = False) -> Transformer:
+             max_positions: int | None = None, batch_invariant: bool = False,
+             cache: PackCache | None = None, hollow: bool = False) -> Transformer:
         """Place every weight: for each local device, read its pieces through ``get``, fuse, cast, move.
 
         With ``get_packed``, the projections and the embedding stay in their GGUF block format where the file
         has one (packed once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``.
         ``max_positions``: the positions a sequence will use at most (the RoPE table's rows; default: the model's).
-        ``batch_invariant``: the products of a batch of decodes are never told so (``_proj``).
+        ``batch_invariant``: the products of a batch of decodes are never told so (``_proj``). ``cache``: the packed
+        weights' cache entry of the file (``pack_cache``), read where it has them and written where it lacks them.
+        ``hollow``: nothing read or packed, every weight an uninitialized tensor of its shape (``dtorch info``).
         """
-        weights, linear, parts = load_weights(config, get, mesh, local_ids, dtype, get_packed)
+        weights, linear, parts = load_weights(config, get, mesh, local_ids, dtype, get_packed, cache, hollow)
         return cls(config, weights, mesh, dtype, linear, parts, max_positions, batch_invariant)
 
     def linear_provider(self) -> str:

@@ -24,6 +24,7 @@ from dtorch.models.config import ModelConfig
 from dtorch.models.families import Source
 from dtorch.models.layout import Layout
 from dtorch.models.loaders.checkpoint import progress
+from dtorch.models.pack_cache import PackCache, Part
 from dtorch.runtime.blob import Blob, DistTensor
 
 # getter(hf_name, dim, runs) -> the rows/columns ``runs`` [(start, length)] of dim ``dim`` of a checkpoint tensor
@@ -34,26 +35,40 @@ PackedGetter = Callable[[str, "int | None", "list[tuple[int, int]]"], "tuple[str
 
 
 def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...], dtype: torch.dtype,
-                 get_packed: PackedGetter | None = None
+                 get_packed: PackedGetter | None = None, cache: PackCache | None = None, hollow: bool = False
                  ) -> tuple[dict[str, DistTensor], set[str], dict[str, tuple[str, ...]]]:
     """Every weight placed on ``mesh`` (this process's devices ``local_ids``), the names of the float ones stored as
     W [N, K], and the fused weights stored as parts (fused name -> its parts' names, in row order). With
     ``get_packed``, projections and the embedding stay in their GGUF block format where the file has one (packed
     once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``. A fused projection
     whose sources differ in format is stored as parts ``"{name}[j]"`` of consecutive sources sharing one, each kept
-    as stored (``_load_parts``), so no weight is widened because of its neighbour."""
+    as stored (``_load_parts``), so no weight is widened because of its neighbour. ``cache``: the packed weights are
+    read from it where it has them, and it is written (on a thread) when the load made what it lacked. ``hollow``:
+    the getters read nothing (``LazyCheckpoint.hollow``), and nothing is packed either: each packed weight is an
+    uninitialized tensor of its packed shape (``dtorch info``)."""
     layout = Layout(config, mesh.size)
+    tensors = list(families.get(config.family).tensors(config, layout))
+    try:
+        return _load_all(config, get, mesh, local_ids, dtype, get_packed, cache, hollow, layout, tensors)
+    except BaseException:
+        if cache is not None:
+            cache.close()  # nothing written for a load that failed
+        raise
+
+
+def _load_all(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...], dtype: torch.dtype,
+              get_packed: PackedGetter | None, cache: PackCache | None, hollow: bool, layout: Layout, tensors: list
+              ) -> tuple[dict[str, DistTensor], set[str], dict[str, tuple[str, ...]]]:
+    """``load_weights``' loop over the family's weight table ``tensors``."""
     weights: dict[str, DistTensor] = {}
     linear: set[str] = set()
     parts: dict[str, tuple[str, ...]] = {}
     rows_first = _float_linear(mesh, dtype)
-    tensors = list(families.get(config.family).tensors(config, layout))
     for weight in progress(tensors, len(tensors), "loading weights"):  # a bar on a terminal
         name, sources, combine, shape = weight.name, weight.sources, weight.combine, weight.shape
         kind = _kind(name)
-        if rows_first and kind == "lm_head" and config.tie_word_embeddings and name not in weights \
-                and weights["embed"].layout == "strided":
-            weights[name] = weights["embed"]  # tied: the embedding rows [V, E] are the head's W
+        if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout == "strided":
+            weights[name] = weights["embed"]  # tied: the embedding rows [V, E] are the head's W, one tensor
             linear.add(name)
             continue
         if get_packed is not None and kind in PACKABLE:
@@ -61,7 +76,7 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
                 weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
                 continue
             stored = _load_parts(get, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
-                                 layout.placement(kind))
+                                 layout.placement(kind), name, cache, hollow)
             if len(stored) == 1 and stored[0][1] is not None:
                 weights[name] = stored[0][1]
                 continue
@@ -85,6 +100,8 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
             pl, shape = _transposed(pl), (shape[1], shape[0])
             linear.add(name)
         weights[name] = DistTensor(mesh, pl, shape, wdtype, blobs)
+    if cache is not None:
+        cache.commit()
     return weights, linear, parts
 
 
@@ -109,7 +126,8 @@ def _slices(sources: tuple[Source, ...], mesh: DeviceMesh, device_id: int):
 
 def _load_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_ids: tuple[int, ...],
                 dtype: torch.dtype, sources: tuple[Source, ...], combine, shape: tuple[int, ...], kind: str,
-                placement) -> list[tuple[str | None, DistTensor | None]]:
+                placement, name: str, cache: PackCache | None = None,
+                hollow: bool = False) -> list[tuple[str | None, DistTensor | None]]:
     """A projection (or the embedding) kept as stored: W [N, K] (logical) whose pieces are packed rows (or 16-bit
     rows, layout "f16" / "bf16", in a model computing in another dtype).
 
@@ -118,8 +136,33 @@ def _load_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_i
     576-wide models), each then W [N_j, K] of its own rows, placed as its rows of the fused placement. A run of
     float sources is (None, float W [N_j, K]) beside packed ones, and (None, None) when every source is float
     (the caller's float path then reads the weight). A source whose slice on some device would cut a block is
-    read as float."""
+    read as float. ``cache``: the parts are taken from it when it has weight ``name``, else made and put there.
+    ``hollow``: packed parts are left unpacked (see ``load_weights``)."""
     n, k = (shape[1], shape[0]) if kind != "embed" else shape  # Wt [K, N] in the float model
+    parts = cache.get(name) if cache is not None else None
+    if parts is None:
+        parts = _make_parts(get, get_packed, mesh, local_ids, dtype, sources, combine, n, k, kind, hollow)
+        if parts is None:
+            return [(None, None)]
+        if cache is not None:
+            cache.put(name, parts)
+    sizes = [p.rows for p in parts]
+    pieces = _part_placements(placement, (k, n), sizes) if kind != "embed" else [placement]
+    out = []
+    for part, pl in zip(parts, pieces, strict=True):
+        blobs = {i: Blob(mesh.device(i), MemoryKind.PERSISTENT,
+                         adopt(t.to(mesh.device(i).torch), MemoryKind.PERSISTENT), pinned=True)
+                 for i, t in part.tensors.items()}
+        pl = pl if kind == "embed" else _transposed(pl)  # embed is [V, E] either way
+        out.append((part.layout, DistTensor(mesh, pl, (part.rows, k), dtype, blobs, layout=part.layout or "strided")))
+    return out
+
+
+def _make_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_ids: tuple[int, ...],
+                dtype: torch.dtype, sources: tuple[Source, ...], combine, n: int, k: int, kind: str,
+                hollow: bool = False) -> list[Part] | None:
+    """``_load_parts``' parts read from the checkpoint: each device's tensor of each run of sources sharing a format,
+    packed (on the cpu); None when every source is float."""
     slices = {i: list(_slices(sources, mesh, i)) for i in local_ids}
     got = {i: [get_packed(hf, dim if runs else None, runs) for hf, dim, runs in slices[i]] for i in local_ids}
     fmts = []
@@ -127,44 +170,60 @@ def _load_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_i
         seen = {None if got[i][j] is None else got[i][j][0] for i in local_ids}
         fmts.append(seen.pop() if len(seen) == 1 else None)
     if all(f is None for f in fmts):
-        return [(None, None)]
+        return None
     rows = getattr(combine, "rows", None) or (None,) * len(sources)  # per source: a reorder of its rows, or None
     k_split = sources[0].dim == 1 and mesh.size > 1  # split on K (row parallel): one source, each device its columns
     runs = [(f, list(g)) for f, g in itertools.groupby(range(len(sources)), key=fmts.__getitem__)]
     sizes = [sum(sources[j].shape[0] for j in js) for _, js in runs] if kind != "embed" else [n]
-    pieces = _part_placements(placement, (k, n), sizes) if kind != "embed" else [placement]
-    out = []
-    for (fmt, js), size, pl in zip(runs, sizes, pieces, strict=True):
-        blobs = {}
+    parts = []
+    for (fmt, js), size in zip(runs, sizes, strict=True):
+        tensors = {}
         for i in local_ids:
+            k_local = k
+            if k_split:
+                k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0].unit), k, mesh.rank(i), mesh.size))
+            if hollow and fmt is not None:  # its packed shape, nothing read or packed
+                tensors[i] = _unpacked(fmt, sum(got[i][j][1].shape[0] for j in js), k_local)
+                continue
             raws = []
             for j in js:
                 hf, dim, rs = slices[i][j]
                 raw = got[i][j][1] if fmt is not None else get(hf, dim if rs else None, rs).to(dtype)
                 raws.append(raw if rows[j] is None else rows[j](raw))
             raw = torch.cat(raws, 0) if len(raws) > 1 else raws[0]
-            k_local = k
-            if k_split:
-                k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0].unit), k, mesh.rank(i), mesh.size))
-            t = (pack_stored(raw, fmt, k_local) if fmt is not None else raw.contiguous()).to(mesh.device(i).torch)
-            blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
-        pl = pl if kind == "embed" else _transposed(pl)  # embed is [V, E] either way
-        out.append((fmt, DistTensor(mesh, pl, (size, k), dtype, blobs, layout=fmt or "strided")))
-    return out
+            tensors[i] = pack_stored(raw, fmt, k_local) if fmt is not None else raw.contiguous()
+        parts.append(Part(fmt, size, tensors))
+    return parts
+
+
+def _unpacked(layout: str, rows: int, k: int) -> torch.Tensor:
+    """An uninitialized tensor of the shape and dtype ``pack_stored`` gives a weight of ``rows`` rows of ``k`` in
+    ``layout`` (no page of it is touched)."""
+    from dtorch.kernels.half import HALF_LAYOUTS
+    from dtorch.kernels.layouts import row_bytes
+
+    if layout in HALF_LAYOUTS:
+        return torch.empty(rows, k, dtype=HALF_LAYOUTS[layout])
+    return torch.empty(rows, row_bytes(layout, k), dtype=torch.uint8)
 
 
 PACK_CHUNK_BYTES = 1 << 22  # GGUF bytes packed at a time: packing makes a few copies of what it packs
 
 
 def pack_stored(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
-    """The tensor kernels of ``layout`` read, from the rows [N, ...] a file stores: GGUF block bytes packed
-    (``layouts.pack``) a chunk of rows at a time into the result (each packed row holds its own row alone), so a
-    large weight (an embedding) costs no more than itself and a chunk; 16-bit float rows ("f16", "bf16") as they are."""
+    """The tensor kernels of ``layout`` read, from the rows [N, ...] a file stores: GGUF block bytes packed in one
+    native pass (``kernels.native.repack``), else by ``layouts.pack`` a chunk of rows at a time into the result (each
+    packed row holds its own row alone), so a large weight (an embedding) costs no more than itself and a chunk;
+    16-bit float rows ("f16", "bf16") as they are."""
     from dtorch.kernels.half import HALF_LAYOUTS
     from dtorch.kernels.layouts import pack, row_bytes
+    from dtorch.kernels.native.repack import repack
 
     if layout in HALF_LAYOUTS:
         return raw.contiguous()
+    packed = repack(raw, layout, k)  # native, one pass at memory speed; None where it does not serve the format
+    if packed is not None:
+        return packed
     n = raw.shape[0]
     step = max(1, PACK_CHUNK_BYTES // max(1, raw[:1].numel()))
     if step >= n:

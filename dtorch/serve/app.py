@@ -265,8 +265,18 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
+        """200 {"status": "ok"} once every step shape is built; 200 {"status": "warming", "step_shapes_built": k,
+        "step_shapes": n} while they are built between requests (requests are answered meanwhile, each shape built
+        when first needed); 503 {"status": "unavailable", "error": ...} before serving or once shutting down
+        (llama.cpp's server answers 503 while it loads)."""
         up = server.serving and getattr(server.engine, "accepting", True)  # False once shutting down
-        return Response(status_code=200 if up else 503)
+        if not up:
+            return Json({"status": "unavailable", "error": {"message": "the server is not serving (starting or "
+                         "shutting down)", "type": "unavailable_error", "code": 503}}, status_code=503)
+        engine = server.engine
+        if getattr(engine, "warm", True):
+            return Json({"status": "ok"})
+        return Json({"status": "warming", "step_shapes_built": engine.warm_built, "step_shapes": engine.warm_total})
 
     @app.get("/metrics")
     async def metrics() -> Response:

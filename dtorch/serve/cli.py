@@ -8,6 +8,10 @@ Facing a network: ``--api-key`` (or DTORCH_API_KEY) makes every request but /hea
 bodies past ``--max-body-bytes`` get 413, headers past ``--max-header-bytes`` 431. Once it listens it prints a banner
 (the model, its weights' formats, the memory it holds, the threads, the URL with the real port); each request logs one
 line at info level, and while the engine works a throughput line comes every ``--log-stats-interval`` seconds.
+
+It answers as soon as the model is loaded: the step shapes a request needs are built when first used, and every other
+shape the scheduler can make is built between requests (``Engine.start_warmup``); ``/health`` answers 200
+``{"status": "warming", ...}`` until they all are, then ``{"status": "ok"}`` (503 once shutting down).
 """
 
 from __future__ import annotations
@@ -121,9 +125,10 @@ def run_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("dtorch.serve")
     loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
     name = args.served_model_name or served_name(llm.source)
-    loaded, t0 = time.perf_counter() - t0, time.perf_counter()
-    shapes = llm.engine.warmup(progress=warmup_bar)
-    log.info("%d step shapes built in %.1f s", shapes, time.perf_counter() - t0)
+    loaded = time.perf_counter() - t0
+    # the step shapes are built by the engine loop between requests (a request's own shapes when it needs them):
+    # the server answers from the start, and /health says "warming" until every shape is built
+    llm.engine.start_warmup()
     app = build_app(llm, name, engine_loop=loop, pooling=args.embedding_pooling, api_key=key,
                     allowed_origins=origins, max_body_bytes=args.max_body_bytes, log_interval=args.log_stats_interval)
     # uvicorn's own limit is a backstop: the engine ends what is left at --shutdown-grace
@@ -142,13 +147,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, shut_down)
-    announced = False
+    announced, warm = False, False
 
     def until() -> bool:  # between engine steps: the banner once the server listens; the end once HTTP is gone
-        nonlocal announced
+        nonlocal announced, warm
         if not announced and server.started:
             announced = True
-            print(banner(llm, name, listening_url(server, args.host), loaded), file=sys.stderr, flush=True)
+            listening = time.perf_counter() - t0
+            print(banner(llm, name, listening_url(server, args.host), loaded, listening), file=sys.stderr,
+                  flush=True)
+        if not warm and llm.engine.warm:
+            warm = True
+            log.info("%d step shapes built, %.1f s after the start: /health says ok", llm.engine.warm_total,
+                     time.perf_counter() - t0)
         return not http.is_alive()
 
     try:

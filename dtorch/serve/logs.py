@@ -30,14 +30,19 @@ def setup_logging(level: str) -> None:
     root.propagate = False
 
 
-def banner(llm: Any, name: str, url: str, load_seconds: float) -> str:
+def banner(llm: Any, name: str, url: str, load_seconds: float, listening_seconds: float | None = None) -> str:
     """The start banner: what is served and where, what was loaded (its weights' formats, the threads; ``dtorch
-    info``'s line), and the memory the KV cache and the process hold."""
+    info``'s line), how long the start took (the load, then until the server listened) and how the step shapes are
+    being built, and the memory the KV cache and the process hold."""
     from dtorch.engine.info import describe_loaded, mib
 
     rss = _rss()
-    cache = llm.cache
-    return "\n".join([f"dtorch serve: {name} on {url}", f"  {describe_loaded(llm, load_seconds)}",
+    cache, engine = llm.cache, llm.engine
+    started = f"  listening {listening_seconds:.1f} s after the start; " if listening_seconds is not None else "  "
+    shapes = (f"{started}step shapes: {engine.warm_built} of {engine.warm_total} built, the rest as requests need "
+              "them and between requests (/health says warming until all are)" if not engine.warm else
+              f"{started}step shapes: all {engine.warm_total} built")
+    return "\n".join([f"dtorch serve: {name} on {url}", f"  {describe_loaded(llm, load_seconds)}", shapes,
                       f"  KV cache {mib(cache.nbytes)} reserved for {cache.num_blocks * cache.block_size} tokens" +
                       (f"; the process holds {mib(rss)} now" if rss else "") +
                       f"; at most {llm.max_num_seqs} sequences a step"])

@@ -3,6 +3,7 @@ and a getter that reads only the slices asked for) or, read whole, a ``Checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -114,6 +115,10 @@ class LazyCheckpoint:
     # records in ``widened`` each tensor it returns wider than stored (``report_widened`` says so)
     stored: Mapping[str, tuple[str, str, float]] = field(default_factory=dict)
     widened: dict[str, list[int]] = field(default_factory=dict)  # name -> [bytes as read, bytes as stored]
+    # (name, dim, runs) -> (layout, shape, dtype) of what ``read_packed`` would give, from the metadata alone (None:
+    # read as float); what ``hollow`` serves
+    packed_layout: Callable[[str, int | None, list[tuple[int, int]]],
+                            tuple[str, tuple[int, ...], torch.dtype] | None] | None = None
 
     def get_packed(self, name: str, dim: int | None = None,
                    runs: Sequence[tuple[int, int]] = ()) -> tuple[str, torch.Tensor] | None:
@@ -142,7 +147,7 @@ class LazyCheckpoint:
                     raise ModelError(f"{self.source}: rows [{a}, {a + n}) of dim {dim} are outside tensor {name!r} "
                                      f"{list(shape)}")
         t = self.read(name, dim if runs else None, runs).to(self.dtype).contiguous()
-        if self.check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if self.check_finite and t.is_floating_point() and not all_finite(t):
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()
             raise ModelError(f"{self.source}: tensor {name!r} {list(shape)} holds non-finite values (NaN or inf), "
                              f"e.g. at {bad}{'' if dim is None else f' of the slice of dim {dim} read'}; expected "
@@ -155,6 +160,23 @@ class LazyCheckpoint:
             cost[0] += t.numel() * t.element_size()
             cost[1] += math.ceil(t.numel() * stored[2] / 8)
         return t
+
+    def hollow(self) -> LazyCheckpoint:
+        """This checkpoint with nothing read: ``get`` gives an uninitialized tensor of the slice's shape, ``get_packed``
+        one of the shape and layout the file stores it in (from the metadata; no byte of a weight is touched). What
+        ``dtorch info`` loads: the formats, bytes and kernels of a model without reading or repacking it."""
+
+        def read(name: str, dim: int | None, runs: list[tuple[int, int]]) -> torch.Tensor:
+            shape = list(self.shapes[name])
+            if dim is not None and runs:
+                shape[dim] = sum(n for _, n in runs)
+            return torch.empty(shape, dtype=self.dtype)
+
+        def read_packed(name: str, dim: int | None, runs: list[tuple[int, int]]) -> tuple[str, torch.Tensor] | None:
+            got = self.packed_layout(name, dim, runs) if self.packed_layout is not None else None
+            return None if got is None else (got[0], torch.empty(got[1], dtype=got[2]))
+
+        return dataclasses.replace(self, read=read, read_packed=read_packed, check_finite=False, widened={})
 
     def report_widened(self) -> str | None:
         """Log, once, the tensors ``get`` returned wider than the file stores them (a format no kernel keeps as
@@ -275,7 +297,7 @@ def check_memory(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], dty
 
 # layout -> (bytes per GGUF block, byte offsets of its fp16 scales in the block)
 _SCALES = {"gguf.q8_0": (34, (0,)), "gguf.q4_0": (18, (0,)), "gguf.q4_1": (20, (0, 2)), "gguf.q4_k": (144, (0, 2)),
-           "gguf.q6_k": (210, (208,))}
+           "gguf.q6_k": (210, (208,)), "gguf.q5_0": (22, (0,)), "gguf.q5_1": (24, (0, 2)), "gguf.iq4_nl": (18, (0,))}
 
 
 def packed_scales_finite(layout: str, rows: torch.Tensor) -> bool:
@@ -283,12 +305,23 @@ def packed_scales_finite(layout: str, rows: torch.Tensor) -> bool:
     finite: the cheap check of a packed weight (its quants are small ints, finite by construction); a 16-bit float
     weight ("f16", "bf16") is checked whole."""
     if rows.is_floating_point():
-        return bool(torch.isfinite(rows).all())
+        return all_finite(rows)
     size, offsets = _SCALES.get(layout, (0, ()))
     if not offsets or rows.numel() % size:
         return True
     blocks = rows.reshape(-1, size)
-    return all(bool(torch.isfinite(blocks[:, o:o + 2].contiguous().view(torch.float16)).all()) for o in offsets)
+    # an fp16 is NaN or inf when its 5 exponent bits are all set: bits 2..6 of its high (little-endian: second) byte
+    return not any(bool(blocks[:, o + 1].bitwise_and(0x7C).eq_(0x7C).any()) for o in offsets)
+
+
+FINITE_CHUNK = 1 << 22  # elements checked at a time: torch.isfinite makes a float and two bool temporaries as large
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of float tensor ``t`` is finite, checked a chunk at a time: on a 640 MB embedding at
+    once, ``torch.isfinite``'s temporaries (``abs``, two masks) would take 1.1 GB more at the load's peak."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + FINITE_CHUNK]).all()) for i in range(0, flat.numel(), FINITE_CHUNK))
 
 
 def narrow_runs(t: torch.Tensor, dim: int | None, runs: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import mmap
+import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -61,9 +63,9 @@ def _open(path: Path) -> Any:
 
 @functools.cache
 def _lean_reader(base: type) -> type:
-    """gguf's ``GGUFReader`` with its metadata parsed into plain ndarray views of the file map. Its own views are
-    ``np.memmap`` s, each with a dict of attributes: one per string of the vocabulary and merges made a 49k-token
-    file cost 160 MB of RSS (3x its weights) and 4x the time to open."""
+    """gguf's ``GGUFReader`` with its metadata parsed straight into Python values (``_parse_fields``) and its other
+    views plain ndarrays of the file map. Its own parse makes an ``np.memmap`` view with a dict of attributes for
+    every string of the vocabulary and merges: 2.5 s and 160 MB of RSS for a 49k-token file, 3x its weights."""
     class LeanGGUFReader(base):
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None) -> np.ndarray:
             plain = self.__dict__.get("_plain")
@@ -74,7 +76,110 @@ def _lean_reader(base: type) -> type:
             order = self.byte_order if override_order is None else override_order
             return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
 
+        def _build_fields(self, offs: int, count: int) -> int:
+            order = ">" if (self.byte_order == "S") == (sys.byteorder == "little") else "<"
+            fields, offs = _parse_fields(memoryview(self.data.view(np.ndarray)), int(offs), int(count), order)
+            for f in fields:
+                self._push_field(f, skip_sum=True)  # raises on a key given twice
+            return offs
+
     return LeanGGUFReader
+
+
+class _Field(NamedTuple):
+    """One metadata key as ``_parse_fields`` read it: gguf's ``ReaderField`` interface (``contents()``, ``types``,
+    ``parts[-1][0]`` of a scalar, which ``GGUFReader`` reads for ``general.alignment``) over a Python value."""
+
+    offset: int
+    name: str
+    value: Any
+    types: list
+    parts: list
+
+    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+        if isinstance(self.value, UnicodeDecodeError):
+            raise self.value
+        return self.value[index_or_slice] if isinstance(self.value, list) else self.value
+
+
+# GGUF value type -> struct code of one scalar (gguf.GGUFValueType: 8 is STRING, 9 ARRAY)
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _parse_fields(buf: memoryview, offs: int, count: int, order: str) -> tuple[list[_Field], int]:
+    """``count`` metadata key-value pairs from byte ``offs`` of the file ``buf``: (the fields, the offset after them).
+    Every length is checked against the file before it is used (a bad count or length raises ``ValueError``, never
+    allocates or loops past the end); a string that is not UTF-8 raises when its field's ``contents()`` is read."""
+    import gguf
+
+    end = len(buf)
+    u64, u32 = struct.Struct(order + "Q"), struct.Struct(order + "I")
+
+    def need(at: int, n: int) -> None:
+        if n < 0 or at + n > end:
+            raise ValueError(f"metadata runs past the end of the file (byte {at} + {n} of {end})")
+
+    def string(at: int) -> tuple[bytes, int]:
+        need(at, 8)
+        n = u64.unpack_from(buf, at)[0]
+        need(at + 8, n)
+        return buf[at + 8:at + 8 + n], at + 8 + n
+
+    def strings(at: int, n: int) -> tuple[list[str] | UnicodeDecodeError, int]:
+        items, unpack, bad = [], u64.unpack_from, None
+        for _ in range(n):  # unpack_from raises past the end; a length past it is caught below
+            size = unpack(buf, at)[0]
+            if bad is None:
+                try:
+                    items.append(str(buf[at + 8:at + 8 + size], "utf-8"))
+                except UnicodeDecodeError as e:
+                    bad = e
+            at += 8 + size
+            if at > end:
+                need(at - size, size)
+        return (items if bad is None else bad), at
+
+    def value(at: int, kind: int) -> tuple[Any, int]:
+        if kind == _STRING:
+            raw, at = string(at)
+            return str(raw, "utf-8"), at
+        code = _SCALAR.get(kind)
+        if code is not None:
+            size = struct.calcsize(code)
+            need(at, size)
+            return struct.unpack_from(order + code, buf, at)[0], at + size
+        if kind != _ARRAY:
+            raise ValueError(f"unknown metadata value type {kind} at byte {at}")
+        need(at, 12)
+        sub, n = u32.unpack_from(buf, at)[0], u64.unpack_from(buf, at + 4)[0]
+        at += 12
+        code = _SCALAR.get(sub)
+        if code is not None:  # numbers: one view of the file
+            size = struct.calcsize(code)
+            need(at, n * size)
+            arr = np.frombuffer(buf, np.dtype(order + code), n, at)
+            return arr.tolist(), at + n * size
+        items = []
+        if sub == _STRING:  # the vocabulary and merges: each a length and its bytes (a tight loop: 150k of them)
+            return strings(at, n)
+        for _ in range(n):  # arrays of arrays, flattened as gguf's reader does
+            v, at = value(at, sub)
+            items += v if isinstance(v, list) else [v]
+        return items, at
+
+    fields = []
+    for _ in range(count):
+        start = offs
+        key, offs = string(offs)
+        need(offs, 4)
+        kind = u32.unpack_from(buf, offs)[0]
+        v, offs = value(offs + 4, kind)
+        types = [gguf.GGUFValueType(kind)]
+        if kind == _ARRAY:
+            types.append(gguf.GGUFValueType(u32.unpack_from(buf, start + 8 + len(key) + 4)[0]))
+        fields.append(_Field(start, str(key, "utf-8"), v, types, [np.array([v]) if kind in _SCALAR else None]))
+    return fields, offs
 
 
 def _release(reader: Any, tensors: Any) -> None:
@@ -220,10 +325,27 @@ def stored_layout(ggml_type: Any, dtype: torch.dtype) -> str | None:
     return layout
 
 
+def _read_bytes(path: Path, t: Any) -> np.ndarray:
+    """GGUF tensor ``t``'s bytes read from ``path`` into memory of their own, shaped and typed as its map ``t.data``."""
+    from dtorch.core.memory import empty_in_huge_pages
+
+    # a transient buffer: faulted in 2 MiB pages, 512x fewer faults than 4 KiB ones
+    out = empty_in_huge_pages((int(t.data.nbytes),), torch.uint8).numpy().view(t.data.dtype).reshape(t.data.shape)
+    view = memoryview(out).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        f.seek(int(t.data_offset))
+        got = f.readinto(view)
+    if got != len(view):
+        raise ModelError(f"{path}: truncated: tensor {t.name!r} needs {len(view)} bytes at {int(t.data_offset)}, "
+                         f"read {got}")
+    return out
+
+
 def _packed_rows(data: np.ndarray, shape: tuple[int, ...], layout: str, dim: int | None,
-                 runs: list[tuple[int, int]]) -> torch.Tensor | None:
+                 runs: list[tuple[int, int]], own: bool = False) -> torch.Tensor | None:
     """GGUF block bytes ``data`` [rows, row bytes] of a 2-D tensor ``shape``, sliced: uint8 torch, or None when the
-    slice cuts blocks; a 16-bit float tensor ("f16", "bf16") as torch float16 / bfloat16 [rows, cols]."""
+    slice cuts blocks; a 16-bit float tensor ("f16", "bf16") as torch float16 / bfloat16 [rows, cols]. ``own``:
+    ``data`` is memory of its own, not a view of the file map (no copy needed)."""
     from dtorch.kernels.half import HALF_LAYOUTS
     from dtorch.kernels.layouts import block_size
 
@@ -235,9 +357,11 @@ def _packed_rows(data: np.ndarray, shape: tuple[int, ...], layout: str, dim: int
         data = np.concatenate([data[:, a // block * per_block:(a + n) // block * per_block] for a, n in runs], 1)
     elif dim == 0 and runs:
         data = np.concatenate([data[a:a + n] for a, n in runs], 0)
+    own = own and not runs
     if layout in HALF_LAYOUTS:  # F16 maps as float16, BF16 as its bytes
-        return torch.from_numpy(np.array(data, copy=True)).view(HALF_LAYOUTS[layout])
-    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))  # the map is read-only: one tensor's copy
+        return torch.from_numpy(data if own else np.array(data, copy=True)).view(HALF_LAYOUTS[layout])
+    # the map is read-only: one tensor's copy
+    return torch.from_numpy(data.view(np.uint8) if own else np.array(data, dtype=np.uint8, copy=True))
 
 
 def _views(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, View], dict[str, tuple[int, ...]]]:
@@ -264,7 +388,7 @@ def _views(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, View
 
 
 def _gguf_reader(reader: Any, config: ModelConfig, path: Path, views: dict[str, View],
-                 dtype: torch.dtype = torch.float32) -> tuple[Reader, Any]:
+                 dtype: torch.dtype = torch.float32) -> tuple[Reader, Any, Any]:
     """A ``Reader`` of slices of the tensors ``views`` (Llama q/k un-permuted, the hybrids' tensors as transformers
     holds them) and its packed reader."""
     heads = {}
@@ -294,17 +418,47 @@ def _gguf_reader(reader: Any, config: ModelConfig, path: Path, views: dict[str, 
         layout = layouts.pop() if len(layouts) == 1 else None
         if layout is None or len(v.shape) != 2 or v.cols is not None or v.value is not None:
             return None
-        data = v.parts[0].data if len(v.parts) == 1 else np.concatenate([t.data for t in v.parts], 0)
+        own = len(v.parts) == 1 and v.rows is None and dim is None and reader.byte_order == "I"
+        if own:  # the whole tensor: one read of its bytes (a copy of the map would fault in each 4 KiB page)
+            data = _read_bytes(path, v.parts[0])
+        else:
+            data = v.parts[0].data if len(v.parts) == 1 else np.concatenate([t.data for t in v.parts], 0)
         if v.rows is not None:
             data = data[v.rows.numpy()]
         if name in heads:
             d = config.head_dim
             if dim == 0 and not all(a % d == 0 and n % d == 0 for a, n in runs):
                 return None
-            rows = _packed_rows(data, v.shape, layout, dim, runs)
+            rows = _packed_rows(data, v.shape, layout, dim, runs, own)
             return None if rows is None else (layout, unpermute_qk(rows, rows.shape[0] // d).contiguous())
-        rows = _packed_rows(data, v.shape, layout, dim, runs)
+        rows = _packed_rows(data, v.shape, layout, dim, runs, own)
         return None if rows is None else (layout, rows)
+
+    def packed_layout(name: str, dim: int | None, runs: list[tuple[int, int]]):
+        """(layout, shape, dtype) of what ``read_packed`` gives for the slice, or None where it gives None; from the
+        metadata alone (``LazyCheckpoint.hollow``)."""
+        from dtorch.kernels.half import HALF_LAYOUTS
+        from dtorch.kernels.layouts import block_size, gguf_block_bytes
+
+        v = views[name]
+        layouts = {stored_layout(t.tensor_type, dtype) for t in v.parts}
+        layout = layouts.pop() if len(layouts) == 1 else None
+        if layout is None or len(v.shape) != 2 or v.cols is not None or v.value is not None:
+            return None
+        d = config.head_dim
+        if name in heads and dim == 0 and not all(a % d == 0 and n % d == 0 for a, n in runs):
+            return None
+        rows, cols = v.shape
+        block = 1 if layout in HALF_LAYOUTS else block_size(layout)
+        if dim == 1 and runs:
+            if any(a % block or n % block for a, n in runs):
+                return None
+            cols = sum(n for _, n in runs)
+        elif dim == 0 and runs:
+            rows = sum(n for _, n in runs)
+        if layout in HALF_LAYOUTS:
+            return layout, (rows, cols), HALF_LAYOUTS[layout]
+        return layout, (rows, cols // block * gguf_block_bytes(layout)), torch.uint8
 
     def released(fn: Callable) -> Callable:
         """``fn``, then the pages of the file map under the tensor dropped (``_release``): what was read is a copy."""
@@ -315,7 +469,7 @@ def _gguf_reader(reader: Any, config: ModelConfig, path: Path, views: dict[str, 
                 _release(reader, views[name].parts)
         return read_then_release
 
-    return released(read), released(read_packed)
+    return released(read), released(read_packed), packed_layout
 
 
 def check_tensor_layout(reader: Any, path: Path) -> None:
@@ -353,7 +507,7 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     rope = {t.name: dequantize(t, path) for t in reader.tensors if t.name in GGUF_ROPE_TENSORS}
     config = config_from_gguf(meta, {t.name for t in reader.tensors}, path, rope)
     views, unnamed = _views(reader, config, path)
-    read, read_packed = _gguf_reader(reader, config, path, views, dtype)
+    read, read_packed, packed_layout = _gguf_reader(reader, config, path, views, dtype)
     packed = {name: sum(int(t.n_bytes) for t in v.parts) for name, v in views.items()
               if all(stored_layout(t.tensor_type, dtype) is not None for t in v.parts)}
     shapes = used_shapes({name: v.shape for name, v in views.items()} | unnamed, config, dtype, str(path),
@@ -365,7 +519,8 @@ def open_gguf(path: str | Path, dtype: torch.dtype = torch.float32, check_finite
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
                           source=str(path), chat_template=template if isinstance(template, str) else None,
                           read_packed=read_packed, metadata={"tensor_types": types, "gguf": scalars},
-                          check_finite=check_finite, stored=_stored_formats(views, types), tokenizer_error=why)
+                          check_finite=check_finite, stored=_stored_formats(views, types), tokenizer_error=why,
+                          packed_layout=packed_layout)
 
 
 def _file_tokenizer(meta: dict[str, Any], path: Path) -> tuple[Any, str | None]:

@@ -276,7 +276,24 @@ def open_hf(directory: str | Path, dtype: torch.dtype = torch.float32, check_fin
                                       chat_template=template, eos_token_ids=config.eos_token_ids)
     return LazyCheckpoint(config=config, shapes=shapes, read=read, dtype=dtype, tokenizer=tokenizer,
                           source=str(directory), chat_template=template, check_finite=check_finite,
-                          read_packed=_read_half(read, dtypes, shapes, dtype))
+                          read_packed=_read_half(read, dtypes, shapes, dtype),
+                          packed_layout=_half_layout(dtypes, shapes, dtype))
+
+
+def _half_layout(dtypes: dict[str, torch.dtype], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype):
+    """The ``packed_layout`` of a directory: ``_read_half``'s answer from the metadata alone."""
+    from dtorch.kernels.half import half_layout
+
+    def packed_layout(name: str, dim: int | None, runs: list[tuple[int, int]]):
+        stored, shape = dtypes.get(name), list(shapes.get(name, ()))
+        layout = half_layout(stored) if stored is not None and stored != dtype else None
+        if layout is None or len(shape) != 2:
+            return None
+        if dim is not None and runs:
+            shape[dim] = sum(n for _, n in runs)
+        return layout, tuple(shape), stored
+
+    return packed_layout
 
 
 def _read_half(read: Reader, dtypes: dict[str, torch.dtype], shapes: dict[str, tuple[int, ...]],

@@ -625,6 +625,7 @@ PyObject* py_conv_update(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_gdn_step(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_moe_decode(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* py_gdn_gates(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* py_repack(PyObject*, PyObject* const*, Py_ssize_t);
 
 PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)())py_qlinear, METH_FASTCALL, "y = x @ dequant(w).T into out"},
@@ -649,6 +650,7 @@ PyMethodDef methods[] = {
     {"gdn_step", (PyCFunction)(void (*)())py_gdn_step, METH_FASTCALL, "one gated delta rule decode step"},
     {"moe_decode", (PyCFunction)(void (*)())py_moe_decode, METH_FASTCALL, "one token through its experts"},
     {"gdn_gates", (PyCFunction)(void (*)())py_gdn_gates, METH_FASTCALL, "gated delta net decay g and beta"},
+    {"repack", (PyCFunction)(void (*)())py_repack, METH_FASTCALL, "GGUF block bytes into packed rows"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CPU kernels", -1, methods};
@@ -1180,6 +1182,43 @@ ENTRY(py_gdn_gates)
   at::Tensor out = beta;  // sigmoid_out takes a mutable reference
   at::sigmoid_out(out, b);
   Py_RETURN_NONE;
+EXIT
+
+}  // namespace
+
+// ===== load time: repack =====================================================================================
+// GGUF block bytes into the packed rows the kernels read (repack.h), rows split over torch's threads.
+#include "repack.h"
+
+namespace {
+
+// repack(src uint8 [N, GGUF row bytes] (rows of one stride, each dense: a view of the file map), dst uint8 [N, packed
+// row bytes] contiguous, fmt int (layouts.format_code), K int) -> True, or False when fmt has no native repack
+ENTRY(py_repack)
+  const char* op = "repack";
+  need_args(nargs, 4, op);
+  const at::Tensor& src = any_tensor(args[0], op, "src");
+  const at::Tensor& dst = tensor(args[1], op, "dst");
+  const long fmt = PyLong_AsLong(args[2]), K = PyLong_AsLong(args[3]);
+  if (PyErr_Occurred()) throw Fail{};
+  need_dtype(src, at::kByte, op, "src");
+  need_dtype(dst, at::kByte, op, "dst");
+  int64_t block = 0, in_bytes = 0, out_bytes = 0;
+  if (!dtn::repack::block_bytes(int(fmt), &block, &in_bytes, &out_bytes)) Py_RETURN_FALSE;
+  NEED(src.dim() == 2 && dst.dim() == 2 && src.size(0) == dst.size(0) && K > 0 && K % block == 0 &&
+       src.size(1) == K / block * in_bytes && dst.size(1) == K / block * out_bytes, g_shape_error,
+       std::string(op) + ": format " + std::to_string(fmt) + " of K = " + std::to_string(K) + " needs src [N, " +
+       std::to_string(K / block * in_bytes) + "] and dst [N, " + std::to_string(K / block * out_bytes) +
+       "] (K a multiple of " + std::to_string(block) + "); got src " + dims(src) + ", dst " + dims(dst));
+  const int64_t ls = row_stride(src, 1, op, "src"), N = src.size(0), in_row = src.size(1), out_row = dst.size(1);
+  const uint8_t* sp = src.data_ptr<uint8_t>();
+  uint8_t* dp = dst.data_ptr<uint8_t>();
+  Py_BEGIN_ALLOW_THREADS
+  parallel_rows(N, in_row * 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) dtn::repack::row(int(fmt), sp + r * ls, dp + r * out_row, K);
+  });
+  Py_END_ALLOW_THREADS
+  Py_RETURN_TRUE;
 EXIT
 
 }  // namespace

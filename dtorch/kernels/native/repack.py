@@ -1,0 +1,32 @@
+"""GGUF block bytes into the packed rows of ``dtorch.kernels.layouts``, in C++ (csrc/repack.h): one pass over the
+bytes, rows split over torch's intra-op threads, bit for bit ``layouts.pack``'s result (its torch code is the
+reference, and the fallback for the formats and machines this does not serve)."""
+
+from __future__ import annotations
+
+import torch
+
+from dtorch.core import env
+from dtorch.core.memory import empty_in_huge_pages
+from dtorch.kernels import layouts
+from dtorch.kernels.native import loader
+
+# the formats csrc/repack.h packs (the others: layouts.pack)
+NATIVE_LAYOUTS = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl", "gguf.q4_k",
+                  "gguf.q6_k")
+
+
+def repack(raw: torch.Tensor, layout: str, k: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """uint8 [N, row_bytes(layout, k)] from ``raw`` uint8 [N, GGUF row bytes] (rows of one stride, each dense: a
+    view of the file map will do), or None where the native kernels do not load or do not pack ``layout`` (then
+    ``layouts.pack`` does). ``out``: the result's storage, [N, row_bytes] contiguous."""
+    if layout not in NATIVE_LAYOUTS or raw.dim() != 2 or raw.dtype != torch.uint8 or raw.device.type != "cpu":
+        return None
+    try:
+        lib = loader.load()
+    except loader.NativeUnavailable:
+        return None
+    if out is None:  # the weight's own memory: in 2 MiB pages from its first write, unless asked not to
+        shape = (raw.shape[0], layouts.row_bytes(layout, k))
+        out = torch.empty(shape, dtype=torch.uint8) if env.no_huge_pages() else empty_in_huge_pages(shape, torch.uint8)
+    return out if lib.repack(raw, out, layouts.format_code(layout), k) else None

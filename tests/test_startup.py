@@ -1,0 +1,265 @@
+"""Start-up (issue #39): the native repack against ``layouts.pack`` bit for bit; the packed-weight cache (hit, miss,
+stale, corrupt, two writers at once, turned off), each load's logits equal to the uncached load's bit for bit;
+``info`` without reading or repacking a weight; ``/health`` while the step shapes are built; a tied float head held
+once and counted once (transformers' ``num_parameters``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import save_random, tiny_config
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+IDS = [3, 17, 5, 42, 9, 11]
+
+
+# -- the native repack ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl",
+                                    "gguf.q4_k", "gguf.q6_k"])
+def test_native_repack_is_layouts_pack_bit_for_bit(layout):
+    """Random GGUF bytes (every bit pattern of quants, scales and fifth bits) of rows with whole super-groups, a
+    partial last one (17 blocks: 16 + 1; 896 = 28 blocks: 16 + 12), and rows given as a strided view."""
+    from dtorch.kernels import layouts
+    from dtorch.kernels.native import NativeUnavailable, load
+    from dtorch.kernels.native.repack import repack
+
+    try:
+        load()
+    except NativeUnavailable as e:
+        pytest.skip(f"native kernels unavailable: {e}")
+    block, size = layouts.block_size(layout), layouts.gguf_block_bytes(layout)
+    g = torch.Generator().manual_seed(0)
+    for k in ((32 * 17, 896, 4864) if block == 32 else (256, 4864)):
+        raw = torch.randint(0, 256, (7, 2 * k // block * size), dtype=torch.uint8, generator=g)[:, :k // block * size]
+        assert torch.equal(repack(raw, layout, k), layouts.pack(raw.contiguous(), layout, k)), (layout, k)
+
+
+# -- the pack cache -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory) -> Path:
+    """A tiny Qwen2 (tied head) whose projections are Q5_0 and Q8_0 and embedding Q4_0."""
+    from dtorch.models.tiny import write_gguf
+
+    Q = gguf.GGMLQuantizationType
+    path = tmp_path_factory.mktemp("tiny-q") / "tiny.gguf"
+    hf = save_random(transformers, tiny_config(transformers, "qwen2"), path.parent)
+    write_gguf(hf, path, qtype=lambda name: Q.Q4_0 if "token_embd" in name else Q.Q8_0 if "attn_v" in name
+               else Q.Q5_0)
+    return path
+
+
+def _load(path: Path):
+    """(logits of IDS, the pack cache's status, the LLM closed)."""
+    from dtorch.engine.llm import LLM
+
+    llm = LLM(path, max_model_len=32, max_num_seqs=1)
+    try:
+        status = llm.pack_cache.status if llm.pack_cache is not None else "off"
+        if llm.pack_cache is not None:
+            llm.pack_cache.wait()
+        return llm.logits(IDS), status
+    finally:
+        llm.close()
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "packed"
+    monkeypatch.setenv("DTORCH_PACK_CACHE_DIR", str(folder))
+    monkeypatch.delenv("DTORCH_PACK_CACHE", raising=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def uncached(quantized, tmp_path_factory) -> torch.Tensor:
+    """The logits of a load with the cache off (what every cached load must give, bit for bit)."""
+    os.environ["DTORCH_PACK_CACHE"] = "0"
+    try:
+        logits, status = _load(quantized)
+    finally:
+        del os.environ["DTORCH_PACK_CACHE"]
+    assert status == "off"
+    return logits
+
+
+def _entry(folder: Path) -> Path:
+    entries = list(folder.glob("*.dtpk"))
+    assert len(entries) == 1, entries
+    return entries[0]
+
+
+def test_cache_miss_then_hit_give_the_uncached_logits(quantized, uncached, cache_dir):
+    logits, status = _load(quantized)
+    assert status == "miss" and torch.equal(logits, uncached)
+    entry = _entry(cache_dir)
+    logits, status = _load(quantized)
+    assert status == "hit" and torch.equal(logits, uncached)
+    assert _entry(cache_dir) == entry and not list(cache_dir.glob("*.tmp"))
+
+
+def test_cache_off_writes_nothing(quantized, uncached, cache_dir, monkeypatch):
+    monkeypatch.setenv("DTORCH_PACK_CACHE", "0")
+    logits, status = _load(quantized)
+    assert status == "off" and torch.equal(logits, uncached) and not cache_dir.exists()
+
+
+def test_a_changed_file_makes_its_entry_stale(quantized, uncached, cache_dir, tmp_path):
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(quantized.read_bytes())
+    assert _load(copy)[1] == "miss"
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # as a new download of the same name would
+    logits, status = _load(copy)
+    assert status == "stale" and torch.equal(logits, uncached)
+    assert _load(copy)[1] == "hit"  # rewritten for the file as it is now
+
+
+def test_a_corrupt_entry_is_rebuilt_never_trusted(quantized, uncached, cache_dir):
+    _load(quantized)
+    entry = _entry(cache_dir)
+    data = bytearray(entry.read_bytes())
+    header = int.from_bytes(data[8:16], "little")  # after the 8-byte magic; the tensors start at the next 4 KiB
+    data[-(-(16 + header) // 4096) * 4096] ^= 0xFF  # the first tensor's first byte: its CRC no longer matches
+    entry.write_bytes(bytes(data))
+    logits, status = _load(quantized)
+    assert status == "corrupt" and torch.equal(logits, uncached)
+    assert _load(quantized)[1] == "hit"
+    entry.write_bytes(b"DTORCHPK" + b"\xff" * 64)  # a header that is no JSON
+    logits, status = _load(quantized)
+    assert status == "corrupt" and torch.equal(logits, uncached)
+
+
+def test_entries_of_deleted_files_are_pruned(quantized, cache_dir, tmp_path):
+    gone = tmp_path / "gone.gguf"
+    gone.write_bytes(quantized.read_bytes())
+    _load(gone)
+    assert len(list(cache_dir.glob("gone-*.dtpk"))) == 1
+    gone.unlink()
+    assert _load(quantized)[1] == "miss"  # its write deletes the entry no load can read again
+    assert not list(cache_dir.glob("gone-*")) and len(list(cache_dir.glob("tiny-*.dtpk"))) == 1
+
+
+WRITER = f"""
+import sys, torch
+from dtorch.engine.llm import LLM
+llm = LLM(sys.argv[1], max_model_len=32, max_num_seqs=1)
+torch.save(llm.logits({IDS}), sys.argv[2])
+print(llm.pack_cache.status)
+"""
+
+
+def test_two_processes_loading_at_once(quantized, uncached, cache_dir, tmp_path):
+    """Both start with no entry, both pack and may both write (one skips while the other holds the lock): each gets
+    the uncached logits, and what is left is one whole entry that the next load reads."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(quantized), str(tmp_path / f"{i}.pt")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip() in ("miss", "hit")
+    for i in range(2):
+        assert torch.equal(torch.load(tmp_path / f"{i}.pt"), uncached)
+    logits, status = _load(quantized)
+    assert status == "hit" and torch.equal(logits, uncached) and not list(cache_dir.glob("*.tmp"))
+
+
+# -- info ----------------------------------------------------------------------------------------------------------
+
+def test_info_reads_and_repacks_nothing(quantized, monkeypatch, capsys):
+    """``info`` with every way to read or pack a weight made to fail: it still reports the formats and bytes a real
+    load gives (the weights as the engine holds them) and binds the same kernels."""
+    import json
+
+    from dtorch.cli import main
+    from dtorch.engine.info import weight_formats
+    from dtorch.engine.llm import LLM
+    from dtorch.kernels import layouts
+    from dtorch.kernels.native import repack
+    from dtorch.models import weights
+    from dtorch.models.loaders import gguf as gguf_loader
+
+    llm = LLM(quantized, max_model_len=32, max_num_seqs=1)
+    try:
+        real = weight_formats(llm.model)
+    finally:
+        llm.close()
+
+    def refuse(*_a, **_k):
+        raise AssertionError("info read or repacked a weight")
+
+    monkeypatch.setattr(weights, "pack_stored", refuse)
+    monkeypatch.setattr(layouts, "pack", refuse)
+    monkeypatch.setattr(repack, "repack", refuse)
+    for name in ("_read_bytes", "_dequantize", "_packed_rows"):  # every read of a GGUF tensor's bytes
+        monkeypatch.setattr(gguf_loader, name, refuse)
+    assert main(["info", str(quantized), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["formats"] == real and info["params"] == sum(f["params"] for f in real.values())
+    assert info["kernels"]["matmul.linear [gguf.q5_0] float32"]["count"] > 0
+
+
+# -- /health while the step shapes are built ---------------------------------------------------------------------
+
+def test_health_says_warming_then_ok_and_requests_are_answered_meanwhile(quantized):
+    from fastapi.testclient import TestClient
+
+    from dtorch.engine.llm import LLM
+    from dtorch.serve.app import build_app
+
+    llm = LLM(quantized, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+    try:
+        shapes = llm.engine.start_warmup()
+        assert len(shapes) > 4 and not llm.engine.warm
+        with TestClient(build_app(llm, "tiny", log_interval=0)) as client:
+            r = client.get("/health")
+            body = r.json()
+            assert r.status_code == 200 and body["step_shapes"] == len(shapes)
+            assert body["status"] == "warming" or body == {"status": "ok"}
+            answer = client.post("/v1/completions", json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 4,
+                                                          "temperature": 0})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+            end = time.monotonic() + 120
+            while client.get("/health").json()["status"] != "ok":
+                assert time.monotonic() < end, "the step shapes were never all built"
+                time.sleep(0.05)
+            assert llm.engine.warm and llm.engine.warm_built <= llm.engine.warm_total == len(shapes)
+    finally:
+        llm.close()
+
+
+# -- a tied float head ---------------------------------------------------------------------------------------------
+
+def test_a_tied_float_head_is_the_embedding_and_counted_once(tmp_path):
+    """A float32 Hugging Face checkpoint written by transformers with tie_word_embeddings: the LM head is the
+    embedding's own storage, ``info``'s parameters are transformers' ``num_parameters()``, and the logits are
+    transformers'."""
+    from dtorch.engine.info import weight_formats
+    from dtorch.engine.llm import LLM
+
+    config = tiny_config(transformers, "gemma3")
+    assert config.tie_word_embeddings
+    hf = save_random(transformers, config, tmp_path)
+    llm = LLM(tmp_path, max_model_len=32, max_num_seqs=1)
+    try:
+        head, embed = llm.model.weights["lm_head"], llm.model.weights["embed"]
+        assert all(head.blobs[i].tensor.data_ptr() == embed.blobs[i].tensor.data_ptr() for i in embed.blobs)
+        formats = weight_formats(llm.model)
+        assert sum(f["params"] for f in formats.values()) == hf.num_parameters()
+        assert sum(f["bytes"] for f in formats.values()) == hf.num_parameters() * 4
+        with torch.no_grad():
+            want = hf(torch.tensor([IDS])).logits[0]
+        torch.testing.assert_close(llm.logits(IDS), want, rtol=1e-4, atol=1e-4)
+    finally:
+        llm.close()
