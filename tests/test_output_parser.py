@@ -143,7 +143,7 @@ def test_history_checks_and_the_default_tool_rendering():
             check_messages(bad)
         assert e.value.param == "messages"
     grammar = tool_grammar(tools, "w", parallel=True).grammar
-    assert grammar.startswith("start: call\ncall: ") and '"const": "w"' in grammar
+    assert grammar.startswith("start: calls\ncalls: call\ncall: ") and '"const": "w"' in grammar
     open_params = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
                    "required": ["a"]}
     tools = [{"type": "function", "function": {"name": "w", "parameters": open_params}}]

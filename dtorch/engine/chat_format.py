@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtorch.core.errors import ArgumentError
-from dtorch.engine.output_parser import CALL_CLOSE, CALL_OPEN, THINK_OPEN, OutputParser
+from dtorch.engine.output_parser import CALL_CLOSE, CALL_OPEN, THINK_OPEN, OutputParser, tool_format
 from dtorch.engine.request import CompletionOutput
 from dtorch.engine.sampling import SamplingParams
 from dtorch.engine.structured import JSON_OPTIONS, StructuredOutputsParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _USES_TOOLS = re.compile(r"\btools\b")
 
@@ -60,7 +61,9 @@ class ChatSetup:
     """A chat ready to generate: its prompt, the grammar its tool_choice asks for, and how to split its reply.
 
     reasoning: the template writes ``<think>`` blocks; thinking: the prompt opened one (the reply starts inside it);
-    tools: ``<tool_call>`` blocks in the reply are calls; parallel_tool_calls: keep more than the first call.
+    tools: calls in the reply are read (those of ``tool_names``, in the family's ``tool_format``); parallel_tool_calls:
+    keep more than the first call. structured_outputs is the grammar of a forced call (tool_choice "required" or
+    named); ``calls`` the grammar of one turn of calls, whatever the choice (None: no tools).
     """
 
     prompt_ids: list[int]
@@ -69,10 +72,31 @@ class ChatSetup:
     thinking: bool = False
     tools: bool = False
     parallel_tool_calls: bool = True
+    tool_names: tuple[str, ...] = ()
+    tool_format: str = "hermes"
+    calls: str | None = None
 
     def parser(self) -> OutputParser:
         """A fresh parser for one choice of the reply."""
-        return OutputParser(self.reasoning, self.thinking, self.tools)
+        return OutputParser(self.reasoning, self.thinking, self.tool_names or self.tools, self.tool_format,
+                            forced=self.structured_outputs is not None)
+
+    def with_answer(self, answer: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """The grammar of a reply that has tools and must also match ``answer`` (a ``response_format``): under a
+        forced choice the call now (the format applies to a later turn's answer), under "auto" a turn of calls or
+        the answer, without tools the answer."""
+        if self.structured_outputs is not None or answer is None:
+            return self.structured_outputs or answer
+        if not self.tools or self.calls is None:
+            return answer
+        schema = answer.json if answer.json is not None else {"type": "object"} if answer.json_object else None
+        if schema is None:  # a regex, choice or grammar: the caller shapes the whole reply, calls included
+            return answer
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not answer.strict}}
+        return StructuredOutputsParams(grammar=f"start: calls | answer\n{self.calls}answer: %json "
+                                               f"{json.dumps(schema)}\n")
 
 
 def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None,
@@ -94,6 +118,7 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
                                                     "only with add_generation_prompt false")
     source = tokenizer.chat_template or ""
     native = bool(_USES_TOOLS.search(source))
+    fmt = tool_format(source) if native else "hermes"  # dtorch's own rendering teaches <tool_call> blocks
     msgs = check_messages(messages)
     if continue_final_message and msgs[-1]["role"] != "assistant":
         raise field_error("continue_final_message", "continue_final_message: the last message must be the "
@@ -107,8 +132,11 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
                                 continue_final_message=continue_final_message, limit=limit, **kwargs)
     reasoning = THINK_OPEN in source
     tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if reasoning else ""
-    return ChatSetup(ids, tool_grammar(tools, choice, parallel_tool_calls), reasoning,
-                     tail.rstrip().endswith(THINK_OPEN), bool(tools) and choice != "none", parallel_tool_calls)
+    names = tuple(t["function"]["name"] for t in tools)
+    return ChatSetup(ids, tool_grammar(tools, choice, parallel_tool_calls, fmt), reasoning,
+                     tail.rstrip().endswith(THINK_OPEN), bool(tools) and choice != "none", parallel_tool_calls,
+                     names if choice != "none" else (), fmt,
+                     call_rules(tools, "required", parallel_tool_calls, fmt) if tools and choice != "none" else None)
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
@@ -131,7 +159,8 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
             raise field_error("tools", f"tools[{i}].function.parameters must be a JSON schema object")
-        out.append({"type": "function", "function": dict(fn)})
+        # no parameters: the function takes none (OpenAI's reading), and templates that read them find an object
+        out.append({"type": "function", "function": {**fn, "parameters": NO_PARAMETERS if params is None else params}})
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         raise field_error("tools", f"tools: function names must be unique, got {names}")
@@ -159,21 +188,53 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str:
     return choice
 
 
-def tool_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> StructuredOutputsParams | None:
-    """For "required" or a named function: a Lark grammar of ``<tool_call>`` blocks whose JSON follows the tools'
-    parameter schemas (one block, or several when ``parallel``); else None."""
+def tool_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool,
+                 fmt: str = "hermes") -> StructuredOutputsParams | None:
+    """For "required" or a named function: a Lark grammar of calls in the family's format (``fmt``) whose JSON
+    follows the tools' parameter schemas (one call, or several when ``parallel``); else None."""
     if choice in ("none", "auto"):
         return None
+    return StructuredOutputsParams(grammar="start: calls\n" + call_rules(tools, choice, parallel, fmt))
+
+
+def call_rules(tools: list[dict[str, Any]], choice: str, parallel: bool, fmt: str) -> str:
+    """Lark rules whose ``calls`` is one turn of calls of the chosen tools ("required": any of them; else the one
+    named) as ``fmt`` writes them: hermes ``<tool_call>`` blocks, llama3 bare ``{"name", "parameters"}`` objects,
+    mistral a JSON list (its ``[TOOL_CALLS]`` tag is a special token, which the reply's text leaves out)."""
     chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                               "arguments": _closed(f.get("parameters") or {"type": "object"})},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
+    key = "parameters" if fmt == "llama3" else "arguments"
+    several = parallel and choice == "required"
+
+    def call(i: int, f: Mapping[str, Any]) -> dict[str, Any]:
+        where = f"#/anyOf/{i}" if len(chosen) > 1 else "#"
+        params = _rebased(_closed(f.get("parameters") or NO_PARAMETERS), f"{where}/properties/{key}")
+        return {"type": "object", "properties": {"name": {"const": f["name"]}, key: params},
+                "required": ["name", key], "additionalProperties": False}
+
+    calls = [call(i, f) for i, f in enumerate(chosen)]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
-    more = "+" if parallel and choice == "required" else ""
-    lark = (f"start: call{more}\ncall: {json.dumps(CALL_OPEN + chr(10))} %json {json.dumps(schema)} "
-            f"{json.dumps(chr(10) + CALL_CLOSE)}\n")
-    return StructuredOutputsParams(grammar=lark)
+    one = json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}})
+    if fmt == "hermes":
+        return (f"calls: call{'+' if several else ''}\n"
+                f"call: {json.dumps(CALL_OPEN + chr(10))} %json {one} {json.dumps(chr(10) + CALL_CLOSE)}\n")
+    more = ' (", " call)*' if several else ""
+    if fmt == "mistral":
+        return f'calls: "[" call{more} "]"\ncall: %json {one}\n'
+    return f"calls: call{more.replace(',', ';')}\ncall: %json {one}\n"
+
+
+def _rebased(schema: Any, at: str) -> Any:
+    """``schema`` moved to JSON pointer ``at`` of a bigger one: its local ``$ref`` s ("#/$defs/User", "#") made to
+    point where their targets now are."""
+    if isinstance(schema, list):
+        return [_rebased(s, at) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _rebased(v, at) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = at + ref[1:]
+    return out
 
 
 def _closed(schema: Any) -> Any:
@@ -183,10 +244,12 @@ def _closed(schema: Any) -> Any:
         return [_closed(s) for s in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {k: _closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "additionalProperties") else v
-           for k, v in schema.items()}
+    nested = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties", "not", "if", "then", "else")
+    out = {k: _closed(v) if k in nested else v for k, v in schema.items()}
+    for group in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(group), Mapping):
+            out[group] = {k: _closed(v) for k, v in schema[group].items()}
     if isinstance(schema.get("properties"), Mapping):
-        out["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
         out.setdefault("additionalProperties", False)
     return out
 
