@@ -168,7 +168,7 @@ class _Server:
             if limit is not None and len(ids) < self.llm.max_len < len(ids) + limit:  # alone too long: engine says
                 raise context_exceeded(ContextLengthError(
                     f"the prompt has {len(ids)} tokens and max_tokens asks for {limit} more",
-                    tokens=len(ids), limit=self.llm.max_len, requested=limit), "max_tokens")
+                    tokens=len(ids), limit=self.llm.max_len, requested=limit), "max_tokens", param)
         added: list[str] = []
         try:
             for p, ids in enumerate(prompts):

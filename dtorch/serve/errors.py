@@ -39,9 +39,10 @@ class Json(JSONResponse):
             "utf-8", "backslashreplace")
 
 
-def context_exceeded(exc: ContextLengthError, param: str | None) -> ApiError:
-    """OpenAI's 400 for a prompt that does not fit (code ``context_length_exceeded``), then dtorch's own words."""
-    what = "messages" if param == "messages" else "prompt"
+def context_exceeded(exc: ContextLengthError, param: str | None, what: str | None = None) -> ApiError:
+    """OpenAI's 400 for a prompt that does not fit (code ``context_length_exceeded``), then dtorch's own words;
+    ``what``: "messages" or "prompt" (default: from ``param``)."""
+    what = what or ("messages" if param == "messages" else "prompt")
     least = "at least " if exc.at_least else ""
     if exc.requested:
         asked = (f"you requested {least}{exc.tokens + exc.requested} tokens ({least}{exc.tokens} in the {what}, "

@@ -123,6 +123,7 @@ class ChatReply:
     def __init__(self, body: ChatCompletionRequest, setup: Any) -> None:
         self.parsers = [setup.parser() for _ in range(body.n)]
         self.parallel = setup.parallel_tool_calls
+        self.forced = setup.structured_outputs is not None  # a reply of calls: no content, even when cut short
         self.echo = echo_prefix(body)
 
     def delta(self, i: int, text: str, final: bool) -> dict[str, Any]:
@@ -143,7 +144,7 @@ class ChatReply:
         p = self.parsers[i]
         calls = p.tool_calls() if self.parallel else p.tool_calls()[:1]
         content = self.echo + p.content
-        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        msg: dict[str, Any] = {"role": "assistant", "content": content or (None if calls or self.forced else "")}
         if p.reasoning:
             msg["reasoning_content"] = p.reasoning
         if calls:
