@@ -84,7 +84,7 @@ def live(tmp_path_factory):
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
         hidden = json.loads((path / "config.json").read_text())["hidden_size"]
-        yield SimpleNamespace(url=url, port=port, client=client, tok=tok, hidden=hidden)
+        yield SimpleNamespace(url=url, port=port, client=client, tok=tok, hidden=hidden, path=path)
     finally:
         _stop(proc)
 
@@ -375,3 +375,56 @@ def test_pydantic_ai_tool_output_and_native_output(live):
     for output in (ToolOutput(Forecast), NativeOutput(Forecast)):
         agent = Agent(model, output_type=output, model_settings={"temperature": 0, "max_tokens": 120})
         assert isinstance(agent.run_sync("What is the weather in Paris?").output, Forecast)
+
+
+# -- each family's tool-call format, picked from its template (in process) ------------------------------------------
+
+TOOLS_HEADER = """{%- if tools %}<|im_start|>system
+{{ header }}
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{{ tag }}{{ m.tool_calls | map(attribute='function') | list | tojson }}{% else %}{{ m.content }}
+{%- endif %}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+FAMILIES = {  # the markers of Llama 3.1's and Mistral Nemo's templates, around the tiny model's own tokens
+    "llama3": ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+               'value}.', "<|python_tag|>", r'<\|python_tag\|>\{"name": "get_weather", "parameters": \{"name": '
+                                             r'"paris"\}\}'),
+    "mistral": ("Call a function with [TOOL_CALLS].", "[TOOL_CALLS]",
+                r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"name": "paris"\}'),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_familys_calls_are_written_and_read_in_its_format(live, tmp_path, family):
+    """#3 end to end: the template picks the format; a forced call is written in it (llama3: a bare object with
+    ``parameters``; mistral: a JSON list, its tag being a special token), and its tagged form is read under auto."""
+    import shutil
+
+    import dtorch
+
+    header, tag, written = FAMILIES[family]
+    model = tmp_path / family
+    shutil.copytree(live.path, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    template = TOOLS_HEADER.replace("{{ header }}", header).replace("{{ tag }}", tag)
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    tool = openai.pydantic_function_tool(City, name="get_weather")
+    llm = dtorch.LLM(str(model), max_num_seqs=2)
+    try:
+        params = dtorch.SamplingParams(temperature=0, max_tokens=60)
+        out = llm.chat(WEATHER, params, tools=[tool], tool_choice="required", parallel_tool_calls=False)[0].outputs[0]
+        raw = llm.tokenizer.decode(out.token_ids)
+        assert raw.startswith('{"name": "get_weather", "parameters": ' if family == "llama3" else
+                              '[{"name": "get_weather", "arguments": '), raw
+        assert out.text == "" and [c.name for c in out.tool_calls] == ["get_weather"]
+        City.model_validate_json(out.tool_calls[0].arguments)
+        regex = dtorch.StructuredOutputsParams(regex=written)
+        out = llm.chat(WEATHER, dtorch.SamplingParams(temperature=0, max_tokens=60, structured_outputs=regex),
+                       tools=[tool])[0].outputs[0]
+        assert out.text == "" and [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather",
+                                                                                      '{"name": "paris"}')]
+    finally:
+        llm.close()
