@@ -218,9 +218,11 @@ def test_suffix_fills_in_the_middle_with_the_vocabularys_fim_tokens(live):
 
 
 def test_a_function_without_parameters_is_called_with_none(live):
-    """#7: no ``parameters`` means an empty closed object, forced or not."""
+    """#7: no ``parameters`` means an empty closed object: even a model that would rather not close it calls with
+    ``{}``."""
     r = live.client.chat.completions.create(model="tiny", messages=WEATHER, tools=[GET_TIME], tool_choice="required",
-                                            max_tokens=40, temperature=0, parallel_tool_calls=False)
+                                            max_tokens=40, temperature=0, parallel_tool_calls=False,
+                                            logit_bias=_bias(live, "}", -100))
     call = r.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {})
 
