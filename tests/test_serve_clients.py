@@ -428,5 +428,16 @@ def test_each_familys_calls_are_written_and_read_in_its_format(live, tmp_path, f
                        tools=[tool])[0].outputs[0]
         assert out.text == "" and [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather",
                                                                                       '{"name": "paris"}')]
+        # a schema for the answer under auto: the reply is a call in the family's format or the answer, read apart
+        answer = dtorch.StructuredOutputsParams(json=Forecast.model_json_schema())
+        for seed in range(3):
+            p = dtorch.SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=answer)
+            out = llm.chat(WEATHER, p, tools=[tool], parallel_tool_calls=False)[0].outputs[0]
+            assert out.finish_reason == "stop"
+            if out.tool_calls:
+                assert out.text == "" and [c.name for c in out.tool_calls] == ["get_weather"]
+                City.model_validate_json(out.tool_calls[0].arguments)
+            else:
+                Forecast.model_validate_json(out.text)
     finally:
         llm.close()

@@ -334,13 +334,15 @@ def _text(content: Any) -> str:
 
 
 def with_tool_grammar(params: SamplingParams, setup: ChatSetup) -> SamplingParams:
-    """``params`` with the grammar a chat's tool_choice asks for ("required" or a named function)."""
-    if setup.structured_outputs is None:
-        return params
-    if params.structured_outputs is not None:
+    """``params`` with the grammar a chat's tool_choice asks for ("required" or a named function), or, under "auto"
+    with a JSON schema, that of a turn of calls or the answer (``ChatSetup.with_answer``)."""
+    if setup.structured_outputs is not None and params.structured_outputs is not None:
         raise ArgumentError("tool_choice 'required' or a named function constrains the reply to tool calls; it "
                             "cannot be combined with structured_outputs")
-    return dataclasses.replace(params, structured_outputs=setup.structured_outputs)
+    structured = setup.with_answer(params.structured_outputs)
+    if structured is params.structured_outputs:
+        return params
+    return dataclasses.replace(params, structured_outputs=structured)
 
 
 def split_reply(c: CompletionOutput, setup: ChatSetup) -> None:
