@@ -100,7 +100,7 @@ def test_the_split_is_the_same_whole_or_in_any_pieces(text, kw, want):
 
 
 def test_the_format_is_picked_from_the_template():
-    from dtorch.engine.output_parser import tool_format
+    from dtorch.engine.tool_formats import tool_format
 
     # the markers each family's template teaches (Qwen2.5 / Hermes, Llama 3.1, Mistral Nemo), and no tool support
     assert tool_format("{% for tool in tools %}...{% endfor %}<tool_call>\n{...}\n</tool_call>") == "hermes"

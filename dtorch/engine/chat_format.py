@@ -8,10 +8,12 @@ rendering instead (Hermes style, as Qwen2.5's template writes it): the tools and
 system message; an assistant turn's calls are written as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
 blocks in its content; tool results become a user turn of ``<tool_response>`` blocks.
 
-``tool_choice``: "none" (the reply is text), "auto" (the model decides; its ``<tool_call>`` blocks are parsed),
-"required" (at least one call) or ``{"type": "function", "function": {"name": ...}}`` (that one): the last two are a
-grammar over the tools' parameter schemas (objects with listed properties closed to others unless they say
-otherwise, as in OpenAI's strict mode), so any model makes a valid call.
+``tool_choice``: "none" (the reply is text), "auto" (the model decides; its calls are parsed in its family's format,
+which the template shows: ``tool_formats``), "required" (at least one call) or ``{"type": "function", "function":
+{"name": ...}}`` (that one): the last two are a grammar of calls in that format over the tools' parameter schemas
+(objects with listed properties closed to others unless they say otherwise, as in OpenAI's strict mode), so any model
+makes a valid call. A JSON schema for the answer (``response_format``) with tools: under "auto" a turn of calls or
+the answer, under a forced choice the call (``ChatSetup.with_answer``).
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtorch.core.errors import ArgumentError
-from dtorch.engine.output_parser import CALL_CLOSE, CALL_OPEN, THINK_OPEN, OutputParser, tool_format
+from dtorch.engine.output_parser import THINK_OPEN, OutputParser
 from dtorch.engine.request import CompletionOutput
 from dtorch.engine.sampling import SamplingParams
 from dtorch.engine.structured import JSON_OPTIONS, StructuredOutputsParams
+from dtorch.engine.tool_formats import CALL_CLOSE, CALL_OPEN, NO_PARAMETERS, call_rules, tool_format
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _USES_TOOLS = re.compile(r"\btools\b")
 
@@ -195,63 +197,6 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool,
     if choice in ("none", "auto"):
         return None
     return StructuredOutputsParams(grammar="start: calls\n" + call_rules(tools, choice, parallel, fmt))
-
-
-def call_rules(tools: list[dict[str, Any]], choice: str, parallel: bool, fmt: str) -> str:
-    """Lark rules whose ``calls`` is one turn of calls of the chosen tools ("required": any of them; else the one
-    named) as ``fmt`` writes them: hermes ``<tool_call>`` blocks, llama3 bare ``{"name", "parameters"}`` objects,
-    mistral a JSON list (its ``[TOOL_CALLS]`` tag is a special token, which the reply's text leaves out)."""
-    chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-    key = "parameters" if fmt == "llama3" else "arguments"
-    several = parallel and choice == "required"
-
-    def call(i: int, f: Mapping[str, Any]) -> dict[str, Any]:
-        where = f"#/anyOf/{i}" if len(chosen) > 1 else "#"
-        params = _rebased(_closed(f.get("parameters") or NO_PARAMETERS), f"{where}/properties/{key}")
-        return {"type": "object", "properties": {"name": {"const": f["name"]}, key: params},
-                "required": ["name", key], "additionalProperties": False}
-
-    calls = [call(i, f) for i, f in enumerate(chosen)]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    one = json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}})
-    if fmt == "hermes":
-        return (f"calls: call{'+' if several else ''}\n"
-                f"call: {json.dumps(CALL_OPEN + chr(10))} %json {one} {json.dumps(chr(10) + CALL_CLOSE)}\n")
-    more = ' (", " call)*' if several else ""
-    if fmt == "mistral":
-        return f'calls: "[" call{more} "]"\ncall: %json {one}\n'
-    return f"calls: call{more.replace(',', ';')}\ncall: %json {one}\n"
-
-
-def _rebased(schema: Any, at: str) -> Any:
-    """``schema`` moved to JSON pointer ``at`` of a bigger one: its local ``$ref`` s ("#/$defs/User", "#") made to
-    point where their targets now are."""
-    if isinstance(schema, list):
-        return [_rebased(s, at) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out = {k: _rebased(v, at) for k, v in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = at + ref[1:]
-    return out
-
-
-def _closed(schema: Any) -> Any:
-    """A parameters schema whose objects with listed properties take no others unless they say so (as OpenAI's
-    strict function calling has them): a call then carries only the parameters the function declares."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    nested = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties", "not", "if", "then", "else")
-    out = {k: _closed(v) if k in nested else v for k, v in schema.items()}
-    for group in ("properties", "$defs", "definitions"):
-        if isinstance(schema.get(group), Mapping):
-            out[group] = {k: _closed(v) for k, v in schema[group].items()}
-    if isinstance(schema.get("properties"), Mapping):
-        out.setdefault("additionalProperties", False)
-    return out
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:

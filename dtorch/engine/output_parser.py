@@ -2,20 +2,13 @@
 
 Reasoning is what a model writes between ``<think>`` and ``</think>`` (Qwen3, and every template that opens the think
 block in the prompt). Tool calls come in the format of the model's family, picked from its chat template
-(``tool_format``), as llama.cpp's server does:
-
-- "hermes": ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5, Qwen3, Hermes, and
-  dtorch's default tool rendering). These blocks are read whatever the format.
-- "llama3": ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3), after ``<|python_tag|>`` or bare.
-- "mistral": ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` (Mistral v3, Nemo) or
-  ``[TOOL_CALLS]name[ARGS]{...}`` (the later templates).
-
-Whatever the format, a reply that is nothing but a call of a declared tool, bare JSON or in a json fence (what
-Qwen2.5-Coder writes), or a list of them, is read as those calls (the tags above are often special tokens, which the
-reply's text leaves out). ``OutputParser.feed(piece)`` returns what the piece adds to each part, holding back any text
-that may be the start of a tag or of a bare call, so neither reaches the content half-read; a ``<tool_call>``'s id and
-name come out as soon as its name is read, then its arguments as they arrive; a bare or tagged call comes whole at the
-end of the reply. Feeding the whole text at once gives the same parts as feeding it piece by piece.
+(``tool_formats``): Hermes-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks are read whatever
+the format; a reply that is nothing but calls, Llama 3's and Mistral's forms, or a bare call of a declared tool (JSON
+or in a json fence, as Qwen2.5-Coder writes it) is read as those calls. ``OutputParser.feed(piece)`` returns what the
+piece adds to each part, holding back any text that may be the start of a tag or of a bare call, so neither reaches
+the content half-read; a ``<tool_call>``'s id and name come out as soon as its name is read, then its arguments as
+they arrive; a bare or tagged call comes whole at the end of the reply. Feeding the whole text at once gives the same
+parts as feeding it piece by piece.
 """
 
 from __future__ import annotations
@@ -26,27 +19,19 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dtorch.engine.tool_formats import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    FORMATS,
+    MISTRAL_CALLS,
+    PYTHON_TAG,
+    maybe_bare,
+    parse_calls,
+)
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,?\s*')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
-PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
-FORMATS = ("hermes", "llama3", "mistral")
-_FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?```", re.S)
-_WORD = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def tool_format(template: str | None) -> str:
-    """The tool-call format a chat template teaches its model (one of ``FORMATS``): "hermes" for templates with
-    ``<tool_call>`` blocks and for those without tool support (dtorch renders the tools then, in that format)."""
-    source = template or ""
-    if CALL_OPEN in source:
-        return "hermes"
-    if MISTRAL_CALLS in source:
-        return "mistral"
-    if PYTHON_TAG in source or '"parameters": dictionary of argument name' in source:
-        return "llama3"
-    return "hermes"
 
 
 @dataclass
@@ -251,7 +236,7 @@ class OutputParser:
             self.pending = ""
             return False
         if self.fresh and self.names:
-            bare = _maybe_bare(self.pending, self.names, self.fmt)
+            bare = maybe_bare(self.pending, self.names, self.fmt)
             if bare is None and not final:
                 return False
             if bare:
@@ -276,7 +261,7 @@ class OutputParser:
         """A reply that is calls (bare, fenced or after the family's tag), read whole at its end."""
         if not final:
             return False
-        calls = _parse_calls(self.pending, self.names, self.fmt)
+        calls = parse_calls(self.pending, self.names, self.fmt)
         if calls is not None:
             for name, args in calls:
                 c = _Call.whole(len(self.calls), name, args)
@@ -331,95 +316,3 @@ class OutputParser:
     def tool_calls(self) -> list[ToolCall]:
         """The calls parsed so far (whole once the output has ended)."""
         return [ToolCall(c.id, c.name, c.arguments) for c in self.calls]
-
-
-def _maybe_bare(text: str, names: Sequence[str], fmt: str) -> bool | None:
-    """Whether a reply that starts with ``text`` is a bare call of one of ``names`` (JSON, in a json fence, a list
-    of them, or Mistral's ``name[ARGS]{...}``); None: it cannot be told yet."""
-    s = text.lstrip()
-    if not s:
-        return None
-    if s[0] == "`":
-        if "\n" not in s:
-            return None if re.fullmatch(r"`{1,3}(j(s(o(n)?)?)?)?[ \t]*", s) else False
-        head, s = s.split("\n", 1)
-        if not re.fullmatch(r"```(json)?[ \t]*", head):
-            return False
-        s = s.lstrip()
-    if s[:1] == "[":
-        s = s[1:].lstrip()
-    if not s:
-        return None
-    if s[0] == "{":
-        m = re.match(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?', s)
-        if m is None:
-            return None if '{"name":"'.startswith(re.sub(r"\s+", "", s)) else False
-        if m.group(2):
-            return m.group(1) in names
-        return None if any(n.startswith(m.group(1)) for n in names) else False
-    m = _WORD.match(s) if fmt == "mistral" else None
-    if m is None:
-        return False
-    word, rest = m.group(), s[m.end():].lstrip()
-    if not rest:
-        return None if any(n.startswith(word) for n in names) else False
-    if word not in names:
-        return False
-    if rest[0] == "{" or rest.startswith(MISTRAL_ARGS):
-        return True
-    return None if MISTRAL_ARGS.startswith(rest) else False
-
-
-def _parse_calls(text: str, names: Sequence[str], fmt: str) -> list[tuple[str, str]] | None:
-    """(name, arguments JSON) of each call when the whole ``text`` is calls, else None. Bare calls must name a
-    declared tool; after the family's tag any name is a call."""
-    s = text.strip()
-    fence = _FENCE.fullmatch(s)
-    if fence is not None:
-        s = fence.group(1).strip()
-    tagged = s.startswith((PYTHON_TAG, MISTRAL_CALLS))
-    decoder, calls, i = json.JSONDecoder(), [], 0
-    while i < len(s):
-        if s[i] in " \t\r\n;,":
-            i += 1
-            continue
-        tag = next((t for t in (PYTHON_TAG, MISTRAL_CALLS) if s.startswith(t, i)), None)
-        if tag is not None:
-            i += len(tag)
-            continue
-        name = None
-        if s[i] not in "{[":
-            m = _WORD.match(s, i) if fmt == "mistral" else None
-            if m is None:
-                return None
-            name, i = m.group(), m.end()
-            i = len(s) - len(s[i:].lstrip())
-            if s.startswith(MISTRAL_ARGS, i):
-                i += len(MISTRAL_ARGS)
-            i = len(s) - len(s[i:].lstrip())
-        try:
-            value, i = decoder.raw_decode(s, i)
-        except ValueError:
-            return None
-        items = [{"name": name, "arguments": value}] if name is not None else \
-            value if isinstance(value, list) else [value]
-        for item in items:
-            call = _call_of(item, names, tagged)
-            if call is None:
-                return None
-            calls.append(call)
-    return calls or None
-
-
-def _call_of(item: object, names: Sequence[str], tagged: bool) -> tuple[str, str] | None:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    args = item.get("arguments", item.get("parameters"))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict) or not (tagged or item["name"] in names):
-        return None
-    return item["name"], json.dumps(args, ensure_ascii=False)
