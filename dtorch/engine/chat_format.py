@@ -92,10 +92,10 @@ class ChatSetup:
         if not self.tools or self.calls is None:
             return answer
         schema = answer.json if answer.json is not None else {"type": "object"} if answer.json_object else None
-        if schema is None:  # a regex, choice or grammar: the caller shapes the whole reply, calls included
-            return answer
         if isinstance(schema, str):
             schema = json.loads(schema)
+        if not isinstance(schema, Mapping):  # a regex, choice or grammar (or a bare true): the caller shapes it all
+            return answer
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not answer.strict}}
         return StructuredOutputsParams(grammar=f"start: calls | answer\n{self.calls}answer: %json "
                                                f"{json.dumps(schema)}\n")
