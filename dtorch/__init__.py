@@ -18,6 +18,7 @@ from dtorch.core.errors import (
     ArgumentError as ArgumentError,
     CommunicationError as CommunicationError,
     ConfigError as ConfigError,
+    ContextLengthError as ContextLengthError,
     DeviceError as DeviceError,
     DtorchError as DtorchError,
     DTypeError as DTypeError,
@@ -94,8 +95,9 @@ __all__ = [
     "__version__", "ops",
     # core
     "Device", "MemoryKind", "WorkspaceArena", "allocate", "memory_stats",
-    "ArgumentError", "CommunicationError", "ConfigError", "DeviceError", "DtorchError", "DTypeError", "EngineBusy",
-    "GraphError", "KernelFailure", "KernelNotFound", "LayoutError", "ModelError", "RegistrationError",
+    "ArgumentError", "CommunicationError", "ConfigError", "ContextLengthError", "DeviceError", "DtorchError",
+    "DTypeError", "EngineBusy", "GraphError", "KernelFailure", "KernelNotFound", "LayoutError", "ModelError",
+    "RegistrationError",
     "SamplingError", "ShapeError", "SyncError", "SyncTimeout", "VerifyError",
     # dispatch
     "Dispatcher", "KernelContext", "KernelKey", "KernelMeta", "KernelParams", "dispatcher", "verify", "verify_mode",

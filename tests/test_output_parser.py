@@ -57,11 +57,65 @@ CASES = [
 ]
 
 
+# issue #40: each family's format (picked from its template), bare calls of declared tools, forced calls cut short
+NAMES = ("get_weather", "get_time")
+CASES += [
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', dict(tools=NAMES),  # Qwen2.5-Coder
+     ("", "", [("get_weather", '{"city": "Paris"}')])),
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n', dict(tools=NAMES),
+     ("", "", [("get_weather", '{"city": "Paris"}')])),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+     dict(tools=NAMES), ("", "", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
+    ('{"name": "get_forecast", "arguments": {"city": "Paris"}}', dict(tools=NAMES),  # not a declared tool
+     ("", '{"name": "get_forecast", "arguments": {"city": "Paris"}}', [])),
+    ('{"name": "get_weather", "arguments": {}} and more', dict(tools=NAMES),
+     ("", '{"name": "get_weather", "arguments": {}} and more', [])),
+    ('Sure: {"name": "get_weather", "arguments": {}}', dict(tools=NAMES),
+     ("", 'Sure: {"name": "get_weather", "arguments": {}}', [])),
+    ('```python\nprint(1)\n```', dict(tools=NAMES), ("", "```python\nprint(1)\n```", [])),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', dict(tools=NAMES, fmt="llama3"),
+     ("", "", [("get_weather", '{"city": "Paris"}')])),
+    ('{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Rome"}}',
+     dict(tools=NAMES, fmt="llama3"), ("", "", [("get_time", "{}"), ("get_weather", '{"city": "Rome"}')])),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', dict(tools=NAMES, fmt="mistral"),
+     ("", "", [("get_weather", '{"city": "Paris"}')])),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', dict(tools=NAMES, fmt="mistral"),
+     ("", "", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
+    ('get_weather{"city": "Paris"}', dict(tools=NAMES, fmt="mistral"),  # the tags are special tokens, left out
+     ("", "", [("get_weather", '{"city": "Paris"}')])),
+    ("get ready [to go]", dict(tools=NAMES, fmt="mistral"), ("", "get ready [to go]", [])),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', dict(tools=NAMES, forced=True),
+     ("", "", [("get_weather", '{"ci')])),
+    ("<tool_call>\n", dict(tools=NAMES, forced=True), ("", "", [])),  # cut in the tag: nothing, no text
+    ('[{"name": "get_weather", "arguments": {"city": "Pa', dict(tools=NAMES, fmt="mistral", forced=True),
+     ("", "", [("get_weather", '{"city": "Pa')])),
+]
+
+
 @pytest.mark.parametrize("text, kw, want", CASES)
 def test_the_split_is_the_same_whole_or_in_any_pieces(text, kw, want):
     assert _split(text, lambda: 10 ** 9, **kw) == want
     for seed in range(30):
         assert _split(text, lambda r=random.Random(seed): r.randint(1, 5), **kw) == want
+
+
+def test_the_format_is_picked_from_the_template():
+    from dtorch.engine.tool_formats import tool_format
+
+    # the markers each family's template teaches (Qwen2.5 / Hermes, Llama 3.1, Mistral Nemo), and no tool support
+    assert tool_format("{% for tool in tools %}...{% endfor %}<tool_call>\n{...}\n</tool_call>") == "hermes"
+    assert tool_format('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+                       "its value}.{% if m.tool_calls %}<|python_tag|>{% endif %}") == "llama3"
+    assert tool_format("{% if message.tool_calls %}[TOOL_CALLS][{% for c in message.tool_calls %}") == "mistral"
+    assert tool_format(None) == tool_format("{{ messages }}") == "hermes"
+
+
+def test_a_bare_call_is_held_only_while_it_may_be_one():
+    p = OutputParser(tools=NAMES)
+    assert p.feed('{"na').content == "" and p.feed('me": "get_w').content == ""  # may be a call: held
+    assert p.feed('eird"').content == '{"name": "get_weird"'  # no such tool: content at once
+    p = OutputParser(tools=NAMES)
+    assert p.feed("Hello").content == "Hello" and p.feed(' {"name": "get_time"').content == ' {"name": "get_time"'
 
 
 def test_no_half_tag_reaches_the_content():
@@ -143,7 +197,7 @@ def test_history_checks_and_the_default_tool_rendering():
             check_messages(bad)
         assert e.value.param == "messages"
     grammar = tool_grammar(tools, "w", parallel=True).grammar
-    assert grammar.startswith("start: call\ncall: ") and '"const": "w"' in grammar
+    assert grammar.startswith("start: calls\ncalls: call\ncall: ") and '"const": "w"' in grammar
     open_params = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
                    "required": ["a"]}
     tools = [{"type": "function", "function": {"name": "w", "parameters": open_params}}]

@@ -84,6 +84,9 @@ class FakeTokenizer:
     def id_to_token(self, token_id: int) -> str:
         return chr(token_id)
 
+    def token_to_id(self, token: str) -> int | None:
+        return ord(token) if len(token) == 1 else None
+
     def token_bytes(self, token_id: int) -> bytes:
         return chr(token_id).encode()
 

@@ -264,9 +264,9 @@ Call a function with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|
 {%- endif %}"""
 
 
-def make_tiny_chat_model(path):
-    """A random 2-layer Qwen3 in ``path`` with a byte-level BPE tokenizer trained here and TEMPLATE; returns the
-    transformers model."""
+def make_tiny_chat_model(path, extra_tokens=(), positions=1024):
+    """A random 2-layer Qwen3 in ``path`` with a byte-level BPE tokenizer trained here and TEMPLATE (and
+    ``extra_tokens`` added to its vocabulary); returns the transformers model."""
     import transformers
     from tiny_models import families, save_random
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -279,13 +279,14 @@ def make_tiny_chat_model(path):
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, show_progress=False,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                         special_tokens=["<|im_start|>", "<|im_end|>"]))
-    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                    *extra_tokens])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
     vocab = -(-tok.get_vocab_size() // 64) * 64  # a padded embedding, as real models have
-    config = families(transformers, 4, 2, vocab, 16, max_position_embeddings=1024, bos_token_id=None,
+    config = families(transformers, 4, 2, vocab, 16, max_position_embeddings=positions, bos_token_id=None,
                       eos_token_id=eos)["qwen3"]()
     return save_random(transformers, config, path)
 

@@ -260,7 +260,7 @@ def test_logprobs_bytes_join_to_the_reply(real):
                                             top_logprobs=2,
                                             messages=[{"role": "user", "content": "Repeat exactly: 🎉🎉"}])
     text, content = r.choices[0].message.content, r.choices[0].logprobs.content
-    joined = b"".join(bytes(t.bytes) for t in content[:len(content) - (r.choices[0].finish_reason == "stop")])
+    joined = b"".join(bytes(t.bytes) for t in content)  # the end-of-turn token is not the reply's (issue #40)
     assert joined == text.encode() and "🎉" in text
     partial = [t for t in content if bytes(t.bytes) and not _utf8(bytes(t.bytes))]
     assert partial and all(t.token == bytes(t.bytes).decode("utf-8", "backslashreplace") for t in partial)
@@ -272,9 +272,11 @@ def test_a_prompt_past_the_context_is_named_as_the_client_sent_it(real):
         with pytest.raises(openai.BadRequestError) as e:
             real.client.completions.create(model=real.model, prompt=prompt, max_tokens=1)
         message = e.value.body["message"]
-        assert re.fullmatch(rf"{name} has \d+ tokens, but the context is 2048 tokens \(max_model_len\) and at least "
-                            "one new token must fit", message), message
-        assert e.value.body["param"] == "prompt"
+        assert re.fullmatch(r"This model's maximum context length is 2048 tokens\. However, your prompt resulted in "
+                            r"\d+ tokens\. Please reduce the length of the prompt\. "
+                            rf"\({name} has \d+ tokens, but the context is 2048 tokens \(max_model_len\) and at least "
+                            r"one new token must fit\)", message), message
+        assert e.value.body["param"] == "prompt" and e.value.code == "context_length_exceeded"
 
 
 def _utf8(b: bytes) -> bool:

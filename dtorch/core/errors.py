@@ -68,6 +68,17 @@ class ModelError(DtorchError, ValueError):
     """A model file, configuration or tensor is missing, corrupt or unsupported."""
 
 
+class ContextLengthError(ModelError):
+    """A prompt (with the tokens asked for after it) does not fit the model's context; ``tokens`` is its length (or a
+    lower bound of it, ``at_least``), ``limit`` the context (max_model_len), ``requested`` the new tokens asked for
+    (None: at least one)."""
+
+    def __init__(self, message: str, *, tokens: int, limit: int, requested: int | None = None,
+                 at_least: bool = False) -> None:
+        super().__init__(message)
+        self.tokens, self.limit, self.requested, self.at_least = tokens, limit, requested, at_least
+
+
 class SamplingError(DtorchError, ValueError):
     """A sampling parameter is out of range."""
 

@@ -8,10 +8,12 @@ rendering instead (Hermes style, as Qwen2.5's template writes it): the tools and
 system message; an assistant turn's calls are written as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
 blocks in its content; tool results become a user turn of ``<tool_response>`` blocks.
 
-``tool_choice``: "none" (the reply is text), "auto" (the model decides; its ``<tool_call>`` blocks are parsed),
-"required" (at least one call) or ``{"type": "function", "function": {"name": ...}}`` (that one): the last two are a
-grammar over the tools' parameter schemas (objects with listed properties closed to others unless they say
-otherwise, as in OpenAI's strict mode), so any model makes a valid call.
+``tool_choice``: "none" (the reply is text), "auto" (the model decides; its calls are parsed in its family's format,
+which the template shows: ``tool_formats``), "required" (at least one call) or ``{"type": "function", "function":
+{"name": ...}}`` (that one): the last two are a grammar of calls in that format over the tools' parameter schemas
+(objects with listed properties closed to others unless they say otherwise, as in OpenAI's strict mode), so any model
+makes a valid call. A JSON schema for the answer (``response_format``) with tools: under "auto" a turn of calls or
+the answer, under a forced choice the call (``ChatSetup.with_answer``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtorch.core.errors import ArgumentError
-from dtorch.engine.output_parser import CALL_CLOSE, CALL_OPEN, THINK_OPEN, OutputParser
+from dtorch.engine.output_parser import THINK_OPEN, OutputParser
 from dtorch.engine.request import CompletionOutput
 from dtorch.engine.sampling import SamplingParams
 from dtorch.engine.structured import JSON_OPTIONS, StructuredOutputsParams
+from dtorch.engine.tool_formats import CALL_CLOSE, CALL_OPEN, NO_PARAMETERS, call_rules, tool_format
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -60,7 +63,9 @@ class ChatSetup:
     """A chat ready to generate: its prompt, the grammar its tool_choice asks for, and how to split its reply.
 
     reasoning: the template writes ``<think>`` blocks; thinking: the prompt opened one (the reply starts inside it);
-    tools: ``<tool_call>`` blocks in the reply are calls; parallel_tool_calls: keep more than the first call.
+    tools: calls in the reply are read (those of ``tool_names``, in the family's ``tool_format``); parallel_tool_calls:
+    keep more than the first call. structured_outputs is the grammar of a forced call (tool_choice "required" or
+    named); ``calls`` the grammar of one turn of calls, whatever the choice (None: no tools).
     """
 
     prompt_ids: list[int]
@@ -69,10 +74,31 @@ class ChatSetup:
     thinking: bool = False
     tools: bool = False
     parallel_tool_calls: bool = True
+    tool_names: tuple[str, ...] = ()
+    tool_format: str = "hermes"
+    calls: str | None = None
 
     def parser(self) -> OutputParser:
         """A fresh parser for one choice of the reply."""
-        return OutputParser(self.reasoning, self.thinking, self.tools)
+        return OutputParser(self.reasoning, self.thinking, self.tool_names or self.tools, self.tool_format,
+                            forced=self.structured_outputs is not None)
+
+    def with_answer(self, answer: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """The grammar of a reply that has tools and must also match ``answer`` (a ``response_format``): under a
+        forced choice the call now (the format applies to a later turn's answer), under "auto" a turn of calls or
+        the answer, without tools the answer."""
+        if self.structured_outputs is not None or answer is None:
+            return self.structured_outputs or answer
+        if not self.tools or self.calls is None:
+            return answer
+        schema = answer.json if answer.json is not None else {"type": "object"} if answer.json_object else None
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if not isinstance(schema, Mapping):  # a regex, choice or grammar (or a bare true): the caller shapes it all
+            return answer
+        schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not answer.strict}}
+        return StructuredOutputsParams(grammar=f"start: calls | answer\n{self.calls}answer: %json "
+                                               f"{json.dumps(schema)}\n")
 
 
 def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None,
@@ -94,6 +120,7 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
                                                     "only with add_generation_prompt false")
     source = tokenizer.chat_template or ""
     native = bool(_USES_TOOLS.search(source))
+    fmt = tool_format(source) if native else "hermes"  # dtorch's own rendering teaches <tool_call> blocks
     msgs = check_messages(messages)
     if continue_final_message and msgs[-1]["role"] != "assistant":
         raise field_error("continue_final_message", "continue_final_message: the last message must be the "
@@ -107,8 +134,11 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
                                 continue_final_message=continue_final_message, limit=limit, **kwargs)
     reasoning = THINK_OPEN in source
     tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if reasoning else ""
-    return ChatSetup(ids, tool_grammar(tools, choice, parallel_tool_calls), reasoning,
-                     tail.rstrip().endswith(THINK_OPEN), bool(tools) and choice != "none", parallel_tool_calls)
+    names = tuple(t["function"]["name"] for t in tools)
+    return ChatSetup(ids, tool_grammar(tools, choice, parallel_tool_calls, fmt), reasoning,
+                     tail.rstrip().endswith(THINK_OPEN), bool(tools) and choice != "none", parallel_tool_calls,
+                     names if choice != "none" else (), fmt,
+                     call_rules(tools, "required", parallel_tool_calls, fmt) if tools and choice != "none" else None)
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
@@ -131,7 +161,8 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
             raise field_error("tools", f"tools[{i}].function.parameters must be a JSON schema object")
-        out.append({"type": "function", "function": dict(fn)})
+        # no parameters: the function takes none (OpenAI's reading), and templates that read them find an object
+        out.append({"type": "function", "function": {**fn, "parameters": NO_PARAMETERS if params is None else params}})
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         raise field_error("tools", f"tools: function names must be unique, got {names}")
@@ -159,36 +190,13 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str:
     return choice
 
 
-def tool_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> StructuredOutputsParams | None:
-    """For "required" or a named function: a Lark grammar of ``<tool_call>`` blocks whose JSON follows the tools'
-    parameter schemas (one block, or several when ``parallel``); else None."""
+def tool_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool,
+                 fmt: str = "hermes") -> StructuredOutputsParams | None:
+    """For "required" or a named function: a Lark grammar of calls in the family's format (``fmt``) whose JSON
+    follows the tools' parameter schemas (one call, or several when ``parallel``); else None."""
     if choice in ("none", "auto"):
         return None
-    chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                               "arguments": _closed(f.get("parameters") or {"type": "object"})},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
-    more = "+" if parallel and choice == "required" else ""
-    lark = (f"start: call{more}\ncall: {json.dumps(CALL_OPEN + chr(10))} %json {json.dumps(schema)} "
-            f"{json.dumps(chr(10) + CALL_CLOSE)}\n")
-    return StructuredOutputsParams(grammar=lark)
-
-
-def _closed(schema: Any) -> Any:
-    """A parameters schema whose objects with listed properties take no others unless they say so (as OpenAI's
-    strict function calling has them): a call then carries only the parameters the function declares."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out = {k: _closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "additionalProperties") else v
-           for k, v in schema.items()}
-    if isinstance(schema.get("properties"), Mapping):
-        out["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
-        out.setdefault("additionalProperties", False)
-    return out
+    return StructuredOutputsParams(grammar="start: calls\n" + call_rules(tools, choice, parallel, fmt))
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -271,13 +279,15 @@ def _text(content: Any) -> str:
 
 
 def with_tool_grammar(params: SamplingParams, setup: ChatSetup) -> SamplingParams:
-    """``params`` with the grammar a chat's tool_choice asks for ("required" or a named function)."""
-    if setup.structured_outputs is None:
-        return params
-    if params.structured_outputs is not None:
+    """``params`` with the grammar a chat's tool_choice asks for ("required" or a named function), or, under "auto"
+    with a JSON schema, that of a turn of calls or the answer (``ChatSetup.with_answer``)."""
+    if setup.structured_outputs is not None and params.structured_outputs is not None:
         raise ArgumentError("tool_choice 'required' or a named function constrains the reply to tool calls; it "
                             "cannot be combined with structured_outputs")
-    return dataclasses.replace(params, structured_outputs=setup.structured_outputs)
+    structured = setup.with_answer(params.structured_outputs)
+    if structured is params.structured_outputs:
+        return params
+    return dataclasses.replace(params, structured_outputs=structured)
 
 
 def split_reply(c: CompletionOutput, setup: ChatSetup) -> None:

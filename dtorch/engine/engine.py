@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence as Seq
 
 import torch
 
-from dtorch.core.errors import ArgumentError, EngineBusy, ModelError, SamplingError
+from dtorch.core.errors import ArgumentError, ContextLengthError, EngineBusy, SamplingError
 from dtorch.core.sync import leave_signals_to_main
 from dtorch.engine.block_manager import BlockManager
 from dtorch.engine.embedding import EmbeddingQueue, EmbedJob, EmbedSink, check_pooling
@@ -154,8 +154,9 @@ class Engine:
         """``ModelError`` when a prompt of ``tokens`` tokens (``at_least``: a lower bound of its count, found before
         encoding it) leaves no room for a new token."""
         if tokens >= self.max_len:
-            raise ModelError(f"{what} has {'at least ' if at_least else ''}{tokens} tokens, but the context is "
-                             f"{self.max_len} tokens (max_model_len) and at least one new token must fit")
+            raise ContextLengthError(f"{what} has {'at least ' if at_least else ''}{tokens} tokens, but the context "
+                                     f"is {self.max_len} tokens (max_model_len) and at least one new token must fit",
+                                     tokens=tokens, limit=self.max_len, at_least=at_least)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._inbox or self.embeddings.jobs)

@@ -1,11 +1,14 @@
 """Splitting a chat model's output into reasoning, content and tool calls, piece by piece as it streams.
 
 Reasoning is what a model writes between ``<think>`` and ``</think>`` (Qwen3, and every template that opens the think
-block in the prompt); tool calls are Hermes-style blocks, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(Qwen2.5, Qwen3, and dtorch's default tool rendering). ``OutputParser.feed(piece)`` returns what the piece adds to
-each part, holding back any text that may be the start of a tag, so no half tag ever reaches the content; a call's
-id and name come out as soon as its name is read, then its arguments as they arrive. Feeding the whole text at once
-gives the same parts as feeding it piece by piece.
+block in the prompt). Tool calls come in the format of the model's family, picked from its chat template
+(``tool_formats``): Hermes-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks are read whatever
+the format; a reply that is nothing but calls, Llama 3's and Mistral's forms, or a bare call of a declared tool (JSON
+or in a json fence, as Qwen2.5-Coder writes it) is read as those calls. ``OutputParser.feed(piece)`` returns what the
+piece adds to each part, holding back any text that may be the start of a tag or of a bare call, so neither reaches
+the content half-read; a ``<tool_call>``'s id and name come out as soon as its name is read, then its arguments as
+they arrive; a bare or tagged call comes whole at the end of the reply. Feeding the whole text at once gives the same
+parts as feeding it piece by piece.
 """
 
 from __future__ import annotations
@@ -13,10 +16,20 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dtorch.engine.tool_formats import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    FORMATS,
+    MISTRAL_CALLS,
+    PYTHON_TAG,
+    maybe_bare,
+    parse_calls,
+)
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,?\s*')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
@@ -78,6 +91,13 @@ class _Call:
         self.arguments = ""
         self.args_at: int | None = None  # where the arguments value starts in body
         self.depth, self.in_str, self.escape, self.done = 0, False, False, False
+
+    @classmethod
+    def whole(cls, index: int, name: str, arguments: str) -> _Call:
+        """A call read at once."""
+        c = cls(index)
+        c.id, c.name, c.arguments, c.done = new_call_id(), name, arguments, True
+        return c
 
     def push(self, text: str) -> ToolCallDelta | None:
         """Add body text; what it makes known."""
@@ -146,14 +166,23 @@ class OutputParser:
     """A streaming split of one choice's text.
 
     reasoning: the template uses ``<think>`` blocks; thinking: the prompt already opened one (the output starts in
-    it). tools: parse ``<tool_call>`` blocks (a request that offers tools).
+    it). tools: parse tool calls (a request that offers tools): True, or the declared tools' names (then a bare call
+    of one of them is a call too). fmt: the family's tool-call format (``tool_format``). forced: the reply is
+    constrained to calls (tool_choice "required" or named): no text of it is content, not even a call cut short.
     """
 
-    def __init__(self, reasoning: bool = False, thinking: bool = False, tools: bool = False) -> None:
-        self.tools = tools
+    def __init__(self, reasoning: bool = False, thinking: bool = False, tools: bool | Sequence[str] = False,
+                 fmt: str = "hermes", forced: bool = False) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"OutputParser: fmt must be one of {FORMATS}, got {fmt!r}")
+        self.tools = bool(tools)
+        self.names = () if isinstance(tools, bool) else tuple(tools)
+        self.fmt, self.forced = fmt, forced
+        self.tags = (CALL_OPEN,) + ((PYTHON_TAG,) if fmt == "llama3" else (MISTRAL_CALLS,) if fmt == "mistral" else ())
         self.state = "think" if thinking and reasoning else "start" if reasoning else "content"
         self.pending = ""  # text not yet given to a part
         self.spaces = ""  # blank text after a tool call, dropped unless content follows
+        self.fresh = True  # no content said yet: a bare call may still start
         self.call: _Call | None = None
         self.calls: list[_Call] = []
         self.reasoning, self.content = "", ""
@@ -196,21 +225,62 @@ class OutputParser:
             self.state = "content"
             return True
         if self.state == "content":
-            if not self.tools:
-                out.content += self.pending
-                self.pending = ""
+            return self._content(out, final)
+        if self.state == "bare":
+            return self._bare(out, final)
+        return self._in_block(out, final)
+
+    def _content(self, out: ParsedDelta, final: bool) -> bool:
+        if not self.tools:
+            self._say(out, self.pending)
+            self.pending = ""
+            return False
+        if self.fresh and self.names:
+            bare = maybe_bare(self.pending, self.names, self.fmt)
+            if bare is None and not final:
                 return False
-            at = self.pending.find(CALL_OPEN)
-            if at >= 0:
-                self._say(out, self.pending[:at])
+            if bare:
+                self.state = "bare"
+                return True
+        found = [(at, tag) for tag in self.tags if (at := self.pending.find(tag)) >= 0]
+        if found:
+            at, tag = min(found)
+            self._say(out, self.pending[:at])
+            if tag == CALL_OPEN:
                 self.pending = self.pending[at + len(CALL_OPEN):]
                 self.call, self.state = _Call(len(self.calls)), "call"
-                return True
-            cut = len(self.pending) - (0 if final else _held(self.pending, CALL_OPEN))
-            self._say(out, self.pending[:cut])
-            self.pending = self.pending[cut:]
+            else:  # the rest of the reply is calls in the family's format
+                self.pending, self.state = self.pending[at:], "bare"
+            return True
+        cut = len(self.pending) - (0 if final else max(_held(self.pending, tag) for tag in self.tags))
+        self._say(out, self.pending[:cut])
+        self.pending = self.pending[cut:]
+        return False
+
+    def _bare(self, out: ParsedDelta, final: bool) -> bool:
+        """A reply that is calls (bare, fenced or after the family's tag), read whole at its end."""
+        if not final:
             return False
-        # in a <tool_call> block
+        calls = parse_calls(self.pending, self.names, self.fmt)
+        if calls is not None:
+            for name, args in calls:
+                c = _Call.whole(len(self.calls), name, args)
+                out.tool_calls.append(ToolCallDelta(c.index, c.id, c.name, c.arguments))
+                self.calls.append(c)
+        elif self.forced:  # cut short (max_tokens): the call as far as it came, never content
+            m = _NAME.search(self.pending)
+            c = _Call(len(self.calls))
+            d = c.push(self.pending[self.pending.rfind("{", 0, m.end()):]) if m else None
+            if d is not None:
+                out.tool_calls.append(d)
+                self.calls.append(c)
+        else:
+            self._say(out, self.pending)
+        self.pending, self.state = "", "content"
+        return False
+
+    def _in_block(self, out: ParsedDelta, final: bool) -> bool:
+        """In a ``<tool_call>`` block."""
         at = self.pending.find(CALL_CLOSE)
         cut = at if at >= 0 else len(self.pending) - (0 if final else _held(self.pending, CALL_CLOSE))
         d = self.call.push(self.pending[:cut]) if cut else None
@@ -232,12 +302,14 @@ class OutputParser:
         return True
 
     def _say(self, out: ParsedDelta, text: str) -> None:
-        """Content text; blank text after a tool call waits to see whether content follows it."""
-        if not text:
+        """Content text; blank text after a tool call waits to see whether content follows it. A forced reply has
+        none: what is outside its calls is the blank between them, or a call cut short."""
+        if not text or self.forced:
             return
         if self.calls and not text.strip():
             self.spaces += text
             return
+        self.fresh = self.fresh and not text.strip()
         out.content += self.spaces + text
         self.spaces = ""
 

@@ -13,7 +13,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer as _Backend, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from dtorch.core.errors import ArgumentError, ModelError
+from dtorch.core.errors import ArgumentError, ContextLengthError, ModelError
 from dtorch.models import chat_template
 
 # pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` (the regexes of the original tokenizer.json)
@@ -323,8 +323,9 @@ class Tokenizer:
     def _check_limit(self, text: str, limit: int | None) -> None:
         least = self.min_tokens(text) if limit is not None else 0
         if limit is not None and least > limit:
-            raise ModelError(f"the conversation has at least {least} tokens once rendered ({len(text)} characters), "
-                             f"but at most {limit} fit before the reply (max_model_len)")
+            raise ContextLengthError(f"the conversation has at least {least} tokens once rendered ({len(text)} "
+                                     f"characters), but at most {limit} fit before the reply (max_model_len)",
+                                     tokens=least, limit=limit + 1, at_least=True)
 
     @functools.cached_property
     def _added(self) -> dict[str, AddedToken]:

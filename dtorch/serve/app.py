@@ -31,10 +31,11 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 
-from dtorch.core.errors import ArgumentError, DtorchError, EngineBusy, ModelError, SamplingError
+from dtorch.core.errors import ArgumentError, ContextLengthError, DtorchError, EngineBusy, ModelError, SamplingError
+from dtorch.engine.infill import fim_prompt
 from dtorch.engine.request import Delta
 from dtorch.serve.cli import MAX_BODY_BYTES
-from dtorch.serve.errors import ApiError, Json, add_error_handlers, bad_request, error_of
+from dtorch.serve.errors import ApiError, Json, add_error_handlers, bad_request, context_exceeded, error_of
 from dtorch.serve.guard import ApiKey, BodyLimit
 from dtorch.serve.logs import RequestLog, log_throughput
 from dtorch.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -101,6 +102,19 @@ class _Server:
             out.append(self.engine.check_prompt(p, name))
         return out
 
+    def infill(self, prompts: Sequence[str | Sequence[int]], suffix: str) -> tuple[list[list[int]], tuple[int, ...]]:
+        """Fill-in-the-middle prompts (``engine.infill``) of text prompts before ``suffix``, checked against the
+        context, and the stop token ids that end a middle. Run it on the worker pool."""
+        tok, out, ends = self.llm.tokenizer, [], ()
+        if tok is None or not all(isinstance(p, str) for p in prompts):
+            raise ApiError(400, "suffix (fill-in-the-middle) needs text prompts and a model with a tokenizer",
+                           param="suffix")
+        for i, p in enumerate(prompts):
+            self.engine.check_length(tok.min_tokens(p) + tok.min_tokens(suffix), "prompt", at_least=True)
+            ids, ends = fim_prompt(tok, p, suffix)
+            out.append(self.engine.check_prompt(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]"))
+        return out, ends
+
     def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None) -> list[Echo]:
         """The echoed prompts of a completion and, with ``logprobs``, their tokens' logprobs (a forward pass of each
         prompt of its own: the engine computes only what it samples from)."""
@@ -129,7 +143,7 @@ class _Server:
     def check_model(self, model: str | None) -> None:
         if model and model != self.name:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.",
-                           "NotFoundError", "model", "model_not_found")
+                           param="model", code="model_not_found")
 
     async def compile(self, params: Any, origin: str | None) -> None:
         """Compile the request's grammar off the event loop (the engine then only copies it); a 400 naming
@@ -155,8 +169,9 @@ class _Server:
         limit = params.max_tokens
         for ids in prompts:
             if limit is not None and len(ids) < self.llm.max_len < len(ids) + limit:  # alone too long: engine says
-                raise ApiError(400, f"this model's context is {self.llm.max_len} tokens; the prompt has {len(ids)} and "
-                                    f"max_tokens asks for {limit} more", param="max_tokens")
+                raise context_exceeded(ContextLengthError(
+                    f"the prompt has {len(ids)} tokens and max_tokens asks for {limit} more",
+                    tokens=len(ids), limit=self.llm.max_len, requested=limit), "max_tokens", param)
         added: list[str] = []
         try:
             for p, ids in enumerate(prompts):
@@ -308,11 +323,14 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
                 add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
         except (ArgumentError, ModelError) as exc:
             raise bad_request(exc, "messages") from None
-        if setup.structured_outputs is not None:
-            if params.structured_outputs is not None:
-                raise ApiError(400, f"tool_choice {body.tool_choice!r:.60} constrains the reply to tool calls; it "
-                                    f"cannot be combined with {origin}", param="tool_choice")
-            params, origin = dataclasses.replace(params, structured_outputs=setup.structured_outputs), "tools"
+        if setup.structured_outputs is not None and origin == "structured_outputs":
+            raise ApiError(400, f"tool_choice {body.tool_choice!r:.60} constrains the reply to tool calls; it "
+                                f"cannot be combined with {origin}", param="tool_choice")
+        # a response_format with tools: under auto a turn of calls or the answer, under a forced choice the call
+        structured = setup.with_answer(params.structured_outputs)
+        if structured is not params.structured_outputs:
+            params = dataclasses.replace(params, structured_outputs=structured)
+            origin = "tools" if setup.structured_outputs is not None else origin
         await server.compile(params, origin)
         a = Answer(f"chatcmpl-{uuid.uuid4().hex}", server.name, server.token_text, server.token_bytes)
         queue = server.submit(a.id, [setup.prompt_ids], params, "messages")
@@ -328,7 +346,12 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
         params, origin = _sampling(body) if not scoring else (None, None)
         prompts = body.prompts()
         try:
-            ids = await server.off_loop(server.encode, prompts, "prompt")
+            if body.suffix is None:
+                ids = await server.off_loop(server.encode, prompts, "prompt")
+            else:
+                ids, ends = await server.off_loop(server.infill, prompts, body.suffix)
+                if params is not None:
+                    params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + ends)
         except (ArgumentError, ModelError) as exc:
             raise bad_request(exc, "prompt") from None
         if not scoring:

@@ -1,5 +1,6 @@
 """How the server answers a fault: OpenAI's error JSON with the status that fits (a bad request 400 naming its field,
-an unknown model 404, a full queue 503, anything else 500), from an exception raised anywhere in a request."""
+an unknown model 404, a full queue 503, anything else 500), from an exception raised anywhere in a request. A prompt
+past the context is OpenAI's ``context_length_exceeded`` in OpenAI's words, which clients such as litellm key on."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from dtorch.core.errors import ArgumentError, DtorchError, EngineBusy, ModelError, SamplingError
+from dtorch.core.errors import ArgumentError, ContextLengthError, DtorchError, EngineBusy, ModelError, SamplingError
 from dtorch.serve.protocol import error_body, field_path
 
 log = logging.getLogger("dtorch.serve")
@@ -38,9 +39,25 @@ class Json(JSONResponse):
             "utf-8", "backslashreplace")
 
 
+def context_exceeded(exc: ContextLengthError, param: str | None, what: str | None = None) -> ApiError:
+    """OpenAI's 400 for a prompt that does not fit (code ``context_length_exceeded``), then dtorch's own words;
+    ``what``: "messages" or "prompt" (default: from ``param``)."""
+    what = what or ("messages" if param == "messages" else "prompt")
+    least = "at least " if exc.at_least else ""
+    if exc.requested:
+        asked = (f"you requested {least}{exc.tokens + exc.requested} tokens ({least}{exc.tokens} in the {what}, "
+                 f"{exc.requested} in the completion). Please reduce the length of the {what} or completion.")
+    else:
+        asked = f"your {what} resulted in {least}{exc.tokens} tokens. Please reduce the length of the {what}."
+    return ApiError(400, f"This model's maximum context length is {exc.limit} tokens. However, {asked} ({exc})",
+                    param=param, code="context_length_exceeded")
+
+
 def bad_request(exc: DtorchError, param: str | None) -> ApiError:
     """A 400 for an error the engine or tokenizer raised; a SamplingError names its own field, and so does an error
     with a ``param`` (``chat_format.field_error``)."""
+    if isinstance(exc, ContextLengthError):
+        return context_exceeded(exc, param)
     if isinstance(exc, SamplingError):
         m = re.match(r"SamplingParams: (\w+)", str(exc))
         param = m.group(1) if m else None
@@ -78,8 +95,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return Json(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+        return Json(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal(_request: Request, exc: Exception) -> JSONResponse:

@@ -3,7 +3,10 @@
 Fields are OpenAI's plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``structured_outputs``, ``chat_template_kwargs`` ...). A field the server does not know is a 400
 naming it, as OpenAI answers ("Unrecognized request argument supplied: max_token"), and so is a known field the
-server cannot honour (``suffix``, ``store: true`` ...): nothing is dropped silently. Types are strict, as OpenAI's
+server cannot honour (``prediction``, ``web_search_options``, audio output): nothing that would change the answer is
+dropped silently. OpenAI's fields that change nothing for a local server are accepted and ignored: ``user``,
+``service_tier``, ``prompt_cache_key`` (prefix caching is automatic), ``safety_identifier``, ``store`` (nothing is
+stored), ``metadata``, ``verbosity``, ``"audio": null``, ``"modalities": ["text"]``. Types are strict, as OpenAI's
 (``"max_tokens": true`` or ``1.5`` is no integer; a number is finite, NaN and Infinity are refused as such), and ranges
 are checked here, so a bad value is a 400 naming its field before any work starts; ``SamplingParams`` checks them
 again for callers of the engine that do not come through HTTP.
@@ -158,7 +161,14 @@ class _Sampling(_Body):
     structured_outputs: StructuredOutputs | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for the caller's records; it changes nothing here
+    # OpenAI's fields that change nothing here: ids and tags for the caller's records, a tier of service (one
+    # here), a key for prompt caching (automatic here), storage (nothing is stored)
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -246,8 +256,27 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
-    metadata: dict[str, str] | None = None  # the caller's own tags; it changes nothing here
-    store: Literal[False] | None = None  # nothing is stored
+    verbosity: Literal["low", "medium", "high"] | None = None  # for OpenAI's reasoning models; nothing here
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise ValueError(f"this server writes text only: modalities must be ['text'], got {v}")
+        return v
+
+    @field_validator("audio", "prediction", "web_search_options")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        what = {"audio": "audio output (this server writes text only)", "prediction": "Predicted Outputs",
+                "web_search_options": "web search (this server has no network tools)"}[info.field_name]
+        if v is not None:
+            raise ValueError(f"{what} is not supported; leave {info.field_name} out")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -278,7 +307,14 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
-    suffix: None = None
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion (a code model's FIM tokens)
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix_alone(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("echo"):
+            raise ValueError("suffix cannot be combined with echo")
+        return v
 
     @field_validator("prompt")
     @classmethod

@@ -32,11 +32,37 @@ class Answer:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+class TextLogprobs:
+    """A chat choice's logprobs, held back with its text so that the tokens given are those of the text sent: an
+    entry comes out once its token's bytes are all in the text, and at the end the tokens that added nothing to it
+    (the end-of-turn token, the tokens of a stop string) are left out. A token cut by a stop string stays."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self.token_bytes = token_bytes
+        self.pending: list[TokenLogprob] = []
+        self.sent = self.text = 0  # bytes of the tokens given out, bytes of the text
+
+    def add(self, d: Delta) -> list[TokenLogprob]:
+        """The entries that ``d`` makes ready."""
+        self.pending += d.logprobs or ()
+        self.text += len(d.text.encode("utf-8", "surrogatepass"))
+        out = []
+        while self.pending and (self.sent + len(self.token_bytes(self.pending[0].token_id)) <= self.text
+                                or (d.finish_reason is not None and self.sent < self.text)):
+            out.append(self.pending.pop(0))
+            self.sent += len(self.token_bytes(out[-1].token_id))
+        if d.finish_reason is not None:
+            self.pending = []
+        return out
+
+
 @dataclass
 class Choices:
-    """What the deltas of one HTTP request add up to; choice ``index`` is prompt * n + the engine's index."""
+    """What the deltas of one HTTP request add up to; choice ``index`` is prompt * n + the engine's index. With
+    ``token_bytes`` (chat), each choice's logprobs are those of its text (``TextLogprobs``)."""
 
     count: int
+    token_bytes: Callable[[int], bytes] | None = None
     texts: list[str] = field(init=False)
     logprobs: list[list[TokenLogprob]] = field(init=False)
     finish: list[str | None] = field(init=False)
@@ -49,15 +75,18 @@ class Choices:
         self.logprobs = [[] for _ in range(self.count)]
         self.finish = [None] * self.count
         self.completion_tokens = [0] * self.count
+        self.aligned = [TextLogprobs(self.token_bytes) for _ in range(self.count)] if self.token_bytes else None
 
-    def add(self, index: int, d: Delta) -> None:
+    def add(self, index: int, d: Delta) -> list[TokenLogprob]:
+        """Add a delta of choice ``index``; returns the logprobs it makes ready."""
         self.texts[index] += d.text
-        if d.logprobs:
-            self.logprobs[index].extend(d.logprobs)
+        ready = self.aligned[index].add(d) if self.aligned is not None else list(d.logprobs or ())
+        self.logprobs[index].extend(ready)
         self.finish[index] = d.finish_reason
         self.completion_tokens[index] = d.completion_tokens
         self.prompt_tokens[d.request_id] = d.prompt_tokens
         self.cached_tokens[d.request_id] = d.cached_tokens
+        return ready
 
     def usage(self) -> dict[str, Any]:
         prompt, completion = sum(self.prompt_tokens.values()), sum(self.completion_tokens)
@@ -94,6 +123,7 @@ class ChatReply:
     def __init__(self, body: ChatCompletionRequest, setup: Any) -> None:
         self.parsers = [setup.parser() for _ in range(body.n)]
         self.parallel = setup.parallel_tool_calls
+        self.forced = setup.structured_outputs is not None  # a reply of calls: no content, even when cut short
         self.echo = echo_prefix(body)
 
     def delta(self, i: int, text: str, final: bool) -> dict[str, Any]:
@@ -114,7 +144,7 @@ class ChatReply:
         p = self.parsers[i]
         calls = p.tool_calls() if self.parallel else p.tool_calls()[:1]
         content = self.echo + p.content
-        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        msg: dict[str, Any] = {"role": "assistant", "content": content or (None if calls or self.forced else "")}
         if p.reasoning:
             msg["reasoning_content"] = p.reasoning
         if calls:
@@ -146,7 +176,7 @@ def echo_prefix(body: ChatCompletionRequest) -> str:
 
 
 async def chat_response(a: Answer, body: ChatCompletionRequest, setup: Any, run: Run) -> dict[str, Any]:
-    acc, reply = Choices(body.n), ChatReply(body, setup)
+    acc, reply = Choices(body.n, a.token_bytes), ChatReply(body, setup)
     async with aclosing(run):
         async for i, d in run:
             acc.add(i, d)
@@ -227,7 +257,7 @@ async def chat_events(a: Answer, body: ChatCompletionRequest, setup: Any, run: R
     """``chat.completion.chunk`` events: a role chunk per choice (with the echoed text), then reasoning, content and
     tool call deltas; each choice's last chunk carries its finish_reason; with include_usage, a last chunk with no
     choices and the usage (with continuous_usage_stats, every chunk carries the usage so far)."""
-    acc, reply = Choices(body.n), ChatReply(body, setup)
+    acc, reply = Choices(body.n, a.token_bytes), ChatReply(body, setup)
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         if body.continuous_usage and choices:
@@ -240,10 +270,10 @@ async def chat_events(a: Answer, body: ChatCompletionRequest, setup: Any, run: R
                       "finish_reason": None}])
     async with aclosing(run):
         async for i, d in run:
-            acc.add(i, d)
+            ready = acc.add(i, d)
             delta = reply.delta(i, d.text, d.finish_reason is not None)
-            if delta or d.logprobs or d.finish_reason:
-                lps = chat_logprobs(list(d.logprobs), a) if body.logprobs and d.logprobs else None
+            if delta or ready or d.finish_reason:
+                lps = chat_logprobs(ready, a) if body.logprobs and ready else None
                 yield chunk([{"index": i, "delta": delta, "logprobs": lps,
                               "finish_reason": reply.finish(i, d.finish_reason)}])
     if body.include_usage:
