@@ -391,7 +391,7 @@ class LLM:
                     ids = c.token_ids
                     if c.finish_reason == "stop" and ids and ids[-1] in (set(p.stop_token_ids) | self.eos_token_ids):
                         ids = ids[:-1]
-                    c.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+                    c.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens, continuation=True)
 
     def _take(self, out: RequestOutput, d: Delta) -> None:
         """Add a delta to its choice of ``out``."""
