@@ -1,6 +1,7 @@
 """Fetch llama.cpp's tokenizer test suite for the tests: the vocabulary-only GGUF files and their test strings with
-llama.cpp's expected ids (``models/ggml-vocab-*.gguf``, ``.gguf.inp``, ``.gguf.out``), from the source release of
-llama-cpp-python 0.3.36 (which vendors llama.cpp), through pip as any package comes.
+llama.cpp's expected ids (``models/ggml-vocab-*.gguf``, ``.gguf.inp``, ``.gguf.out``), and the vocabulary code that
+maps pre-tokenizer names to split regexes (``src/llama-vocab.cpp``), from the source release of llama-cpp-python
+0.3.36 (which vendors llama.cpp), through pip as any package comes.
 
     python scripts/llamacpp-vocabs.py          # into ~/.cache/dtorch/llamacpp-vocabs/0.3.36 (skipped when there)
 
@@ -38,13 +39,15 @@ def main() -> int:
 
 
 def extract(sdist: Path) -> list[str]:
-    """The ``vendor/llama.cpp/models/ggml-vocab-*`` files of ``sdist`` into ``DEST`` (by base name only)."""
+    """The ``vendor/llama.cpp/models/ggml-vocab-*`` files and ``src/llama-vocab.cpp`` of ``sdist`` into ``DEST`` (by
+    base name only)."""
     DEST.mkdir(parents=True, exist_ok=True)
     names = []
     with tarfile.open(sdist) as tar:
         for member in tar:
             parts = member.name.split("/")
-            if member.isfile() and parts[-3:-1] == ["llama.cpp", "models"] and parts[-1].startswith("ggml-vocab-"):
+            suite = parts[-3:-1] == ["llama.cpp", "models"] and parts[-1].startswith("ggml-vocab-")
+            if member.isfile() and (suite or parts[-3:] == ["llama.cpp", "src", "llama-vocab.cpp"]):
                 data = tar.extractfile(member)
                 assert data is not None
                 (DEST / parts[-1]).write_bytes(data.read())
