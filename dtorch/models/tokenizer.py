@@ -99,10 +99,37 @@ class Tokenizer:
         vocabulary drops the space its encoder put in front ("▁Hello" alone is "Hello", after "Say" it is " Hello").
         """
         ids = self._check_ids(ids, "decode")
+        if self._raw_added and not self._raw_added.keys().isdisjoint(ids):
+            return self._decode_around_raw_added(ids, skip_special_tokens, continuation)
         if not continuation or self._piece_decoder is None:
             return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         skip = self._special_ids if skip_special_tokens else frozenset()
         return self._piece_decoder.decode([self.backend.id_to_token(i) for i in ids if i not in skip])
+
+    def _decode_around_raw_added(self, ids: list[int], skip_special_tokens: bool, continuation: bool) -> str:
+        """``decode`` where some ids are added tokens that the byte-level decoder would misread (their text has
+        letters of GPT-2's byte alphabet, "ö" a user-defined token of DeepSeek's): those are their text, as
+        llama.cpp's token_to_piece has them, the runs between decoded as usual."""
+        out, run = [], []
+        for i in [*ids, None]:
+            if i is not None and i not in self._raw_added:
+                run.append(i)
+                continue
+            if run:
+                out.append(self.decode(run, skip_special_tokens, continuation))
+                run = []
+            if i is not None and not (skip_special_tokens and i in self._special_ids):
+                out.append(self._raw_added[i])
+        return "".join(out)
+
+    @functools.cached_property
+    def _raw_added(self) -> dict[int, str]:
+        """Added tokens of a byte-level vocabulary whose text the byte-level decoder would turn into other bytes."""
+        if not self._byte_level:
+            return {}
+        mangled = {c for c in self._byte_letters if ord(c) > 126}
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()
+                if not mangled.isdisjoint(t.content)}
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token as the vocabulary spells it, or None."""

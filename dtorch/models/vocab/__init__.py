@@ -16,17 +16,18 @@ from dtorch.models.vocab import bpe, spm
 from dtorch.models.vocab.tokens import CONTROL, UNKNOWN, USER_DEFINED, Vocabulary
 
 # tokenizer.ggml.model values llama.cpp reads that dtorch does not build, and why
-_REFUSED = {
+REFUSED_KINDS = {
     "bert": "a WordPiece (BERT) vocabulary, which encoder models use; dtorch runs decoder LLMs",
     "t5": "a Unigram (T5) vocabulary, which T5 and embedding models use; dtorch runs decoder LLMs",
     "rwkv": "RWKV's vocabulary; dtorch has no RWKV models",
     "plamo2": "PLaMo-2's vocabulary; dtorch has no PLaMo-2 models",
     "hybriddna": "a DNA k-mer vocabulary; dtorch has no DNA models",
+    "whitespace": "a whitespace-split vocabulary, which embedding models (Jina) use; dtorch runs decoder LLMs",
     "test": "llama.cpp's test vocabulary (ids are hashes of text)",
     "no_vocab": "no vocabulary (the file says it has none)",
     "none": "no vocabulary (the file says it has none)",
 }
-_BUILT = ("gpt2", "llama", "gemma4")
+BUILT_KINDS = ("gpt2", "llama", "gemma4")
 # llama.cpp ends generation at these tokens wherever a vocabulary has them (llama_vocab::impl::load)
 _END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
                       "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
@@ -48,11 +49,11 @@ def build(meta: Mapping[str, Any], source: str) -> GgufVocab:
     """The vocabulary of GGUF metadata ``meta`` (``source``: the file, for errors); ``ModelError`` naming the key
     when it is missing, malformed or of a kind dtorch does not build."""
     model = meta.get("tokenizer.ggml.model")
-    if model in _REFUSED:
-        raise ModelError(f"{source}: tokenizer.ggml.model is {model!r}: {_REFUSED[model]}")
-    if model not in _BUILT:
+    if model in REFUSED_KINDS:
+        raise ModelError(f"{source}: tokenizer.ggml.model is {model!r}: {REFUSED_KINDS[model]}")
+    if model not in BUILT_KINDS:
         raise ModelError(f"{source}: tokenizer.ggml.model {model!r} is not a vocabulary llama.cpp reads; dtorch builds "
-                         f"{', '.join(map(repr, _BUILT))}")
+                         f"{', '.join(map(repr, BUILT_KINDS))}")
     v = Vocabulary.read(meta, source)
     if model == "llama":
         backend, add_bos, bos, eos = spm.build(v, meta), True, 1, 2  # llama.cpp's SentencePiece defaults
