@@ -1,6 +1,7 @@
 """Record what llama.cpp itself does with the vocabularies of its tokenizer suite, for tests/test_gguf_vocabs.py:
-whether its detokenizer gives each test string back (``llama_detokenize`` as its test-tokenizer-0 calls it), and its
-ids of tests/data/multilingual.txt (with and without BOS/EOS, special tokens parsed as dtorch's ``encode`` does).
+whether its detokenizer gives each test string back (``llama_detokenize`` as its test-tokenizer-0 calls it), its ids
+of tests/data/multilingual.txt (with and without BOS/EOS, special tokens parsed as dtorch's ``encode`` does), and the
+tokens that end generation (``llama_vocab_is_eog``).
 
 Run with llama-cpp-python 0.3.36 (the llama.cpp the suite comes from) after scripts/llamacpp-vocabs.py:
 
@@ -54,7 +55,7 @@ def cases(name: str) -> list[str]:
 def main() -> int:
     ll.llama_backend_init()
     text = TEXT.read_bytes().decode("utf-8")
-    out: dict = {"llama_cpp_python": ll.__version__, "round_trips": {}, "multilingual": {}}
+    out: dict = {"llama_cpp_python": ll.__version__, "round_trips": {}, "multilingual": {}, "end_of_generation": {}}
     for name in DECODERS:
         params = ll.llama_model_default_params()
         params.vocab_only = True
@@ -66,6 +67,8 @@ def main() -> int:
         ids = tokenize(vocab, text, False, True)
         out["multilingual"][name] = {"ids": ids, "with_special": tokenize(vocab, text, True, True),
                                      "round_trip": detokenize(vocab, ids) == text}
+        n = ll.llama_vocab_n_tokens(vocab)
+        out["end_of_generation"][name] = [i for i in range(n) if ll.llama_vocab_is_eog(vocab, i)]
         ll.llama_model_free(model)
     json.dump(out, sys.stdout, separators=(",", ":"))
     print()

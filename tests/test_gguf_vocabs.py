@@ -54,7 +54,7 @@ def _cases(name: str) -> list[tuple[str, list[int]]]:
 @functools.cache
 def _reference() -> dict:
     """What llama.cpp 0.3.36 itself gave (scripts/llamacpp-vocab-reference.py): per vocabulary, whether its
-    detokenizer gives each test string back, and its ids of tests/data/multilingual.txt."""
+    detokenizer gives each test string back, its ids of tests/data/multilingual.txt, its end-of-generation ids."""
     return json.loads((DATA / "llamacpp_vocabs.json").read_text())
 
 
@@ -80,8 +80,9 @@ def test_every_test_string_gives_llamacpps_ids(name):
 
 
 @pytest.mark.parametrize("name", [*TESTED, *UNTESTED])
-def test_the_multilingual_text_gives_llamacpps_ids(name):
+def test_the_multilingual_text_gives_llamacpps_ids_and_generation_ends_where_llamacpps_does(name):
     tok = _tokenizer(name)
+    assert sorted(tok.eos_token_ids) == _reference()["end_of_generation"][name]
     text = (DATA / "multilingual.txt").read_bytes().decode("utf-8")
     want = _reference()["multilingual"][name]
     assert tok.encode(text, add_special_tokens=True) == want["with_special"]

@@ -69,8 +69,8 @@ def test_decode_matches_transformers(ours, theirs, text):
 def test_special_ids_and_vocab(ours, theirs):
     assert ours.vocab_size == len(theirs) == 49152
     assert ours.bos_token_id == theirs.bos_token_id
-    # the file's EOS, then the tokens llama.cpp also ends generation at by their text (SmolLM2's <|endoftext|>)
-    assert ours.eos_token_ids == (theirs.eos_token_id, theirs.convert_tokens_to_ids("<|endoftext|>"))
+    # the file's EOS, then the tokens llama.cpp 0.3.36 also ends generation at (llama_vocab_is_eog: ids 0, 2 and 4)
+    assert ours.eos_token_ids == (theirs.eos_token_id, *theirs.convert_tokens_to_ids(["<reponame>", "<|endoftext|>"]))
     assert ours.token_to_id("<|im_end|>") == theirs.convert_tokens_to_ids("<|im_end|>")
     assert ours.id_to_token(ours.token_to_id("<|im_start|>")) == "<|im_start|>"
 

@@ -28,11 +28,15 @@ REFUSED_KINDS = {
     "none": "no vocabulary (the file says it has none)",
 }
 BUILT_KINDS = ("gpt2", "llama", "gemma4")
-# llama.cpp ends generation at these tokens wherever a vocabulary has them (llama_vocab::impl::load)
+# llama.cpp ends generation at these tokens wherever a vocabulary has them (llama_vocab::impl::load): by their text,
+# and the fill-in-the-middle pad / repository / file-separator tokens (by key or text)
 _END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-                      "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                      "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
                       "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
                       "<｜end▁of▁sentence｜>", "[e~[")
+_FIM = {"pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+        "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+        "sep": ("<|file_sep|>",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +93,20 @@ def _token_id(meta: Mapping[str, Any], key: str, default: int | None, n: int) ->
 
 
 def _end_of_generation(meta: Mapping[str, Any], v: Vocabulary, eos: int | None) -> tuple[int, ...]:
-    """EOS, EOT, EOM and the tokens llama.cpp treats as end-of-generation by their text."""
+    """EOS, EOT, EOM, the fill-in-the-middle pad / repository / file-separator tokens and the tokens llama.cpp treats
+    as end-of-generation by their text."""
     n = len(v.tokens)
-    ids = [i for i in (eos, _token_id(meta, "tokenizer.ggml.eot_token_id", None, n),
-                       _token_id(meta, "tokenizer.ggml.eom_token_id", None, n)) if i is not None]
     index = {t: i for i, t in enumerate(v.tokens)}
-    ids += [index[t] for t in _END_OF_GENERATION if t in index]
-    return tuple(dict.fromkeys(ids))
+    ids = [eos, *(_token_id(meta, f"tokenizer.ggml.{k}_token_id", None, n) for k in ("eot", "eom"))]
+    for kind, texts in _FIM.items():
+        given = _token_id(meta, f"tokenizer.ggml.fim_{kind}_token_id", None, n)
+        ids += [given] if given is not None else [index[t] for t in texts if t in index]
+    ends = [t for t in _END_OF_GENERATION if t in index]
+    if "<|end|>" in ends and ({"<|return|>", "<|call|>"} <= set(ends) or {"<|calls|>", "<|flush|>"} <= set(ends)):
+        ends.remove("<|end|>")  # gpt-oss's and Solar's <|end|> ends a message, not the reply (llama.cpp drops it)
+    if "</s>" in ends and ("<|tool_response>" in ends or "<|plamo:eos|>" in index):
+        ends.remove("</s>")  # a plain token of Gemma 4's and PLaMo's
+    return tuple(dict.fromkeys(i for i in [*ids, *(index[t] for t in ends)] if i is not None))
 
 
 def _post_processor(v: Vocabulary, bos: int | None, eos: int | None) -> Any:
