@@ -42,7 +42,7 @@ _FIM = {"pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
 @dataclass(frozen=True, slots=True)
 class GgufVocab:
     """A built vocabulary: the backend (BOS/EOS added as the file asks), its BOS token and the tokens that end
-    generation (EOS, EOT and llama.cpp's end-of-generation tokens by text)."""
+    generation as llama.cpp's ``llama_vocab_is_eog`` has them (the file's EOS first)."""
 
     backend: Backend
     bos_token_id: int | None
