@@ -90,13 +90,16 @@ def test_a_sentencepiece_model_matches_transformers_logits_and_greedy_ids(model)
             want = hf(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(llm.logits(ids), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         pieces: list[str] = []
-        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0),
                            on_text=lambda _i, piece: pieces.append(piece))[0].outputs[0]
         assert out.token_ids == hf_greedy(hf, ids, 12)
-        # the reply is its tokens' pieces: streamed, whole, and as the logprobs' bytes
+        # the reply is its tokens' pieces: streamed, whole, as the logprobs' bytes and (whole characters) their texts
         assert out.text == "".join(pieces) == _pieces(vocab, out.token_ids)
-        assert b"".join(llm.tokenizer.token_bytes(i) for i in out.token_ids
-                        if i not in llm.tokenizer._special_ids).decode("utf-8", "replace") == out.text
+        plain = [i for i in out.token_ids if i not in llm.tokenizer._special_ids]
+        assert b"".join(llm.tokenizer.token_bytes(i) for i in plain).decode("utf-8", "replace") == out.text
+        texts = [step[i].decoded_token for step, i in zip(out.logprobs, out.token_ids, strict=True) if i in plain]
+        if not any(llm.tokenizer.id_to_token(i).startswith("<0x") for i in plain):
+            assert "".join(texts) == out.text
     finally:
         llm.close()
 

@@ -411,7 +411,8 @@ class LLM:
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
 
     def _token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                                                          continuation=True)
 
     def _agree(self, tokens: list[int]) -> list[int]:
         """Every rank takes rank 0's sampled tokens (SPMD)."""
