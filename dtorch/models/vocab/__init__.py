@@ -41,12 +41,13 @@ _FIM = {"pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
 
 @dataclass(frozen=True, slots=True)
 class GgufVocab:
-    """A built vocabulary: the backend (BOS/EOS added as the file asks), its BOS token and the tokens that end
-    generation as llama.cpp's ``llama_vocab_is_eog`` has them (the file's EOS first)."""
+    """A built vocabulary: the backend (BOS/EOS added as the file asks), its BOS token, the tokens that end
+    generation as llama.cpp's ``llama_vocab_is_eog`` has them (the file's EOS first), and its number of tokens."""
 
     backend: Backend
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    size: int
 
 
 def build(meta: Mapping[str, Any], source: str) -> GgufVocab:
@@ -70,7 +71,7 @@ def build(meta: Mapping[str, Any], source: str) -> GgufVocab:
     add_bos = model == "gemma4" or bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))  # llama.cpp forces it
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     backend.post_processor = _post_processor(v, bos if add_bos else None, eos if add_eos else None)
-    return GgufVocab(backend, bos, _end_of_generation(meta, v, eos))
+    return GgufVocab(backend, bos, _end_of_generation(meta, v, eos), len(v.tokens))
 
 
 def _add_special_tokens(backend: Backend, v: Vocabulary) -> None:

@@ -32,11 +32,12 @@ class Vocabulary:
         n = len(tokens)
         types = _numbers(meta, "tokenizer.ggml.token_type", n, int, NORMAL, source)
         scores = _numbers(meta, "tokenizer.ggml.scores", n, float, 0.0, source)
-        seen: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            if seen.setdefault(t, i) != i:
-                raise ModelError(f"{source}: tokenizer.ggml.tokens spells token {i} {t!r:.60} like token {seen[t]}; "
-                                 "each token must be spelled once")
+        if len(set(tokens)) < n:  # a token spelled twice (one pass in C first): name the first one
+            seen: dict[str, int] = {}
+            for i, t in enumerate(tokens):
+                if seen.setdefault(t, i) != i:
+                    raise ModelError(f"{source}: tokenizer.ggml.tokens spells token {i} {t!r:.60} like token "
+                                     f"{seen[t]}; each token must be spelled once")
         return cls(tokens, types, scores)
 
 
