@@ -17,7 +17,7 @@ from dtorch.engine.llm import LLM
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.loaders.gguf import load_gguf_tokenizer
 from dtorch.models.tiny import vocab_metadata, write_gguf
-from tests.test_gguf_vocabs import _file
+from tests.test_gguf_vocabs import _file, _tokenizer
 from tests.tiny_models import hf_greedy, random_model, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -109,7 +109,7 @@ def test_streamed_pieces_and_token_bytes_join_into_the_text(name):
     """Spaces ("▁"), an emoji in four byte-fallback tokens, CJK (by byte or by token), newlines: token by token, the
     stream decoder and the tokens' bytes give the text the ids decode to as a continuation, which is the text itself
     after the one space a SentencePiece encoder puts in front."""
-    tok = load_gguf_tokenizer(_file(f"ggml-vocab-{name}.gguf"))
+    tok = _tokenizer(name)  # loaded once for both test files
     text = "Hello  world 🦙🚀 中文字 日本語\n\n  tabs\tand ✅ done "
     ids = tok.encode(text, add_special_tokens=False)
     assert any(tok.id_to_token(i).startswith("<0x") for i in ids)  # byte fallback is exercised
