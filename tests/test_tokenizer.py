@@ -69,7 +69,8 @@ def test_decode_matches_transformers(ours, theirs, text):
 def test_special_ids_and_vocab(ours, theirs):
     assert ours.vocab_size == len(theirs) == 49152
     assert ours.bos_token_id == theirs.bos_token_id
-    assert ours.eos_token_ids == (theirs.eos_token_id,)
+    # the file's EOS, then the tokens llama.cpp 0.3.36 also ends generation at (llama_vocab_is_eog: ids 0, 2 and 4)
+    assert ours.eos_token_ids == (theirs.eos_token_id, *theirs.convert_tokens_to_ids(["<reponame>", "<|endoftext|>"]))
     assert ours.token_to_id("<|im_end|>") == theirs.convert_tokens_to_ids("<|im_end|>")
     assert ours.id_to_token(ours.token_to_id("<|im_start|>")) == "<|im_start|>"
 
@@ -135,11 +136,13 @@ def test_bad_input(ours):
 
 
 def test_unsupported_gguf_tokenizer():
-    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]}
-    with pytest.raises(ModelError, match="tokenizer.ggml.model is 'llama'"):
+    meta = {"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(ModelError, match="tokenizer.ggml.model is 'bert': a WordPiece"):
         Tokenizer.from_gguf(meta, source="x.gguf")
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-coder", "tokenizer.ggml.tokens": ["a"]}
-    with pytest.raises(ModelError, match="tokenizer.ggml.pre 'deepseek-coder' is not supported"):
+    with pytest.raises(ModelError, match="tokenizer.ggml.model 'sentencepiece' is not a vocabulary llama.cpp reads"):
+        Tokenizer.from_gguf(meta | {"tokenizer.ggml.model": "sentencepiece"}, source="x.gguf")
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-koder", "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(ModelError, match="tokenizer.ggml.pre 'deepseek-koder' is not a pre-tokenizer llama.cpp"):
         Tokenizer.from_gguf(meta, source="x.gguf")
 
 

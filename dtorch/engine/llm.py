@@ -432,7 +432,7 @@ class LLM:
                     ids = c.token_ids
                     if c.finish_reason == "stop" and ids and ids[-1] in (set(p.stop_token_ids) | self.eos_token_ids):
                         ids = ids[:-1]
-                    c.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+                    c.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens, continuation=True)
 
     def _take(self, out: RequestOutput, d: Delta) -> None:
         """Add a delta to its choice of ``out``."""
@@ -452,7 +452,8 @@ class LLM:
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
 
     def _token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                                                          continuation=True)
 
     def _agree(self, tokens: list[int]) -> list[int]:
         """Every rank takes rank 0's sampled tokens (SPMD)."""

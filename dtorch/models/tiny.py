@@ -98,9 +98,24 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return ids[-n:]
 
 
+def vocab_metadata(path: Path) -> dict[str, tuple[Any, Any, Any]]:
+    """The ``tokenizer.*`` metadata of the GGUF file ``path`` (a vocabulary-only file of llama.cpp's tokenizer suite,
+    say: SentencePiece or BPE, with its special ids and template): key -> (value, ``gguf.GGUFValueType``, an array's
+    element type or None), for ``write_gguf(vocab=...)``."""
+    import gguf
+
+    out = {}
+    for key, field in gguf.GGUFReader(str(path)).fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            out[key] = (field.contents(), kind, field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    return out
+
+
 def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], Any] | None = None,
                extra: dict[str, tuple[Any, Any]] | None = None,
-               metadata: dict[str, tuple[Any, Any]] | None = None) -> None:
+               metadata: dict[str, tuple[Any, Any]] | None = None,
+               vocab: dict[str, tuple[Any, Any, Any]] | None = None) -> None:
     """Write the transformers model ``hf`` (a dense Llama, Qwen2, Qwen3, Gemma 3 text or Phi-3) to the GGUF file
     ``path`` as llama.cpp's ``convert_hf_to_gguf.py`` does: its tensor names, Llama's q/k rows permuted, Gemma's norms
     with their 1 added, the ``{arch}.*`` metadata keys (a sliding window, Phi-3's rotated dims).
@@ -111,6 +126,8 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     rows must be a multiple of 32 long); vectors stay F32. ``extra``: more tensors, name -> (array, type).
     ``metadata``: more keys (or keys replaced), key -> (value, ``gguf.GGUFValueType``). YaRN and LongRoPE scaling
     are written as the converter writes them (``_rope_scaling_keys``).
+    ``vocab``: ``tokenizer.*`` metadata to write (``vocab_metadata``), the model's ``vocab_size`` at least its tokens;
+    without it the file has no vocabulary, only the config's BOS and EOS ids.
     """
     import gguf
     import numpy as np
@@ -170,12 +187,18 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     meta |= rope_meta
     tensors |= rope_tensors
     for key, token in (("bos", c.bos_token_id), ("eos", c.eos_token_id)):
-        if isinstance(token, int):
+        if isinstance(token, int) and vocab is None:
             meta[f"tokenizer.ggml.{key}_token_id"] = (token, V.UINT32)
+    tokens = (vocab or {}).get("tokenizer.ggml.tokens", ((),))[0]
+    if len(tokens) > c.vocab_size:
+        raise ValueError(f"write_gguf: the vocabulary has {len(tokens)} tokens, the model's embedding {c.vocab_size}")
     meta |= metadata or {}
     w = gguf.GGUFWriter(str(path), arch)
     for key, (value, vtype) in meta.items():
         w.add_key_value(key, value, vtype)
+    for key, (value, vtype, sub_type) in (vocab or {}).items():
+        if key not in meta:  # ``metadata`` replaces a vocabulary key
+            w.add_key_value(key, value, vtype, sub_type=sub_type)
     for name, (data, kind) in tensors.items():  # shapes follow from the byte layout of `data`
         w.add_tensor(name, data, raw_dtype=kind)
     w.write_header_to_file()

@@ -4,54 +4,21 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer as _Backend, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer as _Backend, decoders
 from tokenizers.models import BPE
 
 from dtorch.core.errors import ArgumentError, ContextLengthError, ModelError
-from dtorch.models import chat_template
+from dtorch.models import chat_template, vocab
+from dtorch.models.vocab.bpe import byte_alphabet as _byte_alphabet
 
-# pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` (the regexes of the original tokenizer.json)
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GGUF_PRE = ("default", "gpt2", "smollm", "qwen2", "llama-bpe", "llama3", "llama-v3")
-
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (SentencePiece-style vocabularies)
-
-
-@functools.cache
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used to spell byte-level BPE tokens."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
-def _pre_tokenizer(pre: str) -> tuple[Any, Any]:
-    """(normalizer, pre_tokenizer) for a llama.cpp pre-tokenizer name."""
-    if pre == "smollm":  # GPT-2 regex with every digit on its own
-        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    if pre in ("qwen2", "llama-bpe", "llama3", "llama-v3"):
-        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
-        norm = normalizers.NFC() if pre == "qwen2" else None
-        return norm, pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # "gpt2", "default"
 
 
 def _token_text(value: Any) -> str | None:
@@ -86,67 +53,14 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], chat_template: str | None = None, source: str = "gguf") -> Tokenizer:
-        """From GGUF metadata (``tokenizer.ggml.*``): byte-level BPE ("gpt2" model) vocabulary and merges."""
-        model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ModelError(f"{source}: tokenizer.ggml.model is {model!r}; dtorch builds byte-level BPE "
-                             "tokenizers only (expected 'gpt2')")
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_PRE:
-            raise ModelError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; expected one of {_GGUF_PRE}")
+        """From GGUF metadata (``tokenizer.ggml.*``), as llama.cpp reads it: byte-level BPE under any pre-tokenizer
+        llama.cpp knows, SentencePiece, Gemma 4's (``dtorch.models.vocab``)."""
         if chat_template is not None and not isinstance(chat_template, str):
             raise ModelError(f"{source}: tokenizer.chat_template must be a string (a Jinja template), got "
                              f"{type(chat_template).__name__} {chat_template!r:.60}")
-        tokens: list[str] = _strings(meta["tokenizer.ggml.tokens"], f"{source}: tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
-        if not merges:
-            raise ModelError(f"{source}: tokenizer.ggml.merges is missing; a byte-level BPE vocabulary needs it")
-        alphabet = _byte_alphabet()
-        letters = set(alphabet.values())
-        # llama.cpp spells byte-level tokens in GPT-2's alphabet; respell the rare token that is not (one look at all
-        # of them first: a 150k-token vocabulary then costs one pass in C, not a set per token)
-        spelled = tokens
-        if not set("".join(tokens)) <= letters:
-            spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
-        vocab: dict[str, int] = dict(zip(spelled, range(len(spelled)), strict=True))
-        if len(vocab) < len(spelled):  # a token spelled twice: name the first one
-            seen: dict[str, int] = {}
-            for i, t in enumerate(spelled):
-                if seen.setdefault(t, i) != i:
-                    raise ModelError(f"{source}: tokenizer.ggml.tokens spells token {i} {t!r:.60} like token "
-                                     f"{seen[t]}; each token must be spelled once")
-        pairs = []
-        for i, m in enumerate(_strings(merges, f"{source}: tokenizer.ggml.merges")):
-            pair = tuple(m.split(" ", 1))
-            if len(pair) != 2 or not all(pair):
-                raise ModelError(f"{source}: tokenizer.ggml.merges[{i}] is {m!r:.60}; a merge is two tokens "
-                                 "separated by one space")
-            pairs.append(pair)
-        try:
-            backend = _Backend(BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                                   ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3")))
-        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception ("Token `x` out of vocabulary")
-            raise ModelError(f"{source}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
-        backend.normalizer, backend.pre_tokenizer = _pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
-        types = list(meta.get("tokenizer.ggml.token_type") or ())
-        special = [AddedToken(t, special=True, normalized=False)
-                   for t, ty in zip(tokens, types, strict=False) if ty == _CONTROL and set(t) <= letters]
-        user = [AddedToken(t, special=False, normalized=False)
-                for t, ty in zip(tokens, types, strict=False) if ty == _USER_DEFINED]
-        backend.add_special_tokens(special)
-        backend.add_tokens(user)
-
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-        single, added = "$A", []
-        if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            single, added = f"{tokens[bos]} $A", [(tokens[bos], bos)]
-        if meta.get("tokenizer.ggml.add_eos_token", False) and eos:
-            single, added = f"{single} {tokens[eos[0]]}", [*added, (tokens[eos[0]], eos[0])]
-        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=added)
-        return cls(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=chat_template, source=source,
-                   template_source=f"{source} (tokenizer.chat_template)", vocab_size=len(tokens))
+        v = vocab.build(meta, source)
+        return cls(v.backend, bos_token_id=v.bos_token_id, eos_token_ids=v.eos_token_ids, chat_template=chat_template,
+                   source=source, template_source=f"{source} (tokenizer.chat_template)", vocab_size=v.size)
 
     @classmethod
     def from_hf(cls, tokenizer_json: str | Path, tokenizer_config: Mapping[str, Any] | None = None, *,
@@ -180,9 +94,45 @@ class Tokenizer:
         check_text(text, "Tokenizer.encode: text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The text of ``ids``; ids past the tokenizer's ``vocab_size`` (a padded embedding's) give no text."""
-        return self.backend.decode(self._check_ids(ids, "decode"), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, continuation: bool = False) -> str:
+        """The text of ``ids``; ids past the tokenizer's ``vocab_size`` (a padded embedding's) give no text.
+
+        ``continuation``: the text that ``ids`` add after earlier text (a generated reply, a streamed piece): the
+        concatenation of their tokens' bytes. Without it, ``ids`` are a text of their own, and a SentencePiece
+        vocabulary drops the space its encoder put in front ("▁Hello" alone is "Hello", after "Say" it is " Hello").
+        """
+        ids = self._check_ids(ids, "decode")
+        if self._raw_added and not self._raw_added.keys().isdisjoint(ids):
+            return self._decode_around_raw_added(ids, skip_special_tokens, continuation)
+        if not continuation or self._piece_decoder is None:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        skip = self._special_ids if skip_special_tokens else frozenset()
+        return self._piece_decoder.decode([self.backend.id_to_token(i) for i in ids if i not in skip])
+
+    def _decode_around_raw_added(self, ids: list[int], skip_special_tokens: bool, continuation: bool) -> str:
+        """``decode`` where some ids are added tokens that the byte-level decoder would misread (their text has
+        letters of GPT-2's byte alphabet, "ö" a user-defined token of DeepSeek's): those are their text, as
+        llama.cpp's token_to_piece has them, the runs between decoded as usual."""
+        out, run = [], []
+        for i in [*ids, None]:
+            if i is not None and i not in self._raw_added:
+                run.append(i)
+                continue
+            if run:
+                out.append(self.decode(run, skip_special_tokens, continuation))
+                run = []
+            if i is not None and not (skip_special_tokens and i in self._special_ids):
+                out.append(self._raw_added[i])
+        return "".join(out)
+
+    @functools.cached_property
+    def _raw_added(self) -> dict[int, str]:
+        """Added tokens of a byte-level vocabulary whose text the byte-level decoder would turn into other bytes."""
+        if not self._byte_level:
+            return {}
+        mangled = {c for c in self._byte_letters if ord(c) > 126}
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()
+                if not mangled.isdisjoint(t.content)}
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token as the vocabulary spells it, or None."""
@@ -221,6 +171,25 @@ class Tokenizer:
         longest = max((len(t) if letters and t not in self._added else len(t.encode())
                        for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
         return longest * (4 if self.backend.normalizer is not None else 1)
+
+    @functools.cached_property
+    def _piece_decoder(self) -> Any:
+        """The backend's decoder without its ``Strip`` steps (the space a SentencePiece encoder adds in front of a
+        text), or None when it has none."""
+        if self.backend.decoder is None:
+            return None
+        state = json.loads(self.backend.decoder.__getstate__())
+        steps = state.get("decoders") if state.get("type") == "Sequence" else [state]
+        kept = [d for d in steps if d.get("type") != "Strip"]
+        if len(kept) == len(steps):
+            return None
+        piece = decoders.Sequence([])
+        piece.__setstate__(json.dumps({"type": "Sequence", "decoders": kept}).encode())
+        return piece
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
     @functools.cached_property
     def _byte_level(self) -> bool:
@@ -347,17 +316,6 @@ class Tokenizer:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
 
-def _strings(value: Any, what: str) -> list[str]:
-    """A GGUF string array as a list; ``ModelError`` naming ``what`` when it is not one."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ModelError(f"{what} must be an array of strings, got {type(value).__name__}")
-    out = list(value)
-    bad = next((i for i, t in enumerate(out) if not isinstance(t, str)), None)
-    if bad is not None:
-        raise ModelError(f"{what}[{bad}] must be a string, got {type(out[bad]).__name__} {out[bad]!r:.60}")
-    return out
-
-
 def check_text(text: Any, what: str) -> None:
     """``text`` is a str of valid Unicode (no lone surrogate, which has no UTF-8); ``ArgumentError`` naming ``what``
     otherwise."""
@@ -434,9 +392,9 @@ class StreamDecoder:
         if not ids:
             return ""
         self._ids.extend(ids)
-        dec = self.tokenizer.backend.decode
-        before = dec(self._ids[self._prefix:self._read], skip_special_tokens=self.skip_special_tokens)
-        after = dec(self._ids[self._prefix:], skip_special_tokens=self.skip_special_tokens)
+        dec, skip = self.tokenizer.decode, self.skip_special_tokens
+        before = dec(self._ids[self._prefix:self._read], skip_special_tokens=skip, continuation=True)
+        after = dec(self._ids[self._prefix:], skip_special_tokens=skip, continuation=True)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
