@@ -1,6 +1,6 @@
 """Decode and prefill of dtorch against llama.cpp on the same GGUF file, side by side in one run.
 
-    python bench/decode.py [--model PATH.gguf] [--threads 1 2] [--runs 3] [--llamacpp-python PATH]
+    python bench/decode.py [--model PATH.gguf] [--threads 1 2] [--runs 3] [--llamacpp-python PATH] [--smoke]
 
 Engines, each in its own subprocess so its memory is its own, batch 1, greedy, a 128-token prompt and
 64 new tokens, the median of ``--runs`` runs after a warm-up:
@@ -11,6 +11,8 @@ Engines, each in its own subprocess so its memory is its own, batch 1, greedy, a
   ``dequantize=True`` (float32, today's float path).
 "model MiB" is peak RSS minus the RSS right after the imports (what the model costs); "floor tok/s"
 is this machine's one-thread read bandwidth over the weight bytes one decoded token reads.
+``--smoke`` (what CI runs): 1 thread, 1 run, a 16-token prompt and 8 new tokens, a 16 MiB bandwidth probe, no
+``--dequantize`` row; a failed worker fails the run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import time
 
 PROMPT, NEW = 128, 64
+SMOKE_PROMPT, SMOKE_NEW = 16, 8
 
 
 def _rss_mib() -> float:
@@ -36,14 +39,14 @@ def _current_rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _prompt(vocab: int) -> list[int]:
+def _prompt(vocab: int, length: int) -> list[int]:
     import random
 
-    rng = random.Random(PROMPT)
-    return [rng.randrange(100, vocab - 100) for _ in range(PROMPT)]
+    rng = random.Random(length)
+    return [rng.randrange(100, vocab - 100) for _ in range(length)]
 
 
-def _worker_dtorch(model: str, threads: int, runs: int, dequantize: bool) -> dict:
+def _worker_dtorch(model: str, threads: int, runs: int, dequantize: bool, prompt: int, new: int) -> dict:
     import torch
 
     from dtorch.engine.llm import LLM
@@ -52,8 +55,8 @@ def _worker_dtorch(model: str, threads: int, runs: int, dequantize: bool) -> dic
     torch.set_num_threads(threads)
     base = _current_rss_mib()
     llm = LLM(model, dequantize=dequantize)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    ids = _prompt(llm.config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    ids = _prompt(llm.config.vocab_size, prompt)
     prefill, decode = [], []
     for r in range(runs + 1):
         llm.generate([ids], params)
@@ -100,14 +103,14 @@ print(json.dumps({"prefill": statistics.median(prefill), "decode": statistics.me
 """
 
 
-def _read_bandwidth() -> float:
-    """Bytes per second one thread reads: the better of summing a 256 MiB float32 tensor and a float32 GEMV over
-    a 256 MiB matrix (MKL's GEMV prefetches better than a reduction), medians of 5."""
+def _read_bandwidth(side: int = 8192) -> float:
+    """Bytes per second one thread reads: the better of summing a float32 tensor of ``side**2`` (256 MiB) and a
+    float32 GEMV over it as a ``[side, side]`` matrix (MKL's GEMV prefetches better than a reduction), medians of 5."""
     import torch
 
     torch.set_num_threads(1)
-    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
-    w, v = x.view(8192, 8192), torch.ones(8192)
+    x = torch.ones(side * side, dtype=torch.float32)
+    w, v = x.view(side, side), torch.ones(side)
     best = 0.0
     for fn in (lambda: x.sum(), lambda: torch.mv(w, v)):
         fn()
@@ -143,37 +146,42 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--llamacpp-python", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 thread, 1 run; a failed worker fails (CI)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
         from dtorch.models.default import default_model_path
         args.model = str(default_model_path())
+    prompt, new = (SMOKE_PROMPT, SMOKE_NEW) if args.smoke else (PROMPT, NEW)
+    if args.smoke:
+        args.threads, args.runs = [1], 1
     if args.worker:
         kind, threads = args.worker.split(":")
-        print(json.dumps(_worker_dtorch(args.model, int(threads), args.runs, kind == "dequantize")))
+        print(json.dumps(_worker_dtorch(args.model, int(threads), args.runs, kind == "dequantize", prompt, new)))
         return
 
     lcpp = _llamacpp_python(args.llamacpp_python)
-    bw = _read_bandwidth()
-    print(f"model {os.path.basename(args.model)}; batch 1, greedy, {PROMPT}-token prompt, {NEW} new tokens; "
+    bw = _read_bandwidth(2048 if args.smoke else 8192)
+    print(f"model {os.path.basename(args.model)}; batch 1, greedy, {prompt}-token prompt, {new} new tokens; "
           f"median of {args.runs} runs after a warm-up; read bandwidth {bw / 1e9:.1f} GB/s (1 thread)")
     if lcpp is None:
         print("llama.cpp: llama_cpp cannot be imported (build it with ../shared/tools/llamacpp-venv.sh); "
               "its column is left out")
     head = ["threads", "engine", "prefill tok/s", "x llama.cpp", "decode tok/s", "x llama.cpp", "floor tok/s",
             "x floor", "model MiB", "x llama.cpp", "linear kernel"]
-    rows = []
+    rows, failed = [], []
     for t in args.threads:
         ref = None
         if lcpp:
-            ref = _run([lcpp, "-c", LLAMACPP_WORKER, args.model, str(t), str(args.runs), str(PROMPT), str(NEW)])
+            ref = _run([lcpp, "-c", LLAMACPP_WORKER, args.model, str(t), str(args.runs), str(prompt), str(new)])
             if ref:
                 rows.append([t, f"llama.cpp {ref['version']}", ref["prefill"], None, ref["decode"], None, None, None,
                              ref["model_mib"], None, "ggml"])
-        for kind in ("native", "dequantize"):
+        for kind in ("native",) if args.smoke else ("native", "dequantize"):
             r = _run([sys.executable, __file__, "--worker", f"{kind}:{t}", "--model", args.model,
-                      "--runs", str(args.runs)])
+                      "--runs", str(args.runs)] + (["--smoke"] if args.smoke else []))
             if r is None:
+                failed.append(f"{kind}:{t}")
                 continue
             floor = bw / r["weight_bytes"]
             name = "dtorch (weights as stored)" if kind == "native" else "dtorch --dequantize (float32)"
@@ -183,6 +191,8 @@ def main() -> None:
     _print(head, rows)
     print("\ntargets (issue #9): decode >= 1.5x llama.cpp, prefill >= 2x, model memory <= 1.5x llama.cpp's, "
           "float models within 1.3x of the floor (x floor = time per token / floor time). Shared, noisy machine.")
+    if failed and args.smoke:
+        sys.exit(f"decode bench: the dtorch worker(s) {', '.join(failed)} failed (their stderr is above)")
 
 
 def _print(head: list[str], rows: list[list]) -> None:

@@ -1,13 +1,14 @@
 """Gated delta rule: the per-step recurrence against the chunked (WY / UT-transform) form, over T.
 
     python bench/gated_delta_net.py [--threads 1 2] [--repeat 3] [--heads 16] [--qk-heads 8] [--dim 128]
-                                    [--chunk 64] [--lengths 256 1024 2048 4096]
+                                    [--chunk 64] [--lengths 256 1024 2048 4096] [--smoke]
 
 For B=1, H value heads over Hk q/k heads (16 and 8: Qwen3-Next's linear attention at tp 2),
 K = V = dim in float32 with l2-normalised q/k, it prints per thread count the median ms of
 ``dtorch.ops.gated_delta_net`` with ``mode="recurrent"`` and ``mode="chunked"`` for each T, the speed-up of
 chunked and their largest output difference. Expect chunked to win more as T grows (T / chunk sequential steps
-of dense matmuls instead of T rank-1 updates).
+of dense matmuls instead of T rank-1 updates). ``--smoke`` (what CI runs): 1 thread, 1 run, T=128, 4 heads over 2,
+dim 32, chunk 32.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
+    ap.add_argument("--smoke", action="store_true", help="1 thread, 1 run, tiny shapes (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.threads, args.repeat, args.lengths = [1], 1, [128]
+        args.heads, args.qk_heads, args.dim, args.chunk = 4, 2, 32, 32
     for threads in args.threads:
         torch.set_num_threads(threads)
         torch.manual_seed(0)

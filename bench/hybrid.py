@@ -1,6 +1,6 @@
 """dtorch against Hugging Face transformers on a hybrid Qwen3-Next checkpoint on CPU, side by side in one run.
 
-    python bench/hybrid.py [--model DIR] [--engines hf,dtorch] [--threads N] [--new 32] [--repeat 3]
+    python bench/hybrid.py [--model DIR] [--engines hf,dtorch] [--threads N] [--new 32] [--repeat 3] [--smoke]
 
 The checkpoint: random weights (seeded) of realistic proportions, hidden 1024, 12 layers of which 3 of every 4
 are linear attention (gated delta rule) and every 4th full attention, 32 experts with top-4 plus a shared expert,
@@ -15,6 +15,10 @@ Each engine runs in its own subprocess (this script with ``--worker``), bfloat16
 transformers times each decode step with a LogitsProcessor that records when it is called; dtorch reports
 ``LLM.stats``. On CPU transformers runs its torch reference for the delta rule and the short convolution
 (flash-linear-attention and causal_conv1d are CUDA-only).
+
+``--smoke`` (what CI runs): a tiny checkpoint of the same layout (hidden 64, 4 layers, 4 experts) written to a
+temporary folder, a 32-token prefill, batches 1 and 2 of 8-token prompts, 4 new tokens, 1 run; a failed engine
+fails the run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -47,6 +52,19 @@ CONFIG = dict(
     intermediate_size=2048, decoder_sparse_step=1, norm_topk_prob=True, vocab_size=32000,
     max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
 )
+# --smoke: the same layout (3 linear layers then 1 full, MoE with a shared expert) at toy sizes
+SMOKE_CONFIG = dict(
+    CONFIG, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    intermediate_size=64, vocab_size=512, max_position_embeddings=256,
+)
+
+
+def use_smoke_sizes() -> None:
+    """Shrink the module's sizes for ``--smoke``, in the parent and in each worker (both read these globals)."""
+    global CONFIG, PREFILL_LEN, DECODE_LEN, BATCHES
+    CONFIG, PREFILL_LEN, DECODE_LEN, BATCHES = SMOKE_CONFIG, 32, 8, (1, 2)
 
 
 # ---- the checkpoint ------------------------------------------------------------------------------------------
@@ -97,7 +115,7 @@ def _rss_mib() -> float:
 
 
 def _prompts(vocab: int) -> tuple[list[int], list[list[int]]]:
-    """The 2048-token prefill prompt and max(BATCHES) different 64-token decode prompts, seeded."""
+    """The PREFILL_LEN-token prefill prompt and max(BATCHES) different DECODE_LEN-token decode prompts, seeded."""
     rng = random.Random(SEED)
     long = [rng.randrange(vocab) for _ in range(PREFILL_LEN)]
     short = [[rng.randrange(vocab) for _ in range(DECODE_LEN)] for _ in range(max(BATCHES))]
@@ -208,7 +226,7 @@ WORKERS = {"hf": worker_hf, "dtorch": worker_dtorch}
 def run_worker(engine: str, args: argparse.Namespace) -> dict:
     """One engine's results from its own subprocess, or {"error": ...} when it failed."""
     cmd = [sys.executable, __file__, "--worker", engine, "--model", str(args.model), "--threads", str(args.threads),
-           "--new", str(args.new), "--repeat", str(args.repeat)]
+           "--new", str(args.new), "--repeat", str(args.repeat)] + (["--smoke"] if args.smoke else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr: the worker's progress, passed through
     _log(engine, f"done in {time.perf_counter() - t0:.0f} s")
@@ -222,8 +240,11 @@ def run_worker(engine: str, args: argparse.Namespace) -> dict:
 # ---- the report ----------------------------------------------------------------------------------------------
 
 
-ROWS = [("prefill tok/s @2048", "prefill_tps"), ("decode tok/s @ batch 1", "decode_tps_b1"),
-        ("decode tok/s @ batch 8", "decode_tps_b8"), ("peak memory MiB (model cost)", "model_mib")]
+def row_keys() -> list[tuple[str, str]]:
+    """(label, result key) of each table row, for the sizes in use."""
+    return [(f"prefill tok/s @{PREFILL_LEN}", "prefill_tps"),
+            *((f"decode tok/s @ batch {b}", f"decode_tps_b{b}") for b in BATCHES),
+            ("peak memory MiB (model cost)", "model_mib")]
 
 
 def report(results: dict[str, dict]) -> str:
@@ -232,7 +253,7 @@ def report(results: dict[str, dict]) -> str:
     if both:
         head.append("dtorch / transformers")
     rows = []
-    for label, key in ROWS:
+    for label, key in row_keys():
         row: list[object] = [label]
         row += ["failed" if "error" in r else r[key] for r in results.values()]
         if both:
@@ -261,8 +282,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--new", type=int, default=32, help="new tokens per sequence in the decode runs")
     p.add_argument("--repeat", type=int, default=3, help="runs of each decode measurement (the median is shown)")
+    p.add_argument("--smoke", action="store_true", help="a tiny checkpoint in a temporary folder, 1 short run (CI)")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke:
+        use_smoke_sizes()
+        args.new, args.repeat = 4, 1
     if args.new < 2:
         p.error(f"--new must be >= 2 (the decode rate counts the tokens after the first), got {args.new}")
     if args.repeat < 1:
@@ -283,6 +308,16 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(out))
         sys.exit("error" in out)
 
+    if args.smoke and args.model == DEFAULT_DIR:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.model = Path(tmp) / "qwen3-next-smoke"
+            compare(args, engines)
+    else:
+        compare(args, engines)
+
+
+def compare(args: argparse.Namespace, engines: list[str]) -> None:
+    """Make the checkpoint when absent, run each engine's worker and print the table."""
     if not args.model.exists():
         make_checkpoint(args.model)
     params, size = checkpoint_summary(args.model)
@@ -299,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
     print(report(results))
     print(f"load average (1 min) {load:.1f} before, {os.getloadavg()[0]:.1f} after: on a shared machine, other "
           "processes slow both engines")
+    failed = [e for e, r in results.items() if "error" in r]
+    if args.smoke and failed:
+        sys.exit(f"hybrid bench: the {', '.join(failed)} worker(s) failed (their stderr is above)")
 
 
 if __name__ == "__main__":

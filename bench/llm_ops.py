@@ -1,12 +1,13 @@
 """LLM kernels: reference vs accelerated provider on decode- and prefill-shaped calls (SmolLM2-135M-like
 shapes: 9 query heads, 3 kv heads, head dim 64, hidden 576), plus the prepared operators' per-call cost.
 
-Run: ``python bench/llm_ops.py [threads]`` (default 1 thread). Prints two tables; times are medians of
-alternating repeated runs, in microseconds.
+Run: ``python bench/llm_ops.py [threads] [--smoke]`` (default 1 thread). Prints two tables; times are medians of
+alternating repeated runs, in microseconds. ``--smoke`` (what CI runs): 1 round of 2 calls per case.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -84,18 +85,24 @@ def _interleaved(a, b, number: int = 20, repeat: int = 7, a_disabled: tuple[str,
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # One intra-op thread by default: on a shared 2-core machine two threads jitter by 10x under load.
+    ap.add_argument("threads", type=int, nargs="?", default=1)
+    ap.add_argument("--smoke", action="store_true", help="1 round of 2 calls per case (CI)")
+    args = ap.parse_args()
     torch.manual_seed(0)
-    # One intra-op thread: on a shared 2-core machine two threads jitter by 10x under load.
-    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    torch.set_num_threads(args.threads)
+    # (calls per round, rounds) of the kernel table and of the overhead table
+    kernels, overhead = ((2, 1), (2, 1)) if args.smoke else ((20, 7), (200, 7))
     rows = []
     for name, fn in _cases():
-        ref, fast = _interleaved(fn, fn, a_disabled=("torch", "sdpa"))
+        ref, fast = _interleaved(fn, fn, *kernels, a_disabled=("torch", "sdpa"))
         rows.append([name, ref, fast, ref / fast])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us per call (median)")
     print(table(["case", "reference", "active", "speedup"], rows))
     rows = []
     for name, raw, wrapped in _overhead_cases():
-        t_raw, t_wrapped = _interleaved(raw, wrapped, number=200)
+        t_raw, t_wrapped = _interleaved(raw, wrapped, *overhead)
         rows.append([name, t_raw, t_wrapped, t_wrapped - t_raw])
     print()
     print(table(["decode step", "raw torch", "prepared op", "overhead"], rows))

@@ -1,12 +1,13 @@
 """Where a model's memory goes: RSS at each phase of ``dtorch.LLM(...)`` and a 64-token generation, and what holds it.
 
-    python bench/memory.py [--model PATH.gguf] [--prompt 128] [--new 64] [--max-model-len N] [--json]
+    python bench/memory.py [--model PATH.gguf] [--prompt 128] [--new 64] [--max-model-len N] [--json] [--smoke]
 
 "model MiB" is peak RSS (VmHWM) minus the RSS right after the imports, as ``bench/decode.py`` and issue #21 count it.
 The phases are measured by wrapping the loader, the KV cache and the executor's runner factory (this script only);
 the table of holders comes from the objects themselves: weights by layout (packed, 16-bit, float copies), the RoPE
 table, the KV cache (reserved and resident: its blocks are touched only as sequences fill them), each bucket's step
 buffers, and what nothing in dtorch accounts for (the tokenizer, torch's and the allocator's own).
+``--smoke`` (what CI runs): the default model, a 16-token prompt and 8 new tokens.
 """
 
 from __future__ import annotations
@@ -63,11 +64,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seqs", type=int, default=1, help="sequences generated together (prompts of varied lengths)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON too")
+    ap.add_argument("--smoke", action="store_true", help="a 16-token prompt, 8 new tokens (CI)")
     ap.add_argument("--tied-gemma3-270m", action="store_true",
                     help="a Gemma 3 270M-shaped float32 Hugging Face checkpoint with a tied head (random weights, "
                          "written by transformers into --cache once) instead of --model")
     ap.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dtorch", "bench-hf"))
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.prompt, args.new = 16, 8
     if args.tied_gemma3_270m:
         args.model = str(_tied_gemma3(args.cache))
 

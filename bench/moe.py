@@ -1,11 +1,12 @@
 """MoE experts: the reference kernel (a loop over experts with masks) against the torch kernel, decode and prefill.
 
-    python bench/moe.py [--threads 4] [--repeat 20] [--hidden 576] [--inter 256] [--dtype float32]
+    python bench/moe.py [--threads 4] [--repeat 20] [--hidden 576] [--inter 256] [--dtype float32] [--smoke]
 
 For E experts with top-k routing (random router logits) it prints the median ms of ``llm.moe_experts`` with only
 the reference or only the torch provider, for T = 1 (decode: on cpu the torch kernel's host path, each selected
 expert on views of its own matrices; off cpu its gathered path, no host read) and T = 512 (prefill: grouped by
-expert), the speed-up and the largest output difference.
+expert), the speed-up and the largest output difference. ``--smoke`` (what CI runs): 1 thread, 1 run, H=64, I=32,
+E=8 top-2 only, T = 1 and 32.
 """
 
 from __future__ import annotations
@@ -30,14 +31,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--inter", type=int, default=256)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--smoke", action="store_true", help="1 thread, 1 run, tiny shapes (CI)")
     a = p.parse_args(argv)
+    routings, lengths = ((8, 2), (32, 4), (64, 8)), (1, 512)  # (experts E, top-k), tokens T
+    if a.smoke:
+        a.threads, a.repeat, a.hidden, a.inter = 1, 1, 64, 32
+        routings, lengths = ((8, 2),), (1, 32)
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     rows = []
-    for experts, k in ((8, 2), (32, 4), (64, 8)):
+    for experts, k in routings:
         wgu = torch.randn(experts, 2 * a.inter, a.hidden, dtype=dtype) * 0.05
         wd = torch.randn(experts, a.hidden, a.inter, dtype=dtype) * 0.05
-        for tokens in (1, 512):
+        for tokens in lengths:
             x = torch.randn(tokens, a.hidden, dtype=dtype)
             w, ids = ops.moe_router(torch.randn(tokens, experts, dtype=dtype), k, True)
             out = {}

@@ -1,7 +1,7 @@
 """Native CPU kernels vs torch on SmolLM2-135M's and Qwen3-0.6B's linear shapes: y [M, N] = x [M, K] @ W[N, K].T.
 
 Run: ``python bench/native_kernels.py [--isa avx512,avx2] [--rounds 5] [--threads 1,2] [--m 1,128]
-[--formats q4_1,q4_k,...] [--shapes smollm2,qwen3]``.
+[--formats q4_1,q4_k,...] [--shapes smollm2,qwen3] [--smoke]``.
 
 Rows per (shape, M, threads): torch float32 and bfloat16 matmul, native float GEMV (M = 1), native products of
 every packed GGUF format per ISA (K-quants only where K % 256 == 0); each gives µs per call and GB/s of weight
@@ -9,7 +9,8 @@ bytes streamed. Times
 are medians over rounds in which every variant runs once in turn (so drift of this shared machine hits all
 alike). For M = 1 each call takes the next of several distinct copies of the weight, enough to overflow the
 last-level cache (at least 256 MiB in all, at most 60 copies), so each call streams its weight from memory, as a
-decode step does.
+decode step does. ``--smoke`` (what CI runs): one 256 x 512 shape, M = 1 and 4, 1 thread, 1 round, q4_1 and q4_k,
+two copies of each weight.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dtorch.kernels import layouts  # noqa: E402
 SHAPES = {  # (N, K): q/o, k/v, gate/up, down, head
     "smollm2": [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)],
     "qwen3": [(2048, 1024), (1024, 2048), (1024, 1024), (3072, 1024), (1024, 3072)],
+    "smoke": [(256, 512)],  # K a multiple of 256: the K-quants run too
 }
 FOOTPRINT = 256 << 20
 # byte offsets of the fp16 scales in a GGUF block (the other bytes: any value is valid)
@@ -110,7 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--formats", default="q4_1,q8_0,q4_k,q6_k", help="GGUF formats (comma separated) or 'all'")
     ap.add_argument("--shapes", default="smollm2", help=f"shape sets: {', '.join(SHAPES)}")
     ap.add_argument("--no-torch", action="store_true", help="time the native products only")
+    ap.add_argument("--smoke", action="store_true", help="one small shape, 1 thread, 1 round (CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        global FOOTPRINT
+        FOOTPRINT = 0  # _copies' floor: two copies of each weight, nothing sized to overflow the cache
+        args.shapes, args.m, args.threads, args.rounds, args.formats = "smoke", "1,4", "1", 1, "q4_1,q4_k"
     formats = list(GGUF_LAYOUTS) if args.formats == "all" else [f"gguf.{f}" for f in args.formats.split(",")]
     shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     isas = args.isa.split(",")

@@ -1,6 +1,6 @@
 """Kernel runtime benchmark: stream overhead, compute/communicate overlap, peak memory with release.
 
-    python bench/runtime.py [--quick] [--trace-png docs/trace.png]
+    python bench/runtime.py [--quick] [--smoke] [--trace-png docs/trace.png]
 
 Prints one table: kernels per second through one CPU stream with an empty kernel and the cost per
 kernel over a direct call; the overlap fraction 1 - (T_step - T_compute_only) / T_comm_only for
@@ -8,6 +8,7 @@ kernel over a direct call; the overlap fraction 1 - (T_step - T_compute_only) / 
 slower (communication mostly waiting); peak activation memory of a long chain with and without
 release. Every time is the median of several runs. Threads: each CPU device's compute stream runs
 with cores // devices intra-op threads (torch.get_num_threads()), communicate streams with one.
+``--smoke`` (what CI runs): every row once, 1,000 empty kernels instead of 20,000.
 """
 
 from __future__ import annotations
@@ -235,14 +236,15 @@ def fraction(t: dict) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats")
+    p.add_argument("--smoke", action="store_true", help="one run of each row, fewer kernels (CI)")
     p.add_argument("--trace-png", help="also draw the trace of one tensor-parallel MLP step here")
     p.add_argument("--gloo-worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.gloo_worker:
         gloo_worker(int(args.gloo_worker[0]), int(args.gloo_worker[1]), int(args.gloo_worker[2]))
         return
-    repeats = 3 if args.quick else 7
-    kps, us_stream, us_direct = stream_overhead(20000, repeats)
+    repeats = 1 if args.smoke else 3 if args.quick else 7
+    kps, us_stream, us_direct = stream_overhead(1000 if args.smoke else 20000, repeats)
     a = overlap_inprocess(repeats, args.trace_png)
     b = overlap_gloo(repeats)
     kept, released = chain_peak(False, 32, 256), chain_peak(True, 32, 256)

@@ -2,7 +2,7 @@
 
     python bench/serve.py [--servers dtorch,llamacpp] [--model PATH.gguf] [--clients 1,4,16]
                           [--requests-per-client 2] [--max-tokens 64] [--repeats 1] [--threads N]
-                          [--llamacpp-python PATH]
+                          [--llamacpp-python PATH] [--smoke]
 
 Each server runs as a subprocess on a free 127.0.0.1 port and gets one warm-up request; then, for each level of
 ``--clients``, that many threads each send ``--requests-per-client`` streaming chat completions one after another
@@ -19,6 +19,8 @@ llama.cpp), so both make the same number of tokens; "tok/req" shows what they ma
 Per level: "out tok/s" is all completion tokens (the server's usage count where it sends one, else content
 chunks) over the level's wall time; TTFT is send to first content chunk; ITL the gaps between content chunks.
 With ``--repeats`` > 1 every number is the median over the repeats.
+``--smoke`` (what CI runs): clients 1 and 2, one request each of at most 2 filler sentences (``--max-filler``), 8
+new tokens; a server that fails fails the run (llama.cpp's is skipped, and says so, where its Python is absent).
 """
 
 from __future__ import annotations
@@ -68,11 +70,11 @@ FILLER = [
 ]
 
 
-def prompt(seed: int, index: int, tag: str) -> str:
-    """The ``index``-th prompt of the seeded list: ``index`` * the golden ratio (mod 1) sets its filler count,
-    so any run of consecutive indices covers short and long prompts alike."""
+def prompt(seed: int, index: int, tag: str, max_filler: int = MAX_FILLER) -> str:
+    """The ``index``-th prompt of the seeded list: ``index`` * the golden ratio (mod 1) sets its filler count (0 to
+    ``max_filler``), so any run of consecutive indices covers short and long prompts alike."""
     rng = random.Random(seed * 1_000_003 + index)
-    n = round(((index * 0.6180339887 + seed * 0.1) % 1.0) * MAX_FILLER)
+    n = round(((index * 0.6180339887 + seed * 0.1) % 1.0) * max_filler)
     body = " ".join(rng.choice(FILLER) for _ in range(n))
     return f"[{tag}] {rng.choice(INSTRUCTIONS)}\n\n{body}".rstrip()
 
@@ -227,7 +229,7 @@ def run_level(base_url: str, model: str, clients: int, args: argparse.Namespace,
         for j in range(args.requests_per_client):
             k = j * clients + i
             try:
-                records.append(one_request(client, model, prompt(args.seed, k, f"{tag} request {k}"),
+                records.append(one_request(client, model, prompt(args.seed, k, f"{tag} request {k}", args.max_filler),
                                            args.max_tokens, extra_body, args.request_timeout))
             except Exception as e:  # a failed request is counted and reported, the level goes on
                 errors.append(f"{type(e).__name__}: {e}"[:200])
@@ -269,14 +271,14 @@ def bench_server(server: Server, port: int, args: argparse.Namespace, levels: li
         extra = server.extra_body
         client = client_for(base_url, args.request_timeout)
         try:
-            one_request(client, model, prompt(args.seed, 0, "warm-up"), 8, extra, args.request_timeout)
+            one_request(client, model, prompt(args.seed, 0, "warm-up", args.max_filler), 8, extra, args.request_timeout)
         except openai.APIStatusError as e:  # 400 or 422: the server does not take the length-forcing fields
             if not extra or e.status_code not in (400, 422):
                 raise
             print(f"  {server.name} refused {sorted(extra)} ({str(e)[:120]}); sending without it, so the output "
                   "lengths are not forced (see tok/req)", file=sys.stderr)
             extra = {}
-            one_request(client, model, prompt(args.seed, 0, "warm-up"), 8, extra, args.request_timeout)
+            one_request(client, model, prompt(args.seed, 0, "warm-up", args.max_filler), 8, extra, args.request_timeout)
         client.close()
         out = {}
         for c in levels:
@@ -342,7 +344,13 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default=None)
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--max-filler", type=int, default=MAX_FILLER, help="filler sentences in the longest prompt")
+    ap.add_argument("--smoke", action="store_true", help="clients 1,2, one short request each, 8 new tokens (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.clients, args.requests_per_client, args.max_tokens, args.repeats = "1,2", 1, 8, 1
+        args.max_filler = 2
+        args.request_timeout = 120.0
     levels = sorted({int(c) for c in args.clients.split(",")})
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = set(names) - {"dtorch", "llamacpp"}
@@ -355,8 +363,10 @@ def main() -> None:
 
     print(f"model {os.path.basename(args.model)}; {args.threads} threads; clients {levels}, "
           f"{args.requests_per_client} streaming requests each; greedy, {args.max_tokens} new tokens; "
-          f"prompts ~20-400 tokens (seed {args.seed}); median of {args.repeats} run(s) after a warm-up", flush=True)
+          f"prompts of 0-{args.max_filler} filler sentences (seed {args.seed}); "
+          f"median of {args.repeats} run(s) after a warm-up", flush=True)
     results: dict[str, dict[int, dict]] = {}
+    failed = []
     for name in names:
         port = free_port()
         if name == "llamacpp":
@@ -371,9 +381,12 @@ def main() -> None:
             results[server.name] = bench_server(server, port, args, levels)
         except Exception as e:
             print(f"{server.name}: failed: {type(e).__name__}: {e}")
+            failed.append(server.name)
     if results:
         print()
         report(results, levels)
+    if args.smoke and failed:
+        sys.exit(f"serve bench: {', '.join(failed)} failed (above)")
 
 
 if __name__ == "__main__":

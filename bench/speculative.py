@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, side by side in one run (issue #23).
 
     python bench/speculative.py [--threads 1] [--repeats 3] [--k 12] [--forced 2 4 8 12] [--no-draft-model]
-                                [--cache DIR]
+                                [--cache DIR] [--smoke]
 
 The default model (SmolLM2-135M-Instruct Q4_1), greedy, one request at a time, on three chat tasks: repeating a
 paragraph, fixing the typos of a paragraph, and an open question. Each task runs plain and with prompt lookup
@@ -25,6 +25,10 @@ there too), on the copy task's prompt as raw text. Random weights (tied embeddin
 their last token, the target and the draft alike, so the drafts are kept: the row shows what the draft model's steps
 and the verification cost, not what a trained pair accepts. The machine is shared and noisy; compare the ratios of one
 run.
+
+``--smoke`` (what CI runs): the copy task only, 24 new tokens, one run, k 4, forced 4; the draft-model row drafts the
+default model by the tiny random Qwen3 given the default model's vocabulary, written to a temporary folder (no
+llama.cpp quantizer needed).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,22 +125,42 @@ def row_costs(llm, rows: int) -> list[list]:
     return out
 
 
+def tiny_draft(dst: Path, vocab: int) -> Path:
+    """The tiny random Qwen3 (``TINY_DRAFT``) of ``vocab`` tokens, the default model's tokenizer fitted to it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gguf_files as gf
+
+    from dtorch.models.default import default_model_path
+
+    s = TINY_DRAFT
+    shape = gf.Shape("qwen3", s["hidden"], s["intermediate"], s["layers"], s["heads"], s["kv_heads"], s["head_dim"],
+                     vocab)
+    return gf.random_model(dst, shape, default_model_path())
+
+
 def draft_files(cache: Path) -> tuple[Path, Path]:
     """The Qwen3-0.6B-shaped Q4_K_M target and the tiny random Qwen3 draft of its vocabulary (made when missing)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gguf_files as gf
     from gguf_formats import make_files
 
-    from dtorch.models.default import default_model_path
-
     cache.mkdir(parents=True, exist_ok=True)
     made = make_files(["qwen3-0.6b-Q4_K_M"], cache, str(gf.LLAMACPP_PYTHON))["qwen3-0.6b-Q4_K_M"]
     if isinstance(made, str):
         raise SystemExit(f"bench/speculative.py: cannot make the 0.6B target: {made}")
-    s = TINY_DRAFT
-    shape = gf.Shape("qwen3", s["hidden"], s["intermediate"], s["layers"], s["heads"], s["kv_heads"], s["head_dim"],
-                     gf.QWEN3_0_6B.vocab)
-    return made, gf.random_model(cache / "qwen3-tiny-F16.gguf", shape, default_model_path())
+    return made, tiny_draft(cache / "qwen3-tiny-F16.gguf", gf.QWEN3_0_6B.vocab)
+
+
+def draft_row(target: Path, draft: Path, args: argparse.Namespace, new: int) -> list:
+    """The copy task's prompt as raw text on ``target`` drafted by ``draft``, ``new`` tokens, eos held off."""
+    from dtorch import LLM, SamplingParams
+
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
+    llm = LLM(str(target), max_model_len=1024, threads=args.threads, speculative_config=config)
+    m = measure(llm, llm.tokenizer.encode(TASKS["copy"][0]),
+                SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), args.repeats)
+    llm.close()
+    return row(f"copy, {target.stem} drafted by {draft.stem}", f"<= {args.k}", m)
 
 
 def row(label: str, k: str, m: dict) -> list:
@@ -153,12 +178,18 @@ def main() -> None:
                     help="k drafted at every step, whatever they cost, on the copy task (the profile)")
     ap.add_argument("--no-draft-model", action="store_true", help="leave out the draft-model row")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dtorch" / "bench-gguf")
+    ap.add_argument("--smoke", action="store_true", help="the copy task, 24 tokens, 1 run, a tiny draft (CI)")
     args = ap.parse_args()
+    tasks = TASKS
+    if args.smoke:
+        args.repeats, args.k, args.forced = 1, 4, [4]
+        tasks = {"copy": (TASKS["copy"][0], 24)}
 
     from _timing import table
 
     from dtorch import LLM, SamplingParams
     from dtorch.engine.speculative import SpeculativeConfig, Speculator
+    from dtorch.models.default import default_model_path
 
     head = ["task", "k", "tokens", "plain tok/s", "spec tok/s", "speed-up", "decode tok/s", "decode speed-up",
             "acceptance", "ms/step", "same"]
@@ -169,7 +200,7 @@ def main() -> None:
         print(table(head, [r]), file=sys.stderr, flush=True)  # each row as it is measured
 
     llm = LLM(max_model_len=1024, threads=args.threads, speculative_config=ngram(args.k))
-    prompts = {task: (llm.chat_prompt([{"role": "user", "content": text}]), new) for task, (text, new) in TASKS.items()}
+    prompts = {task: (llm.chat_prompt([{"role": "user", "content": text}]), new) for task, (text, new) in tasks.items()}
     for task, (prompt, new) in prompts.items():
         add(row(f"{task} (ngram)", f"<= {args.k}", measure(llm, prompt, SamplingParams(temperature=0.0,
                                                                                         max_tokens=new), args.repeats)))
@@ -179,15 +210,15 @@ def main() -> None:
         add(row("copy (ngram, forced)", str(k), measure(llm, prompt, SamplingParams(temperature=0.0, max_tokens=new),
                                                         args.repeats)))
     costs = row_costs(llm, max([args.k, *args.forced]) + 1)
+    vocab = llm.config.vocab_size
     llm.close()
-    if not args.no_draft_model:
-        target, draft = draft_files(args.cache)
-        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
-        llm = LLM(str(target), max_model_len=1024, threads=args.threads, speculative_config=config)
-        m = measure(llm, llm.tokenizer.encode(TASKS["copy"][0]),
-                    SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), args.repeats)
-        add(row(f"copy, {target.stem} drafted by {draft.stem}", f"<= {args.k}", m))
-        llm.close()
+    if args.no_draft_model:
+        pass
+    elif args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            add(draft_row(default_model_path(), tiny_draft(Path(tmp) / "qwen3-tiny-F16.gguf", vocab), args, 16))
+    else:
+        add(draft_row(*draft_files(args.cache), args, 64))
     print(f"\nspeculative decoding, {args.threads} thread(s), greedy, one request, medians of {args.repeats} runs "
           "(whole generate calls)")
     print(table(head, rows))

@@ -9,6 +9,7 @@ decode step, which does not depend on how busy the machine was between two runs.
 
     python bench/structured_outputs.py                 # batch 1 and 8, 64 tokens, 5 repeats
     python bench/structured_outputs.py --batch 1 4 16 --tokens 96
+    python bench/structured_outputs.py --smoke         # CI: batch 1 and 2, 8 tokens, 1 repeat, 1 thread, no warm-up
 """
 
 from __future__ import annotations
@@ -76,9 +77,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--smoke", action="store_true", help="batch 1 and 2, 8 tokens, 1 repeat, no warm-up (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.tokens, args.repeats, args.threads = [1, 2], 8, 1, 1
     llm = dtorch.LLM(threads=args.threads, max_num_seqs=max(args.batch))
-    llm.engine.warmup()
+    if not args.smoke:  # every step shape built before the timings (the smoke's figures mean nothing anyway)
+        llm.engine.warmup()
     prompt = llm.chat_prompt([{"role": "user", "content": "List the staff records as JSON."}])
     run(llm, [prompt], [True], 8)  # compile the grammar once, outside the timings
     print(f"default model, {args.tokens} decode tokens per row, median of {args.repeats} runs (each repeat runs the "
