@@ -12,6 +12,10 @@ With ``capture=True`` the decode buckets (one row per sequence: the steps that r
 ``Capture.for_steps`` allows (one GPU): their Runners share one ``Capture``, bind capture-safe kernels only and replay
 one recording per bucket (a CUDA graph on a GPU, all in one memory pool); ``capture_report()`` says which buckets
 replay and why the others do not.
+
+A pipelined model (``Transformer.stages``) runs a bucket as one Runner per stage (``StageRunners``), each on its
+stage's tp group with a communicator for that group (``Communicator.group``): a stage's last op sends the residual
+stream to the next stage's devices on its communicate streams, where the next stage's first op receives it.
 """
 
 from __future__ import annotations
@@ -27,11 +31,29 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.model import Bucket, Transformer, bucket_for
-from dtorch.runtime.capture import NOT_ASKED, Capture, Recorder
+from dtorch.runtime.capture import NOT_ASKED, Capture, Recorder, RunCapture
 from dtorch.runtime.comm import Communicator
 from dtorch.runtime.plan import SharedBuffers
 from dtorch.runtime.runner import Runner
 from dtorch.runtime.stream import StreamManager
+
+
+class StageRunners:
+    """A pipelined bucket: the Runners of its stages (this process's), run in stage order on the same feeds (each
+    takes the ones its graph has); the last stage's outputs are the step's. Never captured (one recording holds one
+    device's stream)."""
+
+    def __init__(self, runners: list[Runner]) -> None:
+        self.runners = runners
+        self.capture = RunCapture(None, "a pipelined step runs one Runner per stage, on several devices")
+        self.capture_off = self.capture.status()
+        self.captured = False
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for r in self.runners:
+            out = r.run({k: v for k, v in feeds.items() if k in r.graph.inputs})
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,14 +131,22 @@ class Executor:
             self.runners.clear()
             self.cache = cache
 
-    def runner(self, bucket: Bucket) -> Runner:
-        """The Runner of ``bucket``, built on first use."""
+    def runner(self, bucket: Bucket) -> Runner | StageRunners:
+        """The Runner of ``bucket`` (a pipeline's: its ``StageRunners``), built on first use."""
         r = self.runners.get(bucket)
         if r is None:
-            g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
-            r = self.runners[bucket] = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True,
-                                              capture=self._capture(bucket),
-                                              buffers=self.buffers)
+            stages = self.model.stages
+            if len(stages) == 1:
+                g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
+                r = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True,
+                           capture=self._capture(bucket), buffers=self.buffers)
+            else:
+                r = StageRunners([Runner(self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq,
+                                                          st.index),
+                                         self.comm.group(st.mesh.ids), timeout=self.timeout, streams=self.streams,
+                                         static=True, buffers=self.buffers)
+                                  for st in stages if set(st.mesh.ids) & set(self.local_ids)])
+            self.runners[bucket] = r
         return r
 
     def _capture(self, bucket: Bucket) -> Capture:

@@ -34,30 +34,31 @@ PackedGetter = Callable[[str, "int | None", "list[tuple[int, int]]"], "tuple[str
 
 
 def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...], dtype: torch.dtype,
-                 get_packed: PackedGetter | None = None
+                 get_packed: PackedGetter | None = None, keep: Callable[[str], bool] | None = None
                  ) -> tuple[dict[str, DistTensor], set[str], dict[str, tuple[str, ...]]]:
     """Every weight placed on ``mesh`` (this process's devices ``local_ids``), the names of the float ones stored as
     W [N, K], and the fused weights stored as parts (fused name -> its parts' names, in row order). With
     ``get_packed``, projections and the embedding stay in their GGUF block format where the file has one (packed
     once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``. A fused projection
     whose sources differ in format is stored as parts ``"{name}[j]"`` of consecutive sources sharing one, each kept
-    as stored (``_load_parts``), so no weight is widened because of its neighbour."""
+    as stored (``_load_parts``), so no weight is widened because of its neighbour. ``keep``: which weights to load
+    (a pipeline stage's own; default all), so a stage never reads another's from the file."""
     layout = Layout(config, mesh.size)
     weights: dict[str, DistTensor] = {}
     linear: set[str] = set()
     parts: dict[str, tuple[str, ...]] = {}
     rows_first = _float_linear(mesh, dtype)
-    tensors = list(families.get(config.family).tensors(config, layout))
+    tensors = [w for w in families.get(config.family).tensors(config, layout) if keep is None or keep(w.name)]
     for weight in progress(tensors, len(tensors), "loading weights"):  # a bar on a terminal
         name, sources, combine, shape = weight.name, weight.sources, weight.combine, weight.shape
         kind = _kind(name)
-        if rows_first and kind == "lm_head" and config.tie_word_embeddings and name not in weights \
-                and weights["embed"].layout == "strided":
+        tied = kind == "lm_head" and config.tie_word_embeddings and "embed" in weights  # else read from the file
+        if rows_first and tied and name not in weights and weights["embed"].layout == "strided":
             weights[name] = weights["embed"]  # tied: the embedding rows [V, E] are the head's W
             linear.add(name)
             continue
         if get_packed is not None and kind in PACKABLE:
-            if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
+            if tied and weights["embed"].layout != "strided":
                 weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
                 continue
             stored = _load_parts(get, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
