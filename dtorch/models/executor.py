@@ -117,6 +117,12 @@ class Executor:
         # one capture (one recorder) for every decode bucket, so the recordings share one memory pool
         self.capture = Capture.for_steps(model.mesh.device(local_ids[0]), model.mesh.size, asked=capture,
                                          recorder=recorder)
+        # each stage's communicator (its tp group's collectives), made by every process for every stage in order (a
+        # process group's sub-groups are made collectively); the stages this process runs
+        self.stage_comms = [communicator.group(st.mesh.ids) for st in model.stages] if len(model.stages) > 1 else []
+        self.local_stages = [st for st in model.stages if set(st.mesh.ids) & set(local_ids)]
+        # under torchrun, the last stage's first rank gives every rank the step's logits (each samples them)
+        self.logits_from = None if len(self.local_stages) == len(model.stages) else model.stages[-1].mesh.ids[0]
 
     def set_trace(self, on: bool) -> None:
         """Record every kernel's start and end on its stream (``self.tracer``), or stop."""
@@ -143,9 +149,9 @@ class Executor:
             else:
                 r = StageRunners([Runner(self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq,
                                                           st.index),
-                                         self.comm.group(st.mesh.ids), timeout=self.timeout, streams=self.streams,
+                                         self.stage_comms[st.index], timeout=self.timeout, streams=self.streams,
                                          static=True, buffers=self.buffers)
-                                  for st in stages if set(st.mesh.ids) & set(self.local_ids)])
+                                  for st in self.local_stages])
             self.runners[bucket] = r
         return r
 
@@ -181,9 +187,22 @@ class Executor:
         rows = sum(plan.logits) if plan.logits else n
         bucket = bucket_for(t, n, all_logits, hidden, rows, plan.long)
         feeds = self.feeds(plan, bucket)
-        logits = self.runner(bucket).run(feeds)["hidden" if hidden else "logits"]
+        logits = self.runner(bucket).run(feeds).get("hidden" if hidden else "logits")
+        if self.logits_from is not None:
+            logits = self._from_last_stage(logits, bucket)
         logits = logits[:t] if all_logits or hidden else logits[:rows]
         return logits if logits.dtype == torch.float32 else logits.float()
+
+    def _from_last_stage(self, out: torch.Tensor | None, bucket: Bucket) -> torch.Tensor:
+        """A pipeline across processes: the last stage's output (None on the other ranks), broadcast from its first
+        rank to every rank: [T, H] with ``bucket.hidden``, else [T or rows or N, V] logits (``Transformer.graph``)."""
+        c = self.model.config
+        if out is None:
+            rows = bucket.tokens if bucket.all_logits else bucket.rows or bucket.seqs
+            shape = (bucket.tokens, c.hidden_size) if bucket.hidden else (rows, c.vocab_size)
+            out = torch.empty(shape, dtype=self.model.dtype, device=self.model.mesh.device(self.local_ids[0]).torch)
+        self.comm.broadcast(self.local_ids[0], out, out, src=self.logits_from)
+        return out
 
     def feeds(self, plan: StepPlan, bucket: Bucket) -> dict[str, torch.Tensor]:
         """The step's padded inputs (host tensors; the Runner places them on each device)."""

@@ -173,7 +173,11 @@ class Transformer:
         from dtorch.dispatch import KernelKey, dispatcher
 
         c = self.config
-        name = f"layers.{c.attention_layers[0]}.qkv" if c.attention_layers else f"layers.{c.linear_layers[0]}.lin_in"
+        # of the layers whose weights this process holds (a pipeline stage under torchrun: its own), the first attention
+        # layer's, else the first gated delta net's
+        held = {int(n.split(".")[1]) for n in self.weights if n.startswith("layers.")}
+        attention = [i for i in c.attention_layers if i in held]
+        name = f"layers.{attention[0]}.qkv" if attention else f"layers.{min(held)}.lin_in"
         name = self.parts.get(name, (name,))[0]
         w = self.weights[name]
         device = self.mesh.device(self.mesh.ids[0]).type

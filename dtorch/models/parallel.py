@@ -66,9 +66,10 @@ def setup_mesh(device: str, tensor_parallel_size: int, pipeline_parallel_size: i
 
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != n:
-            raise ArgumentError(f"LLM: torch.distributed has {world} ranks but tensor_parallel_size x "
-                                f"pipeline_parallel_size is {n}; run torchrun --nproc-per-node {n} (one device per "
-                                f"rank), or pass sizes whose product is {world}")
+            sizes = f"tensor_parallel_size is {n}" if pp == 1 else \
+                f"tensor_parallel_size x pipeline_parallel_size is {tensor_parallel_size} x {pp} = {n}"
+            raise ArgumentError(f"LLM: torch.distributed has {world} ranks but {sizes}; run torchrun "
+                                f"--nproc-per-node {n} (one device per rank), or pass sizes whose product is {world}")
         mesh = DeviceMesh.distributed(kind, *shape)
         comm = TorchDistCommunicator()
         return MeshSetup(mesh, comm, (rank,), rank, True, _past_group_timeout(comm.timeout))
