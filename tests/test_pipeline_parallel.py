@@ -147,3 +147,17 @@ def test_a_two_dimensional_mesh_and_a_graph_per_stage():
     g = LogicalGraph(mesh.stage(0))
     with pytest.raises(dtorch.GraphError, match="peers must be 2 devices outside the graph's mesh"):
         g.send(g.input("x", (2,)), (0, 1))
+
+
+def test_cli_pipeline_flags(family, capsys):
+    from dtorch.cli import main
+
+    _, path, greedy = family
+    assert main(["generate", "--model", path, "-pp", "2", "--max-tokens", "8", "--ignore-eos", "--temperature", "0",
+                 "--prompt-ids", ",".join(map(str, PROMPTS[3]))]) == 0
+    out = capsys.readouterr()
+    assert "2 pipeline stages (layers" in out.err
+    assert [int(t) for t in out.out.replace(",", " ").split()] == greedy[3]  # the answer's ids
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", path, "-pp", "2", "--pp-layers", "1,x", "hi"])
+    assert info.value.code == 2 and "--pp-layers: expected layer counts >= 1" in capsys.readouterr().err
