@@ -161,3 +161,26 @@ def test_cli_pipeline_flags(family, capsys):
     with pytest.raises(SystemExit) as info:
         main(["generate", "--model", path, "-pp", "2", "--pp-layers", "1,x", "hi"])
     assert info.value.code == 2 and "--pp-layers: expected layer counts >= 1" in capsys.readouterr().err
+
+
+def test_a_stage_that_fails_leaves_nothing_for_the_next_step():
+    """Stage 1 fails (a bad feed) after stage 0 sent: the step raises, and the next step reads its own activations,
+    not the failed step's."""
+    from dtorch.models.executor import StageRunners
+
+    mesh = DeviceMesh.cpu(2, (2, 1), ("pp", "tp"))
+    g0 = LogicalGraph(mesh.stage(0))
+    g0.send(g0.input("x", (2, 3)), mesh.stage(1).ids)
+    g1 = LogicalGraph(mesh.stage(1))
+    h = g1.recv("h", (2, 3), torch.float32, mesh.stage(0).ids)
+    g1.output("y", g1.call("binary.add", h, g1.input("b", (2, 3))))
+    comm = InProcessCommunicator(mesh.ids)
+    stages = StageRunners([Runner(g0, comm.group((0,))), Runner(g1, comm.group((1,)))])
+    try:
+        with pytest.raises(dtorch.ShapeError, match="feed 'b' must have shape"):
+            stages.run({"x": torch.ones(2, 3), "b": torch.zeros(3)})
+        x = torch.arange(6.0).view(2, 3)
+        torch.testing.assert_close(stages.run({"x": x, "b": torch.zeros(2, 3)})["y"], x)
+    finally:
+        for r in stages.runners:
+            r.shutdown()

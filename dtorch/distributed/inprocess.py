@@ -176,6 +176,10 @@ class InProcessCommunicator(Communicator):
         self._error = None
         self._slots = [None] * self.n
         self._barrier = self._new_barrier()
+        if self._reachable == frozenset(self.ids):  # a stage's group leaves the mailboxes to drop_messages
+            self.drop_messages()
+
+    def drop_messages(self) -> None:
         with self._mail_lock:
             self._mail.clear()
 

@@ -51,8 +51,13 @@ class StageRunners:
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for r in self.runners:
-            out = r.run({k: v for k, v in feeds.items() if k in r.graph.inputs})
+        try:
+            for r in self.runners:
+                out = r.run({k: v for k, v in feeds.items() if k in r.graph.inputs})
+        except BaseException:  # a stage failed: what an earlier one sent must not reach the next step's recv
+            for r in self.runners:
+                r.comm.drop_messages()
+            raise
         return out
 
 

@@ -65,6 +65,10 @@ class Communicator(ABC):
     def reset(self) -> None:  # noqa: B027 - optional; the default does nothing
         """Make the communicator usable again after ``abort``."""
 
+    def drop_messages(self) -> None:  # noqa: B027 - optional; the default does nothing
+        """Forget sends no recv took (a pipelined step that failed between its stages), so the next step's recv
+        never reads the failed one's activations."""
+
     def set_timeout(self, seconds: float) -> None:  # noqa: B027 - optional; the default does nothing
         """How long the next collectives wait for a peer (a Runner sets its run's timeout before each run);
         a communicator whose timeout is fixed elsewhere (a process group's) keeps its own."""
