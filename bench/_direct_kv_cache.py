@@ -1,5 +1,7 @@
 """The direct path's KV cache (kept as the benchmarks' baseline): KV_CACHE memory, one slot per sequence.
 
+Its slot bookkeeping (``Slots``) lives here: the runtime's paged cache left slots for blocks.
+
 ``k`` and ``v`` are ``[num_layers, num_slots, max_len, num_kv_heads, head_dim]``. A sequence owns
 one slot; its keys for layer l are ``k[l, slot, :length]``, a contiguous ``[length, Hkv, D]`` view,
 so attention over one sequence reads the cache in place.
@@ -10,9 +12,42 @@ from __future__ import annotations
 import torch
 
 from dtorch.core.device import Device, as_device
-from dtorch.core.errors import ArgumentError
+from dtorch.core.errors import ArgumentError, ModelError
 from dtorch.core.memory import MemoryKind, allocate
-from dtorch.models.kv_cache import Slots
+
+
+class Slots:
+    """One slot per running sequence, each holding at most ``max_len`` tokens: which are free, how long each is."""
+
+    def __init__(self, num_slots: int, max_len: int) -> None:
+        for name, value in (("num_slots", num_slots), ("max_len", max_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ArgumentError(f"KVCache: {name} must be an int >= 1, got {value!r}")
+        self.num_slots, self.max_len = num_slots, max_len
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def alloc(self) -> int:
+        """Take a free slot for a new sequence (length 0)."""
+        if not self._free:
+            raise ModelError(f"KVCache: all {self.num_slots} slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def reset(self) -> None:
+        """Free every slot."""
+        self.lengths = [0] * self.num_slots
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    def reserve(self, slot: int, n: int) -> int:
+        """Grow sequence ``slot`` by ``n`` tokens; returns its old length (the first new position)."""
+        start = self.lengths[slot]
+        if start + n > self.max_len:
+            raise ModelError(f"KVCache: sequence in slot {slot} would reach {start + n} tokens, "
+                             f"more than the cache's max_len {self.max_len}")
+        self.lengths[slot] = start + n
+        return start
 
 
 class KVCache(Slots):

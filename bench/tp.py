@@ -1,12 +1,16 @@
 """Decode speed of the default model through the runtime, side by side, in one run (issue: models on the runtime).
 
-    python bench/tp.py [--rounds 5] [--prompt 128] [--new 64]
+    python bench/tp.py [--rounds 5] [--prompt 128] [--new 64] [--smoke]
+
+``--smoke``: one round of a short prompt and few tokens (what the tests run, so the bench cannot rot unseen).
 
 Rows, measured in alternating rounds in one process (medians; ratios from the same rounds):
 - direct: today's single-device path before the runtime (``bench/_direct_model.py``, kept as the baseline),
   all cores (two threads on a 2-core machine);
 - runtime tp=1: the same model as one graph per step on ``DeviceMesh.cpu(1)``, all cores;
 - runtime tp=2: ``DeviceMesh.cpu(2)``, one thread per device;
+- runtime pp=2: two pipeline stages on ``DeviceMesh.cpu(2, (2, 1), ("pp", "tp"))``, half the layers each, one thread
+  per device (one stream: the stages take turns, so this row shows the pipeline's overhead, not its gain);
 then 2 gloo processes under torchrun (one device and one thread each), and the overlap of a tp=2 decode step:
 the share of communicate-stream busy time during which the same device's compute stream was also busy.
 """
@@ -63,10 +67,10 @@ class Direct:
 
 
 class Runtime:
-    def __init__(self, tp: int) -> None:
+    def __init__(self, tp: int, pp: int = 1) -> None:
         from dtorch.engine.llm import LLM
 
-        self.llm = LLM(tensor_parallel_size=tp)
+        self.llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp)
 
     def decode(self, prompt: list[int], new: int) -> tuple[float, list[int]]:
         from dtorch.engine.sampling import SamplingParams
@@ -76,20 +80,22 @@ class Runtime:
 
 
 def decode_step_trace(llm, prompt: list[int]):
-    """The Tracer of one decode step after ``prompt`` (prefilled first, untraced)."""
+    """The Tracer of one decode step after ``prompt`` (prefilled first, untraced), on blocks the engine's block
+    manager hands out (and takes back), so no cached prefix is overwritten."""
     from dtorch.models.executor import StepPlan
 
-    ex = llm.executor
-    cache = llm._cache_for(1, len(prompt) + 8)
-    slot = cache.alloc()
-    cache.reserve(slot, len(prompt))
-    tok = int(ex.step(StepPlan(prompt, [len(prompt)], [0], [slot]))[0].argmax())
-    ex.step(StepPlan([tok], [1], [cache.reserve(slot, 1)], [slot]))  # warm the decode bucket
-    ex.set_trace(True)
-    ex.step(StepPlan([tok], [1], [cache.reserve(slot, 1)], [slot]))
-    tracer = ex.tracer
-    ex.set_trace(False)
-    cache.release(slot)
+    ex, bm = llm.executor, llm.engine.blocks
+    blocks = bm.allocate(bm.blocks_for(len(prompt) + 2))
+    try:
+        n = len(prompt)
+        tok = int(ex.step(StepPlan(prompt, [n], [0], [blocks]))[0].argmax())
+        ex.step(StepPlan([tok], [1], [n], [blocks]))  # warm the decode bucket
+        ex.set_trace(True)
+        ex.step(StepPlan([tok], [1], [n + 1], [blocks]))
+        tracer = ex.tracer
+        ex.set_trace(False)
+    finally:
+        bm.free(blocks)
     return tracer
 
 
@@ -111,10 +117,11 @@ def overlap(tracer) -> tuple[float, float]:
     return (both / busy if busy else 0.0), (busy / devices / (t1 - t0))
 
 
-def gloo(tp: int, prompt: int, new: int) -> float | None:
+def gloo(tp: int, prompt: int, new: int, repeats: int = 3) -> float | None:
     """Decode tok/s of ``tp`` gloo processes under torchrun (rank 0's figure), or None if the run failed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port", "29533",
-           os.path.abspath(__file__), "--worker", "--prompt", str(prompt), "--new", str(new), "--tp", str(tp)]
+           os.path.abspath(__file__), "--worker", "--prompt", str(prompt), "--new", str(new), "--tp", str(tp),
+           "--rounds", str(repeats)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     for line in res.stdout.splitlines():
@@ -131,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
     llm = LLM(tensor_parallel_size=args.tp)
     p = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
     tps = []
-    for _ in range(3):
+    for _ in range(args.rounds):
         llm.generate([_prompt(args.prompt)], p)
         tps.append(llm.stats.decode_tps)
     if llm.rank == 0:
@@ -145,14 +152,18 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="one round, 8-token prompt, 4 new tokens")
     ap.add_argument("--trace-png", default=None, help="also draw the traced tp=2 decode step to this PNG")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.prompt, args.new = 1, 8, 4
     if args.worker:
         worker(args)
         return
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
-    engines = {"direct (baseline)": Direct(), "runtime tp=1": Runtime(1), "runtime tp=2, cpu(2)": Runtime(2)}
+    engines = {"direct (baseline)": Direct(), "runtime tp=1": Runtime(1), "runtime tp=2, cpu(2)": Runtime(2),
+               "runtime pp=2, cpu(2)": Runtime(1, 2)}
     prompt = _prompt(args.prompt)
     tps: dict[str, list[float]] = {k: [] for k in engines}
     ratios: dict[str, list[float]] = {k: [] for k in engines}
@@ -165,7 +176,7 @@ def main() -> None:
             tokens[name] = toks
     same = len({tuple(t) for t in tokens.values()}) == 1
     rows = [(name, statistics.median(tps[name]), statistics.median(ratios[name])) for name in engines]
-    g = gloo(2, args.prompt, args.new)
+    g = gloo(2, args.prompt, args.new, 1 if args.smoke else 3)
     tracer = decode_step_trace(engines["runtime tp=2, cpu(2)"].llm, prompt)
     frac, share = overlap(tracer)
     if args.trace_png:
@@ -175,7 +186,8 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct (float32), {args.prompt}-token prompt, {args.new} new tokens, greedy; "
           f"{cores} cores; medians of {args.rounds} alternating rounds")
     print(f"{'engine':28s} {'threads':>12s} {'decode tok/s':>13s} {'vs tp=1':>8s}")
-    threads = {"direct (baseline)": f"{cores}", "runtime tp=1": f"{cores}", "runtime tp=2, cpu(2)": "1 per device"}
+    threads = {"direct (baseline)": f"{cores}", "runtime tp=1": f"{cores}", "runtime tp=2, cpu(2)": "1 per device",
+               "runtime pp=2, cpu(2)": "1 per device"}
     for name, t, r in rows:
         print(f"{name:28s} {threads[name]:>12s} {t:13.1f} {r:8.2f}")
     if g is not None:

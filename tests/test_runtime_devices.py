@@ -344,7 +344,7 @@ def test_gloo_failures_name_the_op_and_the_peer(raised, peer, expected):
     from dtorch.distributed import TorchDistCommunicator
 
     comm = TorchDistCommunicator.__new__(TorchDistCommunicator)  # the fields a process group would give
-    comm.process, comm.ids, comm.timeout, comm.group = 0, (0, 1), 4.0, None
+    comm.process, comm.ids, comm.timeout, comm.pg = 0, (0, 1), 4.0, None
 
     def fail() -> None:
         raise RuntimeError(raised)

@@ -59,6 +59,19 @@ class InProcessCommunicator(Communicator):
         self._aborted = threading.Event()
         self._mail: dict[tuple[int, int], queue.SimpleQueue] = {}
         self._mail_lock = threading.Lock()
+        self._reachable = frozenset(self.ids)  # the devices send/recv may name (a group's: its parent's)
+
+    def group(self, ids: Sequence[int]) -> InProcessCommunicator:
+        """Collectives among ``ids`` only (a pipeline stage's tp group); send/recv share this communicator's
+        mailboxes, so a stage's send meets the next stage's recv."""
+        ids = tuple(ids)
+        if ids == self.ids:
+            return self
+        if not set(ids) <= self._reachable:
+            raise DeviceError(f"InProcessCommunicator.group: {list(ids)} are not all among {sorted(self._reachable)}")
+        sub = InProcessCommunicator(ids, self.timeout)
+        sub._mail, sub._mail_lock, sub._reachable = self._mail, self._mail_lock, self._reachable
+        return sub
 
     def _new_barrier(self) -> Rendezvous:
         return Rendezvous(self.n, action=self._combine, timeout=self.timeout)
@@ -123,12 +136,12 @@ class InProcessCommunicator(Communicator):
 
     def send(self, device_id: int, x: torch.Tensor, dst: int) -> None:
         self._rank_of(device_id, "send")
-        self._rank_of(dst, "send")
+        self._peer(dst, "send")
         self._box(device_id, dst).put((x.clone(), _stream_of(x)))  # the clone is ordered on the sender's stream
 
     def recv(self, device_id: int, out: torch.Tensor, src: int) -> None:
         self._rank_of(device_id, "recv")
-        box = self._box(self.ids[self._rank_of(src, "recv")], device_id)
+        box = self._box(self._peer(src, "recv"), device_id)
         waited = 0.0
         while True:
             try:
@@ -163,8 +176,18 @@ class InProcessCommunicator(Communicator):
         self._error = None
         self._slots = [None] * self.n
         self._barrier = self._new_barrier()
+        if self._reachable == frozenset(self.ids):  # a stage's group leaves the mailboxes to drop_messages
+            self.drop_messages()
+
+    def drop_messages(self) -> None:
         with self._mail_lock:
             self._mail.clear()
+
+    def _peer(self, device_id: int, op: str) -> int:
+        if device_id not in self._reachable:
+            raise DeviceError(f"{op}: device {device_id} is not one of the communicator's devices "
+                              f"{sorted(self._reachable)}")
+        return device_id
 
     def _rank_of(self, device_id: int, op: str) -> int:
         r = self._rank.get(device_id)

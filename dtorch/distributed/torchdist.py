@@ -78,14 +78,28 @@ def group_timeout(group: object | None = None) -> float | None:
 class TorchDistCommunicator(Communicator):
     """Collectives over the initialised default process group; device id ``r`` is rank ``r``."""
 
-    def __init__(self, group: object | None = None) -> None:
+    def __init__(self, group: object | None = None, ids: tuple[int, ...] | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise CommunicationError("TorchDistCommunicator: torch.distributed is not initialised "
                                      "(call dtorch.distributed.init_process_group first)")
-        self.group = group
-        self.process = dist.get_rank(group)
-        self.ids = tuple(range(dist.get_world_size(group)))
+        self.pg = group  # the process group (None: the default one)
+        self.process = dist.get_rank()  # the global rank: device id and process index
+        self.ids = tuple(range(dist.get_world_size())) if ids is None else ids  # the group's ranks (global)
+        self._position = self.ids.index(self.process) if self.process in self.ids else -1
         self.timeout = group_timeout(group)  # what every collective waits for a peer; set by the group
+        self._groups: dict[tuple[int, ...], TorchDistCommunicator] = {}
+
+    def group(self, ids: tuple[int, ...]) -> TorchDistCommunicator:
+        """Collectives among the ranks ``ids`` (a pipeline stage's tp group), send/recv to any rank. Every rank must
+        ask for every stage's group, in the same order (``dist.new_group`` is collective), also those it is not in."""
+        ids = tuple(ids)
+        if ids == self.ids:
+            return self
+        sub = self._groups.get(ids)
+        if sub is None:
+            pg = dist.new_group(list(ids))
+            sub = self._groups[ids] = TorchDistCommunicator(pg, ids) if self.process in ids else self
+        return sub
 
     def _do(self, what: str, fn: Callable[[], None], peer: int | None = None) -> None:
         """Run one collective (``peer``: the other side of a send/recv); any failure becomes a CommunicationError."""
@@ -111,7 +125,7 @@ class TorchDistCommunicator(Communicator):
 
     def all_reduce(self, device_id: int, x: torch.Tensor, out: torch.Tensor, op: str = "sum") -> None:
         out.copy_(x)
-        self._do("all_reduce", lambda: dist.all_reduce(out, op=_op(op), group=self.group))
+        self._do("all_reduce", lambda: dist.all_reduce(out, op=_op(op), group=self.pg))
 
     def all_gather(self, device_id: int, x: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
         sizes = shard_sizes(out.shape[dim], len(self.ids))
@@ -122,31 +136,32 @@ class TorchDistCommunicator(Communicator):
             pad_shape[dim] = big - x.shape[dim]
             padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
         bufs = [torch.empty_like(padded) for _ in self.ids]
-        self._do("all_gather", lambda: dist.all_gather(bufs, padded.contiguous(), group=self.group))
+        self._do("all_gather", lambda: dist.all_gather(bufs, padded.contiguous(), group=self.pg))
         torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes, strict=False)], dim=dim, out=out)
 
     def reduce_scatter(self, device_id: int, x: torch.Tensor, out: torch.Tensor, dim: int = 0,
                        op: str = "sum") -> None:
         full = x.clone()
-        self._do("reduce_scatter", lambda: dist.all_reduce(full, op=_op(op), group=self.group))
-        out.copy_(local_piece(full, Shard(dim), self.process, len(self.ids)))
+        self._do("reduce_scatter", lambda: dist.all_reduce(full, op=_op(op), group=self.pg))
+        out.copy_(local_piece(full, Shard(dim), self._position, len(self.ids)))
 
     def broadcast(self, device_id: int, x: torch.Tensor, out: torch.Tensor, src: int = 0) -> None:
         out.copy_(x)
-        self._do("broadcast", lambda: dist.broadcast(out, src=src, group=self.group))
+        self._do("broadcast", lambda: dist.broadcast(out, src=src, group=self.pg))
 
+    # point to point between any two ranks (pipeline stages): global ranks on the default group
     def send(self, device_id: int, x: torch.Tensor, dst: int) -> None:
-        self._do("send", lambda: dist.send(x.contiguous(), dst=dst, group=self.group), peer=dst)
+        self._do("send", lambda: dist.send(x.contiguous(), dst=dst), peer=dst)
 
     def recv(self, device_id: int, out: torch.Tensor, src: int) -> None:
-        self._do("recv", lambda: dist.recv(out, src=src, group=self.group), peer=src)
+        self._do("recv", lambda: dist.recv(out, src=src), peer=src)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self.pg is None and dist.is_initialized():
             dist.destroy_process_group()
 
     def __repr__(self) -> str:
-        return f"TorchDistCommunicator(rank {self.process} of {len(self.ids)}, {dist.get_backend(self.group)})"
+        return f"TorchDistCommunicator(rank {self.process} of {len(self.ids)}, {dist.get_backend(self.pg)})"
 
 
 def _op(op: str) -> dist.ReduceOp:

@@ -130,7 +130,9 @@ def run_chat(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-    llm = load_and_announce(args, tensor_parallel_size=args.tensor_parallel_size or 1, dequantize=args.dequantize,
+    llm = load_and_announce(args, tensor_parallel_size=args.tensor_parallel_size or 1,
+                            pipeline_parallel_size=args.pipeline_parallel_size, pp_layers=args.pp_layers,
+                            dequantize=args.dequantize,
                             max_model_len=args.max_model_len)
     try:
         if llm.need_tokenizer("chat").chat_template is None:

@@ -68,9 +68,30 @@ def add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
                              "halves its memory and what each decode step's attention reads")
 
 
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """-pp and --pp-layers (``generate``, ``chat``, ``serve``)."""
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=at_least(1), default=1, metavar="P",
+                        help="pipeline stages to split the layers into, each on -tp devices (under torchrun the world "
+                             "size is pp x tp)")
+    parser.add_argument("--pp-layers", type=layer_counts, default=None, metavar="N,N,...",
+                        help="layers of each stage, in order (default: as even as they go)")
+
+
+def layer_counts(text: str) -> list[int]:
+    """--pp-layers: comma-separated ints >= 1."""
+    try:
+        counts = [int(p) for p in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected layer counts >= 1 separated by commas (8,8,6), got {text!r}")
+    return counts
+
+
 def add_load_arguments(parser: argparse.ArgumentParser, tp_help: str) -> None:
     """-tp, --dequantize and --max-model-len: how ``generate`` and ``chat`` load the model (``serve`` has its own)."""
     parser.add_argument("-tp", "--tensor-parallel-size", type=at_least(1), default=None, metavar="N", help=tp_help)
+    add_pipeline_arguments(parser)
     parser.add_argument("--dequantize", action="store_true",
                         help="turn a GGUF's quantized weights into --dtype at load (the float path) instead of "
                              "running on them as stored")
@@ -366,8 +387,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from dtorch.models.parallel import launched_by_torchrun
 
     tp = args.tensor_parallel_size
-    if tp is None:
-        tp = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    if tp is None:  # the ranks not taken by pipeline stages
+        tp = max(1, int(os.environ["WORLD_SIZE"]) // args.pipeline_parallel_size) if launched_by_torchrun() else 1
     try:
         return _generate(args, tp)
     finally:
@@ -380,7 +401,8 @@ def _generate(args: argparse.Namespace, tp: int) -> int:
     text = read_prompt(args)
     params = sampling_params(args)
     kwargs = template_kwargs(args)  # a bad flag fails before the model loads
-    llm = load_and_announce(args, tensor_parallel_size=tp, dequantize=args.dequantize,
+    llm = load_and_announce(args, tensor_parallel_size=tp, pipeline_parallel_size=args.pipeline_parallel_size,
+                            pp_layers=args.pp_layers, dequantize=args.dequantize,
                             max_model_len=args.max_model_len)
     try:
         speaker = llm.rank == 0  # every rank runs every step; only rank 0 prints

@@ -279,6 +279,10 @@ def describe_loaded(llm: Any, seconds: float) -> str:
     kinds = ", ".join(f"{fmt} x{f['weights']}" for fmt, f in formats.items())
     tp = f" x{llm.tensor_parallel_size}" if llm.tensor_parallel_size > 1 else ""
     kv = "" if llm.cache.kv_dtype == llm.model.dtype else f" (KV cache {dtype_name(llm.cache.kv_dtype)})"
+    stages = llm.model.stages
+    if len(stages) > 1:  # "2 pipeline stages (layers 0-14 | 15-29)"
+        tp += f", {len(stages)} pipeline stages (layers " + \
+            " | ".join(f"{st.layers[0]}-{st.layers[-1]}" for st in stages) + ")"
     return (f"loaded {Path(llm.source).name} ({c.family}, {c.num_layers} layers, {params_text(params)} params) in "
             f"{seconds:.1f} s: {mib(sum(f['bytes'] for f in formats.values()))} of weights ({kinds}) on "
             f"{llm.device.type}{tp}, {dtype_name(llm.model.dtype)}{kv}, context {llm.max_len}, "

@@ -9,7 +9,9 @@
 The model runs on the runtime over a ``DeviceMesh``: one device by default, ``tensor_parallel_size=n``
 devices of this process (``cpu:0`` .. ``cpu:n-1``, or n GPUs), or, when ``torch.distributed`` is initialised
 (``torchrun``), one device per rank, every rank running the same steps (SPMD) and agreeing on every
-sampled token (rank 0 samples and broadcasts).
+sampled token (rank 0 samples and broadcasts). ``pipeline_parallel_size=p`` splits the layers into p contiguous
+stages (``pp_layers``: each stage's count), each on its own ``tensor_parallel_size`` devices (or ranks): a (pp, tp)
+mesh, stages passing the residual stream by send/recv (``dtorch.models.parallel.pipeline_stages``).
 
 Generation runs on the ``Engine`` (continuous batching on a paged KV cache with prefix caching): ``generate``
 queues its prompts and steps the engine until they finish. Callers in several threads may generate at once: their
@@ -127,7 +129,8 @@ class LLM:
                  enable_prefix_caching: bool = True, max_waiting: int = 1024, threads: int | None = None,
                  check_weights: bool = True, enforce_eager: bool = False,
                  speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
-                 batch_invariant: bool | None = None) -> None:
+                 batch_invariant: bool | None = None, pipeline_parallel_size: int = 1,
+                 pp_layers: Sequence[int] | None = None) -> None:
         if model is None:
             from dtorch.models.default import default_model_path
             model = default_model_path()
@@ -154,7 +157,12 @@ class LLM:
             torch.set_num_threads(threads)  # before the load: the streams take their share of these
         dtype = as_dtype(dtype)
         kv_dtype = cache_dtype(kv_cache_dtype, dtype)
-        where: MeshSetup = setup_mesh(device, tensor_parallel_size)
+        where: MeshSetup = setup_mesh(device, tensor_parallel_size, pipeline_parallel_size)
+        if pp_layers is not None and (isinstance(pp_layers, (str, bytes)) or not isinstance(pp_layers, Sequence)):
+            raise ArgumentError(f"LLM: pp_layers must be a sequence of ints (layers per stage), got {pp_layers!r:.60}")
+        if spec is not None and pipeline_parallel_size > 1:
+            raise ArgumentError("LLM: speculative decoding does not run on a pipeline yet (pipeline_parallel_size "
+                                f"{pipeline_parallel_size}); drop speculative_config or use tensor parallelism")
         map_large_allocations()  # the load's freed buffers then leave RSS instead of staying in the heap
         started = time.perf_counter()
         # reads names and shapes; then only this process's slices
@@ -176,7 +184,8 @@ class LLM:
                 ckpt.source, dtype, f"{where.mesh!r} local {list(where.local_ids)}", check_weights)
             self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
                                           None if dequantize else ckpt.get_packed, max_positions=self.max_len,
-                                          batch_invariant=batch_invariant, cache=self.pack_cache)
+                                          batch_invariant=batch_invariant, cache=self.pack_cache,
+                                          pp_layers=None if pp_layers is None else tuple(pp_layers))
             if not dequantize:  # asked for: nothing to say
                 ckpt.report_widened()
         trim_heap()  # the load's buffers (file reads, packing, metadata) are freed: give their pages back
@@ -197,7 +206,7 @@ class LLM:
         self.eos_token_ids = frozenset(eos)
         blocks = kv_blocks(self.config, kv_dtype, max_num_seqs, self.max_len, kv_cache_memory_bytes, block_size)
         self.cache = KVCache(self.model.layout, self.mesh, self.executor.local_ids, blocks, block_size, self.max_len,
-                             max_num_seqs, dtype, kv_dtype)
+                             max_num_seqs, dtype, kv_dtype, self.model.stages)
         self.executor.use_cache(self.cache)
         self.engine = Engine(self.executor, self.cache, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
                              vocab_size=self.config.vocab_size, max_len=self.max_len, max_num_seqs=max_num_seqs,
@@ -209,7 +218,11 @@ class LLM:
 
     @property
     def tensor_parallel_size(self) -> int:
-        return self.mesh.size
+        return self.mesh.tp_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.mesh.pp_size
 
     def capture_report(self) -> dict[str, str]:
         """Each step shape built so far ("decode 4 seqs", "prefill 64 tokens / 2 seqs") -> "captured", "to capture"
@@ -231,7 +244,9 @@ class LLM:
     def __repr__(self) -> str:
         c = self.config
         return (f"LLM({self.source!r}, {c.family}, {c.num_layers} layers, dtype={str(self.model.dtype)[6:]}, "
-                f"tensor_parallel_size={self.mesh.size} on {self.mesh})")
+                f"tensor_parallel_size={self.mesh.tp_size}"
+                + (f", pipeline_parallel_size={self.mesh.pp_size}" if self.mesh.pp_size > 1 else "")
+                + f" on {self.mesh})")
 
     # -- public API -------------------------------------------------------------------------------
 

@@ -273,6 +273,39 @@ class LogicalGraph:
         self.mesh.rank(src)
         return self._collective("broadcast", x, Replicate(), src=src)
 
+    # -- point to point (pipeline stages) -------------------------------------------------------
+
+    def send(self, x: Operand, peers: Sequence[int]) -> Operand:
+        """Send each device's piece of ``x`` to ``peers[r]`` (r: the device's position in the mesh), devices of
+        another graph's mesh (the next pipeline stage) whose ``recv`` takes them, on the communicate streams.
+        Returns a token [0] that nothing needs to read (the send runs wherever it is in the graph)."""
+        self._own(x, "send")
+        self._strided(x, "send")
+        pairs = self._pairs(peers, "send")
+        with self._rollback():
+            node = Operator(f"send#{next(self._seq)}", "collective", "send", (x,), params=KernelParams(peers=pairs),
+                            stream=COMMUNICATE, devices=self.mesh.ids)
+            return self._result(node, (0,), x.dtype, Replicate(), None)
+
+    def recv(self, name: str, shape: Sequence[int], dtype: torch.dtype | str, peers: Sequence[int],
+             placement: Placement | str = Replicate()) -> Operand:
+        """A tensor ``name`` [shape] that each device receives from ``peers[r]`` (what their graph's ``send``
+        gave), on the communicate streams; the operators that read it wait for it."""
+        shape = tuple(shape)
+        pl = self._placement(placement, shape, f"recv {name!r}")
+        pairs = self._pairs(peers, "recv")
+        with self._rollback():
+            node = Operator(f"recv.{name}#{next(self._seq)}", "collective", "recv", (),
+                            params=KernelParams(peers=pairs), stream=COMMUNICATE, devices=self.mesh.ids)
+            return self._result(node, shape, as_dtype(dtype), pl, None)
+
+    def _pairs(self, peers: Sequence[int], what: str) -> tuple[tuple[int, int], ...]:
+        peers = tuple(int(p) for p in peers)
+        if len(peers) != self.mesh.size or set(peers) & set(self.mesh.ids):
+            raise GraphError(f"{what}: peers must be {self.mesh.size} devices outside the graph's mesh "
+                             f"{list(self.mesh.ids)} (one per device), got {list(peers)}")
+        return tuple(zip(self.mesh.ids, peers, strict=True))
+
     @staticmethod
     def _strided(x: Operand, what: str) -> None:
         if x.layout != "strided":

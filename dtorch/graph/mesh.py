@@ -5,6 +5,12 @@ multi-device runs on a machine without GPUs. ``DeviceMesh.distributed()`` spans 
 initialised ``torch.distributed`` group, one device per process: global id ``r`` lives in rank ``r``, on
 that process's own GPU (``local_cuda_index``) for "cuda".
 A logical graph places tensors over ``mesh.ids`` in order (the mesh read as one axis).
+
+A mesh with an axis named "pp" is pipelined: ``DeviceMesh.cpu(4, (2, 2), ("pp", "tp"))`` is two stages of two
+devices each. ``stage(s)`` is the tensor-parallel group of stage ``s`` (a 1-D "tp" mesh): a stage's step graph is
+placed on it, so its placement rules and collectives act within that group only, and activations cross from one
+stage to the next by send/recv between the devices at the same tp coordinate (the same position in
+``stage(s).ids``).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ class DeviceMesh:
         return cls("cpu", range(n), shape, axis_names)
 
     @classmethod
-    def cuda(cls, n: int | None = None) -> DeviceMesh:
+    def cuda(cls, n: int | None = None, shape: Sequence[int] | None = None,
+             axis_names: Sequence[str] | None = None) -> DeviceMesh:
         """The visible GPUs of this process (or the first ``n``)."""
         import torch
 
@@ -60,11 +67,13 @@ class DeviceMesh:
         n = count if n is None else n
         if n < 1 or n > count:
             raise DeviceError(f"DeviceMesh.cuda: asked for {n} GPUs, {count} visible")
-        return cls("cuda", range(n))
+        return cls("cuda", range(n), shape, axis_names)
 
     @classmethod
-    def distributed(cls, device_type: str = "cpu") -> DeviceMesh:
-        """One device per process of the initialised ``torch.distributed`` world (global id = rank).
+    def distributed(cls, device_type: str = "cpu", shape: Sequence[int] | None = None,
+                    axis_names: Sequence[str] | None = None) -> DeviceMesh:
+        """One device per process of the initialised ``torch.distributed`` world (global id = rank), arranged in
+        ``shape`` (default: one axis).
 
         For "cuda", this rank's device is its local GPU (``local_cuda_index``), made the current CUDA device."""
         import torch
@@ -78,7 +87,7 @@ class DeviceMesh:
         if device_type == "cuda":
             index[rank] = local_cuda_index(rank)
             torch.cuda.set_device(index[rank])
-        return cls(device_type, range(world), devices_per_process=1, device_index=index)
+        return cls(device_type, range(world), shape, axis_names, devices_per_process=1, device_index=index)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -119,6 +128,33 @@ class DeviceMesh:
             ids.append(self.ids[self._flat(coord)])
         return DeviceMesh(self.device_type, ids, (len(ids),), (self.axis_names[a],), self.devices_per_process,
                           self.device_index)
+
+    # -- pipeline stages (an axis named "pp") ---------------------------------------------------
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages: the extent of the "pp" axis (1 without one)."""
+        return self.axis_size("pp") if "pp" in self.axis_names else 1
+
+    @property
+    def tp_size(self) -> int:
+        """Devices per stage (the tensor-parallel group's size)."""
+        return self.size // self.pp_size
+
+    def stage(self, s: int) -> DeviceMesh:
+        """The tensor-parallel group of pipeline stage ``s`` as a 1-D "tp" mesh (the mesh itself without a "pp"
+        axis). The devices of one stage are those with pp coordinate ``s``, in mesh order."""
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.pp_size:
+            raise ArgumentError(f"DeviceMesh.stage: stage must be an int in [0, {self.pp_size}), got {s!r}")
+        if "pp" not in self.axis_names:
+            return self
+        a = self._axis("pp")
+        ids = tuple(i for i in self.ids if self.coordinate(i)[a] == s)
+        return DeviceMesh(self.device_type, ids, (len(ids),), ("tp",), self.devices_per_process, self.device_index)
+
+    def stage_of(self, device_id: int) -> int:
+        """The pipeline stage of a global device id."""
+        return self.coordinate(device_id)[self._axis("pp")] if "pp" in self.axis_names else 0
 
     def _flat(self, coord: Sequence[int]) -> int:
         pos = 0

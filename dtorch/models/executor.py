@@ -12,6 +12,10 @@ With ``capture=True`` the decode buckets (one row per sequence: the steps that r
 ``Capture.for_steps`` allows (one GPU): their Runners share one ``Capture``, bind capture-safe kernels only and replay
 one recording per bucket (a CUDA graph on a GPU, all in one memory pool); ``capture_report()`` says which buckets
 replay and why the others do not.
+
+A pipelined model (``Transformer.stages``) runs a bucket as one Runner per stage (``StageRunners``), each on its
+stage's tp group with a communicator for that group (``Communicator.group``): a stage's last op sends the residual
+stream to the next stage's devices on its communicate streams, where the next stage's first op receives it.
 """
 
 from __future__ import annotations
@@ -27,11 +31,34 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.model import Bucket, Transformer, bucket_for
-from dtorch.runtime.capture import NOT_ASKED, Capture, Recorder
+from dtorch.runtime.capture import NOT_ASKED, Capture, Recorder, RunCapture
 from dtorch.runtime.comm import Communicator
 from dtorch.runtime.plan import SharedBuffers
 from dtorch.runtime.runner import Runner
 from dtorch.runtime.stream import StreamManager
+
+
+class StageRunners:
+    """A pipelined bucket: the Runners of its stages (this process's), run in stage order on the same feeds (each
+    takes the ones its graph has); the last stage's outputs are the step's. Never captured (one recording holds one
+    device's stream)."""
+
+    def __init__(self, runners: list[Runner]) -> None:
+        self.runners = runners
+        self.capture = RunCapture(None, "a pipelined step runs one Runner per stage, on several devices")
+        self.capture_off = self.capture.status()
+        self.captured = False
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        try:
+            for r in self.runners:
+                out = r.run({k: v for k, v in feeds.items() if k in r.graph.inputs})
+        except BaseException:  # a stage failed: what an earlier one sent must not reach the next step's recv
+            for r in self.runners:
+                r.comm.drop_messages()
+            raise
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +122,12 @@ class Executor:
         # one capture (one recorder) for every decode bucket, so the recordings share one memory pool
         self.capture = Capture.for_steps(model.mesh.device(local_ids[0]), model.mesh.size, asked=capture,
                                          recorder=recorder)
+        # each stage's communicator (its tp group's collectives), made by every process for every stage in order (a
+        # process group's sub-groups are made collectively); the stages this process runs
+        self.stage_comms = [communicator.group(st.mesh.ids) for st in model.stages] if len(model.stages) > 1 else []
+        self.local_stages = [st for st in model.stages if set(st.mesh.ids) & set(local_ids)]
+        # under torchrun, the last stage's first rank gives every rank the step's logits (each samples them)
+        self.logits_from = None if len(self.local_stages) == len(model.stages) else model.stages[-1].mesh.ids[0]
 
     def set_trace(self, on: bool) -> None:
         """Record every kernel's start and end on its stream (``self.tracer``), or stop."""
@@ -109,14 +142,22 @@ class Executor:
             self.runners.clear()
             self.cache = cache
 
-    def runner(self, bucket: Bucket) -> Runner:
-        """The Runner of ``bucket``, built on first use."""
+    def runner(self, bucket: Bucket) -> Runner | StageRunners:
+        """The Runner of ``bucket`` (a pipeline's: its ``StageRunners``), built on first use."""
         r = self.runners.get(bucket)
         if r is None:
-            g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
-            r = self.runners[bucket] = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True,
-                                              capture=self._capture(bucket),
-                                              buffers=self.buffers)
+            stages = self.model.stages
+            if len(stages) == 1:
+                g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
+                r = Runner(g, self.comm, timeout=self.timeout, streams=self.streams, static=True,
+                           capture=self._capture(bucket), buffers=self.buffers)
+            else:
+                r = StageRunners([Runner(self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq,
+                                                          st.index),
+                                         self.stage_comms[st.index], timeout=self.timeout, streams=self.streams,
+                                         static=True, buffers=self.buffers)
+                                  for st in self.local_stages])
+            self.runners[bucket] = r
         return r
 
     def _capture(self, bucket: Bucket) -> Capture:
@@ -151,9 +192,22 @@ class Executor:
         rows = sum(plan.logits) if plan.logits else n
         bucket = bucket_for(t, n, all_logits, hidden, rows, plan.long)
         feeds = self.feeds(plan, bucket)
-        logits = self.runner(bucket).run(feeds)["hidden" if hidden else "logits"]
+        logits = self.runner(bucket).run(feeds).get("hidden" if hidden else "logits")
+        if self.logits_from is not None:
+            logits = self._from_last_stage(logits, bucket)
         logits = logits[:t] if all_logits or hidden else logits[:rows]
         return logits if logits.dtype == torch.float32 else logits.float()
+
+    def _from_last_stage(self, out: torch.Tensor | None, bucket: Bucket) -> torch.Tensor:
+        """A pipeline across processes: the last stage's output (None on the other ranks), broadcast from its first
+        rank to every rank: [T, H] with ``bucket.hidden``, else [T or rows or N, V] logits (``Transformer.graph``)."""
+        c = self.model.config
+        if out is None:
+            rows = bucket.tokens if bucket.all_logits else bucket.rows or bucket.seqs
+            shape = (bucket.tokens, c.hidden_size) if bucket.hidden else (rows, c.vocab_size)
+            out = torch.empty(shape, dtype=self.model.dtype, device=self.model.mesh.device(self.local_ids[0]).torch)
+        self.comm.broadcast(self.local_ids[0], out, out, src=self.logits_from)
+        return out
 
     def feeds(self, plan: StepPlan, bucket: Bucket) -> dict[str, torch.Tensor]:
         """The step's padded inputs (host tensors; the Runner places them on each device)."""

@@ -27,6 +27,7 @@ from dtorch.core.placement import local_shape
 from dtorch.graph import DeviceMesh
 from dtorch.models.config import ModelConfig
 from dtorch.models.layout import Layout
+from dtorch.models.parallel import Stage
 from dtorch.runtime.blob import Blob, DistTensor
 
 
@@ -88,11 +89,12 @@ class KVCache:
     of gated delta net state per linear layer where the model has them.
 
     ``max_blocks_per_seq`` is the width of a step's block table (a sequence of ``max_len`` tokens at most).
+    ``stages`` (a pipeline's, ``Transformer.stages``): each layer's caches live on its stage's tp group only.
     """
 
     def __init__(self, layout: Layout, mesh: DeviceMesh, local_ids: tuple[int, ...], num_blocks: int,
                  block_size: int, max_len: int, num_state_slots: int, dtype: torch.dtype,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, stages: tuple[Stage, ...] | None = None) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_len", max_len),
                             ("num_state_slots", num_state_slots)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -106,25 +108,29 @@ class KVCache:
         self.tensors: dict[str, DistTensor] = {}
         self._states: list[DistTensor] = []
 
-        def place(name: str, kind: str, shape: tuple[int, ...], dt: torch.dtype, zero: bool) -> DistTensor:
+        mesh_of = {i: st.mesh for st in stages or () for i in st.layers}
+
+        def place(layer: int, kind: str, shape: tuple[int, ...], dt: torch.dtype, zero: bool) -> DistTensor:
             pl = layout.placement(kind)
+            m = mesh_of.get(layer, mesh)
             blobs = {}
             for d in local_ids:
-                mine = local_shape(shape, pl, mesh.rank(d), mesh.size)
-                t = allocate(mine, dt, mesh.device(d), MemoryKind.KV_CACHE, zero=zero)
-                blobs[d] = Blob(mesh.device(d), MemoryKind.KV_CACHE, t, pinned=True)
-            self.tensors[name] = DistTensor(mesh, pl, shape, dt, blobs)
-            return self.tensors[name]
+                if d in m.ids:
+                    mine = local_shape(shape, pl, m.rank(d), m.size)
+                    t = allocate(mine, dt, m.device(d), MemoryKind.KV_CACHE, zero=zero)
+                    blobs[d] = Blob(m.device(d), MemoryKind.KV_CACHE, t, pinned=True)
+            self.tensors[f"{kind}.{layer}"] = DistTensor(m, pl, shape, dt, blobs)
+            return self.tensors[f"{kind}.{layer}"]
 
         kv = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         for i in c.attention_layers:  # untouched blocks cost no resident memory on a CPU (pages come on first write)
             for kind in ("k_cache", "v_cache"):
-                place(f"{kind}.{i}", kind, kv, self.kv_dtype, zero=False)
+                place(i, kind, kv, self.kv_dtype, zero=False)
         conv = (num_state_slots + 1, 2 * c.linear_key_dim + c.linear_value_dim, c.linear_conv_kernel_dim - 1)
         ssm = (num_state_slots + 1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         for i in c.linear_layers:
-            self._states.append(place(f"conv_state.{i}", "conv_state", conv, dtype, zero=True))
-            self._states.append(place(f"ssm_state.{i}", "ssm_state", ssm, torch.float32, zero=True))
+            self._states.append(place(i, "conv_state", conv, dtype, zero=True))
+            self._states.append(place(i, "ssm_state", ssm, torch.float32, zero=True))
 
     @property
     def has_state(self) -> bool:
@@ -164,8 +170,12 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes this process holds (every local device, keys, values and states)."""
+        return self.device_bytes()
+
+    def device_bytes(self, device_id: int | None = None) -> int:
+        """Bytes device ``device_id`` holds (default: every local device), keys, values and states."""
         return sum(b.tensor.numel() * b.tensor.element_size() for t in self.tensors.values()
-                   for b in t.blobs.values())
+                   for i, b in t.blobs.items() if device_id is None or i == device_id)
 
 
 def _drop_pages(t: torch.Tensor, runs: list[tuple[int, int]]) -> None:

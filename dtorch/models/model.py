@@ -31,6 +31,7 @@ from dtorch.graph import DeviceMesh, LogicalGraph, Operand, Replicate
 from dtorch.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from dtorch.models.layout import Layout
 from dtorch.models.pack_cache import PackCache
+from dtorch.models.parallel import Stage, pipeline_stages
 from dtorch.models.weights import Getter, PackedGetter, load_weights
 from dtorch.runtime.blob import DistTensor
 
@@ -112,7 +113,7 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, DistTensor], mesh: DeviceMesh,
                  dtype: torch.dtype, linear_weights: Iterable[str] = (),
                  parts: Mapping[str, tuple[str, ...]] | None = None, max_positions: int | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, stages: tuple[Stage, ...] | None = None) -> None:
         self.config = config
         # float projections stored as W [N, K] (the checkpoint's orientation) for ``matmul.linear``; the others as
         # Wt [K, N] for ``matmul.mm`` (block-format weights are W [N, K] and run ``matmul.linear`` too)
@@ -122,7 +123,10 @@ class Transformer:
         self.mesh = mesh
         self.dtype = dtype
         self.batch_invariant = batch_invariant
-        self.layout = Layout(config, mesh.size)
+        # pipeline stages (one without a "pp" axis): each a contiguous run of layers on its tp group, whose weights
+        # (in ``weights``, placed on that group) no other stage holds
+        self.stages = stages or pipeline_stages(mesh, config.num_layers)
+        self.layout = Layout(config, mesh.tp_size)
         self.weights = dict(weights)
         positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
 
@@ -143,7 +147,8 @@ class Transformer:
     def load(cls, config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...],
              dtype: torch.dtype, get_packed: PackedGetter | None = None,
              max_positions: int | None = None, batch_invariant: bool = False,
-             cache: PackCache | None = None, hollow: bool = False) -> Transformer:
+             cache: PackCache | None = None, hollow: bool = False,
+             pp_layers: tuple[int, ...] | None = None) -> Transformer:
         """Place every weight: for each local device, read its pieces through ``get``, fuse, cast, move.
 
         With ``get_packed``, the projections and the embedding stay in their GGUF block format where the file
@@ -152,16 +157,33 @@ class Transformer:
         ``batch_invariant``: the products of a batch of decodes are never told so (``_proj``). ``cache``: the packed
         weights' cache entry of the file (``pack_cache``), read where it has them and written where it lacks them.
         ``hollow``: nothing read or packed, every weight an uninitialized tensor of its shape (``dtorch info``).
+        On a mesh with a "pp" axis each stage's weights (``pp_layers`` layers each, default an even split) are read
+        only for the devices of that stage, placed on its tp group.
         """
-        weights, linear, parts = load_weights(config, get, mesh, local_ids, dtype, get_packed, cache, hollow)
-        return cls(config, weights, mesh, dtype, linear, parts, max_positions, batch_invariant)
+        stages = pipeline_stages(mesh, config.num_layers, pp_layers)
+        weights, linear, parts = {}, set(), {}
+        for st in stages:
+            mine = tuple(i for i in local_ids if i in st.mesh.ids)
+            if mine:
+                w, lin, par = load_weights(config, get, st.mesh, mine, dtype, get_packed, cache, hollow,
+                                           None if len(stages) == 1 else st.holds)
+                weights.update(w)
+                linear |= lin
+                parts.update(par)
+        if cache is not None:
+            cache.commit()  # written (on a thread) when the load made what the entry lacked
+        return cls(config, weights, mesh, dtype, linear, parts, max_positions, batch_invariant, stages)
 
     def linear_provider(self) -> str:
         """Which kernel the first layer's q/k/v projection runs: "provider" or "provider (layout)"."""
         from dtorch.dispatch import KernelKey, dispatcher
 
         c = self.config
-        name = f"layers.{c.attention_layers[0]}.qkv" if c.attention_layers else f"layers.{c.linear_layers[0]}.lin_in"
+        # of the layers whose weights this process holds (a pipeline stage under torchrun: its own), the first attention
+        # layer's, else the first gated delta net's
+        held = {int(n.split(".")[1]) for n in self.weights if n.startswith("layers.")}
+        attention = [i for i in c.attention_layers if i in held]
+        name = f"layers.{attention[0]}.qkv" if attention else f"layers.{min(held)}.lin_in"
         name = self.parts.get(name, (name,))[0]
         w = self.weights[name]
         device = self.mesh.device(self.mesh.ids[0]).type
@@ -184,7 +206,7 @@ class Transformer:
 
     # -- the step graph ------------------------------------------------------------------------
 
-    def graph(self, bucket: Bucket, cache: Mapping[str, DistTensor], table_width: int) -> LogicalGraph:
+    def graph(self, bucket: Bucket, cache: Mapping[str, DistTensor], table_width: int, stage: int = 0) -> LogicalGraph:
         """The step graph of ``bucket``: inputs ids [T] int64, cos/sin [T, R/2] float32 (RoPE rows of the step's
         positions), slot_mapping [T] int64, cu_seqlens_q [N+1] int32, seqlens_k [N] int32, block_table
         [N, table_width] int32 (each sequence's cache blocks), (unless every row is a sequence's last) last_rows [N]
@@ -192,12 +214,16 @@ class Transformer:
         of the state cache; output "logits" [N, V] (or [T, V] with ``all_logits``, [rows, V] with ``rows``; "hidden"
         [T, H] instead with ``hidden``). ``cache``: "k_cache.{l}" / "v_cache.{l}" ->
         [blocks, block_size, Hkv, D] for attention layers, "conv_state.{l}" / "ssm_state.{l}" -> [slots + 1, C, W - 1]
-        / [slots + 1, Hv, Dk, Dv] for gated delta net layers, placed by the layout."""
+        / [slots + 1, Hv, Dk, Dv] for gated delta net layers, placed by the layout.
+
+        ``stage``: the graph of that pipeline stage only, on its tp group: its layers; the first embeds ``ids``, the
+        others receive the residual stream [T, E] ("hidden", from the previous stage's devices); all but the last
+        send theirs on (and have no output), the last gives the logits."""
         c = self.config
-        g = LogicalGraph(self.mesh)
+        st = self.stages[stage]
+        g = LogicalGraph(st.mesh)
         T, N = bucket.tokens, bucket.seqs
         inter, R = c.intermediate_size, c.rotary_dim
-        ids = g.input("ids", (T,), torch.int64)
         step = _Step(
             cos=g.input("cos", (T, R // 2), torch.float32),  # the rows of the step's positions, gathered once
             sin=g.input("sin", (T, R // 2), torch.float32),
@@ -209,15 +235,17 @@ class Transformer:
             bucket=bucket,
             cos_local=g.input("cos_local", (T, R // 2), torch.float32) if self.rope_local_table is not None else None,
             sin_local=g.input("sin_local", (T, R // 2), torch.float32) if self.rope_local_table is not None else None)
-        w = {name: g.param(name, t) for name, t in self.weights.items()}
+        w = {name: g.param(name, t) for name, t in self.weights.items() if t.mesh == st.mesh}
         eps = c.rms_norm_eps
-        # row-parallel results (partial sums on n > 1 devices) are all-reduced into the replicated residual stream
-        x = g.redistribute(g.call("llm.embedding", ids, w["embed"]), Replicate())
-        if c.embed_scale:  # Gemma: times sqrt(hidden), rounded to the model's dtype as transformers does
-            x = g.call("binary.mul", x, float(torch.tensor(c.hidden_size ** 0.5, dtype=self.dtype)))
+        if st.first:  # row-parallel results (partial sums on n > 1 devices) are all-reduced into the residual stream
+            x = g.redistribute(g.call("llm.embedding", g.input("ids", (T,), torch.int64), w["embed"]), Replicate())
+            if c.embed_scale:  # Gemma: times sqrt(hidden), rounded to the model's dtype as transformers does
+                x = g.call("binary.mul", x, float(torch.tensor(c.hidden_size ** 0.5, dtype=self.dtype)))
+        else:  # the previous stage's residual stream, each device's from its peer there
+            x = g.recv("hidden", (T, c.hidden_size), self.dtype, self.stages[stage - 1].mesh.ids)
         act = "llm.gelu_tanh_and_mul" if c.hidden_act == "gelu_tanh" else "llm.silu_and_mul"
         o = None
-        for i in range(c.num_layers):
+        for i in st.layers:
             p = f"layers.{i}."
             if o is None:
                 h = g.call("llm.rms_norm", x, w[p + "input_norm"], eps=eps)
@@ -239,6 +267,9 @@ class Transformer:
             o = g.redistribute(o, Replicate())
             if c.sandwich_norm:  # and the MLP's
                 o = g.call("llm.rms_norm", o, w[p + "mlp_out_norm"], eps=eps)
+        if not st.last:  # x + the last block's output goes on to the next stage
+            g.send(g.call("binary.add", o, x), self.stages[stage + 1].mesh.ids)
+            return g
         h, _ = g.call("llm.add_rms_norm", o, x, w["final_norm"], eps=eps)
         if bucket.hidden:  # [T, hidden], replicated
             g.output("hidden", h)

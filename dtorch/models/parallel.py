@@ -8,7 +8,9 @@ one device per rank with ``TorchDistCommunicator`` (gloo on CPU, NCCL on GPU), a
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,13 +39,18 @@ def launched_by_torchrun() -> bool:
         return False
 
 
-def setup_mesh(device: str, tensor_parallel_size: int) -> MeshSetup:
-    """The mesh for ``device`` ("cpu" or "cuda") and ``tensor_parallel_size`` devices (see the module doc)."""
+def setup_mesh(device: str, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> MeshSetup:
+    """The mesh for ``device`` ("cpu" or "cuda"), ``tensor_parallel_size`` devices per stage and
+    ``pipeline_parallel_size`` stages (see the module doc): with stages, a (pp, tp) mesh, stage after stage."""
     import torch.distributed as dist
 
-    n = tensor_parallel_size
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ArgumentError(f"LLM: tensor_parallel_size must be an int >= 1, got {n!r}")
+    for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                        ("pipeline_parallel_size", pipeline_parallel_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ArgumentError(f"LLM: {name} must be an int >= 1, got {value!r}")
+    pp = pipeline_parallel_size
+    n = tensor_parallel_size * pp
+    shape = ((pp, tensor_parallel_size), ("pp", "tp")) if pp > 1 else (None, None)
     kind = str(device).split(":")[0]
     if kind not in ("cpu", "cuda"):
         raise DeviceError(f"LLM: device must be 'cpu' or 'cuda', got {device!r}")
@@ -59,15 +66,16 @@ def setup_mesh(device: str, tensor_parallel_size: int) -> MeshSetup:
 
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != n:
-            raise ArgumentError(f"LLM: torch.distributed has {world} ranks but tensor_parallel_size is {n}; run "
-                                f"torchrun --nproc-per-node {n} (one device per rank), or pass "
-                                f"--tensor-parallel-size {world}")
-        mesh = DeviceMesh.distributed(kind)
+            sizes = f"tensor_parallel_size is {n}" if pp == 1 else \
+                f"tensor_parallel_size x pipeline_parallel_size is {tensor_parallel_size} x {pp} = {n}"
+            raise ArgumentError(f"LLM: torch.distributed has {world} ranks but {sizes}; run torchrun "
+                                f"--nproc-per-node {n} (one device per rank), or pass sizes whose product is {world}")
+        mesh = DeviceMesh.distributed(kind, *shape)
         comm = TorchDistCommunicator()
         return MeshSetup(mesh, comm, (rank,), rank, True, _past_group_timeout(comm.timeout))
     from dtorch.distributed.inprocess import InProcessCommunicator
 
-    mesh = DeviceMesh.cuda(n) if kind == "cuda" else DeviceMesh.cpu(n)
+    mesh = DeviceMesh.cuda(n, *shape) if kind == "cuda" else DeviceMesh.cpu(n, *shape)
     timeout = env.sync_timeout()
     return MeshSetup(mesh, InProcessCommunicator(mesh.ids, timeout=timeout), mesh.ids, 0, False, timeout)
 
@@ -78,3 +86,40 @@ def _past_group_timeout(group: float | None) -> float:
     the peer, not as a SyncTimeout of the step."""
     base = env.sync_timeout()
     return base if group is None else max(base, group + max(10.0, group / 4))
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """Pipeline stage ``index``: its layers run on ``mesh`` (its tensor-parallel group); the first stage also embeds
+    the ids, the last also norms and projects to logits."""
+
+    index: int
+    mesh: DeviceMesh
+    layers: range
+    first: bool
+    last: bool
+
+    def holds(self, weight: str) -> bool:
+        """Whether weight ``weight`` ("embed", "layers.3.qkv", "final_norm" ...) belongs to this stage."""
+        if weight.startswith("layers."):
+            return int(weight.split(".")[1]) in self.layers
+        return self.first if weight == "embed" else self.last
+
+
+def pipeline_stages(mesh: DeviceMesh, num_layers: int, pp_layers: Sequence[int] | None = None) -> tuple[Stage, ...]:
+    """The stages of ``mesh`` (its "pp" axis; one stage without) over ``num_layers`` layers: contiguous runs, as even
+    as they go (the first stages take one more where they do not divide), or ``pp_layers`` layers each."""
+    p = mesh.pp_size
+    if pp_layers is None:
+        q, r = divmod(num_layers, p)
+        counts = [q + (s < r) for s in range(p)]
+    else:
+        counts = list(pp_layers)
+        if len(counts) != p or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts) \
+                or sum(counts) != num_layers:
+            raise ArgumentError(f"LLM: pp_layers must be {p} ints >= 1 (one per pipeline stage) adding up to the "
+                                f"model's {num_layers} layers, got {counts}")
+    if min(counts) < 1:
+        raise ArgumentError(f"LLM: pipeline_parallel_size {p} is more than the model's {num_layers} layers")
+    starts = list(itertools.accumulate(counts, initial=0))
+    return tuple(Stage(s, mesh.stage(s), range(starts[s], starts[s + 1]), s == 0, s == p - 1) for s in range(p))

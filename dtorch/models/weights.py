@@ -35,7 +35,8 @@ PackedGetter = Callable[[str, "int | None", "list[tuple[int, int]]"], "tuple[str
 
 
 def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tuple[int, ...], dtype: torch.dtype,
-                 get_packed: PackedGetter | None = None, cache: PackCache | None = None, hollow: bool = False
+                 get_packed: PackedGetter | None = None, cache: PackCache | None = None, hollow: bool = False,
+                 keep: Callable[[str], bool] | None = None
                  ) -> tuple[dict[str, DistTensor], set[str], dict[str, tuple[str, ...]]]:
     """Every weight placed on ``mesh`` (this process's devices ``local_ids``), the names of the float ones stored as
     W [N, K], and the fused weights stored as parts (fused name -> its parts' names, in row order). With
@@ -43,11 +44,13 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
     once per device, ``layout="gguf.q4_1"`` ...); everything else is read as float ``dtype``. A fused projection
     whose sources differ in format is stored as parts ``"{name}[j]"`` of consecutive sources sharing one, each kept
     as stored (``_load_parts``), so no weight is widened because of its neighbour. ``cache``: the packed weights are
-    read from it where it has them, and it is written (on a thread) when the load made what it lacked. ``hollow``:
+    read from it where it has them, and recorded where it lacks them (the caller commits it once every stage is
+    loaded). ``hollow``:
     the getters read nothing (``LazyCheckpoint.hollow``), and nothing is packed either: each packed weight is an
-    uninitialized tensor of its packed shape (``dtorch info``)."""
+    uninitialized tensor of its packed shape (``dtorch info``). ``keep``: which weights to load
+    (a pipeline stage's own; default all), so a stage never reads another's from the file."""
     layout = Layout(config, mesh.size)
-    tensors = list(families.get(config.family).tensors(config, layout))
+    tensors = [w for w in families.get(config.family).tensors(config, layout) if keep is None or keep(w.name)]
     try:
         return _load_all(config, get, mesh, local_ids, dtype, get_packed, cache, hollow, layout, tensors)
     except BaseException:
@@ -67,12 +70,13 @@ def _load_all(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tup
     for weight in progress(tensors, len(tensors), "loading weights"):  # a bar on a terminal
         name, sources, combine, shape = weight.name, weight.sources, weight.combine, weight.shape
         kind = _kind(name)
-        if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout == "strided":
+        tied = kind == "lm_head" and config.tie_word_embeddings and "embed" in weights  # else read from the file
+        if tied and weights["embed"].layout == "strided":
             weights[name] = weights["embed"]  # tied: the embedding rows [V, E] are the head's W, one tensor
             linear.add(name)
             continue
         if get_packed is not None and kind in PACKABLE:
-            if kind == "lm_head" and config.tie_word_embeddings and weights["embed"].layout != "strided":
+            if tied and weights["embed"].layout != "strided":
                 weights[name] = weights["embed"]  # tied: the same rows [V, E] serve both
                 continue
             stored = _load_parts(get, get_packed, mesh, local_ids, dtype, sources, combine, shape, kind,
@@ -100,8 +104,6 @@ def _load_all(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tup
             pl, shape = _transposed(pl), (shape[1], shape[0])
             linear.add(name)
         weights[name] = DistTensor(mesh, pl, shape, wdtype, blobs)
-    if cache is not None:
-        cache.commit()
     return weights, linear, parts
 
 

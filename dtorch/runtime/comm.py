@@ -51,11 +51,23 @@ class Communicator(ABC):
     def recv(self, device_id: int, out: torch.Tensor, src: int) -> None:
         """Receive into out what device ``src`` sent."""
 
+    def group(self, ids: tuple[int, ...]) -> Communicator:
+        """A communicator whose collectives span only ``ids`` (a pipeline stage's tensor-parallel group) and whose
+        send/recv reach every device of this one (the other stages)."""
+        if tuple(ids) == tuple(self.ids):
+            return self
+        raise NotImplementedError(f"{type(self).__name__} has no sub-groups; a pipeline needs a communicator "
+                                  "that makes them (InProcessCommunicator, TorchDistCommunicator)")
+
     def abort(self) -> None:  # noqa: B027 - optional; the default does nothing
         """Wake every call blocked in a collective with a ``CommunicationError`` (a failed or stuck run)."""
 
     def reset(self) -> None:  # noqa: B027 - optional; the default does nothing
         """Make the communicator usable again after ``abort``."""
+
+    def drop_messages(self) -> None:  # noqa: B027 - optional; the default does nothing
+        """Forget sends no recv took (a pipelined step that failed between its stages), so the next step's recv
+        never reads the failed one's activations."""
 
     def set_timeout(self, seconds: float) -> None:  # noqa: B027 - optional; the default does nothing
         """How long the next collectives wait for a peer (a Runner sets its run's timeout before each run);

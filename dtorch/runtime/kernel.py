@@ -235,7 +235,8 @@ class PythonKernel(Kernel):
 
 
 class CollectiveKernel(Kernel):
-    """Calls the communicator's collective ``operator.op`` for this device."""
+    """Calls the communicator's collective ``operator.op`` for this device; "send" / "recv" (pipeline stages) go to
+    or come from this device's peer (``operator.params.peers``: (device, peer) pairs)."""
 
     __slots__ = ("comm", "out_shape", "dtype", "call")
 
@@ -252,7 +253,13 @@ class CollectiveKernel(Kernel):
         out = self.fixed_out
         if out is None:
             out = self.outputs[0].tensor = allocate(self.out_shape, self.dtype, self.device, MemoryKind.ACTIVATION)
-        self.call(self.device_id, self.inputs[0].tensor, out, **dict(self.operator.params.items()))
+        op = self.operator
+        if op.op == "send":
+            self.call(self.device_id, self.inputs[0].tensor, dict(op.params.peers)[self.device_id])
+        elif op.op == "recv":
+            self.call(self.device_id, out, dict(op.params.peers)[self.device_id])
+        else:
+            self.call(self.device_id, self.inputs[0].tensor, out, **dict(op.params.items()))
 
 
 class LocalKernel(Kernel):

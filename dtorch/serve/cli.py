@@ -28,7 +28,7 @@ from typing import Any
 
 from dtorch.core import env
 from dtorch.core.errors import DtorchError
-from dtorch.engine.cli import add_model_arguments, at_least, load_llm
+from dtorch.engine.cli import add_model_arguments, add_pipeline_arguments, at_least, load_llm
 
 MAX_BODY_BYTES = 16 << 20  # request bodies at most (build_app's default too); a prompt past the context is refused
 MAX_HEADER_BYTES = 16 << 10  # h11's default
@@ -43,6 +43,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free one)")
     parser.add_argument("-tp", "--tensor-parallel-size", type=at_least(1), default=1, metavar="N",
                         help="devices of this process to split the model over")
+    add_pipeline_arguments(parser)
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences in a batch at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in a step at most")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -121,7 +122,8 @@ def run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = load_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                   max_waiting=args.max_waiting, tensor_parallel_size=args.tensor_parallel_size)
+                   max_waiting=args.max_waiting, tensor_parallel_size=args.tensor_parallel_size,
+                   pipeline_parallel_size=args.pipeline_parallel_size, pp_layers=args.pp_layers)
     log = logging.getLogger("dtorch.serve")
     loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
     name = args.served_model_name or served_name(llm.source)

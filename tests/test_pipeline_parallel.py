@@ -1,0 +1,186 @@
+"""Pipeline parallelism in one process: the layers split into contiguous stages over a (pp, tp) ``DeviceMesh``, each
+stage a placement of the one step graph on its tp group, the residual stream sent stage to stage on the communicate
+streams. Greedy ids equal tp=1's (and the logits transformers') at pp=2, pp=3 with an uneven split and pp=2 x tp=2
+(four CPU devices), with prefix caching on; each stage holds only its layers' weights and caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.distributed.inprocess import InProcessCommunicator
+from dtorch.engine.llm import LLM
+from dtorch.engine.sampling import SamplingParams
+from dtorch.graph import DeviceMesh, LogicalGraph, Replicate, Shard
+from dtorch.runtime.runner import Runner
+from tests.tiny_models import families, save_random, tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = families(transformers, heads=8, kv_heads=4, vocab=130, qwen3_head_dim=16, num_hidden_layers=4)
+FAMILIES["qwen3_5_text"] = lambda: tiny_config(transformers, "qwen3_5_text")  # gated delta net state caches split
+# the second and third share a prefix of two blocks with the first (prefix caching hits it on the second generate)
+PROMPTS = [[5, 17, 99, 3, 64, 120, 7] * 5, [5, 17, 99, 3, 64, 120, 7] * 5 + [42], [9] * 12 + [11, 12], [77, 78, 79]]
+SPLITS = [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=3, pp_layers=[2, 1, 1]),
+          dict(pipeline_parallel_size=2, tensor_parallel_size=2)]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(transformers model, checkpoint directory, greedy ids of PROMPTS at tp=1)."""
+    hf = save_random(transformers, FAMILIES[request.param](), path := tmp_path_factory.mktemp(request.param))
+    llm = LLM(str(path), max_num_seqs=4, block_size=16)
+    greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())]
+    llm.close()
+    return hf, str(path), greedy
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=["pp2", "pp3-uneven", "pp2xtp2"])
+def test_greedy_ids_and_logits_match(family, split):
+    hf, path, greedy = family
+    llm = LLM(path, max_num_seqs=4, block_size=16, **split)
+    try:
+        pp, tp = split["pipeline_parallel_size"], split.get("tensor_parallel_size", 1)
+        assert (llm.pipeline_parallel_size, llm.tensor_parallel_size, llm.mesh.size) == (pp, tp, pp * tp)
+        ids = PROMPTS[2]
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(llm.logits(ids), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        for _ in range(2):  # the second time the shared prefixes come from the prefix cache
+            outs = llm.generate(PROMPTS, _greedy())
+            assert [o.outputs[0].token_ids for o in outs] == greedy
+        if not llm.cache.has_state:  # (a recurrent state cannot start mid-prompt: no prefix caching on the hybrids)
+            assert outs[0].num_cached_tokens >= 32  # two whole blocks of the first prompt
+    finally:
+        llm.close()
+
+
+def test_each_stage_holds_only_its_layers(family):
+    _, path, _ = family
+    llm = LLM(path, max_num_seqs=4, block_size=16, pipeline_parallel_size=3, pp_layers=[2, 1, 1])
+    try:
+        layers = llm.config.num_layers
+        for st in llm.model.stages:
+            for d in st.mesh.ids:
+                held = {n for n, w in llm.model.weights.items() if d in w.blobs}
+                assert held and all(st.holds(n.split("[")[0]) for n in held), (st, held)
+                caches = {int(n.rsplit(".", 1)[1]) for n, t in llm.cache.tensors.items() if d in t.blobs}
+                assert caches <= set(st.layers)
+        assert [list(st.layers) for st in llm.model.stages] == [[0, 1], [2], [3]]
+        total = llm.model.weight_bytes()
+        assert sum(llm.model.weight_bytes(d) for d in llm.mesh.ids) == total
+        # the last stage's one layer, the final norm and the head (the vocabulary is small): under 1/2 of the whole
+        assert max(llm.model.weight_bytes(d) for d in llm.mesh.ids[1:]) < total / 2
+        kv = [llm.cache.device_bytes(d) for d in llm.mesh.ids]
+        assert sum(kv) == llm.cache.nbytes
+        if not llm.cache.has_state:  # attention layers only: the cache splits as the layers do, 2 : 1 : 1
+            assert kv == [kv[1] * 2, kv[1], kv[1]] and kv[1] * layers == llm.cache.nbytes
+    finally:
+        llm.close()
+
+
+def test_stages_send_and_receive_on_the_communicate_streams(family):
+    _, path, _ = family
+    llm = LLM(path, max_num_seqs=2, pipeline_parallel_size=2, tensor_parallel_size=2)
+    try:
+        llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        first, last = next(iter(llm.executor.runners.values())).runners
+        assert first.mesh.ids == (0, 1) and last.mesh.ids == (2, 3)
+        ops0, ops1 = [n.op for n in first.graph.operators], [n.op for n in last.graph.operators]
+        assert ops0[-1] == "send" and "recv" not in ops0 and "ids" in first.graph.inputs
+        assert ops1[0] == "recv" and "send" not in ops1 and "ids" not in last.graph.inputs
+        assert "all_reduce" in ops0 and "all_reduce" in ops1  # tensor parallel within each stage's group
+        for r in (first, last):
+            for k in r.kernels:
+                if k.operator.op in ("send", "recv", "all_reduce"):
+                    assert k.stream.type.value == "communicate"
+                    assert k.device_id in r.mesh.ids
+    finally:
+        llm.close()
+
+
+def test_bad_pipeline_sizes_are_clear_errors(family):
+    _, path, _ = family
+    with pytest.raises(dtorch.ArgumentError, match="pp_layers must be 2 ints >= 1"):
+        LLM(path, pipeline_parallel_size=2, pp_layers=[3, 3])
+    with pytest.raises(dtorch.ArgumentError, match="pipeline_parallel_size 5 is more than the model's"):
+        LLM(path, pipeline_parallel_size=5)
+    with pytest.raises(dtorch.ArgumentError, match="pipeline_parallel_size must be an int >= 1"):
+        LLM(path, pipeline_parallel_size=0)
+    with pytest.raises(dtorch.ArgumentError, match="speculative decoding does not run on a pipeline"):
+        LLM(path, pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_a_two_dimensional_mesh_and_a_graph_per_stage():
+    """Stage 0 multiplies by a column-split weight (all-gather in its tp group), sends; stage 1 receives, multiplies by
+    a row-split weight (all-reduce in its group): the product of both, as torch computes it."""
+    mesh = DeviceMesh.cpu(4, (2, 2), ("pp", "tp"))
+    assert (mesh.pp_size, mesh.tp_size) == (2, 2)
+    assert mesh.stage(0).ids == (0, 1) and mesh.stage(1).ids == (2, 3) and mesh.stage(1).axis_names == ("tp",)
+    assert [mesh.stage_of(i) for i in mesh.ids] == [0, 0, 1, 1]
+    assert DeviceMesh.cpu(2).stage(0) == DeviceMesh.cpu(2) and DeviceMesh.cpu(2).pp_size == 1
+    with pytest.raises(dtorch.ArgumentError, match="stage must be an int in"):
+        mesh.stage(2)
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 6), torch.randn(6, 5)
+    g0 = LogicalGraph(mesh.stage(0))
+    y = g0.redistribute(g0.input("x", (3, 8)) @ g0.param("w1", w1, Shard(1)), Replicate())
+    g0.send(y, mesh.stage(1).ids)
+    g1 = LogicalGraph(mesh.stage(1))
+    h = g1.recv("h", (3, 6), torch.float32, mesh.stage(0).ids)
+    g1.output("z", g1.redistribute(h @ g1.param("w2", w2, Shard(0)), Replicate()))
+    comm = InProcessCommunicator(mesh.ids)
+    r0, r1 = Runner(g0, comm.group(mesh.stage(0).ids)), Runner(g1, comm.group(mesh.stage(1).ids))
+    try:
+        for _ in range(2):
+            x = torch.randn(3, 8)
+            r0.run({"x": x})
+            torch.testing.assert_close(r1.run({})["z"], x @ w1 @ w2)
+    finally:
+        r0.shutdown()
+        r1.shutdown()
+    g = LogicalGraph(mesh.stage(0))
+    with pytest.raises(dtorch.GraphError, match="peers must be 2 devices outside the graph's mesh"):
+        g.send(g.input("x", (2,)), (0, 1))
+
+
+def test_cli_pipeline_flags(family, capsys):
+    from dtorch.cli import main
+
+    _, path, greedy = family
+    assert main(["generate", "--model", path, "-pp", "2", "--max-tokens", "8", "--ignore-eos", "--temperature", "0",
+                 "--prompt-ids", ",".join(map(str, PROMPTS[3]))]) == 0
+    out = capsys.readouterr()
+    assert "2 pipeline stages (layers" in out.err
+    assert [int(t) for t in out.out.replace(",", " ").split()] == greedy[3]  # the answer's ids
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", path, "-pp", "2", "--pp-layers", "1,x", "hi"])
+    assert info.value.code == 2 and "--pp-layers: expected layer counts >= 1" in capsys.readouterr().err
+
+
+def test_a_stage_that_fails_leaves_nothing_for_the_next_step():
+    """Stage 1 fails (a bad feed) after stage 0 sent: the step raises, and the next step reads its own activations,
+    not the failed step's."""
+    from dtorch.models.executor import StageRunners
+
+    mesh = DeviceMesh.cpu(2, (2, 1), ("pp", "tp"))
+    g0 = LogicalGraph(mesh.stage(0))
+    g0.send(g0.input("x", (2, 3)), mesh.stage(1).ids)
+    g1 = LogicalGraph(mesh.stage(1))
+    h = g1.recv("h", (2, 3), torch.float32, mesh.stage(0).ids)
+    g1.output("y", g1.call("binary.add", h, g1.input("b", (2, 3))))
+    comm = InProcessCommunicator(mesh.ids)
+    stages = StageRunners([Runner(g0, comm.group((0,))), Runner(g1, comm.group((1,)))])
+    try:
+        with pytest.raises(dtorch.ShapeError, match="feed 'b' must have shape"):
+            stages.run({"x": torch.ones(2, 3), "b": torch.zeros(3)})
+        x = torch.arange(6.0).view(2, 3)
+        torch.testing.assert_close(stages.run({"x": x, "b": torch.zeros(2, 3)})["y"], x)
+    finally:
+        for r in stages.runners:
+            r.shutdown()

@@ -1,0 +1,65 @@
+"""Pipeline parallelism across processes: ``torchrun`` with gloo, one device per rank, each rank one stage's tp group
+member. The same greedy ids as one process at tp=1 (a batch, twice: the second time from the prefix cache) at pp=2
+on 2 ranks and pp=2 x tp=2 on 4 ranks; each rank holds only its stage's weights and KV cache.
+
+This file is also the script each rank runs (``python -m torch.distributed.run ... test_pp_torchrun.py PP TP PATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.test_tp_torchrun import BATCH, _run, _torchrun, tiny_llama  # noqa: F401 - tiny_llama is a fixture
+
+
+def _worker(pp: int, tp: int, model: str) -> int:
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
+
+    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=4)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        runs = [[o.outputs[0].token_ids for o in llm.generate(BATCH, params)] for _ in range(2)]
+        rank = llm.rank
+        print(f"rank {rank} stage {llm.mesh.stage_of(rank)} weights {llm.model.weight_bytes()} "
+              f"kv {llm.cache.nbytes}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(json.dumps(runs), flush=True)
+        return 0
+    finally:
+        llm.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (2, 2)])
+def test_stages_on_ranks_give_one_processs_greedy_ids(tiny_llama, pp, tp):  # noqa: F811 - the fixture
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
+
+    llm = LLM(str(tiny_llama), max_num_seqs=4)
+    try:
+        want = [o.outputs[0].token_ids for o in llm.generate(BATCH, SamplingParams(temperature=0.0, max_tokens=10,
+                                                                                   ignore_eos=True))]
+        weights, kv = llm.model.weight_bytes(), llm.cache.nbytes
+    finally:
+        llm.close()
+    proc, _ = _run(_torchrun(pp * tp, __file__, str(pp), str(tp), str(tiny_llama)), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert len(lines) == 1, proc.stdout  # rank 0 only
+    assert json.loads(lines[0]) == [want, want]
+    held = [ln.split() for ln in proc.stderr.splitlines() if ln.startswith("rank ") and " weights " in ln]
+    assert len(held) == pp * tp, proc.stderr
+    for row in held:  # each rank: about 1/(pp tp) of the weights (norms and the small vocabulary's head aside)
+        assert int(row[5]) < 0.75 * weights / (pp * tp) * 2
+        assert int(row[7]) == kv // (pp * tp)  # its stage's layers' KV, its tp share of the heads
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
