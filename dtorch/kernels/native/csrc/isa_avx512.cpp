@@ -14,6 +14,7 @@ namespace DTN_ISA {
 #include "elementwise.h"
 #include "quant_avx2.h"  // the group formats that have no 512-bit kernel yet run these (qgemm512's default)
 #include "quant_avx512.h"
+#include "decode_avx512.h"
 }  // namespace DTN_ISA
 
 namespace dtn {
