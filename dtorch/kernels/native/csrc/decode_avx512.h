@@ -322,3 +322,80 @@ static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     store_with_tails(part, pre, kChunk, M, nc, ne, bias, y, ydt, ldy);
   }
 }
+
+// -- the activations: quantize_sg (generic.h) in 512-bit vectors, bit for bit -------------------------------------
+// Per block of 32: amax, d = amax / 127, the hi levels round(x / d) and the lo levels of the residual, as
+// quantize_block computes them (the same float operations, round to nearest even); per super-group the blocks' bytes
+// are transposed to the steps' order ([u][block j][4], rows_to_lanes) and each half's level sums come from vpdpbusd
+// against ones (exact), scaled as quantize_block scales them. ~10x the scalar loop's speed: a decode step quantizes
+// its x once per product, ~2.5 us at K = 896 before.
+static inline __m512 load_x16(const void* x, int dt, int64_t off) {
+  if (dt == F32) return _mm512_loadu_ps(static_cast<const float*>(x) + off);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + off));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void quantize_sg512(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q,
+                           float* d, float* s, float* sh, int levels) {
+  const int64_t nb = K / 32, nsg = (nb + 15) / 16;
+  const __m512 k127 = _mm512_set1_ps(127.f), m127 = _mm512_set1_ps(-127.f);
+  const __m512i ones = _mm512_set1_epi8(1);
+  alignas(64) int8_t th[16 * 32], tl[16 * 32];  // a super-group's blocks: hi and lo levels, 32 bytes a block
+  alignas(64) float td[16];
+  for (int64_t r = r0; r < r1; ++r) {
+    int8_t* qr = q + r * nsg * 1024;
+    float* dr = d + r * nsg * 16;
+    float* sr = s + r * nsg * 16;
+    float* hr = sh + r * nsg * 32;
+    for (int64_t g = 0; g < nsg; ++g) {
+      const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16), P = sg_period(S);
+      if (S < 16) std::memset(qr + g * 1024, 0, 1024);
+      for (int j = 0; j < S; ++j) {
+        const int64_t off = r * ldx + (g * 16 + j) * 32;
+        const __m512 v0 = load_x16(x, dt, off), v1 = load_x16(x, dt, off + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f, idl = id * 254.f;
+        td[j] = dd;
+        const __m512 vid = _mm512_set1_ps(id), vd = _mm512_set1_ps(dd), vidl = _mm512_set1_ps(idl);
+        const __m512i h0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), h1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+        auto lo = [&](__m512 v, __m512i h) {  // (v - d hi) / (d / 254), clamped to +-127, rounded
+          const __m512 t = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(h))), vidl);
+          return _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(t, k127), m127));
+        };
+        _mm_store_si128(reinterpret_cast<__m128i*>(th + 32 * j), _mm512_cvtepi32_epi8(h0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(th + 32 * j + 16), _mm512_cvtepi32_epi8(h1));
+        _mm_store_si128(reinterpret_cast<__m128i*>(tl + 32 * j), _mm512_cvtepi32_epi8(lo(v0, h0)));
+        _mm_store_si128(reinterpret_cast<__m128i*>(tl + 32 * j + 16), _mm512_cvtepi32_epi8(lo(v1, h1)));
+      }
+      __m512i hs[8], ls[8];  // step u, lane j: dword u of block j
+      rows_to_lanes(reinterpret_cast<const uint8_t*>(th), 32, S, 8, hs);
+      rows_to_lanes(reinterpret_cast<const uint8_t*>(tl), 32, S, 8, ls);
+      const __mmask16 pm = __mmask16(P == 16 ? 0xffffu : (1u << P) - 1);
+      __m512i sh0 = _mm512_setzero_si512(), sh1 = sh0, sl0 = sh0, sl1 = sh0;  // [half] sums of the levels
+      for (int u = 0; u < 8; ++u) {
+        _mm512_mask_storeu_epi32(qr + g * 1024 + u * 4 * P, pm, hs[u]);
+        _mm512_mask_storeu_epi32(qr + g * 1024 + 512 + u * 4 * P, pm, ls[u]);
+        if (u < 4) {
+          sh0 = _mm512_dpbusd_epi32(sh0, ones, hs[u]);
+          sl0 = _mm512_dpbusd_epi32(sl0, ones, ls[u]);
+        } else {
+          sh1 = _mm512_dpbusd_epi32(sh1, ones, hs[u]);
+          sl1 = _mm512_dpbusd_epi32(sl1, ones, ls[u]);
+        }
+      }
+      // sums[h] = d (float(sum hi) + float(sum lo) / 254), the lo term where both levels are used
+      const __mmask16 sm = __mmask16(S == 16 ? 0xffffu : (1u << S) - 1);
+      const __m512 vd = _mm512_maskz_load_ps(sm, td), inv = _mm512_set1_ps(1.f / 254.f);
+      auto scaled = [&](__m512i hsum, __m512i lsum) {
+        const __m512 f = _mm512_cvtepi32_ps(hsum);
+        return _mm512_mul_ps(vd, levels == 2 ? _mm512_add_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(lsum), inv))
+                                             : _mm512_add_ps(f, _mm512_setzero_ps()));
+      };
+      const __m512 s0 = scaled(sh0, sl0), s1 = scaled(sh1, sl1);
+      _mm512_storeu_ps(dr + g * 16, vd);
+      _mm512_storeu_ps(sr + g * 16, _mm512_maskz_add_ps(sm, s0, s1));
+      _mm512_storeu_ps(hr + g * 32, _mm512_maskz_mov_ps(sm, s0));
+      _mm512_storeu_ps(hr + g * 32 + 16, _mm512_maskz_mov_ps(sm, s1));
+    }
+  }
+}
