@@ -2,8 +2,10 @@
 
 - ``float_copy(src, dst)``: every tensor of a GGUF dequantized to F32 (``gguf.quants.dequantize``), its metadata and
   tokenizer copied: the default model as a float source for llama.cpp's quantizer.
-- ``random_model(dst, shape)``: a model of ``shape`` with random weights (F16 projections, F32 norms) and a gpt2 BPE
-  tokenizer taken from the default model's file (cut or padded to the shape's vocab), written with gguf-py.
+- ``random_model(dst, shape)``: a model of ``shape`` with random weights (F16 projections, F32 norms and biases) and a
+  gpt2 BPE tokenizer taken from the default model's file (cut or padded to the shape's vocab), written with gguf-py;
+  ``qwen3``, ``qwen2`` (q/k/v biases), ``llama`` and ``gemma3`` (q/k norms, norms after attention and the MLP, a
+  sliding window) tensors.
 - ``quantize(src, dst, preset, python)``: llama.cpp's own quantizer, ``llama_cpp.llama_model_quantize``, run by the
   Python of the llama.cpp venv (``../shared/tools/llamacpp-venv.sh``); a preset is a ``LLAMA_FTYPE_MOSTLY_*``
   name ("Q4_K_M", "IQ4_XS" ...). Nothing here imports ``llama_cpp`` itself.
@@ -50,11 +52,21 @@ class Shape:
     eps: float = 1e-6
     scale: float = 0.02
     norm_noise: float = 0.0
+    window: int = 0  # gemma3: the sliding layers' window
 
 
 # Qwen3's published sizes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-1.7B), vocab included
 QWEN3_0_6B = Shape("qwen3", 1024, 3072, 28, 16, 8, 128, 151936)
 QWEN3_1_7B = Shape("qwen3", 2048, 6144, 28, 16, 8, 128, 151936)
+# Small models as users download them (issue #39): hidden sizes that are no multiple of 256 and tied heads of 49k-262k
+# tokens (config.json of Qwen/Qwen2.5-0.5B-Instruct, Qwen/Qwen2.5-1.5B-Instruct, google/gemma-3-270m-it,
+# google/gemma-3-1b-it, meta-llama/Llama-3.2-1B-Instruct, HuggingFaceTB/SmolLM2-360M-Instruct)
+QWEN2_5_0_5B = Shape("qwen2", 896, 4864, 24, 14, 2, 64, 151936, context=32768)
+QWEN2_5_1_5B = Shape("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, context=32768)
+GEMMA3_270M = Shape("gemma3", 640, 2048, 18, 4, 1, 256, 262144, context=32768, window=512)
+GEMMA3_1B = Shape("gemma3", 1152, 6912, 26, 4, 1, 256, 262144, context=32768, window=512)
+LLAMA3_2_1B = Shape("llama", 2048, 8192, 16, 32, 8, 64, 128256, context=131072, rope_theta=5e5, eps=1e-5)
+SMOLLM2_360M = Shape("llama", 960, 2560, 32, 15, 5, 64, 49152, context=8192, rope_theta=1e5, eps=1e-5)
 
 
 def _atomic(dst: Path) -> Path:
@@ -137,30 +149,41 @@ def _metadata(writer: gguf.GGUFWriter, s: Shape) -> None:
             ("rope.dimension_count", s.head_dim, V.UINT32), ("rope.freq_base", s.rope_theta, V.FLOAT32),
             ("attention.layer_norm_rms_epsilon", s.eps, V.FLOAT32), ("vocab_size", s.vocab, V.UINT32)):
         writer.add_key_value(f"{a}.{key}", value, vtype)
+    if s.window:
+        writer.add_key_value(f"{a}.attention.sliding_window", s.window, V.UINT32)
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
 
 
 def _tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
-    """(llama.cpp name, numpy shape [rows, row length]) of every tensor, in llama.cpp's order."""
+    """(llama.cpp name, numpy shape [rows, row length]) of every tensor, in llama.cpp's order (qwen2's biases after
+    them all, as bench/startup.py writes its file)."""
     E, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     out = [("token_embd.weight", (s.vocab, E))]
     for i in range(s.layers):
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (E,)), (b + "attn_q.weight", (q, E)), (b + "attn_k.weight", (kv, E)),
                 (b + "attn_v.weight", (kv, E)), (b + "attn_output.weight", (E, q))]
-        if s.arch == "qwen3":
+        if s.arch in ("qwen3", "gemma3"):
             out += [(b + "attn_q_norm.weight", (s.head_dim,)), (b + "attn_k_norm.weight", (s.head_dim,))]
+        if s.arch == "gemma3":
+            out.append((b + "post_attention_norm.weight", (E,)))
         out += [(b + "ffn_norm.weight", (E,)), (b + "ffn_gate.weight", (s.intermediate, E)),
                 (b + "ffn_up.weight", (s.intermediate, E)), (b + "ffn_down.weight", (E, s.intermediate))]
+        if s.arch == "gemma3":
+            out.append((b + "post_ffw_norm.weight", (E,)))
     out.append(("output_norm.weight", (E,)))
     if not s.tied:
         out.append(("output.weight", (s.vocab, E)))
+    if s.arch == "qwen2":
+        for i in range(s.layers):
+            out += [(f"blk.{i}.attn_q.bias", (q,)), (f"blk.{i}.attn_k.bias", (kv,)), (f"blk.{i}.attn_v.bias", (kv,))]
     return out
 
 
 def random_model(dst: Path, shape: Shape, tokenizer_from: Path, seed: int = 0) -> Path:
-    """A GGUF of ``shape`` with random weights: projections and embedding F16 normal * ``shape.scale``, norms F32
-    1 (+ normal * ``shape.norm_noise``); the tokenizer of ``tokenizer_from`` fitted to ``shape.vocab``."""
+    """A GGUF of ``shape`` with random weights: projections and embedding F16 normal * ``shape.scale``, biases F32
+    normal * ``shape.scale``, norms F32 1 (+ normal * ``shape.norm_noise``); the tokenizer of ``tokenizer_from``
+    fitted to ``shape.vocab``."""
     if dst.exists():
         return dst
     writer = gguf.GGUFWriter(str(_atomic(dst)), shape.arch)
@@ -174,8 +197,10 @@ def random_model(dst: Path, shape: Shape, tokenizer_from: Path, seed: int = 0) -
 
     def arrays() -> Iterator[np.ndarray]:
         rng = np.random.default_rng(seed)
-        for _, dims in names:
-            if len(dims) == 1:
+        for name, dims in names:
+            if name.endswith(".bias"):
+                yield (rng.standard_normal(dims, dtype=np.float32) * shape.scale).astype(np.float32)
+            elif len(dims) == 1:
                 yield (1 + shape.norm_noise * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
             else:
                 yield (rng.standard_normal(dims, dtype=np.float32) * shape.scale).astype(np.float16)

@@ -14,11 +14,12 @@ namespace DTN_ISA {
 #include "elementwise.h"
 #include "quant_avx2.h"  // the group formats that have no 512-bit kernel yet run these (qgemm512's default)
 #include "quant_avx512.h"
+#include "decode_avx512.h"
 }  // namespace DTN_ISA
 
 namespace dtn {
 const Table* table_avx512() {
-  static const Table t{"avx512", DTN_ISA::quantize_rows, DTN_ISA::qgemm512, DTN_ISA::quantize_sg, DTN_ISA::qgemm_sg512,
+  static const Table t{"avx512", DTN_ISA::quantize_rows, DTN_ISA::qgemm512, DTN_ISA::quantize_sg512, DTN_ISA::qgemm_sg512,
                        DTN_ISA::gemv512, DTN_ISA::rms_norm, DTN_ISA::rope,
                        DTN_ISA::silu_and_mul, DTN_ISA::dequant512, true};
   return &t;

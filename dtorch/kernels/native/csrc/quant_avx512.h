@@ -395,11 +395,14 @@ static inline void sg_block512(const QWeight& w, const SGAct& a, int64_t m, int6
   }
 }
 
-// decode (under 4 rows): one weight row at a time against every row of x, the rows ahead_rows on prefetched (tiles of
-// 4 weight rows shared each activation load, but their 8 interleaved 32-byte streams read memory at ~18 GB/s where one
-// row after another reads ~26); more rows: MR x 2 tiles over panels of the weight (a prompt's rows are as many as its
-// tokens: x is reread from L1 by every pair of weight rows of a panel, the panel from L2 by every tile of x). A
-// 32-block format's last super-group of under 16 blocks is summed first, for a chunk of weight rows (sg_tails512), and
+// decode (under 4 rows): sg_decode512 (decode_avx512.h)
+template <int F, bool LO>
+static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                         void* y, int ydt, int64_t ldy);
+
+// Decode (under 4 rows) goes to sg_decode512; more rows: MR x 2 tiles over panels of the weight (a prompt's rows are as
+// many as its tokens: x is reread from L1 by every pair of weight rows of a panel, the panel from L2 by every tile of
+// x). A 32-block format's last super-group of under 16 blocks is summed first, for a panel's rows (sg_tails512), and
 // each tile adds it.
 template <int F, bool LO>
 static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
@@ -408,47 +411,7 @@ static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   constexpr int MR = F == dtn::Q6_K && LO ? 2 : 4;
   constexpr int64_t kPanel = 192 << 10;
   const bool tails = SG<F>::kblock == 0 && (w.K / 32) % 16 != 0;
-  if (M < 4) {
-    const int64_t ahead = ahead_rows(w);
-    for (int64_t n = n0; n < n1 && n < n0 + ahead; ++n) prefetch_row(w, n);  // the first rows, before the loop asks
-    if (!tails) {
-      for (int64_t n = n0; n < n1; ++n) {
-        if (n + ahead < n1) prefetch_row(w, n + ahead);
-        for (int64_t m = 0; m < M; ++m) sg_block512<F, 1, 1, LO>(w, a, m, n, nullptr, 0, bias, y, ydt, ldy);
-      }
-      return;
-    }
-    // chunks of 16 rows: the whole super-groups' sums, then the tails of the same rows (still in cache: the rows are
-    // prefetched whole), then y = (sums + tails) + bias as the tiles write it
-    constexpr int64_t kChunk = 16;
-    float part[4 * kChunk], pre[4 * kChunk];
-    const uint8_t* rows[NR];
-    for (int64_t nc = n0; nc < n1; nc += kChunk) {
-      const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
-      int64_t n = nc;
-      for (; n + NR <= ne; n += NR) {
-        if (n + NR + ahead <= n1)
-          for (int j = 0; j < NR; ++j) prefetch_row(w, n + ahead + j);
-        for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
-        for (int64_t m = 0; m < M; ++m) {
-          float o[1][NR];
-          sg_tile512<F, 1, NR, LO>(rows, a, m, w.K / 32, nullptr, 0, o);
-          for (int j = 0; j < NR; ++j) part[m * kChunk + n - nc + j] = o[0][j];
-        }
-      }
-      for (; n < ne; ++n) {
-        rows[0] = w.qs + n * w.qs_row;
-        for (int64_t m = 0; m < M; ++m) {
-          float o[1][1];
-          sg_tile512<F, 1, 1, LO>(rows, a, m, w.K / 32, nullptr, 0, o);
-          part[m * kChunk + n - nc] = o[0][0];
-        }
-      }
-      sg_tails512<F, LO>(w, a, M, nc, ne, pre, kChunk);
-      store_with_tails(part, pre, kChunk, M, nc, ne, bias, y, ydt, ldy);
-    }
-    return;
-  }
+  if (M < 4) return sg_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
   // panels of weight rows that stay in L2 (kPanel bytes); in a panel, each MR-row tile of x stays in L1 while the
   // panel's rows pass two at a time (the first tile's pass brings them in, kAhead rows ahead). With tails, that first
   // pass keeps its sums apart, the tails are summed once the panel is in cache, and its rows are written then.

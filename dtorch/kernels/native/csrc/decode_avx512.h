@@ -1,0 +1,401 @@
+// One-row products (decode: under 4 rows of x) of the super-grouped formats with AVX-512 VNNI, at the memory's read
+// rate: the weight's rows are read one after another, each once, ahead_rows on prefetched, and every row's sum is the
+// bits the tiles of quant_avx512.h give it (a row gets the same result at every row count: speculative decoding's
+// verified rows equal plain decoding).
+// - whole super-groups: sg_tile512<F, 1, 1>'s float operations in the same order, its integer sums (exact, any order)
+//   split over two chains each, so a row waits on half the vpdpbusd latency;
+// - a 32-block format's last super-group of S < 16 blocks: per row, each block's integer sums in its own lane (the
+//   weights' 4 S bytes per step spread to the activations' P = sg_period(S) lanes per step, then the 16 / P lanes of
+//   a block added up), times x's scale; per 16 rows those floats are transposed to one row per lane and finished as
+//   sg_tails512 finishes them (its per-block chain of multiply-adds), instead of transposing every quant of the rows.
+// Included inside namespace DTN_ISA of isa_avx512.cpp, after quant_avx512.h.
+
+// Where the weights of each activation vector of a last super-group of S < 16 blocks come from (a 32-block format):
+// vector v holds steps s0 = v 16 / P .. of every block, lane l being step s0 + l / P of block l % P; its weight dwords
+// are `count` dwords from dword `first` of the quants (Q4: of the first four steps, whose low nibbles meet steps 0..3
+// and high nibbles steps 4..7), lane l taking dword idx[l] (zero where `valid` is clear), the high nibble where `high`
+// is set, Q5's fifth bit from bit `shift` of each byte of its block's high-bit dword.
+struct TailPlan {
+  int S, P, nv;  // nv: activation vectors per level
+  int first[8], count[8];
+  __m512i idx[8], shift[8], hidx;  // hidx: lane l -> block l % P (the high-bit dwords)
+  __mmask16 valid[8], high[8], hvalid;
+  bool spread;  // false where every lane's dword is its own: the dwords already lie as the lanes want them
+};
+
+template <int F>
+static inline TailPlan tail_plan(int S) {
+  TailPlan t{};
+  t.S = S;
+  t.P = sg_period(S);
+  const int P = t.P, per = 16 / P, steps = 8;  // activation steps per vector; 8 steps a block
+  t.nv = P >= 2 ? P / 2 : 1;
+  alignas(64) int32_t idx[16], sh[16], hid[16];
+  for (int v = 0; v < t.nv; ++v) {
+    const int s0 = v * per;
+    // Q8_0: step s is dwords s S ..; Q4: step s is the nibbles of dwords (s % 4) S ..
+    t.first[v] = F == dtn::Q8_0 ? s0 * S : (s0 % 4) * S;
+    int count = 0;
+    t.valid[v] = t.high[v] = 0;
+    for (int l = 0; l < 16; ++l) {
+      const int s = s0 + l / P, j = l % P;
+      const int dw = F == dtn::Q8_0 ? s * S + j : (s % 4) * S + j;
+      idx[l] = dw - t.first[v] >= 0 && dw - t.first[v] < 16 ? dw - t.first[v] : 0;
+      sh[l] = s < steps ? s : 0;
+      hid[l] = j < S ? j : 0;
+      if (j < S && s < steps) {
+        t.valid[v] |= __mmask16(1u << l);
+        count = dw - t.first[v] + 1 > count ? dw - t.first[v] + 1 : count;
+      }
+      if (s >= 4 && s < steps) t.high[v] |= __mmask16(1u << l);
+    }
+    t.count[v] = count;
+    for (int l = 0; l < 16; ++l)
+      if ((t.valid[v] >> l & 1) && idx[l] != l) t.spread = true;
+    t.idx[v] = _mm512_load_si512(idx);
+    t.shift[v] = _mm512_load_si512(sh);
+    t.hidx = _mm512_load_si512(hid);
+  }
+  t.hvalid = 0;
+  for (int l = 0; l < 16; ++l)
+    if (l % P < S) t.hvalid |= __mmask16(1u << l);
+  return t;
+}
+
+// lanes l of x summed over l % P: lanes 0..P-1 hold the sums (exact integer adds)
+static inline __m512i fold_lanes(__m512i x, int P) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int w = 8; w >= P; w /= 2)
+    x = _mm512_add_epi32(x, _mm512_permutexvar_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32(w)), x));
+  return x;
+}
+
+// Activation vector v's weights in a last super-group at p (its scales, high bits and quants as layouts.py packs a
+// super-group of S blocks): unsigned quants as the tiles multiply them
+template <int F>
+static inline __m512i tail_weights(const TailPlan& t, const uint8_t* p, int v) {
+  using G = SG<F>;
+  const uint8_t* q = p + 2 * t.S * G::scales + t.S * G::hbytes;
+  const __m512i raw = _mm512_maskz_loadu_epi32(__mmask16((1u << t.count[v]) - 1), q + 4 * t.first[v]);
+  __m512i x = t.spread ? _mm512_maskz_permutexvar_epi32(t.valid[v], t.idx[v], raw)
+                       : _mm512_maskz_mov_epi32(t.valid[v], raw);
+  if constexpr (F == dtn::Q8_0) return x;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  x = _mm512_mask_blend_epi32(t.high[v], _mm512_and_si512(x, lo4), _mm512_and_si512(_mm512_srli_epi16(x, 4), lo4));
+  if constexpr (G::hbytes != 0) {  // bit s of each byte of the block's high-bit dword: step s's fifth bit
+    const __m512i h = _mm512_maskz_permutexvar_epi32(
+        t.hvalid, t.hidx, _mm512_maskz_loadu_epi32(__mmask16((1u << t.S) - 1), p + 2 * t.S * G::scales));
+    x = _mm512_or_si512(x, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, t.shift[v]),
+                                                              _mm512_set1_epi32(0x01010101)), 4));
+  }
+  if constexpr (F == dtn::IQ4_NL) x = _mm512_shuffle_epi8(iq4_table512(), x);
+  return x;
+}
+
+// The last super-group (at p in the weight row) against activation row m: lane b < S = its block b's integer sums
+// as levels512 rounds them, times x's scale of the block (the products sg_tails512 multiplies by the weights' scales)
+template <int F, bool LO>
+static inline __m512 tail_lanes512(const TailPlan& t, const uint8_t* p, const SGAct& a, int64_t m) {
+  const int64_t g = a.nsg - 1;
+  const int8_t* ag = a.q + (m * a.nsg + g) * 1024;
+  __m512i is = _mm512_setzero_si512(), il = is;
+  if (t.P == 16) {  // a step a vector, as the whole super-groups (lanes from S on read as zero)
+    constexpr int kSteps = F == dtn::Q8_0 ? 8 : 4;
+    const __mmask16 km = __mmask16((1u << t.S) - 1);
+    const uint8_t* q = p + 2 * t.S * SG<F>::scales + t.S * SG<F>::hbytes;
+    __m512i hv = _mm512_setzero_si512();
+    if constexpr (SG<F>::hbytes != 0) hv = _mm512_maskz_loadu_epi32(km, p + 2 * t.S * SG<F>::scales);
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
+    __m512i is2 = is, il2 = is;
+    for (int u = 0; u < kSteps; ++u) {
+      const __m512i v = _mm512_maskz_loadu_epi32(km, q + 4 * t.S * u);
+      if constexpr (F == dtn::Q8_0) {
+        is = _mm512_dpbusd_epi32(is, v, _mm512_loadu_si512(ag + 64 * u));
+        if constexpr (LO) il = _mm512_dpbusd_epi32(il, v, _mm512_loadu_si512(ag + 512 + 64 * u));
+        continue;
+      }
+      __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      if constexpr (SG<F>::hbytes != 0) {
+        wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4 - u), b4));
+        wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv, u), b4));
+      }
+      if constexpr (F == dtn::IQ4_NL) {
+        wl = _mm512_shuffle_epi8(iq4_table512(), wl);
+        wh = _mm512_shuffle_epi8(iq4_table512(), wh);
+      }
+      is = _mm512_dpbusd_epi32(is, wl, _mm512_loadu_si512(ag + 64 * u));
+      is2 = _mm512_dpbusd_epi32(is2, wh, _mm512_loadu_si512(ag + 64 * (u + 4)));
+      if constexpr (LO) {
+        il = _mm512_dpbusd_epi32(il, wl, _mm512_loadu_si512(ag + 512 + 64 * u));
+        il2 = _mm512_dpbusd_epi32(il2, wh, _mm512_loadu_si512(ag + 512 + 64 * (u + 4)));
+      }
+    }
+    is = _mm512_add_epi32(is, is2);
+    il = _mm512_add_epi32(il, il2);
+  } else {  // 16 / P steps a vector, then the lanes of each block added up
+    for (int v = 0; v < t.nv; ++v) {
+      const __m512i wv = tail_weights<F>(t, p, v);
+      is = _mm512_dpbusd_epi32(is, wv, _mm512_loadu_si512(ag + 64 * v));
+      if constexpr (LO) il = _mm512_dpbusd_epi32(il, wv, _mm512_loadu_si512(ag + 512 + 64 * v));
+    }
+    is = fold_lanes(is, t.P);
+    if constexpr (LO) il = fold_lanes(il, t.P);
+  }
+  const __mmask16 km = __mmask16((1u << t.S) - 1);
+  const __m512 lv = LO ? levels512(is, il) : _mm512_cvtepi32_ps(is);
+  return _mm512_maskz_mul_ps(km, lv, _mm512_maskz_loadu_ps(km, a.d + (m * a.nsg + g) * 16));
+}
+
+// Rows n0..n1 (at most 16) of the last super-groups, activation row m: pl[r * 16 + b] the products of row n0 + r's
+// block b (tail_lanes512) -> out[r] = sg_tails512's sum for that row, the same operations in the same order (the
+// products transposed to a row per lane, the rows' scales as sg_tails512 transposes them)
+template <int F>
+static inline void tail_chain512(const QWeight& w, const SGAct& a, int64_t m, const TailPlan& t, const float* pl,
+                                 int64_t n0, int64_t n1, float* out) {
+  using G = SG<F>;
+  const int S = t.S, nr = int(n1 - n0);
+  const int64_t g = a.nsg - 1;
+  const float* as = a.s + (m * a.nsg + g) * 16;
+  __m512i sc[16], pv[16];
+  rows_to_lanes(w.qs + n0 * w.qs_row + g * 16 * G::bytes, w.qs_row, nr, (2 * S * G::scales + 3) / 4, sc);
+  rows_to_lanes(reinterpret_cast<const uint8_t*>(pl), 64, nr, S, pv);
+  auto half = [&](int byte) {  // the fp16 at byte (even) of each row
+    const __m512i v = sc[byte / 4];
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(byte % 4 ? _mm512_srli_epi32(v, 16) : v));
+  };
+  __m512 acc = _mm512_setzero_ps();
+  for (int b = 0; b < S; ++b) {
+    const __m512 dw = half(2 * b);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(pv[b]), dw, acc);
+    if (G::scales == 2 || G::offset != 0.f) {
+      const __m512 mw = G::scales == 2 ? half(2 * S + 2 * b) : _mm512_mul_ps(dw, _mm512_set1_ps(G::offset));
+      acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(as[b]), acc);
+    }
+  }
+  _mm512_mask_storeu_ps(out, __mmask16(nr == 16 ? 0xffffu : (1u << nr) - 1), acc);
+}
+
+// One weight row (row) against activation row m over its whole super-groups: sg_tile512<F, 1, 1, LO>'s sum, bit for
+// bit (a K-quant's lone last super-block included; a 32-block format's last super-group left to the caller)
+template <int F, bool LO>
+static inline float sg_row512(const uint8_t* row, const SGAct& a, int64_t m, int64_t nb) {
+  using G = SG<F>;
+  constexpr bool Q6 = F == dtn::Q6_K;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
+  const __m512i iq4 = iq4_table512();
+  __m512 acc = _mm512_setzero_ps();
+  float tail = 0.f;
+  const int64_t gbytes = G::kblock ? 2 * G::kblock : 16 * G::bytes;
+  for (int64_t g = 0; g * 16 < nb; ++g) {
+    const uint8_t* p = row + g * gbytes;
+    const int8_t* ag = a.q + (m * a.nsg + g) * 1024;
+    if (nb - g * 16 < 16) {
+      if constexpr (G::kblock != 0) {  // as sg_tile512: quant_avx2.h's tile on the lone super-block
+        const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
+        float o[1][1];
+        sg_tile256<F, 1, 1, LO>(&p, at, m, nb - g * 16, o);
+        tail = o[0][0];
+      }
+      continue;
+    }
+    const int64_t qoff = 2 * 16 * G::scales + 16 * G::hbytes;
+    // is/il: the low nibbles' (Q8_0: even steps') sums, is2/il2 the high nibbles' (odd steps'): two chains a level
+    __m512i is = _mm512_setzero_si512(), il = is, is2 = is, il2 = is;
+    if constexpr (F == dtn::Q8_0) {
+      for (int u = 0; u < 8; ++u) {
+        const __m512i w0 = _mm512_loadu_si512(p + qoff + 64 * u);
+        is = _mm512_dpbusd_epi32(is, w0, _mm512_loadu_si512(ag + 64 * u));
+        if constexpr (LO) il = _mm512_dpbusd_epi32(il, w0, _mm512_loadu_si512(ag + 512 + 64 * u));
+      }
+    } else {
+      __m512i hv = _mm512_setzero_si512();
+      if constexpr (G::hbytes != 0 && G::kblock == 0) hv = _mm512_loadu_si512(p + 2 * 16 * G::scales);
+      if constexpr (G::hbytes != 0 && G::kblock != 0) hv = two_halves(p + G::kh, p + G::kblock + G::kh);
+      for (int u = 0; u < 4; ++u) {
+        const __m512i v = G::kblock ? two_halves(p + G::kq + 32 * u, p + G::kblock + G::kq + 32 * u)
+                                    : _mm512_loadu_si512(p + qoff + 64 * u);
+        __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        if constexpr (Q6) {  // two high bits per quant, 4 steps a byte (as sg_tile512)
+          const int off = 32 * (u % 2);
+          const __m512i hq = two_halves(p + G::kh + off, p + G::kblock + G::kh + off);
+          const __m512i hl = u < 2 ? _mm512_slli_epi16(hq, 4) : hq;
+          const __m512i hh = u < 2 ? _mm512_slli_epi16(hq, 2) : _mm512_srli_epi16(hq, 2);
+          wl = _mm512_or_si512(wl, _mm512_and_si512(hl, b45));
+          wh = _mm512_or_si512(wh, _mm512_and_si512(hh, b45));
+        } else if constexpr (G::hbytes != 0) {
+          wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4 - u), b4));
+          wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv, u), b4));
+        }
+        if constexpr (F == dtn::IQ4_NL || F == dtn::IQ4_XS) {
+          wl = _mm512_shuffle_epi8(iq4, wl);
+          wh = _mm512_shuffle_epi8(iq4, wh);
+        }
+        is = _mm512_dpbusd_epi32(is, wl, _mm512_loadu_si512(ag + 64 * u));
+        is2 = _mm512_dpbusd_epi32(is2, wh, _mm512_loadu_si512(ag + 64 * (u + 4)));
+        if constexpr (LO) {
+          il = _mm512_dpbusd_epi32(il, wl, _mm512_loadu_si512(ag + 512 + 64 * u));
+          il2 = _mm512_dpbusd_epi32(il2, wh, _mm512_loadu_si512(ag + 512 + 64 * (u + 4)));
+        }
+      }
+    }
+    const __m512 da = _mm512_loadu_ps(a.d + (m * a.nsg + g) * 16);
+    const __m512 sa = _mm512_loadu_ps(a.s + (m * a.nsg + g) * 16);
+    if constexpr (Q6) {  // (d sc) (u - 32) per 16 weights, as sg_tile512
+      const uint8_t* q = p + G::kblock;
+      const __m128i ev = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+      const __m128i s0 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)), ev);
+      const __m128i s1 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2)), ev);
+      const __m512 d = fp16_pair(p, q);
+      const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))));
+      const __m512 mw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))));
+      const float* hs = a.sh + (m * a.nsg + g) * 32;
+      const __m512 t = _mm512_mul_ps(LO ? levels512(is, il) : _mm512_cvtepi32_ps(is), da);
+      const __m512 t2 = _mm512_mul_ps(LO ? levels512(is2, il2) : _mm512_cvtepi32_ps(is2), da);
+      const __m512 k32 = _mm512_set1_ps(-32.f);
+      const __m512 lo_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs), k32, t);
+      const __m512 hi_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs + 16), k32, t2);
+      acc = _mm512_fmadd_ps(hi_, mw, _mm512_fmadd_ps(lo_, dw, acc));
+      continue;
+    }
+    is = _mm512_add_epi32(is, is2);
+    il = _mm512_add_epi32(il, il2);
+    const __m512 t = _mm512_mul_ps(LO ? levels512(is, il) : _mm512_cvtepi32_ps(is), da);
+    __m512 dw, mw;
+    if constexpr (F == dtn::IQ4_XS) {
+      const uint8_t* q = p + G::kblock;
+      dw = _mm512_mul_ps(fp16_pair(p, q), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes_pair(p + 2, q + 2))));
+      mw = dw;
+    } else if constexpr (G::kblock != 0) {
+      const uint8_t* q = p + G::kblock;
+      const __m128i ha = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+      const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4));
+      __m512 d, mdmin;
+      fp16_pairs2(p, q, d, mdmin);
+      dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ha, hb))));
+      mw = _mm512_mul_ps(mdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ha, hb))));
+    } else {
+      dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      mw = G::scales == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))) : dw;
+    }
+    if constexpr (G::scales == 2) acc = _mm512_fmadd_ps(mw, sa, _mm512_fmadd_ps(t, dw, acc));
+    else acc = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(sa, _mm512_set1_ps(G::offset), t), acc);
+  }
+  return _mm512_reduce_add_ps(acc) + tail;
+}
+
+// The decode driver (M < 4 rows of x): each weight row once, against every row of x while it is in L1. Without a
+// last super-group of under 16 blocks, y = sum + bias as sg_block512 writes it; with one, chunks of 16 rows: the
+// whole super-groups' sums and the tails' per-block products row by row, then the tails finished for the chunk
+// (tail_chain512) and y = (sums + tails) + bias (store_with_tails), as the tiles write it.
+template <int F, bool LO>
+static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                         void* y, int ydt, int64_t ldy) {
+  const int64_t nb = w.K / 32, ahead = ahead_rows(w);
+  for (int64_t n = n0; n < n1 && n < n0 + ahead; ++n) prefetch_row(w, n);  // the first rows, before the loop asks
+  if (SG<F>::kblock != 0 || nb % 16 == 0) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n + ahead < n1) prefetch_row(w, n + ahead);
+      const uint8_t* row = w.qs + n * w.qs_row;
+      for (int64_t m = 0; m < M; ++m) {
+        const float b = bias ? load_f(bias, ydt, n) : 0.f;
+        store_f(y, ydt, m * ldy + n, sg_row512<F, LO>(row, a, m, nb) + b);
+      }
+    }
+    return;
+  }
+  constexpr int64_t kChunk = 16;
+  const TailPlan t = tail_plan<F>(int(nb % 16));
+  const int64_t tail_at = nb / 16 * 16 * SG<F>::bytes;  // the last super-group's offset in a row
+  alignas(64) float pl[3][kChunk * 16];
+  float part[3 * kChunk], pre[3 * kChunk];
+  for (int64_t nc = n0; nc < n1; nc += kChunk) {
+    const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
+    for (int64_t n = nc; n < ne; ++n) {
+      if (n + ahead < n1) prefetch_row(w, n + ahead);
+      const uint8_t* row = w.qs + n * w.qs_row;
+      for (int64_t m = 0; m < M; ++m) {
+        part[m * kChunk + n - nc] = sg_row512<F, LO>(row, a, m, nb);
+        _mm512_store_ps(pl[m] + (n - nc) * 16, tail_lanes512<F, LO>(t, row + tail_at, a, m));
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) tail_chain512<F>(w, a, m, t, pl[m], nc, ne, pre + m * kChunk);
+    store_with_tails(part, pre, kChunk, M, nc, ne, bias, y, ydt, ldy);
+  }
+}
+
+// -- the activations: quantize_sg (generic.h) in 512-bit vectors, bit for bit -------------------------------------
+// Per block of 32: amax, d = amax / 127, the hi levels round(x / d) and the lo levels of the residual, as
+// quantize_block computes them (the same float operations, round to nearest even); per super-group the blocks' bytes
+// are transposed to the steps' order ([u][block j][4], rows_to_lanes) and each half's level sums come from vpdpbusd
+// against ones (exact), scaled as quantize_block scales them. ~10x the scalar loop's speed: a decode step quantizes
+// its x once per product, ~2.5 us at K = 896 before.
+static inline __m512 load_x16(const void* x, int dt, int64_t off) {
+  if (dt == F32) return _mm512_loadu_ps(static_cast<const float*>(x) + off);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + off));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void quantize_sg512(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q,
+                           float* d, float* s, float* sh, int levels) {
+  const int64_t nb = K / 32, nsg = (nb + 15) / 16;
+  const __m512 k127 = _mm512_set1_ps(127.f), m127 = _mm512_set1_ps(-127.f);
+  const __m512i ones = _mm512_set1_epi8(1);
+  alignas(64) int8_t th[16 * 32], tl[16 * 32];  // a super-group's blocks: hi and lo levels, 32 bytes a block
+  alignas(64) float td[16];
+  for (int64_t r = r0; r < r1; ++r) {
+    int8_t* qr = q + r * nsg * 1024;
+    float* dr = d + r * nsg * 16;
+    float* sr = s + r * nsg * 16;
+    float* hr = sh + r * nsg * 32;
+    for (int64_t g = 0; g < nsg; ++g) {
+      const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16), P = sg_period(S);
+      if (S < 16) std::memset(qr + g * 1024, 0, 1024);
+      for (int j = 0; j < S; ++j) {
+        const int64_t off = r * ldx + (g * 16 + j) * 32;
+        const __m512 v0 = load_x16(x, dt, off), v1 = load_x16(x, dt, off + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f, idl = id * 254.f;
+        td[j] = dd;
+        const __m512 vid = _mm512_set1_ps(id), vd = _mm512_set1_ps(dd), vidl = _mm512_set1_ps(idl);
+        const __m512i h0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), h1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+        auto lo = [&](__m512 v, __m512i h) {  // (v - d hi) / (d / 254), clamped to +-127, rounded
+          const __m512 t = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(h))), vidl);
+          return _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(t, k127), m127));
+        };
+        _mm_store_si128(reinterpret_cast<__m128i*>(th + 32 * j), _mm512_cvtepi32_epi8(h0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(th + 32 * j + 16), _mm512_cvtepi32_epi8(h1));
+        _mm_store_si128(reinterpret_cast<__m128i*>(tl + 32 * j), _mm512_cvtepi32_epi8(lo(v0, h0)));
+        _mm_store_si128(reinterpret_cast<__m128i*>(tl + 32 * j + 16), _mm512_cvtepi32_epi8(lo(v1, h1)));
+      }
+      __m512i hs[8], ls[8];  // step u, lane j: dword u of block j
+      rows_to_lanes(reinterpret_cast<const uint8_t*>(th), 32, S, 8, hs);
+      rows_to_lanes(reinterpret_cast<const uint8_t*>(tl), 32, S, 8, ls);
+      const __mmask16 pm = __mmask16(P == 16 ? 0xffffu : (1u << P) - 1);
+      __m512i sh0 = _mm512_setzero_si512(), sh1 = sh0, sl0 = sh0, sl1 = sh0;  // [half] sums of the levels
+      for (int u = 0; u < 8; ++u) {
+        _mm512_mask_storeu_epi32(qr + g * 1024 + u * 4 * P, pm, hs[u]);
+        _mm512_mask_storeu_epi32(qr + g * 1024 + 512 + u * 4 * P, pm, ls[u]);
+        if (u < 4) {
+          sh0 = _mm512_dpbusd_epi32(sh0, ones, hs[u]);
+          sl0 = _mm512_dpbusd_epi32(sl0, ones, ls[u]);
+        } else {
+          sh1 = _mm512_dpbusd_epi32(sh1, ones, hs[u]);
+          sl1 = _mm512_dpbusd_epi32(sl1, ones, ls[u]);
+        }
+      }
+      // sums[h] = d (float(sum hi) + float(sum lo) / 254), the lo term where both levels are used
+      const __mmask16 sm = __mmask16(S == 16 ? 0xffffu : (1u << S) - 1);
+      const __m512 vd = _mm512_maskz_load_ps(sm, td), inv = _mm512_set1_ps(1.f / 254.f);
+      auto scaled = [&](__m512i hsum, __m512i lsum) {
+        const __m512 f = _mm512_cvtepi32_ps(hsum);
+        return _mm512_mul_ps(vd, levels == 2 ? _mm512_add_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(lsum), inv))
+                                             : _mm512_add_ps(f, _mm512_setzero_ps()));
+      };
+      const __m512 s0 = scaled(sh0, sl0), s1 = scaled(sh1, sl1);
+      _mm512_storeu_ps(dr + g * 16, vd);
+      _mm512_storeu_ps(sr + g * 16, _mm512_maskz_add_ps(sm, s0, s1));
+      _mm512_storeu_ps(hr + g * 32, _mm512_maskz_mov_ps(sm, s0));
+      _mm512_storeu_ps(hr + g * 32 + 16, _mm512_maskz_mov_ps(sm, s1));
+    }
+  }
+}
