@@ -1,6 +1,7 @@
 """GGUF files as users download them, dtorch against llama.cpp on each, side by side in one run (issue #21).
 
     python bench/gguf_formats.py [--files PATTERN ...] [--real] [--threads 1 2] [--repeats 3] [--rounds 1] [--quick]
+                                 [--smoke]
                                  [--agreement] [--kv-cache-dtype auto|bfloat16|float32] [--cache DIR]
                                  [--llamacpp-python PATH]
 
@@ -352,6 +353,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def main() -> None:
+    global PREFILL, PROMPT, NEW, SEQS  # --smoke makes them small
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="+", default=None, help=f"names or patterns among: {' '.join(FILES)}")
     ap.add_argument("--threads", type=int, nargs="+", default=None)
@@ -363,6 +365,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help=f"1 thread, 1 repeat, prefill of {PREFILL[0]} only; files {' '.join(QUICK_FILES)} unless "
                          "--files says otherwise")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--quick on the shipped smollm2-Q4_1 file alone (no quantizer needed); llama.cpp's columns "
+                         "only where its venv is there (CI)")
     ap.add_argument("--agreement", action="store_true", help="top-1 agreement with the float source (slow)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                     help="dtorch's KV cache (LLM's kv_cache_dtype; llama.cpp keeps float16 keys): the speed and "
@@ -375,6 +380,9 @@ def main() -> None:
     ap.add_argument("--follow", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dequantize", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke:  # the script's every step on tiny sizes: the figures mean nothing
+        PREFILL, PROMPT, NEW, SEQS = (16,), 16, 8, 4
+        args.quick, args.files, args.real = True, ["smollm2-Q4_1"], False
     prefill = PREFILL[:1] if args.quick else PREFILL
     threads = args.threads or ([1] if args.quick else [1, 2])
     repeats = args.repeats or (1 if args.quick else 3)
@@ -394,13 +402,16 @@ def main() -> None:
     if not names:
         raise SystemExit(f"--files {' '.join(patterns)} matches none of {' '.join(FILES)}")
     lcpp = _llamacpp_python(args.llamacpp_python)
-    if lcpp is None:
+    if lcpp is None and args.smoke:
+        print(f"  (smoke: llama_cpp cannot be imported by {args.llamacpp_python}; its columns are left empty)",
+              file=sys.stderr)
+    elif lcpp is None:
         raise SystemExit(f"llama_cpp cannot be imported by {args.llamacpp_python}: build it with "
                          "../shared/tools/llamacpp-venv.sh .venv-llamacpp (its quantizer makes the files)")
-    files = make_files(names, args.cache, lcpp)
-    limits = _machine_limits(threads)
+    files = make_files(names, args.cache, lcpp or "")
+    limits = {} if args.smoke else _machine_limits(threads)
     ids = _ids(max(prefill))
-    quick = ("--quick",) if args.quick else ()
+    quick = ("--quick",) + (("--smoke",) if args.smoke else ()) if args.quick else ()
     head = ["file", "thr", "lcpp pp128", "pp512", "tg64", "MiB", "dtorch pp128", "pp512", "tg64", "MiB",
             "x pp128", "x pp512", "x tg", "x MiB", "16-seq tg", "16/1", "greedy", "follow"]
     rows, notes, prods = [], {}, []
@@ -413,7 +424,7 @@ def main() -> None:
         for t in threads:
             refs, gots = [], []
             for _ in range(args.rounds):  # llama.cpp, then dtorch, in turn
-                ref = _run([lcpp, "-c", LLAMACPP_WORKER, str(path), str(t), str(repeats), str(CONTEXT),
+                ref = lcpp and _run([lcpp, "-c", LLAMACPP_WORKER, str(path), str(t), str(repeats), str(CONTEXT),
                             ",".join(map(str, ids)), json.dumps(list(prefill)), str(PROMPT), str(NEW)])
                 follow = ("--follow", ",".join(map(str, ref["tokens"]))) if ref else ()
                 got = _dtorch("dtorch", path, t, repeats, quick + follow + ("--kv-cache-dtype", args.kv_cache_dtype))

@@ -21,6 +21,7 @@ SMOKE = {
     "decode.py": (["--smoke"], ["prefill tok/s", "decode tok/s", "dtorch (weights as stored)"]),
     "dispatch.py": (["--smoke"], ["torch out=", "+prepared", "+functional", "linear [1,576]x[1536,576]"]),
     "gated_delta_net.py": (["--smoke"], ["recurrent", "chunked speed-up", "max |diff|"]),
+    "gguf_formats.py": (["--smoke"], ["dtorch pp128", "x tg", "one-row products as a decode step calls them"]),
     "hybrid.py": (["--smoke"], ["transformers", "dtorch / transformers", "decode tok/s @ batch 2"]),
     "llamacpp_fixtures.py": (["--smoke"], ["| file | KiB | tensor types |", "llama-576-F16.gguf"]),
     "llm_ops.py": (["--smoke"], ["reference", "speedup", "prepared op", "overhead"]),
@@ -46,8 +47,6 @@ EXCEPTIONS = {
     # GPU checks: .ci/run runs their CPU rehearsal (scripts/device-check.sh --dry-run), so they are not run twice
     "device_check.py": "CI runs --dry-run through scripts/device-check.sh --dry-run",
     "gpu_decode.py": "CI runs --dry-run through scripts/device-check.sh --dry-run",
-    # smoke modes being written in other branches; move them to SMOKE when those merge
-    "gguf_formats.py": "smoke mode: in the decode branch",
 }
 
 
