@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dtorch.engine.chat_format import ROLES
-from dtorch.engine.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+from dtorch.engine.sampling import MAX_LOGPROBS, MAX_N, REPETITION_PENALTY_RANGE, SamplingParams
 from dtorch.engine.structured import StructuredOutputsParams
 
 
@@ -151,7 +151,7 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
