@@ -4,6 +4,9 @@ reach clients; the inputs that answered 500 are 400s naming the field."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
 
@@ -60,3 +63,79 @@ def test_a_row_whose_sampling_fails_ends_alone(tiny):
     finally:
         llm.close()
 
+
+
+# --- item 13: the kernel registry's ABI -----------------------------------------------------------------------------
+
+EXP = dtorch.KernelKey("unary.exp", "cpu", torch.float32)
+
+
+def _resizes(ctx, inputs, outputs):
+    outputs[0].resize_(2, 2).fill_(1.0)
+
+
+def _returns(ctx, inputs, outputs):
+    return torch.exp(inputs[0])
+
+
+def _writes_its_input(ctx, inputs, outputs):
+    torch.exp(inputs[0], out=outputs[0])
+    inputs[0].zero_()
+
+
+@contextlib.contextmanager
+def _plugged(fn):
+    dtorch.dispatcher.register(EXP, fn, provider="user")
+    try:
+        yield
+    finally:
+        dtorch.dispatcher.unregister(EXP, "user")
+
+
+@pytest.mark.parametrize("fn, words", [(_resizes, r"changed output 0 from \[8\] torch.float32 to \[2, 2\]"),
+                                       (_returns, "returned a Tensor")])
+def test_a_kernel_that_breaks_the_abi_is_named_at_the_call(fn, words):
+    x = torch.randn(8)
+    with _plugged(fn):
+        with pytest.raises(dtorch.KernelFailure, match=f"unary.exp: kernel user:.*{fn.__name__}.* {words}"):
+            dtorch.ops.exp(x)  # the functional path: a candidate's first call checks it
+        with pytest.raises(dtorch.KernelFailure, match=words):  # a prepared kernel: its first call after binding
+            dtorch.dispatch.PreparedKernel(dtorch.dispatcher, EXP)(None, (x,), (torch.empty(8),))
+        with dtorch.verify(), pytest.raises(dtorch.KernelFailure, match=words):
+            dtorch.ops.exp(x)
+    torch.testing.assert_close(dtorch.ops.exp(x), torch.exp(x))  # the built-in kernels keep the ABI
+
+
+def test_a_kernel_that_returns_is_caught_on_every_call_not_only_its_first():
+    calls = []
+
+    def sometimes(ctx, inputs, outputs):
+        torch.exp(inputs[0], out=outputs[0])
+        calls.append(1)
+        return outputs[0] if len(calls) == 1 else outputs[0].clone()  # its output itself keeps the ABI
+
+    with _plugged(sometimes):
+        dtorch.ops.exp(torch.randn(4))
+        with pytest.raises(dtorch.KernelFailure, match="returned a Tensor"):
+            dtorch.ops.exp(torch.randn(4))
+
+
+def test_verify_finds_a_kernel_that_writes_into_its_input():
+    x = torch.randn(8)
+    with _plugged(_writes_its_input), dtorch.verify(), pytest.raises(dtorch.KernelFailure,
+                                                                       match="wrote into input 0 "):
+        dtorch.ops.exp(x)
+    y = torch.randn(8)  # an in-place call (the output is the input) is no such write
+    want = torch.exp(y)
+    with dtorch.verify():
+        dtorch.ops.exp_out(y, out=y)
+    torch.testing.assert_close(y, want)
+
+
+@pytest.mark.parametrize("priority", [math.nan, math.inf, -math.inf, 1.5, "7"])
+def test_a_priority_that_is_not_a_whole_number_is_a_registration_error(priority):
+    with pytest.raises(dtorch.RegistrationError, match="priority must be a whole number"):
+        dtorch.dispatcher.register(EXP, _resizes, provider="user", priority=priority)
+    with pytest.raises(dtorch.RegistrationError, match="priority must be a whole number"):
+        dtorch.dispatch.KernelSet().add("unary.exp", _resizes, [torch.float32], priority=priority)
+    assert all(c.provider != "user" for c in dtorch.dispatcher.candidates(EXP))
