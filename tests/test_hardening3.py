@@ -14,6 +14,7 @@ import dtorch
 from dtorch.engine.llm import LLM
 from dtorch.engine.sampling import SamplingParams, sample_step
 from tests.test_engine import FAMILIES, greedy, rand_ids
+from tests.test_serve import FakeLLM, FakeLoop
 from tests.tiny_models import hf_greedy, save_random
 
 transformers = pytest.importorskip("transformers")
@@ -139,3 +140,56 @@ def test_a_priority_that_is_not_a_whole_number_is_a_registration_error(priority)
     with pytest.raises(dtorch.RegistrationError, match="priority must be a whole number"):
         dtorch.dispatch.KernelSet().add("unary.exp", _resizes, [torch.float32], priority=priority)
     assert all(c.provider != "user" for c in dtorch.dispatcher.candidates(EXP))
+
+
+# --- item 10: the server's own paths never reach clients; item 11: a 500 carries no exception text -----------------
+
+SECRET = "/srv/secret-models/qwen-7b"
+
+
+class _PathLLM(FakeLLM):
+    """test_serve's fake model, loaded from SECRET: a chat renders a template that passes its bound (turn "bound")
+    or finds no template (turn "none"); "boom" fails inside the server."""
+
+    source = f"{SECRET}/model.gguf"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenizer.source = f"{SECRET}/tokenizer.json"
+        self.tokenizer.template_source = f"{SECRET}/chat_template.jinja"
+
+    def chat_setup(self, messages, **options):
+        from dtorch.models import chat_template
+
+        text = messages[-1]["content"]
+        if text == "none":
+            raise dtorch.ModelError(f"{self.tokenizer.source}: the model has no chat template; pass a raw prompt")
+        if text == "bound":
+            loops = "{% for i in range(99999) %}{% for j in range(99999) %}xxxxxxxx{% endfor %}{% endfor %}"
+            chat_template.render(loops, self.tokenizer.template_source, {})
+        raise RuntimeError(f"boom in {SECRET}/internal.py, line 3")
+
+
+@pytest.fixture(scope="module")
+def secret_client():
+    from fastapi.testclient import TestClient
+
+    from dtorch.serve import build_app
+
+    llm = _PathLLM()
+    loop = FakeLoop(llm.engine)  # the caller starts the loop it passes; the app stops it
+    loop.start()
+    with TestClient(build_app(llm, "qwen", engine_loop=loop, log_interval=0),
+                    raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.mark.parametrize("turn, status, words", [("none", 400, "qwen: the model has no chat template"),
+                                                 ("bound", 400, "qwen: the chat template went past a bound"),
+                                                 ("boom", 500, "its log has the details")])
+def test_errors_name_the_model_never_the_servers_files(secret_client, turn, status, words):
+    r = secret_client.post("/v1/chat/completions", json={"model": "qwen",
+                                                         "messages": [{"role": "user", "content": turn}]})
+    assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    assert "secret" not in r.text and "boom" not in r.text and "RuntimeError" not in r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape

@@ -385,9 +385,24 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+# (server path, what clients see instead), longest path first: the server's own files never reach a client
+_HIDDEN: list[tuple[str, str]] = []
+
+
+def hide_paths(paths: list[str], name: str) -> None:
+    """Let every error message name ``name`` (the served model) where it would name one of ``paths`` (the model's
+    files and folders on this server)."""
+    for p in paths:
+        if p and len(p) > 1 and (p, name) not in _HIDDEN:
+            _HIDDEN.append((p, name))
+    _HIDDEN.sort(key=lambda pn: -len(pn[0]))
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``, the server's paths hidden."""
+    for path, name in _HIDDEN:
+        message = message.replace(path, name)
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
