@@ -193,3 +193,51 @@ def test_errors_name_the_model_never_the_servers_files(secret_client, turn, stat
     assert r.status_code == status and words in r.json()["error"]["message"], r.text
     assert "secret" not in r.text and "boom" not in r.text and "RuntimeError" not in r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
+
+
+# --- item 11: 400s naming the field where a 500 was ---
+
+@pytest.mark.parametrize("key", ["²", "1" + "0" * 4999, "١٢", "１２", "01", "-1", " 1", "1.0"])
+def test_a_logit_bias_key_that_is_not_plain_decimal_is_a_400(secret_client, key):
+    r = secret_client.post("/v1/completions", json={"model": "qwen", "prompt": "hi", "logit_bias": {key: 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert "plain decimal" in r.json()["error"]["message"] and len(r.text) < 1000
+
+
+@pytest.mark.parametrize("name", ["limit", "allow_special_tokens", "continue_final_message", "self"])
+def test_chat_template_kwargs_may_not_take_the_renderers_own_names(name):
+    from dtorch.engine.chat_format import prepare_chat
+
+    with pytest.raises(dtorch.ArgumentError, match=f"chat_template_kwargs: '{name}' is set by the request") as e:
+        prepare_chat(None, [{"role": "user", "content": "hi"}], chat_template_kwargs={name: 1})
+    assert e.value.param == "chat_template_kwargs"
+
+
+def test_boolean_schemas_and_lone_surrogates_are_sampling_errors():
+    from dtorch.engine.structured import StructuredOutputsParams as S
+
+    assert S(json=True).json == {}  # every value matches true: the schema {}
+    assert "json_schema" in S(json=True).grammar_text()
+    for kw, words in [(dict(json=False), "the schema false"), (dict(regex="a\ud800"), "regex has a lone surrogate"),
+                      (dict(choice=["x", "\udfff"]), "choice has a lone surrogate"),
+                      (dict(grammar="start: \"\ud800\""), "grammar has a lone surrogate")]:
+        with pytest.raises(dtorch.SamplingError, match=words):
+            S(**kw)
+
+
+# --- item 12: a schema no value matches ---
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                                    "$ref": "#/$defs/a"}])
+def test_a_schema_that_refers_only_to_itself_is_refused(schema):
+    pytest.importorskip("llguidance")
+    from dtorch.engine.structured import Grammars, StructuredOutputsParams as S
+
+    llm = LLM(max_num_seqs=1, max_model_len=64, kv_cache_memory_bytes=8 << 20)
+    try:
+        g: Grammars = llm.engine.grammars
+        with pytest.raises(dtorch.SamplingError, match="no JSON value matches the schema"):
+            g.matcher(S(json=schema, strict=True))
+        assert g.matcher(S(json={"type": "object", "properties": {"a": {"type": "integer"}}}))  # a real one compiles
+    finally:
+        llm.close()

@@ -111,7 +111,10 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
     tools = check_tools(tools)
     choice = check_tool_choice(tool_choice, tools)
     kwargs = dict(chat_template_kwargs or {})
-    reserved = {"messages", "tools", "add_generation_prompt"} & set(kwargs)
+    # the names encode_chat / apply_chat_template take themselves ("self" included): a template variable of that
+    # name would collide with them (a TypeError), so it is the client's 400
+    reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "allow_special_tokens",
+                "limit", "self"} & set(kwargs)
     if reserved:
         raise field_error("chat_template_kwargs", f"chat_template_kwargs: {sorted(reserved)[0]!r} is set by the "
                                                   "request itself; pass it as its own field")

@@ -14,6 +14,7 @@ again for callers of the engine that do not come through HTTP.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -181,8 +182,10 @@ class _Sampling(_Body):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys are token ids (as strings), got {key!r}")
+            # ASCII digits only ("²" and "١" are str.isdigit), no leading zero ("01" would merge with "1"), and a
+            # size an id can have (int() of 5000 digits is refused by Python itself)
+            if not re.fullmatch(r"0|[1-9][0-9]{0,9}", key):
+                raise ValueError(f"keys are token ids written in plain decimal (\"42\"), got {key!r:.40}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return v
