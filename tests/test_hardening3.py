@@ -5,6 +5,7 @@ reach clients; the inputs that answered 500 are 400s naming the field."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 
 import pytest
@@ -241,3 +242,18 @@ def test_a_schema_that_refers_only_to_itself_is_refused(schema):
         assert g.matcher(S(json={"type": "object", "properties": {"a": {"type": "integer"}}}))  # a real one compiles
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("levels", [70, 100_000])
+def test_deeply_nested_tool_call_arguments_in_a_history_are_a_400(levels):
+    from dtorch.engine.chat_format import MAX_ARGUMENT_DEPTH, check_messages
+
+    def history(args: str) -> list[dict]:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
+        return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+    with pytest.raises(dtorch.ArgumentError, match=f"arguments nests deeper than {MAX_ARGUMENT_DEPTH}") as e:
+        check_messages(history("[" * levels + "]" * levels))
+    assert e.value.param == "messages"
+    shallow = '{"a": ' * 10 + "1" + "}" * 10
+    assert check_messages(history(shallow))[1]["tool_calls"][0]["function"]["arguments"] == json.loads(shallow)
