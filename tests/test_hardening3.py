@@ -228,21 +228,33 @@ def test_boolean_schemas_and_lone_surrogates_are_sampling_errors():
 
 # --- item 12: a schema no value matches ---
 
+@pytest.fixture(scope="module")
+def grammars():
+    """The default model's grammar compiler (llguidance over its tokenizer)."""
+    pytest.importorskip("llguidance")
+    llm = LLM(max_num_seqs=1, max_model_len=64, kv_cache_memory_bytes=8 << 20)
+    yield llm.engine.grammars
+    llm.close()
+
+
 @pytest.mark.parametrize("schema", [{"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
                                                     "$ref": "#/$defs/a"}])
-def test_a_schema_that_refers_only_to_itself_is_refused(schema):
-    pytest.importorskip("llguidance")
-    from dtorch.engine.structured import Grammars, StructuredOutputsParams as S
+def test_a_schema_that_refers_only_to_itself_is_refused(grammars, schema):
+    from dtorch.engine.structured import StructuredOutputsParams as S
 
-    llm = LLM(max_num_seqs=1, max_model_len=64, kv_cache_memory_bytes=8 << 20)
-    try:
-        g: Grammars = llm.engine.grammars
-        with pytest.raises(dtorch.SamplingError, match="no JSON value matches the schema"):
-            g.matcher(S(json=schema, strict=True))
-        assert g.matcher(S(json={"type": "object", "properties": {"a": {"type": "integer"}}}))  # a real one compiles
-    finally:
-        llm.close()
+    with pytest.raises(dtorch.SamplingError, match="no JSON value matches the schema"):
+        grammars.matcher(S(json=schema, strict=True))
+    assert grammars.matcher(S(json={"type": "object", "properties": {"a": {"type": "integer"}}}))  # a real one
 
+
+@pytest.mark.parametrize("schema", [{"type": "number", "minimum": -1e30, "maximum": 1e30},
+                                    {"type": "integer", "minimum": -1e30, "maximum": 1e30},
+                                    {"type": "string", "maxLength": 1e30}])
+def test_schema_bounds_past_any_value_are_sampling_errors(grammars, schema):
+    from dtorch.engine.structured import StructuredOutputsParams as S
+
+    with pytest.raises(dtorch.SamplingError, match="the grammar does not compile"):  # the server's 400 (compile)
+        grammars.matcher(S(json=schema))
 
 @pytest.mark.parametrize("levels", [70, 100_000])
 def test_deeply_nested_tool_call_arguments_in_a_history_are_a_400(levels):
