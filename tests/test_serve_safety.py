@@ -163,6 +163,7 @@ def _length(reply: bytes) -> int:
     (_chat(max_tokens=2.5), 400, "max_tokens", "valid integer"),
     (_chat(n=True), 400, "n", "valid integer"),
     (_chat(stop_token_ids=[-42110], min_tokens=1), 400, "stop_token_ids", "greater than or equal to 0"),
+    (_chat(repetition_penalty=1e-300), 400, "repetition_penalty", "greater than or equal to 0.0001"),  # #43
     ({"model": "fake", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", "unknown role"),
 ])
 def test_hostile_fields_are_refused_naming_them(guarded, body, status, param, words):

@@ -1,7 +1,8 @@
 """``PreparedKernel``: a kernel chosen once for a key and the static facts of its calls.
 
 It remembers the winner and why the others lost. Its ``fn`` is what a caller runs every step, with
-no lookup and no check: the dispatcher re-binds every live prepared kernel when a registration
+no lookup and no check after the first call of each binding (which checks the kernel ABI: see ``abi``;
+verify mode checks every call): the dispatcher re-binds every live prepared kernel when a registration
 changes, a provider is disabled for an A/B block, or verify mode flips, so ``fn`` is always current.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from dtorch.core.errors import DtorchError
-from dtorch.dispatch import verification as _verify
+from dtorch.dispatch import abi, verification as _verify
 from dtorch.dispatch.context import KernelContext
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call, KernelMeta
@@ -46,13 +47,24 @@ class PreparedKernel:
     def _runner(self) -> KernelFn:
         winner = self.choice.winner
         if not _verify.ACTIVE[0]:
-            return winner.fn
+            return self._first_call(winner)
         reference = self.dispatcher.reference(self.key)
         key = self.key
 
         def verified(ctx, inputs, outputs):
             _verify.run_verified(key, winner, reference, ctx, inputs, outputs)
         return verified
+
+    def _first_call(self, winner: Candidate) -> KernelFn:
+        """``winner.fn`` with the ABI checked once: the first call checks, then puts the bare kernel in its place."""
+        where = str(self.key)
+
+        def first(ctx, inputs, outputs):
+            facts = abi.snapshot(outputs)
+            abi.check(winner.name, where, facts, outputs, winner.fn(ctx, inputs, outputs))
+            if self.fn is first:  # not re-bound meanwhile
+                self.fn = winner.fn
+        return first
 
     @property
     def candidate(self) -> Candidate:

@@ -24,7 +24,7 @@ import torch
 from dtorch.core.errors import RegistrationError
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Check, KernelMeta
-from dtorch.dispatch.registry import Dispatcher, FunctionalFn, KernelFn
+from dtorch.dispatch.registry import Dispatcher, FunctionalFn, KernelFn, check_priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,8 @@ class KernelSet:
         allocating form ``(ctx, inputs) -> tuple of outputs``; ``varies`` says how its path depends on the call."""
         KernelKey.of(op, "cpu", torch.float32, layout)  # validates the name and layout early
         dts = tuple(dtypes)
+        if priority is not None:
+            priority = check_priority(op, priority)
         if not dts:
             raise RegistrationError(f"{op}: a kernel must be declared for at least one dtype")
         with self._lock:

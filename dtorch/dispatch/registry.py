@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import math
 import threading
 import weakref
 from collections import defaultdict
@@ -140,7 +141,7 @@ class Dispatcher:
             raise RegistrationError(f"register {key}: kernel must be callable, got {type(fn).__name__}")
         if not isinstance(provider, str) or not provider:
             raise RegistrationError(f"register {key}: provider must be a non-empty str, got {provider!r}")
-        prio = PROVIDER_PRIORITY.get(provider, 10) if priority is None else int(priority)
+        prio = PROVIDER_PRIORITY.get(provider, 10) if priority is None else check_priority(f"register {key}", priority)
         self.ensure_backend(key.device)
         with self._lock:
             cands = self._candidates.setdefault(key, [])
@@ -426,6 +427,15 @@ class Dispatcher:
             return f"no kernel for {key.op} on {where}: op {key.op!r} is not registered{hint}{missing}"
         registered = ", ".join(f"{d}/{{{','.join(sorted(v))}}}" for d, v in sorted(by_dev.items()))
         return f"no kernel for {key.op} on {where}; registered: {registered}{missing}"
+
+
+def check_priority(where: str, priority: object) -> int:
+    """``priority`` as an int, or ``RegistrationError``: NaN and inf have no place in the order of candidates."""
+    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority) \
+            or priority != int(priority):
+        raise RegistrationError(f"{where}: priority must be a whole number (higher wins; 'user' is 100), "
+                                f"got {priority!r}")
+    return int(priority)
 
 
 def _bare_call(key: KernelKey) -> Call:

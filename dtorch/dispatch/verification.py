@@ -17,6 +17,7 @@ import torch
 from dtorch.core import env
 from dtorch.core.dtypes import tolerance
 from dtorch.core.errors import VerifyError
+from dtorch.dispatch import abi
 
 _lock = threading.Lock()
 _depth = 0
@@ -61,13 +62,19 @@ def verify() -> Iterator[None]:
 
 
 def run_verified(key, active, reference, ctx, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-    """Run ``active`` into ``outputs`` and ``reference`` into scratch copies; raise if they differ."""
-    if reference is None or reference is active:
-        active.fn(ctx, inputs, outputs)
-        return
+    """Run ``active`` into ``outputs`` and ``reference`` into scratch copies; raise if they differ, or if ``active``
+    broke the kernel ABI: returned a value, changed an output's shape, dtype or storage, or wrote into an input
+    that is not an output."""
+    where = f"verify {key}"
     ref_inputs = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+    facts = abi.snapshot(outputs)
+    if reference is None or reference is active:
+        abi.check(active.name, where, facts, outputs, active.fn(ctx, inputs, outputs))
+        abi.inputs_unchanged(active.name, where, inputs, ref_inputs, outputs)
+        return
     ref_outputs = [t.clone() for t in outputs]  # in-place kernels read their outputs too
-    active.fn(ctx, inputs, outputs)
+    abi.check(active.name, where, facts, outputs, active.fn(ctx, inputs, outputs))
+    abi.inputs_unchanged(active.name, where, inputs, ref_inputs, outputs)
     reference.fn(ctx, ref_inputs, ref_outputs)
     for i, (got, want) in enumerate(zip(outputs, ref_outputs, strict=True)):
         rtol, atol = tolerance(want.dtype)

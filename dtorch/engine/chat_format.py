@@ -51,6 +51,9 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
+MAX_ARGUMENT_DEPTH = 64  # levels of lists / dicts in a history's tool-call arguments
+
+
 def field_error(param: str, message: str) -> ArgumentError:
     """An ``ArgumentError`` that names the request field at fault (``param``: "tools", "messages" ...)."""
     e = ArgumentError(message)
@@ -111,7 +114,10 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
     tools = check_tools(tools)
     choice = check_tool_choice(tool_choice, tools)
     kwargs = dict(chat_template_kwargs or {})
-    reserved = {"messages", "tools", "add_generation_prompt"} & set(kwargs)
+    # the names encode_chat / apply_chat_template take themselves ("self" included): a template variable of that
+    # name would collide with them (a TypeError), so it is the client's 400
+    reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "allow_special_tokens",
+                "limit", "self"} & set(kwargs)
     if reserved:
         raise field_error("chat_template_kwargs", f"chat_template_kwargs: {sorted(reserved)[0]!r} is set by the "
                                                   "request itself; pass it as its own field")
@@ -240,7 +246,26 @@ def _history_call(i: int, j: int, call: Any) -> dict[str, Any]:
             args = json.loads(args) if args.strip() else {}
         except ValueError as e:
             raise field_error("messages", f"{where}.function.arguments is not valid JSON ({e})") from None
+        except RecursionError:
+            args = None  # nested past Python's stack: past any depth below too
+    if args is None or _depth(args) > MAX_ARGUMENT_DEPTH:
+        raise field_error("messages", f"{where}.function.arguments nests deeper than {MAX_ARGUMENT_DEPTH} levels; "
+                                      "the template and the tokenizer would recurse that deep")
     return {**call, "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (list, dict)) and d > deepest:
+            deepest = d
+        if isinstance(v, dict):
+            todo += [(x, d + 1) for x in v.values()]
+        elif isinstance(v, list):
+            todo += [(x, d + 1) for x in v]
+    return deepest
 
 
 def default_tool_rendering(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

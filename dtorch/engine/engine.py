@@ -275,10 +275,14 @@ class Engine:
                     rows += range(at, at + w)
                     mine.append(i)
                 at += w
-            if ready and drafts is None:
-                self._accept(ready, logits[rows] if len(rows) < len(plan) else logits)
-            elif ready:
-                self._verify(ready, logits[rows], drafts, mine)
+            try:
+                if ready and drafts is None:
+                    self._accept(ready, logits[rows] if len(rows) < len(plan) else logits)
+                elif ready:
+                    self._verify(ready, logits[rows], drafts, mine)
+            except BaseException:
+                self._end([s for s in ready if not s.finished], "abort")  # half-taken: computed, but no new token
+                raise
             if not self.scheduler.running and not self.scheduler.waiting and not self._inbox:
                 self.cache.release(self.blocks.trim(int(self.blocks.num_blocks * IDLE_PREFIX_KEEP)))
             self._seconds["decode" if decode else "prefill"] += time.perf_counter() - t0
@@ -312,26 +316,53 @@ class Engine:
         self._seconds["prefill"] += seconds
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token for each of ``seqs`` (rows of ``logits``), then stop or go on."""
+        """Sample one token for each of ``seqs`` (rows of ``logits``), then stop or go on. A row whose sampling fails
+        ends alone ("abort"); the others take their tokens."""
         if self.rank == 0:
-            vocab = logits.shape[-1]
-            banned = [[t for t in s.stop_ids if t < vocab] if len(s.output_ids) < s.params.min_tokens else ()
-                      for s in seqs]  # no end before min_tokens
-            constrained = [r for r, s in enumerate(seqs) if s.matcher is not None]  # the others pay nothing
-            allowed = (constrained, self.grammars.masks([seqs[r].matcher for r in constrained])) \
-                if constrained else None
-            tokens, logprobs = sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                           [s.output_ids for s in seqs],
-                                           [s.ids[:s.num_prompt] if s.params.repetition_penalty != 1.0 else ()
-                                            for s in seqs],  # only the repetition penalty reads the prompt
-                                           banned, allowed)
+            tokens, logprobs = self._sample(seqs, logits)
         else:
             tokens, logprobs = [0] * len(seqs), [None] * len(seqs)
         if self.agree is not None:
-            tokens = self.agree(tokens)
-        done = [s for s, tok, lp in zip(seqs, tokens, logprobs, strict=True) if self._take(s, tok, lp)]
+            tokens = self.agree(tokens)  # rank 0's -1 (a failed row) reaches every rank: they all end it
+        failed = [s for s, tok in zip(seqs, tokens, strict=True) if tok < 0]
+        if failed:
+            self._end(failed, "abort")
+        done = [s for s, tok, lp in zip(seqs, tokens, logprobs, strict=True) if tok >= 0 and self._take(s, tok, lp)]
         if done:
             self._finish(done)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list]:
+        """``sample_step`` over ``seqs``; if the batch fails, each row alone, a row that still fails getting
+        token -1 (its request's own failure must not end the requests batched with it)."""
+        try:
+            return self._sample_rows(seqs, logits)
+        except Exception:
+            if len(seqs) == 1:
+                log.exception("sampling request %r failed; it is aborted", seqs[0].request_id)
+                return [-1], [None]
+        tokens, logprobs = [], []
+        for r, s in enumerate(seqs):
+            try:
+                (tok,), (lp,) = self._sample_rows([s], logits[r:r + 1])
+            except Exception:
+                log.exception("sampling request %r failed; it is aborted", s.request_id)
+                tok, lp = -1, None
+            tokens.append(tok)
+            logprobs.append(lp)
+        return tokens, logprobs
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list]:
+        vocab = logits.shape[-1]
+        banned = [[t for t in s.stop_ids if t < vocab] if len(s.output_ids) < s.params.min_tokens else ()
+                  for s in seqs]  # no end before min_tokens
+        constrained = [r for r, s in enumerate(seqs) if s.matcher is not None]  # the others pay nothing
+        allowed = (constrained, self.grammars.masks([seqs[r].matcher for r in constrained])) \
+            if constrained else None
+        return sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                           [s.output_ids for s in seqs],
+                           [s.ids[:s.num_prompt] if s.params.repetition_penalty != 1.0 else ()
+                            for s in seqs],  # only the repetition penalty reads the prompt
+                           banned, allowed)
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, drafts: Drafts, entries: list[int]) -> None:
         """Take each of ``seqs``'s verified tokens (the drafts it keeps, then the target's own; ``logits``: its rows,

@@ -27,6 +27,9 @@ from dtorch.engine.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
+# repetition penalties outside this range divide or multiply float32 logits past their range (1e-300 is 0 in
+# float32: logit / 0 is inf, then NaN in the softmax); a penalty of 1e4 already all but bans every seen token
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to NaN
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
@@ -120,8 +123,9 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise SamplingError(f"SamplingParams: {name} must be in [-2, 2] (0: none), got {value}")
         _number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise SamplingError(f"SamplingParams: repetition_penalty must be > 0 (1: none), "
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise SamplingError(f"SamplingParams: repetition_penalty must be in [{low:g}, {high:g}] (1: none), "
                                 f"got {self.repetition_penalty}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs)
@@ -219,6 +223,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.softmax(sorted_x, dim=-1)
         # drop a token when the tokens ranked above it already reach top_p (the most likely always stays)
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop_sorted[0] = False  # a top_p under float32's range (1e-300 is 0) would drop it too: all -inf, NaN
         x = x.masked_fill(torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted), -math.inf)
     if params.min_p > 0.0:
         probs = torch.softmax(x, dim=-1)

@@ -61,22 +61,43 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise SamplingError(f"SamplingParams: structured_outputs: json is not valid JSON ({e})") from None
-            if not isinstance(schema, (dict, bool)):
+            if schema is False:
+                raise SamplingError("SamplingParams: structured_outputs: json is the schema false, which no output "
+                                    "matches")
+            if schema is True:  # the schema every JSON value matches
+                object.__setattr__(self, "json", schema := {})
+            if not isinstance(schema, dict):
                 raise SamplingError("SamplingParams: structured_outputs: json must be a JSON schema (an object), "
                                     f"got {type(schema).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise SamplingError(f"SamplingParams: structured_outputs: {name} must be a non-empty str")
+            if value is not None and not _utf8(value):
+                raise SamplingError(f"SamplingParams: structured_outputs: {name} has a lone surrogate (such as "
+                                    f"\\ud800), which is no character; write whole characters")
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, Sequence) or not self.choice or \
                     not all(isinstance(c, str) and c for c in self.choice):
                 raise SamplingError("SamplingParams: structured_outputs: choice must be a non-empty list of "
                                     f"non-empty strings, got {self.choice!r:.200}")
             object.__setattr__(self, "choice", tuple(self.choice))
+            if not all(_utf8(c) for c in self.choice):
+                raise SamplingError("SamplingParams: structured_outputs: choice has a lone surrogate (such as "
+                                    "\\ud800), which is no character; write whole characters")
 
     def grammar_text(self) -> str:
-        """llguidance's grammar for this constraint."""
+        """llguidance's grammar for this constraint; ``SamplingError`` naming the field when it has none."""
+        try:
+            return self._grammar_text()
+        except SamplingError:
+            raise
+        except (ValueError, TypeError, UnicodeError, RecursionError) as e:
+            field = next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
+            raise SamplingError(f"SamplingParams: structured_outputs: {field}: no grammar can be made of it "
+                                f"({type(e).__name__}: {str(e)[:300]})") from None
+
+    def _grammar_text(self) -> str:
         import llguidance
 
         m = llguidance.LLMatcher
@@ -101,6 +122,15 @@ class StructuredOutputsParams:
         kind = next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
             if not self.json_object else "json_object"
         return json.dumps([kind, value if kind == "json" else getattr(self, kind), self.strict])
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is whole characters (no lone surrogate, which UTF-8 cannot write)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def require_llguidance() -> Any:
@@ -158,10 +188,19 @@ class Grammars:
             if m.is_error():
                 raise SamplingError(f"SamplingParams: structured_outputs: the grammar does not compile: "
                                     f"{m.get_error().strip()}")
+            if so.json is not None and self._only_the_end(m):
+                raise SamplingError("SamplingParams: structured_outputs: json: no JSON value matches the schema "
+                                    "(a $ref to itself with nothing else, or constraints no value meets)")
             self._cache[key] = m
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
             return m
+
+    def _only_the_end(self, m: Any) -> bool:
+        """Whether matcher ``m`` allows no token but an end of sequence at its start (an empty output)."""
+        allowed = ~self.masks([m])[0]  # [vocab] bool
+        allowed[[t for t in self.eos_token_ids if t < self.vocab_size]] = False
+        return not bool(allowed.any())
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
         """A fresh matcher of ``so`` for one sequence (a copy of the compiled template)."""

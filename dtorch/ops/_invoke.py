@@ -14,7 +14,7 @@ import torch
 from dtorch.core.device import Device, device_of
 from dtorch.core.errors import ArgumentError, DtorchError, KernelFailure
 from dtorch.core.memory import default_workspace
-from dtorch.dispatch import dispatcher as _dispatcher, verification as _verify
+from dtorch.dispatch import abi, dispatcher as _dispatcher, verification as _verify
 from dtorch.dispatch.context import NO_PARAMS, KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
@@ -24,6 +24,8 @@ from dtorch.ops.context import RuntimeContext
 
 _state = _dispatcher.__dict__  # the dispatcher replaces its "_fast" dict on every change; read it through here
 _plain_ctx: dict[Device, KernelContext] = {}
+# the candidates whose first call here checked the kernel ABI, by id (held: an id is not reused while it is here)
+_abi_checked: dict[int, Candidate] = {}
 
 
 def select(op: str, device: Device, dtype: torch.dtype, inputs: Sequence, params: KernelParams) -> Candidate:
@@ -65,8 +67,13 @@ def run(op: str, device: Device, dtype: torch.dtype, inputs: Sequence, outputs: 
     try:
         if _verify.ACTIVE[0]:
             _run_verified(op, device, dtype, cand, kctx, inputs, outputs)
-        else:
-            cand.fn(kctx, inputs, outputs)
+        elif _abi_checked.get(id(cand)) is not cand:  # a candidate's first call: the whole ABI (abi.check)
+            abi.check(cand.name, op, abi.snapshot(outputs), outputs, cand.fn(kctx, inputs, outputs))
+            _abi_checked[id(cand)] = cand
+        else:  # every call after: only the return value, one compare
+            returned = cand.fn(kctx, inputs, outputs)
+            if returned is not None and not abi.returns_outputs(returned, outputs):
+                abi.check(cand.name, op, abi.snapshot(outputs), outputs, returned)  # raises: names the kernel
     except DtorchError:
         raise
     except Exception as exc:

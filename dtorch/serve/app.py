@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -39,7 +40,7 @@ from dtorch.serve.errors import ApiError, Json, add_error_handlers, bad_request,
 from dtorch.serve.guard import ApiKey, BodyLimit
 from dtorch.serve.logs import RequestLog, log_throughput
 from dtorch.serve.metrics import CONTENT_TYPE, ServerMetrics
-from dtorch.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from dtorch.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, hide_paths
 from dtorch.serve.responses import (
     Answer,
     Echo,
@@ -230,6 +231,23 @@ class _Server:
             log.info("%s", record.line(unfinished=sum(left.values())))
 
 
+def model_paths(llm: Any) -> list[str]:
+    """The files and folders of ``llm``'s model on this server (its checkpoint, tokenizer and template files, and the
+    folders they are in), which no error message may show a client."""
+    tok = getattr(llm, "tokenizer", None)
+    names = [getattr(llm, "source", None), getattr(tok, "source", None), getattr(tok, "template_source", None)]
+    paths = []
+    for name in names:
+        if isinstance(name, str) and name:
+            path = name.split(" (")[0]  # "model.gguf (tokenizer.chat_template)": the file
+            paths.append(path)
+            parent = os.path.dirname(os.path.abspath(path))
+            if os.path.isabs(path) or os.sep in path:
+                paths.append(parent)
+            paths.append(os.path.abspath(path))
+    return [p for p in paths if p not in ("", os.sep)]
+
+
 def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pooling: str = "last",
               api_key: str | None = None, allowed_origins: Sequence[str] = (), max_body_bytes: int = MAX_BODY_BYTES,
               log_interval: float = 10.0, workers: int = WORKERS) -> FastAPI:
@@ -250,6 +268,7 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
 
         engine_loop = EngineLoop(llm.engine)
     server = _Server(llm, served_model_name, workers)
+    hide_paths(model_paths(llm), served_model_name)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -72,7 +72,9 @@ def error_of(exc: Exception) -> tuple[int, dict[str, Any]]:
         return 503, error_body(str(exc), "ServiceUnavailableError", None, "engine_busy")
     if isinstance(exc, (ArgumentError, ModelError, SamplingError)):
         return 400, bad_request(exc, None).body
-    return 500, error_body(f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+    # the exception's text may name the server's files or code: it goes to the log (the handlers log it), not here
+    return 500, error_body("The server had an error while processing your request; its log has the details.",
+                           "InternalServerError", None, "internal_error")
 
 
 def add_error_handlers(app: FastAPI) -> None:

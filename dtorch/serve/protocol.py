@@ -14,12 +14,13 @@ again for callers of the engine that do not come through HTTP.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dtorch.engine.chat_format import ROLES
-from dtorch.engine.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+from dtorch.engine.sampling import MAX_LOGPROBS, MAX_N, REPETITION_PENALTY_RANGE, SamplingParams
 from dtorch.engine.structured import StructuredOutputsParams
 
 
@@ -151,7 +152,7 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
@@ -181,8 +182,10 @@ class _Sampling(_Body):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys are token ids (as strings), got {key!r}")
+            # ASCII digits only ("²" and "١" are str.isdigit), no leading zero ("01" would merge with "1"), and a
+            # size an id can have (int() of 5000 digits is refused by Python itself)
+            if not re.fullmatch(r"0|[1-9][0-9]{0,9}", key):
+                raise ValueError(f"keys are token ids written in plain decimal (\"42\"), got {key!r:.40}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return v
@@ -385,9 +388,24 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+# (server path, what clients see instead), longest path first: the server's own files never reach a client
+_HIDDEN: list[tuple[str, str]] = []
+
+
+def hide_paths(paths: list[str], name: str) -> None:
+    """Let every error message name ``name`` (the served model) where it would name one of ``paths`` (the model's
+    files and folders on this server)."""
+    for p in paths:
+        if p and len(p) > 1 and (p, name) not in _HIDDEN:
+            _HIDDEN.append((p, name))
+    _HIDDEN.sort(key=lambda pn: -len(pn[0]))
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``, the server's paths hidden."""
+    for path, name in _HIDDEN:
+        message = message.replace(path, name)
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
