@@ -50,7 +50,7 @@ def test_generate_reads_the_prompt_from_stdin_or_a_file(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be in [0.0001, 10000]"),
     (["--presence-penalty", "3"], "--presence-penalty must be in [-2, 2]"),
     (["--min-tokens", "9", "--max-tokens", "4"], "--min-tokens must be in 0..--max-tokens"),
     (["--max-tokens", "0"], "--max-tokens: must be >= 1, got 0"),
