@@ -6,13 +6,10 @@ roles that do not alternate) is a ``DtorchError`` naming the template's message 
 
 from __future__ import annotations
 
-import json
-import threading
-import time
-
 import pytest
 
 from dtorch.core.errors import ArgumentError, DtorchError, ModelError
+from tests.live_server import live_server
 from tests.tiny_models import hf_greedy, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -204,47 +201,13 @@ def test_a_template_that_raises_is_a_dtorch_error_naming_its_message(mistral):
 
 
 def test_a_template_that_raises_is_a_400_from_the_server(mistral):
-    import http.client
-    import socket
-
-    import uvicorn
-
-    from dtorch.engine.engine import EngineLoop
-    from dtorch.serve import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = EngineLoop(mistral.engine).start()
-    server = uvicorn.Server(uvicorn.Config(build_app(mistral, "m", engine_loop=loop), host="127.0.0.1", port=port,
-                                          log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    end = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < end, "the server did not start"
-        time.sleep(0.05)
-
-    def chat(messages: list[dict], **kw) -> tuple[int, dict]:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        try:
-            conn.request("POST", "/v1/chat/completions", json.dumps({"messages": messages, "max_tokens": 2, **kw}),
-                         {"Content-Type": "application/json"})
-            r = conn.getresponse()
-            return r.status, json.loads(r.read())
-        finally:
-            conn.close()
-
-    try:
+    with live_server(mistral) as post:
         for messages in (NOT_ALTERNATING, SYSTEM):
             for stream in (False, True):
-                status, r = chat(messages, stream=stream)
+                status, r = post("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "stream": stream})
                 assert status == 400 and ALTERNATE in r["error"]["message"], r
-        status, r = chat(TURNS)
+        status, r = post("/v1/chat/completions", {"messages": TURNS, "max_tokens": 2})
         assert status == 200 and r["usage"]["completion_tokens"] == 2, r
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_a_base_model_without_a_template(tmp_path_factory, capsys):

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
 
 import pytest
 
 from dtorch.core.errors import ArgumentError, ModelError
+from tests.live_server import live_server
 from tests.tiny_models import hf_greedy, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -134,37 +133,7 @@ def test_generate_cli_takes_ids_and_refuses_text(tiny, capsys):
 
 
 def test_the_server_refuses_text_with_400_and_serves_ids(llm):
-    import http.client
-    import socket
-
-    import uvicorn
-
-    from dtorch.engine.engine import EngineLoop
-    from dtorch.serve import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = EngineLoop(llm.engine).start()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, "m", engine_loop=loop), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    end = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < end, "the server did not start"
-        time.sleep(0.05)
-
-    def post(path: str, body: dict) -> tuple[int, dict]:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            r = conn.getresponse()
-            return r.status, json.loads(r.read())
-        finally:
-            conn.close()
-
-    try:
+    with live_server(llm) as post:
         for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                            ("/tokenize", {"prompt": "hi"})):
@@ -172,9 +141,6 @@ def test_the_server_refuses_text_with_400_and_serves_ids(llm):
             assert status == 400 and PRE in r["error"]["message"], (path, r)
         status, r = post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
         assert status == 200 and r["usage"]["completion_tokens"] == 3, r
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_read_prompt_takes_one_source():
