@@ -21,7 +21,7 @@ import torch
 from dtorch.core.errors import ArgumentError, ContextLengthError, EngineBusy, SamplingError
 from dtorch.core.sync import leave_signals_to_main
 from dtorch.engine.block_manager import BlockManager
-from dtorch.engine.embedding import EmbeddingQueue, EmbedJob, EmbedSink, check_pooling
+from dtorch.engine.prompt_pass import EmbedJob, EmbedSink, PassJob, PassSink, PromptPasses, ScoreJob, check_pooling
 from dtorch.engine.request import Delta, EngineStats, Sink
 from dtorch.engine.sampling import SamplingParams, sample_step
 from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -68,7 +68,7 @@ class Engine:
         self.stepped = threading.Condition()  # notified after every step and when new work arrives
         self.accepting = True
         self.grammars = Grammars(tokenizer, vocab_size, sorted(eos_token_ids))
-        self.embeddings = EmbeddingQueue()
+        self.passes = PromptPasses()  # embeddings and prompt scoring, in steps of their own
         self._counts = dict(prompt=0, generation=0, decode=0, steps=0)
         self._seconds = dict(prefill=0.0, decode=0.0)
 
@@ -97,7 +97,7 @@ class Engine:
         matchers = [self.grammars.matcher(so) for _ in range(params.n)] if so is not None else [None] * params.n
         if not self.accepting:
             raise EngineBusy("the engine is shutting down and takes no new requests")
-        if not force and len(self.scheduler.waiting) + len(self._inbox) >= self.max_waiting:
+        if not force and self._queued() + len(self.passes.groups) >= self.max_waiting:
             raise EngineBusy(f"the engine's queue is full ({self.max_waiting} requests waiting); try again later")
         room = self.max_len - len(ids)
         limit = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -114,22 +114,48 @@ class Engine:
             self.stepped.notify_all()
 
     def add_embedding(self, job_id: str, prompt_token_ids: Seq[int], pooling: str, sink: EmbedSink,
-                      normalize: bool = True) -> None:
+                      normalize: bool = True, *, group: str = "", force: bool = False) -> None:
         """Queue a prompt to embed: ``sink(job_id, vector)`` gets its final hidden states pooled ("last" token or
         "mean"), L2-normalized unless ``normalize`` is False, a [hidden] float32 tensor (or the exception that ended
-        it) on the engine's thread. Embedding steps take turns with generation steps."""
+        it) on the engine's thread. Pass steps take turns with generation steps (``prompt_pass``). ``group``: the
+        request it belongs to (``abort(group)`` ends all of them; default: its own id); a new group past
+        ``max_waiting`` raises ``EngineBusy`` unless ``force``."""
         ids = self.check_prompt(prompt_token_ids, "the input")
         check_pooling(pooling)
+        self._add_pass(EmbedJob(job_id, ids, sink, group, pooling=pooling, normalize=normalize), force)
+
+    def add_scoring(self, job_id: str, prompt_token_ids: Seq[int], top: int, sink: PassSink, *, group: str = "",
+                    force: bool = False) -> None:
+        """Queue a prompt to score: ``sink(job_id, PromptLogprobs)`` gets each token's logprob after the tokens
+        before it and the ``top`` most likely tokens at each position (``prompt_pass.ScoreJob``), computed in chunks
+        on the engine's steps beside other work; ``group`` and ``force`` as ``add_embedding``."""
+        ids = self.check_prompt(prompt_token_ids, "the prompt")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= self.vocab_size:
+            raise ArgumentError(f"add_scoring: top must be an int in [0, {self.vocab_size}], got {top!r}")
+        self._add_pass(ScoreJob(job_id, ids, sink, group, top=top), force)
+
+    def _add_pass(self, job: PassJob, force: bool) -> None:
         if not self.accepting:
             raise EngineBusy("the engine is shutting down and takes no new requests")
+
+        def room(groups: int) -> bool:  # pass requests count as waiting ones until they end
+            return force or self._queued() + groups < self.max_waiting
+
+        if not self.passes.admit(job, room):
+            raise EngineBusy(f"the engine's queue is full ({self.max_waiting} requests waiting); try again later")
         with self._inbox_lock:
-            self._inbox.append(("embed", job_id, EmbedJob(job_id, ids, pooling, sink, normalize)))
+            self._inbox.append(("pass", job.job_id, job))
         with self.stepped:
             self.stepped.notify_all()
 
+    def _queued(self) -> int:
+        """Generation requests waiting (queued, or in the inbox)."""
+        return len(self.scheduler.waiting) + sum(a[0] == "add" for a in list(self._inbox))
+
     def abort(self, request_id: str) -> None:
         """Cancel a request: each unfinished choice ends with finish_reason "abort" and frees its blocks at the next
-        step boundary. Unknown or finished ids are ignored."""
+        step boundary; a prompt pass (or a group of them) ends with ``PassAborted``. Unknown or finished ids are
+        ignored."""
         with self._inbox_lock:
             self._inbox.append(("abort", request_id, None))
         with self.stepped:
@@ -159,7 +185,7 @@ class Engine:
                                      tokens=tokens, limit=self.max_len, at_least=at_least)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests or self._inbox or self.embeddings.jobs)
+        return bool(self._requests or self._inbox or self.passes.jobs)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -245,8 +271,7 @@ class Engine:
         """Run one step; False when there was nothing to do."""
         with self.drive_lock:
             self._take_inbox()
-            if self.embeddings.turn(bool(self.scheduler.running or self.scheduler.waiting)) and \
-                    self.embeddings.step(self):
+            if self.passes.turn(bool(self.scheduler.running or self.scheduler.waiting)) and self.passes.step(self):
                 with self.stepped:
                     self.stepped.notify_all()
                 return True
@@ -304,13 +329,14 @@ class Engine:
             if kind == "add":
                 for s in seqs:
                     self.scheduler.add(s)
-            elif kind == "embed":
-                self.embeddings.jobs.append(seqs)
+            elif kind == "pass":
+                self.passes.jobs.append(seqs)
             else:
                 self._end([s for s in self._requests.get(rid, ()) if not s.finished], "abort")
+                self.passes.abort(self, rid)
 
     def count_prefill(self, tokens: int, seconds: float) -> None:
-        """Account for a step of prompt tokens run outside the scheduler (an embedding step)."""
+        """Account for a step of prompt tokens run outside the scheduler (a prompt pass)."""
         self._counts["prompt"] += tokens
         self._counts["steps"] += 1
         self._seconds["prefill"] += seconds
@@ -451,7 +477,8 @@ class Engine:
         """Abort every request, queued or running (at shutdown)."""
         with self.drive_lock:
             self._take_inbox()
-            self.embeddings.fail_all(self, EngineBusy("the engine shut down before the embedding was computed"))
+            self.passes.fail_all(self, EngineBusy("the engine shut down before the prompt's pass (an embedding or "
+                                                  "its scoring) was done"))
             self._end([s for seqs in list(self._requests.values()) for s in seqs if not s.finished], "abort")
 
 

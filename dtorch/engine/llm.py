@@ -37,8 +37,8 @@ from dtorch.core.dtypes import as_dtype
 from dtorch.core.errors import ArgumentError, DtorchError, ModelError
 from dtorch.core.memory import huge_pages, map_large_allocations, trim_heap
 from dtorch.engine.chat_format import ChatSetup, prepare_chat, split_reply, with_tool_grammar
-from dtorch.engine.embedding import check_pooling
 from dtorch.engine.engine import Engine
+from dtorch.engine.prompt_pass import check_pooling
 from dtorch.engine.request import CompletionOutput, Delta, GenerationStats, Logprob, RequestOutput
 from dtorch.engine.sampling import SamplingParams
 from dtorch.engine.speculative import SpeculativeConfig, speculator_for
@@ -353,7 +353,7 @@ class LLM:
         done: dict[str, Any] = {}
         e = self.engine
         for i, p in enumerate(ids):
-            e.add_embedding(f"{base}{i}", p, pooling, done.__setitem__, normalize)
+            e.add_embedding(f"{base}{i}", p, pooling, done.__setitem__, normalize, group=base, force=True)
         e.run_until(lambda: len(done) == len(ids))
         vectors = [done[f"{base}{i}"] for i in range(len(ids))]
         for v in vectors:

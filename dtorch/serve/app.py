@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import time
@@ -27,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
@@ -36,11 +36,17 @@ from dtorch.core.errors import ArgumentError, ContextLengthError, DtorchError, E
 from dtorch.engine.infill import fim_prompt
 from dtorch.engine.request import Delta
 from dtorch.serve.cli import MAX_BODY_BYTES
-from dtorch.serve.errors import ApiError, Json, add_error_handlers, bad_request, context_exceeded, error_of
+from dtorch.serve.errors import ApiError, ClientGone, Json, add_error_handlers, bad_request, context_exceeded, error_of
 from dtorch.serve.guard import ApiKey, BodyLimit
 from dtorch.serve.logs import RequestLog, log_throughput
 from dtorch.serve.metrics import CONTENT_TYPE, ServerMetrics
-from dtorch.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, hide_paths
+from dtorch.serve.protocol import (
+    MAX_PASS_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    hide_paths,
+)
 from dtorch.serve.responses import (
     Answer,
     Echo,
@@ -57,10 +63,6 @@ from dtorch.serve.utility import add_utility_routes
 log = logging.getLogger("dtorch.serve")
 POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
 WORKERS = 2  # threads that render templates and run tokenizers (which release the GIL) and grammar compilers
-
-
-class _ClientGone(Exception):
-    """The client of a non-streamed request disconnected."""
 
 
 class _Server:
@@ -86,10 +88,16 @@ class _Server:
         """A token as OpenAI shows it: its text, or ``\\xNN`` escapes for bytes that are part of a UTF-8 character."""
         return self.token_bytes(token_id).decode("utf-8", "backslashreplace")
 
-    def encode(self, prompts: Sequence[str | Sequence[int]], what: str) -> list[list[int]]:
+    def encode(self, prompts: Sequence[str | Sequence[int]], what: str,
+               max_total: int | None = None) -> list[list[int]]:
         """Each prompt's token ids (texts encoded), checked against the context; a text that cannot fit is refused
-        from its length before it is encoded. Run it on the worker pool."""
+        from its length before it is encoded. ``max_total``: the prompts' tokens together at most (refused from
+        their lengths' lower bounds before anything is encoded, then counted). Run it on the worker pool."""
         out, tok = [], self.llm.tokenizer
+        if max_total is not None:
+            least = sum(len(p) if not isinstance(p, str) else tok.min_tokens(p) if tok is not None else 0
+                        for p in prompts)
+            _check_total(least, max_total, what, at_least=True)
         for i, p in enumerate(prompts):
             name = what if len(prompts) == 1 else f"{what}[{i}]"
             if isinstance(p, str):
@@ -101,6 +109,8 @@ class _Server:
                 self.engine.check_length(tok.min_tokens(p), name, at_least=True)
                 p = tok.encode(p)
             out.append(self.engine.check_prompt(p, name))
+        if max_total is not None:
+            _check_total(sum(len(t) for t in out), max_total, what)
         return out
 
     def infill(self, prompts: Sequence[str | Sequence[int]], suffix: str) -> tuple[list[list[int]], tuple[int, ...]]:
@@ -116,30 +126,68 @@ class _Server:
             out.append(self.engine.check_prompt(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]"))
         return out, ends
 
-    def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None) -> list[Echo]:
-        """The echoed prompts of a completion and, with ``logprobs``, their tokens' logprobs (a forward pass of each
-        prompt of its own: the engine computes only what it samples from)."""
+    async def echoes(self, rid: str, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None,
+                     request: Request) -> list[Echo]:
+        """The echoed prompts of a completion and, with ``logprobs``, their tokens' logprobs: each prompt scored on
+        the engine (``Engine.add_scoring``: in chunks, beside other work, aborted when the client leaves)."""
+        scores = [None] * len(ids)
+        if logprobs is not None:
+            scores = await self.passes(rid, len(ids), lambda job, sink: self.engine.add_scoring(
+                job, ids[int(job.rsplit("-", 1)[1])], logprobs, sink, group=rid), request, "prompt")
+        return await self.off_loop(self._echoes, prompts, ids, scores)
+
+    def _echoes(self, prompts: list[str | list[int]], ids: list[list[int]], scores: list[Any]) -> list[Echo]:
         out = []
-        for p, t in zip(prompts, ids, strict=True):
+        for p, t, score in zip(prompts, ids, scores, strict=True):
             text = p if isinstance(p, str) else self.llm.tokenizer.decode(t, skip_special_tokens=False) \
                 if self.llm.tokenizer is not None else ""
-            out.append(Echo(text, None if logprobs is None else self._prompt_logprobs(t, logprobs)))
+            out.append(Echo(text, None if score is None else self._prompt_logprobs(t, score)))
         return out
 
-    def _prompt_logprobs(self, ids: list[int], k: int) -> dict[str, Any]:
-        lp = torch.log_softmax(self.llm.logits(ids).float(), dim=-1)[:-1]  # [T - 1, V]: position i predicts i + 1
-        nxt = torch.tensor(ids[1:], dtype=torch.int64)
-        values = lp.gather(1, nxt[:, None])[:, 0].tolist() if len(ids) > 1 else []
-        tops: list[dict[str, float] | None] = [None]
-        if k and len(ids) > 1:
-            top = torch.topk(lp, k, dim=-1)
-            tops += [{self.token_text(i): v for i, v in zip(ti, tv, strict=True)}
-                     for ti, tv in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
-        else:
-            tops += [{} for _ in values]
+    def _prompt_logprobs(self, ids: list[int], score: Any) -> dict[str, Any]:
+        """Completions' logprobs of a scored prompt (``prompt_pass.PromptLogprobs``), the first token's null."""
+        tops = [None] + [{self.token_text(i): v for i, v in top} for top in score.top]
         tokens = [self.token_text(t) for t in ids]
-        offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [None, *values], "top_logprobs": tops, "text_offset": offsets}
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+        return {"tokens": tokens, "token_logprobs": [None, *score.values], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    async def passes(self, rid: str, count: int, add: Callable[[str, Any], None], request: Request | None,
+                     param: str) -> list[Any]:
+        """Queue ``count`` prompt passes of group ``rid`` (``add(job_id, sink)`` for job ids ``rid-0`` ..) and
+        their results in order. With ``request``, its client is polled: ClientGone when it left. However this ends,
+        unfinished passes are aborted."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(count)]
+
+        def sink(job_id: str, result: Any) -> None:  # on the engine's thread
+            f = futures[int(job_id.rsplit("-", 1)[1])]
+            try:
+                loop.call_soon_threadsafe(lambda: f.done() or f.set_result(result))
+            except RuntimeError:  # the event loop is closed: the server is gone
+                pass
+
+        try:
+            try:
+                for i in range(count):
+                    add(f"{rid}-{i}", sink)
+            except EngineBusy as exc:
+                raise ApiError(503, str(exc), "ServiceUnavailableError", None, "engine_busy") from None
+            except (ArgumentError, ModelError) as exc:
+                raise bad_request(exc, param) from None
+            pending = set(futures)
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=POLL_S)
+                if pending and request is not None and await request.is_disconnected():
+                    raise ClientGone()
+        finally:
+            if not all(f.done() for f in futures):
+                self.engine.abort(rid)
+        results = [f.result() for f in futures]
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.name:
@@ -191,7 +239,7 @@ class _Server:
     async def deltas(self, rid: str, prompts: int, n: int, queue: asyncio.Queue[Delta],
                      request: Request | None) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) until every choice has finished. With ``request`` (non-streamed), its client is
-        polled, and _ClientGone raised when it left. However this ends, the unfinished engine requests are aborted.
+        polled, and ClientGone raised when it left. However this ends, the unfinished engine requests are aborted.
         """
         left = {f"{rid}-{p}": n for p in range(prompts)}
         record = RequestLog(rid)
@@ -209,7 +257,7 @@ class _Server:
                     if time.monotonic() - checked >= POLL_S:
                         checked = time.monotonic()
                         if await request.is_disconnected():
-                            raise _ClientGone()
+                            raise ClientGone()
                     if d is None:
                         continue
                 record.add(d)
@@ -229,6 +277,13 @@ class _Server:
                 self.engine.abort(r)
                 self.metrics.finished.labels("abort").inc(choices)
             log.info("%s", record.line(unfinished=sum(left.values())))
+
+
+def _check_total(tokens: int, limit: int, what: str, at_least: bool = False) -> None:
+    if tokens > limit:
+        raise ApiError(400, f"{what}: the inputs have {'at least ' if at_least else ''}{tokens} tokens together; a "
+                            f"request takes at most {limit}: send them in several requests", param=what,
+                       code="too_many_tokens")
 
 
 def model_paths(llm: Any) -> list[str]:
@@ -365,8 +420,9 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
         params, origin = _sampling(body) if not scoring else (None, None)
         prompts = body.prompts()
         try:
-            if body.suffix is None:
-                ids = await server.off_loop(server.encode, prompts, "prompt")
+            if body.suffix is None:  # a scored prompt runs beside other work: its tokens are bounded as embeddings'
+                ids = await server.off_loop(server.encode, prompts, "prompt",
+                                            MAX_PASS_TOKENS if body.echo and body.logprobs is not None else None)
             else:
                 ids, ends = await server.off_loop(server.infill, prompts, body.suffix)
                 if params is not None:
@@ -375,8 +431,11 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
             raise bad_request(exc, "prompt") from None
         if not scoring:
             await server.compile(params, origin)
-        echoes = await server.off_loop(server.echoes, prompts, ids, body.logprobs) if body.echo else None
         a = Answer(f"cmpl-{uuid.uuid4().hex}", server.name, server.token_text, server.token_bytes)
+        try:
+            echoes = await server.echoes(a.id, prompts, ids, body.logprobs, request) if body.echo else None
+        except ClientGone:
+            return Response(status_code=499)
         if scoring:
             log.info("%s: prompt %d tokens scored (max_tokens 0)", a.id, sum(len(t) for t in ids))
             if body.stream:
@@ -408,7 +467,7 @@ async def _respond(make: Any) -> Response:
     """The JSON of a non-streamed answer, or an empty 499 when its client left (nobody reads it)."""
     try:
         return Json(await make)
-    except _ClientGone:
+    except ClientGone:
         return Response(status_code=499)
 
 

@@ -5,9 +5,12 @@ seconds, aborts the rest, stops the engine's thread and exits 0.
 
 Facing a network: ``--api-key`` (or DTORCH_API_KEY) makes every request but /health and /metrics carry
 ``Authorization: Bearer KEY`` (else 401); ``--allowed-origins`` lets browsers of those origins call it (CORS);
-bodies past ``--max-body-bytes`` get 413, headers past ``--max-header-bytes`` 431. Once it listens it prints a banner
-(the model, its weights' formats, the memory it holds, the threads, the URL with the real port); each request logs one
-line at info level, and while the engine works a throughput line comes every ``--log-stats-interval`` seconds.
+bodies past ``--max-body-bytes`` get 413, headers past ``--max-header-bytes`` 431, a request that does not arrive
+whole within ``--request-timeout`` seconds 408, a connection past ``--max-connections`` 503; idle connections close
+after ``--keep-alive-timeout`` seconds, and a log line that repeats is written a few times with its count. Once it
+listens it prints a banner (the model, its weights' formats, the memory it holds, the threads, the URL with the real
+port); each request logs one line at info level, and while the engine works a throughput line comes every
+``--log-stats-interval`` seconds.
 
 It answers as soon as the model is loaded: the step shapes a request needs are built when first used, and every other
 shape the scheduler can make is built between requests (``Engine.start_warmup``); ``/health`` answers 200
@@ -32,6 +35,8 @@ from dtorch.engine.cli import add_model_arguments, add_pipeline_arguments, at_le
 
 MAX_BODY_BYTES = 16 << 20  # request bodies at most (build_app's default too); a prompt past the context is refused
 MAX_HEADER_BYTES = 16 << 10  # h11's default
+REQUEST_TIMEOUT_S = 60.0  # a request's head and body arrive within this (a 16 MiB body at ~300 KiB/s)
+KEEP_ALIVE_S = 5.0  # uvicorn's default
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +75,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="request bodies at most, in bytes; a larger one gets 413")
     parser.add_argument("--max-header-bytes", type=at_least(1024), default=MAX_HEADER_BYTES, metavar="N",
                         help="a request's header at most, in bytes; a larger one gets 431")
+    parser.add_argument("--max-connections", type=at_least(1), default=None, metavar="N",
+                        help="open connections at most; a new one past them gets 503 and is closed (default: the "
+                             "open-file limit, raised to its hard limit, less 64)")
+    parser.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="S",
+                        help="seconds a request may take to arrive whole (head and body) from its first byte; a "
+                             "slower one gets 408 and its connection is closed")
+    parser.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_S, metavar="S",
+                        help="seconds an idle connection is kept open between requests")
 
 
 def served_name(source: str | Path) -> str:
@@ -105,13 +118,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from dtorch.engine.engine import EngineLoop
     from dtorch.serve.app import build_app
-    from dtorch.serve.guard import H11Protocol
-    from dtorch.serve.logs import banner, setup_logging
+    from dtorch.serve.guard import default_max_connections, http_protocol
+    from dtorch.serve.logs import banner, hold_back_repeats, setup_logging
 
     if not 0 <= args.port <= 65535:
         raise DtorchError(f"--port must be in 0..65535, got {args.port}")
     if args.shutdown_grace < 0:
         raise DtorchError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    for flag, value in (("--request-timeout", args.request_timeout), ("--keep-alive-timeout", args.keep_alive_timeout)):
+        if not 0 < value < float("inf"):
+            raise DtorchError(f"{flag} must be a number of seconds > 0, got {value}")
     if not 0 <= args.log_stats_interval < float("inf"):
         raise DtorchError(f"--log-stats-interval must be a number of seconds >= 0, got {args.log_stats_interval}")
     key = args.api_key if args.api_key is not None else env.api_key()
@@ -134,9 +150,13 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(llm, name, engine_loop=loop, pooling=args.embedding_pooling, api_key=key,
                     allowed_origins=origins, max_body_bytes=args.max_body_bytes, log_interval=args.log_stats_interval)
     # uvicorn's own limit is a backstop: the engine ends what is left at --shutdown-grace
+    connections = args.max_connections or default_max_connections()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_grace + 5, http=H11Protocol,
-                            h11_max_incomplete_event_size=args.max_header_bytes)
+                            timeout_graceful_shutdown=args.shutdown_grace + 5,
+                            http=http_protocol(connections, args.request_timeout),
+                            h11_max_incomplete_event_size=args.max_header_bytes,
+                            timeout_keep_alive=args.keep_alive_timeout)
+    hold_back_repeats("uvicorn", "uvicorn.error", "uvicorn.access")  # their handlers, set up by the Config
     server = uvicorn.Server(config)
     # HTTP on a thread of its own; the engine steps on this one, which loaded the model (see EngineLoop)
     http = threading.Thread(target=server.run, name="dtorch-http", daemon=True)

@@ -20,6 +20,10 @@ from dtorch.serve.protocol import error_body, field_path
 log = logging.getLogger("dtorch.serve")
 
 
+class ClientGone(Exception):
+    """The client of a request that is not streamed disconnected: nobody reads its answer."""
+
+
 class ApiError(Exception):
     """An error answered with ``status`` and OpenAI's error JSON."""
 

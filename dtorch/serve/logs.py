@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -19,15 +20,59 @@ log = logging.getLogger("dtorch.serve")
 
 
 def setup_logging(level: str) -> None:
-    """The ``dtorch`` loggers at ``level`` ("info", ...) on stderr, one line each with the time."""
+    """The ``dtorch`` loggers at ``level`` ("info", ...) on stderr, one line each with the time, repeats held back
+    (``RepeatFilter``); asyncio's lines (a failing ``accept``) go the same way."""
     root = logging.getLogger("dtorch")
     root.setLevel(level.upper())
     if not any(getattr(h, "dtorch_serve", False) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)-8s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
         handler.dtorch_serve = True
+        handler.addFilter(RepeatFilter(handler))
         root.addHandler(handler)
+        logging.getLogger("asyncio").addHandler(handler)
+        logging.getLogger("asyncio").propagate = False
     root.propagate = False
+
+
+def hold_back_repeats(*names: str) -> None:
+    """Give each handler of the loggers ``names`` (uvicorn's, once it configured them) a ``RepeatFilter``."""
+    for name in names:
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RepeatFilter) for f in handler.filters):
+                handler.addFilter(RepeatFilter(handler))
+
+
+class RepeatFilter(logging.Filter):
+    """A handler's filter that lets one of a run of identical lines through (same logger, level and message), then
+    the 10th, 100th, 1000th ... with "(repeated N times)", and when the run ends a line saying how long it was: a
+    fault that repeats a million times (a full file table) writes a few lines, not a million. A run ends at another
+    line, or after ``window`` seconds."""
+
+    def __init__(self, handler: logging.Handler, window: float = 60.0) -> None:
+        super().__init__()
+        self.handler, self.window = handler, window
+        self._last: tuple | None = None
+        self._count, self._since = 0, 0.0
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        now = time.monotonic()
+        with self._lock:
+            if key == self._last and now - self._since < self.window:
+                self._count += 1
+                if str(self._count).rstrip("0") != "1":  # the 10th, 100th, 1000th ... pass
+                    return False
+                record.msg, record.args = f"{record.getMessage()} (repeated {self._count} times)", None
+                return True
+            ended = (self._last, self._count) if self._count > 1 else None
+            self._last, self._count, self._since = key, 1, now
+        if ended is not None:
+            (name, level, message), count = ended
+            self.handler.emit(logging.LogRecord(name, level, __file__, 0, "the line before repeated %d times in all: "
+                                                "%.200s", (count, message), None))
+        return True
 
 
 def banner(llm: Any, name: str, url: str, load_seconds: float, listening_seconds: float | None = None) -> str:

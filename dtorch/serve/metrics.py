@@ -8,9 +8,9 @@ the last ``window`` seconds.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,7 +55,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.window = window
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of each delta in the window
+        # tokens per whole second of the last ``window`` seconds, as a ring: constant memory however many tokens
+        # come between two scrapes (not an entry per token)
+        self._seconds = [-1] * (math.ceil(window) + 1)  # which second each slot counts
+        self._counts = [0] * len(self._seconds)
         self._lock = threading.Lock()
         Gauge("dtorch:generation_tokens_per_second", f"Tokens generated per second over the last {window:g} s.",
               registry=self.registry).set_function(self.tokens_per_second)
@@ -67,15 +70,19 @@ class ServerMetrics:
     def tokens(self, count: int) -> None:
         """Record ``count`` new tokens now."""
         if count:
+            second = int(time.monotonic())
+            slot = second % len(self._seconds)
             with self._lock:
-                self._recent.append((time.monotonic(), count))
+                if self._seconds[slot] != second:  # a second ago by the ring's length: start it again
+                    self._seconds[slot], self._counts[slot] = second, 0
+                self._counts[slot] += count
 
     def tokens_per_second(self) -> float:
-        now = time.monotonic()
+        """Tokens over the last ``window`` whole seconds (the current one counted too), per second."""
+        now = int(time.monotonic())
         with self._lock:
-            while self._recent and self._recent[0][0] < now - self.window:
-                self._recent.popleft()
-            return sum(n for _, n in self._recent) / self.window
+            return sum(n for sec, n in zip(self._seconds, self._counts, strict=True)
+                       if now - sec < len(self._seconds)) / self.window
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

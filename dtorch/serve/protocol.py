@@ -23,6 +23,9 @@ from dtorch.engine.chat_format import ROLES
 from dtorch.engine.sampling import MAX_LOGPROBS, MAX_N, REPETITION_PENALTY_RANGE, SamplingParams
 from dtorch.engine.structured import StructuredOutputsParams
 
+MAX_INPUTS = 2048  # inputs of one embeddings request at most (OpenAI's limit), and prompts of one completion
+MAX_PASS_TOKENS = 300_000  # tokens of one request's prompt passes (embeddings, scoring) at most: OpenAI's limit
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
@@ -324,6 +327,8 @@ class CompletionRequest(_Sampling):
     def _prompt(cls, v: Any) -> Any:
         if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
             raise ValueError("prompt must not be empty (a string, token ids, or a list of either)")
+        if isinstance(v, list) and not isinstance(v[0], int) and len(v) > MAX_INPUTS:
+            raise ValueError(f"prompt is a list of {len(v)} prompts; a request takes at most {MAX_INPUTS}")
         return v
 
     @field_validator("best_of")
@@ -360,6 +365,9 @@ class EmbeddingRequest(_Body):
             return [p]
         if not p or any(isinstance(x, list) and not x for x in p) or any(x == "" for x in p):
             raise ValueError("input must not be empty")
+        if len(p) > MAX_INPUTS:
+            raise ValueError(f"input is a list of {len(p)} inputs; a request takes at most {MAX_INPUTS} (OpenAI's "
+                             "limit): send them in several requests")
         return list(p)
 
 
