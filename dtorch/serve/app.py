@@ -146,7 +146,8 @@ class _Server:
 
     def _prompt_logprobs(self, ids: list[int], score: Any) -> dict[str, Any]:
         """Completions' logprobs of a scored prompt (``prompt_pass.PromptLogprobs``), the first token's null."""
-        tops = [None] + [{self.token_text(i): v for i, v in top} for top in score.top]
+        # most likely first: where two tokens have one text, the entry keeps the likelier's logprob
+        tops = [None] + [dict(reversed([(self.token_text(i), v) for i, v in top])) for top in score.top]
         tokens = [self.token_text(t) for t in ids]
         offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
         return {"tokens": tokens, "token_logprobs": [None, *score.values], "top_logprobs": tops,

@@ -1,0 +1,440 @@
+"""Issue #43 (hardening, round 3), the server's half: prompt scoring and embeddings run on the engine in chunks beside
+other work, keep only what they return and end when their client leaves (items 3, 4); connections have a time to
+arrive and a cap, and repeated log lines are held back (7); /metrics keeps constant memory (8); big tokenize work
+never stalls the event loop and has a cap (9). Then the probe suite: one server, every hostile request class of #43
+answered 4xx in bounded time while a stream keeps flowing and /health stays 200, the greedy answer unchanged after.
+
+One in-process server over a tiny random Qwen3 with a tokenizer (``tests.test_serve_agents``' model), steps of 32
+tokens so that a long prompt takes many steps; transformers is the reference of every number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import io
+import json
+import logging
+import socket
+import threading
+import time
+import tracemalloc
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.engine.engine import EngineLoop
+from dtorch.engine.llm import LLM
+from dtorch.serve.protocol import MAX_INPUTS, MAX_PASS_TOKENS
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+STEP_TOKENS = 32  # the server's max_num_batched_tokens: a 1000-token prompt is ~32 steps
+BOUND_S = 10.0  # a hostile request is answered within this (a 2-core machine shared with other work)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _request(port: int, method: str, path: str, body=None, timeout: float = 60) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, data, {"Content-Type": "application/json"} if data is not None else {})
+        r = conn.getresponse()
+        raw = r.read()
+        try:
+            return r.status, json.loads(raw) if raw else {}
+        except ValueError:
+            return r.status, {"raw": raw.decode("latin-1")}
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def _serving(app, port: int, **config):
+    """``app`` on 127.0.0.1:``port`` under uvicorn with dtorch's protocol, on a thread, for the block."""
+    import uvicorn
+
+    from dtorch.serve.guard import http_protocol
+
+    limits = http_protocol(config.pop("max_connections", None), config.pop("request_timeout", None))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=limits,
+                                           **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    end = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < end and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+class Flow:
+    """A greedy stream of ``tokens`` tokens after ``prompt``, started again whenever it ends, on a thread; the time of
+    every token it got, and each finished stream's tokens."""
+
+    def __init__(self, port: int, prompt: list[int], tokens: int) -> None:
+        self.port, self.prompt, self.tokens = port, prompt, tokens
+        self.times: list[float] = []
+        self.answers: list[list[int]] = []
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = json.dumps({"model": "tiny", "prompt": self.prompt, "max_tokens": self.tokens, "temperature": 0,
+                           "ignore_eos": True, "stream": True, "logprobs": 0}).encode()
+        while not self.stop.is_set():
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+            try:
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                if r.status != 200:
+                    self.failures.append(f"status {r.status}: {r.read()[:200]!r}")
+                    time.sleep(0.1)
+                    continue
+                ids = []
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        got = len(choice["logprobs"]["tokens"]) if choice.get("logprobs") else 0
+                        self.times += [time.monotonic()] * got
+                        ids += choice["logprobs"]["tokens"] if got else []
+                self.answers.append(ids)
+            except Exception as exc:  # noqa: BLE001 - recorded, and the test says what failed
+                self.failures.append(repr(exc))
+            finally:
+                conn.close()
+
+    def gap(self, start: float, end: float) -> float:
+        """The longest time in [start, end] without a token."""
+        inside = [t for t in self.times if start <= t <= end]
+        marks = [start, *inside, end]
+        return max(b - a for a, b in zip(marks, marks[1:], strict=False))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """The tiny chat model served in this process: (port, llm, transformers model, flow, the server)."""
+    from dtorch.serve import build_app
+    from tests.test_serve_agents import make_tiny_chat_model
+
+    path = tmp_path_factory.mktemp("tiny-h43")
+    hf = make_tiny_chat_model(path)
+    llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=STEP_TOKENS, max_model_len=1024, max_waiting=16,
+              kv_cache_memory_bytes=64 << 20)
+    loop = EngineLoop(llm.engine).start()
+    port = _free_port()
+    with _serving(build_app(llm, "tiny", engine_loop=loop, log_interval=0), port, max_connections=64,
+                  request_timeout=2.0) as server:
+        flow = Flow(port, FLOW_PROMPT, 24)
+        try:
+            yield SimpleNamespace(port=port, llm=llm, hf=hf, flow=flow, server=server)
+        finally:
+            flow.close()
+    llm.close()
+
+
+FLOW_PROMPT = [5, 17, 42, 9, 88, 23]
+
+
+def _hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities of every position of ``ids``: [T, V]."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _ids(n: int, seed: int, vocab: int = 256) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
+# --- item 3: prompt scoring is chunked, beside other work, bounded, cancellable -------------------------------------
+
+def test_scored_prompt_logprobs_equal_transformers_over_many_chunks(live):
+    ids = _ids(150, 1)  # 5 steps of 32 tokens
+    status, r = _request(live.port, "POST", "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 0,
+                                                               "echo": True, "logprobs": 3})
+    assert status == 200, r
+    lp = r["choices"][0]["logprobs"]
+    want = _hf_logprobs(live.hf, ids)  # [T, V]: row i predicts token i + 1
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:]),
+                               want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0], rtol=1e-4, atol=1e-4)
+    # the top 3 by text (tokens of one text share an entry, as OpenAI's): the best is transformers' best
+    best = torch.tensor([max(t.values()) for t in lp["top_logprobs"][1:]])
+    torch.testing.assert_close(best, want[:-1].max(dim=-1).values, rtol=1e-4, atol=1e-4)
+    assert all(1 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
+    assert r["usage"] == {"prompt_tokens": 150, "completion_tokens": 0, "total_tokens": 150,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_a_stream_keeps_flowing_while_a_long_scoring_runs(live):
+    prompts = [_ids(1000, s) for s in range(6)]  # 6000 tokens: ~190 pass steps of 32
+    before = live.llm.engine.stats().prompt_tokens
+    start = time.monotonic()
+    status, r = _request(live.port, "POST", "/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": 0,
+                                                               "echo": True, "logprobs": 1})
+    end = time.monotonic()
+    assert status == 200 and len(r["choices"]) == 6, r
+    assert live.llm.engine.stats().prompt_tokens - before >= 6000
+    streamed = sum(start <= t <= end for t in live.flow.times)
+    assert streamed >= 20, f"the stream got {streamed} tokens in the {end - start:.1f} s the scoring ran"
+    assert live.flow.gap(start, end) < 2.0
+    assert r["choices"][3]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        _hf_logprobs(live.hf, prompts[3])[:-1].gather(1, torch.tensor(prompts[3][1:])[:, None])[:, 0].tolist(),
+        abs=1e-4)
+
+
+def _hang_up(port: int, path: str, body: dict, engine) -> None:
+    """Send ``body``, wait until the engine runs its passes, then close the connection without reading."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    _wait(lambda: engine.passes.jobs, 10, "the passes to start")
+    sock.close()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "tiny", "prompt": [_ids(1000, s) for s in range(40)], "max_tokens": 0, "echo": True,
+                         "logprobs": 2}),
+    ("/v1/embeddings", {"model": "tiny", "input": [_ids(1000, s) for s in range(40)]}),
+], ids=["scoring", "embeddings"])
+def test_a_client_hanging_up_ends_its_passes(live, path, body):
+    engine = live.llm.engine
+    before = engine.stats().prompt_tokens
+    _hang_up(live.port, path, body, engine)
+    _wait(lambda: not engine.passes.jobs and not engine.passes.groups, 3, "the passes to be aborted")
+    assert engine.stats().prompt_tokens - before < 40_000 / 2  # most of it never ran
+    assert engine.stats().kv_blocks_used <= 8 * 64  # only the flow's sequences hold blocks
+
+
+# --- item 4: embeddings' caps; passes count against max_waiting and end at shutdown --------------------------------
+
+def test_too_many_inputs_or_tokens_are_a_400_naming_the_cap(live):
+    for path, field in (("/v1/embeddings", "input"), ("/v1/completions", "prompt")):
+        extra = {"max_tokens": 0, "echo": True, "logprobs": 1} if field == "prompt" else {}
+        status, r = _request(live.port, "POST", path, {"model": "tiny", field: ["a"] * (MAX_INPUTS + 1), **extra})
+        assert status == 400 and r["error"]["param"] == field and str(MAX_INPUTS) in r["error"]["message"], r
+        many = [[7] * 1000] * (MAX_PASS_TOKENS // 1000 + 1)  # 301,000 tokens
+        status, r = _request(live.port, "POST", path, {"model": "tiny", field: many, **extra})
+        assert status == 400 and r["error"]["param"] == field, r
+        assert f"at most {MAX_PASS_TOKENS}" in r["error"]["message"] and "301000 tokens" in r["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def spare(tmp_path_factory):
+    """A tiny model of its own (an engine these tests may stop), its queue 2 requests long."""
+    from tests.tiny_models import families, save_random
+
+    path = tmp_path_factory.mktemp("spare")
+    save_random(transformers, families(transformers, 4, 2, 128, 32, max_position_embeddings=256)["qwen3"](), path)
+    return str(path)
+
+
+def test_passes_count_against_max_waiting_and_end_at_shutdown(spare):
+    llm = LLM(spare, max_waiting=2, max_num_batched_tokens=16, max_model_len=256)
+    try:
+        e, got = llm.engine, {}
+
+        def sink(job, result):
+            got[job] = result
+
+        e.add_embedding("a-0", _ids(200, 1, 128), "last", sink, group="a")
+        e.add_scoring("b-0", _ids(200, 2, 128), 2, sink, group="b")
+        e.add_embedding("a-1", _ids(200, 3, 128), "mean", sink, group="a")  # a request's own inputs: one request
+        with pytest.raises(dtorch.EngineBusy, match=r"queue is full \(2 requests"):
+            e.add_embedding("c-0", [1, 2, 3], "last", sink, group="c")
+        with pytest.raises(dtorch.EngineBusy, match="queue is full"):
+            e.add_request("d", [1, 2, 3], dtorch.SamplingParams(max_tokens=2), lambda d: None)
+        loop = EngineLoop(e).start()
+        _wait(lambda: e.passes.jobs, 5, "the passes to start")
+        t0 = time.monotonic()
+        loop.stop(0.0)
+        assert time.monotonic() - t0 < 2.0
+        assert set(got) == {"a-0", "a-1", "b-0"} and all(isinstance(v, dtorch.EngineBusy) for v in got.values())
+        assert e.stats().kv_blocks_used == 0 and not e.passes.groups
+    finally:
+        llm.close()
+
+
+def test_pass_steps_take_turns_with_decode_steps(spare):
+    """The engine stepped by hand: while a long scoring runs, every other step is a generation step."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(spare, dtype=torch.float32).eval()
+    llm = LLM(spare, max_num_batched_tokens=16, max_model_len=256)
+    try:
+        e, score, tokens = llm.engine, [], []
+        ids = _ids(200, 4, 128)  # 13 pass steps
+        e.add_scoring("s", ids, 0, lambda job, r: score.append(r))
+        e.add_request("g", [3, 1, 4], dtorch.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                      lambda d: tokens.extend(d.token_ids))
+        steps = 0
+        while not score:
+            e.step()
+            steps += 1
+        assert len(tokens) == 10 and steps <= 13 + 10  # generation finished during the scoring, interleaved
+        want = _hf_logprobs(hf, ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(score[0].values), want, rtol=1e-4, atol=1e-4)
+    finally:
+        llm.close()
+
+
+# --- item 7: a request's time to arrive, the connection cap, repeated log lines -------------------------------------
+
+@pytest.fixture(scope="module")
+def guarded():
+    """test_serve's fake model behind dtorch's protocol: requests arrive within 1 s, 8 connections at most."""
+    from dtorch.serve import build_app
+    from tests.test_serve import FakeLLM, FakeLoop
+
+    llm = FakeLLM()
+    loop = FakeLoop(llm.engine)
+    loop.start()
+    port = _free_port()
+    with _serving(build_app(llm, "fake", engine_loop=loop, log_interval=0), port, max_connections=8,
+                  request_timeout=1.0, timeout_keep_alive=30) as server:
+        yield SimpleNamespace(port=port, server=server)
+
+
+def _answer(sock: socket.socket, timeout: float = 5.0) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long that took."""
+    sock.settimeout(timeout)
+    start, got = time.monotonic(), b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got, time.monotonic() - start
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: 100\r\n\r\n{\"model\": \"fa"],
+                         ids=["nothing", "half a head", "half a body"])
+def test_a_request_that_does_not_arrive_whole_is_answered_408_and_closed(guarded, sent):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        sock.sendall(sent)
+        got, took = _answer(sock)
+    assert got.startswith(b"HTTP/1.1 408 ") and b"--request-timeout" in got, got
+    assert 0.8 < took < 3.0
+
+
+def test_past_the_connection_cap_a_new_connection_gets_503_while_open_ones_are_served(guarded):
+    connections = guarded.server.server_state.connections
+    _wait(lambda: not connections, 5, "the earlier tests' connections to close")
+    open_one = http.client.HTTPConnection("127.0.0.1", guarded.port, timeout=10)
+    idle = []
+    try:
+        open_one.request("GET", "/health")
+        assert open_one.getresponse().read() == b'{"status":"ok"}'
+        while len(connections) < 8:
+            idle.append(socket.create_connection(("127.0.0.1", guarded.port)))
+            _wait(lambda: len(connections) >= len(idle) + 1, 2, "the server to take the connection")
+        with socket.create_connection(("127.0.0.1", guarded.port)) as extra:
+            got, took = _answer(extra)
+        assert got.startswith(b"HTTP/1.1 503 ") and b"--max-connections" in got and took < 1.0, got
+        open_one.request("GET", "/health")  # an open connection is served as before
+        r = open_one.getresponse()
+        assert r.status == 200 and r.read() == b'{"status":"ok"}'
+    finally:
+        open_one.close()
+        for s in idle:
+            s.close()
+
+
+def test_a_thousand_identical_lines_write_a_few_and_their_count():
+    from dtorch.serve.logs import RepeatFilter
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(RepeatFilter(handler))
+    log = logging.getLogger("dtorch.test.repeats")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        for _ in range(1000):
+            log.error("socket.accept() out of system resource: [Errno 24] Too many open files")
+        log.error("something else")
+    finally:
+        log.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6, lines  # the 1st, 10th, 100th, 1000th, the run's count, the next line
+    assert lines[1].endswith("(repeated 10 times)") and lines[3].endswith("(repeated 1000 times)")
+    assert lines[4].startswith("the line before repeated 1000 times in all") and lines[5] == "something else"
+
+
+# --- item 8: /metrics keeps constant memory however many tokens come between scrapes --------------------------------
+
+def test_the_metrics_token_rate_keeps_constant_memory():
+    from dtorch.serve import metrics
+    from dtorch.serve.metrics import ServerMetrics
+    from tests.test_serve import FakeEngine
+
+    def kept() -> int:  # bytes held by what metrics.py allocated (not other threads' work)
+        only = [tracemalloc.Filter(True, metrics.__file__)]
+        return sum(s.size for s in tracemalloc.take_snapshot().filter_traces(only).statistics("filename"))
+
+    m = ServerMetrics(FakeEngine())
+    m.tokens(1)
+    tracemalloc.start()
+    try:
+        before = kept()
+        for _ in range(50_000):
+            m.tokens(1)
+        grown = kept() - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 1000, f"{grown} bytes kept for 50,000 tokens"  # it was ~88 bytes a token
+    assert m.tokens_per_second() == pytest.approx(50_001 / m.window)  # all in the window, none lost
+    assert b"dtorch:generation_tokens_per_second 5000.1" in m.render()
+
+
+# --- item 9: big tokenize work runs off the event loop, and has a cap ------------------------------------------------
+
+def test_health_answers_while_a_big_tokenize_runs(live):
+    text = "What is the weather in Paris? It is sunny and warm today. " * 5_000  # 290 KB: 2 s or so
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=_request(
+        live.port, "POST", "/tokenize", {"model": "tiny", "prompt": text, "return_token_strs": True})))
+    worker.start()
+    waits = []
+    while worker.is_alive():
+        t0 = time.monotonic()
+        assert _request(live.port, "GET", "/health")[0] == 200
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    status, r = result["r"]
+    assert status == 200 and r["count"] == len(r["tokens"]) == len(r["token_strs"]) > 20_000
+    assert max(waits) < 1.0, f"/health took up to {max(waits):.2f} s ({len(waits)} probes)"
+
+
+def test_tokenize_and_detokenize_past_their_caps_are_a_400_naming_it(live):
+    from dtorch.serve.utility import tokenize_caps
+
+    chars, ids = tokenize_caps(live.llm.max_len)
+    status, r = _request(live.port, "POST", "/tokenize", {"model": "tiny", "prompt": "a" * (chars + 1)})
+    assert status == 400 and r["error"]["param"] == "prompt" and f"at most {chars}" in r["error"]["message"], r
+    status, r = _request(live.port, "POST", "/detokenize", {"model": "tiny", "tokens": [1] * (ids + 1)})
+    assert status == 400 and r["error"]["param"] == "tokens" and f"at most {ids}" in r["error"]["message"], r
