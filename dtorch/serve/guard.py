@@ -12,6 +12,7 @@ way before it closes), a request that does not arrive whole in time a 408, a con
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -31,6 +32,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
 LINGER_S = 3.0  # how long a refused request's remaining bytes are read and dropped before the answer or the close
+PAUSE_S = 0.5  # ... unless the client pauses this long: it is not sending
 
 
 def _error_json(message: str, code: str) -> bytes:
@@ -106,8 +108,11 @@ class BodyLimit:
 
     async def _refuse(self, receive: Receive, send: Send, size: str, more: bool) -> None:
         end = time.monotonic() + LINGER_S
-        while more and time.monotonic() < end:
-            message = await receive()
+        while more and time.monotonic() < end:  # drop what the client still sends, until it pauses
+            try:
+                message = await asyncio.wait_for(receive(), min(PAUSE_S, end - time.monotonic()))
+            except TimeoutError:
+                break
             more = message["type"] == "http.request" and message.get("more_body", False)
         await send_error(send, 413, f"the request body is {size} bytes; this server takes at most {self.max_bytes} "
                                     "(dtorch serve --max-body-bytes)", "request_too_large")
