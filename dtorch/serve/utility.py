@@ -89,7 +89,7 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
             strs = [tokenizer().id_to_token(t) for t in ids] if body.return_token_strs else None
             return {"count": len(ids), "max_model_len": llm.max_len, "tokens": ids, "token_strs": strs}
 
-        return Json(await server.off_loop(run))
+        return await server.off_loop(lambda: Json(run()))  # the JSON text made there too
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Any:
@@ -108,7 +108,7 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
             return {"prompt": tokenizer().decode(body.tokens)}
 
         try:
-            return Json(await server.off_loop(run))
+            return await server.off_loop(lambda: Json(run()))  # the JSON text made there too
         except DtorchError as exc:
             raise bad_request(exc, "tokens") from None
 
