@@ -319,13 +319,19 @@ def guarded():
         yield SimpleNamespace(port=port, server=server)
 
 
-def _answer(sock: socket.socket, timeout: float = 5.0) -> tuple[bytes, float]:
-    """Everything the server sends until it closes the connection, and how long that took."""
+def _answer(sock: socket.socket, timeout: float = 5.0, whole: bool = False) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection (``whole``: until one whole response came), and how
+    long that took."""
     sock.settimeout(timeout)
     start, got = time.monotonic(), b""
     with contextlib.suppress(ConnectionResetError):
         while chunk := sock.recv(65536):
             got += chunk
+            head, sep, body = got.partition(b"\r\n\r\n")
+            length = [int(v) for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")[1:])
+                      if k.strip().lower() == b"content-length"]
+            if whole and sep and length and len(body) >= length[0]:
+                break
     return got, time.monotonic() - start
 
 
@@ -548,7 +554,7 @@ def _probe(port: int, path: str | None, body) -> tuple[int, bytes]:
     if isinstance(body, tuple):  # a raw request on a socket of its own
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(body[1])
-            got, _ = _answer(sock, timeout=BOUND_S)
+            got, _ = _answer(sock, timeout=BOUND_S, whole=True)
         return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else 0, got
     status, r = _request(port, "POST", path, body, timeout=BOUND_S)
     return status, json.dumps(r).encode()

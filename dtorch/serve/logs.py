@@ -70,8 +70,10 @@ class RepeatFilter(logging.Filter):
             self._last, self._count, self._since = key, 1, now
         if ended is not None:
             (name, level, message), count = ended
-            self.handler.emit(logging.LogRecord(name, level, __file__, 0, "the line before repeated %d times in all: "
-                                                "%.200s", (count, message), None))
+            summary = logging.LogRecord(name, level, __file__, 0, "the line before repeated %d times in all: %.200s",
+                                        (count, message), None)
+            with self.handler.lock:  # as Handler.handle does (this filter runs before it takes the lock)
+                self.handler.emit(summary)
         return True
 
 
