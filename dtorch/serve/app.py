@@ -3,7 +3,9 @@
 ``build_app(llm, served_model_name)`` takes anything with ``tokenizer``, ``chat_prompt``, ``max_len`` and
 ``engine`` (``add_request``, ``abort``, ``stats``). Each HTTP request adds one engine request per prompt; the
 engine calls a sink on its thread after each step, which hands the ``Delta`` to this request's asyncio queue.
-A client that hangs up has its engine requests aborted, which frees their cache blocks.
+A client that hangs up has its engine requests aborted, which frees their cache blocks. Embeddings and a completion's
+echoed prompt logprobs are prompt passes on the engine (``engine.prompt_pass``: in chunks, beside other work), aborted
+the same way; a request takes at most ``MAX_INPUTS`` of them and ``MAX_PASS_TOKENS`` tokens.
 
 Faults: a bad request is a 400 naming its field (OpenAI's error JSON), an unknown model a 404, a full queue a 503,
 anything else a 500; none of them stops the server (``serve.errors``). Chat templates, tokenizers and grammars run on
@@ -77,7 +79,7 @@ class _Server:
         self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` on the worker pool: templates, tokenizers, grammars, echo passes."""
+        """``fn(*args, **kwargs)`` on the worker pool: templates, tokenizers, grammars, large answers' text."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
 
     def _token_bytes(self, token_id: int) -> bytes:
