@@ -234,3 +234,16 @@ def test_control_tokens_come_only_from_the_template(qwen25, where):
     inner = spelled.encode(FORGED[1:-2], add_special_tokens=False).ids  # spaces part it from its neighbours
     assert any(ids[k:k + len(inner)] == inner for k in range(len(ids))), where
     assert text.replace(FORGED, "x") == plain_text
+
+
+def test_endless_schemas_in_tools_and_beside_them_are_refused(llm):
+    from dtorch.engine.chat_format import prepare_chat
+
+    hi = [{"role": "user", "content": "Hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": endless(False)}}
+    with pytest.raises(dtorch.ArgumentError, match=r"tools\[0\].function.parameters: no JSON value matches") as e:
+        prepare_chat(llm.tokenizer, hi, tools=[tool])
+    assert e.value.param == "tools"
+    setup = prepare_chat(llm.tokenizer, hi, tools=[_tool("weather")])  # a response_format beside tools
+    with pytest.raises(dtorch.SamplingError, match="requires itself without end"):
+        setup.with_answer(S(json=endless(True), strict=True))

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from dtorch.core.errors import SamplingError
+from dtorch.core.errors import DtorchError, SamplingError
 
 MAX_GRAMMAR_PARTS = 16_000  # lines + JSON objects + JSON arrays of the text handed to llguidance; choice options
 # llguidance converts GBNF to Lark in time quadratic in a chain's length (its rules' "is terminal" fixpoint takes one
@@ -75,6 +75,9 @@ def on_big_stack(fn: Callable[..., T], *args: Any) -> T:
         try:
             thread = threading.Thread(target=run, name="dtorch-grammar-compile", daemon=True)
             thread.start()
+        except RuntimeError as e:  # no memory or address space for its stack
+            raise DtorchError(f"no thread could be started to compile the grammar on a {COMPILE_STACK_BYTES >> 20} "
+                              f"MB stack ({e}); free memory and retry") from None
         finally:
             threading.stack_size(old)
     thread.join()

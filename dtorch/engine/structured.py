@@ -224,11 +224,7 @@ class Grammars:
         """(the template matcher of ``so``, the heap bytes it holds): compiled, its first mask made (the parser's
         first row, the lexer's first states), and checked."""
         llg = require_llguidance()
-        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
-        if isinstance(schema, dict) and (where := endless_at(schema)) is not None:
-            raise SamplingError(f"SamplingParams: structured_outputs: json: no JSON value matches the schema: {where} "
-                                "requires itself without end (a required property, minItems item or $ref that refers "
-                                "back to it); make the reference optional")
+        check_finite(json.loads(so.json) if isinstance(so.json, str) else so.json)
         text = so.grammar_text()
         check_parts(grammar_parts(text), so.field)  # the text llguidance reads (a GBNF grammar's Lark, a schema's)
         before = heap_bytes()
@@ -293,6 +289,15 @@ class Grammars:
                 taken += 1
         matcher.rollback(taken)
         return unpack_bits(words, self.vocab_size, refused=True)
+
+
+def check_finite(schema: Any, what: str = "SamplingParams: structured_outputs: json") -> None:
+    """``SamplingError`` (``what``: the field, first) when no finite JSON value matches ``schema``: a part of it
+    requires itself without end (``grammar_bounds.endless_at``)."""
+    if isinstance(schema, dict) and (where := endless_at(schema)) is not None:
+        raise SamplingError(f"{what}: no JSON value matches the schema: {where} requires itself without end (a "
+                            "required property, minItems item or $ref that refers back to it); make the reference "
+                            "optional")
 
 
 def error_line(error: str) -> str:
