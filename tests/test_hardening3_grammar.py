@@ -100,6 +100,16 @@ def test_thousands_of_options_answer_one_of_them(server, grammar):
     assert choice["message"]["content"] in OPTIONS and choice["finish_reason"] == "stop", choice  # not "option"
 
 
+def test_more_alternatives_than_a_parser_step_holds_is_a_400(server):
+    from dtorch.engine.grammar_bounds import MAX_ALTERNATIVES
+
+    proc, port = server  # past the bound in a later rule: it would fail mid-answer, cut short ("aw", "stop")
+    grammar = 'start: "a" r\nr: ' + " | ".join(f'"w{i}"' for i in range(MAX_ALTERNATIVES + 2))
+    code, body = _chat(port, structured_outputs={"grammar": grammar})
+    _alive(proc, port)
+    assert code == 400 and f"more than the {MAX_ALTERNATIVES} a parser step may hold" in body["error"]["message"]
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_required_reference_without_end_is_a_400(server, strict):
     proc, port = server

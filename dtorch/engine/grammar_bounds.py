@@ -32,6 +32,10 @@ MAX_GRAMMAR_PARTS = 16_000  # lines + JSON objects + JSON arrays of the text han
 # llguidance converts GBNF to Lark in time quadratic in a chain's length (its rules' "is terminal" fixpoint takes one
 # pass per link): 3000 chained rules took 6 s of a busy core
 MAX_GBNF_RULES = 2000
+# a parser row holds at most this many items (llguidance's max_items_in_row and step_max_items, set to it): a grammar
+# with more alternatives than that could fail mid-answer (llguidance's error, and an answer cut short), so it is
+# refused whole; a choice is one lexeme and needs no row
+MAX_ALTERNATIVES = 50_000
 COMPILE_STACK_BYTES = 256 << 20  # the compiling thread's stack (address space; touched only as deep as it recurses)
 
 T = TypeVar("T")
@@ -50,6 +54,15 @@ def check_parts(parts: int, field: str) -> None:
         raise SamplingError(f"SamplingParams: structured_outputs: {field}: the grammar has {parts} parts (rules, "
                             f"lines, JSON objects and arrays), more than the {MAX_GRAMMAR_PARTS} allowed; split it or "
                             "use $defs shared by reference")
+
+
+def check_alternatives(text: str, field: str) -> None:
+    """``SamplingError`` naming ``field`` when grammar ``text`` has more than ``MAX_ALTERNATIVES`` ``|``."""
+    alternatives = text.count("|")
+    if alternatives > MAX_ALTERNATIVES:
+        raise SamplingError(f"SamplingParams: structured_outputs: {field}: the grammar has {alternatives} "
+                            f"alternatives (|), more than the {MAX_ALTERNATIVES} a parser step may hold; for a list "
+                            "of strings use choice (one lexeme) or a JSON enum")
 
 
 def check_gbnf(text: str) -> None:

@@ -23,7 +23,16 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import DtorchError, SamplingError
-from dtorch.engine.grammar_bounds import check_gbnf, check_parts, endless_at, grammar_parts, heap_bytes, on_big_stack
+from dtorch.engine.grammar_bounds import (
+    MAX_ALTERNATIVES,
+    check_alternatives,
+    check_gbnf,
+    check_parts,
+    endless_at,
+    grammar_parts,
+    heap_bytes,
+    on_big_stack,
+)
 
 CACHE_BYTES = 1 << 30  # compiled grammars kept per tokenizer, by their estimated size (least recently used go first)
 # the heap a compiled grammar holds, per character of its text, when the heap cannot be read (or reads less while
@@ -33,7 +42,7 @@ BYTES_PER_CHAR, BASE_BYTES = 100, 150_000
 # llguidance's parser limits: a row may hold as many items as a step (llguidance's 2000 cut a choice or Lark
 # alternation of more options short: the answer "option" with finish_reason "stop"); errors without the parser state
 # and grammar (those ran to 470 KB of log per request)
-LIMITS = {"max_items_in_row": 50_000, "step_max_items": 50_000, "verbose_errors": False}
+LIMITS = {"max_items_in_row": MAX_ALTERNATIVES, "step_max_items": MAX_ALTERNATIVES, "verbose_errors": False}
 # the JSON layout of json.dumps (", " and ": ", no other whitespace): what models are trained on, and no room for a
 # sampled run of blank lines that never closes the object
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -139,6 +148,7 @@ class StructuredOutputsParams:
             check_parts(grammar_parts(key), "json")
         elif self.grammar is not None:
             check_parts(grammar_parts(self.grammar), "grammar")
+            check_alternatives(self.grammar, "grammar")
             if "::=" in self.grammar:
                 import llguidance
 
@@ -227,6 +237,8 @@ class Grammars:
         check_finite(json.loads(so.json) if isinstance(so.json, str) else so.json)
         text = so.grammar_text()
         check_parts(grammar_parts(text), so.field)  # the text llguidance reads (a GBNF grammar's Lark, a schema's)
+        if so.grammar is not None:
+            check_alternatives(text, "grammar")
         before = heap_bytes()
         m = llg.LLMatcher(self._lltok, text, log_level=0, limits=llg.LLParserLimits(**LIMITS))
         if m.is_error():
