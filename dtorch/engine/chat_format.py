@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dtorch.core.errors import ArgumentError
+from dtorch.core.errors import ArgumentError, SamplingError
 from dtorch.engine.output_parser import THINK_OPEN, OutputParser
 from dtorch.engine.request import CompletionOutput
 from dtorch.engine.sampling import SamplingParams
-from dtorch.engine.structured import JSON_OPTIONS, StructuredOutputsParams
+from dtorch.engine.structured import JSON_OPTIONS, StructuredOutputsParams, check_finite
 from dtorch.engine.tool_formats import CALL_CLOSE, CALL_OPEN, NO_PARAMETERS, call_rules, tool_format
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -99,6 +99,7 @@ class ChatSetup:
             schema = json.loads(schema)
         if not isinstance(schema, Mapping):  # a regex, choice or grammar (or a bare true): the caller shapes it all
             return answer
+        check_finite(dict(schema))  # the %json below is a grammar's: compile checks json fields only
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not answer.strict}}
         return StructuredOutputsParams(grammar=f"start: calls | answer\n{self.calls}answer: %json "
                                                f"{json.dumps(schema)}\n")
@@ -167,6 +168,10 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
             raise field_error("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+        try:
+            check_finite(dict(params or {}), f"tools[{i}].function.parameters")
+        except SamplingError as e:
+            raise field_error("tools", str(e)) from None
         # no parameters: the function takes none (OpenAI's reading), and templates that read them find an object
         out.append({"type": "function", "function": {**fn, "parameters": NO_PARAMETERS if params is None else params}})
     names = [t["function"]["name"] for t in out]

@@ -26,7 +26,7 @@ from dtorch.engine.request import Delta, EngineStats, Sink
 from dtorch.engine.sampling import SamplingParams, sample_step
 from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from dtorch.engine.speculative import Drafts, Speculator
-from dtorch.engine.structured import Grammars
+from dtorch.engine.structured import Grammars, error_line
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.model import Bucket, long_prompts
@@ -427,7 +427,7 @@ class Engine:
                 reason = "stop"
                 if not accepted:
                     log.error("request %r: the grammar refused token %d (%s)", s.request_id, tok,
-                              s.matcher.get_error())
+                              error_line(s.matcher.get_error()))
         if reason is None and len(s.output_ids) >= s.limit:
             reason = "length"
         hold = 0 if reason else max((len(x) - 1 for x in s.params.stop), default=0)

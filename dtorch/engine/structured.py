@@ -23,8 +23,26 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import DtorchError, SamplingError
+from dtorch.engine.grammar_bounds import (
+    MAX_ALTERNATIVES,
+    check_alternatives,
+    check_gbnf,
+    check_parts,
+    endless_at,
+    grammar_parts,
+    heap_bytes,
+    on_big_stack,
+)
 
-CACHE_SIZE = 256  # compiled grammars kept per tokenizer
+CACHE_BYTES = 1 << 30  # compiled grammars kept per tokenizer, by their estimated size (least recently used go first)
+# the heap a compiled grammar holds, per character of its text, when the heap cannot be read (or reads less while
+# other threads free memory): the low end of what llguidance 1.9 held (enums 21-39, schemas 86-107, regexes with
+# counted repeats up to 835), plus a base for the lexer's first states
+BYTES_PER_CHAR, BASE_BYTES = 100, 150_000
+# llguidance's parser limits: a row may hold as many items as a step (llguidance's 2000 cut a choice or Lark
+# alternation of more options short: the answer "option" with finish_reason "stop"); errors without the parser state
+# and grammar (those ran to 470 KB of log per request)
+LIMITS = {"max_items_in_row": MAX_ALTERNATIVES, "step_max_items": MAX_ALTERNATIVES, "verbose_errors": False}
 # the JSON layout of json.dumps (", " and ": ", no other whitespace): what models are trained on, and no room for a
 # sampled run of blank lines that never closes the object
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -93,8 +111,7 @@ class StructuredOutputsParams:
         except SamplingError:
             raise
         except (ValueError, TypeError, UnicodeError, RecursionError) as e:
-            field = next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
-            raise SamplingError(f"SamplingParams: structured_outputs: {field}: no grammar can be made of it "
+            raise SamplingError(f"SamplingParams: structured_outputs: {self.field}: no grammar can be made of it "
                                 f"({type(e).__name__}: {str(e)[:300]})") from None
 
     def _grammar_text(self) -> str:
@@ -108,19 +125,41 @@ class StructuredOutputsParams:
             return m.grammar_from_json_schema({"type": "object"}, overrides=options)
         if self.regex is not None:
             return m.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        if self.choice is not None:  # one lexeme: the lexer's automaton, not a parser row of len(choice) items
+            return m.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in self.choice))
         try:
             return llguidance.grammar_from("grammar", self.grammar)  # Lark as is, GBNF converted
         except ValueError as e:
             raise SamplingError(f"SamplingParams: structured_outputs: grammar: {e}") from None
 
     @property
+    def field(self) -> str:
+        """The field that holds the constraint: json, regex, choice, grammar or json_object."""
+        return "json_object" if self.json_object else \
+            next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    def check_size(self, key: str) -> None:
+        """``SamplingError`` naming the field and the limit when the constraint is past ``grammar_bounds``' bounds
+        (counted on what the client sent, before any of it is compiled); ``key``: its ``key`` (a JSON schema's
+        text)."""
+        if self.choice is not None:
+            check_parts(len(self.choice), "choice")
+        elif self.json is not None:
+            check_parts(grammar_parts(key), "json")
+        elif self.grammar is not None:
+            check_parts(grammar_parts(self.grammar), "grammar")
+            check_alternatives(self.grammar, "grammar")
+            if "::=" in self.grammar:
+                import llguidance
+
+                if not llguidance.gbnf_to_lark.is_lark_syntax(self.grammar):
+                    check_gbnf(self.grammar)
+
+    @property
     def key(self) -> str:
         """The cache key: equal for equal constraints."""
         value = self.json if self.json is None or isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
-        kind = next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
-            if not self.json_object else "json_object"
+        kind = self.field
         return json.dumps([kind, value if kind == "json" else getattr(self, kind), self.strict])
 
 
@@ -151,13 +190,16 @@ class Grammars:
     embedding); eos_token_ids: the ids that end a sequence, allowed where a grammar accepts.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_bytes: int = CACHE_BYTES) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self.cache_bytes = cache_bytes
         self._lock = threading.Lock()
         self._lltok: Any = None
         self._executor: Any = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key -> (template matcher, its bytes)
+        self.cached_bytes = 0  # the estimated heap of the cached matchers
         self.words = (vocab_size + 31) // 32  # int32 words of a mask row
 
     def _ll_tokenizer(self) -> Any:
@@ -175,32 +217,55 @@ class Grammars:
 
     def compile(self, so: StructuredOutputsParams) -> Any:
         """The template matcher of ``so`` (compiled once, then cached); ``SamplingError`` when the library cannot
-        compile it, with its message."""
+        compile it, with its message, or when it is past a bound (``grammar_bounds``)."""
         key = so.key
         with self._lock:
-            m = self._cache.get(key)
-            if m is not None:
+            hit = self._cache.get(key)
+            if hit is not None:
                 self._cache.move_to_end(key)
-                return m
-            llg = require_llguidance()
-            tok = self._ll_tokenizer()
-            m = llg.LLMatcher(tok, so.grammar_text(), log_level=0)
-            if m.is_error():
-                raise SamplingError(f"SamplingParams: structured_outputs: the grammar does not compile: "
-                                    f"{m.get_error().strip()}")
-            if so.json is not None and self._only_the_end(m):
-                raise SamplingError("SamplingParams: structured_outputs: json: no JSON value matches the schema "
-                                    "(a $ref to itself with nothing else, or constraints no value meets)")
-            self._cache[key] = m
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+                return hit[0]
+            so.check_size(key)
+            self._ll_tokenizer()
+            m, size = on_big_stack(self._build, so)  # llguidance recurses over the rules: a deep chain needs room
+            self._keep(key, m, size)
             return m
 
-    def _only_the_end(self, m: Any) -> bool:
-        """Whether matcher ``m`` allows no token but an end of sequence at its start (an empty output)."""
+    def _build(self, so: StructuredOutputsParams) -> tuple[Any, int]:
+        """(the template matcher of ``so``, the heap bytes it holds): compiled, its first mask made (the parser's
+        first row, the lexer's first states), and checked."""
+        llg = require_llguidance()
+        check_finite(json.loads(so.json) if isinstance(so.json, str) else so.json)
+        text = so.grammar_text()
+        check_parts(grammar_parts(text), so.field)  # the text llguidance reads (a GBNF grammar's Lark, a schema's)
+        if so.grammar is not None:
+            check_alternatives(text, "grammar")
+        before = heap_bytes()
+        m = llg.LLMatcher(self._lltok, text, log_level=0, limits=llg.LLParserLimits(**LIMITS))
+        if m.is_error():
+            raise SamplingError(f"SamplingParams: structured_outputs: the grammar does not compile: "
+                                f"{error_line(m.get_error())}")
         allowed = ~self.masks([m])[0]  # [vocab] bool
+        if m.is_error():
+            raise SamplingError(f"SamplingParams: structured_outputs: {so.field}: the grammar is past llguidance's "
+                                f"bounds at its start: {error_line(m.get_error())}")
         allowed[[t for t in self.eos_token_ids if t < self.vocab_size]] = False
-        return not bool(allowed.any())
+        if so.json is not None and not bool(allowed.any()):  # nothing but an end: an empty output
+            raise SamplingError("SamplingParams: structured_outputs: json: no JSON value matches the schema "
+                                "(a $ref to itself with nothing else, or constraints no value meets)")
+        after = heap_bytes()
+        measured = after - before if before is not None and after is not None else 0
+        return m, max(measured, BASE_BYTES + BYTES_PER_CHAR * len(text))
+
+    def _keep(self, key: str, m: Any, size: int) -> None:
+        """Cache matcher ``m`` (``size`` bytes), dropping the least recently used until the cache fits
+        ``cache_bytes``; one past the budget alone is not kept."""
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = (m, size)
+        self.cached_bytes += size
+        while self.cached_bytes > self.cache_bytes:
+            _, (_, dropped) = self._cache.popitem(last=False)
+            self.cached_bytes -= dropped
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
         """A fresh matcher of ``so`` for one sequence (a copy of the compiled template)."""
@@ -236,6 +301,20 @@ class Grammars:
                 taken += 1
         matcher.rollback(taken)
         return unpack_bits(words, self.vocab_size, refused=True)
+
+
+def check_finite(schema: Any, what: str = "SamplingParams: structured_outputs: json") -> None:
+    """``SamplingError`` (``what``: the field, first) when no finite JSON value matches ``schema``: a part of it
+    requires itself without end (``grammar_bounds.endless_at``)."""
+    if isinstance(schema, dict) and (where := endless_at(schema)) is not None:
+        raise SamplingError(f"{what}: no JSON value matches the schema: {where} requires itself without end (a "
+                            "required property, minItems item or $ref that refers back to it); make the reference "
+                            "optional")
+
+
+def error_line(error: str) -> str:
+    """llguidance's error message, its first line at most 300 characters (the rest is its parser state)."""
+    return (error.strip().splitlines() or [""])[0][:300]
 
 
 def _plain_added_tokens(tokenizer_json: str) -> str:

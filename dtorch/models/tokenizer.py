@@ -241,8 +241,9 @@ class Tokenizer:
                     limit: int | None = None, **kwargs: Any) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template.
 
-        Special tokens (``<|im_start|>`` ...) come only from the template: written in the messages (content, or any
-        other string in them), they are encoded as text, so a user cannot forge a system turn. With
+        Special tokens (``<|im_start|>`` ...) come only from the template: written in the messages or in ``kwargs``
+        (content, tools, tool arguments, documents, a ``bos_token`` override: any string, dict keys included), they
+        are encoded as text, so a client cannot forge a system turn. With
         ``allow_special_tokens=True`` they become control tokens (the rendered text encoded as a whole).
         ``limit``: tokens at most; a rendered text that ``min_tokens`` puts past it is a ``ModelError`` before any
         encoding (the encoding of megabytes takes seconds).
@@ -263,13 +264,14 @@ class Tokenizer:
             if isinstance(value, str):
                 return find.sub(lambda m: f"\ue000{nonce}{index[m.group()]}\ue001", value)
             if isinstance(value, Mapping):
-                return {k: hide(v) for k, v in value.items()}
+                return {hide(k): hide(v) for k, v in value.items()}
             if isinstance(value, (list, tuple)):
                 return [hide(v) for v in value]
             return value
 
         hidden = [hide(m) if isinstance(m, Mapping) else m for m in messages]
-        rendered = self.apply_chat_template(hidden, add_generation_prompt, continue_final_message, **kwargs)
+        rendered = self.apply_chat_template(hidden, add_generation_prompt, continue_final_message,
+                                            **{k: hide(v) for k, v in kwargs.items()})
         self._check_limit(rendered, limit)
         if not marks.search(rendered):  # nothing to keep as text: exactly the plain encoding
             return self.encode(rendered, add_special_tokens=False)
