@@ -172,8 +172,6 @@ LLM_ROWS += [
     Row("llm.gelu_tanh_and_mul", _row_inputs(8, 8),
         lambda i, p: (F.gelu(i[0].double(), approximate="tanh") * i[1].double()).to(i[0].dtype), tol=HALF_TOL,
         cases=tuple(ROW_CASES)),
-    Row("llm.softcap", _row_inputs(8), lambda i, p: (p["cap"] * torch.tanh(i[0].double() / p["cap"])).to(i[0].dtype),
-        {"cap": 3.0}, tol=HALF_TOL, cases=tuple(ROW_CASES)),
     Row("llm.rope", _rope_inputs(8), _rope_ref, _rope_params(8, False), tol=HALF_TOL,
         cases=tuple(ROPE_POSITIONS), call=_rope_call, name="half"),
     Row("llm.rope", _rope_inputs(4), _rope_ref, _rope_params(4, True), tol=HALF_TOL,

@@ -71,7 +71,7 @@ def sharded(c: GraphCall) -> tuple[list, object] | None:
     if not shapes or not shapes[0]:
         return None
     nd = len(shapes[0])
-    if family in ("unary", "copy") or op in ("llm.rms_norm", "llm.softmax_last_dim", "llm.softcap") or (
+    if family in ("unary", "copy") or op in ("llm.rms_norm", "llm.softmax_last_dim") or (
             family == "binary" and len(shapes) == 1):
         return [S(0)] + [R] * (len(shapes) - 1), S(0)
     if family == "binary":  # both on their last dim, a broadcast (size 1) dim whole

@@ -97,7 +97,6 @@ NO_PREPARED: dict[str, str] = {
     **{row.op: _NO_CLASS for row in ALL_ROWS if row.op.split(".")[0] in ("unary", "reduce", "creation", "copy")},
     **{row.op: "Binary prepares tensor-tensor ops; a scalar operand is a per-call value, not a prepared one"
        for row in ALL_ROWS if row.op.endswith("_scalar")},
-    "llm.softcap": "no PreparedOperator class: an elementwise op called through its functional form",
     "conv.conv1d": "no PreparedOperator class yet (no model calls a convolution per step; conv1d_out serves)",
     "conv.conv2d": "no PreparedOperator class yet (no model calls a convolution per step; conv2d_out serves)",
     "llm.moe_experts": "no PreparedOperator class yet: a MoE layer calls moe_experts_out, whose checks are shapes "

@@ -24,7 +24,7 @@ from dtorch.ops import _checks
 from dtorch.ops._checks import STRIDED
 from dtorch.ops._invoke import run
 from dtorch.ops.context import RuntimeContext
-from dtorch.ops.graph_op import Args, P, R, Shapes, Strategy, declare, elementwise
+from dtorch.ops.graph_op import Args, P, R, Shapes, Strategy, declare
 from dtorch.ops.prepared import PreparedOperator
 from dtorch.ops.rope import RoPE, RoPETables, rope, rope_cached, rope_inv_freq, rope_out
 
@@ -337,19 +337,6 @@ def _eps(op: str, a: Args) -> KernelParams:
     return _norm_params(op, a["eps"])
 
 
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(x / cap), x [...] float -> like x (Gemma 2's logit and attention softcapping)."""
-    device = _check_float("llm.softcap", x, None)
-    if not cap > 0:
-        raise ArgumentError(f"llm.softcap: cap must be > 0, got {cap!r}")
-    out = torch.empty_like(x)
-    run("llm.softcap", device, x.dtype, (x,), (out,), KernelParams(cap=float(cap)))
-    return out
-
-
-declare("llm.softcap", softcap, ("x",), params=lambda op, a: KernelParams(cap=float(a["cap"])),
-        rule=lambda op, shapes, params, n: elementwise(len(shapes[0]), partial_ok=False))
-
 # the kernel is keyed by the weight's dtype, so the weight comes first
 declare("llm.embedding", embedding, ("weight", "ids"), rule=_embedding_rule)
 declare("llm.rms_norm", rms_norm, ("x", "weight"), params=_eps, rule=_last_dim_whole, inplace=(("out", 0, "x"),))
@@ -358,7 +345,6 @@ declare("llm.add_rms_norm", add_rms_norm, ("x", "residual", "weight"), params=_e
 declare("llm.softmax_last_dim", softmax_last_dim, ("x",), rule=_last_dim_whole, inplace=(("out", 0, "x"),))
 
 __all__ = [
-    "softcap",
     "AddRMSNorm", "Embedding", "RMSNorm", "RoPE", "RoPETables", "add_rms_norm", "add_rms_norm_out", "embedding",
     "embedding_out", "rms_norm", "rms_norm_out", "rope", "rope_cached", "rope_inv_freq", "rope_out",
     "softmax_last_dim", "softmax_last_dim_out",

@@ -315,14 +315,6 @@ def gelu_tanh_and_mul(ctx, inputs, outputs):
         torch_llm.gelu_tanh_and_mul_reference(ctx, inputs, outputs)
 
 
-@KERNELS.kernel("llm.softcap", ACTIVATIONS, meta=torch_llm.INPLACE, **NATIVE)
-def softcap(ctx, inputs, outputs):
-    try:
-        _lib().softcap(inputs[0], outputs[0], ctx.params.cap)
-    except DtorchError:
-        torch_llm.softcap_reference(ctx, inputs, outputs)
-
-
 # -- llm.rope (the table form that rope_cached runs) -------------------------------------------------------------
 # (x [..., T, H, D], cos, sin [..., T, R/2] float32) -> (out,) possibly x; params rotary_dim, interleaved. x, out,
 # cos and sin may be row-strided views (q/k heads of a fused qkv output). The positions form goes to torch.

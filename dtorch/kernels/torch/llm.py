@@ -220,10 +220,3 @@ def silu_and_mul_torch(ctx, inputs, outputs):
 def gelu_tanh_and_mul_reference(ctx, inputs, outputs):
     gate, up = _gate_up(inputs)
     torch.mul(F.gelu(gate, approximate="tanh"), up, out=outputs[0])
-
-
-# -- softcap ---------------------------------------------------------------------------------------------
-# (x [...],) -> (out like x,); params cap > 0. out = cap * tanh(x / cap) in x's dtype; out may be x.
-@KERNELS.kernel("llm.softcap", FLOATS, meta=INPLACE)
-def softcap_reference(ctx, inputs, outputs):
-    torch.mul(torch.tanh(inputs[0] / ctx.params.cap), ctx.params.cap, out=outputs[0])

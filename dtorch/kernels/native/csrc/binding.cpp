@@ -539,28 +539,6 @@ ENTRY(py_gelu_tanh_and_mul)
   return glu(args, nargs, "gelu_tanh_and_mul", g_table->gelu_tanh_and_mul);
 EXIT
 
-// softcap(x [..., D] f32/bf16 (rows of one stride, D dense), out like x contiguous, cap float): cap * tanh(x / cap)
-ENTRY(py_softcap)
-  const char* op = "softcap";
-  need_args(nargs, 3, op);
-  const at::Tensor& x = any_tensor(args[0], op, "x");
-  const at::Tensor& out = tensor(args[1], op, "out");
-  const double cap = PyFloat_AsDouble(args[2]);
-  if (cap == -1.0 && PyErr_Occurred()) throw Fail{};
-  const int dt = float_dt(x, op, "x");
-  need_dtype(out, x.scalar_type(), op, "out");
-  need(x.dim() >= 1 && out.sizes() == x.sizes(), g_shape_error, std::string(op) + ": out must have x's shape " +
-       dims(x) + ", got " + dims(out));
-  const int64_t D = x.size(-1), R = D ? x.numel() / D : 0, ldx = row_stride(x, 1, op, "x");
-  const void* xp = x.data_ptr();
-  void* outp = out.data_ptr();
-  const dtn::Table* tb = g_table;
-  Py_BEGIN_ALLOW_THREADS
-  parallel_rows(R, 8 * D, [&](int64_t r0, int64_t r1) { tb->softcap(xp, ldx, outp, dt, r0, r1, D, float(cap)); });
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
-EXIT
-
 // set_isa(name): "avx512" | "avx2" | "portable"; the CPU must support it
 ENTRY(py_set_isa)
   need_args(nargs, 1, "set_isa");

@@ -163,9 +163,3 @@ static void gelu_tanh_and_mul(const void* gate, const void* up, int64_t ldg, int
                               int64_t r0, int64_t r1, int64_t I) {
   glu<GeluTanh>(gate, up, ldg, ldu, out, dt, r0, r1, I);
 }
-
-// rows [r0, r1) of x [R, D] (row stride ldx) -> out [R, D] dense: cap * tanh(x / cap) in float32, rounded once
-static void softcap(const void* x, int64_t ldx, void* out, int dt, int64_t r0, int64_t r1, int64_t D, float cap) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t i = 0; i < D; ++i) store_f(out, dt, r * D + i, cap * std::tanh(load_f(x, dt, r * ldx + i) / cap));
-}
