@@ -133,8 +133,9 @@ class ObjectCache:
 
     def build(self, units: Sequence[Unit], tree: Tree, jobs: int, fresh: bool = False) -> Result:
         """Compile the units whose object is not cached (every unit when ``fresh``), ``jobs`` at a time; raises
-        CompileError for the first unit that fails (after the others finish)."""
+        CompileError for the first unit that fails (after the running ones finish)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temporaries()
         objects: dict[str, Path] = {}
         todo = []
         for u in units:
@@ -161,6 +162,7 @@ class ObjectCache:
             log.append(f"$ {' '.join(cmd)}\n{out}")
             if p.returncode:
                 failed = failed or CompileError(u.name, out)
+                pending.clear()  # start nothing more; the running ones finish (their objects are still good)
                 tmp.unlink(missing_ok=True)
                 dep.unlink(missing_ok=True)
                 continue
@@ -178,6 +180,16 @@ class ObjectCache:
         _write_atomic(self.dir / f"{ident}.deps", json.dumps(deps).encode())
         self._prune(ident)
         return obj
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporaries (dot files) older than an hour: left by a build that was killed."""
+        now = time.time()
+        for p in self.dir.glob(".*"):
+            try:
+                if now - p.stat().st_mtime > KEEP_YOUNGER_S:
+                    p.unlink()
+            except OSError:
+                pass  # another process removed it first
 
     def _prune(self, ident: str) -> None:
         """Remove this unit's objects past the newest KEEP_PER_UNIT that no one used in the last hour."""
