@@ -1,10 +1,14 @@
-"""Compile the native kernels once, into a cache directory keyed by what the binary depends on, and load them.
+"""Compile the native kernels into a cache directory keyed by what the binary depends on, and load them.
 
 ``python -m dtorch.kernels.native.build`` builds ahead of time (the README's set-up step), so the first
-``generate`` never waits on a compiler. The key is the torch version, the Python version, the compiler name and
-a hash of the sources and flags: another torch gets its own build instead of a crash. Units are compiled in
-parallel with plain compiler calls (no ninja): the three ISA units see no torch header; only ``binding.cpp``
-includes ATen (that is most of the build time).
+``generate`` never waits on a compiler. The library's directory is keyed by the torch version, the Python version,
+the compiler name and a hash of the sources and flags: another torch gets its own build instead of a crash.
+
+The library links one object per translation unit: ``binding.cpp`` (the only one that includes ATen), ``table.cpp``,
+and each ISA unit once per group of the op list (``csrc/ops.def``, read by ``oplist.py``). Objects are cached apart
+(``objcache.py``, in ``<cache>/objects``) under a key of their own inputs (source, the headers it includes, flags,
+compiler), so a change to one kernel's header recompiles the objects that include it and relinks: the others come
+from the cache. Units are compiled in parallel with plain compiler calls (no ninja).
 
 Settings (environment, read by the small functions below): ``CXX`` the compiler (default ``c++``),
 ``DTORCH_NATIVE_CACHE`` the cache root (``dtorch.core.env.native_cache``, default ``~/.cache/dtorch/native``).
@@ -29,15 +33,18 @@ from types import ModuleType
 import torch
 
 from dtorch.core import env
+from dtorch.kernels.native import oplist
 from dtorch.kernels.native.loader import NativeUnavailable
+from dtorch.kernels.native.objcache import CompileError, ObjectCache, Result, Tree, Unit
 
 CSRC = Path(__file__).parent / "csrc"
 MODULE = "_dtorch_native"
 _COMMON = ["-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", "-fopenmp-simd",
            "-Wall", "-Wno-unused-function"]
-# unit -> its own flags; the ISA units are x86-only
+# unit -> its own flags; the ISA units (isa_*.cpp, compiled once per group of ops.def) are x86-only but the portable
 _UNITS = {
     "binding.cpp": ["-fopenmp"],  # at::parallel_for is OpenMP pragmas in ATen's headers
+    "table.cpp": [],
     "isa_portable.cpp": [],
     "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     # GCC 12's own AVX-512 headers trip -Wuninitialized on _mm512_undefined_*; nothing of ours
@@ -45,7 +52,7 @@ _UNITS = {
                        "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
 }
 _X86_ONLY = ("isa_avx2.cpp", "isa_avx512.cpp")
-
+_SOURCES = (".cpp", ".h", ".def")  # what the library's key hashes
 
 def compiler() -> str:
     return os.environ.get("CXX", "").strip() or "c++"
@@ -60,17 +67,41 @@ def _units() -> dict[str, list[str]]:
     return {u: f for u, f in _UNITS.items() if x86 or u not in _X86_ONLY}
 
 
+def units(csrc: Path = CSRC) -> list[Unit]:
+    """The library's objects: binding.cpp (with torch's headers), table.cpp, and each ISA unit once per group of
+    ``csrc/ops.def`` (-DDTN_GROUP=<group>, -DDTN_GROUP_<group>=1 and 0 for every other group)."""
+    groups = oplist.parse(csrc / "ops.def").groups
+    out = []
+    for source, flags in _units().items():
+        if source == "binding.cpp":
+            cflags, _ = _torch_flags()
+            salt = f"torch {torch.__version__} py{sys.version_info.major}{sys.version_info.minor}"
+            out.append(Unit("binding", source, (*_COMMON, *flags, *cflags), salt))
+        elif not source.startswith("isa_"):
+            out.append(Unit(Path(source).stem, source, (*_COMMON, *flags)))
+        else:
+            for g in groups:
+                defs = [f"-DDTN_GROUP={g}", *(f"-DDTN_GROUP_{o}={int(o == g)}" for o in groups)]
+                out.append(Unit(f"{Path(source).stem}.{g}", source, (*_COMMON, *flags, *defs)))
+    return out
+
+
 def cache_key(torch_version: str | None = None, python_version: str | None = None, cxx: str | None = None) -> str:
     """The build's directory name: torch and Python versions, then a hash of sources, flags and compiler name."""
     tv = torch_version or torch.__version__
     pv = python_version or f"{sys.version_info.major}{sys.version_info.minor}"
     h = hashlib.sha256()
     for f in sorted(CSRC.iterdir()):
-        if f.suffix in (".cpp", ".h"):
+        if f.suffix in _SOURCES:
             h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     h.update(repr((_COMMON, _units(), Path(cxx or compiler()).name, tv, pv)).encode())
     safe_tv = "".join(c if c.isalnum() or c in ".-" else "_" for c in tv)
     return f"torch{safe_tv}-py{pv}-{h.hexdigest()[:16]}"
+
+
+def objects_dir() -> Path:
+    """The object cache shared by every build under the cache root (objcache.py)."""
+    return cache_root() / "objects"
 
 
 def library_path() -> Path:
@@ -105,45 +136,46 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if lib.exists() and not force:
             return lib
-        _compile(cxx, lib, verbose)
+        _compile(cxx, lib, verbose, fresh=force)
     return lib
 
 
-def _compile(cxx: str, lib: Path, verbose: bool) -> None:
-    tmp = lib.parent / f"build-{os.getpid()}"
-    tmp.mkdir(exist_ok=True)
-    cflags, ldflags = _torch_flags()
+def _compile(cxx: str, lib: Path, verbose: bool, fresh: bool = False) -> None:
     log_path = lib.parent / "build.log"
     start = time.perf_counter()
-    procs = {}
-    for unit, flags in _units().items():
-        extra = cflags if unit == "binding.cpp" else []
-        cmd = [cxx, *_COMMON, *flags, *extra, "-c", str(CSRC / unit), "-o", str(tmp / (unit + ".o"))]
-        procs[unit] = (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    log = []
-    failed = None
-    for unit, (cmd, p) in procs.items():
-        out = p.communicate()[0]
-        log.append(f"$ {' '.join(cmd)}\n{out}")
-        if p.returncode and failed is None:
-            failed = (unit, out)
-    if failed is None:
-        cmd = [cxx, "-shared", "-fopenmp", *(str(tmp / (u + ".o")) for u in procs), *ldflags, "-o",
-               str(tmp / lib.name)]
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        log.append(f"$ {' '.join(cmd)}\n{p.stdout}")
-        if p.returncode:
-            failed = ("link", p.stdout)
-    log.append(f"# {time.perf_counter() - start:.1f} s")
-    log_path.write_text("\n".join(log))
-    if failed is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise NativeUnavailable(f"compiling the native kernels failed at {failed[0]} with {cxx}:\n"
-                                f"{_first_lines(failed[1])}\n(full log: {log_path})")
-    os.replace(tmp / lib.name, lib)  # atomic: a reader sees no library or a whole one
-    shutil.rmtree(tmp, ignore_errors=True)
+    tree = Tree(CSRC)
+    try:
+        res = compile_objects(cxx, tree, fresh=fresh)
+        if tree.changed_since():
+            raise NativeUnavailable(f"{', '.join(tree.changed_since())} changed during the build; build again")
+        link(cxx, res.objects, lib)
+    except CompileError as e:
+        log_path.write_text(f"{e.output}\n# failed at {e.unit} after {time.perf_counter() - start:.1f} s")
+        raise NativeUnavailable(f"compiling the native kernels failed at {e.unit} with {cxx}:\n"
+                                f"{_first_lines(e.output)}\n(full log: {log_path})") from None
+    log_path.write_text("\n".join([*res.log, f"# compiled {', '.join(res.compiled) or 'nothing'}; "
+                                             f"{time.perf_counter() - start:.1f} s"]))
     if verbose:
-        print(f"built {lib} in {time.perf_counter() - start:.1f} s")
+        print(f"built {lib} in {time.perf_counter() - start:.1f} s "
+              f"({len(res.compiled)} of {len(res.objects)} objects compiled, the others cached)")
+
+
+def compile_objects(cxx: str, tree: Tree, jobs: int | None = None, fresh: bool = False) -> Result:
+    """Every object of the library for the sources in ``tree``: cached ones reused (unless ``fresh``), the others
+    compiled, ``jobs`` at a time (default: one per CPU)."""
+    return ObjectCache(objects_dir(), cxx).build(units(tree.root), tree, jobs or os.cpu_count() or 1, fresh=fresh)
+
+
+def link(cxx: str, objects: list[Path], lib: Path) -> None:
+    """Link ``objects`` into ``lib``, replaced atomically: a reader sees no library or a whole one."""
+    _, ldflags = _torch_flags()
+    tmp = lib.parent / f".{lib.name}.{os.getpid()}.tmp"
+    cmd = [cxx, "-shared", "-fopenmp", *map(str, objects), *ldflags, "-o", str(tmp)]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if p.returncode:
+        tmp.unlink(missing_ok=True)
+        raise CompileError("link", f"$ {' '.join(cmd)}\n{p.stdout}")
+    os.replace(tmp, lib)
 
 
 def import_library(path: Path) -> ModuleType:
@@ -168,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m dtorch.kernels.native.build",
                                  description="Compile dtorch's native CPU kernels into the cache.")
-    ap.add_argument("--force", action="store_true", help="rebuild even when the cache has this build")
+    ap.add_argument("--force", action="store_true", help="recompile every object and relink, cached or not")
     ap.add_argument("--strict", action="store_true", help="exit with 1 when the kernels cannot be built")
     args = ap.parse_args(argv)
     try:

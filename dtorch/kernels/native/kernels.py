@@ -1,5 +1,9 @@
 """The native kernels as dispatcher kernels (provider "native", cpu only), each next to its registration.
 
+The module functions they call are the entries of the op list (csrc/ops.def), whose DTN_ENTRY lines name the
+dispatcher ops registered here: ``install`` refuses an op listed there without a kernel here, or the reverse
+(``oplist.check_registrations``).
+
 Every kernel has the ABI of the torch backend's kernel for the same key (inputs, outputs, params, in-place
 behaviour). Inputs the compiled code does not take (strides it cannot walk, a dtype mismatch) go to the torch
 backend's kernel for that key, called directly, so a call never fails here that would pass there.

@@ -38,10 +38,15 @@ def load() -> ModuleType:
         return _mod
     if _reason is not None:
         raise NativeUnavailable(_reason)
+    from dtorch.kernels.native import oplist
     from dtorch.kernels.native.build import build, import_library  # not at import: `-m ...build` runs it as main
 
     try:
         mod = import_library(build())
+        try:
+            oplist.check_module(mod)
+        except DtorchError as e:
+            raise NativeUnavailable(str(e)) from None
         mod.set_errors(ShapeError, DTypeError, LayoutError, ArgumentError)
         want = isa_setting()
         try:

@@ -64,14 +64,8 @@ bool cpu_has(const char* f) {
   return !std::string(f).compare("portable");
 }
 
-const dtn::Table* table_for(const std::string& isa) {
-#if defined(__x86_64__)
-  if (isa == "avx512") return dtn::table_avx512();
-  if (isa == "avx2") return dtn::table_avx2();
-#endif
-  if (isa == "portable") return dtn::table_portable();
-  return nullptr;
-}
+// the kernel table of an ISA (table.cpp), or nullptr when this build has none (an x86 ISA elsewhere)
+const dtn::Table* table_for(const std::string& isa) { return dtn::table(isa.c_str(), nullptr); }
 
 const at::Tensor& tensor(PyObject* o, const char* op, const char* name) {
   if (!THPVariable_Check(o)) fail(g_arg_error, std::string(op) + ": " + name + " must be a torch.Tensor, got " +
@@ -508,15 +502,6 @@ EXIT
 
 using GluFn = void (*)(const void*, const void*, int64_t, int64_t, void*, int, int64_t, int64_t, int64_t);
 
-const dtn::GluTable* glu_table() {  // the GluTable of the ISA g_table belongs to
-  const std::string name = g_table->name;
-#if defined(__x86_64__)
-  if (name == "avx512") return dtn::glu_table_avx512();
-  if (name == "avx2") return dtn::glu_table_avx2();
-#endif
-  return dtn::glu_table_portable();
-}
-
 // a gated activation op(gate, up | None, out): gate [..., 2I] fused (up None) or gate and up [..., I] (row-strided
 // views, e.g. the halves of a gate_up output); out [..., I] contiguous
 PyObject* glu(PyObject* const* args, Py_ssize_t nargs, const char* op, GluFn fn) {
@@ -551,7 +536,7 @@ EXIT
 
 // gelu_tanh_and_mul(gate, up | None, out): out = gelu_tanh(gate) * up (see glu)
 ENTRY(py_gelu_tanh_and_mul)
-  return glu(args, nargs, "gelu_tanh_and_mul", glu_table()->gelu_tanh_and_mul);
+  return glu(args, nargs, "gelu_tanh_and_mul", g_table->gelu_tanh_and_mul);
 EXIT
 
 // set_isa(name): "avx512" | "avx2" | "portable"; the CPU must support it
@@ -616,41 +601,13 @@ ENTRY(py_set_errors)
   Py_RETURN_NONE;
 EXIT
 
-// defined in the KV cache and embedding section at the end of this file
-PyObject* py_paged_attention(PyObject*, PyObject* const*, Py_ssize_t);
-PyObject* py_cache_store(PyObject*, PyObject* const*, Py_ssize_t);
-PyObject* py_qembedding(PyObject*, PyObject* const*, Py_ssize_t);
-// defined in the decode steps and gates sections at the end of this file
-PyObject* py_conv_update(PyObject*, PyObject* const*, Py_ssize_t);
-PyObject* py_gdn_step(PyObject*, PyObject* const*, Py_ssize_t);
-PyObject* py_moe_decode(PyObject*, PyObject* const*, Py_ssize_t);
-PyObject* py_gdn_gates(PyObject*, PyObject* const*, Py_ssize_t);
-PyObject* py_repack(PyObject*, PyObject* const*, Py_ssize_t);
+// one declaration and one method per entry of ops.def; each is defined in this file as ENTRY(py_<name>)
+#define DTN_ENTRY(name, ops, doc) PyObject* py_##name(PyObject*, PyObject* const*, Py_ssize_t);
+#include "ops.def"
 
 PyMethodDef methods[] = {
-    {"qlinear", (PyCFunction)(void (*)())py_qlinear, METH_FASTCALL, "y = x @ dequant(w).T into out"},
-    {"gemv", (PyCFunction)(void (*)())py_gemv, METH_FASTCALL, "y = x @ w.T into out (float32/bf16 w)"},
-    {"rms_norm", (PyCFunction)(void (*)())py_rms_norm, METH_FASTCALL, "(residual add and) RMSNorm into out"},
-    {"rope", (PyCFunction)(void (*)())py_rope, METH_FASTCALL, "rotary embedding into out"},
-    {"silu_and_mul", (PyCFunction)(void (*)())py_silu_and_mul, METH_FASTCALL, "silu(gate) * up into out"},
-    {"gelu_tanh_and_mul", (PyCFunction)(void (*)())py_gelu_tanh_and_mul, METH_FASTCALL,
-     "gelu_tanh(gate) * up into out"},
-    {"set_isa", (PyCFunction)(void (*)())py_set_isa, METH_FASTCALL, "choose the kernel table"},
-    {"isa", (PyCFunction)(void (*)())py_isa, METH_FASTCALL, "the kernel table in use"},
-    {"set_float_gemm", (PyCFunction)(void (*)())py_set_float_gemm, METH_FASTCALL,
-     "the float GEMM of qlinear's dequantized panels (onednn or torch); returns the one before"},
-    {"set_bf16_panels", (PyCFunction)(void (*)())py_set_bf16_panels, METH_FASTCALL,
-     "coarse rows of qlinear through bfloat16 panels (oneDNN's AMX GEMM); returns the setting before"},
-    {"cpu_supports", (PyCFunction)(void (*)())py_cpu_supports, METH_FASTCALL, "whether this CPU runs an ISA"},
-    {"set_errors", (PyCFunction)(void (*)())py_set_errors, METH_FASTCALL, "the dtorch error classes to raise"},
-    {"paged_attention", (PyCFunction)(void (*)())py_paged_attention, METH_FASTCALL, "attention over paged KV caches"},
-    {"cache_store", (PyCFunction)(void (*)())py_cache_store, METH_FASTCALL, "key/value rows into cache slots"},
-    {"qembedding", (PyCFunction)(void (*)())py_qembedding, METH_FASTCALL, "dequantized rows of a gguf weight"},
-    {"conv_update", (PyCFunction)(void (*)())py_conv_update, METH_FASTCALL, "one causal conv1d update step"},
-    {"gdn_step", (PyCFunction)(void (*)())py_gdn_step, METH_FASTCALL, "one gated delta rule decode step"},
-    {"moe_decode", (PyCFunction)(void (*)())py_moe_decode, METH_FASTCALL, "one token through its experts"},
-    {"gdn_gates", (PyCFunction)(void (*)())py_gdn_gates, METH_FASTCALL, "gated delta net decay g and beta"},
-    {"repack", (PyCFunction)(void (*)())py_repack, METH_FASTCALL, "GGUF block bytes into packed rows"},
+#define DTN_ENTRY(name, ops, doc) {#name, (PyCFunction)(void (*)())py_##name, METH_FASTCALL, doc},
+#include "ops.def"
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CPU kernels", -1, methods};
@@ -658,14 +615,27 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CP
 }  // namespace
 
 PyMODINIT_FUNC PyInit__dtorch_native() {
+  for (const char* isa : {"avx512", "avx2", "portable"}) {  // a table without a kernel of ops.def: a broken build
+    const char* missing = nullptr;
+    dtn::table(isa, &missing);
+    if (missing) {
+      PyErr_Format(PyExc_ImportError, "the %s kernel table lacks %s: isa_%s.cpp must define each kernel of ops.def "
+                   "in its namespace kernels, and build.py link one object per group", isa, missing, isa);
+      return nullptr;
+    }
+  }
   g_table = cpu_has("avx512") && table_for("avx512") ? table_for("avx512")
           : cpu_has("avx2") && table_for("avx2")     ? table_for("avx2")
-                                                     : dtn::table_portable();
+                                                     : table_for("portable");
+  if (!g_table) {
+    PyErr_SetString(PyExc_ImportError, "no portable kernel table was linked (build.py links isa_portable.cpp)");
+    return nullptr;
+  }
   return PyModule_Create(&module);
 }
 
 // ===== KV cache and quantized embedding: paged_attention, cache_store, qembedding ===========================
-// llm.flash_attention_with_kvcache runs in the ISA units (attention.h, their AttnTable); storing a step's keys and
+// llm.flash_attention_with_kvcache runs in the ISA units (attention.h, Table::attend); storing a step's keys and
 // gathering embedding rows are copies and a dequantization of a few rows, plain C++ here.
 namespace {
 
@@ -674,22 +644,6 @@ namespace {
   do {                      \
     if (!(ok)) fail(type, msg); \
   } while (0)
-
-const dtn::AttnTable* attn_table() {  // the AttnTable of the ISA g_table belongs to
-  static const dtn::Table* seen = nullptr;
-  static const dtn::AttnTable* at = nullptr;
-  if (g_table != seen) {
-    const std::string name = g_table->name;
-#if defined(__x86_64__)
-    at = name == "avx512" ? dtn::attn_table_avx512() : name == "avx2" ? dtn::attn_table_avx2()
-                                                                        : dtn::attn_table_portable();
-#else
-    at = dtn::attn_table_portable();
-#endif
-    seen = g_table;
-  }
-  return at;
-}
 
 // the row stride of a [T, H, D] view whose last dim is dense; its head stride goes to *head
 int64_t token_stride(const at::Tensor& t, int64_t* head, const char* op, const char* name) {
@@ -766,7 +720,7 @@ ENTRY(py_paged_attention)
   }
   const dtn::AttnCall c{q.data_ptr(), q_tok, q_head, kc.data_ptr(), vc.data_ptr(), bs, hkv, out.data_ptr(), o_tok,
                         o_head, cp, lp, tp, mb, dt, D, G, float(scale), causal, int64_t(window), cdt};
-  const dtn::AttnTable* at = attn_table();
+  const dtn::Table* at = g_table;
   const dtn::AttnItem* ip = items.data();
   const int64_t ni = int64_t(items.size());
   Py_BEGIN_ALLOW_THREADS
@@ -896,15 +850,6 @@ EXIT
 // ===== decode steps of hybrid models: conv_update, gdn_step (recurrent.h), moe_decode ========================
 namespace {
 
-const dtn::StateTable* state_table() {  // the StateTable of the ISA g_table belongs to
-  const std::string name = g_table->name;
-#if defined(__x86_64__)
-  if (name == "avx512") return dtn::state_table_avx512();
-  if (name == "avx2") return dtn::state_table_avx2();
-#endif
-  return dtn::state_table_portable();
-}
-
 // Pool rows of a step's B batch rows: indices [B] int32/int64 (each in 0..P-1), or b itself when args is None;
 // write[b] = 1 unless a later batch row names the same row (padding rows may share one: the last one writes)
 void step_rows(PyObject* arg, int64_t B, int64_t P, const char* op, std::vector<int64_t>& rows,
@@ -962,7 +907,7 @@ ENTRY(py_conv_update)
   const dtn::ConvCall c{x.data_ptr(), ldx, w.data_ptr(), has_bias ? bias->data_ptr() : nullptr, w.size(1),
                         state.data_ptr(), state.size(2), t_rows.data(), t_write.data(), out.data_ptr(), ldo, dt, B, D,
                         silu};
-  const dtn::StateTable* st = state_table();
+  const dtn::Table* st = g_table;
   Py_BEGIN_ALLOW_THREADS
   if (B * D < (1 << 15)) {  // a decode step's few microseconds: no fork
     st->conv_update(c, 0, D);
@@ -1049,7 +994,7 @@ ENTRY(py_gdn_step)
       if (bool(t_write[size_t(b)]) == bool(pass))
         for (int64_t h = 0; h < H; ++h) items.push_back(b * H + h);
   const int64_t split = int64_t(std::count(t_write.begin(), t_write.end(), 0)) * H, n = B * H;
-  const dtn::StateTable* tb = state_table();
+  const dtn::Table* tb = g_table;
   const int64_t* ip = items.data();
   Py_BEGIN_ALLOW_THREADS
   for (auto [i0, i1] : {std::pair<int64_t, int64_t>{0, split}, {split, n}}) {

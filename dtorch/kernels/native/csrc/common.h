@@ -1,5 +1,5 @@
 // Shared plain-data declarations of the native kernels: the packed-weight and quantized-activation views and
-// the table of kernel entry points each ISA translation unit fills. No code lives here, so the ISA units
+// the table of kernel entry points each ISA translation unit fills (its fields: ops.def). No code lives here, so the ISA units
 // (each compiled with its own -m flags) never share an inline function (one definition rule).
 #pragma once
 #include <cstdint>
@@ -61,62 +61,6 @@ struct SGAct {
   int levels;
 };
 
-struct Table {
-  const char* name;
-  // x rows [r0, r1) of [M, K] (dt, row stride ldx) -> QAct arrays (row strides as in QAct)
-  void (*quantize_rows)(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q,
-                        float* darep, float* asum);
-  // y[m, n] = sum_k x[m, k] * w[n, k] for m < M, n in [n0, n1); y has dtype ydt and row stride ldy
-  // bias [N] (ydt) or nullptr is added before the one rounding to ydt
-  void (*qgemm)(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
-                int ydt, int64_t ldy);
-  // x rows [r0, r1) of [M, K] -> SGAct arrays
-  void (*quantize_sg)(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
-                      float* s, float* sh, int levels);
-  // qgemm for the 32-block formats: w.qs is row 0, w.qs_row the row bytes
-  void (*qgemm_sg)(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias, void* y,
-                   int ydt, int64_t ldy);
-  // y[m, n] = sum_k x[m, k] * w[n, k], x [M, K] (xdt), w [N, K] (wdt, rows n0..n1), y [M, ldy] (ydt)
-  void (*gemv)(const void* x, int xdt, int64_t M, const void* w, int wdt, int64_t K, int64_t n0, int64_t n1,
-               void* y, int ydt, int64_t ldy);
-  // rows [r0, r1) of [R, D]: if res: h = x + res (stored to res_out), else h = x; out = w * rmsnorm(h)
-  void (*rms_norm)(const void* x, const void* res, void* res_out, const void* w, void* out, int dt, int64_t r0,
-                   int64_t r1, int64_t D, float eps);
-  // rows [r0, r1) of x [R, H, D] (row stride ldx, heads dense): pairs (i, i + rot/2) (or (2i, 2i + 1)) of the first
-  // rot dims rotated by cos/sin [P, rot/2] (row stride ldc) row r % P; out like x with row stride ldo (may be x);
-  // dims rot.. copied when out is not x
-  void (*rope)(const void* x, int64_t ldx, void* out, int64_t ldo, int dt, const float* cos, const float* sin,
-               int64_t ldc, int64_t P, int64_t r0, int64_t r1, int64_t H, int64_t D, int64_t rot, bool interleaved);
-  // rows [r0, r1): out[r, i] = silu(gate[r, i]) * up[r, i], i < I; row strides ldg, ldu, I for out
-  void (*silu_and_mul)(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
-                       int64_t r1, int64_t I);
-  // rows [n0, n1) of a packed weight -> float32 out [n1 - n0, K] with K in the packed order (see kernel_order in
-  // binding.cpp), equal to gguf's dequantization
-  void (*dequant)(const QWeight& w, int64_t n0, int64_t n1, float* out);
-  // the super-grouped formats' integer tiles beat dequantized float panels in torch's mm at every row count (in
-  // oneDNN's GEMM the panels win from 128 rows on most formats: float_rows in binding.cpp)
-  bool int_prefill;
-};
-
-const Table* table_avx512();
-const Table* table_avx2();
-const Table* table_portable();
-
-}  // namespace dtn
-
-// -- gated activations besides silu_and_mul (elementwise.h), a table of their own ------------------------------
-namespace dtn {
-
-struct GluTable {
-  // rows [r0, r1): out[r, i] = gelu_tanh(gate[r, i]) * up[r, i], i < I; row strides ldg, ldu, I for out
-  void (*gelu_tanh_and_mul)(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
-                            int64_t r1, int64_t I);
-};
-
-const GluTable* glu_table_avx512();
-const GluTable* glu_table_avx2();
-const GluTable* glu_table_portable();
-
 }  // namespace dtn
 
 // -- paged KV-cache attention (attention.h) ------------------------------------------------------------------
@@ -139,15 +83,6 @@ struct AttnCall {
 // A unit of work: rows [r0, r1) of sequence seq and kv head head, row r = i * G + g being query i of the
 // sequence on query head head * G + g (at most 16 rows).
 struct AttnItem { int32_t seq, head, r0, r1; };
-
-struct AttnTable {
-  // items [i0, i1) of c; D a multiple of 16 up to 256
-  void (*attend)(const AttnCall& c, const AttnItem* items, int64_t i0, int64_t i1);
-};
-
-const AttnTable* attn_table_avx512();
-const AttnTable* attn_table_avx2();
-const AttnTable* attn_table_portable();
 
 }  // namespace dtn
 
@@ -184,15 +119,23 @@ struct GdnCall {
 };
 constexpr int64_t kGdnMaxDim = 256;  // K and V up to this (V a multiple of 16)
 
-struct StateTable {
-  // channels [d0, d1) of every batch row
-  void (*conv_update)(const ConvCall& c, int64_t d0, int64_t d1);
-  // items [i0, i1) of the list, item = b * H + h
-  void (*gdn_step)(const GdnCall& c, const int64_t* items, int64_t i0, int64_t i1);
+}  // namespace dtn
+
+// -- the kernel table of one ISA: a field per kernel and value of the op list (ops.def) --------------------------
+namespace dtn {
+
+struct Table {
+  const char* name;  // the ISA: "avx512", "avx2" or "portable"
+#define DTN_KERNEL(group, op, ret, params) ret(*op) params = nullptr;
+#define DTN_VALUE(group, type, name) type name{};
+#include "ops.def"
 };
 
-const StateTable* state_table_avx512();
-const StateTable* state_table_avx2();
-const StateTable* state_table_portable();
+// Each ISA unit's objects add their group's fields at load (isa_fill.h); returns true (a static's initializer)
+bool add_fill(const char* isa, const char* group, void (*fill)(Table&));
+// The table of `isa` assembled from every group its objects added, or nullptr when no object of that ISA was linked
+// (an ISA the build skips on this machine). A table that lacks a field of ops.def is not returned: *missing then
+// names the fields and the groups whose objects should have filled them.
+const Table* table(const char* isa, const char** missing);
 
 }  // namespace dtn

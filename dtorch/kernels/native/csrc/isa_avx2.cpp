@@ -1,4 +1,6 @@
-// The avx2 kernel table. AVX2 + FMA + F16C: built with -mavx2 -mfma -mf16c.
+// The avx2 kernels: AVX2 + FMA + F16C, built with -mavx2 -mfma -mf16c. build.py compiles this unit once per group of
+// ops.def (-DDTN_GROUP_<group>=1): each object includes the headers its group needs (a group's kernels call into
+// the headers above them in this list) and fills that group's fields of the table (isa_fill.h).
 // Everything here lives in its own namespace, so no inline function is shared with a unit built for another ISA.
 #include <cmath>
 #include <cstdint>
@@ -10,45 +12,32 @@
 #include "common.h"
 
 #define DTN_ISA isa_avx2
+#define DTN_ISA_NAME "avx2"
 namespace DTN_ISA {
 #include "generic.h"
-#include "elementwise.h"
+#if DTN_GROUP_quant
 #include "quant_avx2.h"
-}  // namespace DTN_ISA
-
-namespace dtn {
-const Table* table_avx2() {
-  static const Table t{"avx2", DTN_ISA::quantize_rows, DTN_ISA::qgemm256, DTN_ISA::quantize_sg, DTN_ISA::qgemm_sg256,
-                       DTN_ISA::gemv256, DTN_ISA::rms_norm, DTN_ISA::rope,
-                       DTN_ISA::silu_and_mul, DTN_ISA::dequant, false};
-  return &t;
-}
-}  // namespace dtn
-
-// paged KV-cache attention (attention.h) and the recurrent mixers' decode steps (recurrent.h), tables of their own
-// so the kernel table above stays as it is
-namespace DTN_ISA {
-#include "attention.h"
+#endif
+#if DTN_GROUP_elementwise || DTN_GROUP_attention || DTN_GROUP_recurrent
+#include "elementwise.h"
+#endif
+#if DTN_GROUP_attention || DTN_GROUP_recurrent
+#include "attention.h"  // V16, which recurrent.h uses too
+#endif
+#if DTN_GROUP_recurrent
 #include "recurrent.h"
+#endif
 }  // namespace DTN_ISA
 
-namespace dtn {
-const AttnTable* attn_table_avx2() {
-  static const AttnTable t{DTN_ISA::attend};
-  return &t;
-}
-}  // namespace dtn
+// the kernels of this unit by their names in ops.def, where the functions are named otherwise
+namespace DTN_ISA::kernels {
+using namespace DTN_ISA;
+#if DTN_GROUP_quant
+constexpr auto qgemm = qgemm256;
+constexpr auto qgemm_sg = qgemm_sg256;
+constexpr auto gemv = gemv256;
+constexpr bool int_prefill = false;
+#endif
+}  // namespace DTN_ISA::kernels
 
-namespace dtn {
-const StateTable* state_table_avx2() {
-  static const StateTable t{DTN_ISA::conv_update, DTN_ISA::gdn_step};
-  return &t;
-}
-}  // namespace dtn
-
-namespace dtn {
-const GluTable* glu_table_avx2() {
-  static const GluTable t{DTN_ISA::gelu_tanh_and_mul};
-  return &t;
-}
-}  // namespace dtn
+#include "isa_fill.h"
