@@ -47,6 +47,7 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
         if body.dimensions is not None and body.dimensions != width:
             raise ApiError(400, f"dimensions: this model's embeddings have {width} dimensions and cannot be "
                                 f"shortened; leave dimensions out or give {width}", param="dimensions")
+        server.check_ranks()
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in ids]
         rid = f"embd-{uuid.uuid4().hex}"
@@ -63,7 +64,11 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
                 llm.engine.add_embedding(f"{rid}-{i}", t, pooling, sink)
         except EngineBusy as exc:
             raise ApiError(503, str(exc), "ServiceUnavailableError", None, "engine_busy") from None
-        vectors = await asyncio.gather(*futures)
+        server.waiting.update(futures)
+        try:
+            vectors = await asyncio.gather(*futures)
+        finally:
+            server.waiting.difference_update(futures)
         data = []
         for i, v in enumerate(vectors):
             if isinstance(v, BaseException):
