@@ -3,8 +3,9 @@
 the greedy text, the forced tool call and the embedding are its own. Rank 0 holds the server and the scheduler, the
 banner lists both ranks with what each holds (half the heads, or one layer each).
 
-- tp=2: a streamed chat, a forced tool call, embeddings, a greedy completion; then SIGTERM on rank 0 in the middle of a
-  stream: the stream finishes (the drain), every rank exits 0.
+- tp=2, with speculative decoding (the model as its own draft model): a streamed chat, a forced tool call,
+  embeddings, a greedy completion, drafts accepted in /metrics; then SIGTERM on rank 0 in the middle of a stream: the
+  stream finishes (the drain), every rank exits 0.
 - pp=2: the same answers; then rank 1 is killed (SIGKILL) in the middle of a stream: the stream ends with an error
   event naming rank 1, /health answers 503, and rank 0 exits 2 naming rank 1 (torchrun's own monitor polls every 5 s,
   so it does not stop rank 0 before rank 0 has answered and exited by itself).
@@ -141,10 +142,15 @@ def _long_stream(r: Ranks, tokens: int):
 
 def test_tp2_serves_the_openai_client_and_sigterm_on_rank_0_drains_every_rank(tiny, tmp_path):
     model, want = tiny
-    r = Ranks(tmp_path, model, "-tp", "2", "--shutdown-grace", "60")
+    # the model drafts for itself: the draft model's steps are told to rank 1 too, and greedy answers stay the same
+    spec = json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": 2})
+    r = Ranks(tmp_path, model, "-tp", "2", "--shutdown-grace", "60", "--speculative-config", spec)
     try:
         assert r.holds[0].startswith("layers 0-1 of 2, tp shard 1 of 2") and "tp shard 2 of 2" in r.holds[1]
         _answers_like_one_process(r, want)
+        with urllib.request.urlopen(f"http://127.0.0.1:{r.port}/metrics", timeout=10) as m:
+            accepted = re.search(r"^dtorch:spec_decode_num_accepted_tokens_total (\S+)", m.read().decode(), re.M)
+        assert float(accepted.group(1)) > 0  # a model agrees with itself
         it = _long_stream(r, DRAINED)
         os.kill(r.pids[0], signal.SIGTERM)
         rest = list(it)
@@ -167,11 +173,11 @@ def test_pp2_serves_the_openai_client_and_a_killed_rank_ends_the_stream_with_an_
         with pytest.raises(openai.APIError) as e:
             for _ in it:
                 pass
-        assert "rank 1" in str(e.value.message), e.value
+        assert "lost rank 1" in str(e.value.message), e.value
         assert r.health() == 503
         assert time.monotonic() - t0 < 10  # a closed connection: noticed at once, not after --rank-timeout
         assert r.wait(60) != 0
         lines = [ln for ln in r.text().splitlines() if ln.startswith("dtorch: error: rank 0 of 2:")]
-        assert lines and "rank 1" in lines[0], r.text()
+        assert lines and "lost rank 1" in lines[0], r.text()
     finally:
         r.kill()

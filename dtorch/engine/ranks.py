@@ -11,7 +11,8 @@ The scheduler, sampling, grammars, tools and the tokenizer run on rank 0 only; f
 Liveness (``Watchdog``): on every rank a thread passes a monitored barrier of a gloo group of its own every ``BEAT_S``
 seconds; a rank that does not within ``rank_timeout`` seconds (its process died, or it hangs) is named by rank 0's
 barrier, and a follower whose barrier fails has lost rank 0. A step whose collective fails (a peer's connection closed),
-or any failure of a step the other ranks were told of, is a lost rank too. Either way ``Ranks.lose`` runs once: the
+or any failure of a step the other ranks were told of, is a lost rank too (named by the watchdog's next barrier when it
+comes within ``NAMING_S`` seconds, as it does for a closed connection). Either way ``Ranks.lose`` runs once: the
 ``on_lost`` callback (the server answers 503 and ends the requests in flight), then the process exits with status 2
 after ``LINGER_S`` seconds, the message naming the lost rank on stderr. ``Leader.stop`` (SIGTERM on rank 0, after the
 drain) tells every rank to stop and waits for each one's acknowledgement, so every rank exits 0 together.
@@ -40,6 +41,7 @@ log = logging.getLogger("dtorch.engine")
 CHUNK = 4096  # bytes of the first broadcast of a message (its length, then its start): one broadcast for most plans
 BEAT_S = 1.0  # seconds between two liveness barriers
 LINGER_S = 3.0  # seconds rank 0 keeps answering (503) after a lost rank before it exits
+NAMING_S = 2.5  # seconds a failed collective waits for the watchdog to name the lost rank (a closed connection: ~1 s)
 IDLE = datetime.timedelta(days=30)  # the plan group's timeout: a follower waits for work as long as rank 0 lives
 CALLS = {"target": ("step", "runner", "capture_now"), "draft": ("step", "runner", "capture_now"),
          "cache": ("reset_state", "release")}  # what a follower may be told to call, on which of its objects
@@ -146,21 +148,31 @@ class Watchdog:
         leave_signals_to_main()
         rank = dist.get_rank()
         while not self.stopped.wait(BEAT_S):
+            t0 = time.monotonic()
             try:
                 dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout),
                                        wait_all_ranks=True)
             except RuntimeError as exc:
                 if not self.stopped.is_set():
-                    self.on_lost(self.explain(rank, str(exc)))
+                    self.on_lost(self.explain(rank, str(exc), time.monotonic() - t0))
                 return
 
-    def explain(self, rank: int, text: str) -> str:
-        """Which rank was lost, from the barrier's error ``text`` on ``rank``."""
+    def explain(self, rank: int, text: str, waited: float) -> str:
+        """Which rank was lost, from the barrier's error ``text`` on ``rank`` after ``waited`` seconds."""
+        import torch.distributed as dist
+
         m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
-        lost = [int(r) for r in m.group(1).replace(",", " ").split()] if m and rank == 0 else [0]
-        who = "; ".join(self.describe(r) for r in lost)
-        return (f"lost {who}: it did not pass the liveness check within {self.timeout:g} s (its process died or "
-                f"hangs; see its log; --rank-timeout sets the wait)")
+        if rank != 0:
+            lost = [0]
+        elif m:
+            lost = [int(r) for r in m.group(1).replace(",", " ").split()]
+        else:  # a connection error before the barrier could say whose
+            lost = list(range(1, dist.get_world_size(self.group)))
+        who = " or ".join(self.describe(r) for r in lost)
+        if waited < 0.9 * self.timeout:  # refused at once: the connection closed
+            return f"lost {who}: its connection closed (the process exited or was killed; see its log)"
+        return (f"lost {who}: it did not pass the liveness check within {self.timeout:g} s (it hangs or its host "
+                f"is unreachable; see its log; --rank-timeout sets the wait)")
 
 
 class Ranks:
@@ -177,6 +189,7 @@ class Ranks:
         self.leader: Leader | None = None  # rank 0's (``Leader``)
         self.lost: str | None = None
         self._lost_lock = threading.Lock()
+        self._named = threading.Event()  # set with ``lost``
         self._exiting = threading.Thread(target=self._exit, args=(LINGER_S if self.rank == 0 else 0.0,),
                                          name="dtorch-lost", daemon=True)
         # new_group is collective: every rank makes both, in this order
@@ -198,6 +211,7 @@ class Ranks:
             if self.lost is not None:
                 return
             self.lost = why
+            self._named.set()
         self.watchdog.stopped.set()
         log.error("%s", why)
         if self.on_lost is not None:
@@ -206,6 +220,14 @@ class Ranks:
             except Exception:
                 log.exception("telling the server of the lost rank failed")
         self._exiting.start()
+
+    def lose_after(self, exc: BaseException) -> None:
+        """A collective failed here (``exc``): the watchdog's barrier, which names the lost rank, decides within
+        ``NAMING_S`` seconds; else ``exc`` itself is the reason."""
+        if not self._named.wait(NAMING_S):
+            self.lose(str(exc) if isinstance(exc, CommunicationError) else
+                      f"rank {self.rank}'s step failed after the other ranks were told of it ({type(exc).__name__}: "
+                      f"{exc}); the ranks are out of step")
 
     def wait_exit(self) -> None:
         """After ``lose``: wait for the exit (never returns)."""
@@ -229,11 +251,7 @@ class Teller:
 
     def failed(self, exc: BaseException) -> None:
         """A step the others were told of failed here: whatever the cause, the ranks are no longer in step."""
-        if isinstance(exc, CommunicationError):
-            self.leader.ranks.lose(str(exc))
-        else:
-            self.leader.ranks.lose(f"rank 0's step failed after the other ranks were told of it ({type(exc).__name__}: "
-                                   f"{exc}); the ranks are out of step")
+        self.leader.ranks.lose_after(exc)
 
 
 class Leader:
@@ -257,7 +275,7 @@ class Leader:
             with self._lock:
                 self.ranks.channel.send((target, name, args))
         except CommunicationError as exc:
-            self.ranks.lose(str(exc))
+            self.ranks.lose_after(exc)
             raise
 
     def stop(self) -> None:
@@ -289,5 +307,5 @@ def follow(ranks: Ranks) -> int:
             try:
                 getattr(targets[target], name)(*args)
             except CommunicationError as exc:  # a lost peer: exit naming it (also when the watchdog saw it first)
-                ranks.lose(str(exc))
+                ranks.lose_after(exc)
                 ranks.wait_exit()

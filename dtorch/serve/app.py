@@ -470,7 +470,10 @@ class _EventStream(StreamingResponse):
                 async for event in self._events:
                     yield event
         except Exception as exc:
-            log.exception("stream failed")
+            if isinstance(exc, ApiError):  # said and answered: no traceback
+                log.error("stream failed: %s", exc)
+            else:
+                log.exception("stream failed")
             yield sse(error_of(exc)[1])
         yield "data: [DONE]\n\n"
 

@@ -195,7 +195,12 @@ def _serve(llm: Any, args: argparse.Namespace, ranks: Any, t0: float, key: str |
     from dtorch.serve.logs import banner
 
     log = logging.getLogger("dtorch.serve")
-    loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
+
+    def on_error(exc: BaseException) -> None:
+        if ranks is None or ranks.lost is None:  # a lost rank was said once (the steps after it fail alike)
+            log.error("engine step failed", exc_info=exc)
+
+    loop = EngineLoop(llm.engine, on_error=on_error)
     name = args.served_model_name or served_name(llm.source)
     loaded = time.perf_counter() - t0
     # the step shapes are built by the engine loop between requests (a request's own shapes when it needs them):
