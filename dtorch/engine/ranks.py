@@ -8,14 +8,15 @@ broadcast of ``CHUNK`` bytes, two when it is longer; a decode step's plan is a f
 (``follow``) makes the same call on its own executor or cache, in the same order: every rank runs the same step graph.
 The scheduler, sampling, grammars, tools and the tokenizer run on rank 0 only; followers never sample.
 
-Liveness (``Watchdog``): on every rank a thread passes a monitored barrier of a gloo group of its own every ``BEAT_S``
-seconds; a rank that does not within ``rank_timeout`` seconds (its process died, or it hangs) is named by rank 0's
-barrier, and a follower whose barrier fails has lost rank 0. A step whose collective fails (a peer's connection closed),
-or any failure of a step the other ranks were told of, is a lost rank too (named by the watchdog's next barrier when it
-comes within ``NAMING_S`` seconds, as it does for a closed connection). Either way ``Ranks.lose`` runs once: the
-``on_lost`` callback (the server answers 503 and ends the requests in flight), then the process exits with status 2
-after ``LINGER_S`` seconds, the message naming the lost rank on stderr. ``Leader.stop`` (SIGTERM on rank 0, after the
-drain) tells every rank to stop and waits for each one's acknowledgement, so every rank exits 0 together.
+Liveness (``Watchdog``): every ``BEAT_S`` seconds rank 0 sends a beat to each other rank on a gloo group of the two;
+a rank that does not take it within ``rank_timeout`` seconds (its process died, or it hangs) is lost, and the next
+beats tell the others which; a follower whose beat does not come has lost rank 0. A step whose collective fails (a
+closed connection), or any failure of a step the other ranks were told of, is a lost rank too (named by the watchdog
+when it does so within ``NAMING_S`` seconds, as it does for a closed connection). Either way ``Ranks.lose`` runs
+once: the ``on_lost`` callback (the server answers 503 and ends the requests in flight), then the process exits with
+status 2 after ``LINGER_S`` seconds (rank 0; the others at once), the message naming the lost rank on stderr.
+``Leader.stop`` (SIGTERM on rank 0, after the drain) tells every rank to stop and waits for each one's
+acknowledgement, so every rank exits 0 together.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import datetime
 import logging
 import os
 import pickle
-import re
 import socket
 import sys
 import threading
@@ -89,8 +89,7 @@ class PlanChannel:
         except (RuntimeError, ValueError) as exc:
             import torch.distributed as dist
 
-            peer = "a follower" if dist.get_rank() == 0 else "rank 0"
-            raise CommunicationError(f"{what} failed on rank {dist.get_rank()}: {peer} was lost (its connection "
+            raise CommunicationError(f"{what} failed on rank {dist.get_rank()}: a rank was lost (its connection "
                                      f"closed or it stopped answering). {type(exc).__name__}: {exc}") from exc
 
 
@@ -127,12 +126,18 @@ class RankInfo:
 
 
 class Watchdog:
-    """A thread passing a monitored barrier of ``group`` every ``BEAT_S`` seconds; ``on_lost(why)`` once when one
-    fails (rank 0: naming the ranks that did not pass within ``timeout`` seconds), unless stopped first."""
+    """A thread that checks every ``BEAT_S`` seconds that the other side of each pair group (rank 0 and one other
+    rank; ``pairs[r]`` is rank r's) still answers, and calls ``on_lost(why)`` once when one does not (unless stopped).
 
-    def __init__(self, group: Any, timeout: float, describe: Callable[[int], str],
+    Rank 0 broadcasts a beat on each pair in turn and waits ``timeout`` seconds at most for each: the pair that fails
+    names the lost rank, and the beats rank 0 then sends to the others carry its number, so that every rank exits
+    naming it. A follower waits for its beat for longer (rank 0 may first wait out another rank).
+    """
+
+    def __init__(self, pairs: dict[int, Any], timeout: float, world: int, describe: Callable[[int], str],
                  on_lost: Callable[[str], None]) -> None:
-        self.group, self.timeout, self.describe, self.on_lost = group, timeout, describe, on_lost
+        self.pairs, self.timeout, self.world = pairs, timeout, world
+        self.describe, self.on_lost = describe, on_lost
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="dtorch-watchdog", daemon=True)
 
@@ -146,32 +151,53 @@ class Watchdog:
         from dtorch.core.sync import leave_signals_to_main
 
         leave_signals_to_main()
-        rank = dist.get_rank()
+        beat = self._lead if dist.get_rank() == 0 else self._follow
         while not self.stopped.wait(BEAT_S):
-            t0 = time.monotonic()
-            try:
-                dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout),
-                                       wait_all_ranks=True)
-            except RuntimeError as exc:
+            why = beat()
+            if why is not None:
                 if not self.stopped.is_set():
-                    self.on_lost(self.explain(rank, str(exc), time.monotonic() - t0))
+                    self.on_lost(why)
                 return
 
-    def explain(self, rank: int, text: str, waited: float) -> str:
-        """Which rank was lost, from the barrier's error ``text`` on ``rank`` after ``waited`` seconds."""
+    def _beat(self, rank: int, news: int, wait: float) -> tuple[int, float | None]:
+        """One beat on ``rank``'s pair: rank 0 sends ``news`` (0, or 1 + a lost rank), the other receives it; returns
+        what came and, when the beat failed, after how many seconds (None: it came)."""
         import torch.distributed as dist
 
-        m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
-        if rank != 0:
-            lost = [0]
-        elif m:
-            lost = [int(r) for r in m.group(1).replace(",", " ").split()]
-        else:  # a connection error before the barrier could say whose
-            lost = list(range(1, dist.get_world_size(self.group)))
-        who = " or ".join(self.describe(r) for r in lost)
+        t = torch.tensor([news], dtype=torch.int64)
+        t0 = time.monotonic()
+        try:
+            dist.broadcast(t, src=0, group=self.pairs[rank], async_op=True).wait(
+                timeout=datetime.timedelta(seconds=wait))
+        except RuntimeError:
+            return 0, time.monotonic() - t0
+        return int(t.item()), None
+
+    def _lead(self) -> str | None:
+        for r in self.pairs:
+            _, failed = self._beat(r, 0, self.timeout)
+            if failed is not None:
+                for other in self.pairs:  # the survivors learn whom they lost
+                    if other != r:
+                        self._beat(other, 1 + r, BEAT_S)
+                return self._lost(r, failed)
+        return None
+
+    def _follow(self) -> str | None:
+        (me,) = self.pairs
+        # rank 0 may first wait out every other rank, then beat this one
+        news, failed = self._beat(me, 0, self.timeout * self.world + 2 * BEAT_S)
+        if failed is not None:
+            return self._lost(0, failed)
+        return self._lost(news - 1, None, told=True) if news else None
+
+    def _lost(self, rank: int, waited: float | None, told: bool = False) -> str:
+        who = self.describe(rank)
+        if told:
+            return f"lost {who}, as rank 0 found (see rank 0's log)"
         if waited < 0.9 * self.timeout:  # refused at once: the connection closed
             return f"lost {who}: its connection closed (the process exited or was killed; see its log)"
-        return (f"lost {who}: it did not pass the liveness check within {self.timeout:g} s (it hangs or its host "
+        return (f"lost {who}: it did not answer the liveness check within {self.timeout:g} s (it hangs or its host "
                 f"is unreachable; see its log; --rank-timeout sets the wait)")
 
 
@@ -194,11 +220,12 @@ class Ranks:
                                          name="dtorch-lost", daemon=True)
         # new_group is collective: every rank makes both, in this order
         self.channel = PlanChannel(dist.new_group(backend="gloo", timeout=IDLE))
-        beat = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=rank_timeout))
+        pairs = {r: dist.new_group([0, r], backend="gloo", timeout=IDLE) for r in range(1, self.world)}
         infos: list[Any] = [None] * self.world
         dist.all_gather_object(infos, RankInfo.of(llm), group=self.channel.group)
         self.infos: list[RankInfo] = infos
-        self.watchdog = Watchdog(beat, rank_timeout, self.describe, self.lose).start()
+        mine = pairs if self.rank == 0 else {self.rank: pairs[self.rank]}
+        self.watchdog = Watchdog(mine, rank_timeout, self.world, self.describe, self.lose).start()
 
     def describe(self, rank: int) -> str:
         i = self.infos[rank]
@@ -211,7 +238,6 @@ class Ranks:
             if self.lost is not None:
                 return
             self.lost = why
-            self._named.set()
         self.watchdog.stopped.set()
         log.error("%s", why)
         if self.on_lost is not None:
@@ -219,15 +245,21 @@ class Ranks:
                 self.on_lost(why)
             except Exception:
                 log.exception("telling the server of the lost rank failed")
+        self._named.set()  # only now: what the engine does after (its "abort" deltas) comes after the server's errors
         self._exiting.start()
+
+    def settled(self) -> None:
+        """Wait until ``lose`` has told ``on_lost`` (``lost`` is set a moment before)."""
+        self._named.wait()
 
     def lose_after(self, exc: BaseException) -> None:
         """A collective failed here (``exc``): the watchdog's barrier, which names the lost rank, decides within
-        ``NAMING_S`` seconds; else ``exc`` itself is the reason."""
+        ``NAMING_S`` seconds; else ``exc`` itself is the reason. Returns once the server was told."""
         if not self._named.wait(NAMING_S):
             self.lose(str(exc) if isinstance(exc, CommunicationError) else
                       f"rank {self.rank}'s step failed after the other ranks were told of it ({type(exc).__name__}: "
                       f"{exc}); the ranks are out of step")
+            self.settled()
 
     def wait_exit(self) -> None:
         """After ``lose``: wait for the exit (never returns)."""
@@ -270,6 +302,7 @@ class Leader:
 
     def tell(self, target: str, name: str, args: tuple) -> None:
         if self.ranks.lost is not None:
+            self.ranks.settled()
             raise CommunicationError(self.ranks.lost)
         try:
             with self._lock:
