@@ -1,6 +1,7 @@
 """``dtorch serve`` under torchrun: 2 gloo ranks on a random 2-layer Qwen3 with a chat template, tensor parallel
 (``-tp 2``) and pipelined (``-pp 2``), answering the ``openai`` client. One process's ``LLM`` (tp=1) is the reference:
-the greedy text, the forced tool call and the embedding are its own. Rank 0 holds the server and the scheduler, the
+the greedy text, the forced tool call and the embedding (of a long input, whose step plan takes two broadcasts) are
+its own. Rank 0 holds the server and the scheduler, the
 banner lists both ranks with what each holds (half the heads, or one layer each).
 
 - tp=2, with speculative decoding (the model as its own draft model): a streamed chat, a forced tool call,
@@ -38,6 +39,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
                                          "parameters": {"type": "object", "properties": {
                                              "city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
+LONG_INPUT = " ".join([PROMPT] * 100)  # 2600 tokens: a step plan past one broadcast's 4 KiB (ranks.CHUNK)
 LONG = 3000  # tokens of a stream still running when rank 1 is killed (the model never ends it: ignore_eos)
 DRAINED = 150  # tokens of a stream still running when rank 0 gets SIGTERM, which it then finishes
 
@@ -62,7 +64,7 @@ def tiny(tmp_path_factory):
                 "completion": llm.generate(PROMPT, greedy)[0].outputs[0].text,
                 "call": llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=80), tools=[TOOL],
                                  tool_choice=FORCED)[0].outputs[0].tool_calls[0].arguments,
-                "embedding": llm.embed(PROMPT)[0].tolist()}
+                "embedding": llm.embed(LONG_INPUT)[0].tolist()}
     finally:
         llm.close()
     return path, want
@@ -79,7 +81,7 @@ class Ranks:
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                  str(_free_port()), "--monitor-interval", "5", "-m", "dtorch", "serve", "--model", str(model),
                  "--served-model-name", "tiny", "--port", str(self.port), "--log-level", "warning",
-                 "--max-num-seqs", "4", "--rank-timeout", "10", *flags],
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "2048", "--rank-timeout", "10", *flags],
                 cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
                                     timeout=60)
@@ -127,7 +129,7 @@ def _answers_like_one_process(r: Ranks, want: dict) -> None:
                                      tool_choice=FORCED).choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
     assert call.function.arguments == want["call"]
-    vector = c.embeddings.create(model="tiny", input=PROMPT).data[0].embedding
+    vector = c.embeddings.create(model="tiny", input=LONG_INPUT).data[0].embedding
     assert max(abs(a - b) for a, b in zip(vector, want["embedding"], strict=True)) < 1e-4
 
 
