@@ -72,11 +72,13 @@ class PlanChannel:
             data += rest.numpy().tobytes()
         return pickle.loads(data)
 
-    def barrier(self) -> None:
-        """Every rank reached this point (the acknowledgement of a stop)."""
+    def barrier(self, timeout: float) -> None:
+        """Every rank reached this point within ``timeout`` seconds (the acknowledgement of a stop; rank 0's error
+        names a rank that did not)."""
         import torch.distributed as dist
 
-        self._do("the stop's acknowledgement", lambda: dist.barrier(group=self.group))
+        self._do("the stop's acknowledgement", lambda: dist.monitored_barrier(
+            group=self.group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True))
 
     def _broadcast(self, t: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -317,7 +319,7 @@ class Leader:
         with self._lock:
             self.ranks.channel.send(("stop", "", ()))
             self.ranks.watchdog.stopped.set()
-            self.ranks.channel.barrier()
+            self.ranks.channel.barrier(self.ranks.watchdog.timeout)
 
 
 def follow(ranks: Ranks) -> int:
@@ -332,7 +334,7 @@ def follow(ranks: Ranks) -> int:
             target, name, args = channel.recv()
             if target == "stop":
                 ranks.watchdog.stopped.set()
-                channel.barrier()
+                channel.barrier(ranks.watchdog.timeout * 2)
                 return 0
             if name not in CALLS.get(target, ()) or targets[target] is None:
                 raise CommunicationError(f"rank {ranks.rank}: rank 0 told a call this rank cannot make: "
