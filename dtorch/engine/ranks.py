@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dtorch.core.errors import ArgumentError, CommunicationError
 
 log = logging.getLogger("dtorch.engine")
 CHUNK = 4096  # bytes of the first broadcast of a message (its length, then its start): one broadcast for most plans
-BEAT_S = 1.0  # seconds between two liveness barriers
+BEAT_S = 1.0  # seconds between two liveness beats
 LINGER_S = 3.0  # seconds rank 0 keeps answering (503) after a lost rank before it exits
 NAMING_S = 2.5  # seconds a failed collective waits for the watchdog to name the lost rank (a closed connection: ~1 s)
 IDLE = datetime.timedelta(days=30)  # the plan group's timeout: a follower waits for work as long as rank 0 lives
@@ -75,22 +76,16 @@ class PlanChannel:
     def barrier(self, timeout: float) -> None:
         """Every rank reached this point within ``timeout`` seconds (the acknowledgement of a stop; rank 0's error
         names a rank that did not)."""
-        import torch.distributed as dist
-
         self._do("the stop's acknowledgement", lambda: dist.monitored_barrier(
             group=self.group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True))
 
     def _broadcast(self, t: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         self._do("the plan broadcast", lambda: dist.broadcast(t, src=0, group=self.group))
 
     def _do(self, what: str, fn: Callable[[], Any]) -> None:
         try:
             fn()
         except (RuntimeError, ValueError) as exc:
-            import torch.distributed as dist
-
             raise CommunicationError(f"{what} failed on rank {dist.get_rank()}: a rank was lost (its connection "
                                      f"closed or it stopped answering). {type(exc).__name__}: {exc}") from exc
 
@@ -148,13 +143,12 @@ class Watchdog:
         return self
 
     def _run(self) -> None:
-        import torch.distributed as dist
-
         from dtorch.core.sync import leave_signals_to_main
 
         leave_signals_to_main()
-        beat = self._lead if dist.get_rank() == 0 else self._follow
-        while not self.stopped.wait(BEAT_S):
+        lead = dist.get_rank() == 0
+        beat = self._lead if lead else self._follow
+        while not self.stopped.wait(BEAT_S if lead else 0):  # rank 0 keeps the pace; the others wait for its beats
             why = beat()
             if why is not None:
                 if not self.stopped.is_set():
@@ -164,8 +158,6 @@ class Watchdog:
     def _beat(self, rank: int, news: int, wait: float) -> tuple[int, float | None]:
         """One beat on ``rank``'s pair: rank 0 sends ``news`` (0, or 1 + a lost rank), the other receives it; returns
         what came and, when the beat failed, after how many seconds (None: it came)."""
-        import torch.distributed as dist
-
         t = torch.tensor([news], dtype=torch.int64)
         t0 = time.monotonic()
         try:
@@ -208,8 +200,6 @@ class Ranks:
     and what happens when a rank is lost (``lose``)."""
 
     def __init__(self, llm: Any, rank_timeout: float, on_lost: Callable[[str], None] | None = None) -> None:
-        import torch.distributed as dist
-
         if not 0 < rank_timeout < float("inf"):
             raise ArgumentError(f"Ranks: rank_timeout must be a number of seconds > 0, got {rank_timeout}")
         self.llm, self.rank, self.world = llm, dist.get_rank(), dist.get_world_size()

@@ -121,8 +121,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise DtorchError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     if not 0 <= args.log_stats_interval < float("inf"):
         raise DtorchError(f"--log-stats-interval must be a number of seconds >= 0, got {args.log_stats_interval}")
-    if not 0 < args.rank_timeout < float("inf"):
-        raise DtorchError(f"--rank-timeout must be a number of seconds > 0, got {args.rank_timeout}")
+    if not 1 <= args.rank_timeout < float("inf"):
+        raise DtorchError(f"--rank-timeout must be a number of seconds >= 1, got {args.rank_timeout}")
     key = args.api_key if args.api_key is not None else env.api_key()
     if key is not None and not key.strip():
         raise DtorchError("--api-key is empty; give a key, or leave the option out to serve without one")
