@@ -42,6 +42,7 @@ log = logging.getLogger("dtorch.engine")
 CHUNK = 4096  # bytes of the first broadcast of a message (its length, then its start): one broadcast for most plans
 BEAT_S = 1.0  # seconds between two liveness beats
 LINGER_S = 3.0  # seconds rank 0 keeps answering (503) after a lost rank before it exits
+STOP = -1  # a beat's news: the watchdog ends (the ranks stop)
 NAMING_S = 2.5  # seconds a failed collective waits for the watchdog to name the lost rank (a closed connection: ~1 s)
 IDLE = datetime.timedelta(days=30)  # the plan group's timeout: a follower waits for work as long as rank 0 lives
 CALLS = {"target": ("step", "runner", "capture_now"), "draft": ("step", "runner", "capture_now"),
@@ -143,17 +144,29 @@ class Watchdog:
         return self
 
     def _run(self) -> None:
+        """Beat until stopped; a beat returns None (go on), "" (stopped) or why a rank was lost."""
         from dtorch.core.sync import leave_signals_to_main
 
         leave_signals_to_main()
         lead = dist.get_rank() == 0
         beat = self._lead if lead else self._follow
-        while not self.stopped.wait(BEAT_S if lead else 0):  # rank 0 keeps the pace; the others wait for its beats
+        while not (lead and self.stopped.wait(BEAT_S)):  # rank 0 keeps the pace; the others wait for its beats
             why = beat()
             if why is not None:
-                if not self.stopped.is_set():
+                if why and not self.stopped.is_set():
                     self.on_lost(why)
                 return
+
+    def finish(self) -> None:
+        """Stop: rank 0's thread ends after its round, then a last beat tells each other rank's thread to end; a
+        follower's thread ends on that beat. No collective of the watchdog is left pending at the exit."""
+        self.stopped.set()
+        if dist.get_rank() == 0:
+            self.thread.join(self.timeout * self.world + 2 * BEAT_S)
+            for r in self.pairs:
+                self._beat(r, STOP, self.timeout)
+        else:
+            self.thread.join(self.timeout * self.world + 2 * BEAT_S)
 
     def _beat(self, rank: int, news: int, wait: float) -> tuple[int, float | None]:
         """One beat on ``rank``'s pair: rank 0 sends ``news`` (0, or 1 + a lost rank), the other receives it; returns
@@ -182,7 +195,9 @@ class Watchdog:
         # rank 0 may first wait out every other rank, then beat this one
         news, failed = self._beat(me, 0, self.timeout * self.world + 2 * BEAT_S)
         if failed is not None:
-            return self._lost(0, failed)
+            return self._lost(0, failed) if not self.stopped.is_set() else ""
+        if news == STOP:
+            return ""
         return self._lost(news - 1, None, told=True) if news else None
 
     def _lost(self, rank: int, waited: float | None, told: bool = False) -> str:
@@ -308,7 +323,7 @@ class Leader:
         lost); the watchdog stops with it."""
         with self._lock:
             self.ranks.channel.send(("stop", "", ()))
-            self.ranks.watchdog.stopped.set()
+            self.ranks.watchdog.finish()
             self.ranks.channel.barrier(self.ranks.watchdog.timeout)
 
 
@@ -323,7 +338,7 @@ def follow(ranks: Ranks) -> int:
         while True:
             target, name, args = channel.recv()
             if target == "stop":
-                ranks.watchdog.stopped.set()
+                ranks.watchdog.finish()
                 channel.barrier(ranks.watchdog.timeout * 2)
                 return 0
             if name not in CALLS.get(target, ()) or targets[target] is None:
