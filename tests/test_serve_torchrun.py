@@ -85,10 +85,15 @@ class Ranks:
                 cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
                                     timeout=60)
+        self.pids: dict[int, int] = {}
         end = time.monotonic() + 240
-        while not (m := re.findall(r"rank (\d) on \S+ \(pid (\d+), [^)]*\): (.*)", self.text())):
-            assert self.proc.poll() is None and time.monotonic() < end, self.text()
-            time.sleep(0.3)
+        try:
+            while not (m := re.findall(r"rank (\d) on \S+ \(pid (\d+), [^)]*\): (.*)", self.text())):
+                assert self.proc.poll() is None and time.monotonic() < end, self.text()
+                time.sleep(0.3)
+        except BaseException:
+            self.kill()
+            raise
         self.pids = {int(r): int(p) for r, p, _ in m}
         self.holds = {int(r): h for r, _, h in m}
 
@@ -109,11 +114,30 @@ class Ranks:
             pytest.fail(f"torchrun did not end within {timeout} s:\n{self.text()}")
 
     def kill(self) -> None:
+        """torchrun and its ranks (each in a session of its own), whatever state they are in."""
+        for pid in {*self.pids.values(), *_children(self.proc.pid)}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if d.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 def _answers_like_one_process(r: Ranks, want: dict) -> None:
