@@ -15,7 +15,9 @@ llama.cpp), so both make the same number of tokens; "tok/req" shows what they ma
   ``--llamacpp-python`` (default ``$LLAMACPP_PYTHON`` or ``/work/venv-llamacpp/bin/python``); it serves one
   request at a time. ``--interrupt_requests False`` (its default, True, ends a stream early when the next request
   arrives) and ``--logits_all False`` (its default computes logits for every prompt token); otherwise its defaults.
-- dtorch: ``python -m dtorch serve``.
+- dtorch: ``python -m dtorch serve``; ``dtorch-tp2`` with ``-tp 2`` in one process, ``dtorch-ranks2`` the same split
+  on 2 gloo ranks under torchrun (rank 0 serving, each step's plan broadcast): ``--servers dtorch-tp2,dtorch-ranks2
+  --clients 1`` gives their ratio for one stream (target >= 0.9x).
 Per level: "out tok/s" is all completion tokens (the server's usage count where it sends one, else content
 chunks) over the level's wall time; TTFT is send to first content chunk; ITL the gaps between content chunks.
 With ``--repeats`` > 1 every number is the median over the repeats.
@@ -47,6 +49,8 @@ LLAMACPP_PIP = ("pip install 'uvicorn>=0.22.0' 'fastapi>=0.100.0' 'pydantic-sett
                 "'starlette-context>=0.3.6,<0.4' 'PyYAML>=5.1'")
 MAX_FILLER = 22  # filler sentences in the longest prompt: ~400 tokens with the instruction and chat template
 TARGET_SCALING, TARGET_VS_LLAMACPP = 3.0, 1.0  # dtorch tok/s at 16 clients / at 1; dtorch / llama.cpp at 16
+TARGET_RANKS = 0.9  # one stream served across 2 gloo ranks / the same tp=2 split in one process (#41)
+KINDS = ("dtorch", "llamacpp", "dtorch-tp2", "dtorch-ranks2")
 
 INSTRUCTIONS = [
     "Summarize the following notes in one short paragraph.",
@@ -107,11 +111,21 @@ def eos_ids(model: str) -> list[int]:
     return sorted({int(fields[k].contents()) for k in keys if k in fields})
 
 
-def dtorch_server(args: argparse.Namespace, port: int) -> Server:
+def dtorch_server(args: argparse.Namespace, port: int, kind: str = "dtorch") -> Server:
+    """``dtorch serve``; kind "dtorch-tp2": ``-tp 2`` in one process (cpu:0 and cpu:1, ``--threads`` shared);
+    "dtorch-ranks2": ``-tp 2`` under torchrun, 2 gloo ranks of half the threads each (the same split)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-    argv = [sys.executable, "-m", "dtorch", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--model", args.model, "--threads", str(args.threads)]
-    return Server("dtorch", argv, {"ignore_eos": True}, env)
+    serve = ["serve", "--host", "127.0.0.1", "--port", str(port), "--model", args.model]
+    if kind == "dtorch-ranks2":
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), "-m", "dtorch", *serve, "-tp", "2", "--threads", str(max(1, args.threads // 2))]
+    else:
+        argv = [sys.executable, "-m", "dtorch", *serve, "--threads", str(args.threads)]
+        if kind == "dtorch-tp2":
+            argv += ["-tp", "2"]
+    return Server(kind, argv, {"ignore_eos": True}, env)
 
 
 def llamacpp_python(arg: str | None) -> tuple[str | None, str]:
@@ -328,12 +342,19 @@ def report(results: dict[str, dict[int, dict]], levels: list[int]) -> None:
         for c in levels:
             target = f" (target > {TARGET_VS_LLAMACPP:g})" if c == 16 else ""
             print(f"dtorch / llama.cpp out tok/s at {c} clients: {d[c]['tps'] / ref[c]['tps']:.2f}x{target}")
+    one, ranks = results.get("dtorch-tp2"), results.get("dtorch-ranks2")
+    if one and ranks:
+        c = levels[0]
+        print(f"served across 2 gloo ranks / tp=2 in one process, out tok/s at {c} client(s): "
+              f"{ranks[c]['tps'] / one[c]['tps']:.2f}x" + (f" (target >= {TARGET_RANKS:g}x)" if c == 1 else ""))
     print("Shared, noisy machine: quote medians of --repeats >= 3 for decisions.")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", default="dtorch,llamacpp", help="comma-separated: dtorch, llamacpp")
+    ap.add_argument("--servers", default="dtorch,llamacpp",
+                    help="comma-separated: dtorch, llamacpp, dtorch-tp2 (-tp 2 in one process), dtorch-ranks2 "
+                         "(-tp 2 on 2 gloo ranks under torchrun)")
     ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--clients", default="1,4,16", help="comma-separated concurrency levels")
     ap.add_argument("--requests-per-client", type=int, default=2)
@@ -353,9 +374,9 @@ def main() -> None:
         args.request_timeout = 120.0
     levels = sorted({int(c) for c in args.clients.split(",")})
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
-    unknown = set(names) - {"dtorch", "llamacpp"}
+    unknown = set(names) - set(KINDS)
     if unknown or not levels or min(levels) < 1 or args.requests_per_client < 1 or args.repeats < 1:
-        ap.error(f"--servers takes dtorch and/or llamacpp (got {sorted(unknown)}); --clients, "
+        ap.error(f"--servers takes {', '.join(KINDS)} (got {sorted(unknown)}); --clients, "
                  "--requests-per-client and --repeats must be >= 1")
     if args.model is None:
         from dtorch.models.default import default_model_path
@@ -376,7 +397,7 @@ def main() -> None:
                 continue
             server = llamacpp_server(args, port, python)
         else:
-            server = dtorch_server(args, port)
+            server = dtorch_server(args, port, name)
         try:
             results[server.name] = bench_server(server, port, args, levels)
         except Exception as e:

@@ -16,6 +16,10 @@ replay and why the others do not.
 A pipelined model (``Transformer.stages``) runs a bucket as one Runner per stage (``StageRunners``), each on its
 stage's tp group with a communicator for that group (``Communicator.group``): a stage's last op sends the residual
 stream to the next stage's devices on its communicate streams, where the next stage's first op receives it.
+
+``mirror`` (None but on rank 0 of a model served across ranks, ``dtorch.engine.ranks``) is told of each call that runs
+collectives or builds a graph (``step``, ``runner`` of a new bucket, ``capture_now``) before it runs, so the other
+ranks make the same call: a method that runs collectives must tell it too.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ class Executor:
         if trace:
             self.set_trace(True)
         self.cache: KVCache | None = None
+        self.mirror: Any = None  # rank 0 of a served model: tells every rank each call (``ranks.Teller``)
         self.runners: dict[Bucket, Runner] = {}
         # the buckets' step buffers, shared: one step runs at a time and its logits are copied out, so a device holds
         # what its largest bucket needs rather than the sum over every bucket built
@@ -146,6 +151,8 @@ class Executor:
         """The Runner of ``bucket`` (a pipeline's: its ``StageRunners``), built on first use."""
         r = self.runners.get(bucket)
         if r is None:
+            if self.mirror is not None:
+                self.mirror.tell("runner", bucket)
             stages = self.model.stages
             if len(stages) == 1:
                 g = self.model.graph(bucket, self.cache.tensors, self.cache.max_blocks_per_seq)
@@ -171,6 +178,8 @@ class Executor:
         r = self.runner(bucket)
         if r.capture_off is not None:
             return False
+        if self.mirror is not None:
+            self.mirror.tell("capture_now", bucket)
         idle = self.feeds(StepPlan((), (), (), ()), bucket)
         while not r.captured and r.capture_off is None:
             r.run(idle)
@@ -192,9 +201,17 @@ class Executor:
         rows = sum(plan.logits) if plan.logits else n
         bucket = bucket_for(t, n, all_logits, hidden, rows, plan.long)
         feeds = self.feeds(plan, bucket)
-        logits = self.runner(bucket).run(feeds).get("hidden" if hidden else "logits")
-        if self.logits_from is not None:
-            logits = self._from_last_stage(logits, bucket)
+        runner = self.runner(bucket)
+        if self.mirror is not None:
+            self.mirror.tell("step", plan, all_logits, hidden)
+        try:
+            logits = runner.run(feeds).get("hidden" if hidden else "logits")
+            if self.logits_from is not None:
+                logits = self._from_last_stage(logits, bucket)
+        except BaseException as exc:  # the other ranks ran the step, or fail in it: the ranks may be out of step
+            if self.mirror is not None:
+                self.mirror.failed(exc)
+            raise
         logits = logits[:t] if all_logits or hidden else logits[:rows]
         return logits if logits.dtype == torch.float32 else logits.float()
 

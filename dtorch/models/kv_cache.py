@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from typing import Any
 
 import torch
 
@@ -107,6 +108,9 @@ class KVCache:
         self.kv_dtype = kv_dtype or dtype  # the keys' and values' (LLM's kv_cache_dtype)
         self.tensors: dict[str, DistTensor] = {}
         self._states: list[DistTensor] = []
+        # rank 0 of a model served across ranks: told of each change made from the host (``ranks.Teller``), which the
+        # other ranks then make to their caches alike
+        self.mirror: Any = None
 
         mesh_of = {i: st.mesh for st in stages or () for i in st.layers}
 
@@ -148,6 +152,8 @@ class KVCache:
 
     def reset_state(self, slot: int) -> None:
         """Zero state row ``slot`` for a sequence that starts from its first token."""
+        if self.mirror is not None:
+            self.mirror.tell("reset_state", slot)
         for t in self._states:
             for b in t.blobs.values():
                 b.tensor[slot].zero_()
@@ -155,6 +161,8 @@ class KVCache:
     def release(self, blocks: list[int]) -> None:
         """Give the memory of ``blocks`` (sorted, free) back to the system where the cache lives on a CPU (Linux): their
         pages are dropped and read as zeros when next written; elsewhere nothing happens."""
+        if self.mirror is not None:
+            self.mirror.tell("release", blocks)
         runs, start = [], None
         for i, b in enumerate(blocks):
             if start is None:

@@ -77,6 +77,41 @@ class _Server:
         self.serving = False
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="dtorch-tokenize")
         self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
+        # a model served across ranks: why one was lost (then every request is refused), the event loop and what the
+        # requests in flight wait on (their delta queues, embedding futures), which ``lose`` ends with an error
+        self.lost: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.waiting: set[Any] = set()
+
+    def lost_error(self) -> ApiError:
+        return ApiError(503, f"the model's ranks are no longer complete: {self.lost}", "ServiceUnavailableError",
+                        None, "rank_lost")
+
+    def lose(self, why: str) -> None:
+        """A rank of the model was lost (any thread): /health answers 503, new requests are refused and those in
+        flight end with that error, before any delta the engine sends them after."""
+        self.lost = why
+        loop = self.loop
+        if loop is None:
+            return
+        error = self.lost_error()
+
+        def fail(w: Any) -> None:
+            if isinstance(w, asyncio.Queue):
+                w.put_nowait(error)
+            elif not w.done():
+                w.set_exception(error)
+
+        for w in list(self.waiting):
+            try:
+                loop.call_soon_threadsafe(fail, w)
+            except RuntimeError:  # the event loop is closed: the server is gone
+                return
+
+    def check_ranks(self) -> None:
+        """The 503 of a lost rank."""
+        if self.lost is not None:
+            raise self.lost_error()
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the worker pool: templates, tokenizers, grammars, large answers' text."""
@@ -170,6 +205,8 @@ class _Server:
             except RuntimeError:  # the event loop is closed: the server is gone
                 pass
 
+        self.check_ranks()
+        self.waiting.update(futures)  # a lost rank fails them (``lose``)
         try:
             try:
                 for i in range(count):
@@ -184,6 +221,7 @@ class _Server:
                 if pending and request is not None and await request.is_disconnected():
                     raise ClientGone()
         finally:
+            self.waiting.difference_update(futures)
             if not all(f.done() for f in futures):
                 self.engine.abort(rid)
         results = [f.result() for f in futures]
@@ -209,6 +247,7 @@ class _Server:
 
     def submit(self, rid: str, prompts: list[list[int]], params: Any, param: str) -> asyncio.Queue[Delta]:
         """Add one engine request per prompt (ids ``rid-0``, ``rid-1``, ...); their deltas arrive on the queue."""
+        self.check_ranks()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta] = asyncio.Queue()
 
@@ -237,6 +276,7 @@ class _Server:
             if isinstance(exc, (ArgumentError, ModelError, SamplingError)):
                 raise bad_request(exc, param) from None
             raise
+        self.waiting.add(queue)
         return queue
 
     async def deltas(self, rid: str, prompts: int, n: int, queue: asyncio.Queue[Delta],
@@ -263,6 +303,8 @@ class _Server:
                             raise ClientGone()
                     if d is None:
                         continue
+                if isinstance(d, ApiError):  # a lost rank (``lose``)
+                    raise d
                 record.add(d)
                 if d.token_ids:
                     if first:
@@ -276,6 +318,7 @@ class _Server:
                         del left[d.request_id]
                 yield int(d.request_id.rsplit("-", 1)[1]) * n + d.index, d
         finally:
+            self.waiting.discard(queue)
             for r, choices in left.items():  # their "abort" deltas come after this generator is gone
                 self.engine.abort(r)
                 self.metrics.finished.labels("abort").inc(choices)
@@ -332,6 +375,7 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if own:
             engine_loop.start()
+        server.loop = asyncio.get_running_loop()
         server.serving = True
         stats = asyncio.create_task(log_throughput(server.engine, log_interval)) if log_interval > 0 else None
         try:
@@ -360,8 +404,10 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
         """200 {"status": "ok"} once every step shape is built; 200 {"status": "warming", "step_shapes_built": k,
         "step_shapes": n} while they are built between requests (requests are answered meanwhile, each shape built
         when first needed); 503 {"status": "unavailable", "error": ...} before serving or once shutting down
-        (llama.cpp's server answers 503 while it loads)."""
+        (llama.cpp's server answers 503 while it loads), or once a rank of a model served across ranks is lost."""
         up = server.serving and getattr(server.engine, "accepting", True)  # False once shutting down
+        if server.lost is not None:
+            return Json(server.lost_error().body | {"status": "unavailable"}, status_code=503)
         if not up:
             return Json({"status": "unavailable", "error": {"message": "the server is not serving (starting or "
                          "shutting down)", "type": "unavailable_error", "code": 503}}, status_code=503)
@@ -489,7 +535,10 @@ class _EventStream(StreamingResponse):
                 async for event in self._events:
                     yield event
         except Exception as exc:
-            log.exception("stream failed")
+            if isinstance(exc, ApiError):  # said and answered: no traceback
+                log.error("stream failed: %s", exc)
+            else:
+                log.exception("stream failed")
             yield sse(error_of(exc)[1])
         yield "data: [DONE]\n\n"
 

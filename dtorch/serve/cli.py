@@ -12,6 +12,13 @@ listens it prints a banner (the model, its weights' formats, the memory it holds
 port); each request logs one line at info level, and while the engine works a throughput line comes every
 ``--log-stats-interval`` seconds.
 
+Under ``torchrun`` (``torchrun --nproc-per-node N [--nnodes M ...] -m dtorch serve -tp N``, or with ``-pp``), rank 0
+runs the HTTP server and the engine, and every other rank follows it (``dtorch.engine.ranks``): each step's plan goes
+to every rank, which runs the same step graph. A rank lost (dead, or silent past ``--rank-timeout`` seconds) turns
+/health to 503 and ends the requests in flight with an error; then every rank exits 2 naming it. SIGTERM (or Ctrl-C)
+on rank 0 drains as in one process, then tells every rank to stop: they all exit 0. The other ranks ignore SIGTERM and
+SIGINT (torchrun sends them to every rank) and wait for rank 0's stop.
+
 It answers as soon as the model is loaded: the step shapes a request needs are built when first used, and every other
 shape the scheduler can make is built between requests (``Engine.start_warmup``); ``/health`` answers 200
 ``{"status": "warming", ...}`` until they all are, then ``{"status": "ok"}`` (503 once shutting down).
@@ -83,6 +90,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "slower one gets 408 and its connection is closed")
     parser.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_S, metavar="S",
                         help="seconds an idle connection is kept open between requests")
+    parser.add_argument("--rank-timeout", type=float, default=30.0, metavar="S",
+                        help="under torchrun: seconds a rank may miss the liveness check (every second) before it is "
+                             "taken as lost, /health answers 503 and every rank exits")
 
 
 def served_name(source: str | Path) -> str:
@@ -111,15 +121,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         raise DtorchError(f"dtorch serve needs fastapi, uvicorn and prometheus_client ({exc}); "
                           "install them with: pip install 'dtorch[serve]'") from None
 
-    from dtorch.engine.engine import EngineLoop
-    from dtorch.serve.app import build_app
-    from dtorch.serve.guard import default_max_connections, http_protocol
-    from dtorch.serve.logs import banner, hold_back_repeats, setup_logging
+    from dtorch.serve.logs import setup_logging
 
     if not 0 <= args.port <= 65535:
         raise DtorchError(f"--port must be in 0..65535, got {args.port}")
@@ -130,6 +137,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise DtorchError(f"{flag} must be a number of seconds > 0, got {value}")
     if not 0 <= args.log_stats_interval < float("inf"):
         raise DtorchError(f"--log-stats-interval must be a number of seconds >= 0, got {args.log_stats_interval}")
+    if not 1 <= args.rank_timeout < float("inf"):
+        raise DtorchError(f"--rank-timeout must be a number of seconds >= 1, got {args.rank_timeout}")
     key = args.api_key if args.api_key is not None else env.api_key()
     if key is not None and not key.strip():
         raise DtorchError("--api-key is empty; give a key, or leave the option out to serve without one")
@@ -140,8 +149,74 @@ def run_serve(args: argparse.Namespace) -> int:
                    max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                    max_waiting=args.max_waiting, tensor_parallel_size=args.tensor_parallel_size,
                    pipeline_parallel_size=args.pipeline_parallel_size, pp_layers=args.pp_layers)
+    try:
+        ranks = _join_ranks(llm, args)
+        if ranks is not None and llm.rank != 0:
+            return _follow(ranks)
+        return _serve(llm, args, ranks, t0, key, origins)
+    finally:
+        llm.close()
+        _leave_process_group()
+
+
+def _join_ranks(llm: Any, args: argparse.Namespace) -> Any:
+    """Under torchrun, this rank's ``Ranks`` (rank 0 also leads: its executor and cache tell the others each call);
+    None in one process. What cannot be served across ranks is refused here, before any request."""
+    from dtorch.distributed.torchdist import TorchDistCommunicator
+    from dtorch.engine.ranks import Leader, Ranks
+
+    if not isinstance(llm.executor.comm, TorchDistCommunicator):
+        return None
+
+    spec = llm.engine.speculator
+    if spec is not None and llm.cache.has_state:
+        raise DtorchError("dtorch serve: speculative decoding on a model with gated delta net layers is not served "
+                          "across ranks (its state rollback is not told to the other ranks); drop "
+                          "--speculative-config, or serve in one process")
+    ranks = Ranks(llm, args.rank_timeout)
+    if llm.rank == 0:
+        ranks.leader = Leader(ranks)
+    return ranks
+
+
+def _follow(ranks: Any) -> int:
+    """A rank other than 0: make the calls rank 0 tells until it says stop; SIGTERM / SIGINT wait for that stop."""
+    from dtorch.engine.ranks import follow
+
     log = logging.getLogger("dtorch.serve")
-    loop = EngineLoop(llm.engine, on_error=lambda exc: log.error("engine step failed", exc_info=exc))
+
+    def wait_for_rank_0(sig: int, _frame: Any) -> None:
+        log.info("rank %d: %s: waiting for rank 0's stop", ranks.rank, signal.Signals(sig).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, wait_for_rank_0)
+    return follow(ranks)
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _serve(llm: Any, args: argparse.Namespace, ranks: Any, t0: float, key: str | None,
+           origins: tuple[str, ...]) -> int:
+    """Rank 0 (or the one process): the HTTP server on a thread, the engine on this one, until SIGTERM / Ctrl-C."""
+    import uvicorn
+
+    from dtorch.engine.engine import EngineLoop
+    from dtorch.serve.app import build_app
+    from dtorch.serve.guard import default_max_connections, http_protocol
+    from dtorch.serve.logs import banner, hold_back_repeats
+
+    log = logging.getLogger("dtorch.serve")
+
+    def on_error(exc: BaseException) -> None:
+        if ranks is None or ranks.lost is None:  # a lost rank was said once (the steps after it fail alike)
+            log.error("engine step failed", exc_info=exc)
+
+    loop = EngineLoop(llm.engine, on_error=on_error)
     name = args.served_model_name or served_name(llm.source)
     loaded = time.perf_counter() - t0
     # the step shapes are built by the engine loop between requests (a request's own shapes when it needs them):
@@ -149,6 +224,10 @@ def run_serve(args: argparse.Namespace) -> int:
     llm.engine.start_warmup()
     app = build_app(llm, name, engine_loop=loop, pooling=args.embedding_pooling, api_key=key,
                     allowed_origins=origins, max_body_bytes=args.max_body_bytes, log_interval=args.log_stats_interval)
+    if ranks is not None:
+        ranks.on_lost = app.state.server.lose
+        if ranks.lost is not None:  # before the server existed
+            app.state.server.lose(ranks.lost)
     # uvicorn's own limit is a backstop: the engine ends what is left at --shutdown-grace
     connections = args.max_connections or default_max_connections()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -176,20 +255,33 @@ def run_serve(args: argparse.Namespace) -> int:
         if not announced and server.started:
             announced = True
             listening = time.perf_counter() - t0
-            print(banner(llm, name, listening_url(server, args.host), loaded, listening), file=sys.stderr,
-                  flush=True)
+            print(banner(llm, name, listening_url(server, args.host), loaded, listening,
+                         ranks.infos if ranks is not None else None), file=sys.stderr, flush=True)
         if not warm and llm.engine.warm:
             warm = True
             log.info("%d step shapes built, %.1f s after the start: /health says ok", llm.engine.warm_total,
                      time.perf_counter() - t0)
         return not http.is_alive()
 
-    try:
-        http.start()
-        loop.run(until=until)  # ends when stopped, or when the server could not start
-        http.join(args.shutdown_grace + 10)
-    finally:
-        llm.close()
+    http.start()
+    loop.run(until=until)  # ends when stopped, or when the server could not start
+    http.join(args.shutdown_grace + 10)
+    if ranks is not None:
+        _stop_ranks(ranks)
     if not server.started:
         raise DtorchError(f"dtorch serve: the HTTP server did not start on {args.host}:{args.port} (see its log)")
     return 0
+
+
+def _stop_ranks(ranks: Any) -> None:
+    """After the drain on rank 0: every rank told to stop, each acknowledging; a rank lost before or meanwhile
+    ends this process with status 2 naming it (``Ranks.lose``)."""
+    from dtorch.core.errors import CommunicationError
+
+    if ranks.lost is None:
+        try:
+            ranks.leader.stop()
+            return
+        except CommunicationError as exc:
+            ranks.lose(str(exc))
+    ranks.wait_exit()

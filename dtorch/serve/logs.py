@@ -77,10 +77,12 @@ class RepeatFilter(logging.Filter):
         return True
 
 
-def banner(llm: Any, name: str, url: str, load_seconds: float, listening_seconds: float | None = None) -> str:
+def banner(llm: Any, name: str, url: str, load_seconds: float, listening_seconds: float | None = None,
+           ranks: list[Any] | None = None) -> str:
     """The start banner: what is served and where, what was loaded (its weights' formats, the threads; ``dtorch
     info``'s line), how long the start took (the load, then until the server listened) and how the step shapes are
-    being built, and the memory the KV cache and the process hold."""
+    being built, and the memory the KV cache and the process hold; served across ranks (``ranks``: each one's
+    ``ranks.RankInfo``), a line per rank: its host, process, device, layers and shard, and bytes held."""
     from dtorch.engine.info import describe_loaded, mib
 
     rss = _rss()
@@ -92,7 +94,17 @@ def banner(llm: Any, name: str, url: str, load_seconds: float, listening_seconds
     return "\n".join([f"dtorch serve: {name} on {url}", f"  {describe_loaded(llm, load_seconds)}", shapes,
                       f"  KV cache {mib(cache.nbytes)} reserved for {cache.num_blocks * cache.block_size} tokens" +
                       (f"; the process holds {mib(rss)} now" if rss else "") +
-                      f"; at most {llm.max_num_seqs} sequences a step"])
+                      f"; at most {llm.max_num_seqs} sequences a step"] + _rank_lines(llm, ranks))
+
+
+def _rank_lines(llm: Any, ranks: list[Any] | None) -> list[str]:
+    if not ranks:
+        return []
+    import torch.distributed as dist
+
+    return [f"  {len(ranks)} ranks ({llm.mesh.pp_size} pipeline stages x {llm.mesh.tp_size} tensor-parallel, "
+            f"{dist.get_backend()}); rank 0 runs the server and the scheduler, every rank each step:",
+            *(f"    {r.line()}" for r in ranks)]
 
 
 def _rss() -> int | None:

@@ -43,6 +43,7 @@ def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
         if body.dimensions is not None and body.dimensions != width:
             raise ApiError(400, f"dimensions: this model's embeddings have {width} dimensions and cannot be "
                                 f"shortened; leave dimensions out or give {width}", param="dimensions")
+        server.check_ranks()
         try:
             ids = await server.off_loop(server.encode, inputs, "input", MAX_PASS_TOKENS)
         except (ArgumentError, ModelError) as exc:
