@@ -93,7 +93,8 @@ def outside(tmp_path_factory):
     random Qwen2 checkpoint saved under its name, as a directory and as a GGUF file; (transformers model, path)."""
     if families.by_hf_type("outside_qwen") is None:
         families.register(Family(name="outside_qwen", hf_types=("outside_qwen",), gguf_arch="outside_qwen",
-                                 fields={"attention_bias": True}))
+                                 fields={"attention_bias": True},  # Qwen2's sliding-window keys, inert when off
+                                 hf_inert=families.get("qwen2").hf_inert))
     path = tmp_path_factory.mktemp("outside")
     hf = save_random(transformers, tiny_config(transformers, "qwen2"), path)
     write_gguf(hf, path / "model.gguf", arch="outside_qwen")
@@ -138,3 +139,12 @@ def test_a_config_key_no_family_reads_is_refused(family):
                 ModelConfig.from_hf(config | {key: value})
     with pytest.raises(dtorch.ModelError, match=r"use_sliding_window=True is not supported|use_sliding_window"):
         ModelConfig.from_hf(config | {"use_sliding_window": True})
+
+
+def test_a_field_name_nothing_checks_is_refused():
+    from dtorch.models.config_fields import check_field
+
+    with pytest.raises(dtorch.ModelError, match="check_field: no field 'num_layer'"):
+        check_field("num_layer", 4, "config.json: num_hidden_layers")  # a typo would check nothing
+    with pytest.raises(dtorch.ModelError, match=r"hf_keys / gguf_keys name \['residual_scale'\]"):
+        Family(name="typo", hf_types=("typo",), hf_keys={"residual_scale": "residual_multiplier"})

@@ -23,13 +23,13 @@ LIMITS: dict[str, tuple[int, int]] = {
     "moe_intermediate_size": (0, 1 << 18), "decoder_sparse_step": (1, 1 << 12),
     "shared_expert_intermediate_size": (0, 1 << 18), "linear_conv_kernel_dim": (0, 1 << 10),
     "linear_num_key_heads": (0, 1 << 12), "linear_num_value_heads": (0, 1 << 12), "linear_key_head_dim": (0, 1 << 12),
-    "linear_value_head_dim": (0, 1 << 12), "full_attention_interval": (1, 1 << 12),
+    "linear_value_head_dim": (0, 1 << 12), "full_attention_interval": (1, 1 << 12), "num_local_experts": (0, 1 << 12),
 }
 _NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_theta",
             "query_pre_attn_scalar", "attention_multiplier", "embedding_multiplier", "residual_multiplier",
             "logits_scaling", "logits_softcap")  # positive finite
 _BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm")
-_LISTS = ("layer_types", "mlp_only_layers")
+_LISTS = ("layer_types", "mlp_only_layers", "nope_layers")
 
 # field -> the key every Hugging Face config.json spells it with (each checked by ``check_fields`` when present); a
 # family's own keys are in its module (``Family.hf_keys``)
@@ -132,6 +132,13 @@ def check_field(field_name: str, value: Any, where: str) -> None:
     elif field_name in _LISTS:
         if not isinstance(value, list | tuple) or len(value) > LIMITS["num_layers"][1]:
             raise bad(f"a list of at most {LIMITS['num_layers'][1]} entries")
+    else:
+        raise ModelError(f"check_field: no field {field_name!r} (checking {where}); known: {sorted(KNOWN)}")
+
+
+# every name ``check_field`` checks (a family's ``hf_keys`` / ``gguf_keys`` may name these only)
+KNOWN = frozenset((*LIMITS, *_NUMBERS, *_BOOLS, *_LISTS, "bos_token_id", "eos_token_id", "eot_token_id",
+                   "sliding_window", "eos_token_ids", "rope_scaling", "rope_parameters"))
 
 
 def check_fields(raw: Mapping[str, Any], keys: Mapping[str, str], source: str,

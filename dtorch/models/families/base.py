@@ -201,6 +201,12 @@ class Family:
         for name in ("fields", "hf_keys", "gguf_keys", "tiny", "hf_inert"):  # frozen copies: a family is a constant
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         object.__setattr__(self, "tensors", self.tensors or decoder(dense_layer))
+        from dtorch.models.config_fields import KNOWN
+
+        unknown = sorted(f for f in (*self.hf_keys, *self.gguf_keys) if f not in KNOWN)
+        if unknown:
+            raise ModelError(f"Family {self.name!r}: hf_keys / gguf_keys name {unknown}, which config_fields does not "
+                             "check; add each to config_fields (its LIMITS, _NUMBERS, _BOOLS or _LISTS)")
 
 
 # -- joining sources -------------------------------------------------------------------------------------------------
