@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,9 +79,12 @@ def test_every_module_with_a_family_is_registered():
     declared = [m.FAMILY for m in modules if hasattr(m, "FAMILY")]
     assert all(families.get(f.name) is f for f in declared)
     assert sorted(f.name for f in declared) == sorted(families.names())
-    for f in declared:  # each a tiny model, which the tests above and the family's own test run
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for f in declared:  # each a tiny model, which the tests above and the family's own test run, and a README row
         assert f.tiny, f"family {f.name} declares no tiny model: give it Family(tiny={{model_type: (config class, " \
                        "fields)}}) in its module"
+        assert f"| {f.name} |" in readme or f"| {f.name} / " in readme or f" / {f.name} |" in readme, \
+            f"family {f.name} has no row in the README's family table: add '| {f.name} | ... |' under Model families"
     with pytest.raises(dtorch.ModelError, match=r"claims what another family has: model_type 'qwen2' \(qwen2\)"):
         families.register(Family(name="other", hf_types=("qwen2",)))
     with pytest.raises(dtorch.ModelError, match="no model family 'gpt2'; known: "):

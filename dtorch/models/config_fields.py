@@ -27,8 +27,9 @@ LIMITS: dict[str, tuple[int, int]] = {
 }
 _NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_theta",
             "query_pre_attn_scalar", "attention_multiplier", "embedding_multiplier", "residual_multiplier",
-            "logits_scaling", "logits_softcap")  # positive finite
-_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm")
+            "logits_scaling", "logits_softcap", "attn_softcap")  # positive finite
+_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm", "attention_bias", "qk_norm",
+          "attn_output_gate", "norm_plus_one")
 _LISTS = ("layer_types", "mlp_only_layers", "nope_layers")
 
 # field -> the key every Hugging Face config.json spells it with (each checked by ``check_fields`` when present); a

@@ -11,8 +11,8 @@ mixer (full or sliding-window attention, with its own RoPE base, or a gated delt
 short causal conv over [q | k | v] and the delta rule, both reading and advancing the sequence's rows of the state
 cache, then the gated RMS norm), q/k/v biases, q/k norms per head or over all heads, layers without RoPE, a gated
 attention output, the norms' placement (before, around or after each block), the scales of the embedding, of each
-block's output, of q k^T and of the logits, a logits soft-cap, GeGLU or SwiGLU, and the layers whose MLP is a sparse
-mixture of experts (``ModelConfig.is_sparse``: the router and experts ops, and a shared expert).
+block's output, of q k^T and of the logits, soft-caps of the scores and the logits, GeGLU or SwiGLU, and the layers
+whose MLP is a sparse mixture of experts (``ModelConfig.is_sparse``: the router and experts ops, and a shared expert).
 """
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ class Transformer:
         kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
         kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, step.slots)
         a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, step.cu_q, step.lens_k, step.table, causal=True,
-                   scale=c.attn_scale, window=window)
+                   scale=c.attn_scale, window=window, softcap=c.attn_softcap)
         a = g.view(a, (T, H * D))
         if gate is not None:  # each head's output scaled by sigmoid(gate)
             a = g.call("binary.mul", a, g.call("unary.sigmoid", gate))

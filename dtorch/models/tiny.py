@@ -92,12 +92,13 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
                extra: dict[str, tuple[Any, Any]] | None = None,
                metadata: dict[str, tuple[Any, Any]] | None = None,
                vocab: dict[str, tuple[Any, Any, Any]] | None = None) -> None:
-    """Write the transformers model ``hf`` (a dense Llama, Qwen2, Qwen3, Gemma 3 text or Phi-3) to the GGUF file
-    ``path`` as llama.cpp's ``convert_hf_to_gguf.py`` does: its tensor names, Llama's q/k rows permuted, Gemma's norms
-    with their 1 added, the ``{arch}.*`` metadata keys (a sliding window, Phi-3's rotated dims).
+    """Write the transformers model ``hf`` (of a dense family: every checkpoint tensor one llama.cpp tensor) to the
+    GGUF file ``path`` as llama.cpp's converter does: the family's tensor names (``Family.tensors``), q/k rows permuted
+    where it says so (``gguf_permute_qk``), (1 + w) norms with their 1 added, and the ``{arch}.*`` keys of the common
+    fields and of the family's ``gguf_keys``, each from the ``ModelConfig`` of ``hf.config``.
 
-    ``arch``: "llama" | "qwen2" | "qwen3" | "gemma3" | "phi3" (default: the config's ``model_type``, "gemma3" for
-    "gemma3_text", "llama" for "mistral", as llama.cpp converts it). ``qtype(gguf_name)`` gives each
+    ``arch``: the architecture written (default: the family's ``gguf_arch``: "llama" for "mistral", as llama.cpp
+    converts it). ``qtype(gguf_name)`` gives each
     matrix's ``gguf.GGMLQuantizationType`` (default F32; Q8_0, Q4_0, Q4_1 ... are quantized by ``gguf.quants``, whose
     rows must be a multiple of 32 long); vectors stay F32. ``extra``: more tensors, name -> (array, type).
     ``metadata``: more keys (or keys replaced), key -> (value, ``gguf.GGUFValueType``). YaRN and LongRoPE scaling
@@ -122,8 +123,7 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         if len(names.get(name, ())) != 1:
-            raise ValueError(f"write_gguf: {name} is not one llama.cpp tensor (a dense llama, qwen2, qwen3, gemma3 or "
-                             "phi3 model only)")
+            raise ValueError(f"write_gguf: {name} is not one llama.cpp tensor (a dense family's model only)")
         g = names[name][0]
         t = t.detach().float().cpu()
         if config.norm_plus_one and name.endswith("norm.weight"):

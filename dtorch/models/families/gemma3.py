@@ -96,9 +96,10 @@ def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[Weight]:
-    """Norms before and after attention and the MLP: transformers' post_attention_layernorm is the attention
-    output's (llama.cpp's post_attention_norm), pre_feedforward_layernorm the MLP input's (ffn_norm)."""
+def sandwich_layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[Weight]:
+    """Gemma's layer (Gemma 2's too): norms before and after attention and the MLP: transformers'
+    post_attention_layernorm is the attention output's (llama.cpp's post_attention_norm), pre_feedforward_layernorm the
+    MLP input's (ffn_norm)."""
     yield layer_norm(c, i, "input_norm", "input_layernorm", "attn_norm")
     yield layer_norm(c, i, "attn_out_norm", "post_attention_layernorm", "post_attention_norm")
     yield layer_norm(c, i, "post_norm", "pre_feedforward_layernorm", "ffn_norm")
@@ -118,7 +119,7 @@ FAMILY = Family(
              "rope_local_theta": "rope_local_base_freq", "query_pre_attn_scalar": "query_pre_attn_scalar"},
     gguf_keys={"sliding_window": "attention.sliding_window", "rope_local_theta": "rope.freq_base_swa",
                "attention_multiplier": "attention.scale"},
-    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(_layer), gguf_views=_gguf_views,
+    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=_gguf_views,
     hf_read=("sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
              "use_bidirectional_attention"),
     hf_inert={"_sliding_window_pattern": None},  # transformers' own copy of the pattern it wrote into layer_types
