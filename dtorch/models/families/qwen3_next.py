@@ -82,7 +82,7 @@ def _gguf_views(views: dict[str, View], c: ModelConfig, path: Path) -> None:
 
 FAMILY = Family(
     name="qwen3_next", hf_types=("qwen3_next",), gguf_arch="qwen3next", fields=delta_net.FIELDS, moe=True,
-    layer_types=delta_net.LAYER_TYPES, unused=delta_net.UNUSED,
+    layer_types=delta_net.LAYER_TYPES, unused=delta_net.UNUSED, hf_inert=delta_net.HF_INERT,
     hf_keys=delta_net.HF_KEYS | moe.HF_KEYS | {"shared_expert_intermediate_size": "shared_expert_intermediate_size"},
     gguf_keys=delta_net.GGUF_KEYS | moe.GGUF_KEYS
     | {"shared_expert_intermediate_size": "expert_shared_feed_forward_length"},
