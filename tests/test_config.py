@@ -96,8 +96,8 @@ def test_config_is_frozen():
 
 BAD = [
     (dict(family="gpt2"), "family must be one of"),
-    (dict(num_layers=0), "num_layers must be a positive int"),
-    (dict(hidden_size=64.0), "hidden_size must be a positive int"),
+    (dict(num_layers=0), r"num_layers must be an int in \[1, 4096\], got 0"),
+    (dict(hidden_size=64.0), r"hidden_size must be an int in \[1, 65536\], got 64.0"),
     (dict(num_kv_heads=3), "must be a multiple of num_kv_heads"),
     (dict(head_dim=15), "head_dim must be even"),
     (dict(rope_theta=-1.0), "rope_theta must be a positive finite number"),
@@ -113,8 +113,11 @@ BAD = [
     (dict(rope_scaling={"rope_type": "factors", "factors": (1.0,) * 7}), r"must be 8 positive numbers"),
     (dict(rope_scaling={"rope_type": "factors", "factors": (1.0,) * 7 + (-1.0,)}), r"must be 8 positive numbers"),
     (dict(eos_token_ids=(256,)), "token ids must be ints in"),
-    (dict(bos_token_id=-1), "token ids must be ints in"),
-    (dict(qk_norm="yes"), "qk_norm must be a bool"),
+    (dict(bos_token_id=-1), "bos_token_id must be an int >= 0"),
+    (dict(qk_norm="yes"), "qk_norm must be true or false"),
+    (dict(norm_placement="middle"), "norm_placement must be one of"),
+    (dict(logits_softcap=0.0), "logits_softcap must be a positive finite number"),
+    (dict(nope_layers=(2,)), r"nope_layers must be layer indices in \[0, num_layers=2\)"),
 ]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,13 +20,13 @@ from dtorch.engine.sampling import SamplingParams
 from dtorch.models import families
 from dtorch.models.config import ModelConfig
 from dtorch.models.families import Family
-from dtorch.models.tiny import write_gguf
+from dtorch.models.tiny import tiny_models, write_gguf
 from tests.tiny_models import hf_greedy, save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "gemma3", "phi3")
+FAMILIES = tuple(tiny_models())  # every family's tiny models by model_type (llama's module has mistral's too)
 # where llama.cpp's converter renames a tensor before its name map (``convert_hf_to_gguf.py``): dt_bias is mapped as
 # dt_proj.bias; Qwen3-Next's in_proj_qkvz is split into attn_qkv and attn_gate (the table names both)
 _RENAMED = {"linear_attn.dt_bias": "linear_attn.dt_proj.bias"}
@@ -77,7 +78,13 @@ def test_every_module_with_a_family_is_registered():
                for m in pkgutil.iter_modules(families.__path__)]
     declared = [m.FAMILY for m in modules if hasattr(m, "FAMILY")]
     assert all(families.get(f.name) is f for f in declared)
-    assert sorted(f.name for f in declared) == sorted(f for f in FAMILIES if f != "mistral")  # mistral is llama's
+    assert sorted(f.name for f in declared) == sorted(families.names())
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for f in declared:  # each a tiny model, which the tests above and the family's own test run, and a README row
+        assert f.tiny, f"family {f.name} declares no tiny model: give it Family(tiny={{model_type: (config class, " \
+                       "fields)}}) in its module"
+        assert f"| {f.name} |" in readme or f"| {f.name} / " in readme or f" / {f.name} |" in readme, \
+            f"family {f.name} has no row in the README's family table: add '| {f.name} | ... |' under Model families"
     with pytest.raises(dtorch.ModelError, match=r"claims what another family has: model_type 'qwen2' \(qwen2\)"):
         families.register(Family(name="other", hf_types=("qwen2",)))
     with pytest.raises(dtorch.ModelError, match="no model family 'gpt2'; known: "):
@@ -90,7 +97,8 @@ def outside(tmp_path_factory):
     random Qwen2 checkpoint saved under its name, as a directory and as a GGUF file; (transformers model, path)."""
     if families.by_hf_type("outside_qwen") is None:
         families.register(Family(name="outside_qwen", hf_types=("outside_qwen",), gguf_arch="outside_qwen",
-                                 fields={"attention_bias": True}))
+                                 fields={"attention_bias": True},  # Qwen2's sliding-window keys, inert when off
+                                 hf_inert=families.get("qwen2").hf_inert))
     path = tmp_path_factory.mktemp("outside")
     hf = save_random(transformers, tiny_config(transformers, "qwen2"), path)
     write_gguf(hf, path / "model.gguf", arch="outside_qwen")
@@ -121,3 +129,26 @@ def test_a_gguf_tensor_no_table_names_is_refused(outside, tmp_path):
     write_gguf(hf, tmp_path / "m.gguf", arch="outside_qwen", extra=extra)
     with pytest.raises(dtorch.ModelError, match=r"unexpected tensors \['blk.0.attn_output.bias'\]"):
         LLM(str(tmp_path / "m.gguf"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_config_key_no_family_reads_is_refused(family):
+    """Every key transformers writes for a tiny model of each family loads; a quantization or Granite's multipliers on
+    a family that does not read them is refused naming the key (it would otherwise run silently wrong)."""
+    config = _config(family).to_dict()
+    ModelConfig.from_hf(config)
+    for key, value in (("quantization_config", {"quant_method": "fp8"}), ("residual_multiplier", 0.22)):
+        if key not in config:
+            with pytest.raises(dtorch.ModelError, match=f"models do not read \\['{key}'\\]"):
+                ModelConfig.from_hf(config | {key: value})
+    with pytest.raises(dtorch.ModelError, match=r"use_sliding_window=True is not supported|use_sliding_window"):
+        ModelConfig.from_hf(config | {"use_sliding_window": True})
+
+
+def test_a_field_name_nothing_checks_is_refused():
+    from dtorch.models.config_fields import check_field
+
+    with pytest.raises(dtorch.ModelError, match="check_field: no field 'num_layer'"):
+        check_field("num_layer", 4, "config.json: num_hidden_layers")  # a typo would check nothing
+    with pytest.raises(dtorch.ModelError, match=r"hf_keys / gguf_keys name \['residual_scale'\]"):
+        Family(name="typo", hf_types=("typo",), hf_keys={"residual_scale": "residual_multiplier"})

@@ -99,6 +99,9 @@ def sharded(c: GraphCall) -> tuple[list, object] | None:
         if c.kwargs["groups"] == 1:
             return [R, S(0), None if shapes[2] is None else S(0)], S(1)  # output channels
         return [S(0), R, None if shapes[2] is None else R], S(0)  # batch
+    if op not in table:  # a new op of the registry: say how the test should split it
+        raise AssertionError(f"{op}: no sharded placement in tests/test_graph_ops.py's sharded(); add {op!r}: "
+                             "([input placements], output placement) to its table, as its placement rule should run")
     return table[op]
 
 

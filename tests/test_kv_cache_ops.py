@@ -192,3 +192,37 @@ def test_unwritten_slots_change_nothing(rows):
         assert torch.isfinite(got).all(), p
         want = got if want is None else want
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, p=p: f"{p}: {m}")
+
+
+def test_soft_capped_scores_match_torch_and_other_kernels_decline():
+    """``softcap``: each score capped as cap * tanh(score / cap) before the softmax (Gemma 2), against plain torch;
+    the kernels that cannot cap (sdpa, padded, native, triton) decline, saying so."""
+    torch.manual_seed(0)
+    cap, t = 0.5, 5
+    q, k, v = torch.randn(t, H, D) * 3, torch.randn(t, HKV, D) * 3, torch.randn(t, HKV, D)
+    kc, vc = k[None].clone(), v[None].clone()  # one block of t rows
+    out = ops.flash_attention_with_kvcache(q, kc, vc, torch.tensor([0, t], dtype=torch.int32),
+                                           torch.tensor([t], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                                           softcap=cap)
+    g = H // HKV
+    scores = torch.einsum("thd,shd->hts", q.double(), k.repeat_interleave(g, 1).double()) * D ** -0.5
+    scores = (torch.tanh(scores / cap) * cap).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hts,shd->thd", scores.softmax(-1), v.repeat_interleave(g, 1).double()).float()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    uncapped = ops.flash_attention_with_kvcache(q, kc, vc, torch.tensor([0, t], dtype=torch.int32),
+                                                torch.tensor([t], dtype=torch.int32),
+                                                torch.zeros(1, 1, dtype=torch.int32))
+    assert not torch.allclose(out, uncapped, atol=1e-2)  # the cap bites
+    from dtorch.core.device import Device
+    from dtorch.dispatch import KernelKey
+    from dtorch.dispatch.meta import Call
+    from dtorch.ops.kv_cache import kvcache_params
+
+    call = Call(Device("cpu"), torch.float32, kvcache_params(D, softcap=cap), (q, kc, vc))
+    report = dtorch.dispatcher.explain(KernelKey("llm.flash_attention_with_kvcache", "cpu", torch.float32), call)
+    assert report.winner.provider == "reference"
+    assert "softcap" in str(report)
+    with pytest.raises(dtorch.ArgumentError, match="'softcap' must be None"):
+        ops.flash_attention_with_kvcache(q, kc, vc, torch.tensor([0, t], dtype=torch.int32),
+                                         torch.tensor([t], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                                         softcap=-1.0)

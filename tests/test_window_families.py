@@ -71,7 +71,8 @@ def test_the_config_is_transformers(model):
         if family == "gemma3":
             assert c.family == "gemma3" and windows == [8] * 5 + [None] and c.kv_window is None
             assert c.rope_local_theta == 1e4 and c.rope_theta == 1e6 and c.rope_scaling["factor"] == 2.0
-            assert c.attn_scale == pytest.approx(24 ** -0.5) and c.embed_scale and c.sandwich_norm
+            assert c.attn_scale == pytest.approx(24 ** -0.5) and c.embedding_multiplier == pytest.approx(8.0)
+            assert c.norm_placement == "sandwich"
             assert c.hidden_act == "gelu_tanh" and c.norm_plus_one and c.qk_norm and c.tie_word_embeddings
         else:
             window = hf.config.sliding_window

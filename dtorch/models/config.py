@@ -6,23 +6,32 @@ MLPs sit on the layers ``is_sparse`` names (``num_experts`` > 0, ``decoder_spars
 shared expert of ``shared_expert_intermediate_size``). Each layer mixes tokens by full attention, sliding-window
 attention (``sliding_window``: each query sees its own position and the ``sliding_window - 1`` before it) or a gated
 delta net (``layer_types``); attention may gate its output (``attn_output_gate``) and rotate part of each head
-(``partial_rotary_factor``); RMS norms may scale by ``1 + weight`` (``norm_plus_one``) and stand after attention and
-the MLP too (``sandwich_norm``); the MLP is SwiGLU or GeGLU (``hidden_act``); the embedding may be scaled by
-sqrt(hidden) (``embed_scale``), queries by ``query_pre_attn_scalar ** -0.5``, the sliding layers' RoPE have their own
-base (``rope_local_theta``). Which family sets which is its module's business (``families.<name>``); ``from_hf``
+(``partial_rotary_factor``) or none of it (``nope_layers``); RMS norms may scale by ``1 + weight``
+(``norm_plus_one``) and stand before each block, around it or after it (``norm_placement``); the MLP is SwiGLU or
+GeGLU (``hidden_act``); the embedding, each block's output, q k^T and the logits may be scaled (``*_multiplier``,
+``logits_scaling``) and the attention scores and logits soft-capped; the sliding layers' RoPE may have their own base
+(``rope_local_theta``). Which family sets which is its module's business (``families.<name>``); ``from_hf``
 reads a ``config.json`` through it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from dtorch.core.errors import ModelError
 from dtorch.models import families
-from dtorch.models.config_fields import _HF_NULLABLE, LIMITS, check_field, check_fields, hf_keys
+from dtorch.models.config_fields import (
+    _HF_NULLABLE,
+    HF_READ,
+    KNOWN,
+    LIMITS,
+    check_field,
+    check_fields,
+    check_known_keys,
+    hf_keys,
+)
 from dtorch.models.rope_scaling import (
     check_rope_scaling,
     rope_attention_factor as rope_attention_factor,
@@ -30,6 +39,7 @@ from dtorch.models.rope_scaling import (
 )
 
 LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (GELU with the tanh approximation)
 # activation -> how a config.json spells it (the first is transformers' own)
 _HF_ACTIVATIONS = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
@@ -79,35 +89,36 @@ class ModelConfig:
     # sliding-window attention: the keys a "sliding_attention" layer's query sees, itself included (None: no such layer)
     sliding_window: int | None = None
     rope_local_theta: float | None = None  # the sliding layers' RoPE base, unscaled (None: the global rope_theta)
-    query_pre_attn_scalar: float | None = None  # queries scaled by its -1/2 power (None: head_dim ** -0.5)
-    embed_scale: bool = False  # the embedding output times sqrt(hidden_size) (Gemma)
-    sandwich_norm: bool = False  # RMS norms on the attention and MLP outputs too, before each residual add (Gemma)
     hidden_act: str = "silu"  # one of ACTIVATIONS
+    # where a family's graph differs from Llama's (``Transformer.graph`` reads these, never a family's name):
+    embedding_multiplier: float | None = None  # the embedding output times it, rounded to the model's dtype
+    residual_multiplier: float | None = None  # each block's output times it before the residual add
+    attention_multiplier: float | None = None  # the factor of q k^T (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # the scaled q k^T capped: cap * tanh(scores / cap)
+    logits_scaling: float | None = None  # the logits divided by it
+    logits_softcap: float | None = None  # the logits capped: cap * tanh(logits / cap)
+    # RMS norms: "pre" on each block's input (Llama), "sandwich" on its input and output (Gemma), "post" on its
+    # output only (OLMo 2); the final norm in every case
+    norm_placement: str = "pre"
+    qk_norm_over: str = "head"  # the q/k norms (``qk_norm``) over each head's dims, or "all" of its heads' at once
+    nope_layers: tuple[int, ...] = ()  # attention layers whose q and k are not rotated (SmolLM3's NoPE layers)
 
     def __post_init__(self) -> None:
         if self.family not in families.names():
             raise ModelError(f"ModelConfig: family must be one of {families.names()}, got {self.family!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):
-            v, (lo, hi) = getattr(self, name), LIMITS[name]
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ModelError(f"ModelConfig: {name} must be a positive int, got {v!r}")
-            if not lo <= v <= hi:
-                raise ModelError(f"ModelConfig: {name} must be an int in [{lo}, {hi}], got {v}")
+        for f in fields(self):  # each value's type and range, as ``config_fields`` declares it for the files too
+            v = getattr(self, f.name)
+            if f.name in KNOWN and not (v is None and f.default is None):
+                check_field(f.name, v, f"ModelConfig: {f.name}")
         if self.num_heads % self.num_kv_heads:
             raise ModelError(f"ModelConfig: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ModelError(f"ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
-        for name in ("rope_theta", "rms_norm_eps"):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-                raise ModelError(f"ModelConfig: {name} must be a positive finite number, got {v!r}")
-        object.__setattr__(self, "rope_theta", float(self.rope_theta))
-        object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
-        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ModelError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_theta", "embedding_multiplier",
+                     "residual_multiplier", "attention_multiplier", "attn_softcap", "logits_scaling", "logits_softcap"):
+            if getattr(self, name) is not None:  # an int given for a float field, stored as the float it stands for
+                object.__setattr__(self, name, float(getattr(self, name)))
         eos = self.eos_token_ids
         if isinstance(eos, int):
             eos = (eos,)
@@ -125,32 +136,19 @@ class ModelConfig:
     def _check_window(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
             raise ModelError(f"ModelConfig: hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
-        for name in ("embed_scale", "sandwich_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ModelError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("rope_local_theta", "query_pre_attn_scalar"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
-                                  or v <= 0):
-                raise ModelError(f"ModelConfig: {name} must be None or a positive finite number, got {v!r}")
-            if v is not None:
-                object.__setattr__(self, name, float(v))
-        w = self.sliding_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ModelError(f"ModelConfig: sliding_window must be None or an int >= 1, got {w!r}")
-        if "sliding_attention" in self.layer_types and w is None:
+        for name, allowed in (("norm_placement", NORM_PLACEMENTS), ("qk_norm_over", ("head", "all"))):
+            if getattr(self, name) not in allowed:
+                raise ModelError(f"ModelConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
+        nope = tuple(self.nope_layers)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in nope):
+            raise ModelError(f"ModelConfig: nope_layers must be layer indices in [0, num_layers={self.num_layers}), "
+                             f"got {list(nope)}")
+        object.__setattr__(self, "nope_layers", nope)
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ModelError("ModelConfig: layer_types has sliding_attention layers but sliding_window is None; give "
                              "the window (keys each query of those layers sees)")
+
     def _check_moe(self) -> None:
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= LIMITS[name][1]:
-                raise ModelError(f"ModelConfig: {name} must be an int in [0, {LIMITS[name][1]}], got {v!r}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ModelError(f"ModelConfig: norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
-        step = self.decoder_sparse_step
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise ModelError(f"ModelConfig: decoder_sparse_step must be an int >= 1, got {step!r}")
         only = tuple(self.mlp_only_layers)
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in only):
             raise ModelError(f"ModelConfig: mlp_only_layers must be layer indices in [0, num_layers={self.num_layers}),"
@@ -170,20 +168,13 @@ class ModelConfig:
                              f"{self.moe_intermediate_size}")
 
     def _check_hybrid(self) -> None:
-        for name in ("attn_output_gate", "norm_plus_one"):
-            if not isinstance(getattr(self, name), bool):
-                raise ModelError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
         f = self.partial_rotary_factor
-        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+        if not f <= 1:
             raise ModelError(f"ModelConfig: partial_rotary_factor must be a number in (0, 1], got {f!r}")
-        object.__setattr__(self, "partial_rotary_factor", float(f))
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ModelError(f"ModelConfig: head_dim * partial_rotary_factor = {self.head_dim} * {f} must give an "
                              f"even rotary dim >= 2, got {self.rotary_dim}")
-        v = self.shared_expert_intermediate_size
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ModelError(f"ModelConfig: shared_expert_intermediate_size must be an int >= 0, got {v!r}")
-        if v and not self.num_experts:
+        if self.shared_expert_intermediate_size and not self.num_experts:
             raise ModelError("ModelConfig: shared_expert_intermediate_size > 0 needs num_experts > 0 (the shared "
                              "expert sits in the sparse MoE blocks)")
         types = tuple(self.layer_types)
@@ -243,8 +234,12 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """The factor of q k^T: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        """The factor of q k^T: attention_multiplier, else head_dim ** -0.5."""
+        return self.head_dim ** -0.5 if self.attention_multiplier is None else self.attention_multiplier
+
+    def rotates(self, layer: int) -> bool:
+        """Whether attention layer ``layer`` turns q and k by RoPE (not one of ``nope_layers``)."""
+        return layer not in self.nope_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -294,6 +289,8 @@ class ModelConfig:
             c = {"model_type": fam.hf_types[0], **{k: v for k, v in text.items() if k != "model_type"}}
             source = f"{source}: text_config"
         check_fields(c, hf_keys(fam.hf_keys), source, _HF_NULLABLE)
+        check_known_keys(c, (*hf_keys(fam.hf_keys).values(), *HF_READ, *fam.hf_read), fam.hf_inert, fam.name,
+                         source)
         act_key = "hidden_activation" if "hidden_activation" in c else "hidden_act"
         spellings = _HF_ACTIVATIONS[fam.fields.get("hidden_act", "silu")]
         if act_key in c and c[act_key] not in spellings:

@@ -8,7 +8,7 @@ untrusted, and a null head count or a 10**9 layer count must stop here rather th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dtorch.core.errors import ModelError
@@ -23,12 +23,14 @@ LIMITS: dict[str, tuple[int, int]] = {
     "moe_intermediate_size": (0, 1 << 18), "decoder_sparse_step": (1, 1 << 12),
     "shared_expert_intermediate_size": (0, 1 << 18), "linear_conv_kernel_dim": (0, 1 << 10),
     "linear_num_key_heads": (0, 1 << 12), "linear_num_value_heads": (0, 1 << 12), "linear_key_head_dim": (0, 1 << 12),
-    "linear_value_head_dim": (0, 1 << 12), "full_attention_interval": (1, 1 << 12),
+    "linear_value_head_dim": (0, 1 << 12), "full_attention_interval": (1, 1 << 12), "num_local_experts": (0, 1 << 12),
 }
 _NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_theta",
-            "query_pre_attn_scalar")  # positive finite
-_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm")
-_LISTS = ("layer_types", "mlp_only_layers")
+            "query_pre_attn_scalar", "attention_multiplier", "embedding_multiplier", "residual_multiplier",
+            "logits_scaling", "logits_softcap", "attn_softcap")  # positive finite
+_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm", "attention_bias", "qk_norm",
+          "attn_output_gate", "norm_plus_one")
+_LISTS = ("layer_types", "mlp_only_layers", "nope_layers")
 
 # field -> the key every Hugging Face config.json spells it with (each checked by ``check_fields`` when present); a
 # family's own keys are in its module (``Family.hf_keys``)
@@ -43,6 +45,41 @@ HF_KEYS: dict[str, str] = {
 # keys config.json may set to null (transformers then derives or omits them)
 _HF_NULLABLE = ("head_dim", "num_key_value_heads", "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters",
                 "layer_types", "mlp_only_layers", "sliding_window", "partial_rotary_factor")
+
+
+# config.json keys that ``ModelConfig.from_hf`` reads beside ``HF_KEYS`` (for every family)
+HF_READ = ("model_type", "hidden_act", "hidden_activation", "mlp_bias", "attention_bias",
+           "original_max_position_embeddings")
+# config.json keys that change no output of a causal LM at inference, for every family: transformers'
+# ``PretrainedConfig`` attributes, what its models read only in training (dropouts, initialization, auxiliary losses),
+# generation defaults and other tokens' ids. Any other key a family neither reads nor lists (``Family.hf_inert``) is
+# refused at load: a ``quantization_config`` or Granite's ``*_multiplier`` keys would otherwise run silently wrong.
+HF_INERT = frozenset((
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
+    "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "transformers_version", "use_cache", "tokenizer_class", "auto_map", "pad_token_id", "sep_token_id",
+    "unk_token_id", "cls_token_id", "decoder_start_token_id", "initializer_range", "attention_dropout",
+    "hidden_dropout", "embd_pdrop", "resid_pdrop", "output_router_logits", "router_aux_loss_coef",
+    "pretraining_tp",  # Llama's split of each product in training: the same sums
+    "use_return_dict", "torchscript", "max_length", "min_length", "do_sample", "temperature", "top_k", "top_p",
+    "num_beams", "repetition_penalty", "cache_implementation",
+))
+
+
+def check_known_keys(raw: Mapping[str, Any], read: Iterable[str], inert: Mapping[str, Any], family: str,
+                     source: str) -> None:
+    """Refuse a ``config.json`` key that neither the loader reads (``read``) nor changes nothing (``HF_INERT``, or the
+    family's ``inert``: key -> a predicate its value must pass, or None for any value), naming the key: an unknown
+    key may change the model (a quantization, a multiplier), and running without it would be silently wrong."""
+    read = set(read) | HF_INERT
+    unknown = sorted(k for k in raw if k not in read and k not in inert)
+    if unknown:
+        raise ModelError(f"{source}: {family} models do not read {unknown}; a key dtorch does not know may change the "
+                         "model's output, so it is refused. If it changes nothing at inference, list it in the "
+                         "family's hf_inert (or config_fields.HF_INERT for every family)")
+    for key, ok in inert.items():
+        if key in raw and ok is not None and not ok(raw[key]):
+            raise ModelError(f"{source}: {key}={raw[key]!r} is not supported for {family} models")
 
 
 def hf_keys(own: Mapping[str, str]) -> dict[str, str]:
@@ -96,6 +133,13 @@ def check_field(field_name: str, value: Any, where: str) -> None:
     elif field_name in _LISTS:
         if not isinstance(value, list | tuple) or len(value) > LIMITS["num_layers"][1]:
             raise bad(f"a list of at most {LIMITS['num_layers'][1]} entries")
+    else:
+        raise ModelError(f"check_field: no field {field_name!r} (checking {where}); known: {sorted(KNOWN)}")
+
+
+# every name ``check_field`` checks (a family's ``hf_keys`` / ``gguf_keys`` may name these only)
+KNOWN = frozenset((*LIMITS, *_NUMBERS, *_BOOLS, *_LISTS, "bos_token_id", "eos_token_id", "eot_token_id",
+                   "sliding_window", "eos_token_ids", "rope_scaling", "rope_parameters"))
 
 
 def check_fields(raw: Mapping[str, Any], keys: Mapping[str, str], source: str,

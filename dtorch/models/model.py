@@ -1,20 +1,18 @@
-"""One decoder-only transformer for Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next and Qwen3.5, written once as a graph
-with placements.
+"""The shared skeleton of every decoder-only family (``dtorch.models.families``), written once as a graph with
+placements; it names no family.
 
 ``Transformer`` holds the weights placed once on a ``DeviceMesh`` (``DistTensor`` s, one piece per device)
 and builds the step graph of one shape bucket: T rows (tokens) of N sequences packed together, reading
 and writing the KV cache in place. A mesh of one device is the same graph; on n devices the placements
 of ``Layout`` make it tensor parallel and the graph inserts the all-reduces and the logits' all-gather.
 
-Family differences are configuration: sliding-window layers (``ModelConfig.window``: Mistral, Phi-3, Gemma 3's local
-layers, with their own RoPE base), Gemma's embedding scale, GeGLU and norms around each block, ``attention_bias``
-(Qwen2's q/k/v biases), ``qk_norm``
-(Qwen3's per-head RMS norms on q and k), ``tie_word_embeddings``, ``rope_scaling``, and the layers whose MLP is a
-sparse mixture of experts (``ModelConfig.is_sparse``: the router and experts ops, and Qwen3-Next's shared
-expert), and the hybrid families' schedule of gated delta net layers (``ModelConfig.is_linear``): a fused input
-projection, the short causal conv over [q | k | v] and the delta rule, both reading and advancing the sequence's
-rows of the state cache, then the gated RMS norm. Their attention layers gate the output and rotate part of
-each head; their RMS norms scale by ``1 + weight`` (folded into the weights at load).
+Where a family's graph differs it says so by configuration (``ModelConfig``; its module sets the fields): each layer's
+mixer (full or sliding-window attention, with its own RoPE base, or a gated delta net: a fused input projection, the
+short causal conv over [q | k | v] and the delta rule, both reading and advancing the sequence's rows of the state
+cache, then the gated RMS norm), q/k/v biases, q/k norms per head or over all heads, layers without RoPE, a gated
+attention output, the norms' placement (before, around or after each block), the scales of the embedding, of each
+block's output, of q k^T and of the logits, soft-caps of the scores and the logits, GeGLU or SwiGLU, and the layers
+whose MLP is a sparse mixture of experts (``ModelConfig.is_sparse``: the router and experts ops, and a shared expert).
 """
 
 from __future__ import annotations
@@ -138,7 +136,7 @@ class Transformer:
             return torch.stack([angles.cos(), angles.sin()], 1) * scale
 
         self.rope_table = table(False)
-        # the sliding layers' own RoPE base (Gemma 3), fed as cos_local / sin_local; None: one table for every layer
+        # the sliding layers' own RoPE base, fed as cos_local / sin_local; None: one table for every layer
         self.rope_local_table = table(True) if config.rope_local_theta is not None else None
 
     # -- weights -------------------------------------------------------------------------------
@@ -239,34 +237,27 @@ class Transformer:
         eps = c.rms_norm_eps
         if st.first:  # row-parallel results (partial sums on n > 1 devices) are all-reduced into the residual stream
             x = g.redistribute(g.call("llm.embedding", g.input("ids", (T,), torch.int64), w["embed"]), Replicate())
-            if c.embed_scale:  # Gemma: times sqrt(hidden), rounded to the model's dtype as transformers does
-                x = g.call("binary.mul", x, float(torch.tensor(c.hidden_size ** 0.5, dtype=self.dtype)))
+            if c.embedding_multiplier is not None:  # rounded to the model's dtype first (as transformers does)
+                x = g.call("binary.mul", x, float(torch.tensor(c.embedding_multiplier, dtype=self.dtype)))
         else:  # the previous stage's residual stream, each device's from its peer there
             x = g.recv("hidden", (T, c.hidden_size), self.dtype, self.stages[stage - 1].mesh.ids)
         act = "llm.gelu_tanh_and_mul" if c.hidden_act == "gelu_tanh" else "llm.silu_and_mul"
         o = None
         for i in st.layers:
             p = f"layers.{i}."
-            if o is None:
-                h = g.call("llm.rms_norm", x, w[p + "input_norm"], eps=eps)
-            else:  # x += the previous block's output; h = norm(x)
-                h, x = g.call("llm.add_rms_norm", o, x, w[p + "input_norm"], eps=eps)
+            h, x = self._residual(g, o, x, w, p + "input_norm")
             if c.is_linear(i):
                 o = self._delta_net(g, i, h, w, cache, step)
             else:
                 o = self._attention(g, i, h, w, cache, step)
-            o = g.redistribute(o, Replicate())
-            if c.sandwich_norm:  # Gemma: the attention output normed before the residual add
-                o = g.call("llm.rms_norm", o, w[p + "attn_out_norm"], eps=eps)
-            h, x = g.call("llm.add_rms_norm", o, x, w[p + "post_norm"], eps=eps)
+            o = self._block_output(g, o, w, p + "attn_out_norm")
+            h, x = self._residual(g, o, x, w, p + "post_norm")
             if c.is_sparse(i):
                 o = self._moe(g, i, h, w, step)
             else:
                 gate, up = self._proj_split(g, h, w, p + "gate_up", (inter, inter), step)
                 o = self._proj(g, g.call(act, gate, up), w, p + "down", step)
-            o = g.redistribute(o, Replicate())
-            if c.sandwich_norm:  # and the MLP's
-                o = g.call("llm.rms_norm", o, w[p + "mlp_out_norm"], eps=eps)
+            o = self._block_output(g, o, w, p + "mlp_out_norm")
         if not st.last:  # x + the last block's output goes on to the next stage
             g.send(g.call("binary.add", o, x), self.stages[stage + 1].mesh.ids)
             return g
@@ -276,9 +267,37 @@ class Transformer:
             return g
         if not bucket.all_logits and (T != N or bucket.rows):  # the last row (or rows) of each sequence
             h = g.call("llm.embedding", g.input("last_rows", (bucket.rows or N,), torch.int64), h)
-        logits = self._proj(g, h, w, "lm_head", step)
-        g.output("logits", g.redistribute(logits, Replicate()))
+        logits = g.redistribute(self._proj(g, h, w, "lm_head", step), Replicate())
+        if c.logits_scaling is not None:
+            logits = g.call("binary.div", logits, c.logits_scaling)
+        if c.logits_softcap is not None:  # cap * tanh(logits / cap)
+            cap = c.logits_softcap
+            logits = g.call("binary.mul", g.call("unary.tanh", g.call("binary.div", logits, cap)), cap)
+        g.output("logits", logits)
         return g
+
+    def _residual(self, g: LogicalGraph, o, x, w, norm: str) -> tuple:
+        """x += o (the previous block's output, None before the first); returns (the next block's input, x): x normed
+        by weight ``norm``, or x itself where norms stand after the blocks only (``norm_placement`` "post")."""
+        c = self.config
+        if c.norm_placement == "post":
+            x = x if o is None else g.call("binary.add", o, x)
+            return x, x
+        if o is None:
+            return g.call("llm.rms_norm", x, w[norm], eps=c.rms_norm_eps), x
+        return g.call("llm.add_rms_norm", o, x, w[norm], eps=c.rms_norm_eps)
+
+    def _block_output(self, g: LogicalGraph, o, w, norm: str):
+        """A block's output o (a partial sum on n > 1) as it joins the residual stream: all-reduced, normed by weight
+        ``norm`` where norms stand after the blocks (``norm_placement`` "sandwich" or "post"), scaled by
+        ``residual_multiplier``."""
+        c = self.config
+        o = g.redistribute(o, Replicate())
+        if c.norm_placement != "pre":
+            o = g.call("llm.rms_norm", o, w[norm], eps=c.rms_norm_eps)
+        if c.residual_multiplier is not None:
+            o = g.call("binary.mul", o, c.residual_multiplier)
+        return o
 
     def _proj(self, g: LogicalGraph, x, w, name: str, step: _Step):
         """x [T, K] times weight ``name``: Wt [K, N] through ``matmul.mm``; W [N, K] (block format, or float stored
@@ -337,7 +356,7 @@ class Transformer:
         # x @ [q | (gate) | k | v]: on each device [q_r | (gate_r) | k_r | v_r], its own heads of each
         bias = w[p + "qkv_bias"] if c.attention_bias else None
         qk_size = c.q_size + c.kv_size
-        if not c.qk_norm and self._parts_fit(p + "qkv", (qk_size, c.kv_size)):
+        if not c.qk_norm and c.rotates(i) and self._parts_fit(p + "qkv", (qk_size, c.kv_size)):
             # q and k heads side by side (each device's [q_r | k_r]), rotated by one call
             qk, v = self._proj_split(g, h, w, p + "qkv", (qk_size, c.kv_size), step, bias)
             qk = g.call("llm.rope_cached", g.view(qk, (T, H + Hkv, D)), cos, sin, **rot)
@@ -349,20 +368,30 @@ class Transformer:
             q, *gate, k, v = self._proj_split(g, h, w, p + "qkv", (c.q_size, *gated, c.kv_size, c.kv_size), step,
                                               bias)
             gate = gate[0] if gate else None
+            if c.qk_norm and c.qk_norm_over == "all":  # one norm over all heads of q, one over k's
+                q, k = self._norm_all_heads(g, q, w[p + "q_norm"]), self._norm_all_heads(g, k, w[p + "k_norm"])
             q, k, v = g.view(q, (T, H, D)), g.view(k, (T, Hkv, D)), g.view(v, (T, Hkv, D))
-            if c.qk_norm:  # Qwen3: per-head norms on q and k, then each rotated
+            if c.qk_norm and c.qk_norm_over == "head":  # per-head norms on q and k, then each rotated
                 q = g.call("llm.rms_norm", q, w[p + "q_norm"], eps=eps)
                 k = g.call("llm.rms_norm", k, w[p + "k_norm"], eps=eps)
-            q = g.call("llm.rope_cached", q, cos, sin, **rot)
-            k = g.call("llm.rope_cached", k, cos, sin, **rot)
+            if c.rotates(i):
+                q = g.call("llm.rope_cached", q, cos, sin, **rot)
+                k = g.call("llm.rope_cached", k, cos, sin, **rot)
         kc, vc = g.state(f"k_cache.{i}", cache[f"k_cache.{i}"]), g.state(f"v_cache.{i}", cache[f"v_cache.{i}"])
         kc, vc = g.call("llm.reshape_and_cache", k, v, kc, vc, step.slots)
         a = g.call("llm.flash_attention_with_kvcache", q, kc, vc, step.cu_q, step.lens_k, step.table, causal=True,
-                   scale=c.attn_scale, window=window)
+                   scale=c.attn_scale, window=window, softcap=c.attn_softcap)
         a = g.view(a, (T, H * D))
-        if gate is not None:  # Qwen3-Next / Qwen3.5: each head's output scaled by sigmoid(gate)
+        if gate is not None:  # each head's output scaled by sigmoid(gate)
             a = g.call("binary.mul", a, g.call("unary.sigmoid", gate))
         return self._proj(g, a, w, p + "o", step)
+
+    def _norm_all_heads(self, g: LogicalGraph, x, weight):
+        """x [T, heads * D] (each device its heads on n > 1) normed over all its heads at once: gathered, normed by
+        ``weight`` [heads * D], each device keeping its heads again."""
+        placement = x.placement
+        x = g.call("llm.rms_norm", g.redistribute(x, Replicate()), weight, eps=self.config.rms_norm_eps)
+        return g.redistribute(x, placement)
 
     def _delta_net(self, g: LogicalGraph, i: int, h, w, cache, step: _Step):
         """The gated delta net of layer ``i`` on h [T, E]; a partial sum on n > 1.

@@ -13,50 +13,26 @@ from typing import Any
 
 import torch
 
-# the common fields of the dense tiny configs, and of the hybrid (gated delta net) ones
-_DENSE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.2,
-              bos_token_id=1, eos_token_id=2)
-_HYBRID = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-               layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=1024,
-               rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
-# family -> (transformers config class, its fields beyond the common ones)
-_TINY: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", dict(_DENSE, tie_word_embeddings=False, rope_theta=10000.0)),
-    # every layer slides over 16 keys
-    "mistral": ("MistralConfig", dict(_DENSE, head_dim=16, sliding_window=16, tie_word_embeddings=False)),
-    "qwen2": ("Qwen2Config", dict(_DENSE, tie_word_embeddings=True, rope_theta=1e6)),
-    "qwen3": ("Qwen3Config", dict(_DENSE, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(_DENSE, **_EXPERTS, head_dim=16, tie_word_embeddings=False)),
-    # transformers' default 5:1 schedule (layers 0-4 slide over 8 keys, 5 is global), the global layers' RoPE scaled
-    # linearly, the local ones on their own base; query_pre_attn_scalar not head_dim
-    "gemma3": ("Gemma3TextConfig", dict(
-        _DENSE, num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-    # fused qkv_proj and gate_up_proj, 3/4 of each head rotated, every layer sliding over 12 keys
-    "phi3": ("Phi3Config", dict(_DENSE, sliding_window=12, pad_token_id=0,
-                                rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                 "partial_rotary_factor": 0.75})),
-    # linear and full attention layers alternating; 2 key and 4 value heads of 16 in the linear ones
-    "qwen3_5_text": ("Qwen3_5TextConfig", _HYBRID),
-    "qwen3_next": ("Qwen3NextConfig", dict(_HYBRID, **_EXPERTS, shared_expert_intermediate_size=48,
-                                           norm_topk_prob=True)),
-}
-
 
 def tiny_config(transformers, family: str, **overrides: Any):
     """A tiny transformers config of ``family`` (a dtorch family, or "mistral"): hidden 64, 4 query heads over 2 KV
     heads, vocabulary 128, 2 layers (4 for the hybrids, 6 for Gemma 3: one of each layer kind at least), every
     family's particulars on (sliding windows shorter than a test's prompts, partial rotary, experts ...).
     ``overrides`` replace or add fields."""
-    if family not in _TINY:
-        raise ValueError(f"tiny_config: no tiny {family!r}; known: {sorted(_TINY)}")
-    cls, fields = _TINY[family]
-    return getattr(transformers, cls)(**(fields | overrides))
+    tiny = tiny_models()
+    if family not in tiny:
+        raise ValueError(f"tiny_config: no tiny {family!r}; known: {sorted(tiny)}. A family declares its tiny models "
+                         "in its module: Family(tiny={model_type: (transformers config class, fields)})")
+    cls, fields = tiny[family]
+    return getattr(transformers, cls)(**(dict(fields) | overrides))
+
+
+def tiny_models() -> dict[str, tuple[str, Any]]:
+    """model_type -> (transformers config class, its fields): every registered family's tiny models
+    (``Family.tiny``)."""
+    from dtorch.models import families
+
+    return {key: spec for name in families.names() for key, spec in families.get(name).tiny.items()}
 
 
 def families(transformers, heads: int, kv_heads: int, vocab: int, qwen3_head_dim: int, **sizes: int) -> dict:
@@ -116,12 +92,13 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
                extra: dict[str, tuple[Any, Any]] | None = None,
                metadata: dict[str, tuple[Any, Any]] | None = None,
                vocab: dict[str, tuple[Any, Any, Any]] | None = None) -> None:
-    """Write the transformers model ``hf`` (a dense Llama, Qwen2, Qwen3, Gemma 3 text or Phi-3) to the GGUF file
-    ``path`` as llama.cpp's ``convert_hf_to_gguf.py`` does: its tensor names, Llama's q/k rows permuted, Gemma's norms
-    with their 1 added, the ``{arch}.*`` metadata keys (a sliding window, Phi-3's rotated dims).
+    """Write the transformers model ``hf`` (of a dense family: every checkpoint tensor one llama.cpp tensor) to the
+    GGUF file ``path`` as llama.cpp's converter does: the family's tensor names (``Family.tensors``), q/k rows permuted
+    where it says so (``gguf_permute_qk``), (1 + w) norms with their 1 added, and the ``{arch}.*`` keys of the common
+    fields and of the family's ``gguf_keys``, each from the ``ModelConfig`` of ``hf.config``.
 
-    ``arch``: "llama" | "qwen2" | "qwen3" | "gemma3" | "phi3" (default: the config's ``model_type``, "gemma3" for
-    "gemma3_text", "llama" for "mistral", as llama.cpp converts it). ``qtype(gguf_name)`` gives each
+    ``arch``: the architecture written (default: the family's ``gguf_arch``: "llama" for "mistral", as llama.cpp
+    converts it). ``qtype(gguf_name)`` gives each
     matrix's ``gguf.GGMLQuantizationType`` (default F32; Q8_0, Q4_0, Q4_1 ... are quantized by ``gguf.quants``, whose
     rows must be a multiple of 32 long); vectors stay F32. ``extra``: more tensors, name -> (array, type).
     ``metadata``: more keys (or keys replaced), key -> (value, ``gguf.GGUFValueType``). YaRN and LongRoPE scaling
@@ -146,8 +123,7 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         if len(names.get(name, ())) != 1:
-            raise ValueError(f"write_gguf: {name} is not one llama.cpp tensor (a dense llama, qwen2, qwen3, gemma3 or "
-                             "phi3 model only)")
+            raise ValueError(f"write_gguf: {name} is not one llama.cpp tensor (a dense family's model only)")
         g = names[name][0]
         t = t.detach().float().cpu()
         if config.norm_plus_one and name.endswith("norm.weight"):
@@ -159,33 +135,11 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
         a = np.ascontiguousarray(t.numpy())
         kind = Q.F32 if a.ndim < 2 or qtype is None else qtype(g)
         tensors[g] = (a if kind == Q.F32 else gguf.quants.quantize(a, kind), kind)
-    V = gguf.GGUFValueType
-    meta = {f"{arch}.{k}": v for k, v in {
-        "vocab_size": (c.vocab_size, V.UINT32), "embedding_length": (c.hidden_size, V.UINT32),
-        "feed_forward_length": (c.intermediate_size, V.UINT32), "block_count": (c.num_hidden_layers, V.UINT32),
-        "attention.head_count": (c.num_attention_heads, V.UINT32),
-        "attention.head_count_kv": (c.num_key_value_heads, V.UINT32),
-        "attention.key_length": (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, V.UINT32),
-        "attention.layer_norm_rms_epsilon": (c.rms_norm_eps, V.FLOAT32),
-        "rope.freq_base": (c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"], V.FLOAT32),
-        "context_length": (c.max_position_embeddings, V.UINT32)}.items()}
-    if getattr(c, "sliding_window", None) is not None:
-        meta[f"{arch}.attention.sliding_window"] = (c.sliding_window, V.UINT32)
-    if arch == "phi3":
-        head_dim = c.hidden_size // c.num_attention_heads
-        partial = c.rope_parameters.get("partial_rotary_factor") or 1.0
-        meta[f"{arch}.rope.dimension_count"] = (int(head_dim * partial), V.UINT32)
-    if arch == "gemma3":
-        meta[f"{arch}.rope.freq_base_swa"] = (c.rope_parameters["sliding_attention"]["rope_theta"], V.FLOAT32)
-        if c.query_pre_attn_scalar != c.head_dim:  # llama.cpp's default is head_dim ** -0.5
-            meta[f"{arch}.attention.scale"] = (c.query_pre_attn_scalar ** -0.5, V.FLOAT32)
-        full = c.rope_parameters["full_attention"]
-        if full.get("rope_type", "default") == "linear":
-            meta[f"{arch}.rope.scaling.type"] = ("linear", V.STRING)
-            meta[f"{arch}.rope.scaling.factor"] = (full["factor"], V.FLOAT32)
+    meta = _config_keys(config, arch, fam.gguf_keys)
     rope_meta, rope_tensors = _rope_scaling_keys(c, arch)
     meta |= rope_meta
     tensors |= rope_tensors
+    V = gguf.GGUFValueType
     for key, token in (("bos", c.bos_token_id), ("eos", c.eos_token_id)):
         if isinstance(token, int) and vocab is None:
             meta[f"tokenizer.ggml.{key}_token_id"] = (token, V.UINT32)
@@ -207,6 +161,28 @@ def write_gguf(hf, path: Path, arch: str | None = None, qtype: Callable[[str], A
     w.close()
 
 
+def _config_keys(config, arch: str, own) -> dict[str, tuple[Any, Any]]:
+    """The ``{arch}.*`` metadata of ``config`` (a ``ModelConfig``) as the converter writes it: every field the common
+    keys and the family's ``own`` (``Family.gguf_keys``) name, where the config sets it (not None, not a field the
+    config lacks), typed by its value; and ``rope.dimension_count``, the rotated dims of each head."""
+    import gguf
+
+    from dtorch.models.config_fields import gguf_keys
+
+    V = gguf.GGUFValueType
+    meta = {f"{arch}.rope.dimension_count": (config.rotary_dim, V.UINT32)}
+    for name, key in gguf_keys(arch, own).items():
+        value = getattr(config, name, None)
+        if value is None or not key.startswith(f"{arch}."):  # the tokenizer's ids are written with the vocabulary
+            continue
+        kind = V.BOOL if isinstance(value, bool) else V.UINT32 if isinstance(value, int) else \
+            V.FLOAT32 if isinstance(value, float) else V.STRING if isinstance(value, str) else None
+        if kind is None:
+            raise ValueError(f"write_gguf: field {name} = {value!r} has no GGUF type here")
+        meta[key] = (value, kind)
+    return meta
+
+
 def _rope_scaling_keys(c, arch: str) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
     """(metadata, tensors) of a config's YaRN or LongRoPE scaling as llama.cpp's converter writes them: YaRN as
     ``rope.scaling.type`` / ``.factor`` / ``.original_context_length`` and, where the config sets them,
@@ -221,7 +197,9 @@ def _rope_scaling_keys(c, arch: str) -> tuple[dict[str, tuple[Any, Any]], dict[s
     V, Q = gguf.GGUFValueType, gguf.GGMLQuantizationType
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     kind, meta, tensors = rope.get("rope_type", "default"), {}, {}
-    if kind == "yarn":
+    if kind == "linear":
+        meta = {"type": ("linear", V.STRING), "factor": (rope["factor"], V.FLOAT32)}
+    elif kind == "yarn":
         meta = {"type": ("yarn", V.STRING), "factor": (rope["factor"], V.FLOAT32),
                 "original_context_length": (rope["original_max_position_embeddings"], V.UINT32)}
         for key, name in (("attention_factor", "yarn_attn_factor"), ("beta_fast", "yarn_beta_fast"),

@@ -16,6 +16,7 @@ host).
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -156,24 +157,40 @@ def _check_values(cu_q: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, t
             raise ArgumentError(f"{op}: block_table row {i} names block(s) {ids}, outside 0..{blocks - 1}")
 
 
-def kvcache_params(head_dim: int, causal: object = True, scale: object = None, window: object = None) -> KernelParams:
-    """The owned params of a ``flash_attention_with_kvcache`` call: causal, scale (default 1 / sqrt(head_dim)) and
-    window (0: none)."""
-    return _kv_params(_flag(ATTN, "causal", causal), _scale(ATTN, scale, head_dim), window_param(window))
+def kvcache_params(head_dim: int, causal: object = True, scale: object = None, window: object = None,
+                   softcap: object = None) -> KernelParams:
+    """The owned params of a ``flash_attention_with_kvcache`` call: causal, scale (default 1 / sqrt(head_dim)),
+    window (0: none) and, where given, softcap (the scores capped: softcap * tanh(scores / softcap))."""
+    return _kv_params(_flag(ATTN, "causal", causal), _scale(ATTN, scale, head_dim), window_param(window),
+                      softcap_param(softcap))
+
+
+def softcap_param(softcap: object) -> float:
+    """A soft-cap of the attention scores as the kernels take it: a positive finite float, or 0.0 for none (None)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not math.isfinite(softcap) or softcap <= 0:
+        raise ArgumentError(f"{ATTN}: 'softcap' must be None (no cap) or a positive finite number, got {softcap!r}")
+    return float(softcap)
 
 
 @lru_cache(maxsize=256)
-def _kv_params(causal: bool, scale: float, window: int) -> KernelParams:
+def _kv_params(causal: bool, scale: float, window: int, softcap: float) -> KernelParams:
+    if softcap:  # only where a model caps its scores: every other call's params stay as they were
+        return KernelParams(causal=causal, scale=scale, window=window, softcap=softcap)
     return KernelParams(causal=causal, scale=scale, window=window)
 
 
 def flash_attention_with_kvcache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                  cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_table: torch.Tensor,
-                                 causal: bool = True, scale: float | None = None, window: int | None = None, *,
-                                 out: torch.Tensor | None = None, ctx: RuntimeContext | None = None) -> torch.Tensor:
+                                 causal: bool = True, scale: float | None = None, window: int | None = None,
+                                 softcap: float | None = None, *, out: torch.Tensor | None = None,
+                                 ctx: RuntimeContext | None = None) -> torch.Tensor:
     """Attention of q [total_q, H, D] over each sequence's cached keys/values (read in place); -> [total_q, H, D].
-    ``window``: each query sees only the ``window`` keys up to its own position (None: every earlier key)."""
-    params = kvcache_params(q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else 1, causal, scale, window)
+    ``window``: each query sees only the ``window`` keys up to its own position (None: every earlier key).
+    ``softcap``: each score (q k^T times scale) capped as softcap * tanh(score / softcap) before the softmax."""
+    params = kvcache_params(q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else 1, causal, scale, window,
+                            softcap)
     device = _check_attention(q, key_cache, value_cache, cu_seqlens_q, seqlens_k, block_table, ctx, params.window)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -198,7 +215,7 @@ def _run(op: str, device: Device, dtype: torch.dtype, inputs: tuple, outputs: tu
 # -- in a graph -------------------------------------------------------------------------------------------------
 
 def _graph_params(op: str, a: Args) -> KernelParams:
-    return kvcache_params(a["q"].shape[-1], a["causal"], a["scale"], a["window"])
+    return kvcache_params(a["q"].shape[-1], a["causal"], a["scale"], a["window"], a["softcap"])
 
 
 def _cache_rule(op: str, shapes: Shapes, params: KernelParams, n: int) -> list[Strategy]:

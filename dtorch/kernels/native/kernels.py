@@ -19,7 +19,7 @@ import torch
 
 from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import DtorchError
-from dtorch.dispatch.meta import KernelMeta
+from dtorch.dispatch.meta import Call, KernelMeta
 from dtorch.dispatch.registration import KernelSet
 from dtorch.kernels import layouts
 from dtorch.kernels.half import HALF_LAYOUTS
@@ -353,7 +353,11 @@ def reshape_and_cache(ctx, inputs, outputs):
 # chunks of 64 with an online softmax in float32 (csrc/attention.h). q/out may be token-strided views (a fused qkv
 # output's heads); head dims that are not a multiple of 16 up to 256 go to the torch backend's padded kernel.
 
-@KERNELS.kernel("llm.flash_attention_with_kvcache", ACTIVATIONS, **NATIVE,
+def _no_softcap(call: Call) -> str | None:
+    return "softcap: csrc/attention.h does not cap the scores" if call.params.get("softcap", 0.0) else None
+
+
+@KERNELS.kernel("llm.flash_attention_with_kvcache", ACTIVATIONS, **NATIVE, check=_no_softcap,
                 varies="float32 online softmax over chunks of 64 keys; items split over torch's intra-op threads "
                        "past ~130k multiply-adds")
 def flash_attention_with_kvcache(ctx, inputs, outputs):

@@ -72,9 +72,9 @@ def _poison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, win
 
 
 def attention_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                              scale: float, window: int = 0) -> torch.Tensor:
+                              scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D] in the compute dtype (float32 or float64); ``window`` > 0:
-    a sliding window (see ``_visible``)."""
+    a sliding window (see ``_visible``); ``softcap`` > 0: scores capped as softcap * tanh(scores / softcap)."""
     cdt = _compute_dtype(q.dtype)
     b, t, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
@@ -86,6 +86,8 @@ def attention_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kh = kf.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)  # [B, H, S, D]
     vh = vf.to(cdt).transpose(1, 2).repeat_interleave(h // hkv, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, H, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -136,7 +138,9 @@ def _head_dim(call: Call) -> int | None:
 
 
 def _sdpa_check(call: Call) -> str | None:
-    """Declines head dims the CUDA fused backends do not serve (CPU sdpa serves every head dim)."""
+    """Declines head dims the CUDA fused backends do not serve (CPU sdpa serves every head dim), and capped scores."""
+    if call.params.get("softcap", 0.0):
+        return "softcap: sdpa has no soft-capping of the scores"
     d = _head_dim(call)
     if call.device.type == "cuda" and d is not None and d > SDPA_CUDA_MAX_HEAD_DIM:
         return f"head_dim {d} > {SDPA_CUDA_MAX_HEAD_DIM}: no fused sdpa backend on cuda"

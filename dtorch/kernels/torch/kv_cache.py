@@ -97,7 +97,8 @@ def flash_attention_with_kvcache_reference(ctx, inputs, outputs):
     w = p.get("window", 0)
     for q0, q1, n, blocks in _sequences(cu_q, seqlens_k, block_table, kc.shape[1], w):
         o = attention_dense_reference(q[None, q0:q1], _keys(kc, blocks, n, q.dtype)[None],
-                                      _keys(vc, blocks, n, q.dtype)[None], p.causal, p.scale, w)
+                                      _keys(vc, blocks, n, q.dtype)[None], p.causal, p.scale, w,
+                                      p.get("softcap", 0.0))
         out[q0:q1].copy_(o[0])
 
 

@@ -109,7 +109,9 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, table_ptr
 
 
 def _check(call: Call) -> str | None:
-    """Declines head dims above MAX_HEAD_DIM."""
+    """Declines head dims above MAX_HEAD_DIM, and capped scores."""
+    if call.params.get("softcap", 0.0):
+        return "softcap: the triton paged attention does not cap the scores"
     d = int(call.inputs[0].shape[-1]) if call.inputs is not None else call.params.get("head_dim")
     if d is not None and d > MAX_HEAD_DIM:
         return f"head_dim {d} > {MAX_HEAD_DIM}: the triton paged attention keeps [BLOCK_M, D] in registers"

@@ -121,6 +121,31 @@ def shift_norms(views: dict[str, View], keep: Callable[[str], bool] = lambda nam
         views[name] = View(views[name].parts, views[name].shape, value=lambda w: w - 1)
 
 
+# the common fields of the tiny random models (``Family.tiny``): hidden 64, 4 query heads over 2 KV heads, 2 layers,
+# a vocabulary of 128; and those of the hybrid (gated delta net) ones, and of sparse MoE MLPs
+TINY_DENSE = MappingProxyType(dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1,
+    eos_token_id=2))
+TINY_HYBRID = MappingProxyType(dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+    max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2))
+TINY_EXPERTS = MappingProxyType(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32))
+
+
+def all_full_attention(types: Any) -> bool:
+    """Whether a ``layer_types`` value (None or a list) has full attention layers only: an ``hf_inert`` predicate."""
+    return types is None or (isinstance(types, list | tuple) and all(t == "full_attention" for t in types))
+
+
+def is_false(value: Any) -> bool:
+    """An ``hf_inert`` predicate: the value is false or null."""
+    return value is None or value is False
+
+
 def _empty() -> Mapping[str, Any]:
     return MappingProxyType({})
 
@@ -142,7 +167,12 @@ class Family:
     - ``layer_types``: the mixers its layers may have; ``moe``: whether it may have sparse MoE layers;
     - ``gguf_permute_qk``: llama.cpp stores q/k rows permuted for interleaved RoPE; ``gguf_views(views, config,
       path)``: undo any other change its converter makes (``View`` s by Hugging Face name, edited in place);
-    - ``unused``: name prefixes of checkpoint tensors a causal LM does not run (transformers skips them too).
+    - ``unused``: name prefixes of checkpoint tensors a causal LM does not run (transformers skips them too);
+    - ``hf_read``: the ``config.json`` keys its ``hf_config`` reads beyond ``hf_keys``; ``hf_inert``: keys that change
+      nothing of its models, key -> a predicate of the values for which that holds (None: any). A key no list names
+      is refused at load (``config_fields.check_known_keys``);
+    - ``tiny``: model_type -> (transformers config class, its fields): the tiny random model of each of its
+      ``model_type`` s that the tests, benchmarks and GPU check build (``models.tiny``; start from ``TINY_DENSE``).
     """
 
     name: str
@@ -160,14 +190,23 @@ class Family:
     gguf_views: Callable[[dict[str, View], ModelConfig, Path], None] | None = None
     unused: tuple[str, ...] = ()
     hf_multimodal: tuple[str, ...] = ()
+    tiny: Mapping[str, tuple[str, Mapping[str, Any]]] = field(default_factory=_empty)
+    hf_read: tuple[str, ...] = ()
+    hf_inert: Mapping[str, Callable[[Any], bool] | None] = field(default_factory=_empty)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier() or not self.hf_types:
             raise ModelError(f"Family: name must be an identifier and hf_types non-empty, got {self.name!r}, "
                              f"{self.hf_types!r}")
-        for name in ("fields", "hf_keys", "gguf_keys"):  # frozen copies: a family is a constant
+        for name in ("fields", "hf_keys", "gguf_keys", "tiny", "hf_inert"):  # frozen copies: a family is a constant
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         object.__setattr__(self, "tensors", self.tensors or decoder(dense_layer))
+        from dtorch.models.config_fields import KNOWN
+
+        unknown = sorted(f for f in (*self.hf_keys, *self.gguf_keys) if f not in KNOWN)
+        if unknown:
+            raise ModelError(f"Family {self.name!r}: hf_keys / gguf_keys name {unknown}, which config_fields does not "
+                             "check; add each to config_fields (its LIMITS, _NUMBERS, _BOOLS or _LISTS)")
 
 
 # -- joining sources -------------------------------------------------------------------------------------------------
@@ -248,16 +287,17 @@ def split_qkv(c: ModelConfig, i: int, what: str = "weight") -> tuple[Source, ...
 def attention(c: ModelConfig, i: int, qkv: Iterable[Source] | None = None,
               combine: Combine = cat_t) -> Iterator[Weight]:
     """An attention layer's weights: ``qkv`` Wt [E, (H + 2 Hkv) D] (default: ``split_qkv``), its bias where the config
-    has one, the per-head q/k norms where it has them, and o Wt [H D, E] (row parallel)."""
+    has one, the q/k norms where it has them, and o Wt [H D, E] (row parallel)."""
     G, D, E = c.num_heads // c.num_kv_heads, c.head_dim, c.hidden_size
     n, a = f"layers.{i}.", "self_attn."
     width = c.q_size * (2 if c.attn_output_gate else 1) + 2 * c.kv_size
     yield Weight(n + "qkv", tuple(qkv or split_qkv(c, i)), combine, (E, width))
     if c.attention_bias:
         yield Weight(n + "qkv_bias", split_qkv(c, i, "bias"), cat, (c.q_size + 2 * c.kv_size,))
-    if c.qk_norm:
-        yield layer_norm(c, i, "q_norm", a + "q_norm", "attn_q_norm", D)
-        yield layer_norm(c, i, "k_norm", a + "k_norm", "attn_k_norm", D)
+    if c.qk_norm:  # over each head's D dims, or over all of q's (k's) heads at once (``qk_norm_over``)
+        every = c.qk_norm_over == "all"
+        yield layer_norm(c, i, "q_norm", a + "q_norm", "attn_q_norm", c.q_size if every else D)
+        yield layer_norm(c, i, "k_norm", a + "k_norm", "attn_k_norm", c.kv_size if every else D)
     yield Weight(n + "o", (layer_source(i, a + "o_proj.weight", "attn_output.weight", (E, c.q_size), 1, G * D),),
                  cat_t, (c.q_size, E))
 

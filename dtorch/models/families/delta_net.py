@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 FIELDS = {"qk_norm": True, "attn_output_gate": True, "norm_plus_one": True}
 LAYER_TYPES = ("full_attention", "linear_attention")
 UNUSED = ("mtp.", "model.visual.")  # the multi-token prediction head, Qwen3.5's vision tower
+HF_INERT = {"mtp_num_hidden_layers": None, "mtp_use_dedicated_embeddings": None}  # the unused head's shape
 HF_KEYS = {"layer_types": "layer_types", "full_attention_interval": "full_attention_interval",
            "linear_conv_kernel_dim": "linear_conv_kernel_dim", "linear_num_key_heads": "linear_num_key_heads",
            "linear_num_value_heads": "linear_num_value_heads", "linear_key_head_dim": "linear_key_head_dim",

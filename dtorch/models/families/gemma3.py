@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from dtorch.core.errors import ModelError
 from dtorch.models.config_fields import check_field
 from dtorch.models.families.base import (
+    TINY_DENSE,
     Family,
     GgufMeta,
     View,
@@ -63,8 +64,10 @@ def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
     check_field("rope_theta", local_theta, f"{source}: the sliding layers' rope_theta")
     c.setdefault("tie_word_embeddings", True)
     window = c.get("sliding_window")
+    scalar = c.get("query_pre_attn_scalar", 256)
     return dict(layer_types=tuple(types or ()), sliding_window=window if types and "sliding_attention" in types
-                else None, rope_local_theta=local_theta, query_pre_attn_scalar=c.get("query_pre_attn_scalar", 256))
+                else None, rope_local_theta=local_theta, attention_multiplier=scalar ** -0.5,
+                embedding_multiplier=c["hidden_size"] ** 0.5)
 
 
 def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
@@ -77,13 +80,12 @@ def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
     check_field("rope_local_theta", local, f"{m.path}: {m.key('rope.freq_base_swa')}")
     scale = m.get("attention.scale")
     if scale is not None:
-        check_field("query_pre_attn_scalar", scale, f"{m.path}: {m.key('attention.scale')}")
-        scalar = scale ** -2.0
+        check_field("attention_multiplier", scale, f"{m.path}: {m.key('attention.scale')}")
     else:
-        scalar = common["hidden_size"] / common["num_heads"] if layers == 62 else common["head_dim"]
+        scale = (common["hidden_size"] / common["num_heads"] if layers == 62 else common["head_dim"]) ** -0.5
     types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
     out = dict(layer_types=types if window is not None else (), sliding_window=window, rope_local_theta=local,
-               query_pre_attn_scalar=scalar)
+               attention_multiplier=scale, embedding_multiplier=common["hidden_size"] ** 0.5)
     kind = m.get("rope.scaling.type")
     if kind not in (None, "none"):
         factor = m.get("rope.scaling.factor")
@@ -94,9 +96,10 @@ def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[Weight]:
-    """Norms before and after attention and the MLP: transformers' post_attention_layernorm is the attention
-    output's (llama.cpp's post_attention_norm), pre_feedforward_layernorm the MLP input's (ffn_norm)."""
+def sandwich_layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[Weight]:
+    """Gemma's layer (Gemma 2's too): norms before and after attention and the MLP: transformers'
+    post_attention_layernorm is the attention output's (llama.cpp's post_attention_norm), pre_feedforward_layernorm the
+    MLP input's (ffn_norm)."""
     yield layer_norm(c, i, "input_norm", "input_layernorm", "attn_norm")
     yield layer_norm(c, i, "attn_out_norm", "post_attention_layernorm", "post_attention_norm")
     yield layer_norm(c, i, "post_norm", "pre_feedforward_layernorm", "ffn_norm")
@@ -111,9 +114,19 @@ def _gguf_views(views: dict[str, View], config: ModelConfig, path: Path) -> None
 
 FAMILY = Family(
     name="gemma3", hf_types=("gemma3_text",), hf_multimodal=("gemma3",), gguf_arch="gemma3",
-    fields={"qk_norm": True, "embed_scale": True, "sandwich_norm": True, "norm_plus_one": True,
-            "hidden_act": "gelu_tanh"},
+    fields={"qk_norm": True, "norm_placement": "sandwich", "norm_plus_one": True, "hidden_act": "gelu_tanh"},
     hf_keys={"sliding_window": "sliding_window", "layer_types": "layer_types",
              "rope_local_theta": "rope_local_base_freq", "query_pre_attn_scalar": "query_pre_attn_scalar"},
-    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(_layer), gguf_views=_gguf_views,
+    gguf_keys={"sliding_window": "attention.sliding_window", "rope_local_theta": "rope.freq_base_swa",
+               "attention_multiplier": "attention.scale"},
+    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=_gguf_views,
+    hf_read=("sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
+             "use_bidirectional_attention"),
+    hf_inert={"_sliding_window_pattern": None},  # transformers' own copy of the pattern it wrote into layer_types
+    # transformers' default 5:1 schedule (layers 0-4 slide over 8 keys, 5 is global), the global layers' RoPE scaled
+    # linearly, the local ones on their own base; query_pre_attn_scalar not head_dim
+    tiny={"gemma3": ("Gemma3TextConfig", dict(
+        TINY_DENSE, num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))},
 )

@@ -39,5 +39,10 @@ def _layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[base.Weight]:
 
 FAMILY = base.Family(
     name="phi3", hf_types=("phi3",), gguf_arch="phi3", hf_keys={"sliding_window": "sliding_window"},
+    gguf_keys={"sliding_window": "attention.sliding_window"},
     hf_config=_hf_config, gguf_config=_gguf_config, tensors=base.decoder(_layer),
+    # 3/4 of each head rotated, every layer sliding over 12 keys
+    tiny={"phi3": ("Phi3Config", dict(base.TINY_DENSE, sliding_window=12, pad_token_id=0,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.75}))},
 )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtorch.models.families import delta_net
-from dtorch.models.families.base import Family, GgufMeta, View, Weight, cat_t, decoder, layer_source, mlp
+from dtorch.models.families.base import TINY_HYBRID, Family, GgufMeta, View, Weight, cat_t, decoder, layer_source, mlp
 
 if TYPE_CHECKING:
     from dtorch.models.config import ModelConfig
@@ -69,7 +69,9 @@ def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
 
 FAMILY = Family(
     name="qwen3_5_text", hf_types=("qwen3_5_text",), gguf_arch="qwen35", fields=delta_net.FIELDS,
-    layer_types=delta_net.LAYER_TYPES, unused=delta_net.UNUSED, hf_keys=delta_net.HF_KEYS,
+    layer_types=delta_net.LAYER_TYPES, unused=delta_net.UNUSED, hf_inert=delta_net.HF_INERT, hf_keys=delta_net.HF_KEYS,
     gguf_keys=delta_net.GGUF_KEYS, hf_config=_hf_config, gguf_config=_gguf_config,
     tensors=decoder(delta_net.hybrid_layer(_lin_in, _dense)), gguf_views=_gguf_views,
+    # linear and full attention layers alternating; 2 key and 4 value heads of 16 in the linear ones
+    tiny={"qwen3_5_text": ("Qwen3_5TextConfig", dict(TINY_HYBRID))},
 )

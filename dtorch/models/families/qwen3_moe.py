@@ -7,7 +7,18 @@ from typing import TYPE_CHECKING, Any
 
 from dtorch.core.errors import ModelError
 from dtorch.models.families import moe
-from dtorch.models.families.base import Family, GgufMeta, Weight, attention, decoder, layer_norm
+from dtorch.models.families.base import (
+    TINY_DENSE,
+    TINY_EXPERTS,
+    Family,
+    GgufMeta,
+    Weight,
+    all_full_attention,
+    attention,
+    decoder,
+    is_false,
+    layer_norm,
+)
 
 if TYPE_CHECKING:
     from dtorch.models.config import ModelConfig
@@ -39,4 +50,7 @@ FAMILY = Family(
     name="qwen3_moe", hf_types=("qwen3_moe",), gguf_arch="qwen3moe", fields={"qk_norm": True}, moe=True,
     hf_keys=moe.HF_KEYS, gguf_keys=moe.GGUF_KEYS, hf_config=_hf_config, gguf_config=_gguf_config,
     tensors=decoder(_layer),
+    hf_inert={"use_sliding_window": is_false, "sliding_window": None, "max_window_layers": None,
+              "layer_types": all_full_attention},
+    tiny={"qwen3_moe": ("Qwen3MoeConfig", dict(TINY_DENSE, **TINY_EXPERTS, head_dim=16, tie_word_embeddings=False))},
 )

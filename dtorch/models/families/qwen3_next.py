@@ -11,7 +11,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtorch.models.families import delta_net, moe
-from dtorch.models.families.base import Family, GgufMeta, View, Weight, decoder, layer_source, transposed_rows
+from dtorch.models.families.base import (
+    TINY_EXPERTS,
+    TINY_HYBRID,
+    Family,
+    GgufMeta,
+    View,
+    Weight,
+    decoder,
+    layer_source,
+    transposed_rows,
+)
 
 if TYPE_CHECKING:
     from dtorch.models.config import ModelConfig
@@ -72,10 +82,12 @@ def _gguf_views(views: dict[str, View], c: ModelConfig, path: Path) -> None:
 
 FAMILY = Family(
     name="qwen3_next", hf_types=("qwen3_next",), gguf_arch="qwen3next", fields=delta_net.FIELDS, moe=True,
-    layer_types=delta_net.LAYER_TYPES, unused=delta_net.UNUSED,
+    layer_types=delta_net.LAYER_TYPES, unused=delta_net.UNUSED, hf_inert=delta_net.HF_INERT,
     hf_keys=delta_net.HF_KEYS | moe.HF_KEYS | {"shared_expert_intermediate_size": "shared_expert_intermediate_size"},
     gguf_keys=delta_net.GGUF_KEYS | moe.GGUF_KEYS
     | {"shared_expert_intermediate_size": "expert_shared_feed_forward_length"},
     hf_config=_hf_config, gguf_config=_gguf_config,
     tensors=decoder(delta_net.hybrid_layer(_lin_in, moe.sparse_mlp)), gguf_views=_gguf_views,
+    tiny={"qwen3_next": ("Qwen3NextConfig", dict(TINY_HYBRID, **TINY_EXPERTS, shared_expert_intermediate_size=48,
+                                                 norm_topk_prob=True))},
 )

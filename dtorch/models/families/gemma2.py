@@ -1,0 +1,68 @@
+"""Gemma 2: sliding and full attention layers alternating (the first slides), the attention scores and the final
+logits soft-capped (``attn_logit_softcapping``, ``final_logit_softcapping``: cap * tanh(x / cap)), ``(1 + w)`` RMS norms
+around attention and the MLP (Gemma 3's layer, without its q/k norms), a GeGLU MLP, the embedding scaled by
+sqrt(hidden), queries by ``query_pre_attn_scalar ** -0.5``, tied embeddings.
+
+llama.cpp's converter writes the caps and the window as ``gemma2.attn_logit_softcapping``,
+``.final_logit_softcapping`` and ``.attention.sliding_window`` and stores the norms with their 1 added; its loader
+slides every other layer and scales queries by head_dim ** -0.5 (hidden / heads for the 46-layer 27B), writing no key
+for either; absent caps are 50 and 30."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dtorch.core.errors import ModelError
+from dtorch.models.families.base import TINY_DENSE, Family, GgufMeta, View, decoder, gguf_window, shift_norms
+from dtorch.models.families.gemma3 import sandwich_layer
+
+if TYPE_CHECKING:
+    from dtorch.models.config import ModelConfig
+
+
+def _alternating(layers: int) -> tuple[str, ...]:
+    return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+
+
+def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
+    if c.get("use_bidirectional_attention"):
+        raise ModelError(f"{source}: use_bidirectional_attention=true is not supported; expected false")
+    c.setdefault("tie_word_embeddings", True)
+    types = tuple(c.get("layer_types") or _alternating(c["num_hidden_layers"]))
+    window = c.get("sliding_window", 4096)
+    return dict(layer_types=types, sliding_window=window if "sliding_attention" in types else None,
+                attention_multiplier=c.get("query_pre_attn_scalar", 256) ** -0.5,
+                embedding_multiplier=c["hidden_size"] ** 0.5,
+                attn_softcap=c.get("attn_logit_softcapping", 50.0),
+                logits_softcap=c.get("final_logit_softcapping", 30.0))
+
+
+def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
+    layers, window = common["num_layers"], gguf_window(m)
+    scalar = common["hidden_size"] / common["num_heads"] if layers == 46 else common["head_dim"]
+    return dict(layer_types=_alternating(layers) if window is not None else (), sliding_window=window,
+                attention_multiplier=scalar ** -0.5, embedding_multiplier=common["hidden_size"] ** 0.5,
+                attn_softcap=m.get("attn_logit_softcapping", 50.0),
+                logits_softcap=m.get("final_logit_softcapping", 30.0))
+
+
+def _gguf_views(views: dict[str, View], config: ModelConfig, path: Path) -> None:
+    shift_norms(views)  # the converter stores the (1 + w) norms with the 1 added
+
+
+FAMILY = Family(
+    name="gemma2", hf_types=("gemma2",), gguf_arch="gemma2",
+    fields={"norm_placement": "sandwich", "norm_plus_one": True, "hidden_act": "gelu_tanh"},
+    hf_keys={"sliding_window": "sliding_window", "layer_types": "layer_types",
+             "query_pre_attn_scalar": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
+             "logits_softcap": "final_logit_softcapping"},
+    gguf_keys={"sliding_window": "attention.sliding_window", "attn_softcap": "attn_logit_softcapping",
+               "logits_softcap": "final_logit_softcapping"},
+    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=_gguf_views,
+    hf_read=("use_bidirectional_attention",),
+    # caps far below the models' 50 and 30, so that the tiny model's scores and logits are really capped; a window
+    # shorter than the tests' prompts; queries scaled by head_dim ** -0.5, the one scale a GGUF file can say
+    tiny={"gemma2": ("Gemma2Config", dict(TINY_DENSE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                          attn_logit_softcapping=1.0, final_logit_softcapping=2.0, pad_token_id=0))},
+)
