@@ -289,7 +289,7 @@ class StreamManager:
         """Whether a ``synchronize`` now would find everything done without waiting: every stream is a CPU stream
         (whose work ends with its host item) with no item queued or running. A caller that ran its work on its
         own thread skips the round trip to each stream's thread then."""
-        return all(s.device.type == "cpu" and not s.in_flight for s in self._streams.values())
+        return all(s.device.type == "cpu" and not s.in_flight for s in self.streams)
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait for every stream, host and device; raises ``SyncTimeout`` listing what is still in flight.
