@@ -183,18 +183,23 @@ class Runner:
             else:
                 self.manager.after_caller(state)  # after the feeds' copies and the caller's reads of the last results
                 self._push(state)
+            if here and self.manager.idle():  # nothing is left on any stream: no round trip to a stream thread
+                return self._finish(state, return_dist)
             try:
-                if not (here and self.manager.idle()):  # else nothing is left to wait for: no hand-off to a thread
-                    self.manager.synchronize(limit)
+                self.manager.synchronize(limit)
             except SyncTimeout:
                 state.abort()
                 self._dirty = True
                 raise
-            if state.error is not None:
-                self._dirty = True
-                raise state.error
-            self.capture.warm = True
-            return self._results(return_dist)
+            return self._finish(state, return_dist)
+
+    def _finish(self, state: RunState, return_dist: bool) -> dict[str, Any]:
+        """The end of a run whose kernels are all done: its first failure raised, else its results."""
+        if state.error is not None:
+            self._dirty = True
+            raise state.error
+        self.capture.warm = True
+        return self._results(return_dist)
 
     def _run_recorded(self, feeds: dict[str, torch.Tensor], return_dist: bool = False) -> dict[str, Any]:
         """Copy the feeds into their buffers and replay the recording (made now on the first call) on the caller's
