@@ -33,6 +33,7 @@ SMOKE = {
     "serve.py": (["--smoke"], ["out tok/s", "TTFT p50 ms", "dtorch scaling"]),
     "speculative.py": (["--smoke"], ["spec tok/s", "acceptance", "drafted by", "1 row us"]),
     "startup.py": (["--smoke"], ["measure (seconds)", "llama.cpp", "dtorch", "ratio"]),
+    "step_overhead.py": (["--smoke"], ["overhead us", "Runner.run, bare calls (after)", "kernels alone"]),
     # the direct baseline, the runtime at tp=1 / tp=2 and the pipeline at pp=2 decode the same greedy tokens, and the
     # two-process gloo row ran
     "tp.py": (["--smoke"], ["greedy tokens identical across engines: True", "2 gloo processes (torchrun)"]),

@@ -40,6 +40,10 @@ from dtorch.runtime.stream import KernelStream, StreamManager, StreamType
 
 # one item of the push program: ("push", stream, Segment), ("record", stream, event slot) or ("wait", stream, slot)
 Item = tuple[str, KernelStream, Any]
+# one kernel of an inline program as a bare call: (kernel, its PreparedKernel, ctx, inputs, outputs), run as
+# ``prepared.fn(ctx, inputs, outputs)``; (kernel, None, None, None, None) for a kernel that is not a bound
+# DispatchKernel (a user's Python function, a slice), run as ``kernel.run()``
+BareCall = tuple[Kernel, PreparedKernel | None, Any, Any, Any]
 
 
 class Program:
@@ -47,6 +51,7 @@ class Program:
 
     ``blobs``: (operand index, global device id) -> Blob; ``kernels``: in graph order; ``items``: the push program
     (``Item``) with ``slots`` event slots; ``inline``: the stream a run may execute on the caller's thread, or None;
+    ``calls``: with ``inline``, its kernels as bare calls (``BareCall``), else None;
     ``buffer_bytes``: bytes of the static plan's buffers, all local devices; ``blockers``: kernel key -> operators
     with no capture-safe kernel for it (``capture=True`` binds capture-safe kernels where there are some).
     ``shared`` (with ``static``): global device id -> ``SharedBuffers`` the buffers are carved from.
@@ -71,6 +76,7 @@ class Program:
         self._build(release)
         self.items, self.slots = schedule(self.kernels)
         self.inline = self._inline_stream()
+        self.calls = bare_calls(self.kernels) if self.inline is not None else None
 
     # -- build ---------------------------------------------------------------------------------
 
@@ -236,6 +242,21 @@ class Program:
         if other is not None:  # a user's Python function or a collective may read values on the host
             return f"operator {other.operator.name} runs as a {type(other).__name__}, which capture cannot record"
         return None
+
+
+def bare_calls(kernels: list[Kernel]) -> tuple[BareCall, ...]:
+    """``kernels`` (of a static plan, in push order) as bare calls: a bound DispatchKernel's prepared kernel with
+    the context and the buffers fixed at build. The caller reads ``prepared.fn`` at each call, so a re-bind (a
+    registration, ``disabled``, verify mode, the first call's ABI check) takes effect as in ``DispatchKernel.run``;
+    a static plan releases nothing after a kernel (``Kernel.execute``'s other job)."""
+    calls: list[BareCall] = []
+    for k in kernels:
+        assert not k.release, "bare calls are for static plans, which release nothing"
+        if isinstance(k, DispatchKernel) and k.fixed is not None:
+            calls.append((k, k.prepared, k.ctx, k.fixed[0], k.fixed[1]))
+        else:
+            calls.append((k, None, None, None, None))
+    return tuple(calls)
 
 
 def schedule(kernels: list[Kernel]) -> tuple[list[Item], int]:

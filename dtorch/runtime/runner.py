@@ -6,7 +6,9 @@ bound to a buffer planned at build (``dtorch.runtime.plan``): a run allocates no
 nothing, and fed inputs are copied into their buffers on each device's compute stream. With ``capture=True`` as
 well, only capture-safe kernels are bound, and from the second run on the whole run is one recorded replay (a CUDA
 graph on a GPU; ``dtorch.runtime.capture``, which holds the capture state); ``capture_off`` says why a Runner
-cannot capture.
+cannot capture. A static plan of one CPU compute stream runs on the caller's thread, and, untraced and with host
+reads allowed, calls its kernels straight from one loop (``Program.calls``): ``Runner.run`` -> the kernel, no stream,
+segment or kernel object between them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dtorch.core import env
+from dtorch.core import env, hostsync
 from dtorch.core.dtypes import dtype_name
 from dtorch.core.errors import (
     ArgumentError,
@@ -173,22 +175,31 @@ class Runner:
             state = RunState(self.comm)
             self._place_feeds(feeds, state)
             inline = self.program.inline
-            if inline is not None and not inline.in_flight:
+            here = inline is not None and not inline.in_flight
+            if here and inline.tracer is None and not hostsync.ON:
+                self._call_kernels(inline, state)
+            elif here:  # traced, or host reads forbidden: each kernel as its stream runs it
                 self._run_inline(inline, state)
             else:
                 self.manager.after_caller(state)  # after the feeds' copies and the caller's reads of the last results
                 self._push(state)
+            if here and self.manager.idle():  # nothing is left on any stream: no round trip to a stream thread
+                return self._finish(state, return_dist)
             try:
                 self.manager.synchronize(limit)
             except SyncTimeout:
                 state.abort()
                 self._dirty = True
                 raise
-            if state.error is not None:
-                self._dirty = True
-                raise state.error
-            self.capture.warm = True
-            return self._results(return_dist)
+            return self._finish(state, return_dist)
+
+    def _finish(self, state: RunState, return_dist: bool) -> dict[str, Any]:
+        """The end of a run whose kernels are all done: its first failure raised, else its results."""
+        if state.error is not None:
+            self._dirty = True
+            raise state.error
+        self.capture.warm = True
+        return self._results(return_dist)
 
     def _run_recorded(self, feeds: dict[str, torch.Tensor], return_dist: bool = False) -> dict[str, Any]:
         """Copy the feeds into their buffers and replay the recording (made now on the first call) on the caller's
@@ -214,6 +225,20 @@ class Runner:
             raise SyncTimeout(f"Runner.run: a kernel of an earlier run that timed out is still running after "
                               f"{limit:g}s more ({self.manager.describe_pending()}); this run did not start. Run "
                               f"again once it ends, or shutdown() this Runner and build a new one") from exc
+
+    def _call_kernels(self, stream: Any, state: RunState) -> None:
+        """Call the program's kernels here, in order, each straight from this loop (``Program.calls``: one CPU
+        stream, static buffers, nothing to trace or check); the first failure lands in ``state`` as it would on
+        ``stream``, and the kernels after it do not run."""
+        k = None
+        try:
+            for k, prepared, ctx, ins, outs in self.program.calls:
+                if prepared is None:
+                    k.run()
+                else:
+                    prepared.fn(ctx, ins, outs)
+        except BaseException as exc:  # noqa: BLE001 - raised by run() after the synchronization, as on a stream
+            state.fail(k, stream, exc)
 
     def _run_inline(self, stream: Any, state: RunState) -> None:
         """Execute the program's items here, in order, as ``stream``'s thread would (failures land in ``state``)."""

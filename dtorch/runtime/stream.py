@@ -277,6 +277,12 @@ class StreamManager:
         for s in self.streams:
             s.tracer = tracer
 
+    def idle(self) -> bool:
+        """Whether a ``synchronize`` now would find everything done without waiting: every stream is a CPU stream
+        (whose work ends with its host item) with no item queued or running. A caller that ran its work on its
+        own thread skips the round trip to each stream's thread then."""
+        return all(s.device.type == "cpu" and not s.in_flight for s in self.streams)
+
     def after_caller(self, state: Any = None) -> None:
         """Later items of every stream run on the device after the work the calling thread has queued so far
         on its current streams (a feed or param copied to a GPU there); the host does not block. No-op on CPU."""

@@ -1,0 +1,132 @@
+"""A decode step's frames each do work: on one CPU device, the frames between ``Engine.step`` and a kernel are the
+engine's step, the executor's step and the Runner's run and loop, nothing that only passes the call on; a traced run
+and one under ``forbid_host_sync`` take the stream path (each kernel traced, or checked) and compute the same; a
+failing kernel on the bare path is reported as on a stream. Multi-stream and multi-device runs keep their path
+(``test_runtime``, ``test_runtime_static``, ``test_trace`` and the tensor-parallel tests cover them)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import DeviceMesh, LogicalGraph, Runner
+from dtorch.core import hostsync
+from dtorch.dispatch.key import KernelKey
+from dtorch.kernels.torch import llm as torch_llm
+
+transformers = pytest.importorskip("transformers")
+
+# the frames that may stand between Engine.step (excluded) and a kernel (excluded) on the one-device path, each doing
+# work (torch.no_grad's wrapper of Engine.step sits above it). Where the engine keeps pipeline micro-batches in flight,
+# a step is launched (drafts, the step's plan) and submitted (bucket, feeds) before the Runner runs it.
+ALLOWED = {
+    "Engine._launch": "drafts and makes the step's plan, starts it on the executor",
+    "Executor.step": "pads the step to its bucket and builds its feeds (or waits for a submitted step)",
+    "Executor.submit": "pads the step to its bucket, builds its feeds, runs it",
+    "Runner.run": "places the feeds, runs the program, collects the outputs",
+    "Runner._call_kernels": "the loop over the bound kernels",
+}
+RMS = KernelKey("llm.rms_norm", "cpu", torch.float32)  # the final norm of a step: one kernel
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(transformers model, LLM) of a tiny random Llama."""
+    from dtorch.engine.llm import LLM
+    from tests.tiny_models import families, save_random
+
+    config = families(transformers, heads=4, kv_heads=2, vocab=128, qwen3_head_dim=32)["llama"]()
+    hf = save_random(transformers, config, path := tmp_path_factory.mktemp("llama"))
+    llm = LLM(str(path), max_num_seqs=2)
+    yield hf, llm
+    llm.close()
+
+
+def _frames_below_step() -> list[str]:
+    """The qualified names of the frames between ``Engine.step`` and the caller of this function's caller."""
+    names = []
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_qualname != "Engine.step":
+        names.append(f.f_code.co_qualname)
+        f = f.f_back
+    assert f is not None, "the kernel ran outside Engine.step"
+    return names[::-1]
+
+
+def _decode(llm, seen: list[list[str]], prompt: list[int], n: int) -> list[int]:
+    """Greedy ids of ``n`` tokens after ``prompt`` with a plugged rms_norm that records its frames in ``seen``."""
+    def plugged(ctx, inputs, outputs):
+        seen.append(_frames_below_step())
+        torch_llm.rms_norm_torch(ctx, inputs, outputs)
+
+    dtorch.dispatcher.register(RMS, plugged, provider="user", meta=torch_llm.INPLACE)
+    try:
+        params = dtorch.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return llm.generate([prompt], params)[0].outputs[0].token_ids
+    finally:
+        dtorch.dispatcher.unregister(RMS, "user")
+
+
+def test_a_decode_step_calls_its_kernels_from_the_runner_loop(llama):
+    from tests.tiny_models import hf_greedy
+
+    hf, llm = llama
+    seen: list[list[str]] = []
+    ids = _decode(llm, seen, [5, 9, 17, 3], 4)
+    assert ids == hf_greedy(hf, [5, 9, 17, 3], 4)  # the plugged kernel's steps compute as transformers
+    assert len(seen) == 4  # one prefill step and three decode steps, each its final norm
+    # the first call of each bucket's binding (the prefill's, the first decode's) checks the kernel ABI once in
+    # PreparedKernel._first_call; the decode steps after it call the kernel itself
+    for frames in seen[2:]:
+        passing = [name for name in frames if name not in ALLOWED]
+        assert not passing, f"frames between Engine.step and the kernel that are not in ALLOWED: {passing} ({frames})"
+        assert frames[-2:] == ["Runner.run", "Runner._call_kernels"], frames  # the kernel called from the loop
+        assert len(frames) == len(set(frames)), frames
+
+
+def test_host_sync_checks_and_traces_take_the_stream_path(llama, monkeypatch):
+    """With host reads forbidden (``DTORCH_FORBID_SYNC``'s flag: the streams enter the mode for each item) each kernel
+    runs inside the stream's check (the frames show it) and computes the same; a traced static one-device Runner
+    records every kernel and returns what the untraced one does."""
+    hf, llm = llama
+    seen: list[list[str]] = []
+    want = _decode(llm, seen, [7, 8], 3)
+    seen.clear()
+    monkeypatch.setattr(hostsync, "_FLAG", True)  # what DTORCH_FORBID_SYNC=1 sets at import
+    monkeypatch.setattr(hostsync, "ON", True)
+    assert _decode(llm, seen, [7, 8], 3) == want
+    assert seen and all("KernelStream.execute" in frames for frames in seen)
+    monkeypatch.undo()
+
+    g = LogicalGraph(DeviceMesh.cpu(1))
+    x = g.input("x", (4, 8))
+    g.output("y", (x.exp() * x).relu())
+    feeds = {"x": torch.randn(4, 8)}
+    with Runner(g, static=True, trace=True) as traced, Runner(g, static=True) as plain:
+        assert traced.program.calls is not None  # the one-device static plan has bare calls, yet traces
+        got = traced.run(feeds)["y"]
+        torch.testing.assert_close(got, plain.run(feeds)["y"], rtol=0, atol=0)
+        torch.testing.assert_close(got, (feeds["x"].exp() * feeds["x"]).relu())
+        assert [e[-3] for e in traced.tracer.events] == [k.label for k in traced.kernels]
+
+
+def test_a_failing_kernel_on_the_bare_path_is_reported_and_the_runner_recovers():
+    fail = {"on": True}
+
+    def maybe_fail(t: torch.Tensor) -> torch.Tensor:
+        if fail["on"] and not t.is_meta:
+            raise ValueError("boom")
+        return t + 1
+
+    g = LogicalGraph(DeviceMesh.cpu(1))
+    g.output("y", g.python(maybe_fail, g.input("x", (2, 3)).exp(), name="maybe_fail").relu())
+    x = torch.randn(2, 3)
+    with Runner(g, static=True) as r:
+        assert r.program.calls is not None
+        with pytest.raises(dtorch.KernelFailure, match=r"python.maybe_fail.*cpu:0.*compute.*boom"):
+            r.run({"x": x})
+        fail["on"] = False
+        torch.testing.assert_close(r.run({"x": x})["y"], (x.exp() + 1).relu())
