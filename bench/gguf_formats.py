@@ -508,7 +508,8 @@ def _warn_oversubscribed(load: float, threads: list[int]) -> None:
     """Say when the machine is too busy for the thread counts asked: both engines split each product among their
     threads and wait for all of them at its end (OpenMP's barrier, llama.cpp's), so a thread the scheduler parks
     holds the others: with the cores taken by other work a 2-thread run crawls (a 2-thread dtorch worker took 9+
-    minutes at load ~10 on 2 cores, still advancing, its two threads sampled in libgomp's barrier every time)."""
+    minutes at load ~10 on 2 cores, still advancing, its two threads sampled in libgomp's barrier every time; see
+    bench/real_shapes.md)."""
     cpus, most = os.cpu_count() or 1, max(threads)
     if load + most <= cpus + 0.5:
         return
