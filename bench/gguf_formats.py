@@ -409,6 +409,8 @@ def main() -> None:
         raise SystemExit(f"llama_cpp cannot be imported by {args.llamacpp_python}: build it with "
                          "../shared/tools/llamacpp-venv.sh .venv-llamacpp (its quantizer makes the files)")
     files = make_files(names, args.cache, lcpp or "")
+    load = os.getloadavg()[0]
+    _warn_oversubscribed(load, threads)
     limits = {} if args.smoke else _machine_limits(threads)
     ids = _ids(max(prefill))
     quick = ("--quick",) + (("--smoke",) if args.smoke else ()) if args.quick else ()
@@ -452,8 +454,8 @@ def main() -> None:
     print(f"\ndtorch {_commit()} against llama.cpp (llama-cpp-python {version}); greedy, context {CONTEXT}; "
           f"prefill of {' and '.join(map(str, prefill))} tokens, decode of {NEW} after {PROMPT}; 16-seq: {SEQS} "
           f"prompts of {PROMPT}, {NEW} new tokens each (dtorch only); dtorch's KV cache {args.kv_cache_dtype}; "
-          f"medians of {repeats} after a warm-up; "
-          f"tok/s; x = dtorch / llama.cpp (memory: lower is better)\n")
+          f"medians of {repeats} after a warm-up; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at "
+          f"the end ({os.cpu_count()} CPUs); tok/s; x = dtorch / llama.cpp (memory: lower is better)\n")
     _print(head, rows)
     agree = " | top-1 agreement with the float source, 256 one-token steps: as stored / dequantized at load"
     print("\nper file: tensor types in the file | dtorch's layouts of its 2-D weights | held as float (strided): "
@@ -500,6 +502,20 @@ def _ratios(refs: list[dict], gots: list[dict], key: str) -> float | None:
     values = [_ratio(g.get(key), r.get(key)) for r, g in zip(refs, gots, strict=True)]
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def _warn_oversubscribed(load: float, threads: list[int]) -> None:
+    """Say when the machine is too busy for the thread counts asked: both engines split each product among their
+    threads and wait for all of them at its end (OpenMP's barrier, llama.cpp's), so a thread the scheduler parks
+    holds the others: with the cores taken by other work a 2-thread run crawls (a 2-thread dtorch worker took 9+
+    minutes at load ~10 on 2 cores, still advancing, its two threads sampled in libgomp's barrier every time; see
+    bench/real_shapes.md)."""
+    cpus, most = os.cpu_count() or 1, max(threads)
+    if load + most <= cpus + 0.5:
+        return
+    what = ("every figure is slowed by that work: read the same-run ratios" if most == 1 else
+            f"runs at {most} threads share cores with it, and their figures mostly measure the wait for parked threads")
+    print(f"  (load average {load:.1f} on {cpus} CPUs: {what})", file=sys.stderr)
 
 
 def _machine_limits(threads: list[int]) -> dict[int, dict[str, float]]:
