@@ -7,6 +7,8 @@ generation shows the stages computing at the same time."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -249,3 +251,51 @@ def test_the_trace_shows_micro_batches_in_flight(llama):
         assert llm.engine.stats().steps >= 2 * 8  # each micro-batch its own steps
     finally:
         llm.close()
+
+
+def test_a_step_that_fails_in_flight_fails_the_steps_behind_it_and_no_more():
+    """Three steps in flight through two stage threads; the first fails at stage 1 (a bad feed) after stage 0 sent:
+    it raises its own error, the two behind it a DtorchError saying an earlier step failed, and the next step reads
+    its own activations."""
+    from dtorch.models.pipeline import StageWorkers
+
+    mesh = DeviceMesh.cpu(2, (2, 1), ("pp", "tp"))
+    g0 = LogicalGraph(mesh.stage(0))
+    g0.send(g0.input("x", (2, 3)), mesh.stage(1).ids)
+    g1 = LogicalGraph(mesh.stage(1))
+    h = g1.recv("h", (2, 3), torch.float32, mesh.stage(0).ids)
+    g1.output("y", g1.call("binary.add", h, g1.input("b", (2, 3))))
+    comm = InProcessCommunicator(mesh.ids, timeout=10)
+    gate = threading.Event()
+
+    class Gated:  # stage 0's Runner, whose runs wait for the gate: every step is in flight before the first fails
+        def __init__(self, runner: Runner) -> None:
+            self.runner = runner
+
+        def __getattr__(self, name: str):
+            return getattr(self.runner, name)
+
+        def run(self, feeds):
+            gate.wait(10)
+            return self.runner.run(feeds)
+
+    runners = [Runner(g0, comm.group((0,))), Runner(g1, comm.group((1,)))]
+    workers = StageWorkers(2, timeout=10)
+    try:
+        bad = workers.submit([Gated(runners[0]), runners[1]], {"x": torch.ones(2, 3), "b": torch.zeros(3)})
+        behind = [workers.submit([Gated(runners[0]), runners[1]],
+                                 {"x": torch.full((2, 3), float(i)), "b": torch.zeros(2, 3)}) for i in (2, 3)]
+        gate.set()
+        with pytest.raises(dtorch.ShapeError, match="feed 'b' must have shape"):
+            bad.wait(10)
+        for f in behind:
+            with pytest.raises(dtorch.DtorchError, match="a step before it failed"):
+                f.wait(10)
+        x, b = torch.arange(6.0).view(2, 3), torch.ones(2, 3)
+        good = [workers.submit(runners, {"x": x + i, "b": b}) for i in range(2)]
+        for i, f in enumerate(good):
+            torch.testing.assert_close(f.wait(10)["y"], x + i + b)
+    finally:
+        workers.close()
+        for r in runners:
+            r.shutdown()
