@@ -89,9 +89,9 @@ class Runtime:
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-            seconds = time.perf_counter() - t0
+            seconds, self.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         finally:
             torch.set_num_threads(before)
         return len(prompts) * new / seconds, [o.outputs[0].token_ids for o in outs]
@@ -225,22 +225,26 @@ def streams_table(args: argparse.Namespace, cores: int, tp2: Runtime, pp2: Runti
                "pp=2, cpu(2)": pp2}
     prompts = [_prompt(args.prompt + i)[i:] for i in range(args.streams)]  # different prompts of the same length
     tps: dict[str, list[float]] = {k: [] for k in engines}
+    cpu: dict[str, list[float]] = {k: [] for k in engines}  # CPU seconds (all threads) per 100 output tokens
     tokens = {}
     for _ in range(args.rounds):
         for name, e in engines.items():
             t, toks = e.streams(prompts, args.new)
             tps[name].append(t)
+            cpu[name].append(e.cpu_seconds * 100 / (len(prompts) * args.new))
             tokens[name] = toks
     base = tps["one device"]
     load = os.getloadavg()[0]
     print(f"\n{args.streams} concurrent streams, {args.prompt}-token prompts, {args.new} new tokens each, greedy; "
           f"medians of {args.rounds} alternating rounds; load average {load:.1f} on {cores} cores")
-    print(f"{'engine':16s} {'threads':>13s} {'tok/s':>8s} {'vs one device':>14s} {'vs tp=2':>8s}")
+    print(f"{'engine':16s} {'threads':>13s} {'tok/s':>8s} {'vs one device':>14s} {'vs tp=2':>8s} "
+          f"{'CPU s/100 tok':>14s}")
     threads = {"one device": "1", "tp=2, cpu(2)": "1 per device", "pp=2, cpu(2)": "1 per device"}
     for name in engines:
         r1 = statistics.median(a / b for a, b in zip(tps[name], base, strict=True))
         r2 = statistics.median(a / b for a, b in zip(tps[name], tps["tp=2, cpu(2)"], strict=True))
-        print(f"{name:16s} {threads[name]:>13s} {statistics.median(tps[name]):8.1f} {r1:14.2f} {r2:8.2f}")
+        print(f"{name:16s} {threads[name]:>13s} {statistics.median(tps[name]):8.1f} {r1:14.2f} {r2:8.2f} "
+              f"{statistics.median(cpu[name]):14.2f}")
     one = tokens["one device"]
     same = ", ".join(f"{name} {sum(a == b for a, b in zip(tokens[name], one, strict=True))}/{len(one)}"
                      for name in engines if name != "one device")

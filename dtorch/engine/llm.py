@@ -11,7 +11,8 @@ devices of this process (``cpu:0`` .. ``cpu:n-1``, or n GPUs), or, when ``torch.
 (``torchrun``), one device per rank, every rank running the same steps (SPMD) and agreeing on every
 sampled token (rank 0 samples and broadcasts). ``pipeline_parallel_size=p`` splits the layers into p contiguous
 stages (``pp_layers``: each stage's count), each on its own ``tensor_parallel_size`` devices (or ranks): a (pp, tp)
-mesh, stages passing the residual stream by send/recv (``dtorch.models.parallel.pipeline_stages``).
+mesh, stages passing the residual stream by send/recv (``dtorch.models.parallel.pipeline_stages``), with up to p
+micro-batches of the running sequences in flight (``dtorch.models.pipeline``).
 
 Generation runs on the ``Engine`` (continuous batching on a paged KV cache with prefix caching): ``generate``
 queues its prompts and steps the engine until they finish. Callers in several threads may generate at once: their
