@@ -299,3 +299,19 @@ def test_a_step_that_fails_in_flight_fails_the_steps_behind_it_and_no_more():
         workers.close()
         for r in runners:
             r.shutdown()
+
+
+@pytest.mark.parametrize(("layers", "p", "head"), [(30, 2, 8.0), (30, 3, 8.0), (30, 4, 8.0), (24, 2, 0.3), (4, 3, 9.0)])
+def test_the_default_split_evens_the_work(layers, p, head):
+    """The stages' work (each one's layers, the head's worth of layers on the last) differs by about a layer at most
+    where a split allows it (every stage keeps one layer at least), and the layers are all there, in order."""
+    from dtorch.models.parallel import pipeline_stages
+
+    stages = pipeline_stages(DeviceMesh.cpu(p, (p, 1), ("pp", "tp")), layers, head_layers=head)
+    counts = [len(st.layers) for st in stages]
+    assert [i for st in stages for i in st.layers] == list(range(layers)) and min(counts) >= 1
+    work = counts[:-1] + [counts[-1] + head]
+    if counts[-1] > 1:
+        assert max(work) - min(work) <= 1.5, counts
+    else:  # the head alone outweighs a stage's share: the last stage has its one layer, the others share the rest
+        assert max(counts[:-1]) - min(counts[:-1]) <= 1, counts
