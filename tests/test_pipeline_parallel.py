@@ -315,3 +315,19 @@ def test_the_default_split_evens_the_work(layers, p, head):
         assert max(work) - min(work) <= 1.5, counts
     else:  # the head alone outweighs a stage's share: the last stage has its one layer, the others share the rest
         assert max(counts[:-1]) - min(counts[:-1]) <= 1, counts
+
+
+def test_packed_weights_cached_for_one_split_are_not_taken_for_another(tmp_path, monkeypatch):
+    """The default GGUF model at pp=2 split 15 + 15, then 20 + 10, on one pack cache: each load holds its own
+    stages' weights (the cache entry names the split), and both give one device's greedy ids."""
+    monkeypatch.setenv("DTORCH_PACK_CACHE_DIR", str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    got = []
+    for split in (None, [15, 15], [20, 10]):
+        llm = LLM(**({} if split is None else dict(pipeline_parallel_size=2, pp_layers=split)))
+        try:
+            got.append(llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids)
+        finally:
+            llm.close()
+    assert got[1] == got[0] and got[2] == got[0]
+    assert len(list(tmp_path.glob("*.dtpk"))) == 3  # one entry per split

@@ -49,7 +49,7 @@ from dtorch.models.loaders import open_checkpoint
 from dtorch.models.loaders.checkpoint import LazyCheckpoint
 from dtorch.models.model import Transformer
 from dtorch.models.pack_cache import PackCache
-from dtorch.models.parallel import MeshSetup, setup_mesh
+from dtorch.models.parallel import MeshSetup, head_cost, pipeline_stages, setup_mesh
 from dtorch.models.tokenizer import check_text, no_tokenizer_message
 
 PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at most (a longer prompt is chunked)
@@ -183,8 +183,12 @@ class LLM:
                                     "positions (max_position_embeddings)")
             self.max_len = max_model_len or positions
             # the packed weights' cache entry of a GGUF file (None: off, or nothing kept packed)
+            # (the stages' layers too: which weights a device holds)
+            split = "" if pipeline_parallel_size == 1 else " stages " + ",".join(
+                str(len(st.layers)) for st in pipeline_stages(where.mesh, self.config.num_layers, pp_layers,
+                                                              head_cost(self.config)))
             self.pack_cache = None if dequantize else PackCache.open(
-                ckpt.source, dtype, f"{where.mesh!r} local {list(where.local_ids)}", check_weights)
+                ckpt.source, dtype, f"{where.mesh!r} local {list(where.local_ids)}{split}", check_weights)
             self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
                                           None if dequantize else ckpt.get_packed, max_positions=self.max_len,
                                           batch_invariant=batch_invariant, cache=self.pack_cache,
