@@ -1,23 +1,30 @@
 """Decode speed of the default model through the runtime, side by side, in one run (issue: models on the runtime).
 
-    python bench/tp.py [--rounds 5] [--prompt 128] [--new 64] [--smoke]
+    python bench/tp.py [--rounds 5] [--prompt 128] [--new 64] [--streams 16] [--send-delay-ms 2] [--smoke]
 
 ``--smoke``: one round of a short prompt and few tokens (what the tests run, so the bench cannot rot unseen).
 
-Rows, measured in alternating rounds in one process (medians; ratios from the same rounds):
+Table 1, one stream, measured in alternating rounds in one process (medians; ratios from the same rounds):
 - direct: today's single-device path before the runtime (``bench/_direct_model.py``, kept as the baseline),
   all cores (two threads on a 2-core machine);
 - runtime tp=1: the same model as one graph per step on ``DeviceMesh.cpu(1)``, all cores;
 - runtime tp=2: ``DeviceMesh.cpu(2)``, one thread per device;
 - runtime pp=2: two pipeline stages on ``DeviceMesh.cpu(2, (2, 1), ("pp", "tp"))``, half the layers each, one thread
-  per device (one stream: the stages take turns, so this row shows the pipeline's overhead, not its gain);
+  per device (one stream is one micro-batch: the stages take turns, so this row shows the pipeline's overhead);
 then 2 gloo processes under torchrun (one device and one thread each), and the overlap of a tp=2 decode step:
 the share of communicate-stream busy time during which the same device's compute stream was also busy.
+
+Table 2, ``--streams`` concurrent streams (targets of issue #41): output tokens per second of the whole batch on one
+device (one thread), tp=2 and pp=2 on ``cpu(2)`` (one thread per device; pp=2 keeps two micro-batches in flight),
+alternating rounds, ratios from the same rounds. Then 2 gloo ranks (one thread each), tp=2 against pp=2 decoding one
+stream, without and with ``--send-delay-ms`` of added latency before every message a rank sends (send/recv, the
+collectives, the logits and token broadcasts: a network standing in for loopback).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
@@ -67,10 +74,27 @@ class Direct:
 
 
 class Runtime:
-    def __init__(self, tp: int, pp: int = 1) -> None:
+    def __init__(self, tp: int, pp: int = 1, threads: int | None = None, max_num_seqs: int = 16) -> None:
         from dtorch.engine.llm import LLM
 
-        self.llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        self.threads = threads or torch.get_num_threads()
+        self.llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, threads=self.threads,
+                       max_num_seqs=max_num_seqs)
+
+    def streams(self, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+        """Output tokens per second of ``prompts`` generated together (prefill included), and their greedy ids. The
+        caller's intra-op threads are this engine's while it runs (a one-device step runs on the caller's thread)."""
+        from dtorch.engine.sampling import SamplingParams
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+            seconds, self.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        finally:
+            torch.set_num_threads(before)
+        return len(prompts) * new / seconds, [o.outputs[0].token_ids for o in outs]
 
     def decode(self, prompt: list[int], new: int) -> tuple[float, list[int]]:
         from dtorch.engine.sampling import SamplingParams
@@ -117,11 +141,14 @@ def overlap(tracer) -> tuple[float, float]:
     return (both / busy if busy else 0.0), (busy / devices / (t1 - t0))
 
 
-def gloo(tp: int, prompt: int, new: int, repeats: int = 3) -> float | None:
-    """Decode tok/s of ``tp`` gloo processes under torchrun (rank 0's figure), or None if the run failed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port", "29533",
+def gloo(tp: int, prompt: int, new: int, repeats: int = 3, pp: int = 1, delay_ms: float = 0.0,
+         streams: int = 1) -> float | None:
+    """Decode tok/s of one stream on ``tp`` x ``pp`` gloo processes under torchrun (rank 0's figure; ``delay_ms``
+    before every message each rank sends; ``streams`` > 1: output tok/s of that many streams together), or None if
+    the run failed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port", "29533",
            os.path.abspath(__file__), "--worker", "--prompt", str(prompt), "--new", str(new), "--tp", str(tp),
-           "--rounds", str(repeats)]
+           "--pp", str(pp), "--rounds", str(repeats), "--send-delay-ms", str(delay_ms), "--streams", str(streams)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     for line in res.stdout.splitlines():
@@ -131,18 +158,114 @@ def gloo(tp: int, prompt: int, new: int, repeats: int = 3) -> float | None:
     return None
 
 
+def delay_messages(seconds: float) -> None:
+    """Every message a rank sends waits ``seconds`` first (a network's latency instead of loopback's): send, the
+    collectives, the logits' and the sampled tokens' broadcasts."""
+    from dtorch.distributed.torchdist import TorchDistCommunicator
+
+    def late(fn):
+        def call(*args, **kwargs):
+            time.sleep(seconds)
+            return fn(*args, **kwargs)
+        return call
+
+    for name in ("send", "all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        setattr(TorchDistCommunicator, name, late(getattr(TorchDistCommunicator, name)))
+
+
 def worker(args: argparse.Namespace) -> None:
     from dtorch.engine.llm import LLM
     from dtorch.engine.sampling import SamplingParams
 
-    llm = LLM(tensor_parallel_size=args.tp)
+    if args.send_delay_ms:
+        delay_messages(args.send_delay_ms / 1e3)
+    llm = LLM(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, max_num_seqs=max(16, args.streams))
     p = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+    prompts = [_prompt(args.prompt + i)[i:] for i in range(args.streams)]
     tps = []
     for _ in range(args.rounds):
-        llm.generate([_prompt(args.prompt)], p)
-        tps.append(llm.stats.decode_tps)
+        t0 = time.perf_counter()
+        llm.generate(prompts, p)
+        tps.append(llm.stats.decode_tps if args.streams == 1 else args.streams * args.new / (time.perf_counter() - t0))
     if llm.rank == 0:
         print(json.dumps({"decode_tps": statistics.median(tps)}), flush=True)
+
+
+def stage_overlap(pp2: Runtime, prompts: list[list[int]], new: int, png: str | None) -> float:
+    """The share of stage 0's compute-stream busy time during which stage 1's was busy too, in a traced generation
+    of ``prompts`` at pp=2 (drawn to ``png``'s "-pp2" sibling when given)."""
+    ex = pp2.llm.executor
+    ex.set_trace(True)
+    pp2.streams(prompts, new)
+    tracer = ex.tracer
+    ex.set_trace(False)
+    rows = tracer.intervals()
+    first, second = rows.get(("cpu:0", "compute"), []), sorted(rows.get(("cpu:1", "compute"), []), key=lambda r: r[1])
+    starts = [a for _, a, _ in second]
+    both = 0.0
+    for _, a, b in first:  # the intervals of one stream do not overlap each other: a sorted sweep
+        i = max(0, bisect.bisect_left(starts, a) - 1)
+        while i < len(second) and second[i][1] < b:
+            both += max(0.0, min(b, second[i][2]) - max(a, second[i][1]))
+            i += 1
+    busy = sum(b - a for _, a, b in first)
+    if png:
+        from dtorch.runtime.tracing import plot_chrome_trace
+
+        stem = png.removesuffix(".png") + "-pp2"
+        plot_chrome_trace(tracer.write(stem + ".json"), stem + ".png")
+    return both / busy if busy else 0.0
+
+
+def streams_table(args: argparse.Namespace, cores: int, tp2: Runtime, pp2: Runtime) -> None:
+    """Table 2: ``args.streams`` concurrent streams on one device, tp=2 and pp=2 (``tp2``, ``pp2``: table 1's engines,
+    one thread per device; alternating rounds), the overlap of pp=2's stages in a traced run, then tp=2 against pp=2
+    on 2 gloo ranks without and with the added latency."""
+    engines = {"one device": Runtime(1, threads=1, max_num_seqs=max(16, args.streams)), "tp=2, cpu(2)": tp2,
+               "pp=2, cpu(2)": pp2}
+    prompts = [_prompt(args.prompt + i)[i:] for i in range(args.streams)]  # different prompts of the same length
+    tps: dict[str, list[float]] = {k: [] for k in engines}
+    cpu: dict[str, list[float]] = {k: [] for k in engines}  # CPU seconds (all threads) per 100 output tokens
+    tokens = {}
+    for _ in range(args.rounds):
+        for name, e in engines.items():
+            t, toks = e.streams(prompts, args.new)
+            tps[name].append(t)
+            cpu[name].append(e.cpu_seconds * 100 / (len(prompts) * args.new))
+            tokens[name] = toks
+    base = tps["one device"]
+    load = os.getloadavg()[0]
+    print(f"\n{args.streams} concurrent streams, {args.prompt}-token prompts, {args.new} new tokens each, greedy; "
+          f"medians of {args.rounds} alternating rounds; load average {load:.1f} on {cores} cores")
+    print(f"{'engine':16s} {'threads':>13s} {'tok/s':>8s} {'vs one device':>14s} {'vs tp=2':>8s} "
+          f"{'CPU s/100 tok':>14s}")
+    threads = {"one device": "1", "tp=2, cpu(2)": "1 per device", "pp=2, cpu(2)": "1 per device"}
+    for name in engines:
+        r1 = statistics.median(a / b for a, b in zip(tps[name], base, strict=True))
+        r2 = statistics.median(a / b for a, b in zip(tps[name], tps["tp=2, cpu(2)"], strict=True))
+        print(f"{name:16s} {threads[name]:>13s} {statistics.median(tps[name]):8.1f} {r1:14.2f} {r2:8.2f} "
+              f"{statistics.median(cpu[name]):14.2f}")
+    one = tokens["one device"]
+    same = ", ".join(f"{name} {sum(a == b for a, b in zip(tokens[name], one, strict=True))}/{len(one)}"
+                     for name in engines if name != "one device")
+    print(f"streams whose greedy tokens equal one device's: {same} (where not all, a near tie broke the other way: "
+          "the sums taken in another order)")
+    frac = stage_overlap(pp2, prompts, args.new, args.trace_png)
+    print(f"pp=2 traced: stage 1's compute stream busy during {frac:.0%} of stage 0's compute (micro-batches in "
+          "flight)")
+    for e in engines.values():
+        e.llm.close()
+    repeats = 1 if args.smoke else 3
+    delays = [args.send_delay_ms] if args.smoke else [0.0, args.send_delay_ms]
+    print(f"\n2 gloo ranks (torchrun, 1 thread each), {args.prompt}-token prompts, {args.new} new tokens; median of "
+          f"{repeats} runs each; one stream: decode tok/s, {args.streams} streams: output tok/s")
+    print(f"{'streams, added latency per message':36s} {'tp=2 tok/s':>11s} {'pp=2 tok/s':>11s} {'pp / tp':>8s}")
+    rows = [(1, d) for d in delays] + ([] if args.smoke else [(args.streams, args.send_delay_ms)])
+    for n, d in rows:  # (--smoke: the pipeline's row only; table 1 ran the tp=2 worker)
+        t = None if args.smoke else gloo(2, args.prompt, args.new, repeats, 1, d, n)
+        p = gloo(1, args.prompt, args.new, repeats, 2, d, n)
+        ratio = f"{p / t:8.2f}" if t and p else f"{'-':>8s}"
+        print(f"{f'{n}, {d:g} ms':36s} {t or float('nan'):11.1f} {p or float('nan'):11.1f} {ratio}")
 
 
 def main() -> None:
@@ -152,11 +275,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--smoke", action="store_true", help="one round, 8-token prompt, 4 new tokens")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--streams", type=int, default=16, help="concurrent streams of table 2")
+    ap.add_argument("--send-delay-ms", type=float, default=2.0,
+                    help="added latency before every message a gloo rank sends, in table 2's last rows")
+    ap.add_argument("--smoke", action="store_true", help="one round, 8-token prompt, 4 new tokens, 4 streams")
     ap.add_argument("--trace-png", default=None, help="also draw the traced tp=2 decode step to this PNG")
     args = ap.parse_args()
     if args.smoke:
-        args.rounds, args.prompt, args.new = 1, 8, 4
+        args.rounds, args.prompt, args.new, args.streams = 1, 8, 4, 4
     if args.worker:
         worker(args)
         return
@@ -198,6 +325,8 @@ def main() -> None:
     print(f"tp=2 decode step: communicate streams busy {share:.0%} of the step; {frac:.0%} of that time overlaps "
           "compute on the same device")
     print(f"greedy tokens identical across engines: {same}")
+    engines["runtime tp=1"].llm.close()
+    streams_table(args, cores, engines["runtime tp=2, cpu(2)"], engines["runtime pp=2, cpu(2)"])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Pipeline parallelism across processes: ``torchrun`` with gloo, one device per rank, each rank one stage's tp group
 member. The same greedy ids as one process at tp=1 (a batch, twice: the second time from the prefix cache) at pp=2
-on 2 ranks and pp=2 x tp=2 on 4 ranks; each rank holds only its stage's weights and KV cache.
+on 2 ranks and pp=2 x tp=2 on 4 ranks, with micro-batches in flight, preemption (a small cache) and n-gram drafts;
+each rank holds only its stage's weights and KV cache.
 
 This file is also the script each rank runs (``python -m torch.distributed.run ... test_pp_torchrun.py PP TP PATH``).
 """
@@ -18,16 +19,22 @@ from tests.test_tp_torchrun import BATCH, _run, _torchrun, tiny_llama  # noqa: F
 def _worker(pp: int, tp: int, model: str) -> int:
     from dtorch.engine.llm import LLM
     from dtorch.engine.sampling import SamplingParams
+    from tests.test_engine import one_sequence_cache
 
-    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=4)
+    # micro-batches in flight, six blocks of 4 tokens (the longest sequence, 21 tokens, fits alone: preemption),
+    # n-gram drafts
+    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=4, block_size=4,
+              max_model_len=24, kv_cache_memory_bytes=one_sequence_cache(model, 24), max_num_batched_tokens=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         runs = [[o.outputs[0].token_ids for o in llm.generate(BATCH, params)] for _ in range(2)]
-        rank = llm.rank
+        rank, s = llm.rank, llm.engine.stats()
         print(f"rank {rank} stage {llm.mesh.stage_of(rank)} weights {llm.model.weight_bytes()} "
               f"kv {llm.cache.nbytes}", file=sys.stderr, flush=True)
         if rank == 0:
             print(json.dumps(runs), flush=True)
+            print(f"preemptions {s.preemptions} drafted {s.spec_draft_tokens} steps {s.steps}", flush=True)
         return 0
     finally:
         llm.close()
@@ -41,12 +48,13 @@ def _worker(pp: int, tp: int, model: str) -> int:
 def test_stages_on_ranks_give_one_processs_greedy_ids(tiny_llama, pp, tp):  # noqa: F811 - the fixture
     from dtorch.engine.llm import LLM
     from dtorch.engine.sampling import SamplingParams
+    from tests.test_engine import one_sequence_cache
 
     llm = LLM(str(tiny_llama), max_num_seqs=4)
     try:
         want = [o.outputs[0].token_ids for o in llm.generate(BATCH, SamplingParams(temperature=0.0, max_tokens=10,
                                                                                    ignore_eos=True))]
-        weights, kv = llm.model.weight_bytes(), llm.cache.nbytes
+        weights, kv = llm.model.weight_bytes(), one_sequence_cache(str(tiny_llama), 24)  # the ranks' cache, whole
     finally:
         llm.close()
     proc, _ = _run(_torchrun(pp * tp, __file__, str(pp), str(tp), str(tiny_llama)), timeout=300)
@@ -54,6 +62,8 @@ def test_stages_on_ranks_give_one_processs_greedy_ids(tiny_llama, pp, tp):  # no
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert len(lines) == 1, proc.stdout  # rank 0 only
     assert json.loads(lines[0]) == [want, want]
+    stats = next(ln.split() for ln in proc.stdout.splitlines() if ln.startswith("preemptions"))
+    assert int(stats[1]) > 0 and int(stats[3]) > 0, stats
     held = [ln.split() for ln in proc.stderr.splitlines() if ln.startswith("rank ") and " weights " in ln]
     assert len(held) == pp * tp, proc.stderr
     for row in held:  # each rank: about 1/(pp tp) of the weights (norms and the small vocabulary's head aside)

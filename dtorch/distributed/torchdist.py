@@ -88,6 +88,9 @@ class TorchDistCommunicator(Communicator):
         self._position = self.ids.index(self.process) if self.process in self.ids else -1
         self.timeout = group_timeout(group)  # what every collective waits for a peer; set by the group
         self._groups: dict[tuple[int, ...], TorchDistCommunicator] = {}
+        # send/recv between stages: a group of every rank of its own (made with the stages' groups), so that the stage
+        # threads' messages never meet the collectives the engine's thread runs on the default group meanwhile
+        self._p2p: object | None = None
 
     def group(self, ids: tuple[int, ...]) -> TorchDistCommunicator:
         """Collectives among the ranks ``ids`` (a pipeline stage's tp group), send/recv to any rank. Every rank must
@@ -95,10 +98,13 @@ class TorchDistCommunicator(Communicator):
         ids = tuple(ids)
         if ids == self.ids:
             return self
+        if self._p2p is None:
+            self._p2p = dist.new_group(list(range(dist.get_world_size())))
         sub = self._groups.get(ids)
         if sub is None:
             pg = dist.new_group(list(ids))
             sub = self._groups[ids] = TorchDistCommunicator(pg, ids) if self.process in ids else self
+            sub._p2p = self._p2p
         return sub
 
     def _do(self, what: str, fn: Callable[[], None], peer: int | None = None) -> None:
@@ -149,12 +155,12 @@ class TorchDistCommunicator(Communicator):
         out.copy_(x)
         self._do("broadcast", lambda: dist.broadcast(out, src=src, group=self.pg))
 
-    # point to point between any two ranks (pipeline stages): global ranks on the default group
+    # point to point between any two ranks (pipeline stages): global ranks, on the stages' own group of every rank
     def send(self, device_id: int, x: torch.Tensor, dst: int) -> None:
-        self._do("send", lambda: dist.send(x.contiguous(), dst=dst), peer=dst)
+        self._do("send", lambda: dist.send(x.contiguous(), dst=dst, group=self._p2p), peer=dst)
 
     def recv(self, device_id: int, out: torch.Tensor, src: int) -> None:
-        self._do("recv", lambda: dist.recv(out, src=src), peer=src)
+        self._do("recv", lambda: dist.recv(out, src=src, group=self._p2p), peer=src)
 
     def close(self) -> None:
         if self.pg is None and dist.is_initialized():

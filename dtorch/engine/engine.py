@@ -70,6 +70,11 @@ class Engine:
         self.grammars = Grammars(tokenizer, vocab_size, sorted(eos_token_ids))
         self.passes = PromptPasses()  # embeddings and prompt scoring, in steps of their own
         self._counts = dict(prompt=0, generation=0, decode=0, steps=0)
+        # steps started and not yet sampled (a pipeline's micro-batches): (plan, drafts, Pending, start time), oldest
+        # first; the ids of their sequences; when the last one was sampled
+        self._flights: deque = deque()
+        self._busy: set[int] = set()
+        self._landed = 0.0
         self._seconds = dict(prefill=0.0, decode=0.0)
 
     # -- requests (any thread) ---------------------------------------------------------------------
@@ -268,55 +273,100 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """Run one step; False when there was nothing to do."""
+        """Run one step; False when there was nothing to do. A pipeline of P stages keeps up to P steps (micro-batches
+        of the running sequences) in flight: a step starts as many as it may, then takes the oldest one's logits,
+        samples them and returns, so that micro-batch's next step starts at the next call while the others run."""
         with self.drive_lock:
             self._take_inbox()
             if self.passes.turn(bool(self.scheduler.running or self.scheduler.waiting)) and self.passes.step(self):
                 with self.stepped:
                     self.stepped.notify_all()
                 return True
-            plan = self.scheduler.schedule()
-            if not plan:
+            depth = self.executor.depth
+            while len(self._flights) < depth:
+                busy = self._busy
+                # a micro-batch's share of the sequences, so that the others have some
+                cap = None if depth == 1 else -(-(len(self.scheduler.running) + len(self.scheduler.waiting)) // depth)
+                plan = self.scheduler.schedule(busy, cap) if busy or cap else self.scheduler.schedule()
+                if not plan:
+                    break
+                self._launch(plan)
+            if not self._flights:
                 return False
-            t0, made = time.perf_counter(), self._counts["generation"]
             try:
-                long = long_prompts(plan)
-                drafts = self.speculator.draft(self, plan, long) if self.speculator is not None else None
-                logits = self.executor.step(StepPlan.chunks(plan, self.cache.has_state, drafts and drafts.tokens,
-                                                            long))
-            except BaseException:
-                self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
-                raise
-            widths = drafts.widths if drafts is not None else [1] * len(plan)
-            ready, rows, mine, at, decode = [], [], [], 0, True
-            for i, ((s, n), w) in enumerate(zip(plan, widths, strict=True)):
-                one = self.speculator.decode_rows(s) if self.speculator is not None else 1
-                if not (n == one and s.output_ids and s.computed + n == len(s.ids)):  # not a decode token
-                    self._counts["prompt"] += n
-                    decode = False
-                self.scheduler.computed(s, n)
-                if s.computed == len(s.ids):
-                    ready.append(s)
-                    rows += range(at, at + w)
-                    mine.append(i)
-                at += w
-            try:
-                if ready and drafts is None:
-                    self._accept(ready, logits[rows] if len(rows) < len(plan) else logits)
-                elif ready:
-                    self._verify(ready, logits[rows], drafts, mine)
-            except BaseException:
-                self._end([s for s in ready if not s.finished], "abort")  # half-taken: computed, but no new token
+                self._land(self._flights.popleft())
+            except BaseException:  # the steps still in flight failed with it (or may have): end them too
+                while self._flights:
+                    try:
+                        self._land(self._flights.popleft())
+                    except BaseException:  # noqa: BLE001, S110 - their sequences were aborted; the first error goes up
+                        pass
                 raise
             if not self.scheduler.running and not self.scheduler.waiting and not self._inbox:
                 self.cache.release(self.blocks.trim(int(self.blocks.num_blocks * IDLE_PREFIX_KEEP)))
-            self._seconds["decode" if decode else "prefill"] += time.perf_counter() - t0
-            if decode:
-                self._counts["decode"] += self._counts["generation"] - made
-            self._counts["steps"] += 1
         with self.stepped:
             self.stepped.notify_all()
         return True
+
+    def _launch(self, plan: list[tuple[Sequence, int]]) -> None:
+        """Draft for ``plan`` (speculative decoding) and start its step on the executor."""
+        t0 = time.perf_counter()
+        try:
+            long = long_prompts(plan)
+            drafts = self.speculator.draft(self, plan, long) if self.speculator is not None else None
+            step = StepPlan.chunks(plan, self.cache.has_state, drafts and drafts.tokens, long)
+            # one stage: the step runs now (its logits); a pipeline's is in flight (an ``Executor.Pending``)
+            pending = self.executor.step(step) if self.executor.depth == 1 else self.executor.submit(step)
+        except BaseException:
+            self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
+            raise
+        self._busy.update(id(s) for s, _ in plan)
+        self._flights.append((plan, drafts, pending, t0))
+
+    def _land(self, flight: tuple) -> None:
+        """Take a started step's logits, account its tokens and sample the sequences it completed. Sequences that
+        ended while it was in flight (aborted) give back what they hold now."""
+        plan, drafts, pending, t0 = flight
+        made = self._counts["generation"]
+        self._busy.difference_update(id(s) for s, _ in plan)
+        try:
+            logits = pending if isinstance(pending, torch.Tensor) else pending.result()
+        except BaseException:
+            self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
+            raise
+        gone = [s for s, _ in plan if s.finished]
+        if gone:
+            self.scheduler.finish(gone)
+        widths = drafts.widths if drafts is not None else [1] * len(plan)
+        ready, rows, mine, at, decode = [], [], [], 0, True
+        for i, ((s, n), w) in enumerate(zip(plan, widths, strict=True)):
+            if s.finished:
+                at += w
+                continue
+            one = self.speculator.decode_rows(s) if self.speculator is not None else 1
+            if not (n == one and s.output_ids and s.computed + n == len(s.ids)):  # not a decode token
+                self._counts["prompt"] += n
+                decode = False
+            self.scheduler.computed(s, n)
+            if s.computed == len(s.ids):
+                ready.append(s)
+                rows += range(at, at + w)
+                mine.append(i)
+            at += w
+        try:
+            if ready and drafts is None:
+                self._accept(ready, logits[rows] if len(rows) < logits.shape[0] else logits)
+            elif ready:
+                self._verify(ready, logits[rows], drafts, mine)
+        except BaseException:
+            self._end([s for s in ready if not s.finished], "abort")  # half-taken: computed, but no new token
+            raise
+        now = time.perf_counter()  # steps in flight together: each counts from the one before it landed
+        self._seconds["decode" if decode else "prefill"] += now - max(t0, self._landed)
+        self._landed = now
+        if decode:
+            self._counts["decode"] += self._counts["generation"] - made
+        self._counts["steps"] += 1
 
     def _take_inbox(self) -> None:
         with self._inbox_lock:
@@ -467,7 +517,9 @@ class Engine:
         self._finish(seqs)
 
     def _finish(self, seqs: list[Sequence]) -> None:
-        self.scheduler.finish(seqs)
+        # a sequence whose step is in flight keeps its blocks and state row until the step lands (its stages still
+        # write them)
+        self.scheduler.finish([s for s in seqs if id(s) not in self._busy])
         for rid in {s.request_id for s in seqs}:
             mine = self._requests.get(rid)
             if mine is not None and all(s.finished for s in mine):
@@ -476,6 +528,11 @@ class Engine:
     def abort_all(self) -> None:
         """Abort every request, queued or running (at shutdown)."""
         with self.drive_lock:
+            while self._flights:  # what is in flight lands first: its sequences give back their blocks
+                try:
+                    self._land(self._flights.popleft())
+                except BaseException:  # noqa: BLE001, S110 - shutting down: its sequences were aborted
+                    pass
             self._take_inbox()
             self.passes.fail_all(self, EngineBusy("the engine shut down before the prompt's pass (an embedding or "
                                                   "its scoring) was done"))

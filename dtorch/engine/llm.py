@@ -11,7 +11,8 @@ devices of this process (``cpu:0`` .. ``cpu:n-1``, or n GPUs), or, when ``torch.
 (``torchrun``), one device per rank, every rank running the same steps (SPMD) and agreeing on every
 sampled token (rank 0 samples and broadcasts). ``pipeline_parallel_size=p`` splits the layers into p contiguous
 stages (``pp_layers``: each stage's count), each on its own ``tensor_parallel_size`` devices (or ranks): a (pp, tp)
-mesh, stages passing the residual stream by send/recv (``dtorch.models.parallel.pipeline_stages``).
+mesh, stages passing the residual stream by send/recv (``dtorch.models.parallel.pipeline_stages``), with up to p
+micro-batches of the running sequences in flight (``dtorch.models.pipeline``).
 
 Generation runs on the ``Engine`` (continuous batching on a paged KV cache with prefix caching): ``generate``
 queues its prompts and steps the engine until they finish. Callers in several threads may generate at once: their
@@ -48,7 +49,7 @@ from dtorch.models.loaders import open_checkpoint
 from dtorch.models.loaders.checkpoint import LazyCheckpoint
 from dtorch.models.model import Transformer
 from dtorch.models.pack_cache import PackCache
-from dtorch.models.parallel import MeshSetup, setup_mesh
+from dtorch.models.parallel import MeshSetup, head_cost, pipeline_stages, setup_mesh
 from dtorch.models.tokenizer import check_text, no_tokenizer_message
 
 PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at most (a longer prompt is chunked)
@@ -160,9 +161,11 @@ class LLM:
         where: MeshSetup = setup_mesh(device, tensor_parallel_size, pipeline_parallel_size)
         if pp_layers is not None and (isinstance(pp_layers, (str, bytes)) or not isinstance(pp_layers, Sequence)):
             raise ArgumentError(f"LLM: pp_layers must be a sequence of ints (layers per stage), got {pp_layers!r:.60}")
-        if spec is not None and pipeline_parallel_size > 1:
-            raise ArgumentError("LLM: speculative decoding does not run on a pipeline yet (pipeline_parallel_size "
-                                f"{pipeline_parallel_size}); drop speculative_config or use tensor parallelism")
+        if spec is not None and spec.method == "draft_model" and pipeline_parallel_size > 1:
+            raise ArgumentError("LLM: a draft model does not run on a pipeline yet (pipeline_parallel_size "
+                                f"{pipeline_parallel_size}): its steps would share the stages' mailboxes with the "
+                                "micro-batches in flight; use speculative_config method 'ngram', or tensor "
+                                "parallelism")
         map_large_allocations()  # the load's freed buffers then leave RSS instead of staying in the heap
         started = time.perf_counter()
         # reads names and shapes; then only this process's slices
@@ -180,8 +183,12 @@ class LLM:
                                     "positions (max_position_embeddings)")
             self.max_len = max_model_len or positions
             # the packed weights' cache entry of a GGUF file (None: off, or nothing kept packed)
+            # (the stages' layers too: which weights a device holds)
+            split = "" if pipeline_parallel_size == 1 else " stages " + ",".join(
+                str(len(st.layers)) for st in pipeline_stages(where.mesh, self.config.num_layers, pp_layers,
+                                                              head_cost(self.config)))
             self.pack_cache = None if dequantize else PackCache.open(
-                ckpt.source, dtype, f"{where.mesh!r} local {list(where.local_ids)}", check_weights)
+                ckpt.source, dtype, f"{where.mesh!r} local {list(where.local_ids)}{split}", check_weights)
             self.model = Transformer.load(self.config, ckpt.get, where.mesh, where.local_ids, dtype,
                                           None if dequantize else ckpt.get_packed, max_positions=self.max_len,
                                           batch_invariant=batch_invariant, cache=self.pack_cache,

@@ -301,6 +301,7 @@ class Leader:
         self._lock = threading.Lock()  # one message at a time, whichever thread drives the engine
         llm = ranks.llm
         llm.executor.mirror = Teller(self, "target")
+        llm.executor.depth = 1  # one step at a time: the other ranks make each told call to its end before the next
         llm.cache.mirror = Teller(self, "cache")
         drafter = getattr(llm.engine.speculator, "drafter", None)
         if drafter is not None:

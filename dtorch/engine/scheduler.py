@@ -21,7 +21,7 @@ so a long generation holds about its window of cache.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence as Seq, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,23 +93,33 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """The step: (sequence, tokens to compute from ``seq.computed``) pairs, running sequences first."""
+    def schedule(self, busy: Set[int] = frozenset(), max_seqs: int | None = None) -> list[tuple[Sequence, int]]:
+        """The step: (sequence, tokens to compute from ``seq.computed``) pairs, running sequences first.
+
+        ``busy``: ids (``id(seq)``) of running sequences whose last step is still in flight (a pipeline's other
+        micro-batches): they are neither stepped nor preempted. ``max_seqs``: sequences in this step at most (a
+        micro-batch's share of them)."""
         bm = self.blocks
         budget = self.config.max_num_batched_tokens
+        cap = self.config.max_num_seqs if max_seqs is None else max_seqs
         out: list[tuple[Sequence, int]] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out) < cap:
             seq = self.running[i]
+            if id(seq) in busy:
+                i += 1
+                continue
             self._slide(seq)
             n = min(len(seq.ids) - seq.computed, budget)
             need = bm.blocks_for(seq.computed + n) - len(seq.blocks)
-            while need > bm.num_free and self.running[-1] is not seq:
-                self.preempt(self.running.pop())
+            while need > bm.num_free and (victim := self._victim(seq, busy)) is not None:
+                self.running.remove(victim)
+                self.preempt(victim)
                 preempted = True
             if need > bm.num_free:  # not even alone: it waits for blocks itself
-                self.preempt(self.running.pop())
+                self.running.remove(seq)
+                self.preempt(seq)
                 preempted = True
                 break
             if need > 0:
@@ -119,7 +129,7 @@ class Scheduler:
             i += 1
         if preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out) < cap:
             if self._state_slots is not None and not self._state_slots:
                 break
             seq = self.waiting[0]
@@ -145,6 +155,16 @@ class Scheduler:
             out.append((seq, n))
             budget -= n
         return out
+
+    def _victim(self, seq: Sequence, busy: Set[int]) -> Sequence | None:
+        """The sequence to preempt so that ``seq`` gets blocks: the newest running one after it (not yet in this
+        step) whose step is not in flight; None when there is none."""
+        for s in reversed(self.running):
+            if s is seq:
+                return None
+            if id(s) not in busy:
+                return s
+        return None
 
     def reserve(self, plan: Seq[tuple[Sequence, int]], wants: Seq[int]) -> list[int]:
         """Room for ``wants[i]`` draft tokens after the tokens of ``plan[i]`` (a speculative step): as many as the

@@ -15,11 +15,14 @@ replay and why the others do not.
 
 A pipelined model (``Transformer.stages``) runs a bucket as one Runner per stage (``StageRunners``), each on its
 stage's tp group with a communicator for that group (``Communicator.group``): a stage's last op sends the residual
-stream to the next stage's devices on its communicate streams, where the next stage's first op receives it.
+stream to the next stage's devices on its communicate streams, where the next stage's first op receives it. Each local
+stage runs on a host thread of its own (``StageWorkers``), so ``submit`` may put up to ``depth`` (the number of stages)
+steps in flight: stage s runs step m while stage s + 1 runs step m - 1; ``Pending.result`` waits for one.
 
 ``mirror`` (None but on rank 0 of a model served across ranks, ``dtorch.engine.ranks``) is told of each call that runs
 collectives or builds a graph (``step``, ``runner`` of a new bucket, ``capture_now``) before it runs, so the other
-ranks make the same call: a method that runs collectives must tell it too.
+ranks make the same call: a method that runs collectives must tell it too. Served so, ``depth`` is 1: the other ranks
+make one call at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.models.kv_cache import KVCache
 from dtorch.models.model import Bucket, Transformer, bucket_for
+from dtorch.models.pipeline import Flight, StageWorkers
 from dtorch.runtime.capture import NOT_ASKED, Capture, Recorder, RunCapture
 from dtorch.runtime.comm import Communicator
 from dtorch.runtime.plan import SharedBuffers
@@ -100,6 +104,32 @@ class StepPlan:
                    [1 + len(d) for d in drafts])
 
 
+class Pending:
+    """A step submitted to an ``Executor``; ``result()`` is ``Executor.step``'s return (a pipelined step's, once its
+    last stage ends). Call ``result`` on every pending step, in the order they were submitted (under torchrun the
+    last stage's logits reach the other ranks then, by a collective)."""
+
+    __slots__ = ("executor", "bucket", "flight", "out", "take", "want")
+
+    def __init__(self, executor: Executor, bucket: Bucket, flight: Flight | None, out: dict | None, take: int,
+                 want: str) -> None:
+        self.executor, self.bucket, self.flight, self.out, self.take, self.want = \
+            executor, bucket, flight, out, take, want
+
+    def result(self) -> torch.Tensor:
+        ex = self.executor
+        try:
+            out = self.out if self.flight is None else self.flight.wait(ex.timeout * (len(ex.model.stages) + 1))
+            logits = out.get(self.want)
+            if ex.logits_from is not None:
+                logits = ex._from_last_stage(logits, self.bucket)
+        except BaseException as exc:
+            ex.told_failed(exc)
+            raise
+        logits = logits[:self.take]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+
 class Executor:
     """Runs steps of ``model`` on its mesh; ``cache`` must be set (``use_cache``) before the first step. ``streams``:
     another executor's stream threads to run on (a draft model's: one OpenMP team per device, not two); its owner
@@ -133,6 +163,12 @@ class Executor:
         self.local_stages = [st for st in model.stages if set(st.mesh.ids) & set(local_ids)]
         # under torchrun, the last stage's first rank gives every rank the step's logits (each samples them)
         self.logits_from = None if len(self.local_stages) == len(model.stages) else model.stages[-1].mesh.ids[0]
+        # steps a pipeline keeps in flight at most: one per stage (1: each step ends before the next starts)
+        self.depth = len(model.stages)
+        self.workers = StageWorkers(len(self.local_stages), timeout, self.local_stages[0].index) \
+            if self.depth > 1 else None
+        if self.workers is not None:  # a dropped model leaves no stage threads either
+            weakref.finalize(self, self.workers.close)
 
     def set_trace(self, on: bool) -> None:
         """Record every kernel's start and end on its stream (``self.tracer``), or stop."""
@@ -196,24 +232,34 @@ class Executor:
         token, [T, H], instead)."""
         if self.cache is None:
             raise ModelError("Executor.step: no KV cache (call use_cache first)")
+        return self.submit(plan, all_logits, hidden).result()
+
+    def submit(self, plan: StepPlan, all_logits: bool = False, hidden: bool = False) -> Pending:
+        """Start ``plan`` (as ``step``); a pipeline returns while the step is in its stages (at most ``depth`` steps
+        should be in flight: a stage holds the others back), a model of one stage once the step has run."""
+        if self.cache is None:
+            raise ModelError("Executor.submit: no KV cache (call use_cache first)")
         counts = list(plan.counts)
         n, t = len(counts), sum(counts)
         rows = sum(plan.logits) if plan.logits else n
         bucket = bucket_for(t, n, all_logits, hidden, rows, plan.long)
         feeds = self.feeds(plan, bucket)
-        runner = self.runner(bucket)
+        r = self.runner(bucket)
+        take, want = (t if all_logits or hidden else rows), ("hidden" if hidden else "logits")
         if self.mirror is not None:
             self.mirror.tell("step", plan, all_logits, hidden)
         try:
-            logits = runner.run(feeds).get("hidden" if hidden else "logits")
-            if self.logits_from is not None:
-                logits = self._from_last_stage(logits, bucket)
+            if self.workers is None:
+                return Pending(self, bucket, None, r.run(feeds), take, want)
+            return Pending(self, bucket, self.workers.submit(r.runners, feeds), None, take, want)
         except BaseException as exc:  # the other ranks ran the step, or fail in it: the ranks may be out of step
-            if self.mirror is not None:
-                self.mirror.failed(exc)
+            self.told_failed(exc)
             raise
-        logits = logits[:t] if all_logits or hidden else logits[:rows]
-        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def told_failed(self, exc: BaseException) -> None:
+        """A step that was told to the other ranks (``mirror``) failed here: they may be out of step."""
+        if self.mirror is not None:
+            self.mirror.failed(exc)
 
     def _from_last_stage(self, out: torch.Tensor | None, bucket: Bucket) -> torch.Tensor:
         """A pipeline across processes: the last stage's output (None on the other ranks), broadcast from its first
@@ -275,6 +321,8 @@ class Executor:
         return feeds
 
     def close(self) -> None:
-        """Stop the stream threads."""
+        """Stop the stage and stream threads."""
+        if self.workers is not None:
+            self.workers.close()
         self.runners.clear()
         self._finalizer()

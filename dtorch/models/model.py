@@ -29,7 +29,7 @@ from dtorch.graph import DeviceMesh, LogicalGraph, Operand, Replicate
 from dtorch.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from dtorch.models.layout import Layout
 from dtorch.models.pack_cache import PackCache
-from dtorch.models.parallel import Stage, pipeline_stages
+from dtorch.models.parallel import Stage, head_cost, pipeline_stages
 from dtorch.models.weights import Getter, PackedGetter, load_weights
 from dtorch.runtime.blob import DistTensor
 
@@ -123,7 +123,7 @@ class Transformer:
         self.batch_invariant = batch_invariant
         # pipeline stages (one without a "pp" axis): each a contiguous run of layers on its tp group, whose weights
         # (in ``weights``, placed on that group) no other stage holds
-        self.stages = stages or pipeline_stages(mesh, config.num_layers)
+        self.stages = stages or pipeline_stages(mesh, config.num_layers, head_layers=head_cost(config))
         self.layout = Layout(config, mesh.tp_size)
         self.weights = dict(weights)
         positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
@@ -155,10 +155,11 @@ class Transformer:
         ``batch_invariant``: the products of a batch of decodes are never told so (``_proj``). ``cache``: the packed
         weights' cache entry of the file (``pack_cache``), read where it has them and written where it lacks them.
         ``hollow``: nothing read or packed, every weight an uninitialized tensor of its shape (``dtorch info``).
-        On a mesh with a "pp" axis each stage's weights (``pp_layers`` layers each, default an even split) are read
+        On a mesh with a "pp" axis each stage's weights (``pp_layers`` layers each, default an even split of the work,
+        the head counted: ``pipeline_stages``) are read
         only for the devices of that stage, placed on its tp group.
         """
-        stages = pipeline_stages(mesh, config.num_layers, pp_layers)
+        stages = pipeline_stages(mesh, config.num_layers, pp_layers, head_cost(config))
         weights, linear, parts = {}, set(), {}
         for st in stages:
             mine = tuple(i for i in local_ids if i in st.mesh.ids)

@@ -12,6 +12,7 @@ import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,13 +107,25 @@ class Stage:
         return self.first if weight == "embed" else self.last
 
 
-def pipeline_stages(mesh: DeviceMesh, num_layers: int, pp_layers: Sequence[int] | None = None) -> tuple[Stage, ...]:
-    """The stages of ``mesh`` (its "pp" axis; one stage without) over ``num_layers`` layers: contiguous runs, as even
-    as they go (the first stages take one more where they do not divide), or ``pp_layers`` layers each."""
+def head_cost(config: Any) -> float:
+    """What the vocabulary projection of ``config`` (a ``ModelConfig``) costs in layers, by their weights' sizes
+    (attention and a dense MLP per layer): SmolLM2-135M's head of 49152 x 576 is about 8 of its 30 layers."""
+    h = config.hidden_size
+    layer = h * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads) + 3 * h * config.intermediate_size
+    return config.vocab_size * h / layer if layer else 0.0
+
+
+def pipeline_stages(mesh: DeviceMesh, num_layers: int, pp_layers: Sequence[int] | None = None,
+                    head_layers: float = 0.0) -> tuple[Stage, ...]:
+    """The stages of ``mesh`` (its "pp" axis; one stage without) over ``num_layers`` layers: contiguous runs, or
+    ``pp_layers`` layers each. By default the work is spread evenly: the last stage, which also projects to the
+    vocabulary (``head_layers``: what the head costs, in layers), takes that many fewer layers (at least one), and
+    the others share the rest as evenly as it goes (the first ones take one more where it does not divide)."""
     p = mesh.pp_size
     if pp_layers is None:
-        q, r = divmod(num_layers, p)
-        counts = [q + (s < r) for s in range(p)]
+        last = 0 if p == 1 else min(num_layers - (p - 1), max(1, round((num_layers + head_layers) / p - head_layers)))
+        q, r = divmod(num_layers - last, p - 1 if p > 1 else 1)
+        counts = [q + (s < r) for s in range(max(1, p - 1))] + ([last] if p > 1 else [])
     else:
         counts = list(pp_layers)
         if len(counts) != p or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts) \

@@ -110,6 +110,9 @@ class Runner:
         self.timeout = env.sync_timeout() if timeout is None else _seconds("Runner", timeout)
         self.comm = communicator if communicator is not None else default_communicator(self.mesh.ids, self.timeout)
         self.local_ids = self.mesh.local_ids(self.comm.process)
+        # the streams a run waits for: its own devices' (another Runner on the shared streams may be running a
+        # pipeline's other stage meanwhile)
+        self._devices = frozenset(self.mesh.device(i) for i in self.local_ids)
         if isinstance(capture, bool):
             capture = Capture(self.mesh.device(self.local_ids[0]), recorder) if capture else Capture(off=NOT_ASKED)
         elif not isinstance(capture, Capture):
@@ -186,7 +189,7 @@ class Runner:
             if here and self.manager.idle():  # nothing is left on any stream: no round trip to a stream thread
                 return self._finish(state, return_dist)
             try:
-                self.manager.synchronize(limit)
+                self.manager.synchronize(limit, self._devices)
             except SyncTimeout:
                 state.abort()
                 self._dirty = True
@@ -220,7 +223,7 @@ class Runner:
         """Wait for what an earlier failed or timed-out run left on the streams (its kernels are skipped, but one
         still running would free or overwrite this run's blobs when it ends)."""
         try:
-            self.manager.synchronize(limit)
+            self.manager.synchronize(limit, self._devices)
         except SyncTimeout as exc:
             raise SyncTimeout(f"Runner.run: a kernel of an earlier run that timed out is still running after "
                               f"{limit:g}s more ({self.manager.describe_pending()}); this run did not start. Run "
@@ -337,7 +340,7 @@ class Runner:
     # -- lifetime ------------------------------------------------------------------------------
 
     def synchronize(self, timeout: float | None = None) -> None:
-        self.manager.synchronize(self.timeout if timeout is None else timeout)
+        self.manager.synchronize(self.timeout if timeout is None else timeout, self._devices)
 
     def shutdown(self, timeout: float = 5.0) -> list[str]:
         """Join every stream thread this Runner owns, within ``timeout`` seconds in all; the Runner cannot run

@@ -291,12 +291,13 @@ class StreamManager:
             if ev is not None:
                 s.wait(ev, state)
 
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Wait for every stream, host and device; raises ``SyncTimeout`` listing what is still in flight.
+    def synchronize(self, timeout: float | None = None, devices: frozenset[Device] | None = None) -> None:
+        """Wait for every stream (``devices``: those of these devices only: a pipeline stage's, while the other
+        stages run on), host and device; raises ``SyncTimeout`` listing what is still in flight.
 
         Afterwards every result is complete in memory, so the caller may read it on any stream."""
         limit = env.sync_timeout() if timeout is None else timeout
-        events = [(s, s.record()) for s in self.streams]
+        events = [(s, s.record()) for s in self.streams if devices is None or s.device in devices]
         deadline = time.monotonic() + limit
         late = [(s, ev) for s, ev in events if not ev.wait(deadline)]
         if late:

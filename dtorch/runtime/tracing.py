@@ -23,6 +23,11 @@ class Tracer:
     def add(self, stream: Any, label: str, t0: int, t1: int) -> None:
         self.events.append((str(stream.device), stream.type.value, label, t0, t1))
 
+    def add_stage(self, device: Any, label: str, t0: int, t1: int) -> None:
+        """A pipeline stage's run of one step ("stage 1 step 7"), on a "pipeline" row of the stage's first device:
+        beside its kernels it shows which micro-batch each stage ran when."""
+        self.events.append((str(device), "pipeline", label, t0, t1))
+
     def clear(self) -> None:
         self.events.clear()
         self.origin = time.perf_counter_ns()
@@ -34,7 +39,7 @@ class Tracer:
     def chrome(self) -> dict:
         """The Chrome trace format: one "X" event per kernel; pid is the device, tid the stream type."""
         pids: dict[str, int] = {}
-        tids = {"compute": 0, "communicate": 1}
+        tids = {"compute": 0, "communicate": 1, "pipeline": 2}
         out: list[dict] = []
         for device, stype, label, t0, t1 in list(self.events):
             if device not in pids:
@@ -159,7 +164,7 @@ def plot_chrome_trace(json_path: str | os.PathLike, png_path: str | os.PathLike)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"compute": "tab:blue", "communicate": "tab:orange"}
+    colors = {"compute": "tab:blue", "communicate": "tab:orange", "pipeline": "tab:green"}
     # 0.45 in a row, plus room for the title and the time axis (with less, one row is squeezed to nothing)
     fig, ax = plt.subplots(figsize=(10, 1.3 + 0.45 * len(rows)))
     try:
@@ -173,7 +178,7 @@ def plot_chrome_trace(json_path: str | os.PathLike, png_path: str | os.PathLike)
         ax.set_yticklabels([f"{procs.get(p, p)} {names.get((p, t), t)}" for p, t in rows])
         ax.invert_yaxis()
         ax.set_xlabel("time (ms)")
-        ax.set_title("kernels per stream (blue: compute, orange: communicate)")
+        ax.set_title("kernels per stream (blue: compute, orange: communicate; green: a pipeline stage's step)")
         fig.tight_layout()
         fig.savefig(out, dpi=100)
     except (OSError, ValueError) as exc:
