@@ -308,9 +308,9 @@ class ModelConfig:
                                  "model)")
             c = {"model_type": fam.hf_types[0], **{k: v for k, v in text.items() if k != "model_type"}}
             source = f"{source}: text_config"
-        check_fields(c, hf_keys(fam.hf_keys), source, _HF_NULLABLE)
-        check_known_keys(c, (*hf_keys(fam.hf_keys).values(), *HF_READ, *fam.hf_read), fam.hf_inert, fam.name,
-                         source)
+        keys = hf_keys(fam.hf_keys)  # field -> its config.json key, as the fields' specs and the family declare them
+        check_fields(c, keys, source, _HF_NULLABLE)
+        check_known_keys(c, (*keys.values(), *HF_READ, *fam.hf_read), fam.hf_inert, fam.name, source)
         act_key = "hidden_activation" if "hidden_activation" in c else "hidden_act"
         spellings = _HF_ACTIVATIONS[fam.fields.get("hidden_act", "silu")]
         if act_key in c and c[act_key] not in spellings:
@@ -320,7 +320,7 @@ class ModelConfig:
                 raise ModelError(f"{source}: {flag}=true is not supported for {fam.name} models; expected false")
         try:
             own = fam.hf_config(c, source) if fam.hf_config is not None else {}  # may edit c: it runs first
-            hidden, heads = c["hidden_size"], c["num_attention_heads"]
+            hidden, heads = c[keys["hidden_size"]], c[keys["num_heads"]]
             rope = c.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
             if "rope_parameters" not in c:
                 rope = dict(c.get("rope_scaling") or {})
@@ -343,16 +343,15 @@ class ModelConfig:
                 scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
             if scaling.get("rope_type", "default") == "default":
                 scaling = None
-            eos = c.get("eos_token_id")
+            eos = c.get(keys["eos_token_ids"])
             eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
             kwargs = dict(
-                family=fam.name, vocab_size=c["vocab_size"], hidden_size=hidden,
-                intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
-                num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or hidden // heads,
-                rope_theta=theta, rope_scaling=scaling, rms_norm_eps=c.get("rms_norm_eps", default("rms_norm_eps")),
-                max_position_embeddings=c.get("max_position_embeddings", default("max_position_embeddings")),
-                tie_word_embeddings=c.get("tie_word_embeddings", default("tie_word_embeddings")),
-                bos_token_id=c.get("bos_token_id"),
+                family=fam.name, vocab_size=c[keys["vocab_size"]], hidden_size=hidden,
+                intermediate_size=c[keys["intermediate_size"]], num_layers=c[keys["num_layers"]], num_heads=heads,
+                num_kv_heads=c.get(keys["num_kv_heads"]) or heads, head_dim=c.get(keys["head_dim"]) or hidden // heads,
+                rope_theta=theta, rope_scaling=scaling, bos_token_id=c.get(keys["bos_token_id"]),
+                **{name: c.get(keys[name], default(name))  # absent: the field's default
+                   for name in ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")},
                 eos_token_ids=eos, partial_rotary_factor=partial) | dict(fam.fields) | own
         except KeyError as e:
             raise ModelError(f"{source}: missing key {e.args[0]!r} needed for a {fam.name} model") from None
