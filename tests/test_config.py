@@ -135,3 +135,20 @@ def test_from_hf_bad_input():
     with pytest.raises(ModelError, match="missing key 'intermediate_size'"):
         ModelConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
                              "num_attention_heads": 2})
+
+
+def test_declared_gguf_keys_are_gguf_py_keys():
+    # every GGUF key a field's spec or a family declares is one gguf-py names (gguf.Keys: what llama.cpp's converter
+    # writes), so a typo in a declaration cannot make a key silently unread
+    gguf = pytest.importorskip("gguf")
+    from dtorch.models import families
+    from dtorch.models.config_fields import check_field, known, specs
+
+    names = {v for group in vars(gguf.Keys).values() if isinstance(group, type) for v in vars(group).values()
+             if isinstance(v, str)}
+    declared = {s.gguf for s in specs().values() if s.gguf is not None}
+    declared |= {"{arch}." + key for name in families.names() for key in families.get(name).gguf_keys.values()}
+    assert declared and sorted(declared - names) == []
+    assert {f.name for f in dataclasses.fields(ModelConfig) if "spec" in f.metadata} <= known()
+    with pytest.raises(ModelError, match="no field 'num_layer'"):  # a name no spec declares
+        check_field("num_layer", 2, "test")

@@ -21,16 +21,17 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from dtorch.core.errors import ModelError
-from dtorch.models import families
 from dtorch.models.config_fields import (
     _HF_NULLABLE,
     HF_READ,
-    KNOWN,
-    LIMITS,
+    MAX_LAYERS,
     check_field,
     check_fields,
     check_known_keys,
+    default,
     hf_keys,
+    limits,
+    spec,
 )
 from dtorch.models.rope_scaling import (
     check_rope_scaling,
@@ -49,76 +50,95 @@ class ModelConfig:
     """The shape and constants of a decoder-only transformer of one of ``families.names()``."""
 
     family: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rope_scaling: Mapping[str, Any] | None = None  # None: plain RoPE; else {"rope_type": ..., ...}, frozen
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
-    qk_norm: bool = False  # Qwen3: RMS norm over head_dim on q and k before RoPE
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = field(default=())
+    vocab_size: int = field(metadata=spec("size", 1, 1 << 22, hf="vocab_size", gguf="{arch}.vocab_size"))
+    hidden_size: int = field(metadata=spec("size", 1, 1 << 16, hf="hidden_size", gguf="{arch}.embedding_length"))
+    intermediate_size: int = field(metadata=spec("size", 1, 1 << 18, hf="intermediate_size",
+                                                 gguf="{arch}.feed_forward_length"))
+    num_layers: int = field(metadata=spec("size", 1, MAX_LAYERS, hf="num_hidden_layers", gguf="{arch}.block_count"))
+    num_heads: int = field(metadata=spec("size", 1, 1 << 12, hf="num_attention_heads",
+                                         gguf="{arch}.attention.head_count"))
+    num_kv_heads: int = field(metadata=spec("size", 1, 1 << 12, hf="num_key_value_heads",
+                                            gguf="{arch}.attention.head_count_kv"))
+    head_dim: int = field(metadata=spec("size", 1, 1 << 12, hf="head_dim", gguf="{arch}.attention.key_length"))
+    rope_theta: float = field(default=10000.0, metadata=spec("number", hf="rope_theta", gguf="{arch}.rope.freq_base"))
+    # None: plain RoPE; else {"rope_type": ..., ...}, frozen
+    rope_scaling: Mapping[str, Any] | None = field(default=None, metadata=spec("mapping", hf="rope_scaling"))
+    rms_norm_eps: float = field(default=1e-6, metadata=spec("number", hf="rms_norm_eps",
+                                                            gguf="{arch}.attention.layer_norm_rms_epsilon"))
+    max_position_embeddings: int = field(default=2048, metadata=spec("size", 1, 1 << 24, hf="max_position_embeddings",
+                                                                     gguf="{arch}.context_length"))
+    tie_word_embeddings: bool = field(default=False, metadata=spec("bool", hf="tie_word_embeddings"))
+    attention_bias: bool = field(default=False, metadata=spec("bool"))  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = field(default=False, metadata=spec("bool"))  # Qwen3: RMS norm over head_dim on q and k before RoPE
+    bos_token_id: int | None = field(default=None, metadata=spec("token_id", hf="bos_token_id",
+                                                                 gguf="tokenizer.ggml.bos_token_id"))
+    eos_token_ids: tuple[int, ...] = field(default=(), metadata=spec("token_ids", hf="eos_token_id"))
     # Qwen3-MoE: layer l has a sparse MoE block (a softmax top-k router over ``num_experts`` SwiGLU experts of width
     # ``moe_intermediate_size``) when ``is_sparse(l)``; the other layers a dense MLP of ``intermediate_size``
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    shared_expert_intermediate_size: int = 0  # Qwen3-Next: a sigmoid-gated SwiGLU expert every token goes through
+    num_experts: int = field(default=0, metadata=spec("size", 0, 1 << 12))
+    num_experts_per_tok: int = field(default=0, metadata=spec("size", 0, 1 << 12))
+    moe_intermediate_size: int = field(default=0, metadata=spec("size", 0, 1 << 18))
+    # renormalize the top-k routing weights to sum to 1
+    norm_topk_prob: bool = field(default=False, metadata=spec("bool"))
+    decoder_sparse_step: int = field(default=1, metadata=spec("size", 1, MAX_LAYERS))
+    mlp_only_layers: tuple[int, ...] = field(default=(), metadata=spec("list"))
+    # Qwen3-Next: a sigmoid-gated SwiGLU expert every token goes through
+    shared_expert_intermediate_size: int = field(default=0, metadata=spec("size", 0, 1 << 18))
     # hybrid models: the mixer of each layer (``LAYER_TYPES``; empty: full attention everywhere), and the gated delta
     # net's shapes: a causal conv of ``linear_conv_kernel_dim`` taps over [q | k | v], then ``linear_num_value_heads``
     # heads of state [key dim, value dim], each q/k head serving num_value_heads / num_key_heads value heads
-    layer_types: tuple[str, ...] = ()
-    linear_conv_kernel_dim: int = 0
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * factor dims of each head, passes the rest
-    attn_output_gate: bool = False  # q_proj also gives a gate per head: attention output * sigmoid(gate)
-    norm_plus_one: bool = False  # RMS norms scale by (1 + weight) (zero-centred weights); the gated norm does not
+    layer_types: tuple[str, ...] = field(default=(), metadata=spec("list"))
+    linear_conv_kernel_dim: int = field(default=0, metadata=spec("size", 0, 1 << 10))
+    linear_num_key_heads: int = field(default=0, metadata=spec("size", 0, 1 << 12))
+    linear_num_value_heads: int = field(default=0, metadata=spec("size", 0, 1 << 12))
+    linear_key_head_dim: int = field(default=0, metadata=spec("size", 0, 1 << 12))
+    linear_value_head_dim: int = field(default=0, metadata=spec("size", 0, 1 << 12))
+    # RoPE turns the first head_dim * factor dims of each head, passes the rest
+    partial_rotary_factor: float = field(default=1.0, metadata=spec("number", hf="partial_rotary_factor"))
+    # q_proj also gives a gate per head: attention output * sigmoid(gate)
+    attn_output_gate: bool = field(default=False, metadata=spec("bool"))
+    # RMS norms scale by (1 + weight) (zero-centred weights); the gated norm does not
+    norm_plus_one: bool = field(default=False, metadata=spec("bool"))
     # sliding-window attention: the keys a "sliding_attention" layer's query sees, itself included (None: no such layer)
-    sliding_window: int | None = None
-    rope_local_theta: float | None = None  # the sliding layers' RoPE base, unscaled (None: the global rope_theta)
+    sliding_window: int | None = field(default=None, metadata=spec("window"))
+    # the sliding layers' RoPE base, unscaled (None: the global rope_theta)
+    rope_local_theta: float | None = field(default=None, metadata=spec("number"))
     hidden_act: str = "silu"  # one of ACTIVATIONS
     # where a family's graph differs from Llama's (``Transformer.graph`` reads these, never a family's name):
-    embedding_multiplier: float | None = None  # the embedding output times it, rounded to the model's dtype
-    residual_multiplier: float | None = None  # each block's output times it before the residual add
-    attention_multiplier: float | None = None  # the factor of q k^T (None: head_dim ** -0.5)
-    attn_softcap: float | None = None  # the scaled q k^T capped: cap * tanh(scores / cap)
-    logits_scaling: float | None = None  # the logits divided by it
-    logits_softcap: float | None = None  # the logits capped: cap * tanh(logits / cap)
+    # the embedding output times it, rounded to the model's dtype
+    embedding_multiplier: float | None = field(default=None, metadata=spec("number"))
+    # each block's output times it before the residual add
+    residual_multiplier: float | None = field(default=None, metadata=spec("number"))
+    # the factor of q k^T (None: head_dim ** -0.5)
+    attention_multiplier: float | None = field(default=None, metadata=spec("number"))
+    # the scaled q k^T capped: cap * tanh(scores / cap)
+    attn_softcap: float | None = field(default=None, metadata=spec("number"))
+    logits_scaling: float | None = field(default=None, metadata=spec("number"))  # the logits divided by it
+    # the logits capped: cap * tanh(logits / cap)
+    logits_softcap: float | None = field(default=None, metadata=spec("number"))
     # RMS norms: "pre" on each block's input (Llama), "sandwich" on its input and output (Gemma), "post" on its
     # output only (OLMo 2); the final norm in every case
     norm_placement: str = "pre"
     qk_norm_over: str = "head"  # the q/k norms (``qk_norm``) over each head's dims, or "all" of its heads' at once
-    nope_layers: tuple[int, ...] = ()  # attention layers whose q and k are not rotated (SmolLM3's NoPE layers)
+    # attention layers whose q and k are not rotated (SmolLM3's NoPE layers)
+    nope_layers: tuple[int, ...] = field(default=(), metadata=spec("list"))
 
     def __post_init__(self) -> None:
         if self.family not in families.names():
             raise ModelError(f"ModelConfig: family must be one of {families.names()}, got {self.family!r}")
-        for f in fields(self):  # each value's type and range, as ``config_fields`` declares it for the files too
+        for f in fields(self):  # each value's type and range, as its ``spec`` declares it for the files too
             v = getattr(self, f.name)
-            if f.name in KNOWN and not (v is None and f.default is None):
+            if "spec" in f.metadata and not (v is None and f.default is None):
                 check_field(f.name, v, f"ModelConfig: {f.name}")
         if self.num_heads % self.num_kv_heads:
             raise ModelError(f"ModelConfig: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ModelError(f"ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
-        for name in ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_theta", "embedding_multiplier",
-                     "residual_multiplier", "attention_multiplier", "attn_softcap", "logits_scaling", "logits_softcap"):
-            if getattr(self, name) is not None:  # an int given for a float field, stored as the float it stands for
-                object.__setattr__(self, name, float(getattr(self, name)))
+        for f in fields(self):
+            if "spec" in f.metadata and f.metadata["spec"].kind == "number" and getattr(self, f.name) is not None:
+                # an int given for a float field, stored as the float it stands for
+                object.__setattr__(self, f.name, float(getattr(self, f.name)))
         eos = self.eos_token_ids
         if isinstance(eos, int):
             eos = (eos,)
@@ -200,8 +220,8 @@ class ModelConfig:
         for name in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
                      "linear_key_head_dim", "linear_value_head_dim"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= LIMITS[name][1]:
-                raise ModelError(f"ModelConfig: {name} must be a positive int (at most {LIMITS[name][1]}) when "
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= limits(name)[1]:
+                raise ModelError(f"ModelConfig: {name} must be a positive int (at most {limits(name)[1]}) when "
                                  f"layer_types has linear_attention layers, got {v!r}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ModelError(f"ModelConfig: linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
@@ -288,9 +308,9 @@ class ModelConfig:
                                  "model)")
             c = {"model_type": fam.hf_types[0], **{k: v for k, v in text.items() if k != "model_type"}}
             source = f"{source}: text_config"
-        check_fields(c, hf_keys(fam.hf_keys), source, _HF_NULLABLE)
-        check_known_keys(c, (*hf_keys(fam.hf_keys).values(), *HF_READ, *fam.hf_read), fam.hf_inert, fam.name,
-                         source)
+        keys = hf_keys(fam.hf_keys)  # field -> its config.json key, as the fields' specs and the family declare them
+        check_fields(c, keys, source, _HF_NULLABLE)
+        check_known_keys(c, (*keys.values(), *HF_READ, *fam.hf_read), fam.hf_inert, fam.name, source)
         act_key = "hidden_activation" if "hidden_activation" in c else "hidden_act"
         spellings = _HF_ACTIVATIONS[fam.fields.get("hidden_act", "silu")]
         if act_key in c and c[act_key] not in spellings:
@@ -300,15 +320,15 @@ class ModelConfig:
                 raise ModelError(f"{source}: {flag}=true is not supported for {fam.name} models; expected false")
         try:
             own = fam.hf_config(c, source) if fam.hf_config is not None else {}  # may edit c: it runs first
-            hidden, heads = c["hidden_size"], c["num_attention_heads"]
+            hidden, heads = c[keys["hidden_size"]], c[keys["num_heads"]]
             rope = c.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
             if "rope_parameters" not in c:
                 rope = dict(c.get("rope_scaling") or {})
-                rope.setdefault("rope_theta", c.get("rope_theta", 10000.0))
-            theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+                rope.setdefault("rope_theta", c.get("rope_theta", default("rope_theta")))
+            theta = rope.get("rope_theta", c.get("rope_theta", default("rope_theta")))
             # partial rotary is not a scaling; Qwen3.5's multimodal rope sections are all one position for text
-            partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-            partial = 1.0 if partial is None else partial
+            partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+            partial = default("partial_rotary_factor") if partial is None else partial
             check_field("rope_theta", theta, f"{source}: rope_theta")
             check_field("partial_rotary_factor", partial, f"{source}: partial_rotary_factor")
             scaling = {k: v for k, v in rope.items()
@@ -323,15 +343,15 @@ class ModelConfig:
                 scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
             if scaling.get("rope_type", "default") == "default":
                 scaling = None
-            eos = c.get("eos_token_id")
+            eos = c.get(keys["eos_token_ids"])
             eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
             kwargs = dict(
-                family=fam.name, vocab_size=c["vocab_size"], hidden_size=hidden,
-                intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
-                num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or hidden // heads,
-                rope_theta=theta, rope_scaling=scaling, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-                max_position_embeddings=c.get("max_position_embeddings", 2048),
-                tie_word_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
+                family=fam.name, vocab_size=c[keys["vocab_size"]], hidden_size=hidden,
+                intermediate_size=c[keys["intermediate_size"]], num_layers=c[keys["num_layers"]], num_heads=heads,
+                num_kv_heads=c.get(keys["num_kv_heads"]) or heads, head_dim=c.get(keys["head_dim"]) or hidden // heads,
+                rope_theta=theta, rope_scaling=scaling, bos_token_id=c.get(keys["bos_token_id"]),
+                **{name: c.get(keys[name], default(name))  # absent: the field's default
+                   for name in ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")},
                 eos_token_ids=eos, partial_rotary_factor=partial) | dict(fam.fields) | own
         except KeyError as e:
             raise ModelError(f"{source}: missing key {e.args[0]!r} needed for a {fam.name} model") from None
@@ -347,6 +367,10 @@ class ModelConfig:
             raise ModelError(f"ModelConfig.preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
 
+
+# imported after ModelConfig: discovering the families declares each, and a declaration checks its config keys against
+# the fields' specs above (``config_fields.specs``)
+from dtorch.models import families  # noqa: E402
 
 PRESETS: dict[str, ModelConfig] = {
     # tiny random models for tests: 2 layers, GQA 4:2

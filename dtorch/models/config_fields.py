@@ -9,45 +9,88 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from functools import cache
+from types import MappingProxyType
 from typing import Any
 
 from dtorch.core.errors import ModelError
 
-# the integer sizes, field -> (lowest, highest): generous for today's models (Llama 3 405B has 126 layers and hidden
-# 16384, Llama 4 Scout a 10M context, Qwen3-Next 512 experts), small enough that what a file claims cannot make the
-# shape tables, the layer schedule or the RoPE table exhaust memory before the memory estimate looks at it
-LIMITS: dict[str, tuple[int, int]] = {
-    "vocab_size": (1, 1 << 22), "hidden_size": (1, 1 << 16), "intermediate_size": (1, 1 << 18),
-    "num_layers": (1, 1 << 12), "num_heads": (1, 1 << 12), "num_kv_heads": (1, 1 << 12), "head_dim": (1, 1 << 12),
-    "max_position_embeddings": (1, 1 << 24), "num_experts": (0, 1 << 12), "num_experts_per_tok": (0, 1 << 12),
-    "moe_intermediate_size": (0, 1 << 18), "decoder_sparse_step": (1, 1 << 12),
-    "shared_expert_intermediate_size": (0, 1 << 18), "linear_conv_kernel_dim": (0, 1 << 10),
-    "linear_num_key_heads": (0, 1 << 12), "linear_num_value_heads": (0, 1 << 12), "linear_key_head_dim": (0, 1 << 12),
-    "linear_value_head_dim": (0, 1 << 12), "full_attention_interval": (1, 1 << 12), "num_local_experts": (0, 1 << 12),
-}
-_NUMBERS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_theta",
-            "query_pre_attn_scalar", "attention_multiplier", "embedding_multiplier", "residual_multiplier",
-            "logits_scaling", "logits_softcap", "attn_softcap")  # positive finite
-_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "expert_weights_norm", "attention_bias", "qk_norm",
-          "attn_output_gate", "norm_plus_one")
-_LISTS = ("layer_types", "mlp_only_layers", "nope_layers")
+# A field's knowledge is declared once, beside its default in ``ModelConfig`` (``field(metadata=spec(...))``): its
+# kind and range, the key a Hugging Face config.json spells it with and the GGUF key llama.cpp's converter writes.
+# The tables below (``limits``, ``hf_keys``, ``gguf_keys``, ``known``) are read from there; ``FILE_ONLY`` declares the
+# few names a file holds that are no field (a family turns them into fields).
+KINDS = ("size", "number", "bool", "token_id", "token_ids", "window", "mapping", "list")
 
-# field -> the key every Hugging Face config.json spells it with (each checked by ``check_fields`` when present); a
-# family's own keys are in its module (``Family.hf_keys``)
-HF_KEYS: dict[str, str] = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings", "rope_theta": "rope_theta",
-    "rms_norm_eps": "rms_norm_eps", "partial_rotary_factor": "partial_rotary_factor",
-    "rope_scaling": "rope_scaling", "rope_parameters": "rope_parameters",
-    "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id", "eos_token_ids": "eos_token_id",
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What a file may give for one field: ``kind`` (one of ``KINDS``: ``size`` an int in [lo, hi], ``number`` a
+    positive finite number, ``window`` an int >= 1, ``list`` at most one entry per possible layer...), the common
+    config.json key ``hf`` and GGUF key ``gguf`` (``{arch}`` stands for the architecture), None where a family's own
+    module reads it."""
+    kind: str
+    lo: int = 0
+    hi: int = 0
+    hf: str | None = None
+    gguf: str | None = None
+
+
+def spec(kind: str, lo: int = 0, hi: int = 0, *, hf: str | None = None, gguf: str | None = None) -> dict[str, Spec]:
+    """A ``dataclasses.field`` metadata declaring a field's ``Spec``."""
+    if kind not in KINDS or (kind == "size") != (hi > 0):
+        raise ValueError(f"spec: kind must be one of {KINDS} (a size with its range), got {kind!r} [{lo}, {hi}]")
+    return {"spec": Spec(kind, lo, hi, hf, gguf)}
+
+
+# the sizes' ranges are generous for today's models (Llama 3 405B has 126 layers and hidden 16384, Llama 4 Scout a
+# 10M context, Qwen3-Next 512 experts), small enough that what a file claims cannot make the shape tables, the layer
+# schedule or the RoPE table exhaust memory before the memory estimate looks at it
+MAX_LAYERS = 1 << 12
+FILE_ONLY: dict[str, Spec] = {
+    "num_local_experts": Spec("size", 0, 1 << 12),  # Mixtral's spelling of num_experts
+    "full_attention_interval": Spec("size", 1, MAX_LAYERS),  # hybrid models: every n-th layer is full attention
+    "query_pre_attn_scalar": Spec("number"),  # Gemma: q k^T times its -0.5th power
+    "expert_weights_norm": Spec("bool"),  # GGUF's spelling of norm_topk_prob
+    "rope_parameters": Spec("mapping", hf="rope_parameters"),  # transformers 5: rope_theta and rope_scaling together
+    "eos_token_id": Spec("token_id", gguf="tokenizer.ggml.eos_token_id"),
+    "eot_token_id": Spec("token_id", gguf="tokenizer.ggml.eot_token_id"),
 }
+
+
+@cache
+def specs() -> Mapping[str, Spec]:
+    """Every checked name -> its ``Spec``: the fields of ``ModelConfig`` that declare one, and ``FILE_ONLY``."""
+    from dtorch.models.config import ModelConfig  # it declares the fields with this module's ``spec``
+
+    declared = {f.name: f.metadata["spec"] for f in fields(ModelConfig) if "spec" in f.metadata}
+    return MappingProxyType(declared | FILE_ONLY)
+
+
+def default(name: str) -> Any:
+    """The default of ``ModelConfig`` field ``name``: what a file that omits its key gets."""
+    from dtorch.models.config import ModelConfig
+
+    return ModelConfig.__dataclass_fields__[name].default
+
+
+def known() -> frozenset[str]:
+    """Every name ``check_field`` checks (a family's ``hf_keys`` / ``gguf_keys`` may name these only)."""
+    return frozenset(specs())
+
+
+def limits(name: str) -> tuple[int, int]:
+    """(lowest, highest) of the size field ``name``."""
+    s = specs()[name]
+    return s.lo, s.hi
+
+
 # keys config.json may set to null (transformers then derives or omits them)
 _HF_NULLABLE = ("head_dim", "num_key_value_heads", "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters",
                 "layer_types", "mlp_only_layers", "sliding_window", "partial_rotary_factor")
 
 
-# config.json keys that ``ModelConfig.from_hf`` reads beside ``HF_KEYS`` (for every family)
+# config.json keys that ``ModelConfig.from_hf`` reads beside ``hf_keys`` (for every family)
 HF_READ = ("model_type", "hidden_act", "hidden_activation", "mlp_bias", "attention_bias",
            "original_max_position_embeddings")
 # config.json keys that change no output of a causal LM at inference, for every family: transformers'
@@ -83,63 +126,54 @@ def check_known_keys(raw: Mapping[str, Any], read: Iterable[str], inert: Mapping
 
 
 def hf_keys(own: Mapping[str, str]) -> dict[str, str]:
-    """field -> the key a family's ``config.json`` spells it with: the common ``HF_KEYS`` and the family's ``own``."""
-    return HF_KEYS | dict(own)
+    """field -> the key a family's ``config.json`` spells it with: the common ones (each ``Spec.hf``) and the family's
+    ``own``."""
+    return {name: s.hf for name, s in specs().items() if s.hf is not None} | dict(own)
 
 
 def gguf_keys(arch: str, own: Mapping[str, str] | None = None) -> dict[str, str]:
-    """field -> the metadata key a GGUF file of architecture ``arch`` spells it with: the common ones and a family's
-    ``own`` (field -> key after ``{arch}.``)."""
-    keys = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
-            "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
-            "head_dim": "attention.key_length", "max_position_embeddings": "context_length",
-            "rope_theta": "rope.freq_base", "rms_norm_eps": "attention.layer_norm_rms_epsilon"} | dict(own or {})
-    return {f: f"{arch}.{k}" for f, k in keys.items()} | {"bos_token_id": "tokenizer.ggml.bos_token_id",
-                                                          "eos_token_id": "tokenizer.ggml.eos_token_id",
-                                                          "eot_token_id": "tokenizer.ggml.eot_token_id"}
+    """field -> the metadata key a GGUF file of architecture ``arch`` spells it with: the common ones (each
+    ``Spec.gguf``) and a family's ``own`` (field -> key after ``{arch}.``)."""
+    common = {name: s.gguf.format(arch=arch) for name, s in specs().items() if s.gguf is not None}
+    return common | {name: f"{arch}.{key}" for name, key in (own or {}).items()}
 
 
 def check_field(field_name: str, value: Any, where: str) -> None:
-    """Check one raw value a file gives for ``field_name`` (its type and, for sizes, ``LIMITS``); ``where`` names it
-    in the message ("config.json: num_hidden_layers"). Raises ``ModelError`` saying what was expected and what came."""
+    """Check one raw value a file gives for ``field_name`` (its type and range, as its ``Spec`` declares); ``where``
+    names it in the message ("config.json: num_hidden_layers"). Raises ``ModelError`` saying what was expected and
+    what came."""
     def bad(expected: str) -> ModelError:
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         return ModelError(f"{where} must be {expected}, got {shown} ({type(value).__name__})")
 
+    s = specs().get(field_name)
+    if s is None:
+        raise ModelError(f"check_field: no field {field_name!r} (checking {where}); known: {sorted(known())}")
     is_int = isinstance(value, int) and not isinstance(value, bool)
-    if field_name in LIMITS:
-        lo, hi = LIMITS[field_name]
-        if not is_int or not lo <= value <= hi:
-            raise bad(f"an int in [{lo}, {hi}]")
-    elif field_name in _NUMBERS:
+    if s.kind == "size":
+        if not is_int or not s.lo <= value <= s.hi:
+            raise bad(f"an int in [{s.lo}, {s.hi}]")
+    elif s.kind == "number":
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise bad("a positive finite number")
-    elif field_name in _BOOLS:
+    elif s.kind == "bool":
         if not isinstance(value, bool):
             raise bad("true or false")
-    elif field_name in ("bos_token_id", "eos_token_id", "eot_token_id"):
+    elif s.kind == "token_id":
         if not is_int or value < 0:
             raise bad("an int >= 0")
-    elif field_name == "sliding_window":
+    elif s.kind == "window":
         if not is_int or value < 1:
             raise bad("an int >= 1 (keys a query of a sliding layer sees)")
-    elif field_name == "eos_token_ids":
+    elif s.kind == "token_ids":
         ids = value if isinstance(value, list | tuple) else [value]
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise bad("a token id (an int >= 0) or a list of them")
-    elif field_name in ("rope_scaling", "rope_parameters"):
+    elif s.kind == "mapping":
         if not isinstance(value, Mapping):
             raise bad("an object (a mapping of rope settings)")
-    elif field_name in _LISTS:
-        if not isinstance(value, list | tuple) or len(value) > LIMITS["num_layers"][1]:
-            raise bad(f"a list of at most {LIMITS['num_layers'][1]} entries")
-    else:
-        raise ModelError(f"check_field: no field {field_name!r} (checking {where}); known: {sorted(KNOWN)}")
-
-
-# every name ``check_field`` checks (a family's ``hf_keys`` / ``gguf_keys`` may name these only)
-KNOWN = frozenset((*LIMITS, *_NUMBERS, *_BOOLS, *_LISTS, "bos_token_id", "eos_token_id", "eot_token_id",
-                   "sliding_window", "eos_token_ids", "rope_scaling", "rope_parameters"))
+    elif not isinstance(value, list | tuple) or len(value) > MAX_LAYERS:  # a list
+        raise bad(f"a list of at most {MAX_LAYERS} entries")
 
 
 def check_fields(raw: Mapping[str, Any], keys: Mapping[str, str], source: str,

@@ -201,12 +201,12 @@ class Family:
         for name in ("fields", "hf_keys", "gguf_keys", "tiny", "hf_inert"):  # frozen copies: a family is a constant
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         object.__setattr__(self, "tensors", self.tensors or decoder(dense_layer))
-        from dtorch.models.config_fields import KNOWN
+        from dtorch.models.config_fields import known
 
-        unknown = sorted(f for f in (*self.hf_keys, *self.gguf_keys) if f not in KNOWN)
+        unknown = sorted(f for f in (*self.hf_keys, *self.gguf_keys) if f not in known())
         if unknown:
             raise ModelError(f"Family {self.name!r}: hf_keys / gguf_keys name {unknown}, which config_fields does not "
-                             "check; add each to config_fields (its LIMITS, _NUMBERS, _BOOLS or _LISTS)")
+                             "check; declare each with a spec (a ModelConfig field, or config_fields.FILE_ONLY)")
 
 
 # -- joining sources -------------------------------------------------------------------------------------------------
@@ -339,3 +339,20 @@ def gguf_window(m: GgufMeta) -> int | None:
     if window is not None:
         check_field("sliding_window", window, f"{m.path}: {m.key('attention.sliding_window')}")
     return window
+
+
+def gguf_swa_layers(m: GgufMeta, layers: int, period: int) -> tuple[str, ...]:
+    """The layer types of a GGUF file as llama.cpp's ``set_swa_pattern`` lays them out from
+    ``attention.sliding_window_pattern`` (``period`` when absent): an int n makes layer i slide unless
+    i % n == n - 1 (0: every layer slides, 1: none); a list holds one bool a layer (true: it slides)."""
+    key = m.key("attention.sliding_window_pattern")
+    pattern = m.get("attention.sliding_window_pattern", period)
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(b, bool) for b in pattern):
+            raise ModelError(f"{m.path}: {key} must hold one true/false per layer ({layers}), got {pattern!r}")
+        slides = pattern
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and 0 <= pattern <= layers:
+        slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    else:
+        raise ModelError(f"{m.path}: {key} must be an int in [0, {layers}] or a list of bools, got {pattern!r}")
+    return tuple("sliding_attention" if s else "full_attention" for s in slides)

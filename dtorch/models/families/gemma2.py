@@ -5,8 +5,9 @@ sqrt(hidden), queries by ``query_pre_attn_scalar ** -0.5``, tied embeddings.
 
 llama.cpp's converter writes the caps and the window as ``gemma2.attn_logit_softcapping``,
 ``.final_logit_softcapping`` and ``.attention.sliding_window`` and stores the norms with their 1 added; its loader
-slides every other layer and scales queries by head_dim ** -0.5 (hidden / heads for the 46-layer 27B), writing no key
-for either; absent caps are 50 and 30."""
+slides every other layer (``attention.sliding_window_pattern`` may say otherwise; an absent window is 4096) and
+scales queries by head_dim ** -0.5 (hidden / heads for the 46-layer 27B), writing no key for it; absent caps are 50
+and 30 (llama.cpp's src/models/gemma2.cpp, src/llama-hparams.h)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtorch.core.errors import ModelError
-from dtorch.models.families.base import TINY_DENSE, Family, GgufMeta, View, decoder, gguf_window, shift_norms
+from dtorch.models.families.base import (
+    TINY_DENSE,
+    Family,
+    GgufMeta,
+    View,
+    decoder,
+    gguf_swa_layers,
+    gguf_window,
+    shift_norms,
+)
 from dtorch.models.families.gemma3 import sandwich_layer
 
 if TYPE_CHECKING:
@@ -39,12 +49,23 @@ def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
-    layers, window = common["num_layers"], gguf_window(m)
+    """As llama.cpp's gemma2 loader reads a file: layers sliding over ``attention.sliding_window`` (4096 when
+    absent) as ``attention.sliding_window_pattern`` lays them out (every other one, the first sliding, when absent);
+    the sliding layers' RoPE base ``rope.freq_base_swa`` (the global one when absent); the caps 50 and 30 when
+    absent; queries scaled by head_dim ** -0.5 (hidden / heads for the 46-layer 27B)."""
+    layers, window = common["num_layers"], gguf_window(m) or 4096
+    types = gguf_swa_layers(m, layers, 2)
     scalar = common["hidden_size"] / common["num_heads"] if layers == 46 else common["head_dim"]
-    return dict(layer_types=_alternating(layers) if window is not None else (), sliding_window=window,
-                attention_multiplier=scalar ** -0.5, embedding_multiplier=common["hidden_size"] ** 0.5,
-                attn_softcap=m.get("attn_logit_softcapping", 50.0),
-                logits_softcap=m.get("final_logit_softcapping", 30.0))
+    out = dict(layer_types=types, sliding_window=window if "sliding_attention" in types else None,
+               attention_multiplier=scalar ** -0.5, embedding_multiplier=common["hidden_size"] ** 0.5,
+               attn_softcap=m.get("attn_logit_softcapping", 50.0),
+               logits_softcap=m.get("final_logit_softcapping", 30.0))
+    local = m.get("rope.freq_base_swa", common["rope_theta"])
+    if local != common["rope_theta"]:  # llama.cpp scales the sliding layers' RoPE as the global one's
+        if common["rope_scaling"] is not None:
+            raise ModelError(f"{m.path}: {m.key('rope.freq_base_swa')} with rope scaling is not supported")
+        out["rope_local_theta"] = local
+    return out
 
 
 def _gguf_views(views: dict[str, View], config: ModelConfig, path: Path) -> None:
@@ -58,7 +79,7 @@ FAMILY = Family(
              "query_pre_attn_scalar": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
              "logits_softcap": "final_logit_softcapping"},
     gguf_keys={"sliding_window": "attention.sliding_window", "attn_softcap": "attn_logit_softcapping",
-               "logits_softcap": "final_logit_softcapping"},
+               "logits_softcap": "final_logit_softcapping", "rope_local_theta": "rope.freq_base_swa"},
     hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=_gguf_views,
     hf_read=("use_bidirectional_attention",),
     # caps far below the models' 50 and 30, so that the tiny model's scores and logits are really capped; a window

@@ -1,12 +1,14 @@
 """IBM Granite 3.x (dense): Llama with four scalars: the embedding times ``embedding_multiplier``, each block's output
 times ``residual_multiplier`` before the residual add, q k^T times ``attention_multiplier`` (not head_dim ** -0.5) and
 the logits divided by ``logits_scaling``. llama.cpp's converter writes them as ``embedding_scale``, ``residual_scale``,
-``attention.scale`` and ``logit_scale`` and permutes q/k rows as for Llama; its loader requires all four."""
+``attention.scale`` and ``logit_scale`` (each only where config.json sets it) and permutes q/k rows as for Llama; its
+loader requires ``logit_scale`` alone (src/models/granite.cpp)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from dtorch.core.errors import ModelError
 from dtorch.models.families.base import TINY_DENSE, Family, GgufMeta
 
 # field -> the config.json key; transformers' GraniteConfig defaults each to 1.0
@@ -21,7 +23,15 @@ def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
-    return {name: float(m.need(key)) for name, key in _GGUF.items()}
+    """As llama.cpp's granite loader reads a file: ``logit_scale`` required; an absent ``embedding_scale`` or
+    ``residual_scale`` scales nothing and an absent ``attention.scale`` means head_dim ** -0.5 (the converter writes
+    each only where config.json sets it); ``rope.scaling.finetuned`` false turns RoPE off, which is not modelled."""
+    if m.get("rope.scaling.finetuned", True) is not True:
+        raise ModelError(f"{m.path}: {m.key('rope.scaling.finetuned')}={m.get('rope.scaling.finetuned')!r} (no RoPE) "
+                         "is not supported for granite models; expected true or absent")
+    out = {name: m.get(key) for name, key in _GGUF.items()}
+    out["logits_scaling"] = m.need(_GGUF["logits_scaling"])
+    return {name: None if v is None else float(v) for name, v in out.items()}
 
 
 FAMILY = Family(

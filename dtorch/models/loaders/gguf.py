@@ -18,7 +18,7 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.models import families
 from dtorch.models.config import ModelConfig
-from dtorch.models.config_fields import check_field, check_fields, gguf_keys
+from dtorch.models.config_fields import check_field, check_fields, default, gguf_keys
 from dtorch.models.families import GgufMeta, View
 from dtorch.models.families.base import gguf_shape
 from dtorch.models.loaders.checkpoint import Checkpoint, LazyCheckpoint, Reader, narrow_runs, used_shapes
@@ -46,6 +46,9 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+_REQUIRED = object()  # ``config_from_gguf``'s read: no fallback
+
+
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
                      rope_tensors: dict[str, torch.Tensor] | None = None) -> ModelConfig:
     """A ModelConfig from the ``{arch}.*`` metadata keys, read through the family of ``general.architecture``
@@ -60,31 +63,41 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path,
         raise ModelError(f"{path}: general.architecture {arch!r} is not supported; expected one of "
                          f"{', '.join(families.gguf_archs())}")
     m = GgufMeta(meta, arch, path, frozenset(tensor_names))
-    check_fields(meta, gguf_keys(arch, fam.gguf_keys), str(path))
-    hidden, heads = m.need("embedding_length"), m.need("attention.head_count")
-    if m.key("vocab_size") in meta:
-        vocab = m.get("vocab_size")
-    else:
+    keys = gguf_keys(arch, fam.gguf_keys)  # field -> its key, as the fields' specs and the family declare them
+    check_fields(meta, keys, str(path))
+
+    def read(name: str, fallback: Any = _REQUIRED) -> Any:
+        """Field ``name`` from its key; when the file lacks it, ``fallback`` (none given: the key is required)."""
+        if keys[name] in meta:
+            return meta[keys[name]]
+        if fallback is _REQUIRED:
+            raise ModelError(f"{path}: metadata key {keys[name]} is missing; a {arch} GGUF must have it")
+        return fallback
+
+    hidden, heads = read("hidden_size"), read("num_heads")
+    vocab = read("vocab_size", None)
+    if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if isinstance(tokens, list) else 0
         if not vocab:
-            raise ModelError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+            raise ModelError(f"{path}: neither {keys['vocab_size']} nor tokenizer.ggml.tokens gives the vocabulary "
+                             "size")
         check_field("vocab_size", vocab, f"{path}: the length of tokenizer.ggml.tokens")
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-    head_dim = m.get("attention.key_length", hidden // heads)
-    check_field("head_dim", head_dim, f"{path}: {arch}.embedding_length / {arch}.attention.head_count")
-    common = dict(family=fam.name, vocab_size=vocab, hidden_size=hidden, intermediate_size=m.get("feed_forward_length"),
-                  num_layers=m.need("block_count"), num_heads=heads,
-                  num_kv_heads=m.get("attention.head_count_kv", heads), head_dim=head_dim,
-                  rope_theta=m.get("rope.freq_base", 10000.0),
-                  rms_norm_eps=m.need("attention.layer_norm_rms_epsilon"),
-                  max_position_embeddings=m.get("context_length", 2048),
+    eos = [meta[keys[k]] for k in ("eos_token_id", "eot_token_id") if keys[k] in meta]
+    head_dim = read("head_dim", hidden // heads)
+    check_field("head_dim", head_dim, f"{path}: {keys['hidden_size']} / {keys['num_heads']}")
+    common = dict(family=fam.name, vocab_size=vocab, hidden_size=hidden,
+                  intermediate_size=read("intermediate_size", None), num_layers=read("num_layers"),
+                  num_heads=heads, num_kv_heads=read("num_kv_heads", heads),
+                  head_dim=head_dim, rope_theta=read("rope_theta", default("rope_theta")),
+                  rms_norm_eps=read("rms_norm_eps"),
+                  max_position_embeddings=read("max_position_embeddings", default("max_position_embeddings")),
                   tie_word_embeddings="output.weight" not in tensor_names,
-                  bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)))
+                  bos_token_id=read("bos_token_id", None), eos_token_ids=tuple(dict.fromkeys(eos)))
     common["rope_scaling"] = rope_scaling_from_gguf(m, common["max_position_embeddings"], rope_tensors or {})
     kwargs = common | dict(fam.fields) | (fam.gguf_config(m, common) if fam.gguf_config is not None else {})
     if kwargs["intermediate_size"] is None:
-        m.need("feed_forward_length")  # raises, naming the key
+        read("intermediate_size")  # raises, naming the key
     try:
         return ModelConfig(**kwargs)
     except ModelError as e:  # a key that passed alone but not with the others (head_count vs head_count_kv, ...)
