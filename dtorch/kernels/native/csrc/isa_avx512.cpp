@@ -20,15 +20,7 @@ namespace DTN_ISA {
 #include "quant_avx512.h"
 #include "decode_avx512.h"
 #endif
-#if DTN_GROUP_elementwise || DTN_GROUP_attention || DTN_GROUP_recurrent
-#include "elementwise.h"
-#endif
-#if DTN_GROUP_attention || DTN_GROUP_recurrent
-#include "attention.h"  // V16, which recurrent.h uses too
-#endif
-#if DTN_GROUP_recurrent
-#include "recurrent.h"
-#endif
+#include "isa_groups.h"
 }  // namespace DTN_ISA
 
 // the kernels of this unit by their names in ops.def, where the functions are named otherwise

@@ -12,15 +12,7 @@
 #define DTN_ISA_NAME "portable"
 namespace DTN_ISA {
 #include "generic.h"
-#if DTN_GROUP_elementwise || DTN_GROUP_attention || DTN_GROUP_recurrent
-#include "elementwise.h"
-#endif
-#if DTN_GROUP_attention || DTN_GROUP_recurrent
-#include "attention.h"  // V16, which recurrent.h uses too
-#endif
-#if DTN_GROUP_recurrent
-#include "recurrent.h"
-#endif
+#include "isa_groups.h"
 }  // namespace DTN_ISA
 
 // the kernels of this unit by their names in ops.def, where the functions are named otherwise
