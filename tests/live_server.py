@@ -19,7 +19,7 @@ def live_server(llm, name: str = "m") -> Iterator[Post]:
     (and with it its engine loop) stops on the way out."""
     import uvicorn
 
-    from dtorch.engine.engine import EngineLoop
+    from dtorch.engine.loop import EngineLoop
     from dtorch.serve import build_app
 
     with socket.socket() as s:

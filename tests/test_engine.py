@@ -13,8 +13,8 @@ import torch
 
 import dtorch
 from dtorch.engine.block_manager import BlockManager
-from dtorch.engine.engine import EngineLoop
 from dtorch.engine.llm import LLM
+from dtorch.engine.loop import EngineLoop
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.kv_cache import kv_bytes_per_token
 from tests.tiny_models import families, hf_greedy, save_random, tiny_config

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.engine.engine import EngineLoop
 from dtorch.engine.llm import LLM
+from dtorch.engine.loop import EngineLoop
 from dtorch.serve.protocol import MAX_INPUTS, MAX_PASS_TOKENS
 
 transformers = pytest.importorskip("transformers")

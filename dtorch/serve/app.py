@@ -365,7 +365,7 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
     """
     own = engine_loop is None
     if own:
-        from dtorch.engine.engine import EngineLoop
+        from dtorch.engine.loop import EngineLoop
 
         engine_loop = EngineLoop(llm.engine)
     server = _Server(llm, served_model_name, workers)

@@ -205,7 +205,7 @@ def _serve(llm: Any, args: argparse.Namespace, ranks: Any, t0: float, key: str |
     """Rank 0 (or the one process): the HTTP server on a thread, the engine on this one, until SIGTERM / Ctrl-C."""
     import uvicorn
 
-    from dtorch.engine.engine import EngineLoop
+    from dtorch.engine.loop import EngineLoop
     from dtorch.serve.app import build_app
     from dtorch.serve.guard import default_max_connections, http_protocol
     from dtorch.serve.logs import banner, hold_back_repeats
