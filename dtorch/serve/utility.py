@@ -22,7 +22,7 @@ log = logging.getLogger("dtorch.serve")
 
 
 def add_utility_routes(app: FastAPI, server: Any, pooling: str) -> None:
-    """Add the embeddings and tokenizer routes of ``server`` (the app's ``_Server``) to ``app``."""
+    """Add the embeddings and tokenizer routes of ``server`` (``serve.server.Server``) to ``app``."""
     llm = server.llm
 
     def tokenizer() -> Any:
