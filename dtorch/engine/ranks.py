@@ -259,6 +259,10 @@ class Ranks:
         """Wait until ``lose`` has told ``on_lost`` (``lost`` is set a moment before)."""
         self._named.wait()
 
+    def lost_within(self, seconds: float) -> bool:
+        """Whether a rank is lost, or found lost within ``seconds`` (a closed connection is found in about one)."""
+        return self._named.wait(seconds)
+
     def lose_after(self, exc: BaseException) -> None:
         """A collective failed here (``exc``): the watchdog's barrier, which names the lost rank, decides within
         ``NAMING_S`` seconds; else ``exc`` itself is the reason. Returns once the server was told."""

@@ -206,6 +206,7 @@ def _serve(llm: Any, args: argparse.Namespace, ranks: Any, t0: float, key: str |
     import uvicorn
 
     from dtorch.engine.loop import EngineLoop
+    from dtorch.engine.ranks import NAMING_S
     from dtorch.serve.app import build_app
     from dtorch.serve.guard import default_max_connections, http_protocol
     from dtorch.serve.logs import banner, hold_back_repeats
@@ -240,11 +241,24 @@ def _serve(llm: Any, args: argparse.Namespace, ranks: Any, t0: float, key: str |
     # HTTP on a thread of its own; the engine steps on this one, which loaded the model (see EngineLoop)
     http = threading.Thread(target=server.run, name="dtorch-http", daemon=True)
 
+    stopping = threading.Event()
+
+    def close_http() -> None:
+        # torchrun sends SIGTERM to every rank as soon as one dies: the listener stays open (answering 503) until
+        # the watchdog has had the time to name a lost rank; if it does, the lost rank's exit (status 2, after
+        # ranks.LINGER_S of 503s) comes instead of the drain's
+        if ranks is not None and ranks.lost_within(NAMING_S):
+            return
+        server.should_exit = True
+
     def shut_down(_sig: int, _frame: Any) -> None:  # SIGTERM / Ctrl-C, on this thread between steps
-        if not server.should_exit:  # new requests get 503 at once, those in flight get the grace, then abort
+        if not stopping.is_set():  # new requests get 503 at once, those in flight get the grace, then abort
+            stopping.set()
             threading.Thread(target=loop.stop, args=(args.shutdown_grace,), name="dtorch-shutdown",
                              daemon=True).start()
-        server.should_exit = True
+            threading.Thread(target=close_http, name="dtorch-close-http", daemon=True).start()
+        elif ranks is None or ranks.lost is None:  # a second signal: close at once
+            server.should_exit = True
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, shut_down)
