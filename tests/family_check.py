@@ -94,13 +94,16 @@ def _converted(family: str, transformers, tmp_path_factory) -> tuple[Path, Any, 
             config = tiny_config(transformers, name, vocab_size=llamacpp_convert.VOCAB[kind])
             made[name] = path, save_random(transformers, config, path)
             llamacpp_convert.add_tokenizer(path, kind)
-        llamacpp_convert.convert([(path, path / "model-f16.gguf", "f16") for path, _ in made.values()])
-        for name, (path, hf) in made.items():
+        wait = llamacpp_convert.convert([(path, path / "model-f16.gguf", "f16") for path, _ in made.values()])
+        done = {}
+        for name, (path, hf) in made.items():  # the references, while the converter runs
             with torch.no_grad():  # the converter stores every matrix in float16, every vector in float32
                 for p in hf.parameters():
                     if p.ndim > 1:
                         p.copy_(p.half().float())
-            _CONVERTED[name] = path / "model-f16.gguf", hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+            done[name] = path / "model-f16.gguf", hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+        wait()
+        _CONVERTED.update(done)
     return _CONVERTED[family]
 
 

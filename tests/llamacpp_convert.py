@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,15 +76,21 @@ for model, out, outtype in jobs:
 """
 
 
-def convert(jobs: list[tuple[Path, Path, str]]) -> None:
-    """Convert each (checkpoint directory, GGUF file, outtype: "f32", "f16", "bf16" or "q8_0") with llama.cpp's
-    converter, all in one process. Fails with the converter's last lines when it refuses one."""
+def convert(jobs: list[tuple[Path, Path, str]]) -> Callable[[], None]:
+    """Start converting each (checkpoint directory, GGUF file, outtype: "f32", "f16", "bf16" or "q8_0") with llama.cpp's
+    converter, all in one process; returns the wait for it (which fails with the converter's last lines when it
+    refused one). Work done before the wait overlaps the converter's."""
     script = converter()
     args = json.dumps([[str(model), str(out), outtype] for model, out, outtype in jobs])
-    proc = subprocess.run([sys.executable, "-c", _CONVERT, str(script.parent), args], capture_output=True, text=True,
-                          timeout=300)
-    if proc.returncode or not all(out.is_file() for _, out, _ in jobs):
-        pytest.fail("llama.cpp's converter failed: " + " | ".join(proc.stderr.strip().splitlines()[-6:]))
+    proc = subprocess.Popen([sys.executable, "-c", _CONVERT, str(script.parent), args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+    def wait() -> None:
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode or not all(out.is_file() for _, out, _ in jobs):
+            pytest.fail("llama.cpp's converter failed: " + " | ".join(err.strip().splitlines()[-6:]))
+
+    return wait
 
 
 def llamacpp_python() -> str | None:
