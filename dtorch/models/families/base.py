@@ -121,6 +121,12 @@ def shift_norms(views: dict[str, View], keep: Callable[[str], bool] = lambda nam
         views[name] = View(views[name].parts, views[name].shape, value=lambda w: w - 1)
 
 
+def shifted_norms(views: dict[str, View], config: ModelConfig, path: Path) -> None:
+    """A ``Family.gguf_views`` hook: every RMS norm of the file stored with its 1 added (``shift_norms``), as
+    llama.cpp's converter stores Gemma's (1 + w) norms."""
+    shift_norms(views)
+
+
 # the common fields of the tiny random models (``Family.tiny``): hidden 64, 4 query heads over 2 KV heads, 2 layers,
 # a vocabulary of 128; and those of the hybrid (gated delta net) ones, and of sparse MoE MLPs
 TINY_DENSE = MappingProxyType(dict(

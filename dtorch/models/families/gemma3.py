@@ -14,20 +14,17 @@ from dtorch.models.families.base import (
     TINY_DENSE,
     Family,
     GgufMeta,
-    View,
     Weight,
     attention,
     decoder,
     gguf_window,
     layer_norm,
     mlp,
-    shift_norms,
+    shifted_norms,
 )
 from dtorch.models.rope_scaling import rope_from_hf
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from dtorch.models.config import ModelConfig
     from dtorch.models.layout import Layout
 
@@ -104,10 +101,6 @@ def sandwich_layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[Weight]:
     yield from mlp(c, i)
 
 
-def _gguf_views(views: dict[str, View], config: ModelConfig, path: Path) -> None:
-    shift_norms(views)  # the converter stores the (1 + w) norms with the 1 added
-
-
 FAMILY = Family(
     name="gemma3", hf_types=("gemma3_text",), hf_multimodal=("gemma3",), gguf_arch="gemma3",
     fields={"qk_norm": True, "norm_placement": "sandwich", "norm_plus_one": True, "hidden_act": "gelu_tanh"},
@@ -115,8 +108,9 @@ FAMILY = Family(
              "rope_local_theta": "rope_local_base_freq", "query_pre_attn_scalar": "query_pre_attn_scalar"},
     gguf_keys={"sliding_window": "attention.sliding_window", "rope_local_theta": "rope.freq_base_swa",
                "attention_multiplier": "attention.scale"},
-    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=_gguf_views,
-    hf_rope_theta=1_000_000.0, hf_read=("sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
+    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=shifted_norms,
+    hf_rope_theta=1_000_000.0,
+    hf_read=("sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
              "use_bidirectional_attention"),
     hf_inert={"_sliding_window_pattern": None},  # transformers' own copy of the pattern it wrote into layer_types
     # transformers' default 5:1 schedule (layers 0-4 slide over 8 keys, 5 is global), the global layers' RoPE scaled
