@@ -1,12 +1,14 @@
 """The check every family's own test runs (``tests/test_family_<name>.py``): a tiny random transformers model of the
 family (its ``Family.tiny``), saved by ``save_pretrained`` and written as llama.cpp's converter writes it
 (``tiny.write_gguf``), loaded from its directory, from its GGUF file and on two devices; and the same model with a
-real tokenizer converted to F16 by llama.cpp's own converter (``tests/llamacpp_convert.py``), on one device and on two,
-and quantized to Q8_0 by llama.cpp where llama-cpp-python is installed. Its logits and greedy ids must be transformers'
-own (with its weights rounded to float16 for the converted file), and llama.cpp's for the quantized one."""
+real tokenizer converted by llama.cpp's own converter (``tests/llamacpp_convert.py``) to F16 (on one device and on two)
+and to Q8_0, and quantized to Q8_0 by llama.cpp where llama-cpp-python is installed. Its logits and greedy ids must be
+transformers' own (on its weights rounded as each converted file stores them), and llama.cpp's for the quantized
+one."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,18 +16,22 @@ from typing import Any
 import pytest
 import torch
 
+import dtorch
 from dtorch.engine.llm import LLM
 from dtorch.engine.sampling import SamplingParams
 from dtorch.models.config import ModelConfig
 from dtorch.models.tiny import hf_greedy, save_random, tiny_config, write_gguf
 from tests import llamacpp_convert
 
-# "llamacpp": converted to F16 by llama.cpp's converter; "llamacpp_q8": that file quantized by llama.cpp to Q8_0
-SOURCES = ("hf", "gguf", "hf_tp2", "llamacpp", "llamacpp_tp2", "llamacpp_q8")
+# "convert_*": converted by llama.cpp's converter to F16 (on one device and two) and to Q8_0; "quantize_q8_0": the F16
+# file quantized to Q8_0 by llama.cpp's quantizer
+SOURCES = ("hf", "gguf", "hf_tp2", "convert_f16", "convert_f16_tp2", "convert_q8_0", "quantize_q8_0")
+_OUTTYPES = ("f16", "q8_0")  # the converter's outputs, each checked against transformers on weights rounded alike
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 _MODELS: dict[str, tuple[Path, Any, list[list[int]]]] = {}  # family -> (its directory, the transformers model, ids)
 _TOKENIZERS: dict[str, str] = {}  # family -> the tokenizer kind its converted checkpoint has (every family_test's)
-_CONVERTED: dict[str, tuple[Path, Any, list[list[int]]]] = {}  # family -> (the F16 file, transformers rounded, ids)
+# (family, outtype) -> (the converted file, transformers on its weights, its greedy ids)
+_CONVERTED: dict[tuple[str, str], tuple[Path, Any, list[list[int]]]] = {}
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -48,23 +54,27 @@ def family_test(family: str, check: Callable[[ModelConfig, Any], None] = lambda 
     def test(source: str, tmp_path_factory) -> None:
         transformers = pytest.importorskip("transformers")
         pytest.importorskip("gguf")
-        if source == "llamacpp_q8":
+        if source == "quantize_q8_0":
             return _check_quantized(family, transformers, tmp_path_factory)
-        if source.startswith("llamacpp"):
-            path, hf, want = _converted(family, transformers, tmp_path_factory)
+        if source.startswith("convert_"):
+            path, hf, want = _converted(family, source.removeprefix("convert_").removesuffix("_tp2"), transformers,
+                                        tmp_path_factory)
         else:
             path, hf, want = _written(family, transformers, tmp_path_factory)
             path = path / "model.gguf" if source == "gguf" else path
-        llm = LLM(str(path), max_num_seqs=2, tensor_parallel_size=2 if source.endswith("_tp2") else 1)
-        try:
-            with torch.no_grad():
-                want_logits = hf(torch.tensor([PROMPTS[0]])).logits[0]
-            torch.testing.assert_close(llm.logits(PROMPTS[0]), want_logits, rtol=1e-4,
-                                       atol=1e-4 * float(want_logits.abs().max()))
-            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
-            check(llm.config, hf)
-        finally:
-            llm.close()
+        # the native kernels multiply Q8_0 blocks by activations rounded to 8 bits, as llama.cpp does (their accuracy
+        # is tests/test_llamacpp_files.py's); the reference kernels read the blocks and multiply in float32
+        with dtorch.dispatcher.disabled(*(("native",) if source == "convert_q8_0" else ())):
+            llm = LLM(str(path), max_num_seqs=2, tensor_parallel_size=2 if source.endswith("_tp2") else 1)
+            try:
+                with torch.no_grad():
+                    want_logits = hf(torch.tensor([PROMPTS[0]])).logits[0]
+                torch.testing.assert_close(llm.logits(PROMPTS[0]), want_logits, rtol=1e-4,
+                                           atol=1e-4 * float(want_logits.abs().max()))
+                assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+                check(llm.config, hf)
+            finally:
+                llm.close()
 
     return test
 
@@ -80,31 +90,49 @@ def _written(family: str, transformers, tmp_path_factory) -> tuple[Path, Any, li
     return _MODELS[family]
 
 
-def _converted(family: str, transformers, tmp_path_factory) -> tuple[Path, Any, list[list[int]]]:
-    """(the F16 file llama.cpp's converter made of the family's tiny checkpoint with a real tokenizer, the
-    transformers model with the weights the file holds in float16 rounded so, its greedy ids). The first call converts
-    every family a ``family_test`` declared, in one run of the converter."""
-    if family not in _CONVERTED:
+def _converted(family: str, outtype: str, transformers, tmp_path_factory) -> tuple[Path, Any, list[list[int]]]:
+    """(the ``outtype`` file llama.cpp's converter made of the family's tiny checkpoint with a real tokenizer, the
+    transformers model with its weights rounded as the file holds them, its greedy ids). The first call converts
+    every family a ``family_test`` declared to every one of ``_OUTTYPES``, in one run of the converter."""
+    if (family, outtype) not in _CONVERTED:
         llamacpp_convert.converter()  # skips here where it is missing
         made = {}
         for name, kind in _TOKENIZERS.items():
-            if name in _CONVERTED:
+            if (name, outtype) in _CONVERTED:
                 continue
             path = tmp_path_factory.mktemp(f"{name}-hf")
             config = tiny_config(transformers, name, vocab_size=llamacpp_convert.VOCAB[kind])
             made[name] = path, save_random(transformers, config, path)
             llamacpp_convert.add_tokenizer(path, kind)
-        wait = llamacpp_convert.convert([(path, path / "model-f16.gguf", "f16") for path, _ in made.values()])
+        wait = llamacpp_convert.convert([(path, path / f"model-{t}.gguf", t) for path, _ in made.values()
+                                         for t in _OUTTYPES])
         done = {}
         for name, (path, hf) in made.items():  # the references, while the converter runs
-            with torch.no_grad():  # the converter stores every matrix in float16, every vector in float32
-                for p in hf.parameters():
-                    if p.ndim > 1:
-                        p.copy_(p.half().float())
-            done[name] = path / "model-f16.gguf", hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+            for t in _OUTTYPES:
+                ref = _rounded(hf, t)
+                done[name, t] = path / f"model-{t}.gguf", ref, [hf_greedy(ref, p, GREEDY.max_tokens) for p in PROMPTS]
         wait()
         _CONVERTED.update(done)
-    return _CONVERTED[family]
+    return _CONVERTED[family, outtype]
+
+
+def _rounded(hf, outtype: str):
+    """A copy of the transformers model ``hf`` with every matrix rounded as the converter stores it in an ``outtype``
+    file (every vector stays float32): to float16, or through gguf-py's Q8_0 blocks of 32 along each row (llama.cpp's
+    q/k row permutation moves whole rows, so it commutes with them)."""
+    import gguf
+
+    out = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in out.parameters():
+            if p.ndim < 2:
+                continue
+            if outtype == "f16":
+                p.copy_(p.half().float())
+            else:
+                Q = gguf.GGMLQuantizationType.Q8_0
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), Q), Q)))
+    return out
 
 
 def _check_quantized(family: str, transformers, tmp_path_factory) -> None:
@@ -116,7 +144,7 @@ def _check_quantized(family: str, transformers, tmp_path_factory) -> None:
     if python is None:
         pytest.skip("llama-cpp-python is not installed ($LLAMACPP_PYTHON or .venv-llamacpp, made by "
                     "../shared/tools/llamacpp-venv.sh): the Q8_0 file is quantized and checked by llama.cpp")
-    f16, _, _ = _converted(family, transformers, tmp_path_factory)
+    f16, _, _ = _converted(family, "f16", transformers, tmp_path_factory)
     q8 = f16.with_name("model-q8_0.gguf")
     ref = llamacpp_convert.quantize_and_run(python, f16, q8, "Q8_0", PROMPTS[0], TEXT)
     llm = LLM(str(q8), max_num_seqs=1)
