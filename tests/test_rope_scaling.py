@@ -201,3 +201,50 @@ def test_half_a_longrope_pair_is_refused(tmp_path):
     with pytest.raises(ModelError, match="needs both rope_factors_long.weight and rope_factors_short.weight; the file "
                                          "has long"):
         open_checkpoint(tmp_path / "m.gguf")
+
+
+
+# config.json RoPE spellings (model_type, keys): transformers 4.x's rope_scaling with "type" beside rope_theta, 5.x's
+# rope_parameters, one set per layer kind (Gemma 3), no base at all (the family's default), Phi-3's pre-training
+# context beside the set and its first name for LongRoPE, a llama3 set without one (max_position_embeddings stands in)
+_LONG = {"short_factor": PHI3_SHORT[:6], "long_factor": PHI3_LONG[:6]}  # 3/4 of 16 dims rotated: 6 frequencies
+SPELLINGS = {
+    "4.x-linear": ("llama", {"rope_theta": 1234.0, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+    "llama3-no-original": ("llama", {"max_position_embeddings": 4096, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}}),
+    "5.x-yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                               "original_max_position_embeddings": 32}}),
+    "theta-only": ("qwen2", {"rope_theta": 5e5}),
+    "smollm3-default": ("smollm3", {}),
+    "gemma3-default": ("gemma3_text", {}),
+    "gemma3-4.x": ("gemma3_text", {"rope_theta": 5e5, "rope_local_base_freq": 2e4,
+                                   "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+    "gemma3-per-kind": ("gemma3_text", {"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {"rope_type": "default"}}}),
+    "phi3-original-beside": ("phi3", {"max_position_embeddings": 512, "original_max_position_embeddings": 64,
+                                      "partial_rotary_factor": 0.75,
+                                      "rope_scaling": {"type": "longrope", **_LONG,
+                                                       "original_max_position_embeddings": 128}}),
+    "phi3-su": ("phi3", {"max_position_embeddings": 512, "original_max_position_embeddings": 64,
+                         "partial_rotary_factor": 0.75, "rope_scaling": {"type": "su", **_LONG}}),
+}
+
+
+@pytest.mark.parametrize("name", SPELLINGS)
+def test_rope_keys_read_as_transformers_standardizes_them(name):
+    # transformers' config classes standardize every spelling into rope_parameters (standardize_rope_params, with
+    # their own default_theta); ModelConfig.from_hf (rope_scaling.rope_from_hf with the family's hf_rope_theta, and
+    # the family's hooks) reads the same base, rotated part, scaling and sliding layers' base
+    model_type, keys = SPELLINGS[name]
+    raw = dict(model_type=model_type, vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2) | keys
+    want = transformers.AutoConfig.for_model(**raw).rope_parameters
+    c = ModelConfig.from_hf(raw)
+    full = want.get("full_attention", want)
+    assert (c.rope_theta, c.partial_rotary_factor) == (full["rope_theta"], full.get("partial_rotary_factor", 1.0))
+    scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in full.items()
+               if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    assert (None if c.rope_scaling is None else dict(c.rope_scaling)) == \
+        (None if full["rope_type"] == "default" else scaling)
+    if "sliding_attention" in want:
+        assert c.rope_local_theta == want["sliding_attention"]["rope_theta"]

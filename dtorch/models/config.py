@@ -36,7 +36,9 @@ from dtorch.models.config_fields import (
 from dtorch.models.rope_scaling import (
     check_rope_scaling,
     rope_attention_factor as rope_attention_factor,
+    rope_from_hf,
     rope_inv_freq as rope_inv_freq,
+    scaling_of,
 )
 
 LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
@@ -321,28 +323,13 @@ class ModelConfig:
         try:
             own = fam.hf_config(c, source) if fam.hf_config is not None else {}  # may edit c: it runs first
             hidden, heads = c[keys["hidden_size"]], c[keys["num_heads"]]
-            rope = c.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
-            if "rope_parameters" not in c:
-                rope = dict(c.get("rope_scaling") or {})
-                rope.setdefault("rope_theta", c.get("rope_theta", default("rope_theta")))
-            theta = rope.get("rope_theta", c.get("rope_theta", default("rope_theta")))
-            # partial rotary is not a scaling; Qwen3.5's multimodal rope sections are all one position for text
-            partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+            rope = rope_from_hf(c, fam.hf_rope_theta, source)  # as transformers standardizes it
+            theta = rope["rope_theta"]
+            partial = rope.get("partial_rotary_factor")
             partial = default("partial_rotary_factor") if partial is None else partial
             check_field("rope_theta", theta, f"{source}: rope_theta")
             check_field("partial_rotary_factor", partial, f"{source}: partial_rotary_factor")
-            scaling = {k: v for k, v in rope.items()
-                       if k not in ("rope_theta", "type", "partial_rotary_factor", "mrope_section",
-                                    "mrope_interleaved")}
-            if "type" in rope and "rope_type" not in scaling:  # old spelling
-                scaling["rope_type"] = rope["type"]
-            if scaling.get("rope_type") == "su":  # Phi-3's first name for LongRoPE
-                scaling["rope_type"] = "longrope"
-            if scaling.get("rope_type") in ("yarn", "longrope") and c.get("original_max_position_embeddings"):
-                # Phi-3 keeps it beside rope_scaling; transformers moves it in, over a value there
-                scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
-            if scaling.get("rope_type", "default") == "default":
-                scaling = None
+            scaling = scaling_of(rope)
             eos = c.get(keys["eos_token_ids"])
             eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
             kwargs = dict(

@@ -91,6 +91,53 @@ def _factor_list(key: str, value: Any, rotary_dim: int) -> tuple[float, ...]:
     return tuple(float(f) for f in values)
 
 
+# the layer kinds a transformers 5 ``rope_parameters`` may hold one RoPE set each for (Gemma 3's)
+_LAYER_KINDS = ("full_attention", "sliding_attention")
+# the keys of a RoPE set that are no scaling: its base, the rotated part of each head, the old name of its type, and
+# Qwen3.5's multimodal sections (all one position for text)
+_NOT_SCALING = ("rope_theta", "rope_type", "type", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+# the types whose pre-training context transformers takes from a top-level config.json key where there is one (Phi-3
+# keeps it there), else from the set, else ``max_position_embeddings``
+_ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")
+
+
+def rope_from_hf(c: Mapping[str, Any], default_theta: float, source: str, kind: str = "full_attention",
+                 theta_key: str = "rope_theta") -> dict[str, Any]:
+    """One RoPE set of a ``config.json`` dict ``c`` as transformers' ``standardize_rope_params`` makes it: 4.x's
+    ``rope_scaling`` (with ``rope_theta`` beside it), else 5.x's ``rope_parameters`` (its ``kind`` entry where it
+    holds one set per layer kind); the base from the set, else ``c[theta_key]``, else ``default_theta`` (the family's,
+    as transformers' config class ``default_theta``); ``partial_rotary_factor`` from the set, else ``c``'s; the type
+    under ``rope_type`` ("default" when none is named; 4.x spelled it ``type``); a llama3 / YaRN / LongRoPE set's
+    ``original_max_position_embeddings`` from ``c`` where it has one (Phi-3), else the set's, else
+    ``max_position_embeddings``. Returns the set (unchecked: ``check_rope_scaling`` follows); ``source`` names the
+    file in errors."""
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if isinstance(rope, Mapping) and any(k in _LAYER_KINDS for k in rope):
+        rope = rope.get(kind) or {}
+    if not isinstance(rope, Mapping):
+        raise ModelError(f"{source}: rope_parameters (or rope_scaling) must be an object, got {rope!r:.80}")
+    out = dict(rope)
+    out.setdefault("rope_theta", c.get(theta_key, default_theta))
+    if c.get("partial_rotary_factor") is not None:
+        out.setdefault("partial_rotary_factor", c["partial_rotary_factor"])
+    out["rope_type"] = out.get("rope_type", out.pop("type", "default"))
+    out.pop("type", None)
+    if out["rope_type"] in _ORIGINAL_CONTEXT:
+        if c.get("original_max_position_embeddings") is not None:
+            out["original_max_position_embeddings"] = c["original_max_position_embeddings"]
+        else:
+            out.setdefault("original_max_position_embeddings", c.get("max_position_embeddings"))
+    return out
+
+
+def scaling_of(rope: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The scaling of a RoPE set (``rope_from_hf``): its type and the keys that are neither its base nor its rotated
+    part; None for the default type."""
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {"rope_type": rope["rope_type"], **{k: v for k, v in rope.items() if k not in _NOT_SCALING}}
+
+
 def rope_inv_freq(config: ModelConfig, local: bool = False, context: int | None = None) -> torch.Tensor:
     """RoPE inverse frequencies, ``[rotary_dim // 2]`` float32, with the config's scaling applied (``local``: the
     sliding layers' own base ``rope_local_theta``, unscaled). ``context``: the positions the model is loaded for

@@ -121,6 +121,12 @@ def shift_norms(views: dict[str, View], keep: Callable[[str], bool] = lambda nam
         views[name] = View(views[name].parts, views[name].shape, value=lambda w: w - 1)
 
 
+def shifted_norms(views: dict[str, View], config: ModelConfig, path: Path) -> None:
+    """A ``Family.gguf_views`` hook: every RMS norm of the file stored with its 1 added (``shift_norms``), as
+    llama.cpp's converter stores Gemma's (1 + w) norms."""
+    shift_norms(views)
+
+
 # the common fields of the tiny random models (``Family.tiny``): hidden 64, 4 query heads over 2 KV heads, 2 layers,
 # a vocabulary of 128; and those of the hybrid (gated delta net) ones, and of sparse MoE MLPs
 TINY_DENSE = MappingProxyType(dict(
@@ -168,6 +174,8 @@ class Family:
     - ``gguf_permute_qk``: llama.cpp stores q/k rows permuted for interleaved RoPE; ``gguf_views(views, config,
       path)``: undo any other change its converter makes (``View`` s by Hugging Face name, edited in place);
     - ``unused``: name prefixes of checkpoint tensors a causal LM does not run (transformers skips them too);
+    - ``hf_rope_theta``: the RoPE base of a ``config.json`` that gives none (transformers' ``default_theta`` of the
+      family's config class);
     - ``hf_read``: the ``config.json`` keys its ``hf_config`` reads beyond ``hf_keys``; ``hf_inert``: keys that change
       nothing of its models, key -> a predicate of the values for which that holds (None: any). A key no list names
       is refused at load (``config_fields.check_known_keys``);
@@ -191,6 +199,7 @@ class Family:
     unused: tuple[str, ...] = ()
     hf_multimodal: tuple[str, ...] = ()
     tiny: Mapping[str, tuple[str, Mapping[str, Any]]] = field(default_factory=_empty)
+    hf_rope_theta: float = 10000.0
     hf_read: tuple[str, ...] = ()
     hf_inert: Mapping[str, Callable[[Any], bool] | None] = field(default_factory=_empty)
 

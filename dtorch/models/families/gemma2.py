@@ -11,24 +11,19 @@ and 30 (llama.cpp's src/models/gemma2.cpp, src/llama-hparams.h)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dtorch.core.errors import ModelError
 from dtorch.models.families.base import (
     TINY_DENSE,
     Family,
     GgufMeta,
-    View,
     decoder,
     gguf_swa_layers,
     gguf_window,
-    shift_norms,
+    shifted_norms,
 )
 from dtorch.models.families.gemma3 import sandwich_layer
-
-if TYPE_CHECKING:
-    from dtorch.models.config import ModelConfig
 
 
 def _alternating(layers: int) -> tuple[str, ...]:
@@ -68,10 +63,6 @@ def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _gguf_views(views: dict[str, View], config: ModelConfig, path: Path) -> None:
-    shift_norms(views)  # the converter stores the (1 + w) norms with the 1 added
-
-
 FAMILY = Family(
     name="gemma2", hf_types=("gemma2",), gguf_arch="gemma2",
     fields={"norm_placement": "sandwich", "norm_plus_one": True, "hidden_act": "gelu_tanh"},
@@ -80,7 +71,7 @@ FAMILY = Family(
              "logits_softcap": "final_logit_softcapping"},
     gguf_keys={"sliding_window": "attention.sliding_window", "attn_softcap": "attn_logit_softcapping",
                "logits_softcap": "final_logit_softcapping", "rope_local_theta": "rope.freq_base_swa"},
-    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=_gguf_views,
+    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=shifted_norms,
     hf_read=("use_bidirectional_attention",),
     # caps far below the models' 50 and 30, so that the tiny model's scores and logits are really capped; a window
     # shorter than the tests' prompts; queries scaled by head_dim ** -0.5, the one scale a GGUF file can say

@@ -14,27 +14,26 @@ from dtorch.models.families.base import (
     TINY_DENSE,
     Family,
     GgufMeta,
-    View,
     Weight,
     attention,
     decoder,
     gguf_window,
     layer_norm,
     mlp,
-    shift_norms,
+    shifted_norms,
 )
+from dtorch.models.rope_scaling import rope_from_hf
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from dtorch.models.config import ModelConfig
     from dtorch.models.layout import Layout
 
 
 def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
     """``layer_types`` (or every ``sliding_window_pattern``-th layer full attention, transformers' default), the local
-    RoPE base (``rope_parameters["sliding_attention"]``, or ``rope_local_base_freq``; the global one becomes the
-    generic ``rope_parameters``), ``query_pre_attn_scalar``; logit soft-capping (Gemma 2) is refused."""
+    RoPE base (``rope_parameters["sliding_attention"]``, or ``rope_local_base_freq``; the global set is the common
+    parse's, ``rope_parameters["full_attention"]``), ``query_pre_attn_scalar``; logit soft-capping (Gemma 2) is
+    refused."""
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if c.get(key) is not None:
             raise ModelError(f"{source}: {key}={c[key]!r} is not supported; expected null (Gemma 3 has none)")
@@ -47,23 +46,17 @@ def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ModelError(f"{source}: sliding_window_pattern must be an int >= 1, got {pattern!r}")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    rope = c.get("rope_parameters")
-    local_theta = c.get("rope_local_base_freq", 10000.0)
-    if isinstance(rope, Mapping) and "full_attention" in rope:  # transformers 5: one set per layer kind
-        local = rope.get("sliding_attention") or {}
-        if not isinstance(local, Mapping) or not isinstance(rope["full_attention"], Mapping):
-            raise ModelError(f"{source}: rope_parameters.full_attention and .sliding_attention must be objects")
-        if local.get("rope_type", "default") != "default":
-            raise ModelError(f"{source}: rope_parameters.sliding_attention of type {local.get('rope_type')!r} is not "
+    if isinstance(c.get("rope_parameters"), Mapping) and "sliding_attention" in c["rope_parameters"]:
+        local = rope_from_hf(c, 10000.0, source, "sliding_attention", "rope_local_base_freq")  # transformers 5
+        if local["rope_type"] != "default":
+            raise ModelError(f"{source}: rope_parameters.sliding_attention of type {local['rope_type']!r} is not "
                              "supported; expected the default rope")
-        local_theta = local.get("rope_theta", local_theta)
-        c["rope_parameters"] = dict(rope["full_attention"])
-        c["rope_parameters"].setdefault("rope_theta", 1_000_000.0)
-    elif "rope_theta" not in c and "rope_parameters" not in c:
-        c["rope_theta"] = 1_000_000.0
+        local_theta = local["rope_theta"]
+    else:  # the sliding layers unscaled, on their own base
+        local_theta = c.get("rope_local_base_freq", 10000.0)
     check_field("rope_theta", local_theta, f"{source}: the sliding layers' rope_theta")
     c.setdefault("tie_word_embeddings", True)
-    window = c.get("sliding_window")
+    window = c.get("sliding_window", 4096)  # transformers' Gemma3TextConfig default
     scalar = c.get("query_pre_attn_scalar", 256)
     return dict(layer_types=tuple(types or ()), sliding_window=window if types and "sliding_attention" in types
                 else None, rope_local_theta=local_theta, attention_multiplier=scalar ** -0.5,
@@ -108,10 +101,6 @@ def sandwich_layer(c: ModelConfig, layout: Layout, i: int) -> Iterator[Weight]:
     yield from mlp(c, i)
 
 
-def _gguf_views(views: dict[str, View], config: ModelConfig, path: Path) -> None:
-    shift_norms(views)  # the converter stores the (1 + w) norms with the 1 added
-
-
 FAMILY = Family(
     name="gemma3", hf_types=("gemma3_text",), hf_multimodal=("gemma3",), gguf_arch="gemma3",
     fields={"qk_norm": True, "norm_placement": "sandwich", "norm_plus_one": True, "hidden_act": "gelu_tanh"},
@@ -119,7 +108,8 @@ FAMILY = Family(
              "rope_local_theta": "rope_local_base_freq", "query_pre_attn_scalar": "query_pre_attn_scalar"},
     gguf_keys={"sliding_window": "attention.sliding_window", "rope_local_theta": "rope.freq_base_swa",
                "attention_multiplier": "attention.scale"},
-    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=_gguf_views,
+    hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=shifted_norms,
+    hf_rope_theta=1_000_000.0,
     hf_read=("sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
              "use_bidirectional_attention"),
     hf_inert={"_sliding_window_pattern": None},  # transformers' own copy of the pattern it wrote into layer_types

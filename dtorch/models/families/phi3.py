@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 
 
 def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
+    """A window on every layer where the config has one; "su", the first name of LongRoPE in Phi-3's configs, read as
+    "longrope" (as transformers' Phi3Config does)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = c.get(key)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "su":
+            c[key] = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "longrope"}
     return base.every_layer_slides(c.get("sliding_window"), c.get("num_hidden_layers"))
 
 

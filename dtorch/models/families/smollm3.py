@@ -40,7 +40,7 @@ def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
 FAMILY = Family(
     name="smollm3", hf_types=("smollm3",), gguf_arch="smollm3",
     hf_keys={"nope_layers": "no_rope_layers", "sliding_window": "sliding_window"},
-    hf_config=_hf_config, gguf_config=_gguf_config, gguf_permute_qk=True,
+    hf_config=_hf_config, gguf_config=_gguf_config, gguf_permute_qk=True, hf_rope_theta=2_000_000.0,
     hf_read=("no_rope_layer_interval", "use_sliding_window"), hf_inert={"layer_types": all_full_attention},
     # four layers: the fourth without RoPE (transformers' default no_rope_layers, and llama.cpp's)
     tiny={"smollm3": ("SmolLM3Config", dict(TINY_DENSE, num_hidden_layers=4, pad_token_id=0))},
