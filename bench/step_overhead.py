@@ -19,7 +19,13 @@ their compute is small) decodes one sequence, and each way of running its decode
 (the overhead is the host's, and one thread keeps the machine's other load out of it). ``--off``: providers disabled
 (default onednn: its float32 mm costs ~80 us a call at these tiny shapes against ~4 us for blas, which would bury
 the overhead in kernel time; ``--off`` with no name keeps every winner). Medians of ``--repeats``.
-``--smoke`` (what CI runs): 2 layers, 10 steps, 1 repeat.
+``--smoke`` (what CI runs): 2 layers, 10 steps, 1 repeat, then ``--profile`` of the default model, 2 steps.
+
+    python bench/step_overhead.py --profile [GGUF ...] [--threads 1 2] [--cpu-time]
+
+instead tells where a decode step of a real model goes, component by component (``_step_profile.py``): the kernels
+by kind (products, head, attention, the rest), the Python between them, the Runner's and Executor's host work,
+sampling (greedy, and sampled beside the reference it replaced), detokenizing and the engine.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def tiny_llama(root: Path, layers: int) -> Path:
@@ -148,10 +155,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
     p.add_argument("--repeats", type=int, default=49)
     p.add_argument("--off", nargs="*", default=["onednn"], help="providers to disable (default: onednn)")
+    p.add_argument("--profile", nargs="*", default=None, metavar="GGUF",
+                   help="instead: where a decode step of each model goes, component by component (_step_profile.py); "
+                        "names of files in ~/.cache/dtorch/bench-gguf or paths (none: the default model)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1], help="intra-op threads of --profile (default 1)")
+    p.add_argument("--cpu-time", action="store_true", help="--profile at 1 thread: CPU time, not wall")
     p.add_argument("--smoke", action="store_true", help="2 layers, 10 steps, 1 repeat (CI)")
     args = p.parse_args()
     if args.smoke:
         args.layers, args.steps, args.repeats = 2, 10, 1
+    if args.profile is not None:
+        return run_profile(args)
     t, kernels = measure(args.model, args.layers, args.steps, args.repeats, args.off)
     floor = t["kernels alone"]
     what = args.model or f"tiny Llama, {args.layers} layers, hidden 64"
@@ -170,6 +184,26 @@ def main() -> None:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
     print("\noverhead: the row's time less the kernels' own; the Executor and LLM rows include the host work of a "
           "step (feeds, logits, sampling), which the Runner rows do not. Shared, noisy machine: compare within a run.")
+    if args.smoke:  # the profile too, on the default model: 2 steps, 1 repeat
+        args.profile, args.steps = [], 2
+        run_profile(args)
+
+
+def run_profile(args) -> None:
+    from _step_profile import print_profile, profile
+
+    from dtorch.models.default import default_model_path
+
+    cache = Path.home() / ".cache" / "dtorch" / "bench-gguf"
+    files = args.profile or [str(default_model_path())]
+    repeats = args.repeats if args.repeats != 49 else 7  # (49 short rounds: the overhead table's default)
+    clock = "CPU time of the thread at 1 thread, wall time above" if args.cpu_time else "wall time"
+    print(f"decode after a 128-token prompt, one sequence; medians of {repeats} x {args.steps} steps; {clock}")
+    for f in files:
+        path = cache / f"{f}.gguf" if (cache / f"{f}.gguf").exists() else Path(f)
+        for threads in args.threads:
+            rows, extra = profile(str(path), threads, args.steps, repeats, args.cpu_time and threads == 1)
+            print_profile(path.stem, threads, rows, extra)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ SMOKE = {
     "serve.py": (["--smoke"], ["out tok/s", "TTFT p50 ms", "dtorch scaling"]),
     "speculative.py": (["--smoke"], ["spec tok/s", "acceptance", "drafted by", "1 row us"]),
     "startup.py": (["--smoke"], ["measure (seconds)", "llama.cpp", "dtorch", "ratio"]),
-    "step_overhead.py": (["--smoke"], ["overhead us", "Runner.run, bare calls (after)", "kernels alone"]),
+    "step_overhead.py": (["--smoke"], ["overhead us", "Runner.run, bare calls (after)", "kernels alone",
+                                       "| component | ms a token | share |", "| head |", "sampling, greedy"]),
     # the direct baseline, the runtime at tp=1 / tp=2 and the pipeline at pp=2 decode the same greedy tokens, and the
     # two-process gloo row ran; the concurrent streams' table, the pipeline's traced overlap and the gloo pp=2 row with
     # the added latency

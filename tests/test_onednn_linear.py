@@ -68,6 +68,29 @@ def test_mm_onednn_matches_float64(m):
     assert torch.equal(strided, want)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_mm_provider_follows_the_row_rule(rows, monkeypatch):
+    """matmul.mm against a [K, N] weight: torch's BLAS below ``ONEDNN_MM_MIN_ROWS`` rows (its gemv reads b as
+    stored), oneDNN from there; chosen by the dispatcher where the shapes are known (a step graph binds that kernel,
+    ``explain`` gives the reason) and by oneDNN's kernel itself where they are not (a prepared MatMul)."""
+    from dtorch.dispatch.meta import Call
+    from dtorch.kernels.torch import matmul
+
+    a, b = torch.randn(rows, 96), torch.randn(96, 40)
+    key = KernelKey("matmul.mm", "cpu", torch.float32)
+    choice = dtorch.dispatcher.choose(key, Call(Device("cpu"), torch.float32, inputs=(a.to("meta"), b.to("meta"))))
+    want = "onednn" if rows >= matmul.ONEDNN_MM_MIN_ROWS else "blas"
+    assert choice.winner.provider == want
+    if want == "blas":
+        assert any(c.provider == "onednn" and "row(s)" in reason for c, reason in choice.passed_over)
+    calls = []
+    monkeypatch.setattr(matmul, "onednn_linear", lambda *args: calls.append(1) or torch.mm(args[0], args[1].t()))
+    out = torch.empty(rows, 40)
+    mm_onednn(_ctx(), (a, b), (out,))
+    assert bool(calls) == (want == "onednn")
+    assert _rel(out, a.double() @ b.double()) < 1e-5
+
+
 def test_the_dispatcher_prefers_onednn_and_can_do_without():
     assert dtorch.dispatcher.select(KernelKey("matmul.mm", "cpu", torch.float32)).provider == "onednn"
     assert dtorch.dispatcher.select(KEY).provider == "onednn"

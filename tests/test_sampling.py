@@ -232,6 +232,45 @@ def test_sample_step_draw_matches_reference_pipeline(kwargs):
         assert sample_step(logits[None], [params], [g], [output], [prompt])[0] == [want]
 
 
+
+@pytest.mark.parametrize("kwargs", [*FILTERS, {"temperature": 1.0, "top_p": 0.9}])
+def test_large_vocab_draws_match_torch_multinomial(kwargs):
+    """Over a vocabulary past ``draw.SMALL`` the draw is ``draw.multinomial_one`` and top-p ranks a few bins, not a
+    sort: the tokens are still transformers' filters then torch.multinomial's, draw for draw, and the generator ends
+    where torch's does."""
+    torch.manual_seed(3)
+    logits = torch.randn(20_000) * 6  # peaked as a model's: a nucleus of tens to hundreds of tokens
+    params = SamplingParams(seed=5, **kwargs)
+    probs = torch.softmax(_hf_filter(logits, params), -1)
+    ref_g, g = params.generator(), params.generator()
+    for _ in range(8):
+        want = int(torch.multinomial(probs, 1, generator=ref_g))
+        assert sample_step(logits[None], [params], [g], [[]], [[]])[0] == [want]
+    assert torch.equal(g.get_state(), ref_g.get_state())
+
+
+def test_race_takes_every_candidate_when_a_uniform_is_zero(monkeypatch):
+    """A uniform of exactly 0 (q = 0: odds 2^-53 a token) gives torch's race an infinite or NaN score; the fast draw
+    then scores every token as torch does (the same first NaN, else the same infinite one)."""
+    from dtorch.engine import draw
+
+    probs = torch.softmax(torch.randn(5000) * 3, -1)
+    probs[7] = 0.0  # p = 0 and u = 0: 0 / 0, NaN, which torch's argmax takes first
+    real = torch.Tensor.uniform_
+
+    def zero_at(t, *a, **k):
+        real(t, *a, **k)
+        t[[7, 4000]] = 0.0
+        return t
+
+    monkeypatch.setattr(torch.Tensor, "uniform_", zero_at)
+    u = torch.empty(5000, dtype=torch.float64).uniform_(generator=torch.Generator().manual_seed(2))
+    q = (-torch.log1p(-u)).float()
+    assert draw._race(probs, torch.Generator().manual_seed(2)) == int(torch.argmax(probs / q)) == 7
+    probs[7] = 1e-3  # now p / 0: infinite at 7 and 4000, the first wins
+    assert draw._race(probs, torch.Generator().manual_seed(2)) == int(torch.argmax(probs / q)) == 7
+
+
 # --- logprobs ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [0, 5])

@@ -300,9 +300,11 @@ class Transformer:
             o = g.call("binary.mul", o, c.residual_multiplier)
         return o
 
-    def _proj(self, g: LogicalGraph, x, w, name: str, step: _Step):
-        """x [T, K] times weight ``name``: Wt [K, N] through ``matmul.mm``; W [N, K] (block format, or float stored
-        as the checkpoint has it) through ``matmul.linear``, told when each row's precision may be traded for speed
+    def _proj(self, g: LogicalGraph, x, w, name: str, step: _Step, bias=None):
+        """x [T, K] times weight ``name`` (+ ``bias`` [N]): Wt [K, N] through ``matmul.mm`` (then the bias added);
+        W [N, K] (block format, or float stored as the checkpoint has it) through ``matmul.linear`` with the bias (one
+        kernel a decode step instead of two: the sum rounded once either way), told when each row's precision may be
+        traded for speed
         (``coarse``): a batch of decodes and a prompt step of ``COARSE_PROMPT_ROWS`` rows or more whose prompts are
         all that long, as llama.cpp always does; not a step whose rows must each be what a lone decode makes of them
         (the rows a speculative step verifies, every row's logits), a step with a short prompt in it (its answer would
@@ -310,8 +312,9 @@ class Transformer:
         never depends on the others')."""
         t = w[name]
         if t.layout == "strided" and name not in self.linear_weights:
-            return g.call("matmul.mm", x, t)
-        return g.call("matmul.linear", x, t, None, coarse=self.coarse(step.bucket))
+            y = g.call("matmul.mm", x, t)
+            return y if bias is None else g.call("binary.add", y, bias)
+        return g.call("matmul.linear", x, t, bias, coarse=self.coarse(step.bucket))
 
     def coarse(self, b: Bucket) -> bool:
         """Whether the products of a step in bucket ``b`` may trade each row's precision for speed (``_proj``)."""
@@ -324,8 +327,7 @@ class Transformer:
         own layout, and gives their pieces: every size must then lie within one part (``_parts_fit``)."""
         names = self.parts.get(name)
         if names is None:
-            y = self._proj(g, x, w, name, step)
-            return g.split(y if bias is None else g.call("binary.add", y, bias), sizes, 1)
+            return g.split(self._proj(g, x, w, name, step, bias), sizes, 1)
         widths = [self.weights[part].shape[0] for part in names]
         biases = g.split(bias, widths, 0) if bias is not None else [None] * len(names)
         out, rest = [], list(sizes)
@@ -336,8 +338,7 @@ class Transformer:
             if sum(take) != width:
                 raise ModelError(f"{name}: the pieces {list(sizes)} straddle its parts {widths} (sources stored in "
                                  "different formats)")
-            y = self._proj(g, x, w, part, step)
-            y = y if b is None else g.call("binary.add", y, b)
+            y = self._proj(g, x, w, part, step, b)
             out += g.split(y, take, 1) if len(take) > 1 else [y]
         return tuple(out)
 

@@ -193,15 +193,38 @@ def _onednn_check(call: Call) -> str | None:
     return None
 
 
-@KERNELS.kernel("matmul.mm", (torch.float32,), devices=CPU_ONLY, provider="onednn", check=_onednn_check,
-                varies="oneDNN's GEMM on contiguous float32 operands (b read as the weight b.T); else torch's mm")
+# oneDNN reads mm's b [K, N] as the weight b.T [N, K] through its strides: from 2 rows that is as fast as torch's mm
+# or up to ~4x faster, but for one row torch's BLAS gemv streams b [K, N] 1.4-2.3x faster (one thread, an AVX-512
+# AMD core, alternating medians: [576, 49152] 18 against 39 ms cold, [896, 4864] 0.93 against 1.41 ms, [640, 2048]
+# 0.09 against 0.20 ms; at 2 rows 0.6-1.2x). matmul.linear's [N, K] weights are oneDNN's own layout: level or faster
+# at one row too. So mm goes to oneDNN from this many rows.
+ONEDNN_MM_MIN_ROWS = 2
+
+
+def onednn_mm_pays(rows: int) -> bool:
+    """Whether oneDNN's GEMM beats torch's mm for ``rows`` rows against a [K, N] weight (``ONEDNN_MM_MIN_ROWS``)."""
+    return rows >= ONEDNN_MM_MIN_ROWS
+
+
+def _onednn_mm_check(call: Call) -> str | None:
+    reason = _onednn_check(call)
+    if reason is None and call.inputs is not None and call.inputs[0].dim() == 2 \
+            and not onednn_mm_pays(call.inputs[0].shape[0]):
+        return (f"{call.inputs[0].shape[0]} row(s): torch's BLAS gemv reads b [K, N] faster than oneDNN through b.T "
+                f"(oneDNN from {ONEDNN_MM_MIN_ROWS} rows)")
+    return reason
+
+
+@KERNELS.kernel("matmul.mm", (torch.float32,), devices=CPU_ONLY, provider="onednn", check=_onednn_mm_check,
+                varies=f"oneDNN's GEMM on contiguous float32 operands (b read as the weight b.T) from "
+                       f"{ONEDNN_MM_MIN_ROWS} rows; else torch's mm")
 def mm_onednn(ctx, inputs, outputs):
-    # a [M, K] @ b [K, N]: oneDNN reads b.T [N, K] through its strides (a model's [K, N] weights), 1.0x torch's mm
-    # for one row and ~2x from 16 rows on an AMD CPU (see above)
+    # a [M, K] @ b [K, N]: oneDNN reads b.T [N, K] through its strides (a model's [K, N] weights); a prepared MatMul
+    # that knew no shapes when it bound this kernel sends one row to torch's mm here (``onednn_mm_pays``)
     a, b = inputs
     out = outputs[0]
     if (a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or not a.is_contiguous() or not b.is_contiguous()
-            or a.numel() == 0 or b.numel() == 0):
+            or a.numel() == 0 or b.numel() == 0 or not onednn_mm_pays(a.shape[0])):
         return mm_blas(ctx, inputs, outputs)
     out.copy_(onednn_linear(a, b.t(), None))
 
