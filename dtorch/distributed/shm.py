@@ -57,7 +57,9 @@ RING_SLOTS, SLOT_BYTES = 4, 1 << 17  # a send's ring per ordered pair of ranks
 SPIN_S = 5e-5  # seconds a wait polls (yielding) before it sleeps
 SLICE_S = 0.02  # seconds of one futex sleep; a lost peer or an abort is seen within one
 LINE = 64  # bytes: each counter on a cache line of its own
-_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64; not FUTEX_PRIVATE: the words are shared between processes
+# syscall(2)'s arguments as full registers; x86-64's numbers; not FUTEX_PRIVATE: the words are shared between processes
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = ctypes.c_long(202), ctypes.c_long(0), ctypes.c_long(1)
+_MANY, _ZERO = ctypes.c_long(0x7FFFFFFF), ctypes.c_long(0)
 _fence_lock = threading.Lock()
 
 
@@ -142,6 +144,7 @@ class HostShm:
         self.sent = [0] * self.n  # messages (slots) this rank sent to each peer / took from each peer
         self.taken = [0] * self.n
         self.aborted = False
+        self._views: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.whole = False  # every rank of the group is here: collectives may use the segment (``join`` sets it)
         self._p2p_locks = [threading.Lock() for _ in range(self.n)]
 
@@ -225,7 +228,7 @@ class HostShm:
     def _signal(self, word: int, value: int) -> None:
         _fence()
         self.words[word] = value & 0xFFFFFFFF
-        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.base + 4 * word), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.base + 4 * word), _FUTEX_WAKE, _MANY, None, None, _ZERO)
 
     def _wait(self, word: int, target: int, peer: int) -> None:
         """Until the counter at ``word`` (written by the rank at position ``peer``) reaches ``target``."""
@@ -252,7 +255,7 @@ class HostShm:
             if time.monotonic() > deadline:
                 raise ShmError(f"rank {self.ranks[peer]} did not answer within {self.timeout:g}s, the process group's "
                                "timeout (a stuck or slow peer; a longer wait is init_process_group(timeout=...))")
-            _libc.syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint32(value), ctypes.byref(ts), None, 0)
+            _libc.syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_long(value), ctypes.byref(ts), None, _ZERO)
 
     def _alive(self, peer: int) -> bool:
         """Whether the rank at ``peer`` still holds its lock (a process's locks go with it)."""
@@ -275,13 +278,12 @@ class HostShm:
         """Run one round per buffer-sized chunk of ``numel`` elements; yields (start, stop, the ranks' buffers as
         ``dtype`` [stop - start]) once every rank wrote its chunk of ``flat`` (None: this rank sends nothing)."""
         per = BUFFER_BYTES // dtype.itemsize
-        lay, arrive = self.layout, self.layout.arrive // 4
+        arrive = self.layout.arrive // 4
         for start in range(0, max(numel, 1), per):
             stop = min(numel, start + per)
             self.round = (self.round + 1) & 0xFFFFFFFF
             parity = self.round & 1
-            bufs = [self.bytes[lay.buffer(parity, r):lay.buffer(parity, r) + (stop - start) * dtype.itemsize]
-                    .view(dtype) for r in range(self.n)]
+            bufs = [b[:stop - start] for b in self._buffers(parity, dtype)]
             if flat is not None:  # (an all-gather's shorter piece fills only the start of its chunk)
                 mine = flat[start:stop]
                 bufs[self.me][:mine.numel()].copy_(mine)
@@ -290,6 +292,16 @@ class HostShm:
                 if r != self.me:
                     self._wait(arrive + r * LINE // 4, self.round, r)
             yield start, stop, bufs
+
+    def _buffers(self, parity: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's buffer of ``parity`` as ``dtype`` [BUFFER_BYTES / itemsize] (views made once)."""
+        views = self._views.get((parity, dtype))
+        if views is None:
+            lay = self.layout
+            views = self._views[(parity, dtype)] = [
+                self.bytes[lay.buffer(parity, r):lay.buffer(parity, r) + BUFFER_BYTES].view(dtype)
+                for r in range(self.n)]
+        return views
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, op: str) -> None:
         flat_x, flat_out = x.reshape(-1), _flat_out(out)

@@ -50,11 +50,16 @@ CALLS = {"target": ("step", "runner", "capture_now"), "draft": ("step", "runner"
 
 
 class PlanChannel:
-    """Rank 0 -> every rank: pickled messages, broadcast on the gloo group ``group`` in order."""
+    """Rank 0 -> every rank: pickled messages, broadcast on the gloo group ``group`` in order (through shared memory
+    when every rank is on one host: ~10 us a plan instead of gloo's ~200)."""
 
     def __init__(self, group: Any) -> None:
+        from dtorch.distributed.shm import HostShm
+
         self.group = group
         self.head = torch.zeros(CHUNK, dtype=torch.uint8)  # [4-byte length, the message's first bytes]
+        shm = HostShm.join(group, IDLE.total_seconds())  # a follower waits for work as long as rank 0 lives
+        self.shm = shm if shm is not None and shm.whole else None
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -81,6 +86,9 @@ class PlanChannel:
             group=self.group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True))
 
     def _broadcast(self, t: torch.Tensor) -> None:
+        if self.shm is not None:
+            self._do("the plan broadcast", lambda: self.shm.broadcast(t, t, 0))
+            return
         self._do("the plan broadcast", lambda: dist.broadcast(t, src=0, group=self.group))
 
     def _do(self, what: str, fn: Callable[[], Any]) -> None:
