@@ -64,7 +64,22 @@ _fence_lock = threading.Lock()
 
 
 class ShmError(CommunicationError):
-    """A wait in shared memory failed: aborted, a peer lost, or its timeout (the message says which and who)."""
+    """A wait in shared memory failed: aborted, a peer lost, or its timeout (the message says which and who);
+    ``lost``: the global rank whose process is gone (its lock went with it), else None."""
+
+    def __init__(self, message: str, lost: int | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
+def lost_rank(exc: BaseException | None) -> int | None:
+    """The rank a failure was caused by the loss of, when a wait in shared memory saw its process gone."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, ShmError) and exc.lost is not None:
+            return exc.lost
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 class _Timespec(ctypes.Structure):
@@ -251,7 +266,8 @@ class HostShm:
                 raise ShmError("aborted (a kernel of this run failed or the run timed out)")
             if not self._alive(peer):
                 raise ShmError(f"rank {self.ranks[peer]} was lost: its connection closed (its lock on the shared "
-                               "memory went with its process: it exited or was killed; see its log)")
+                               "memory went with its process: it exited or was killed; see its log)",
+                               lost=self.ranks[peer])
             if time.monotonic() > deadline:
                 raise ShmError(f"rank {self.ranks[peer]} did not answer within {self.timeout:g}s, the process group's "
                                "timeout (a stuck or slow peer; a longer wait is init_process_group(timeout=...))")

@@ -268,8 +268,17 @@ class Ranks:
         self._named.wait()
 
     def lose_after(self, exc: BaseException) -> None:
-        """A collective failed here (``exc``): the watchdog's barrier, which names the lost rank, decides within
-        ``NAMING_S`` seconds; else ``exc`` itself is the reason. Returns once the server was told."""
+        """A collective failed here (``exc``): when a wait in shared memory found a rank's process gone, that rank is
+        lost now; else the watchdog's barrier, which names the lost rank, decides within ``NAMING_S`` seconds, or
+        ``exc`` itself is the reason. Returns once the server was told."""
+        from dtorch.distributed.shm import lost_rank
+
+        gone = lost_rank(exc)  # a wait in shared memory saw that rank's process gone: no need to wait for the watchdog
+        if gone is not None:
+            self.lose(f"lost {self.describe(gone)}: its process exited or was killed (its lock on the shared memory "
+                      "went with it; see its log)")
+            self.settled()
+            return
         if not self._named.wait(NAMING_S):
             self.lose(str(exc) if isinstance(exc, CommunicationError) else
                       f"rank {self.rank}'s step failed after the other ranks were told of it ({type(exc).__name__}: "
