@@ -11,8 +11,12 @@ Table 1, one stream, measured in alternating rounds in one process (medians; rat
 - runtime tp=2: ``DeviceMesh.cpu(2)``, one thread per device;
 - runtime pp=2: two pipeline stages on ``DeviceMesh.cpu(2, (2, 1), ("pp", "tp"))``, half the layers each, one thread
   per device (one stream is one micro-batch: the stages take turns, so this row shows the pipeline's overhead);
-then 2 gloo processes under torchrun (one device and one thread each), and the overlap of a tp=2 decode step:
-the share of communicate-stream busy time during which the same device's compute stream was also busy.
+and the overlap of a tp=2 decode step: the share of communicate-stream busy time during which the same device's
+compute stream was also busy (none since the collectives with nothing to overlap run on the compute streams).
+
+Then issue #41's served target: one stream served across 2 gloo ranks under torchrun (rank 0 steps the engine and
+tells each step's plan; one thread each), with the ranks talking through shared memory and through gloo only, and
+``generate`` on every rank, each launch paired with a decode of tp=2 in one process (the same split) just before it.
 
 Table 2, ``--streams`` concurrent streams (targets of issue #41): output tokens per second of the whole batch on one
 device (one thread), tp=2 and pp=2 on ``cpu(2)`` (one thread per device; pp=2 keeps two micro-batches in flight),
@@ -142,14 +146,16 @@ def overlap(tracer) -> tuple[float, float]:
 
 
 def gloo(tp: int, prompt: int, new: int, repeats: int = 3, pp: int = 1, delay_ms: float = 0.0,
-         streams: int = 1) -> float | None:
+         streams: int = 1, served: bool = False, shm: bool = True) -> float | None:
     """Decode tok/s of one stream on ``tp`` x ``pp`` gloo processes under torchrun (rank 0's figure; ``delay_ms``
     before every message each rank sends; ``streams`` > 1: output tok/s of that many streams together), or None if
-    the run failed."""
+    the run failed. ``served``: as ``dtorch serve`` runs across ranks (rank 0 steps the engine and tells each step's
+    plan, the others follow), without the HTTP layer; ``shm``: ranks of this host talk through shared memory."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port", "29533",
            os.path.abspath(__file__), "--worker", "--prompt", str(prompt), "--new", str(new), "--tp", str(tp),
            "--pp", str(pp), "--rounds", str(repeats), "--send-delay-ms", str(delay_ms), "--streams", str(streams)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd += ["--served"] if served else []
+    env = dict(os.environ, OMP_NUM_THREADS="1", DTORCH_SHM_COMM="1" if shm else "0")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     for line in res.stdout.splitlines():
         if line.startswith("{"):
@@ -180,6 +186,15 @@ def worker(args: argparse.Namespace) -> None:
     if args.send_delay_ms:
         delay_messages(args.send_delay_ms / 1e3)
     llm = LLM(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, max_num_seqs=max(16, args.streams))
+    ranks = None
+    if args.served:  # as serve's cli does: rank 0 leads, the others follow its told calls until its stop
+        from dtorch.engine.ranks import Leader, Ranks, follow
+
+        ranks = Ranks(llm, 30.0)
+        if llm.rank != 0:
+            follow(ranks)
+            return
+        ranks.leader = Leader(ranks)
     p = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
     prompts = [_prompt(args.prompt + i)[i:] for i in range(args.streams)]
     tps = []
@@ -187,6 +202,8 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         llm.generate(prompts, p)
         tps.append(llm.stats.decode_tps if args.streams == 1 else args.streams * args.new / (time.perf_counter() - t0))
+    if ranks is not None:
+        ranks.leader.stop()
     if llm.rank == 0:
         print(json.dumps({"decode_tps": statistics.median(tps)}), flush=True)
 
@@ -268,6 +285,33 @@ def streams_table(args: argparse.Namespace, cores: int, tp2: Runtime, pp2: Runti
         print(f"{f'{n}, {d:g} ms':36s} {t or float('nan'):11.1f} {p or float('nan'):11.1f} {ratio}")
 
 
+def served_table(args: argparse.Namespace, tp2: Runtime, prompt: list[int]) -> None:
+    """Issue #41's target: one stream's decode served across 2 gloo ranks (rank 0 leads, the other follows, as
+    ``dtorch serve`` runs; one thread each) against the same split in one process (``tp2``: cpu(2), one thread per
+    device); each launch paired with a decode in one process just before it, the ratio the median of the pairs'."""
+    runs = {"served, shared memory": {"served": True, "shm": True}, "served, gloo only": {"served": True, "shm": False},
+            "generate on every rank, shared memory": {"served": False, "shm": True}}
+    if args.smoke:
+        runs = {"served, shared memory": runs["served, shared memory"]}
+    pairs: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+    for _ in range(1 if args.smoke else 3):
+        for name, how in runs.items():
+            one = tp2.decode(prompt, args.new)[0]
+            got = gloo(2, args.prompt, args.new, 1, **how)
+            if got is not None:
+                pairs[name].append((got, one))
+    print(f"\none stream on 2 gloo ranks (torchrun, 1 thread each) against tp=2 in one process (cpu(2), 1 thread per "
+          f"device); {args.prompt}-token prompt, {args.new} new tokens; medians of {1 if args.smoke else 3} pairs")
+    print(f"{'2 ranks':40s} {'decode tok/s':>13s} {'one process':>12s} {'ranks / one process':>20s}")
+    for name, got in pairs.items():
+        if not got:
+            print(f"FAILED: {name.replace(',', ';')} (its log is above)")
+            continue
+        ratio = statistics.median(a / b for a, b in got)
+        print(f"{name:40s} {statistics.median(a for a, _ in got):13.1f} {statistics.median(b for _, b in got):12.1f} "
+              f"{ratio:20.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
@@ -280,6 +324,7 @@ def main() -> None:
     ap.add_argument("--send-delay-ms", type=float, default=2.0,
                     help="added latency before every message a gloo rank sends, in table 2's last rows")
     ap.add_argument("--smoke", action="store_true", help="one round, 8-token prompt, 4 new tokens, 4 streams")
+    ap.add_argument("--served", action="store_true", help="(worker) rank 0 leads, the others follow, as serve runs")
     ap.add_argument("--trace-png", default=None, help="also draw the traced tp=2 decode step to this PNG")
     args = ap.parse_args()
     if args.smoke:
@@ -303,7 +348,6 @@ def main() -> None:
             tokens[name] = toks
     same = len({tuple(t) for t in tokens.values()}) == 1
     rows = [(name, statistics.median(tps[name]), statistics.median(ratios[name])) for name in engines]
-    g = gloo(2, args.prompt, args.new, 1 if args.smoke else 3)
     tracer = decode_step_trace(engines["runtime tp=2, cpu(2)"].llm, prompt)
     frac, share = overlap(tracer)
     if args.trace_png:
@@ -317,15 +361,13 @@ def main() -> None:
                "runtime pp=2, cpu(2)": "1 per device"}
     for name, t, r in rows:
         print(f"{name:28s} {threads[name]:>12s} {t:13.1f} {r:8.2f}")
-    if g is not None:
-        print(f"{'2 gloo processes (torchrun)':28s} {'1 per rank':>12s} {g:13.1f} {g / rows[1][1]:8.2f}  "
-              "(ratio vs the median above, not the same rounds)")
     paired = zip(tps["runtime tp=1"], tps["direct (baseline)"], strict=True)
     print(f"runtime tp=1 / direct: {statistics.median(r / d for r, d in paired):.3f} (median of per-round ratios)")
     print(f"tp=2 decode step: communicate streams busy {share:.0%} of the step; {frac:.0%} of that time overlaps "
           "compute on the same device")
     print(f"greedy tokens identical across engines: {same}")
     engines["runtime tp=1"].llm.close()
+    served_table(args, engines["runtime tp=2, cpu(2)"], prompt)
     streams_table(args, cores, engines["runtime tp=2, cpu(2)"], engines["runtime pp=2, cpu(2)"])
 
 

@@ -176,9 +176,10 @@ def test_blobs_read_on_another_stream_record_the_readers_stream(monkeypatch):
     g = LogicalGraph(DeviceMesh.cpu(2))
     h = (g.input("x", (4, 8)) @ g.param("w1", ws[0], Shard(1))).relu()  # [4, 3] per device, on compute
     s = g.redistribute(h @ g.param("w2", ws[1], Shard(0)), Replicate())  # [4, 5]: all-reduce on communicate
+    g.output("u", g.input("u", (2, 2)).exp())  # an independent kernel beside it: the all-reduce has one to overlap
     g.output("y", s @ g.param("w3", ws[2], Replicate()))
     with Runner(g) as r:
-        got = r.run({"x": x})["y"]
+        got = r.run({"x": x, "u": torch.ones(2, 2)})["y"]
     torch.testing.assert_close(got, torch.relu(x @ ws[0]) @ ws[1] @ ws[2], rtol=1e-4, atol=1e-5)
     seen = set(recorded)
     assert ("communicate", (4, 5)) in seen  # the partial sums, written on compute, read by the all-reduce

@@ -17,6 +17,7 @@
 | DTORCH_NO_HUGE_PAGES | leave a CPU model's weights in 4 KiB pages (no MADV_COLLAPSE after the load) | a flag | off |
 | DTORCH_PACK_CACHE | cache a GGUF file's packed weights, so a later load is one read | a flag | on |
 | DTORCH_PACK_CACHE_DIR | folder of that cache (``dtorch.models.pack_cache``) | a path | ~/.cache/dtorch/packed |
+| DTORCH_SHM_COMM | gloo ranks of one host talk through shared memory (``distributed/shm.py``) | a flag | on |
 
 A flag is one of 1/true/yes/on or 0/false/no/off (or empty). A malformed value, or a ``DTORCH_*`` name
 not in this table, raises ``ConfigError`` listing what is allowed: a typo is never ignored silently.
@@ -33,7 +34,7 @@ from dtorch.core.errors import ConfigError
 SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
             "DTORCH_FORBID_SYNC", "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG",
             "DTORCH_API_KEY", "DTORCH_BATCH_INVARIANT", "DTORCH_NO_HUGE_PAGES", "DTORCH_PACK_CACHE",
-            "DTORCH_PACK_CACHE_DIR")
+            "DTORCH_PACK_CACHE_DIR", "DTORCH_SHM_COMM")
 NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -46,7 +47,7 @@ def check() -> None:
         raise ConfigError(f"unknown environment setting(s) {', '.join(unknown)}; dtorch reads "
                           f"{', '.join(SETTINGS)} (see dtorch/core/env.py)")
     for read in (verify, disabled_providers, sync_timeout, threads, trace, forbid_sync, cpu_features, native_isa,
-                 debug, batch_invariant, pack_cache):
+                 debug, batch_invariant, pack_cache, shm_comm):
         read()
 
 
@@ -125,6 +126,11 @@ def no_huge_pages() -> bool:
 def pack_cache() -> bool:
     """Whether GGUF loads read and write the packed-weight cache (on unless DTORCH_PACK_CACHE is a false flag)."""
     return _raw("DTORCH_PACK_CACHE") == "" or _flag("DTORCH_PACK_CACHE")
+
+
+def shm_comm() -> bool:
+    """Whether gloo ranks on one host talk through shared memory (on unless DTORCH_SHM_COMM is a false flag)."""
+    return _raw("DTORCH_SHM_COMM") == "" or _flag("DTORCH_SHM_COMM")
 
 
 def pack_cache_dir() -> str:

@@ -50,11 +50,16 @@ CALLS = {"target": ("step", "runner", "capture_now"), "draft": ("step", "runner"
 
 
 class PlanChannel:
-    """Rank 0 -> every rank: pickled messages, broadcast on the gloo group ``group`` in order."""
+    """Rank 0 -> every rank: pickled messages, broadcast on the gloo group ``group`` in order (through shared memory
+    when every rank is on one host: ~10 us a plan instead of gloo's ~200)."""
 
     def __init__(self, group: Any) -> None:
+        from dtorch.distributed.shm import HostShm
+
         self.group = group
         self.head = torch.zeros(CHUNK, dtype=torch.uint8)  # [4-byte length, the message's first bytes]
+        shm = HostShm.join(group, IDLE.total_seconds())  # a follower waits for work as long as rank 0 lives
+        self.shm = shm if shm is not None and shm.whole else None
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -81,6 +86,9 @@ class PlanChannel:
             group=self.group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True))
 
     def _broadcast(self, t: torch.Tensor) -> None:
+        if self.shm is not None:
+            self._do("the plan broadcast", lambda: self.shm.broadcast(t, t, 0))
+            return
         self._do("the plan broadcast", lambda: dist.broadcast(t, src=0, group=self.group))
 
     def _do(self, what: str, fn: Callable[[], Any]) -> None:
@@ -264,8 +272,17 @@ class Ranks:
         return self._named.wait(seconds)
 
     def lose_after(self, exc: BaseException) -> None:
-        """A collective failed here (``exc``): the watchdog's barrier, which names the lost rank, decides within
-        ``NAMING_S`` seconds; else ``exc`` itself is the reason. Returns once the server was told."""
+        """A collective failed here (``exc``): when a wait in shared memory found a rank's process gone, that rank is
+        lost now; else the watchdog's barrier, which names the lost rank, decides within ``NAMING_S`` seconds, or
+        ``exc`` itself is the reason. Returns once the server was told."""
+        from dtorch.distributed.shm import lost_rank
+
+        gone = lost_rank(exc)  # a wait in shared memory saw that rank's process gone: no need to wait for the watchdog
+        if gone is not None:
+            self.lose(f"lost {self.describe(gone)}: its process exited or was killed (its lock on the shared memory "
+                      "went with it; see its log)")
+            self.settled()
+            return
         if not self._named.wait(NAMING_S):
             self.lose(str(exc) if isinstance(exc, CommunicationError) else
                       f"rank {self.rank}'s step failed after the other ranks were told of it ({type(exc).__name__}: "

@@ -6,10 +6,18 @@ with its kernel bound through the Dispatcher and its stream chosen. With ``stati
 buffer planned here (``dtorch.runtime.plan``), so a run allocates nothing. Schedule: runs of kernels of one stream
 with no waits between them become one ``Segment`` (one queue hand-off), with an event recorded after each kernel
 that another stream waits for. Nothing here runs a kernel; ``dtorch.runtime.runner`` does.
+
+Streams of collectives: on a CPU a stream is a thread, so a collective on the communicate stream costs two thread
+hand-offs (compute -> communicate -> compute), each a wake-up of a sleeping thread (~20-100 us on a VM). When no
+collective of the graph has a compute kernel that could run while it runs (``nothing_to_overlap``: a tensor-parallel
+step, where each all-reduce's result is the next kernel's input), every collective of a CPU device runs on its compute
+stream instead: no hand-off, and a one-device-per-process plan (a rank under torchrun) then runs whole on the caller's
+thread. All or none: collectives of one device must reach the communicator in graph order.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +29,7 @@ from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.meta import Call
 from dtorch.dispatch.prepared import PreparedKernel
 from dtorch.dispatch.registry import Dispatcher
-from dtorch.graph.logical import LogicalGraph
+from dtorch.graph.logical import COLLECTIVES, LogicalGraph
 from dtorch.graph.operand import COMMUNICATE, Operator
 from dtorch.runtime.blob import Blob, DistTensor, device_piece, mark_cross_stream_reads
 from dtorch.runtime.comm import Communicator
@@ -73,6 +81,7 @@ class Program:
         self.blobs: dict[tuple[int, int], Blob] = {}
         self.kernels: list[Kernel] = []
         self.buffer_bytes = 0
+        self._collectives_on_compute = nothing_to_overlap(graph)  # on CPU devices (see the module's docstring)
         self._build(release)
         self.items, self.slots = schedule(self.kernels)
         self.inline = self._inline_stream()
@@ -175,6 +184,8 @@ class Program:
     def _kernel(self, node: Operator, i: int) -> Kernel:
         device = self.mesh.device(i)
         stype = StreamType.COMMUNICATE if node.stream == COMMUNICATE else StreamType.COMPUTE
+        if node.op in COLLECTIVES and device.type == "cpu" and self._collectives_on_compute:
+            stype = StreamType.COMPUTE
         stream = self.manager.stream(device, stype)
         ins = [self.blobs[(x.index, i)] if x is not None else None for x in node.inputs]
         outs = [self.blobs[(y.index, i)] for y in node.outputs]
@@ -242,6 +253,36 @@ class Program:
         if other is not None:  # a user's Python function or a collective may read values on the host
             return f"operator {other.operator.name} runs as a {type(other).__name__}, which capture cannot record"
         return None
+
+
+def nothing_to_overlap(graph: LogicalGraph) -> bool:
+    """Whether the graph has collectives (not send/recv) and none of them could overlap a compute kernel: between the
+    kernel that makes a collective's input and the first kernel that reads its result (views see through to their
+    base) there is no other compute kernel, in graph order (the order a compute stream runs them in)."""
+    ops = graph.operators
+    root: dict[int, int] = {}  # operand index -> position of the operator whose storage it is (views see through)
+    first_read: dict[int, int] = {}  # operand index of a storage root -> first non-view operator reading it
+    owner: dict[int, int] = {}  # operand index -> the operand index of its storage root
+    for k, node in enumerate(ops):
+        for x in node.inputs:
+            if x is not None and node.kind != "view":
+                first_read.setdefault(owner.get(x.index, x.index), k)
+        for y in node.outputs:
+            base = node.inputs[0] if node.kind == "view" else None
+            owner[y.index] = owner.get(base.index, base.index) if base is not None else y.index
+            root[y.index] = root.get(base.index, -1) if base is not None else k
+    compute = [k for k, node in enumerate(ops) if node.kind != "view" and node.stream != COMMUNICATE
+               and node.op not in COLLECTIVES]
+    found = False
+    for node in ops:
+        if node.kind != "collective" or node.op not in COLLECTIVES:
+            continue
+        found = True
+        start = max((root.get(x.index, -1) for x in node.inputs if x is not None), default=-1)
+        end = min((first_read.get(y.index, len(ops)) for y in node.outputs), default=len(ops))
+        if bisect.bisect_right(compute, start) < bisect.bisect_left(compute, end):  # a compute kernel in between
+            return False
+    return found
 
 
 def bare_calls(kernels: list[Kernel]) -> tuple[BareCall, ...]:
