@@ -20,9 +20,12 @@ tells each step's plan; one thread each), with the ranks talking through shared 
 
 Table 2, ``--streams`` concurrent streams (targets of issue #41): output tokens per second of the whole batch on one
 device (one thread), tp=2 and pp=2 on ``cpu(2)`` (one thread per device; pp=2 keeps two micro-batches in flight),
-alternating rounds, ratios from the same rounds. Then 2 gloo ranks (one thread each), tp=2 against pp=2 decoding one
-stream, without and with ``--send-delay-ms`` of added latency before every message a rank sends (send/recv, the
-collectives, the logits and token broadcasts: a network standing in for loopback).
+alternating rounds after two untimed ones (every step shape built, the prompts' prefixes cached as in the timed
+rounds), ratios from the same rounds; CPU seconds of all threads per 100 output tokens. Then the machine's own
+ceiling for any split over two devices: the one-device batch in one process alone, then in two processes at once
+(nothing shared, nothing sent): their summed tok/s over the one's. Then 2 gloo ranks (one thread each), tp=2 against
+pp=2 decoding one stream, without and with ``--send-delay-ms`` of added latency before every message a rank sends
+(send/recv, the collectives, the logits and token broadcasts: a network standing in for loopback).
 """
 
 from __future__ import annotations
@@ -208,6 +211,36 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps({"decode_tps": statistics.median(tps)}), flush=True)
 
 
+def alone(args: argparse.Namespace) -> None:
+    """``--alone``: the one-device batch of table 2 (one thread), two untimed rounds then ``--rounds``; prints the
+    median output tok/s as JSON."""
+    torch.set_num_threads(1)
+    e = Runtime(1, threads=1, max_num_seqs=max(16, args.streams))
+    prompts = [_prompt(args.prompt + i)[i:] for i in range(args.streams)]
+    for _ in range(2):
+        e.streams(prompts, args.new)
+    tps = [e.streams(prompts, args.new)[0] for _ in range(args.rounds)]
+    print(json.dumps({"tps": statistics.median(tps)}), flush=True)
+
+
+def two_at_once(args: argparse.Namespace) -> tuple[float, float] | None:
+    """(tok/s of one ``--alone`` process, summed tok/s of two run at once), or None if a run failed."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--alone", "--prompt", str(args.prompt), "--new", str(args.new),
+           "--rounds", str(args.rounds), "--streams", str(args.streams)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    got = []
+    for n in (1, 2):
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for _ in range(n)]
+        outs = [p.communicate(timeout=600) for p in procs]
+        tps = [json.loads(ln)["tps"] for out, _ in outs for ln in out.splitlines() if ln.startswith("{")]
+        if len(tps) != n:
+            print("\n".join(err[-2000:] for _, err in outs), file=sys.stderr)
+            return None
+        got.append(sum(tps))
+    return got[0], got[1]
+
+
 def stage_overlap(pp2: Runtime, prompts: list[list[int]], new: int, png: str | None) -> float:
     """The share of stage 0's compute-stream busy time during which stage 1's was busy too, in a traced generation
     of ``prompts`` at pp=2 (drawn to ``png``'s "-pp2" sibling when given)."""
@@ -244,6 +277,9 @@ def streams_table(args: argparse.Namespace, cores: int, tp2: Runtime, pp2: Runti
     tps: dict[str, list[float]] = {k: [] for k in engines}
     cpu: dict[str, list[float]] = {k: [] for k in engines}  # CPU seconds (all threads) per 100 output tokens
     tokens = {}
+    for e in engines.values():  # every step shape built, and the prefixes cached as the timed rounds find them
+        for _ in range(2):
+            e.streams(prompts, 2)
     for _ in range(args.rounds):
         for name, e in engines.items():
             t, toks = e.streams(prompts, args.new)
@@ -272,6 +308,10 @@ def streams_table(args: argparse.Namespace, cores: int, tp2: Runtime, pp2: Runti
           "flight)")
     for e in engines.values():
         e.llm.close()
+    both = two_at_once(args)
+    if both is not None:
+        print(f"this machine's ceiling for two devices: the one-device batch in one process {both[0]:.1f} tok/s, "
+              f"in two processes at once {both[1]:.1f} tok/s in all: {both[1] / both[0]:.2f}x (nothing shared or sent)")
     repeats = 1 if args.smoke else 3
     delays = [args.send_delay_ms] if args.smoke else [0.0, args.send_delay_ms]
     print(f"\n2 gloo ranks (torchrun, 1 thread each), {args.prompt}-token prompts, {args.new} new tokens; median of "
@@ -318,6 +358,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--alone", action="store_true", help="(internal) the one-device batch of table 2, in its process")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams of table 2")
@@ -331,6 +372,9 @@ def main() -> None:
         args.rounds, args.prompt, args.new, args.streams = 1, 8, 4, 4
     if args.worker:
         worker(args)
+        return
+    if args.alone:
+        alone(args)
         return
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)

@@ -36,10 +36,10 @@ SMOKE = {
     "step_overhead.py": (["--smoke"], ["overhead us", "Runner.run, bare calls (after)", "kernels alone",
                                        "| component | ms a token | share |", "| head |", "sampling, greedy"]),
     # the direct baseline, the runtime at tp=1 / tp=2 and the pipeline at pp=2 decode the same greedy tokens, and the
-    # row served across two gloo ranks ran; the concurrent streams' table, the pipeline's traced overlap and the gloo
-    # pp=2 row with the added latency
+    # row served across two gloo ranks ran; the concurrent streams' table, the pipeline's traced overlap, the gloo pp=2
+    # row with the added latency, and the machine's two-process ceiling
     "tp.py": (["--smoke"], ["greedy tokens identical across engines: True", "served, shared memory",
-                            "concurrent streams", "micro-batches in", "2 gloo ranks"]),
+                            "concurrent streams", "micro-batches in", "ceiling for two devices", "2 gloo ranks"]),
     "structured_outputs.py": (["--smoke"], ["rows masked", "mask ms/row", "step vs none"]),
 }
 

@@ -2,8 +2,8 @@
 stage a placement of the one step graph on its tp group, the residual stream sent stage to stage on the communicate
 streams, up to P micro-batches in flight. On every family: greedy ids equal tp=1's (and the logits transformers') at
 pp=2, pp=3 with an uneven split and pp=2 x tp=2 (four CPU devices), with prefix caching, preemption (a small cache)
-and speculative decoding (n-gram drafts) on; each stage holds only its layers' weights and caches; a traced pipelined
-generation shows the stages computing at the same time."""
+and speculative decoding (n-gram drafts; a draft model) on; each stage holds only its layers' weights and caches; a
+traced pipelined generation shows the stages computing at the same time."""
 
 from __future__ import annotations
 
@@ -144,6 +144,23 @@ def test_stages_send_and_receive_on_the_communicate_streams(llama):
         llm.close()
 
 
+@pytest.mark.parametrize("split", [SPLITS[0], SPLITS[2]], ids=["pp2", "pp2xtp2"])
+def test_a_draft_model_drafts_beside_the_micro_batches_in_flight(llama, split):
+    """The model as its own draft model on the pipeline (split into stages as the target is, on a communicator and
+    stream threads of its own): the same greedy ids as one device, and its drafts accepted."""
+    _, path, greedy = llama
+    llm = LLM(path, max_num_seqs=4, block_size=4, max_model_len=64, **split,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    try:
+        drafter = llm.engine.speculator.drafter
+        assert len(drafter.executor.model.stages) == 2 and drafter.executor.comm is not llm.executor.comm
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())] == greedy
+        s = llm.engine.stats()
+        assert s.spec_draft_tokens > 0 and s.spec_accepted_tokens > 0  # it agrees with itself
+    finally:
+        llm.close()
+
+
 def test_bad_pipeline_sizes_are_clear_errors(llama):
     _, path, _ = llama
     with pytest.raises(dtorch.ArgumentError, match="pp_layers must be 2 ints >= 1"):
@@ -152,8 +169,6 @@ def test_bad_pipeline_sizes_are_clear_errors(llama):
         LLM(path, pipeline_parallel_size=5)
     with pytest.raises(dtorch.ArgumentError, match="pipeline_parallel_size must be an int >= 1"):
         LLM(path, pipeline_parallel_size=0)
-    with pytest.raises(dtorch.ArgumentError, match="a draft model does not run on a pipeline yet"):
-        LLM(path, pipeline_parallel_size=2, speculative_config={"model": path, "num_speculative_tokens": 2})
 
 
 def test_a_two_dimensional_mesh_and_a_graph_per_stage():

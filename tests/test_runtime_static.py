@@ -82,3 +82,20 @@ def test_outputs_reuse_a_dropped_copy_and_never_one_still_held():
         r.run(feeds[4])
         np_ref = _reference(feeds[3]["x0"], ws)
         torch.testing.assert_close(torch.from_numpy(array), np_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_caller_holding_one_output_while_the_next_is_copied_out_takes_turns_in_two_copies():
+    # a pipeline's engine holds micro-batch k's logits while its last stage copies out k + 1's: two kept copies take
+    # turns (no fresh pages each step), and the held one keeps its values
+    g, ws = _mlp_microbatches(1, mbs=1)
+    with Runner(g, static=True) as r:
+        feeds = [{"x0": torch.randn(8, 32)} for _ in range(6)]
+        held = r.run(feeds[0])["y0"]
+        ptrs, blockers = {held.data_ptr()}, []
+        for i in range(1, 6):
+            nxt = r.run(feeds[i])["y0"]
+            torch.testing.assert_close(held, _reference(feeds[i - 1]["x0"], ws), rtol=1e-4, atol=1e-4)
+            ptrs.add(nxt.data_ptr())
+            held = nxt
+            blockers.append(torch.empty(8, 32))  # where a copy dropped now would be allocated again
+        assert len(ptrs) == 2

@@ -74,6 +74,10 @@ class InProcessCommunicator(Communicator):
         sub._mail, sub._mail_lock, sub._reachable = self._mail, self._mail_lock, self._reachable
         return sub
 
+    def apart(self) -> InProcessCommunicator:
+        """The same devices with a barrier and mailboxes of their own."""
+        return InProcessCommunicator(self.ids, self.timeout)
+
     def _new_barrier(self) -> Rendezvous:
         return Rendezvous(self.n, action=self._combine, timeout=self.timeout)
 

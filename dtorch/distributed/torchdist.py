@@ -115,6 +115,11 @@ class TorchDistCommunicator(Communicator):
             sub._p2p, sub._p2p_shm = self._p2p, self._p2p_shm
         return sub
 
+    def apart(self) -> TorchDistCommunicator:
+        """The same ranks on a new process group (collective: every rank calls it, in the same order); its stages'
+        groups and send/recv group are new too."""
+        return TorchDistCommunicator(dist.new_group(list(self.ids)), self.ids)
+
     def _do(self, what: str, fn: Callable[[], None], peer: int | None = None) -> None:
         """Run one collective (``peer``: the other side of a send/recv); any failure becomes a CommunicationError."""
         try:

@@ -1,7 +1,9 @@
 """The draft-model drafter: a smaller model with the target's vocabulary (Qwen3-0.6B for Qwen3-8B), run by the engine
 on the target's mesh and stream threads, on a KV cache of its own whose blocks mirror the target's: a sequence's block
 i in one cache is its block i in the other, so the block manager, the prefix cache, preemption and the blocks given
-to drafts serve both.
+to drafts serve both. On a pipeline the draft model is split into the same number of stages (each stage's devices
+hold its layers and their cache) and runs on a communicator and stream threads of its own (``Communicator.apart``):
+its steps run while the target's micro-batches are in flight, and their sends and collectives must not meet.
 
 Each engine step, before the target's, one draft step computes for every sequence of the plan the tokens the draft
 model has no keys for yet (the prompt chunk the target computes this step, or the tokens kept in the last one) and,
@@ -52,10 +54,14 @@ class DraftModel:
             _same_vocabulary(where, ckpt.tokenizer, c.vocab_size, target)
             model = Transformer.load(c, ckpt.get, target.mesh, target.executor.local_ids, dtype, ckpt.get_packed,
                                      max_positions=target.max_len)
-        executor = Executor(model, communicator, target.executor.local_ids, timeout, streams=target.executor.streams)
+        if len(model.stages) == 1:  # its steps run between the target's: on the target's streams
+            executor = Executor(model, communicator, target.executor.local_ids, timeout,
+                                streams=target.executor.streams)
+        else:  # beside the target's micro-batches in flight: messages, collectives and stream threads of its own
+            executor = Executor(model, communicator.apart(), target.executor.local_ids, timeout)
         t = target.cache
         cache = KVCache(model.layout, target.mesh, executor.local_ids, t.num_blocks, t.block_size, t.max_len, 1, dtype,
-                        t.kv_dtype)
+                        t.kv_dtype, model.stages)
         executor.use_cache(cache)
         return cls(executor, cache, target.config.vocab_size)
 

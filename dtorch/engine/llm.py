@@ -161,11 +161,6 @@ class LLM:
         where: MeshSetup = setup_mesh(device, tensor_parallel_size, pipeline_parallel_size)
         if pp_layers is not None and (isinstance(pp_layers, (str, bytes)) or not isinstance(pp_layers, Sequence)):
             raise ArgumentError(f"LLM: pp_layers must be a sequence of ints (layers per stage), got {pp_layers!r:.60}")
-        if spec is not None and spec.method == "draft_model" and pipeline_parallel_size > 1:
-            raise ArgumentError("LLM: a draft model does not run on a pipeline yet (pipeline_parallel_size "
-                                f"{pipeline_parallel_size}): its steps would share the stages' mailboxes with the "
-                                "micro-batches in flight; use speculative_config method 'ngram', or tensor "
-                                "parallelism")
         map_large_allocations()  # the load's freed buffers then leave RSS instead of staying in the heap
         started = time.perf_counter()
         # reads names and shapes; then only this process's slices

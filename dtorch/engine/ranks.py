@@ -2,10 +2,13 @@
 every other rank follows it.
 
 Rank 0's executor (and its draft model's) and its KV cache each get a ``Teller`` as their ``mirror``: each call that
-runs collectives, builds a graph or changes the cache from the host (``Executor.step`` / ``runner`` / ``capture_now``,
-``KVCache.reset_state`` / ``release``) is first broadcast to every rank (``PlanChannel``: the call pickled, one gloo
-broadcast of ``CHUNK`` bytes, two when it is longer; a decode step's plan is a few hundred bytes) and each other rank
-(``follow``) makes the same call on its own executor or cache, in the same order: every rank runs the same step graph.
+runs collectives, builds a graph or changes the cache from the host (``Executor.submit`` / ``runner`` /
+``capture_now``, a pipeline's ``Pending.result``, ``KVCache.reset_state`` / ``release``) is first broadcast to every
+rank (``PlanChannel``: the call pickled, one gloo broadcast of ``CHUNK`` bytes, two when it is longer; a decode step's
+plan is a few hundred bytes) and each other rank (``follow``) makes the same call on its own executor or cache, in the
+same order: every rank runs the same step graph. A submitted step runs on the stages' threads while the follower takes
+the next message, so a pipeline keeps its micro-batches in flight across ranks as in one process; a told ``result``
+takes the oldest step's (the logits' broadcast from the last stage).
 The scheduler, sampling, grammars, tools and the tokenizer run on rank 0 only; followers never sample.
 
 Liveness (``Watchdog``): every ``BEAT_S`` seconds rank 0 sends a beat to each other rank on a gloo group of the two;
@@ -29,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,8 +49,8 @@ LINGER_S = 3.0  # seconds rank 0 keeps answering (503) after a lost rank before 
 STOP = -1  # a beat's news: the watchdog ends (the ranks stop)
 NAMING_S = 2.5  # seconds a failed collective waits for the watchdog to name the lost rank (a closed connection: ~1 s)
 IDLE = datetime.timedelta(days=30)  # the plan group's timeout: a follower waits for work as long as rank 0 lives
-CALLS = {"target": ("step", "runner", "capture_now"), "draft": ("step", "runner", "capture_now"),
-         "cache": ("reset_state", "release")}  # what a follower may be told to call, on which of its objects
+_STEPS = ("submit", "result", "runner", "capture_now")
+CALLS = {"target": _STEPS, "draft": _STEPS, "cache": ("reset_state", "release")}  # what a follower may be told to call
 
 
 class PlanChannel:
@@ -322,7 +326,6 @@ class Leader:
         self._lock = threading.Lock()  # one message at a time, whichever thread drives the engine
         llm = ranks.llm
         llm.executor.mirror = Teller(self, "target")
-        llm.executor.depth = 1  # one step at a time: the other ranks make each told call to its end before the next
         llm.cache.mirror = Teller(self, "cache")
         drafter = getattr(llm.engine.speculator, "drafter", None)
         if drafter is not None:
@@ -356,6 +359,7 @@ def follow(ranks: Ranks) -> int:
     drafter = getattr(llm.engine.speculator, "drafter", None)
     targets = {"target": llm.executor, "cache": llm.cache, "draft": drafter.executor if drafter is not None else None}
     channel = ranks.channel
+    told: dict[str, deque] = {t: deque() for t in targets}  # each executor's submitted steps whose result comes later
     with torch.no_grad():
         while True:
             target, name, args = channel.recv()
@@ -367,7 +371,22 @@ def follow(ranks: Ranks) -> int:
                 raise CommunicationError(f"rank {ranks.rank}: rank 0 told a call this rank cannot make: "
                                          f"{target}.{name}; are both running the same dtorch?")
             try:
-                getattr(targets[target], name)(*args)
+                _make(targets[target], name, args, told[target])
             except CommunicationError as exc:  # a lost peer: exit naming it (also when the watchdog saw it first)
                 ranks.lose_after(exc)
                 ranks.wait_exit()
+
+
+def _make(obj: Any, name: str, args: tuple, told: deque) -> None:
+    """Make one told call on a follower's ``obj``. An executor's submitted steps wait in ``told`` (oldest first) for
+    their ``result``, where rank 0 tells it (a pipeline across processes: ``Executor.logits_from``); a step whose
+    result takes no collective ends here at once."""
+    if name == "result":
+        told.popleft().result()
+        return
+    out = getattr(obj, name)(*args)
+    if name == "submit":
+        if obj.logits_from is None:
+            out.result()
+        else:
+            told.append(out)

@@ -20,9 +20,10 @@ stage runs on a host thread of its own (``StageWorkers``), so ``submit`` may put
 steps in flight: stage s runs step m while stage s + 1 runs step m - 1; ``Pending.result`` waits for one.
 
 ``mirror`` (None but on rank 0 of a model served across ranks, ``dtorch.engine.ranks``) is told of each call that runs
-collectives or builds a graph (``step``, ``runner`` of a new bucket, ``capture_now``) before it runs, so the other
-ranks make the same call: a method that runs collectives must tell it too. Served so, ``depth`` is 1: the other ranks
-make one call at a time.
+collectives or builds a graph (``submit``, ``runner`` of a new bucket, ``capture_now``) before it runs, so the other
+ranks make the same call: a method that runs collectives must tell it too. A pipeline across processes also tells
+each ``Pending.result`` (the last stage's logits are broadcast to every rank then), so micro-batches stay in flight
+when served: the other ranks submit each step as it is told and take its result when that is told.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ class Pending:
 
     def result(self) -> torch.Tensor:
         ex = self.executor
+        if ex.mirror is not None and ex.logits_from is not None:  # the other ranks join the logits' broadcast
+            ex.mirror.tell("result")
         try:
             out = self.out if self.flight is None else self.flight.wait(ex.timeout * (len(ex.model.stages) + 1))
             logits = out.get(self.want)
@@ -247,7 +250,7 @@ class Executor:
         r = self.runner(bucket)
         take, want = (t if all_logits or hidden else rows), ("hidden" if hidden else "logits")
         if self.mirror is not None:
-            self.mirror.tell("step", plan, all_logits, hidden)
+            self.mirror.tell("submit", plan, all_logits, hidden)
         try:
             if self.workers is None:
                 return Pending(self, bucket, None, r.run(feeds), take, want)

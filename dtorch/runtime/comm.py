@@ -59,6 +59,13 @@ class Communicator(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no sub-groups; a pipeline needs a communicator "
                                   "that makes them (InProcessCommunicator, TorchDistCommunicator)")
 
+    def apart(self) -> Communicator:
+        """A communicator over the same devices whose collectives and messages never meet this one's (a draft model's
+        pipeline, whose steps run while the target's micro-batches are in flight). Under torch.distributed every
+        process must call it, in the same order (it makes process groups)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make a communicator apart from itself; a draft model "
+                                  "on a pipeline needs one (InProcessCommunicator, TorchDistCommunicator)")
+
     def abort(self) -> None:  # noqa: B027 - optional; the default does nothing
         """Wake every call blocked in a collective with a ``CommunicationError`` (a failed or stuck run)."""
 

@@ -141,9 +141,9 @@ class SharedBuffers:
     def __init__(self, device: Device) -> None:
         self.device = device
         self.slabs: list[torch.Tensor] = []  # uint8, WORKSPACE memory
-        # output name -> the latest copy a Runner handed out (Runner._copy_out writes the next one there once its
-        # caller has let go of it)
-        self.outputs: dict[str, torch.Tensor] = {}
+        # output name -> the latest copies a Runner handed out (Runner._copy_out writes the next one into one of them
+        # once its caller has let go of it)
+        self.outputs: dict[str, list[torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
