@@ -481,6 +481,43 @@ def test_silu_and_mul(dtype, isa):
         torch.testing.assert_close(nk.silu_and_mul(g.contiguous(), u.contiguous()), want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_last_dim(dtype, isa):
+    """The DTN_OP row ops/softmax.def (checks and registration from the row): float32 softmax rounded once, on
+    contiguous rows, rows one stride apart (a view of wider rows) and in place."""
+    mod = nk.load()
+    torch.manual_seed(9)
+    tol = dict(rtol=2e-6, atol=1e-9) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    for shape in [(1, 4099), (3, 33), (2, 2, 16)]:
+        x = (6 * torch.randn(shape)).to(dtype)
+        want = torch.softmax(x.float(), -1).to(dtype)
+        out = torch.empty_like(x)
+        mod.softmax_last_dim(x, out)
+        torch.testing.assert_close(out, want, **tol)
+        wide = torch.cat([x, x], -1)[..., : shape[-1]]  # row stride 2 N
+        mod.softmax_last_dim(wide, wide)  # in place
+        torch.testing.assert_close(wide, want, **tol)
+
+
+@native
+def test_a_declared_op_checks_its_arguments_as_its_row_says():
+    """binding.cpp's checks of a DTN_OP row (DTN_IN(x) DTN_OUT(out)) name the argument and what was wrong."""
+    mod = nk.load()
+    x = torch.randn(3, 8)
+    with pytest.raises(DTypeError, match="softmax_last_dim: out must have x's dtype Float, got Double"):
+        mod.softmax_last_dim(x, x.double())
+    with pytest.raises(ShapeError, match=r"softmax_last_dim: out must have x's shape \[3, 8\], got \[3, 4\]"):
+        mod.softmax_last_dim(x, torch.empty(3, 4))
+    with pytest.raises(LayoutError, match="out .* must be dense in its last 1 dim"):
+        mod.softmax_last_dim(x, torch.empty(8, 3).t())
+    with pytest.raises(ArgumentError, match=r"argument 2 \(out\) is missing; it takes DTN_IN\(x\) DTN_OUT\(out\)"):
+        mod.softmax_last_dim(x)
+    with pytest.raises(ArgumentError, match="takes 2 arguments"):
+        mod.softmax_last_dim(x, x, x)
+    with pytest.raises(DTypeError, match="x must be float32 or bfloat16, got Double"):
+        mod.softmax_last_dim(x.double(), x.double())
+
+
 # -- build and cache --------------------------------------------------------------------------------------
 
 def test_cache_key_follows_torch_and_python():

@@ -5,10 +5,11 @@
 the compiler name and a hash of the sources and flags: another torch gets its own build instead of a crash.
 
 The library links one object per translation unit: ``binding.cpp`` (the only one that includes ATen), ``table.cpp``,
-and each ISA unit once per group of the op list (``csrc/ops.def``, read by ``oplist.py``). Objects are cached apart
-(``objcache.py``, in ``<cache>/objects``) under a key of their own inputs (source, the headers it includes, flags,
-compiler), so a change to one kernel's header recompiles the objects that include it and relinks: the others come
-from the cache. Units are compiled in parallel with plain compiler calls (no ninja).
+and each ISA unit once per group of the op list (``csrc/ops.def``, read by ``oplist.py``), reading that group's rows
+and headers only. Objects are cached apart (``objcache.py``, in ``<cache>/objects``) under a key of their own inputs
+(source, the headers it includes, flags, compiler), so a change to one kernel's header recompiles the objects that
+include it and relinks, and a new op recompiles its group's objects, ``table`` and ``binding``: the others come from
+the cache. Units are compiled in parallel with plain compiler calls (no ninja).
 
 Settings (environment, read by the small functions below): ``CXX`` the compiler (default ``c++``),
 ``DTORCH_NATIVE_CACHE`` the cache root (``dtorch.core.env.native_cache``, default ``~/.cache/dtorch/native``).
@@ -69,7 +70,9 @@ def _units() -> dict[str, list[str]]:
 
 def units(csrc: Path = CSRC) -> list[Unit]:
     """The library's objects: binding.cpp (with torch's headers), table.cpp, and each ISA unit once per group of
-    ``csrc/ops.def`` (-DDTN_GROUP=<group>, -DDTN_GROUP_<group>=1 and 0 for every other group)."""
+    ``csrc/ops.def``. A group's object gets only its own group's flags (-DDTN_GROUP=<group>, -DDTN_GROUP_<group>=1,
+    the file of its rows -DDTN_GROUP_DEF and, where there is one, its kernels' header -DDTN_GROUP_H), so a new group
+    leaves every other object's flags, and so its cached object, as they were."""
     groups = oplist.parse(csrc / "ops.def").groups
     out = []
     for source, flags in _units().items():
@@ -81,7 +84,9 @@ def units(csrc: Path = CSRC) -> list[Unit]:
             out.append(Unit(Path(source).stem, source, (*_COMMON, *flags)))
         else:
             for g in groups:
-                defs = [f"-DDTN_GROUP={g}", *(f"-DDTN_GROUP_{o}={int(o == g)}" for o in groups)]
+                defs = [f"-DDTN_GROUP={g}", f"-DDTN_GROUP_{g}=1", f'-DDTN_GROUP_DEF="ops/{g}.def"']
+                if (csrc / "ops" / f"{g}.h").is_file():
+                    defs.append(f'-DDTN_GROUP_H="ops/{g}.h"')
                 out.append(Unit(f"{Path(source).stem}.{g}", source, (*_COMMON, *flags, *defs)))
     return out
 
@@ -91,9 +96,9 @@ def cache_key(torch_version: str | None = None, python_version: str | None = Non
     tv = torch_version or torch.__version__
     pv = python_version or f"{sys.version_info.major}{sys.version_info.minor}"
     h = hashlib.sha256()
-    for f in sorted(CSRC.iterdir()):
+    for f in sorted(CSRC.rglob("*")):
         if f.suffix in _SOURCES:
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+            h.update(f.relative_to(CSRC).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     h.update(repr((_COMMON, _units(), Path(cxx or compiler()).name, tv, pv)).encode())
     safe_tv = "".join(c if c.isalnum() or c in ".-" else "_" for c in tv)
     return f"torch{safe_tv}-py{pv}-{h.hexdigest()[:16]}"

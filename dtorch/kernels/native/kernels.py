@@ -1,8 +1,9 @@
 """The native kernels as dispatcher kernels (provider "native", cpu only), each next to its registration.
 
-The module functions they call are the entries of the op list (csrc/ops.def), whose DTN_ENTRY lines name the
-dispatcher ops registered here: ``install`` refuses an op listed there without a kernel here, or the reverse
-(``oplist.check_registrations``).
+The ops declared whole by a DTN_OP row of the op list (csrc/ops/<group>.def) are registered at the end of this file
+from their rows alone (``register_rows``): no code here per such op. The hand-written kernels above it call the
+module's DTN_ENTRY functions (csrc/ops.def), whose lines name the dispatcher ops registered here: ``install`` refuses
+an op listed there without a kernel here, or the reverse (``oplist.check_registrations``).
 
 Every kernel has the ABI of the torch backend's kernel for the same key (inputs, outputs, params, in-place
 behaviour). Inputs the compiled code does not take (strides it cannot walk, a dtype mismatch) go to the torch
@@ -18,12 +19,12 @@ from __future__ import annotations
 import torch
 
 from dtorch.core.dtypes import GGUF_LAYOUTS
-from dtorch.core.errors import DtorchError
+from dtorch.core.errors import ArgumentError, DtorchError
 from dtorch.dispatch.meta import Call, KernelMeta
 from dtorch.dispatch.registration import KernelSet
 from dtorch.kernels import layouts
 from dtorch.kernels.half import HALF_LAYOUTS
-from dtorch.kernels.native import loader
+from dtorch.kernels.native import loader, oplist
 from dtorch.kernels.torch import (
     causal_conv1d as torch_conv,
     gated_delta_net as torch_gdn,
@@ -391,3 +392,41 @@ def _embedding_kernel(layout: str):
 
 for _layout in GGUF_LAYOUTS:
     KERNELS.add("llm.embedding", _embedding_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE)
+
+
+# == the ops declared whole by a DTN_OP row (csrc/ops/<group>.def) ================================================
+# One kernel per row, made from the row: the call's inputs, outputs and params (ctx.params.<name>, in the row's order)
+# passed to the row's module function, whose argument checks binding.cpp derives from the row; what the C++ refuses
+# (strides it cannot walk, a dtype mix) runs the row's fallback, the torch kernel. A call whose inputs or outputs the
+# row does not count is an ArgumentError naming the row (a row that disagrees with the op's ABI must not hide behind
+# the fallback).
+
+def row_kernel(row: oplist.RowOp):
+    """The dispatcher kernel of a DTN_OP row (reference ABI: inputs, outputs, params as the row lists them)."""
+    fallback = row.fallback_kernel()
+    name, params, n_in, n_out = row.name, row.params, len(row.inputs), len(row.outputs)
+
+    def kernel(ctx, inputs, outputs):
+        if len(inputs) != n_in or len(outputs) != n_out:
+            raise ArgumentError(f"{row.op}: the native kernel of DTN_OP {name} ({row.where}) takes inputs "
+                                f"{row.inputs} and outputs {row.outputs}, got {len(inputs)} and {len(outputs)}: make "
+                                "the row's args list the op's inputs and outputs in order")
+        try:
+            getattr(_lib(), name)(*inputs, *outputs, *(getattr(ctx.params, p) for p in params))
+        except DtorchError:
+            fallback(ctx, inputs, outputs)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return kernel
+
+
+def register_rows(kernel_set: KernelSet, ops: oplist.OpList) -> None:
+    """Register every DTN_OP row of ``ops`` in ``kernel_set``: cpu, float32 and bfloat16, provider native (at the
+    row's priority where it names one)."""
+    for row in ops.row_ops:
+        meta = KernelMeta(inplace=True) if row.inplace else None
+        kernel_set.add(row.op, row_kernel(row), ACTIVATIONS, meta=meta, priority=row.priority, **NATIVE)
+
+
+register_rows(KERNELS, oplist.parse())
+

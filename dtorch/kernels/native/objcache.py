@@ -2,11 +2,13 @@
 they change.
 
 An object's key hashes the unit's identity (its source's name, its flags, the compiler and its version) and the
-contents of every file of the source tree it read, as the compiler listed them (``-MMD``) when it last compiled that
-unit (the unit's manifest). The set of files a unit reads is a function of the contents of those files, so a manifest
-left by another tree is only ever conservative: a file it lists that changed gives another key and a compile, which
-writes the new manifest. Files outside the tree (the system's and torch's headers) are covered by the compiler's
-version and by the caller's ``salt`` (the torch version, for the units that include torch).
+contents of every file of the source tree it read, as the compiler listed them (``-MMD``) when it compiled it. The
+unit's manifest keeps the lists of files of its last few compiles (several trees share one cache: main and each
+worktree), and an object is found when one of those lists, hashed with this tree's contents, names an object that
+exists. That is sound: the set of files a unit reads is a function of the contents of those files, so an object whose
+listed files all have this tree's contents is the object this tree would compile. Files outside the tree (the
+system's and torch's headers) are covered by the compiler's version and by the caller's ``salt`` (the torch version,
+for the units that include torch).
 
 Safe when several processes build at once: objects and manifests are written under a temporary name and renamed
 into place (a reader sees a whole file or none); two processes compiling one unit write equal objects.
@@ -24,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # objects kept per unit identity beyond the newest, and the age under which none is removed (a build of another tree
-# may be about to link it)
+# may be about to link it); lists of files kept per unit's manifest
 KEEP_PER_UNIT = 6
+KEEP_MANIFESTS = 8
 KEEP_YOUNGER_S = 3600.0
 
 
@@ -114,7 +117,8 @@ def _deps(depfile: Path, root: Path) -> list[str]:
 
 
 class ObjectCache:
-    """Objects under ``directory``: ``<identity>-<key>.o`` and the unit's manifest ``<identity>.deps``."""
+    """Objects under ``directory``: ``<identity>-<key>.o`` and the unit's manifest ``<identity>.manifests`` (and
+    ``<identity>.deps``, its newest list)."""
 
     def __init__(self, directory: Path, cxx: str, version: str | None = None) -> None:
         self.dir = directory
@@ -124,12 +128,22 @@ class ObjectCache:
     def cached(self, unit: Unit, tree: Tree) -> Path | None:
         """The unit's object for the tree as it is, or None when it must be compiled."""
         ident = _identity(unit, self.cxx, self.version)
-        try:
-            deps = json.loads((self.dir / f"{ident}.deps").read_text())
-        except (OSError, ValueError):
-            return None
-        obj = self.dir / f"{ident}-{_object_key(ident, deps, tree)}.o"
-        return obj if obj.is_file() else None
+        for deps in self._manifests(ident):
+            obj = self.dir / f"{ident}-{_object_key(ident, deps, tree)}.o"
+            if obj.is_file():
+                return obj
+        return None
+
+    def _manifests(self, ident: str) -> list[list[str]]:
+        """The unit's lists of files read, newest first: ``<ident>.manifests``, else the one list of ``<ident>.deps``
+        (which this module still writes, newest list only, for trees whose objcache.py reads that file alone)."""
+        for name in (f"{ident}.manifests", f"{ident}.deps"):
+            try:
+                lists = json.loads((self.dir / name).read_text())
+            except (OSError, ValueError):
+                continue
+            return lists if name.endswith(".manifests") else [lists]
+        return []
 
     def build(self, units: Sequence[Unit], tree: Tree, jobs: int, fresh: bool = False) -> Result:
         """Compile the units whose object is not cached (every unit when ``fresh``), ``jobs`` at a time; raises
@@ -177,6 +191,8 @@ class ObjectCache:
         dep.unlink(missing_ok=True)
         obj = self.dir / f"{ident}-{_object_key(ident, deps, tree)}.o"
         os.replace(tmp, obj)
+        lists = [deps, *(d for d in self._manifests(ident) if d != deps)][:KEEP_MANIFESTS]
+        _write_atomic(self.dir / f"{ident}.manifests", json.dumps(lists).encode())  # two writers: a list may be lost
         _write_atomic(self.dir / f"{ident}.deps", json.dumps(deps).encode())
         self._prune(ident)
         return obj

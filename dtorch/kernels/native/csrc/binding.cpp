@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common.h"
+#include "table.h"
 
 namespace {
 
@@ -118,6 +119,12 @@ int float_dt(const at::Tensor& t, const char* op, const char* name) {
 void need(bool ok, PyObject* type, const std::string& msg) {
   if (!ok) fail(type, msg);
 }
+
+// need() that builds its message only when the check fails (these run on every decode step)
+#define NEED(ok, type, msg) \
+  do {                      \
+    if (!(ok)) fail(type, msg); \
+  } while (0)
 
 void need_dtype(const at::Tensor& t, at::ScalarType st, const char* op, const char* name) {
   if (t.scalar_type() != st)
@@ -601,13 +608,120 @@ ENTRY(py_set_errors)
   Py_RETURN_NONE;
 EXIT
 
-// one declaration and one method per entry of ops.def; each is defined in this file as ENTRY(py_<name>)
+// ===== the DTN_OP rows: each one's module function, its argument checks following from the row ===============
+
+// The arguments of one DTN_OP call, read in the row's order: the first input fixes the dtype (float32 or bfloat16),
+// the rows R and the width D; the other tensors must match it as the row says.
+class RowCall {
+ public:
+  RowCall(const char* op, const char* spec, PyObject* const* args, Py_ssize_t nargs)
+      : op_(op), spec_(spec), args_(args), nargs_(nargs) {}
+
+  // DTN_IN / DTN_OUT: [..., D] of the first input's shape and dtype, rows one stride apart, the last dim dense
+  void* rows(const char* name, int64_t* ld) {
+    const at::Tensor& t = any_tensor(next(name), op_, name);
+    if (!first_) {
+      first_ = &t;
+      first_name_ = name;
+      dt_ = float_dt(t, op_, name);
+      NEED(t.dim() >= 1, g_shape_error, std::string(op_) + ": " + name + " must be [..., D], got a scalar");
+      D_ = t.size(-1);
+      R_ = D_ ? t.numel() / D_ : 0;
+    } else {
+      NEED(t.scalar_type() == first_->scalar_type(), g_dtype_error, std::string(op_) + ": " + name + " must have " +
+           first_name_ + "'s dtype " + dtype_name(*first_) + ", got " + dtype_name(t));
+      NEED(t.sizes() == first_->sizes(), g_shape_error, std::string(op_) + ": " + name + " must have " + first_name_ +
+           "'s shape " + dims(*first_) + ", got " + dims(t));
+    }
+    *ld = row_stride(t, 1, op_, name);
+    return t.data_ptr();
+  }
+
+  // DTN_VEC: [D], contiguous, of the first input's dtype
+  const void* vec(const char* name) {
+    NEED(first_ != nullptr, g_arg_error, std::string(op_) + ": its row must start with a DTN_IN (ops.def)");
+    const at::Tensor& t = tensor(next(name), op_, name);
+    NEED(t.scalar_type() == first_->scalar_type(), g_dtype_error, std::string(op_) + ": " + name + " must have " +
+         first_name_ + "'s dtype " + dtype_name(*first_) + ", got " + dtype_name(t));
+    NEED(t.dim() == 1 && t.size(0) == D_, g_shape_error, std::string(op_) + ": " + name + " must be [D = " +
+         std::to_string(D_) + "], got " + dims(t));
+    return t.data_ptr();
+  }
+
+  float f32(const char* name) {
+    const double v = PyFloat_AsDouble(next(name));
+    if (v == -1.0 && PyErr_Occurred()) throw Fail{};
+    return float(v);
+  }
+
+  int64_t i64(const char* name) {
+    const long long v = PyLong_AsLongLong(next(name));
+    if (v == -1 && PyErr_Occurred()) throw Fail{};
+    return v;
+  }
+
+  bool boolean(const char* name) {
+    const int v = PyObject_IsTrue(next(name));
+    if (v < 0) throw Fail{};
+    return v;
+  }
+
+  // after the row's last argument: no argument left over; returns the rows
+  int64_t done(int* dt, int64_t* D) {
+    NEED(i_ == nargs_, g_arg_error, std::string(op_) + ": takes " + std::to_string(i_) + " arguments (" + spec_ +
+         "), got " + std::to_string(nargs_));
+    *dt = dt_;
+    *D = D_;
+    return R_;
+  }
+
+ private:
+  PyObject* next(const char* name) {
+    NEED(i_ < nargs_, g_arg_error, std::string(op_) + ": argument " + std::to_string(i_ + 1) + " (" + name +
+         ") is missing; it takes " + spec_);
+    return args_[i_++];
+  }
+
+  const char *op_, *spec_;
+  PyObject* const* args_;
+  Py_ssize_t nargs_, i_ = 0;
+  const at::Tensor* first_ = nullptr;
+  const char* first_name_ = "";
+  int dt_ = 0;
+  int64_t R_ = 0, D_ = 0;
+};
+
+#define DTN_IN(n) a.n = c.rows(#n, &a.ld_##n);
+#define DTN_VEC(n) a.n = c.vec(#n);
+#define DTN_OUT(n) a.n = c.rows(#n, &a.ld_##n);
+#define DTN_F32(n) a.n = c.f32(#n);
+#define DTN_I64(n) a.n = c.i64(#n);
+#define DTN_BOOL(n) a.n = c.boolean(#n);
+// rows split over torch's threads (chunks of ~32k elements); the GIL released while the kernel runs
+#define DTN_OP(group, name, op, fallback, meta, doc, spec)                                          \
+  ENTRY(py_##name)                                                                                  \
+    RowCall c(#name, #spec, args, nargs);                                                           \
+    dtn::name##_args a{};                                                                           \
+    spec                                                                                            \
+    a.R = c.done(&a.dt, &a.D);                                                                      \
+    const auto kernel = g_table->name;                                                              \
+    Py_BEGIN_ALLOW_THREADS                                                                          \
+    parallel_rows(a.R, 4 * a.D, [&](int64_t r0, int64_t r1) { kernel(a, r0, r1); });                \
+    Py_END_ALLOW_THREADS                                                                            \
+    Py_RETURN_NONE;                                                                                 \
+  EXIT
+#include "op_rows.h"
+
+// one method per row of ops.def with a module function: DTN_OP rows (above) and DTN_ENTRY rows, each of those
+// defined in this file as ENTRY(py_<name>)
 #define DTN_ENTRY(name, ops, doc) PyObject* py_##name(PyObject*, PyObject* const*, Py_ssize_t);
-#include "ops.def"
+#include "op_rows.h"
 
 PyMethodDef methods[] = {
+#define DTN_OP(group, name, op, fallback, meta, doc, args) \
+  {#name, (PyCFunction)(void (*)())py_##name, METH_FASTCALL, doc},
 #define DTN_ENTRY(name, ops, doc) {#name, (PyCFunction)(void (*)())py_##name, METH_FASTCALL, doc},
-#include "ops.def"
+#include "op_rows.h"
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CPU kernels", -1, methods};
@@ -638,12 +752,6 @@ PyMODINIT_FUNC PyInit__dtorch_native() {
 // llm.flash_attention_with_kvcache runs in the ISA units (attention.h, Table::attend); storing a step's keys and
 // gathering embedding rows are copies and a dequantization of a few rows, plain C++ here.
 namespace {
-
-// need() that builds its message only when the check fails (these run on every decode step)
-#define NEED(ok, type, msg) \
-  do {                      \
-    if (!(ok)) fail(type, msg); \
-  } while (0)
 
 // the row stride of a [T, H, D] view whose last dim is dense; its head stride goes to *head
 int64_t token_stride(const at::Tensor& t, int64_t* head, const char* op, const char* name) {

@@ -1,6 +1,7 @@
-// Shared plain-data declarations of the native kernels: the packed-weight and quantized-activation views and
-// the table of kernel entry points each ISA translation unit fills (its fields: ops.def). No code lives here, so the ISA units
-// (each compiled with its own -m flags) never share an inline function (one definition rule).
+// Shared plain-data declarations of the native kernels: the packed-weight and quantized-activation views and the
+// call structs of the hand-written entries (the DTN_OP rows' structs: op_args.h; the kernel table: table.h). No code
+// lives here, so the ISA units (each compiled with its own -m flags) never share an inline function (one
+// definition rule).
 #pragma once
 #include <cstdint>
 
@@ -118,24 +119,5 @@ struct GdnCall {
   int dt; int64_t H, Hk, K, V; float scale; bool l2norm;
 };
 constexpr int64_t kGdnMaxDim = 256;  // K and V up to this (V a multiple of 16)
-
-}  // namespace dtn
-
-// -- the kernel table of one ISA: a field per kernel and value of the op list (ops.def) --------------------------
-namespace dtn {
-
-struct Table {
-  const char* name;  // the ISA: "avx512", "avx2" or "portable"
-#define DTN_KERNEL(group, op, ret, params) ret(*op) params = nullptr;
-#define DTN_VALUE(group, type, name) type name{};
-#include "ops.def"
-};
-
-// Each ISA unit's objects add their group's fields at load (isa_fill.h); returns true (a static's initializer)
-bool add_fill(const char* isa, const char* group, void (*fill)(Table&));
-// The table of `isa` assembled from every group its objects added, or nullptr when no object of that ISA was linked
-// (an ISA the build skips on this machine). A table that lacks a field of ops.def is not returned: *missing then
-// names the fields and the groups whose objects should have filled them.
-const Table* table(const char* isa, const char** missing);
 
 }  // namespace dtn

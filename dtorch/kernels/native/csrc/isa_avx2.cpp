@@ -1,6 +1,6 @@
 // The avx2 kernels: AVX2 + FMA + F16C, built with -mavx2 -mfma -mf16c. build.py compiles this unit once per group of
-// ops.def (-DDTN_GROUP_<group>=1): each object includes the headers its group needs (a group's kernels call into
-// the headers above them in this list) and fills that group's fields of the table (isa_fill.h).
+// ops.def (-DDTN_GROUP_<group>=1, -DDTN_GROUP_DEF, -DDTN_GROUP_H): each object includes its own group's headers
+// and registers that group's kernels (isa_fill.h).
 // Everything here lives in its own namespace, so no inline function is shared with a unit built for another ISA.
 #include <cmath>
 #include <cstdint>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common.h"
+#include "op_args.h"  // the structs of this group's DTN_OP rows
 
 #define DTN_ISA isa_avx2
 #define DTN_ISA_NAME "avx2"
@@ -18,7 +19,9 @@ namespace DTN_ISA {
 #if DTN_GROUP_quant
 #include "quant_avx2.h"
 #endif
-#include "isa_groups.h"
+#ifdef DTN_GROUP_H
+#include DTN_GROUP_H  // the group's kernels (ops/<group>.h)
+#endif
 }  // namespace DTN_ISA
 
 // the kernels of this unit by their names in ops.def, where the functions are named otherwise

@@ -1,7 +1,7 @@
 // The avx512 kernels: AVX-512 F/BW/VL + VNNI (+ FMA, F16C), built with -mavx512f -mavx512bw -mavx512vl -mavx512vnni
-// -mfma -mf16c. build.py compiles this unit once per group of ops.def (-DDTN_GROUP_<group>=1): each object includes
-// the headers its group needs (a group's kernels call into the headers above them in this list) and fills that
-// group's fields of the table (isa_fill.h).
+// -mfma -mf16c. build.py compiles this unit once per group of
+// ops.def (-DDTN_GROUP_<group>=1, -DDTN_GROUP_DEF, -DDTN_GROUP_H): each object includes its own group's headers
+// and registers that group's kernels (isa_fill.h).
 // Everything here lives in its own namespace, so no inline function is shared with a unit built for another ISA.
 #include <cmath>
 #include <cstdint>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common.h"
+#include "op_args.h"  // the structs of this group's DTN_OP rows
 
 #define DTN_ISA isa_avx512
 #define DTN_ISA_NAME "avx512"
@@ -20,7 +21,9 @@ namespace DTN_ISA {
 #include "quant_avx512.h"
 #include "decode_avx512.h"
 #endif
-#include "isa_groups.h"
+#ifdef DTN_GROUP_H
+#include DTN_GROUP_H  // the group's kernels (ops/<group>.h)
+#endif
 }  // namespace DTN_ISA
 
 // the kernels of this unit by their names in ops.def, where the functions are named otherwise

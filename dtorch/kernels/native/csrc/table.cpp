@@ -1,22 +1,25 @@
-// The kernel table of each ISA, assembled at load from the groups its objects registered (isa_fill.h) and checked
-// complete against the op list (ops.def): a field no object filled names itself and its group.
+// The kernel table of each ISA (table.h), assembled at load from the slots its objects registered (isa_fill.h,
+// slots.h) and checked complete against the op list (ops.def): a row no object registered, or registered with
+// another signature, names itself and its group.
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "slots.h"
+#include "table.h"
 
 namespace dtn {
 namespace {
 
-struct Fill {
-  std::string isa, group;
-  void (*fill)(Table&);
+struct Slot {
+  std::string isa, group, name, signature;
+  AnyFn fn;
+  const void* value;
 };
 
-std::vector<Fill>& fills() {  // constructed on first use: the objects' static initializers run in any order
-  static std::vector<Fill> v;
+std::vector<Slot>& slots() {  // constructed on first use: the objects' static initializers run in any order
+  static std::vector<Slot> v;
   return v;
 }
 
@@ -25,29 +28,41 @@ struct Built {
   std::string missing;  // empty when complete
 };
 
-// the groups each field of ops.def belongs to, to name them in the message about a missing field
-std::string missing_fields(const Table& t) {
-  std::string m;
-  auto add = [&](bool set, const char* field, const char* group) {
-    if (!set) m += std::string(m.empty() ? "" : ", ") + field + " (group " + group + ")";
-  };
-#define DTN_KERNEL(group, op, ret, params) add(t.op != nullptr, #op, #group);
-#include "ops.def"
-  return m;
+// the slot of `isa` named `name` with `signature`, or nullptr (then the row is added to *missing)
+const Slot* find(const std::string& isa, const char* name, const char* group, const char* signature,
+                 std::string* missing) {
+  for (const Slot& s : slots())
+    if (s.isa == isa && s.name == name) {
+      if (s.signature == signature) return &s;
+      *missing += std::string(missing->empty() ? "" : ", ") + name + " (group " + group + ": registered as " +
+                  s.signature + ", the row says " + signature + ")";
+      return nullptr;
+    }
+  *missing += std::string(missing->empty() ? "" : ", ") + name + " (group " + group + ")";
+  return nullptr;
 }
 
 Built build(const std::string& isa) {
   Built b{};
-  for (const Fill& f : fills())
-    if (f.isa == isa) f.fill(b.table);
-  b.missing = missing_fields(b.table);
+  Table& t = b.table;
+  std::string* m = &b.missing;
+#define DTN_KERNEL(group, op, ret, params)                        \
+  if (const Slot* s = find(isa, #op, #group, #ret " " #params, m)) \
+    t.op = reinterpret_cast<ret(*) params>(s->fn);
+#define DTN_VALUE(group, type, name) \
+  if (const Slot* s = find(isa, #name, #group, #type, m)) t.name = *static_cast<const type*>(s->value);
+#define DTN_OP(group, name, op, fallback, meta, doc, args)        \
+  if (const Slot* s = find(isa, #name, #group, "DTN_OP " #args, m)) \
+    t.name = reinterpret_cast<void (*)(const name##_args&, int64_t, int64_t)>(s->fn);
+#include "op_rows.h"
   return b;
 }
 
 }  // namespace
 
-bool add_fill(const char* isa, const char* group, void (*fill)(Table&)) {
-  fills().push_back({isa, group, fill});
+bool add_slot(const char* isa, const char* group, const char* name, const char* signature, AnyFn fn,
+              const void* value) {
+  slots().push_back({isa, group, name, signature, fn, value});
   return true;
 }
 
@@ -56,9 +71,10 @@ const Table* table(const char* isa, const char** missing) {
   auto it = built.find(isa);
   if (it == built.end()) {
     bool linked = false;
-    for (const Fill& f : fills()) linked |= f.isa == isa;
+    for (const Slot& s : slots()) linked |= s.isa == isa;
     if (!linked) return nullptr;
     it = built.emplace(isa, build(isa)).first;
+    it->second.table.name = it->first.c_str();
   }
   if (!it->second.missing.empty()) {
     if (missing) *missing = it->second.missing.c_str();

@@ -1,7 +1,9 @@
 // Paged KV-cache attention (llm.flash_attention_with_kvcache) for float32 / bf16 caches, one item (a sequence, a
 // kv head, up to 16 query rows) at a time: keys in chunks of 64, online softmax in float32, dot products and the
 // V accumulation on 16-float vectors (one zmm, two ymm, or a plain array the compiler vectorizes).
-// Included inside namespace DTN_ISA after generic.h and elementwise.h (bf16 helpers, exp_f32).
+// The attention group's kernel (ops/attention.def); included inside namespace DTN_ISA after generic.h.
+#pragma once
+#include "elementwise.h"  // bf16 helpers, exp_f32
 
 // -- a vector of 16 floats in this unit's registers -----------------------------------------------------------
 #if defined(__AVX512F__)

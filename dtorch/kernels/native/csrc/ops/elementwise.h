@@ -1,6 +1,8 @@
 // Decode-step elementwise kernels in plain C++ (vectorized by the compiler for each ISA unit), matching the
 // torch reference kernels of dtorch/kernels/torch/llm.py: statistics in float32, low precision rounded where
-// the reference rounds. Included inside namespace DTN_ISA after generic.h.
+// the reference rounds. The elementwise group's kernels (ops/elementwise.def); included inside namespace DTN_ISA
+// after generic.h, by its group's objects and by the groups that call into it (attention, recurrent).
+#pragma once
 
 // rows [r0, r1) of [R, D]; res == nullptr: h = x, else h = round(x + res) stored to res_out (may alias res).
 // out = round(w * round(h * rsqrt(mean(h^2) + eps))) (one rounding for float32), out may alias x.
