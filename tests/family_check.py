@@ -43,14 +43,15 @@ TEXT = "Once upon a time, 🦙 saw 中文 and 3.14 apples"
 
 
 def family_test(family: str, check: Callable[[ModelConfig, Any], None] = lambda config, hf: None,
-                tokenizer: str = "spm"):
+                tokenizer: str = "spm", converted_tp2: bool = False):
     """The test of ``family``, one case per source (``SOURCES``): the logits of a prompt and the batched greedy ids of
     ``PROMPTS`` against transformers'; then ``check(config, transformers model)`` on what was loaded. ``tokenizer``:
     the kind llama.cpp's converter reads for the family ("spm" or "gpt2", see ``llamacpp_convert.add_tokenizer``).
-    Bind it to a ``test_*`` name in the family's test module."""
+    ``converted_tp2``: the converted F16 file on two devices too (``hf_tp2`` covers tensor parallelism for every
+    family; one whose difference spans heads asks for it). Bind it to a ``test_*`` name in the family's test module."""
     _TOKENIZERS[family] = tokenizer
 
-    @pytest.mark.parametrize("source", SOURCES)
+    @pytest.mark.parametrize("source", [s for s in SOURCES if converted_tp2 or s != "convert_f16_tp2"])
     def test(source: str, tmp_path_factory) -> None:
         transformers = pytest.importorskip("transformers")
         pytest.importorskip("gguf")

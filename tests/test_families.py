@@ -152,3 +152,12 @@ def test_a_field_name_nothing_checks_is_refused():
         check_field("num_layer", 4, "config.json: num_hidden_layers")  # a typo would check nothing
     with pytest.raises(dtorch.ModelError, match=r"hf_keys / gguf_keys name \['residual_scale'\]"):
         Family(name="typo", hf_types=("typo",), hf_keys={"residual_scale": "residual_multiplier"})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_default_rope_base_is_transformers(family):
+    """A config.json without a RoPE base gets the family's ``hf_rope_theta``: transformers' ``default_theta`` of the
+    family's config class (Gemma 3's global one; its sliding layers' is rope_local_base_freq's default)."""
+    cls = getattr(transformers, tiny_models()[family][0])
+    want = cls.default_theta["global"] if isinstance(cls.default_theta, dict) else cls.default_theta
+    assert families.by_hf_type(family).hf_rope_theta == want
