@@ -29,7 +29,6 @@ TOY_ROW = ('DTN_OP(toy, toy_scale, "llm.rms_norm", "dtorch.kernels.torch.llm:rms
            '       "x * w * eps into out", DTN_IN(x) DTN_VEC(w) DTN_OUT(out) DTN_F32(eps))\n')
 TOY_KERNEL = textwrap.dedent("""\
     #pragma once
-    #include "elementwise.h"  // ld, st
     template <class T>
     static void toy_rows(const dtn::toy_scale_args& a, int64_t r0, int64_t r1) {
       const T* w = static_cast<const T*>(a.w);
@@ -59,7 +58,7 @@ def add_to_elementwise(csrc: Path) -> None:
     rows = csrc / "ops" / "elementwise.def"
     rows.write_text(rows.read_text() + TOY_ROW.replace("(toy,", "(elementwise,"))
     header = csrc / "ops" / "elementwise.h"
-    body = TOY_KERNEL.replace('#pragma once\n#include "elementwise.h"  // ld, st\n', "")
+    body = TOY_KERNEL.replace("#pragma once\n", "")
     header.write_text(header.read_text() + body)
 
 

@@ -1,5 +1,7 @@
 // The Python module _dtorch_native: argument checks, workspace, threads (torch's intra-op pool through
-// at::parallel_for, split over output rows) and the ISA choice; the kernels live in the isa_*.cpp units.
+// at::parallel_for, split over output rows) and the ISA choice; the kernels live in the isa_*.cpp units. The
+// functions of the DTN_OP rows (ops/<group>.def) are made from their rows (RowCall, below); the others (DTN_ENTRY
+// rows of ops.def) are written here.
 // Functions take torch tensors (METH_FASTCALL, no copies) and raise the dtorch errors registered by set_errors.
 #include <Python.h>
 

@@ -19,6 +19,7 @@ namespace DTN_ISA {
 #if DTN_GROUP_quant
 #include "quant_avx2.h"
 #endif
+#include "rows.h"  // ld, st, exp_f32, V16: what every group may call
 #ifdef DTN_GROUP_H
 #include DTN_GROUP_H  // the group's kernels (ops/<group>.h)
 #endif

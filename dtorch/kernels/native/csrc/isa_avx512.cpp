@@ -21,6 +21,7 @@ namespace DTN_ISA {
 #include "quant_avx512.h"
 #include "decode_avx512.h"
 #endif
+#include "rows.h"  // ld, st, exp_f32, V16: what every group may call
 #ifdef DTN_GROUP_H
 #include DTN_GROUP_H  // the group's kernels (ops/<group>.h)
 #endif

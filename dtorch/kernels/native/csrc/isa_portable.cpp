@@ -13,6 +13,7 @@
 #define DTN_ISA_NAME "portable"
 namespace DTN_ISA {
 #include "generic.h"
+#include "rows.h"  // ld, st, exp_f32, V16: what every group may call
 #ifdef DTN_GROUP_H
 #include DTN_GROUP_H  // the group's kernels (ops/<group>.h)
 #endif

@@ -1,84 +1,10 @@
 // Paged KV-cache attention (llm.flash_attention_with_kvcache) for float32 / bf16 caches, one item (a sequence, a
 // kv head, up to 16 query rows) at a time: keys in chunks of 64, online softmax in float32, dot products and the
 // V accumulation on 16-float vectors (one zmm, two ymm, or a plain array the compiler vectorizes).
-// The attention group's kernel (ops/attention.def); included inside namespace DTN_ISA after generic.h.
+// The attention group's kernel (ops/attention.def); included inside namespace DTN_ISA after generic.h and rows.h
+// (exp_f32, V16).
 #pragma once
-#include "elementwise.h"  // bf16 helpers, exp_f32
 
-// -- a vector of 16 floats in this unit's registers -----------------------------------------------------------
-#if defined(__AVX512F__)
-struct V16 { __m512 a; };
-static inline V16 v16_zero() { return {_mm512_setzero_ps()}; }
-static inline V16 v16_set1(float x) { return {_mm512_set1_ps(x)}; }
-static inline V16 v16_load(const float* p) { return {_mm512_loadu_ps(p)}; }
-static inline V16 v16_load(const uint16_t* p) {  // bf16 -> float32: the bits shifted up
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
-}
-static inline V16 v16_fma(V16 x, V16 y, V16 acc) { return {_mm512_fmadd_ps(x.a, y.a, acc.a)}; }
-static inline V16 v16_mul(V16 x, V16 y) { return {_mm512_mul_ps(x.a, y.a)}; }
-static inline V16 v16_add(V16 x, V16 y) { return {_mm512_add_ps(x.a, y.a)}; }
-static inline float v16_sum(V16 x) { return _mm512_reduce_add_ps(x.a); }
-// out[0..3] = the sums of a, b, c, d: 128-bit quarters folded pairwise, then within each quarter
-static inline void v16_sum4(V16 a, V16 b, V16 c, V16 d, float* out) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a.a, b.a, 0x44), _mm512_shuffle_f32x4(a.a, b.a, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c.a, d.a, 0x44), _mm512_shuffle_f32x4(c.a, d.a, 0xEE));
-  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));  // quarter i: x_i
-  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
-  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));  // every element of quarter i: sum(x_i)
-  const __m512 firsts = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), s);
-  _mm_storeu_ps(out, _mm512_castps512_ps128(firsts));
-}
-constexpr bool kTwoChains = true;  // 32 registers: two accumulator sets hide the FMA latency in P V
-static inline void v16_store(float* p, V16 x) { _mm512_storeu_ps(p, x.a); }
-#elif defined(__AVX2__) && defined(__FMA__)
-struct V16 { __m256 a, b; };
-static inline V16 v16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline V16 v16_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-static inline V16 v16_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline __m256 bf16x8(const uint16_t* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-static inline V16 v16_load(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
-static inline V16 v16_fma(V16 x, V16 y, V16 acc) {
-  return {_mm256_fmadd_ps(x.a, y.a, acc.a), _mm256_fmadd_ps(x.b, y.b, acc.b)};
-}
-static inline V16 v16_mul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
-static inline V16 v16_add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
-static inline float v16_sum(V16 x) {
-  const __m256 s = _mm256_add_ps(x.a, x.b);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-static inline void v16_sum4(V16 a, V16 b, V16 c, V16 d, float* out) {  // out[0..3] = the sums of a, b, c, d
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_add_ps(a.a, a.b), _mm256_add_ps(b.a, b.b)),
-                                  _mm256_hadd_ps(_mm256_add_ps(c.a, c.b), _mm256_add_ps(d.a, d.b)));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-static inline void v16_store(float* p, V16 x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
-constexpr bool kTwoChains = false;  // 16 registers: one V16 is already two independent chains
-#else
-struct V16 { float a[16]; };
-static inline V16 v16_zero() { return V16{}; }
-static inline V16 v16_set1(float x) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = x; return r; }
-static inline V16 v16_load(const float* p) { V16 r; std::memcpy(r.a, p, sizeof(r.a)); return r; }
-static inline V16 v16_load(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.a[i] = bf16_to_f32(p[i]); return r; }
-static inline V16 v16_fma(V16 x, V16 y, V16 acc) { for (int i = 0; i < 16; ++i) acc.a[i] += x.a[i] * y.a[i]; return acc; }
-static inline V16 v16_mul(V16 x, V16 y) { for (int i = 0; i < 16; ++i) x.a[i] *= y.a[i]; return x; }
-static inline V16 v16_add(V16 x, V16 y) { for (int i = 0; i < 16; ++i) x.a[i] += y.a[i]; return x; }
-static inline float v16_sum(V16 x) {  // pairwise, as the SIMD paths
-  for (int w = 8; w; w /= 2)
-    for (int i = 0; i < w; ++i) x.a[i] += x.a[i + w];
-  return x.a[0];
-}
-static inline void v16_sum4(V16 a, V16 b, V16 c, V16 d, float* out) {
-  out[0] = v16_sum(a), out[1] = v16_sum(b), out[2] = v16_sum(c), out[3] = v16_sum(d);
-}
-static inline void v16_store(float* p, V16 x) { std::memcpy(p, x.a, sizeof(x.a)); }
-constexpr bool kTwoChains = false;
-#endif
 
 namespace attn {
 constexpr int kChunk = 64;  // keys per online-softmax step

@@ -1,7 +1,7 @@
 // Decode-step elementwise kernels in plain C++ (vectorized by the compiler for each ISA unit), matching the
 // torch reference kernels of dtorch/kernels/torch/llm.py: statistics in float32, low precision rounded where
 // the reference rounds. The elementwise group's kernels (ops/elementwise.def); included inside namespace DTN_ISA
-// after generic.h, by its group's objects and by the groups that call into it (attention, recurrent).
+// after generic.h and rows.h (ld, st, exp_f32), by its group's objects only.
 #pragma once
 
 // rows [r0, r1) of [R, D]; res == nullptr: h = x, else h = round(x + res) stored to res_out (may alias res).
@@ -50,12 +50,6 @@ static void rms_norm(const void* x, const void* res, void* res_out, const void* 
   }
 }
 
-// float32 / bf16 element access with the type fixed at compile time, so the loops below vectorize
-static inline float ld(const float* p, int64_t i) { return p[i]; }
-static inline float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-static inline void st(float* p, int64_t i, float v) { p[i] = v; }
-static inline void st(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
-
 template <class T>
 static void rope_t(const T* x, int64_t ldx, T* out, int64_t ldo, const float* cos, const float* sin, int64_t ldc,
                    int64_t P, int64_t r0, int64_t r1, int64_t H, int64_t D, int64_t rot, bool interleaved) {
@@ -97,25 +91,6 @@ static void rope(const void* x, int64_t ldx, void* out, int64_t ldo, int dt, con
   else
     rope_t(static_cast<const uint16_t*>(x), ldx, static_cast<uint16_t*>(out), ldo, cos, sin, ldc, P, r0, r1, H, D,
            rot, interleaved);
-}
-
-// exp for the SiLU: Cody-Waite range reduction and a degree-6 polynomial (< 2 ulp over float32), written
-// branch-free so the loop vectorizes (libm's expf does not without -ffast-math)
-static inline float exp_f32(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);  // 2^k stays a normal float
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  int32_t bits = (int32_t(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
 }
 
 // The gated activations, act(gate) for out = act(gate) * up:

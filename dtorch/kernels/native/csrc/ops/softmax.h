@@ -1,8 +1,8 @@
 // The softmax group's kernel (ops/softmax.def): llm.softmax_last_dim row by row in float32 (the max, the sum of
 // exp(x - max), then each exp(x - max) / sum rounded once to out's dtype), as the torch kernel's float32 softmax.
-// Reads x[r, i] before it writes out[r, i], so out may be x. Included inside namespace DTN_ISA after generic.h.
+// Reads x[r, i] before it writes out[r, i], so out may be x. Included inside namespace DTN_ISA after generic.h
+// and rows.h (ld, st, exp_f32).
 #pragma once
-#include "elementwise.h"  // ld, st, exp_f32
 
 // the row's max (NaN-free rows: a NaN anywhere gives NaN, as torch)
 template <class T>
