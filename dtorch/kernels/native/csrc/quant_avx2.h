@@ -208,11 +208,11 @@ static inline void fdot256(const void* x, int xdt, int64_t m, const void* w, int
   __m256 acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
   const int64_t esz = wdt == F32 ? 4 : 2;
-  const char* ahead = static_cast<const char*>(w) + (n + 2 * NR) * K * esz;  // as fdot512: the rows two groups on
+  const char* ahead = static_cast<const char*>(w) + (n + 2 * NR) * K * esz;  // as fdot512: the rows two groups on (L2)
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     const __m256 xv = load8(x, xdt, m * K + k);
-    for (int j = 0; j < NR; ++j) _mm_prefetch(ahead + (j * K + k) * esz, _MM_HINT_T0);
+    for (int j = 0; j < NR; ++j) _mm_prefetch(ahead + (j * K + k) * esz, _MM_HINT_T1);
     for (int j = 0; j < NR; ++j) acc[j] = _mm256_fmadd_ps(load8(w, wdt, (n + j) * K + k), xv, acc[j]);
   }
   for (int j = 0; j < NR; ++j) {
