@@ -193,7 +193,8 @@ class HostShm:
             return None
         mine = tuple(r for r, (h, _) in zip(ranks, hosts, strict=True) if h == host)
         me = mine.index(dist.get_rank())
-        made = cls._make(mine) if me == 0 else None
+        alone = len(mine) < 2  # nothing to share on this host (the others' set-up goes on: the gathers are collective)
+        made = cls._make(mine) if me == 0 and not alone else None
         names: list[Any] = [None] * world
         dist.all_gather_object(names, made, group=group)
         path, token = names[ranks.index(mine[0])] or ("", b"")
@@ -206,11 +207,14 @@ class HostShm:
         except CommunicationError as exc:
             error = str(exc)
         oks: list[Any] = [None] * world
-        dist.all_gather_object(oks, (host, error if path else "its host's segment could not be made"), group=group)
+        dist.all_gather_object(oks, (host, error if path or alone else "its host's segment could not be made"),
+                               group=group)
         if path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # every rank of this host has it mapped (or failed): the name is no longer needed
         failed = [(r, e) for r, (h, e) in zip(ranks, oks, strict=True) if h == host and e]
+        if alone:
+            return None
         if failed:
             log.warning("shared-memory collectives are off for ranks %s: %s", list(mine), failed)
             return None
