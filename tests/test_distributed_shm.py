@@ -209,5 +209,16 @@ def test_a_killed_peer_ends_a_wait_in_shared_memory_at_once(tmp_path):
     assert float(text.split("after ")[1].split("s")[0]) < 5, text  # not the group's 60 s timeout
 
 
+def test_the_flag_turns_it_off_and_a_bad_value_is_named(monkeypatch):
+    from dtorch.core.errors import ConfigError
+    from dtorch.distributed import shm
+
+    monkeypatch.setenv("DTORCH_SHM_COMM", "0")
+    assert shm.unsupported() == "DTORCH_SHM_COMM is off"
+    monkeypatch.setenv("DTORCH_SHM_COMM", "sometimes")
+    with pytest.raises(ConfigError, match="DTORCH_SHM_COMM='sometimes' is not a flag"):
+        shm.unsupported()
+
+
 if __name__ == "__main__":
     run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
