@@ -407,8 +407,11 @@ def main() -> None:
         print(f"{name:28s} {threads[name]:>12s} {t:13.1f} {r:8.2f}")
     paired = zip(tps["runtime tp=1"], tps["direct (baseline)"], strict=True)
     print(f"runtime tp=1 / direct: {statistics.median(r / d for r, d in paired):.3f} (median of per-round ratios)")
-    print(f"tp=2 decode step: communicate streams busy {share:.0%} of the step; {frac:.0%} of that time overlaps "
-          "compute on the same device")
+    if share:
+        print(f"tp=2 decode step: communicate streams busy {share:.0%} of the step; {frac:.0%} of that time overlaps "
+              "compute on the same device")
+    else:
+        print("tp=2 decode step: the collectives run on the compute streams (none has a kernel to overlap)")
     print(f"greedy tokens identical across engines: {same}")
     engines["runtime tp=1"].llm.close()
     served_table(args, engines["runtime tp=2, cpu(2)"], prompt)

@@ -1,7 +1,8 @@
 """Gloo ranks of one host talk through shared memory (``dtorch.distributed.shm``): each collective equals torch's
 result over every rank's tensor, the same bits on every rank, in one group of 4 ranks and its sub-groups of 2 and 3,
-sizes past a buffer and a send ring included; with ``DTORCH_SHM_COMM=0`` gloo carries it and agrees; no segment is
-left in /dev/shm; a killed peer is a ``CommunicationError`` naming it within a second or so.
+sizes past a buffer and a send ring included; ranks on two (faked) hosts keep gloo between the hosts and shared memory
+within each; with ``DTORCH_SHM_COMM=0`` gloo carries it and agrees; no segment is left in /dev/shm; a killed peer is
+a ``CommunicationError`` naming it within a second or so.
 
 The test starts this file as a script in each rank's process (``python test_distributed_shm.py RANK ...``), bounded
 by a timeout and always killed at the end.
@@ -22,7 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 90
-GROUPS = {"world": (0, 1, 2, 3), "pair": (1, 3), "three": (0, 1, 2)}
+# the sub-groups each mode's 4 ranks make: "match" one host; "hosts" two (ranks 0, 1 on one and 2, 3 on the other)
+GROUPS = {"match": {"pair": (1, 3), "three": (0, 1, 2)}, "hosts": {"first": (0, 1), "second": (2, 3)}}
 BIG = (1 << 18) + 77  # floats: ~1 MiB + a tail, past one buffer (several rounds) and past a send ring
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
                                 reason="shared-memory collectives are Linux on x86-64 only (gloo elsewhere)")
@@ -40,6 +42,8 @@ def run_rank(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
     from dtorch.core.errors import CommunicationError
     from dtorch.distributed import TorchDistCommunicator, init_process_group
 
+    if mode == "hosts":
+        socket.gethostname = lambda: f"host{rank // 2}"
     init_process_group(rank, world, port=port, timeout=60.0)
     comm = TorchDistCommunicator()
     if mode == "killed":
@@ -54,13 +58,14 @@ def run_rank(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
             text = f"CommunicationError after {time.monotonic() - t0:.2f}s: {exc}"
         Path(out_dir, "rank0.txt").write_text(text)
         os._exit(0)
-    results = {"shm": comm.shm is not None}
-    groups = {"world": comm}
-    if world == 4:  # sub-groups: every rank asks for each, in the same order (a rank outside one gets the world's)
-        groups["pair"], groups["three"] = comm.group((1, 3)), comm.group((0, 1, 2))
+    results = {"shm": comm.shm is not None and comm.shm.whole}
+    wanted = {"world": tuple(range(world))} | (GROUPS[mode] if world == 4 else {})
+    # every rank asks for each sub-group, in the same order (a rank outside one gets the world's communicator)
+    groups = {name: comm.group(ids) for name, ids in wanted.items()}
     for name, g in groups.items():
-        if rank not in GROUPS[name]:
+        if rank not in wanted[name]:
             continue
+        results[f"shm.{name}"] = g.shm is not None and g.shm.whole
         pos, n = g.ids.index(rank), len(g.ids)
         mine = tensors(rank)
         r = {}
@@ -150,19 +155,19 @@ def _reference(ids: tuple[int, ...]) -> dict[str, torch.Tensor]:
             "scatter": torch.full((7, 5), float(sum(i + 1 for i in ids)))}
 
 
-def _check(world: int, tmp_path: Path, exact: bool) -> list[dict]:
+def _check(world: int, tmp_path: Path, exact: bool, mode: str = "match") -> list[dict]:
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    groups = {"world": tuple(range(world))}
-    if world == 4:
-        groups.update(pair=(1, 3), three=(0, 1, 2))
+    groups = {"world": tuple(range(world))} | (GROUPS[mode] if world == 4 else {})
     for name, ids in groups.items():
+        exact_here = exact and (all(got[r][f"shm.{name}"] for r in ids) or len(ids) == 2)
         want = _reference(ids)
         n = len(ids)
         for pos, r in enumerate(ids):
             for key, value in want.items():
                 if key == "scatter":
                     value = value.tensor_split(n)[pos]
-                if exact:  # shared memory: sums in rank order, the same bits as torch's in that order
+                if exact_here:  # shared memory: sums in rank order, the same bits as torch's in that order (2 ranks
+                    # through gloo too: a + b is b + a)
                     assert torch.equal(got[r][name][key], value), (name, key, r)
                 else:
                     torch.testing.assert_close(got[r][name][key], value, rtol=1e-5, atol=1e-5)
@@ -180,6 +185,14 @@ def test_collectives_in_shared_memory_equal_torch_in_a_group_of_four_and_its_sub
     assert all(g["shm"] for g in got)
 
 
+def test_ranks_on_two_hosts_keep_gloo_between_them_and_shared_memory_within_each(tmp_path):
+    logs = _launch(4, "hosts", tmp_path)  # each rank's hostname is faked: host0 for ranks 0, 1, host1 for 2, 3
+    assert all(rc == 0 for rc, _ in logs), logs
+    got = _check(4, tmp_path, exact=True, mode="hosts")  # sends 0 -> 1 and 2 -> 3 in shared memory, the others gloo
+    assert not any(g["shm"] for g in got)  # the world spans both hosts: gloo
+    assert got[0]["shm.first"] and got[1]["shm.first"] and got[2]["shm.second"] and got[3]["shm.second"]
+
+
 def test_with_shared_memory_off_gloo_carries_the_same_collectives(tmp_path):
     logs = _launch(2, "match", tmp_path, shm=False)
     assert all(rc == 0 for rc, _ in logs), logs
@@ -194,6 +207,17 @@ def test_a_killed_peer_ends_a_wait_in_shared_memory_at_once(tmp_path):
     assert text.startswith("CommunicationError"), text
     assert "all_reduce on rank 0 of 2 failed: rank 1 was lost: its connection closed" in text, text
     assert float(text.split("after ")[1].split("s")[0]) < 5, text  # not the group's 60 s timeout
+
+
+def test_the_flag_turns_it_off_and_a_bad_value_is_named(monkeypatch):
+    from dtorch.core.errors import ConfigError
+    from dtorch.distributed import shm
+
+    monkeypatch.setenv("DTORCH_SHM_COMM", "0")
+    assert shm.unsupported() == "DTORCH_SHM_COMM is off"
+    monkeypatch.setenv("DTORCH_SHM_COMM", "sometimes")
+    with pytest.raises(ConfigError, match="DTORCH_SHM_COMM='sometimes' is not a flag"):
+        shm.unsupported()
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ class HostShm:
         self.sent = [0] * self.n  # messages (slots) this rank sent to each peer / took from each peer
         self.taken = [0] * self.n
         self.aborted = False
-        self._views: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
         self.whole = False  # every rank of the group is here: collectives may use the segment (``join`` sets it)
         self._p2p_locks = [threading.Lock() for _ in range(self.n)]
 
@@ -193,7 +193,8 @@ class HostShm:
             return None
         mine = tuple(r for r, (h, _) in zip(ranks, hosts, strict=True) if h == host)
         me = mine.index(dist.get_rank())
-        made = cls._make(mine) if me == 0 else None
+        alone = len(mine) < 2  # nothing to share on this host (the others' set-up goes on: the gathers are collective)
+        made = cls._make(mine) if me == 0 and not alone else None
         names: list[Any] = [None] * world
         dist.all_gather_object(names, made, group=group)
         path, token = names[ranks.index(mine[0])] or ("", b"")
@@ -206,11 +207,14 @@ class HostShm:
         except CommunicationError as exc:
             error = str(exc)
         oks: list[Any] = [None] * world
-        dist.all_gather_object(oks, (host, error if path else "its host's segment could not be made"), group=group)
+        dist.all_gather_object(oks, (host, error if path or alone else "its host's segment could not be made"),
+                               group=group)
         if path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # every rank of this host has it mapped (or failed): the name is no longer needed
         failed = [(r, e) for r, (h, e) in zip(ranks, oks, strict=True) if h == host and e]
+        if alone:
+            return None
         if failed:
             log.warning("shared-memory collectives are off for ranks %s: %s", list(mine), failed)
             return None
@@ -294,34 +298,46 @@ class HostShm:
         """Run one round per buffer-sized chunk of ``numel`` elements; yields (start, stop, the ranks' buffers as
         ``dtype`` [stop - start]) once every rank wrote its chunk of ``flat`` (None: this rank sends nothing)."""
         per = BUFFER_BYTES // dtype.itemsize
-        arrive = self.layout.arrive // 4
         for start in range(0, max(numel, 1), per):
             stop = min(numel, start + per)
-            self.round = (self.round + 1) & 0xFFFFFFFF
-            parity = self.round & 1
-            bufs = [b[:stop - start] for b in self._buffers(parity, dtype)]
-            if flat is not None:  # (an all-gather's shorter piece fills only the start of its chunk)
-                mine = flat[start:stop]
-                bufs[self.me][:mine.numel()].copy_(mine)
-            self._signal(arrive + self.me * LINE // 4, self.round)
-            for r in range(self.n):
-                if r != self.me:
-                    self._wait(arrive + r * LINE // 4, self.round, r)
-            yield start, stop, bufs
+            yield start, stop, self._round(flat[start:stop] if flat is not None else None, stop - start, dtype)
 
-    def _buffers(self, parity: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every rank's buffer of ``parity`` as ``dtype`` [BUFFER_BYTES / itemsize] (views made once)."""
-        views = self._views.get((parity, dtype))
+    def _round(self, mine: torch.Tensor | None, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """One round: ``mine`` (at most ``numel`` elements: an all-gather's shorter piece fills only the start) into
+        this rank's buffer, then every rank's buffer as ``dtype`` [numel] once all have written theirs."""
+        self.round = rnd = (self.round + 1) & 0xFFFFFFFF
+        bufs = self._buffers(rnd & 1, dtype, numel)
+        if mine is not None:
+            (bufs[self.me] if mine.numel() == numel else bufs[self.me][:mine.numel()]).copy_(mine)
+        arrive, step = self.layout.arrive // 4, LINE // 4
+        self._signal(arrive + self.me * step, rnd)
+        for r in range(self.n):
+            if r != self.me:
+                self._wait(arrive + r * step, rnd, r)
+        return bufs
+
+    def _buffers(self, parity: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+        """Every rank's buffer of ``parity`` as ``dtype`` [numel] (views made once per shape: a step repeats them)."""
+        key = (parity, dtype, numel)
+        views = self._views.get(key)
         if views is None:
             lay = self.layout
-            views = self._views[(parity, dtype)] = [
-                self.bytes[lay.buffer(parity, r):lay.buffer(parity, r) + BUFFER_BYTES].view(dtype)
-                for r in range(self.n)]
+            views = [self.bytes[lay.buffer(parity, r):lay.buffer(parity, r) + BUFFER_BYTES].view(dtype)[:numel]
+                     for r in range(self.n)]
+            if len(self._views) < 1024:
+                self._views[key] = views
         return views
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, op: str) -> None:
-        flat_x, flat_out = x.reshape(-1), _flat_out(out)
         fn = torch.add if op == "sum" else torch.maximum
+        if x.numel() * x.element_size() <= BUFFER_BYTES and out.is_contiguous():  # one round (a decode step's)
+            bufs = self._round(x.reshape(-1), x.numel(), x.dtype)
+            acc = out.view(-1)
+            fn(bufs[0], bufs[1], out=acc)
+            for b in bufs[2:]:
+                fn(acc, b, out=acc)
+            return
+        flat_x, flat_out = x.reshape(-1), _flat_out(out)
         for start, stop, bufs in self._rounds(flat_x, flat_x.numel(), x.dtype):
             acc = flat_out[start:stop]
             fn(bufs[0], bufs[1], out=acc)
