@@ -374,9 +374,16 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
         return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
     logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
     x, refused = shape_logits(logits, params, output_ids, prompt_ids, banned, allowed)
-    tokens = torch.argmax(x, dim=-1).tolist()
+    # a broken grammar refuses all: its matcher ends the sequence, and the argmax stands in
+    argmax = [b for b, p in enumerate(params) if p.greedy or (b in refused and bool(refused[b].all()))]
+    skip = set(argmax)
+    tokens = [0] * len(params)
+    if argmax:  # the greedy rows only: a pass over the vocabulary each
+        for b, t in zip(argmax, torch.argmax(x[argmax] if len(argmax) < len(params) else x, dim=-1).tolist(),
+                        strict=True):
+            tokens[b] = t
     for b, p in enumerate(params):
-        if p.greedy or (b in refused and bool(refused[b].all())):  # a broken grammar refuses all: its matcher ends it
+        if b in skip:
             continue
         kept, support = _filter(x[b], p)
         probs = torch.softmax(kept, dim=-1)
