@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import ModelError
+from dtorch.engine.draw import multinomial_one
 from dtorch.engine.sampling import filter_logits, shape_logits
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
@@ -135,7 +136,7 @@ class DraftModel:
                 g = s.generator
                 if g is not None and g.device != p.device:
                     p = p.to(g.device)
-                picked[r] = int(torch.multinomial(p, 1, generator=g))
+                picked[r] = multinomial_one(p, g)
                 qs[i].append(p)
         else:
             picked = [0] * len(live)

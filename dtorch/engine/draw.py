@@ -2,7 +2,8 @@
 
 torch draws one sample of probs [V] as an exponential race: q_j = -log1p(-u_j) (u_j: the generator's j-th float64
 uniform, one per token, rounded to float32 after the log), token = argmax(probs / q). Its serial exponential costs
-~50-65 ns a token on one core: 8-10 ms over a 152k vocabulary, 15-17 ms over 262k, as much as half a decode step.
+~25-30 ns a token of one core's time (twice that in wall time on a busy machine): ~4 ms over a 152k vocabulary, 6-8
+ms over 262k, a third of a small model's decode step.
 This module draws the same V uniforms (so the generator ends in the same state, and the next draw matches too) with
 torch's vectorizable uniform kernel, then works q out only where a token can win: the ``TOP`` most likely tokens, and
 any other token j whose u_j is small enough that its score could reach theirs (with S the best of their scores and

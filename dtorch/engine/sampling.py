@@ -247,7 +247,8 @@ def _nucleus(x: torch.Tensor, top_p: float, support: torch.Tensor | None) -> tor
     The ranking is a top-k over the tokens that can be in it rather than a sort of the vocabulary (~25 ms for 152k
     float32 on one core): the support, or the tokens of the bins (``NUCLEUS_BINS`` a halving of probability, from the
     most likely down) whose summed probability first reaches ``top_p``, with one bin more for rounding. Should their
-    ranked sums still fall short, the ranking widens to the whole vocabulary."""
+    ranked sums still fall short, the ranking widens to the whole vocabulary; a nucleus of more than a quarter of it
+    (a flat distribution) is ranked by a sort."""
     vocab = x.shape[-1]
     probs = torch.softmax(x, dim=-1)
     if support is not None:
@@ -259,11 +260,14 @@ def _nucleus(x: torch.Tensor, top_p: float, support: torch.Tensor | None) -> tor
         last = min(int(torch.searchsorted(mass, top_p)) + 1, NUCLEUS_DEPTH)
         pool = torch.nonzero(bins <= last).squeeze(1)
     while True:
-        order = pool[torch.topk(x[pool], pool.shape[0]).indices]  # most likely first
+        if pool.shape[0] * 4 > vocab:  # a flat distribution's nucleus is most of the vocabulary: a sort costs less
+            order = torch.sort(x, descending=True).indices
+        else:
+            order = pool[torch.topk(x[pool], pool.shape[0]).indices]  # most likely first
         ranked = probs[order]
         drop = (torch.cumsum(ranked, dim=-1) - ranked) >= top_p  # the cumulative sum only grows: a prefix stays
         drop[0] = False  # a top_p under float32's range (1e-300 is 0) would drop it too: all -inf, NaN
-        if support is not None or pool.shape[0] == vocab or bool(drop[-1]):  # (outside the support: probability 0)
+        if support is not None or order.shape[0] == vocab or bool(drop[-1]):  # (outside the support: probability 0)
             return torch.zeros(vocab, dtype=torch.bool, device=x.device).index_fill_(0, order[~drop], True)
         pool = torch.arange(vocab, device=x.device)
 
@@ -374,9 +378,16 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
         return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
     logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
     x, refused = shape_logits(logits, params, output_ids, prompt_ids, banned, allowed)
-    tokens = torch.argmax(x, dim=-1).tolist()
+    # a broken grammar refuses all: its matcher ends the sequence, and the argmax stands in
+    argmax = [b for b, p in enumerate(params) if p.greedy or (b in refused and bool(refused[b].all()))]
+    skip = set(argmax)
+    tokens = [0] * len(params)
+    if argmax:  # the greedy rows only: a pass over the vocabulary each
+        for b, t in zip(argmax, torch.argmax(x[argmax] if len(argmax) < len(params) else x, dim=-1).tolist(),
+                        strict=True):
+            tokens[b] = t
     for b, p in enumerate(params):
-        if p.greedy or (b in refused and bool(refused[b].all())):  # a broken grammar refuses all: its matcher ends it
+        if b in skip:
             continue
         kept, support = _filter(x[b], p)
         probs = torch.softmax(kept, dim=-1)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dtorch.engine.draw import multinomial_one
 from dtorch.engine.request import TokenLogprob
 from dtorch.engine.sampling import filter_logits, shape_logits, token_logprobs
 
@@ -99,7 +100,7 @@ def _sampled_run(x: torch.Tensor, a: int, s, draft: Sequence[int], q: torch.Tens
         if g is not None and g.device != p.device:
             p = p.to(g.device)
         if j == len(draft):
-            run.append(int(torch.multinomial(p, 1, generator=g)))
+            run.append(multinomial_one(p, g))
             return run
         t = draft[j]
         qt = 1.0 if q is None else float(q[j, t])
@@ -114,7 +115,7 @@ def _sampled_run(x: torch.Tensor, a: int, s, draft: Sequence[int], q: torch.Tens
             residual = (p - q[j].to(p.device)).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p is q (up to rounding): the draft would have been kept
             residual = p
-        run.append(int(torch.multinomial(residual, 1, generator=g)))
+        run.append(multinomial_one(residual, g))
         return run
     return run
 
