@@ -44,23 +44,7 @@ def _with_entry(tmp_path: Path, line: str) -> Path:
 
 
 # the toy op of docs/adding-an-op.md as a group of its own: out = x * w * scale, rows of [R, D] with w [D]
-TOY_ROW = ('DTN_OP(toy, toy_scale, "llm.rms_norm", "dtorch.kernels.torch.llm:rms_norm_torch", "inplace", '
-           '"x * w * eps into out", DTN_IN(x) DTN_VEC(w) DTN_OUT(out) DTN_F32(eps))')
-TOY_KERNEL = textwrap.dedent("""
-    #pragma once
-    template <class T>
-    static void toy_rows(const dtn::toy_scale_args& a, int64_t r0, int64_t r1) {
-      const T* w = static_cast<const T*>(a.w);
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* x = static_cast<const T*>(a.x) + r * a.ld_x;
-        T* o = static_cast<T*>(a.out) + r * a.ld_out;
-        for (int64_t i = 0; i < a.D; ++i) st(o, i, ld(x, i) * ld(w, i) * a.eps);
-      }
-    }
-    static void toy_scale(const dtn::toy_scale_args& a, int64_t r0, int64_t r1) {
-      if (a.dt == F32) toy_rows<float>(a, r0, r1); else toy_rows<uint16_t>(a, r0, r1);
-    }
-""")
+from bench.native_build import TOY_KERNEL, TOY_ROW  # noqa: E402 - the toy op of docs/adding-an-op.md, one copy
 
 
 def _with_group(tmp_path: Path, rows: str, kernel: str | None = TOY_KERNEL, group: str = "toy",

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.test_tp_torchrun import BATCH, _run, _torchrun, tiny_llama  # noqa: F401 - tiny_llama is a fixture
+from tests.test_tp_torchrun import BATCH, _run, _torchrun, one_process_greedy_ids, tiny_llama  # noqa: F401 - tiny_llama is a fixture
 
 
 def _worker(pp: int, tp: int, model: str) -> int:
@@ -90,15 +90,7 @@ def _served(model: str) -> int:
 
 
 def test_served_across_ranks_micro_batches_stay_in_flight_and_a_draft_model_drafts(tiny_llama):  # noqa: F811
-    from dtorch.engine.llm import LLM
-    from dtorch.engine.sampling import SamplingParams
-
-    llm = LLM(str(tiny_llama), max_num_seqs=4)
-    try:
-        want = [o.outputs[0].token_ids for o in llm.generate(BATCH, SamplingParams(temperature=0.0, max_tokens=10,
-                                                                                   ignore_eos=True))]
-    finally:
-        llm.close()
+    want = one_process_greedy_ids(tiny_llama)
     proc, _ = _run(_torchrun(2, __file__, "served", str(tiny_llama)), timeout=300)
     assert proc.returncode == 0, proc.stderr
     plain, drafted = (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{"))

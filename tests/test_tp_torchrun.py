@@ -92,6 +92,19 @@ def _env(**extra: str) -> dict[str, str]:
     return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"} | extra
 
 
+def one_process_greedy_ids(model) -> list[list[int]]:
+    """``BATCH``'s greedy ids (10 tokens each) from one process: what every split across ranks must equal."""
+    from dtorch.engine.llm import LLM
+    from dtorch.engine.sampling import SamplingParams
+
+    llm = LLM(str(model), max_num_seqs=4)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(BATCH, params)]
+    finally:
+        llm.close()
+
+
 def _run(args: list[str], timeout: float, **env: str) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``args`` in its own process group; on a timeout kill the whole group (torchrun and every rank)."""
     t0 = time.monotonic()
@@ -150,15 +163,7 @@ def test_default_model_three_ranks_print_one_processs_text():
 
 @pytest.mark.parametrize("mode", ["greedy", "speculative"])
 def test_tiny_llama_two_ranks_greedy_ids_equal_one_process(tiny_llama, mode):
-    from dtorch.engine.llm import LLM
-    from dtorch.engine.sampling import SamplingParams
-
-    llm = LLM(str(tiny_llama), max_num_seqs=4)
-    try:
-        want = [o.outputs[0].token_ids for o in llm.generate(BATCH, SamplingParams(temperature=0.0, max_tokens=10,
-                                                                        ignore_eos=True))]
-    finally:
-        llm.close()
+    want = one_process_greedy_ids(tiny_llama)
     proc, _ = _run(_torchrun(2, __file__, mode, str(tiny_llama)), timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
