@@ -218,17 +218,23 @@ def test_cli_pipeline_flags(llama, capsys):
     assert info.value.code == 2 and "--pp-layers: expected layer counts >= 1" in capsys.readouterr().err
 
 
-def test_a_stage_that_fails_leaves_nothing_for_the_next_step():
-    """Stage 1 fails (a bad feed) after stage 0 sent: the step raises, and the next step reads its own activations,
-    not the failed step's."""
-    from dtorch.models.executor import StageRunners
-
+def _send_then_add():
+    """Two stages of one device each: stage 0 sends its input x [2, 3], stage 1 outputs y = x + b."""
     mesh = DeviceMesh.cpu(2, (2, 1), ("pp", "tp"))
     g0 = LogicalGraph(mesh.stage(0))
     g0.send(g0.input("x", (2, 3)), mesh.stage(1).ids)
     g1 = LogicalGraph(mesh.stage(1))
     h = g1.recv("h", (2, 3), torch.float32, mesh.stage(0).ids)
     g1.output("y", g1.call("binary.add", h, g1.input("b", (2, 3))))
+    return mesh, g0, g1
+
+
+def test_a_stage_that_fails_leaves_nothing_for_the_next_step():
+    """Stage 1 fails (a bad feed) after stage 0 sent: the step raises, and the next step reads its own activations,
+    not the failed step's."""
+    from dtorch.models.executor import StageRunners
+
+    mesh, g0, g1 = _send_then_add()
     comm = InProcessCommunicator(mesh.ids)
     stages = StageRunners([Runner(g0, comm.group((0,))), Runner(g1, comm.group((1,)))])
     try:
@@ -276,12 +282,7 @@ def test_a_step_that_fails_in_flight_fails_the_steps_behind_it_and_no_more():
     its own activations."""
     from dtorch.models.pipeline import StageWorkers
 
-    mesh = DeviceMesh.cpu(2, (2, 1), ("pp", "tp"))
-    g0 = LogicalGraph(mesh.stage(0))
-    g0.send(g0.input("x", (2, 3)), mesh.stage(1).ids)
-    g1 = LogicalGraph(mesh.stage(1))
-    h = g1.recv("h", (2, 3), torch.float32, mesh.stage(0).ids)
-    g1.output("y", g1.call("binary.add", h, g1.input("b", (2, 3))))
+    mesh, g0, g1 = _send_then_add()
     comm = InProcessCommunicator(mesh.ids, timeout=10)
     gate = threading.Event()
 
