@@ -198,3 +198,44 @@ def test_sliding_window_matches_reference(queries, keys, block_size, window):
     flash_attention_with_kvcache_reference(ctx, (q, kc, vc, cu_q, lens, table), (want,))
     assert got.isfinite().all()
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize(("queries", "keys", "window"), [([1, 1, 1], [19, 5, 33], 0), ([4, 1], [21, 9], 6)],
+                         ids=["decode", "prefill_sliding"])
+def test_softcap_matches_the_math(queries, keys, window):
+    """Gemma 2's capped scores: softmax(cap * tanh(q k^T * scale / cap)) v, computed here in plain float64 torch from
+    each sequence's keys as the table lists them. The queries are scaled so that most scores pass the cap (without it
+    the output differs by far more than the tolerance)."""
+    q, kc, vc, cu_q, lens, table = _inputs(queries, keys, block_size=8, seed=6)
+    q *= 6.0
+    h, hkv, d = q.shape[1], kc.shape[2], q.shape[2]
+    scale, cap = d ** -0.5, 5.0
+    want = torch.zeros(q.shape, dtype=torch.float64)
+    for s, (nq, n) in enumerate(zip(queries, keys, strict=True)):
+        rows = [int(table[s, j // 8]) * 8 + j % 8 for j in range(n)]
+        k = kc.view(-1, hkv, d)[rows].double().repeat_interleave(h // hkv, 1)  # [n, H, D]
+        v = vc.view(-1, hkv, d)[rows].double().repeat_interleave(h // hkv, 1)
+        qs = q[int(cu_q[s]):int(cu_q[s + 1])].double()  # [nq, H, D]
+        scores = cap * torch.tanh(torch.einsum("thd,nhd->htn", qs, k) * scale / cap)  # [H, nq, n]
+        pos = torch.arange(n - nq, n)[:, None]  # each query's position; bottom-right causal
+        hidden = torch.arange(n)[None, :] > pos
+        if window:
+            hidden |= torch.arange(n)[None, :] <= pos - window
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        want[int(cu_q[s]):int(cu_q[s + 1])] = torch.einsum("htn,nhd->thd", probs, v)
+    ctx = KernelContext(Device("cpu"), None, None, KernelParams(causal=True, scale=scale, window=window, softcap=cap))
+    got, plain = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    flash_attention_with_kvcache_triton(ctx, (q, kc, vc, cu_q, lens, table), (got,))
+    uncapped = KernelContext(Device("cpu"), None, None, KernelParams(causal=True, scale=scale, window=window))
+    flash_attention_with_kvcache_triton(uncapped, (q, kc, vc, cu_q, lens, table), (plain,))
+    torch.testing.assert_close(got.double(), want, atol=5e-5, rtol=5e-5)
+    assert (plain.double() - want).abs().max() > 0.1
+
+
+def test_softcap_is_served_by_triton_on_cuda():
+    """The triton candidate no longer declines a capped call (Gemma 2 on a GPU ran the torch reference)."""
+    from dtorch.dispatch.meta import Call
+    from dtorch.kernels.triton.attention import _check
+
+    call = Call(Device("cuda"), torch.bfloat16, KernelParams(causal=True, scale=0.0625, softcap=50.0, head_dim=256))
+    assert _check(call) is None

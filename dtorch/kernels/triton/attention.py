@@ -5,7 +5,8 @@ head and a tile of BLOCK_M rows, where a row is a (query, query head) pair of th
 share the kv head: a decode step (one query per sequence) fills G rows of one tile and reads each key block once
 for the whole group. The program walks the sequence's keys BLOCK_N at a time (each key row's cache block looked
 up in the table) with an online softmax in float32; causal programs stop at the last key their rows see, and under a
-sliding window start at the first key of their first row's window.
+sliding window start at the first key of their first row's window. A soft-capped model (Gemma 2) caps each score as
+softcap * tanh(score / softcap) before the softmax, as the reference does.
 
 Contract as the torch reference (``dtorch/kernels/torch/kv_cache.py``): bottom-right causal; a row that sees no
 key is 0; a row that reads a NaN or an inf (its q row, or the k/v row of a key it sees) is NaN, while non-finite
@@ -28,12 +29,19 @@ BLOCK_N = 32  # key rows per step of the softmax loop (any cache block size: row
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2, in float32: 1 - 2 / (e^(2x) + 1) is +-1 at the ends (exp2 overflowing to inf gives 1) and
+    never NaN for a finite x."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
 def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, table_ptr,
                      stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_od, stride_table,
-                     qk_scale, head_dim, window,
+                     qk_scale, head_dim, window, softcap, softcap_log2,
                      G: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
-                     BLOCK_M: tl.constexpr,
+                     SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -89,7 +97,9 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, table_ptr
             visible = visible & (n[None, :] <= last[:, None])
         if SLIDING:
             visible = visible & (n[None, :] > last[:, None] - window)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 units (without SOFTCAP)
+        if SOFTCAP:  # qk_scale is the plain scale here: cap the score, then go to log2 units
+            s = _tanh(s / softcap) * softcap_log2
         s = tl.where(visible, s, float("-inf"))
         bad += tl.sum(tl.where(visible, kv_bad[None, :], 0.0), axis=1)
 
@@ -109,9 +119,7 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, table_ptr
 
 
 def _check(call: Call) -> str | None:
-    """Declines head dims above MAX_HEAD_DIM, and capped scores."""
-    if call.params.get("softcap", 0.0):
-        return "softcap: the triton paged attention does not cap the scores"
+    """Declines head dims above MAX_HEAD_DIM."""
     d = int(call.inputs[0].shape[-1]) if call.inputs is not None else call.params.get("head_dim")
     if d is not None and d > MAX_HEAD_DIM:
         return f"head_dim {d} > {MAX_HEAD_DIM}: the triton paged attention keeps [BLOCK_M, D] in registers"
@@ -129,16 +137,17 @@ def flash_attention_with_kvcache_triton(ctx, inputs, outputs):
         return
     g = h // hkv
     window = int(ctx.params.get("window", 0))
+    softcap = float(ctx.params.get("softcap", 0.0))  # 0: scores uncapped
     block_m = 16 if total_q <= n else 64  # decode-shaped steps have at most G rows per sequence
     # A sequence has at most total_q queries; programs past its rows store nothing.
     grid = (n, hkv, triton.cdiv(total_q * g, block_m))
     _paged_attention[grid](
         q, kc, vc, out, cu_q, seqlens_k, block_table,
         *q.stride(), *kc.stride()[:3], *vc.stride()[:3], *out.stride(), block_table.stride(0),
-        ctx.params.scale * LOG2E, d, window,
-        G=g, BLOCK_SIZE=kc.shape[1], CAUSAL=bool(ctx.params.causal), SLIDING=window > 0, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ctx.params.scale * (1.0 if softcap else LOG2E), d, window, softcap or 1.0, softcap * LOG2E,
+        G=g, BLOCK_SIZE=kc.shape[1], CAUSAL=bool(ctx.params.causal), SLIDING=window > 0, SOFTCAP=softcap > 0,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
 
 
