@@ -221,8 +221,8 @@ def test_decode_steps_replay_with_the_logits_of_uncaptured_steps(checkpoint, dis
     native kernels disabled the torch kernels serve every op, as on a GPU without triton. A MoE model's experts run
     on the gathered kernel there (the others read the routing on the host); with a cap on the gathered weights
     below one step's, its decode bucket runs uncaptured and says why."""
+    from dtorch.models.bucket import bucket_for
     from dtorch.models.executor import StepPlan
-    from dtorch.models.model import bucket_for
 
     family, path = checkpoint
     rec = HostRecorder()
@@ -251,7 +251,7 @@ def test_decode_steps_replay_with_the_logits_of_uncaptured_steps(checkpoint, dis
 
 def test_moe_experts_past_the_gather_limit_run_uncaptured(checkpoint, monkeypatch):
     from dtorch.kernels.torch import moe
-    from dtorch.models.model import bucket_for
+    from dtorch.models.bucket import bucket_for
 
     family, path = checkpoint
     if family != "qwen3_next":

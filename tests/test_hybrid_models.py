@@ -129,8 +129,8 @@ def test_the_decode_step_reads_no_device_values(model, monkeypatch):
     is forced here, so these are the kernels an accelerator would run. (The cpu attention and KV cache kernels of
     the torch backend read their sequence lengths; the GPU backend's are another issue's.)"""
     import dtorch.kernels.torch.moe as moe
+    from dtorch.models.bucket import bucket_for
     from dtorch.models.executor import StepPlan
-    from dtorch.models.model import bucket_for
 
     _, _, path, _ = model
     monkeypatch.setattr(moe, "_experts_host", moe._experts_gathered)

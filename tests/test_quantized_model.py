@@ -186,7 +186,7 @@ def test_long_prompts_and_decode_batches_are_coarse_verified_rows_and_logits_are
     logits (``logits``) or on the rows a speculative step verifies."""
     from dtorch.engine.llm import LLM
     from dtorch.engine.sampling import SamplingParams
-    from dtorch.models.model import COARSE_PROMPT_ROWS
+    from dtorch.models.bucket import COARSE_PROMPT_ROWS
 
     quantized, _ = models
     key = KernelKey("matmul.linear", "cpu", torch.float32, "gguf.q4_1")

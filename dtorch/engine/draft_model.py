@@ -24,9 +24,9 @@ import torch
 from dtorch.core.errors import ModelError
 from dtorch.engine.draw import multinomial_one
 from dtorch.engine.sampling import filter_logits, shape_logits
+from dtorch.models.bucket import long_prompts
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
-from dtorch.models.model import long_prompts
 
 
 class DraftModel:

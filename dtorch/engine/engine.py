@@ -25,9 +25,9 @@ from dtorch.engine.sampling import SamplingParams, sample_step
 from dtorch.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from dtorch.engine.speculative import Drafts, Speculator
 from dtorch.engine.structured import Grammars, error_line
+from dtorch.models.bucket import Bucket, long_prompts
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
-from dtorch.models.model import Bucket, long_prompts
 
 log = logging.getLogger("dtorch.engine")
 IDLE_PREFIX_KEEP = 0.25  # share of the cache's blocks that keep their cached prefixes when the engine goes idle
@@ -211,7 +211,7 @@ class Engine:
 
     def start_warmup(self) -> list:
         """Queue every step shape the scheduler can make (smallest first) for ``warm_next`` to build; returns them."""
-        from dtorch.models.model import bucket_for
+        from dtorch.models.bucket import bucket_for
 
         cfg = self.scheduler.config
         shapes = {bucket_for(t, n, long=long) for t in range(1, cfg.max_num_batched_tokens + 1)

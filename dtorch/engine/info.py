@@ -161,7 +161,7 @@ def bound_kernels(llm: Any) -> dict[str, dict[str, Any]]:
     tokens: "op [layout] dtype" -> {"provider": the winner(s) (``explain``), "varies": how its path depends on the
     call or None, "count": kernels}."""
     from dtorch.dispatch import dispatcher
-    from dtorch.models.model import bucket_for
+    from dtorch.models.bucket import bucket_for
     from dtorch.runtime.kernel import DispatchKernel
 
     rows: dict[str, dict[str, Any]] = {}

@@ -66,7 +66,7 @@ def row_cost(device_type: str) -> tuple[float, float]:
 def step_cost(rows: int, row_cost: tuple[float, float]) -> float:
     """What a step of one sequence's ``rows`` rows costs against a one-row step (``row_cost``: as ``ROW_COST``'s),
     counting the rows its step shape pads them to (past 16 rows, a power of two: 17 rows compute 32)."""
-    from dtorch.models.model import bucket_for
+    from dtorch.models.bucket import bucket_for
 
     rows = bucket_for(rows, 1, rows=rows).tokens if rows > 1 else 1
     second, more = row_cost
@@ -274,7 +274,7 @@ class Speculator:
         k_max = self.config.num_speculative_tokens
         # a long prompt step drafts nothing: with drafts its rows would keep two levels (model.COARSE_PROMPT_ROWS);
         # one step without drafts costs a decode step, the 8-bit prompt rows 1.4-1.9x less prefill
-        from dtorch.models.model import bucket_for
+        from dtorch.models.bucket import bucket_for
 
         step = bucket_for(sum(n for _, n in plan), len(plan), long=long)
         long_prompt = engine.executor.model.coarse(step) and not step.decode
@@ -318,7 +318,7 @@ class Speculator:
 
     def shapes(self, max_seqs: int, max_tokens: int) -> set:
         """The step shapes of speculative steps where every row is a drafted sequence's (``Engine.warmup``)."""
-        from dtorch.models.model import bucket_for
+        from dtorch.models.bucket import bucket_for
 
         k = self.config.num_speculative_tokens
         return {bucket_for(t, n, rows=t) for n in range(1, max_seqs + 1)

@@ -1,5 +1,6 @@
 """Models: configuration, weight loaders, tokenizer, the model as a graph, its KV cache and executor."""
 
+from dtorch.models.bucket import Bucket as Bucket, bucket_for as bucket_for
 from dtorch.models.config import PRESETS as PRESETS, ModelConfig as ModelConfig, rope_inv_freq as rope_inv_freq
 from dtorch.models.default import default_model_path as default_model_path
 from dtorch.models.executor import Executor as Executor, StepPlan as StepPlan
@@ -11,7 +12,7 @@ from dtorch.models.loaders import (
     load_checkpoint as load_checkpoint,
     open_checkpoint as open_checkpoint,
 )
-from dtorch.models.model import Bucket as Bucket, Transformer as Transformer, bucket_for as bucket_for
+from dtorch.models.model import Transformer as Transformer
 from dtorch.models.tokenizer import StreamDecoder as StreamDecoder, Tokenizer as Tokenizer
 
 __all__ = ["PRESETS", "Bucket", "Checkpoint", "Executor", "KVCache", "Layout", "LazyCheckpoint", "ModelConfig",

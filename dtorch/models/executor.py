@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import ModelError
+from dtorch.models.bucket import Bucket, bucket_for
 from dtorch.models.kv_cache import KVCache
-from dtorch.models.model import Bucket, Transformer, bucket_for
+from dtorch.models.model import Transformer
 from dtorch.models.pipeline import Flight, StageWorkers
 from dtorch.runtime.capture import NOT_ASKED, Capture, Recorder, RunCapture
 from dtorch.runtime.comm import Communicator
