@@ -154,6 +154,22 @@ def test_a_field_name_nothing_checks_is_refused():
         Family(name="typo", hf_types=("typo",), hf_keys={"residual_scale": "residual_multiplier"})
 
 
+def test_the_shared_skeleton_names_no_family():
+    """``models/model.py`` builds every family's graph from ``ModelConfig`` fields: it names no family (its name, its
+    model types, its GGUF architecture) and never reads ``config.family``; a difference goes through a field."""
+    import re
+
+    source = (Path(__file__).parent.parent / "dtorch" / "models" / "model.py").read_text().lower()
+    source = source.replace("llama.cpp", "")  # the project, not the family
+    for name in families.names():
+        f = families.get(name)
+        for word in {f.name, *f.hf_types, *f.hf_multimodal, *([f.gguf_arch] if f.gguf_arch else [])}:
+            assert not re.search(rf"\b{re.escape(word.lower())}\b", source), \
+                f"models/model.py names {word!r} (family {f.name}): give the difference a ModelConfig field instead " \
+                "(docs/adding-a-family.md, step 3)"
+    assert ".family" not in source, "models/model.py reads config.family: branch on a ModelConfig field instead"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_default_rope_base_is_transformers(family):
     """A config.json without a RoPE base gets the family's ``hf_rope_theta``: transformers' ``default_theta`` of the
