@@ -40,3 +40,19 @@ def test_gemma2_gguf_layers_as_llama_cpp_reads_them(tmp_path):
     assert [c.window(i) for i in range(4)] == [None, 4096, 4096, None]
     with pytest.raises(dtorch.ModelError, match="gemma2.attention.sliding_window_pattern"):
         config_from_gguf(_meta(**{"attention.sliding_window_pattern": [True]}), set(), path)
+
+
+def test_gemma2_config_json_without_caps_gets_transformers_defaults():
+    """A config.json that omits the caps (and the window, the query scalar) runs as transformers' Gemma2Config
+    defaults them."""
+    transformers = pytest.importorskip("transformers")
+    from dtorch.models.config import ModelConfig
+
+    want = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    raw = want.to_dict()
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "query_pre_attn_scalar"):
+        raw.pop(key)
+    c = ModelConfig.from_hf(raw)
+    assert (c.attn_softcap, c.logits_softcap) == (want.attn_logit_softcapping, want.final_logit_softcapping)
+    assert (c.sliding_window, c.attn_scale) == (want.sliding_window, want.query_pre_attn_scalar ** -0.5)

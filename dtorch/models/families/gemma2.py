@@ -11,6 +11,7 @@ and 30 (llama.cpp's src/models/gemma2.cpp, src/llama-hparams.h)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dtorch.core.errors import ModelError
@@ -25,6 +26,16 @@ from dtorch.models.families.base import (
 )
 from dtorch.models.families.gemma3 import sandwich_layer
 
+# the caps' fields -> their config.json keys (llama.cpp's converter writes the same names after "gemma2."), and the
+# value a file that omits one gets: transformers' Gemma2Config defaults, which llama.cpp's loader assumes too
+_CAPS = {"attn_softcap": "attn_logit_softcapping", "logits_softcap": "final_logit_softcapping"}
+_CAP_DEFAULTS = {"attn_softcap": 50.0, "logits_softcap": 30.0}
+
+
+def _caps(read: Callable[[str, float], Any]) -> dict[str, Any]:
+    """Each cap from its key through ``read(key, default)`` (``dict.get`` of a config.json, ``GgufMeta.get``)."""
+    return {name: read(key, _CAP_DEFAULTS[name]) for name, key in _CAPS.items()}
+
 
 def _alternating(layers: int) -> tuple[str, ...]:
     return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
@@ -38,9 +49,7 @@ def _hf_config(c: dict[str, Any], source: str) -> dict[str, Any]:
     window = c.get("sliding_window", 4096)
     return dict(layer_types=types, sliding_window=window if "sliding_attention" in types else None,
                 attention_multiplier=c.get("query_pre_attn_scalar", 256) ** -0.5,
-                embedding_multiplier=c["hidden_size"] ** 0.5,
-                attn_softcap=c.get("attn_logit_softcapping", 50.0),
-                logits_softcap=c.get("final_logit_softcapping", 30.0))
+                embedding_multiplier=c["hidden_size"] ** 0.5, **_caps(c.get))
 
 
 def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
@@ -52,9 +61,7 @@ def _gguf_config(m: GgufMeta, common: dict[str, Any]) -> dict[str, Any]:
     types = gguf_swa_layers(m, layers, 2)
     scalar = common["hidden_size"] / common["num_heads"] if layers == 46 else common["head_dim"]
     out = dict(layer_types=types, sliding_window=window if "sliding_attention" in types else None,
-               attention_multiplier=scalar ** -0.5, embedding_multiplier=common["hidden_size"] ** 0.5,
-               attn_softcap=m.get("attn_logit_softcapping", 50.0),
-               logits_softcap=m.get("final_logit_softcapping", 30.0))
+               attention_multiplier=scalar ** -0.5, embedding_multiplier=common["hidden_size"] ** 0.5, **_caps(m.get))
     local = m.get("rope.freq_base_swa", common["rope_theta"])
     if local != common["rope_theta"]:  # llama.cpp scales the sliding layers' RoPE as the global one's
         if common["rope_scaling"] is not None:
@@ -67,10 +74,8 @@ FAMILY = Family(
     name="gemma2", hf_types=("gemma2",), gguf_arch="gemma2",
     fields={"norm_placement": "sandwich", "norm_plus_one": True, "hidden_act": "gelu_tanh"},
     hf_keys={"sliding_window": "sliding_window", "layer_types": "layer_types",
-             "query_pre_attn_scalar": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
-             "logits_softcap": "final_logit_softcapping"},
-    gguf_keys={"sliding_window": "attention.sliding_window", "attn_softcap": "attn_logit_softcapping",
-               "logits_softcap": "final_logit_softcapping", "rope_local_theta": "rope.freq_base_swa"},
+             "query_pre_attn_scalar": "query_pre_attn_scalar", **_CAPS},
+    gguf_keys={"sliding_window": "attention.sliding_window", "rope_local_theta": "rope.freq_base_swa", **_CAPS},
     hf_config=_hf_config, gguf_config=_gguf_config, tensors=decoder(sandwich_layer), gguf_views=shifted_norms,
     hf_read=("use_bidirectional_attention",),
     # caps far below the models' 50 and 30, so that the tiny model's scores and logits are really capped; a window
