@@ -1,11 +1,12 @@
 """The triton paged attention (``llm.flash_attention_with_kvcache``) against the torch reference, on CPU tensors
-through triton's interpreter."""
+through triton's interpreter; the tests marked cuda rerun the soft-capped cases compiled on a GPU
+(``scripts/device-check.sh`` sets TRITON_INTERPRET=0)."""
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # chosen when @triton.jit runs, so before the kernel module is imported
+os.environ.setdefault("TRITON_INTERPRET", "1")  # chosen when @triton.jit runs, so before the kernel module is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -18,6 +19,9 @@ from dtorch.kernels.torch.kv_cache import flash_attention_with_kvcache_reference
 from dtorch.kernels.triton.attention import flash_attention_with_kvcache_triton  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
+                             reason="needs a CUDA device, TRITON_INTERPRET=0")
 
 
 def _ctx(causal: bool, d: int) -> KernelContext:
@@ -200,14 +204,16 @@ def test_sliding_window_matches_reference(queries, keys, block_size, window):
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
-@pytest.mark.parametrize(("queries", "keys", "window"), [([1, 1, 1], [19, 5, 33], 0), ([4, 1], [21, 9], 6)],
-                         ids=["decode", "prefill_sliding"])
-def test_softcap_matches_the_math(queries, keys, window):
+SOFTCAP_CASES = {"decode": ([1, 1, 1], [19, 5, 33], 0), "prefill_sliding": ([4, 1], [21, 9], 6)}
+
+
+def _softcap_case(case: str, device: str, dtype: torch.dtype) -> None:
     """Gemma 2's capped scores: softmax(cap * tanh(q k^T * scale / cap)) v, computed here in plain float64 torch from
     each sequence's keys as the table lists them. The queries are scaled so that most scores pass the cap (without it
     the output differs by far more than the tolerance)."""
-    q, kc, vc, cu_q, lens, table = _inputs(queries, keys, block_size=8, seed=6)
-    q *= 6.0
+    queries, keys, window = SOFTCAP_CASES[case]
+    q, kc, vc, cu_q, lens, table = _inputs(queries, keys, block_size=8, dtype=dtype, seed=6)
+    q = (q.float() * 6.0).to(dtype)
     h, hkv, d = q.shape[1], kc.shape[2], q.shape[2]
     scale, cap = d ** -0.5, 5.0
     want = torch.zeros(q.shape, dtype=torch.float64)
@@ -223,13 +229,28 @@ def test_softcap_matches_the_math(queries, keys, window):
             hidden |= torch.arange(n)[None, :] <= pos - window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         want[int(cu_q[s]):int(cu_q[s + 1])] = torch.einsum("htn,nhd->thd", probs, v)
-    ctx = KernelContext(Device("cpu"), None, None, KernelParams(causal=True, scale=scale, window=window, softcap=cap))
-    got, plain = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
-    flash_attention_with_kvcache_triton(ctx, (q, kc, vc, cu_q, lens, table), (got,))
-    uncapped = KernelContext(Device("cpu"), None, None, KernelParams(causal=True, scale=scale, window=window))
-    flash_attention_with_kvcache_triton(uncapped, (q, kc, vc, cu_q, lens, table), (plain,))
-    torch.testing.assert_close(got.double(), want, atol=5e-5, rtol=5e-5)
-    assert (plain.double() - want).abs().max() > 0.1
+    inputs = tuple(t.to(device) for t in (q, kc, vc, cu_q, lens, table))
+    got, plain = torch.full_like(inputs[0], 7.0), torch.full_like(inputs[0], 7.0)
+    capped = KernelParams(causal=True, scale=scale, window=window, softcap=cap)
+    flash_attention_with_kvcache_triton(KernelContext(Device(device), None, None, capped), inputs, (got,))
+    uncapped = KernelParams(causal=True, scale=scale, window=window)
+    flash_attention_with_kvcache_triton(KernelContext(Device(device), None, None, uncapped), inputs, (plain,))
+    tol = 5e-5 if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
+    assert (plain.double().cpu() - want).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES)
+def test_softcap_matches_the_math(case):
+    _softcap_case(case, "cpu", torch.float32)
+
+
+@pytest.mark.cuda
+@ON_CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", SOFTCAP_CASES)
+def test_softcap_matches_the_math_on_cuda(case, dtype):
+    _softcap_case(case, "cuda", dtype)
 
 
 def test_softcap_is_served_by_triton_on_cuda():
