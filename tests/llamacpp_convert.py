@@ -88,7 +88,12 @@ def convert(jobs: list[tuple[Path, Path, str]]) -> Callable[[], None]:
     def wait() -> None:
         _, err = proc.communicate(timeout=300)
         if proc.returncode or not all(out.is_file() for _, out, _ in jobs):
-            pytest.fail("llama.cpp's converter failed: " + " | ".join(err.strip().splitlines()[-6:]))
+            hint = ""
+            if "tokenizer" in err:  # e.g. tiktoken failing to parse a SentencePiece tokenizer.model as BPE ranks
+                hint = (" (a family whose converter reads a BPE tokenizer.json only fails on the SentencePiece "
+                        "tokenizer.model: give its test family_test(..., tokenizer=\"gpt2\"), docs/adding-a-family.md "
+                        "step 7)")
+            pytest.fail("llama.cpp's converter failed: " + " | ".join(err.strip().splitlines()[-6:]) + hint)
 
     return wait
 
