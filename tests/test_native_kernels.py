@@ -410,7 +410,8 @@ def test_rms_norm_and_add_rms_norm(dtype, isa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_on_token_strided_heads(dtype, isa):
     """Qwen3's per-head q / k norms run on [T, H, D] views of a fused qkv output (tokens a row of q, k and v heads
-    apart): the same values as on a contiguous copy, into a fresh out or in place; a residual wants contiguous x."""
+    apart): the same values as on a contiguous copy, into a fresh out or in place; with a residual too (the DTN_OP
+    row's token-strided rows)."""
     torch.manual_seed(8)
     w = torch.rand(64).to(dtype)
     for t in (1, 7):
@@ -423,9 +424,12 @@ def test_rms_norm_on_token_strided_heads(dtype, isa):
             nk.rms_norm(x, w, 1e-6, out=x)  # in place on the view: the other heads untouched
             assert torch.equal(x, want)
             assert torch.equal(qkv.flatten()[_outside(qkv, x)], before.flatten()[_outside(qkv, x)])
-    q = torch.randn(3, 10, 64).to(dtype)[:, :4]
-    with pytest.raises(LayoutError, match="contiguous with a residual"):
-        nk.load().rms_norm(q, q.clone(), q.clone(), w, q.clone(), 1e-6)
+    q, res = torch.randn(3, 10, 64).to(dtype)[:, :4], torch.randn(3, 4, 64).to(dtype)
+    out, h = nk.add_rms_norm(q, res, w, 1e-6)
+    want, want_h = nk.add_rms_norm(q.contiguous(), res, w, 1e-6)
+    assert torch.equal(h, res + q) and torch.equal(h, want_h) and torch.equal(out, want)
+    with pytest.raises(LayoutError, match=r"x \[2, 3, 4, 64\] must have its rows one stride apart, or be heads"):
+        nk.rms_norm(torch.randn(2, 6, 8, 64).to(dtype)[:, :3, :4], w, 1e-6)
 
 
 def _outside(base: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
@@ -508,7 +512,7 @@ def test_a_declared_op_checks_its_arguments_as_its_row_says():
         mod.softmax_last_dim(x, x.double())
     with pytest.raises(ShapeError, match=r"softmax_last_dim: out must have x's shape \[3, 8\], got \[3, 4\]"):
         mod.softmax_last_dim(x, torch.empty(3, 4))
-    with pytest.raises(LayoutError, match="out .* must be dense in its last 1 dim"):
+    with pytest.raises(LayoutError, match="out .* must be dense in its last dim"):
         mod.softmax_last_dim(x, torch.empty(8, 3).t())
     with pytest.raises(ArgumentError, match=r"argument 2 \(out\) is missing; it takes DTN_IN\(x\) DTN_OUT\(out\)"):
         mod.softmax_last_dim(x)

@@ -10,11 +10,22 @@ static inline float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]);
 static inline void st(float* p, int64_t i, float v) { p[i] = v; }
 static inline void st(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
 
-// exp (the gated activations, attention's and softmax's exps): Cody-Waite range reduction and a degree-6 polynomial (< 2 ulp over float32), written
-// branch-free so the loop vectorizes (libm's expf does not without -ffast-math)
+// exp (the gated activations, attention's and softmax's exps): Cody-Waite range reduction and a degree-6 polynomial
+// (< 2 ulp over float32), written so that a loop calling it vectorizes on every ISA (libm's expf does not without
+// -ffast-math): k = round(x / ln 2) by adding and subtracting 1.5 * 2^23 (round to nearest even, as nearbyint, for
+// |x / ln 2| < 2^22; nearbyint itself is a libm call or a scalar vroundss in GCC's loops), and the clamp to
+// [-87.3, 88.3] as a bit blend (a plain `x < lo ? lo : x` lets GCC branch to a folded constant, which stops the
+// vectorizer on AVX2 and SSE). A NaN stays NaN (both compares fail).
 static inline float exp_f32(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);  // 2^k stays a normal float
-  const float k = std::nearbyint(x * 1.44269504088896341f);
+  constexpr float lo = -87.3f, hi = 88.3f;  // 2^k stays a normal float
+  int32_t xi, lo_i, hi_i;
+  std::memcpy(&xi, &x, 4);
+  std::memcpy(&lo_i, &lo, 4);
+  std::memcpy(&hi_i, &hi, 4);
+  const int32_t below = -int32_t(x < lo), above = -int32_t(x > hi);  // all ones where true
+  xi = (xi & ~(below | above)) | (lo_i & below) | (hi_i & above);
+  std::memcpy(&x, &xi, 4);
+  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
