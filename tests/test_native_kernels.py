@@ -505,7 +505,8 @@ def test_softmax_last_dim(dtype, isa):
 
 @native
 def test_a_declared_op_checks_its_arguments_as_its_row_says():
-    """binding.cpp's checks of a DTN_OP row (DTN_IN(x) DTN_OUT(out)) name the argument and what was wrong."""
+    """binding.cpp's checks of a DTN_OP row (read from its RowInfo at run time) name the argument and what was
+    wrong."""
     mod = nk.load()
     x = torch.randn(3, 8)
     with pytest.raises(DTypeError, match="softmax_last_dim: out must have x's dtype Float, got Double"):
@@ -520,6 +521,15 @@ def test_a_declared_op_checks_its_arguments_as_its_row_says():
         mod.softmax_last_dim(x, x, x)
     with pytest.raises(DTypeError, match="x must be float32 or bfloat16, got Double"):
         mod.softmax_last_dim(x.double(), x.double())
+    # DTN_HALF (silu_and_mul's up): None means gate is the fused [..., 2D]; the other rows name their arguments too
+    with pytest.raises(ShapeError, match=r"silu_and_mul: with up None, gate must be the fused \[\.\.\., 2D\]"):
+        mod.silu_and_mul(torch.randn(2, 7), None, torch.empty(2, 3))
+    with pytest.raises(ShapeError, match=r"out must have gate's shape \[2, 4\] \(its last dim halved\), got \[2, 8\]"):
+        mod.silu_and_mul(x[:2], None, torch.empty(2, 8))
+    with pytest.raises(ShapeError, match=r"add_rms_norm: residual must have x's shape \[3, 8\], got \[3, 4\]"):
+        mod.add_rms_norm(x, torch.empty(3, 4), torch.ones(8), x, x, 1e-6)
+    with pytest.raises(ShapeError, match=r"rms_norm: weight must be \[D = 8\], got \[4\]"):
+        mod.rms_norm(x, torch.ones(4), x, 1e-6)
 
 
 # -- build and cache --------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 #include "op_args.h"  // the structs of this group's DTN_OP rows
