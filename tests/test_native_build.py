@@ -1,5 +1,6 @@
-"""The native op list (csrc/ops.def) drives the tables, the module and the registrations; the native build compiles
-one object per unit and group, keyed by its own inputs, and recompiles only what a change reaches.
+"""The native op list (csrc/ops.def, entries.def) drives the tables, the module and the registrations; the build
+compiles one object per unit and group, keyed by its own inputs, and recompiles only what a change reaches: a
+declared op never recompiles binding.cpp.
 
 What is measured is which objects were compiled, never how long that took (bench/README.md has the times).
 """
@@ -127,6 +128,13 @@ def test_a_row_kernel_passes_the_call_as_the_row_lists_it_and_falls_back(tmp_pat
     torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5) * w)
     with pytest.raises(ArgumentError, match=r"DTN_OP toy_scale \(ops/toy\.def\) takes inputs \('x', 'w'\)"):
         entry.fn(ctx, (x,), (out,))
+    calls.clear()  # bound once (a static plan's loop): the same call, and the same fallback, with no arguments
+    entry.fn.bind(ctx, (x, w), (out,))()
+    assert calls[0][:3] == (x, w, out) and calls[0][3] == 0.5
+    out.zero_()
+    entry.fn.bind(ctx, (x, w), (out,))()
+    torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5) * w)
+    assert entry.fn.bind(ctx, (x,), (out,)) is None
 
 
 def test_an_entry_op_without_a_kernel_is_refused_naming_it(tmp_path):

@@ -375,6 +375,22 @@ def row_kernel(row: oplist.RowOp):
         except DtorchError:
             fallback(ctx, inputs, outputs)
 
+    def bind(ctx, inputs, outputs):
+        """This call on these very tensors as a callable of no arguments (a static plan's bare loop calls it every
+        step): the row's module function with its arguments fixed, the fallback where the C++ refuses them; None
+        for a call the row does not count (the kernel itself then runs, and names the row)."""
+        if len(inputs) != n_in or len(outputs) != n_out:
+            return None
+        fn, args = getattr(_lib(), name), (*inputs, *outputs, *(getattr(ctx.params, p) for p in params))
+
+        def run():
+            try:
+                fn(*args)
+            except DtorchError:
+                fallback(ctx, inputs, outputs)
+        return run
+
+    kernel.bind = bind
     kernel.__name__ = kernel.__qualname__ = name
     return kernel
 
