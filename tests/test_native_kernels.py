@@ -486,6 +486,23 @@ def test_silu_and_mul(dtype, isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype, isa):
+    """The DTN_OP row with DTN_HALF(up): fused [..., 2I] (up None) or two halves, rows one stride apart (a view of the
+    fused tensor's halves), against torch's F.gelu(approximate="tanh") * up."""
+    torch.manual_seed(10)
+    mod = nk.load()
+    for shape in [(1, 2 * 1536), (3, 2 * 33), (2, 2, 2 * 8)]:
+        x = (3 * torch.randn(shape)).to(dtype)
+        g, u = x.chunk(2, -1)
+        want = torch.mul(F.gelu(g, approximate="tanh"), u)
+        tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else FUSED_TOL[dtype]
+        torch.testing.assert_close(nk.gelu_tanh_and_mul(x), want, **tol)
+        out = torch.empty_like(g)
+        mod.gelu_tanh_and_mul(g, u, out)  # the halves as views: rows 2I apart
+        torch.testing.assert_close(out, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_last_dim(dtype, isa):
     """The DTN_OP row ops/softmax.def (checks and registration from the row): float32 softmax rounded once, on
     contiguous rows, rows one stride apart (a view of wider rows) and in place."""
