@@ -29,6 +29,7 @@ SMOKE = {
     "memory.py": (["--smoke"], ["phase", "weights loaded", "held by", "model MiB"]),
     "moe.py": (["--smoke"], ["experts", "reference", "speed-up", "max diff"]),
     "native_kernels.py": (["--smoke"], ["us/call", "GB/s weights", "q4_1"]),
+    "native_rows.py": (["--smoke"], ["torch / native", "softmax_last_dim [2, 64]", "add_rms_norm"]),
     "native_build.py": (["--smoke"], ["| build | objects compiled | seconds |", "one op added as its own group"]),
     "runtime.py": (["--smoke"], ["measure", "overlap fraction", "peak activation memory"]),
     "serve.py": (["--smoke"], ["out tok/s", "TTFT p50 ms", "dtorch scaling"]),

@@ -1,5 +1,6 @@
-"""The native op list (csrc/ops.def) drives the tables, the module and the registrations; the native build compiles
-one object per unit and group, keyed by its own inputs, and recompiles only what a change reaches.
+"""The native op list (csrc/ops.def, entries.def) drives the tables, the module and the registrations; the build
+compiles one object per unit and group, keyed by its own inputs, and recompiles only what a change reaches: a
+declared op never recompiles binding.cpp.
 
 What is measured is which objects were compiled, never how long that took (bench/README.md has the times).
 """
@@ -37,9 +38,9 @@ def _copy(tmp_path: Path) -> Path:
 
 
 def _with_entry(tmp_path: Path, line: str) -> Path:
-    """A copy of csrc whose ops.def lists ``line`` too (after the last entry)."""
+    """A copy of csrc whose entries.def lists ``line`` too (after the last entry)."""
     csrc = _copy(tmp_path)
-    (csrc / "ops.def").write_text((csrc / "ops.def").read_text() + line + "\n")
+    (csrc / "entries.def").write_text((csrc / "entries.def").read_text() + line + "\n")
     return csrc
 
 
@@ -107,7 +108,7 @@ def test_a_row_kernel_passes_the_call_as_the_row_lists_it_and_falls_back(tmp_pat
     listed = oplist.parse(_with_group(tmp_path, TOY_ROW) / "ops.def")
     ks = KernelSet(devices=("cpu",))
     kernels.register_rows(ks, listed)
-    (entry,) = [e for e in ks.entries if e.op == "llm.rms_norm"]  # the toy row (softmax's is there too)
+    (entry,) = [e for e in ks.entries if e.fn.__name__ == "toy_scale"]  # the toy row (the tree's rows are there too)
     assert (entry.op, entry.provider, entry.dtypes, entry.meta.inplace) == (
         "llm.rms_norm", "native", (torch.float32, torch.bfloat16), True)
     calls = []
@@ -127,6 +128,13 @@ def test_a_row_kernel_passes_the_call_as_the_row_lists_it_and_falls_back(tmp_pat
     torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5) * w)
     with pytest.raises(ArgumentError, match=r"DTN_OP toy_scale \(ops/toy\.def\) takes inputs \('x', 'w'\)"):
         entry.fn(ctx, (x,), (out,))
+    calls.clear()  # bound once (a static plan's loop): the same call, and the same fallback, with no arguments
+    entry.fn.bind(ctx, (x, w), (out,))()
+    assert calls[0][:3] == (x, w, out) and calls[0][3] == 0.5
+    out.zero_()
+    entry.fn.bind(ctx, (x, w), (out,))()
+    torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5) * w)
+    assert entry.fn.bind(ctx, (x,), (out,)) is None
 
 
 def test_an_entry_op_without_a_kernel_is_refused_naming_it(tmp_path):
@@ -148,7 +156,10 @@ def test_a_module_that_differs_from_the_list_is_refused():
 
 
 @pytest.mark.parametrize("rows, listed, match", [
-    ("DTN_KERNEL(toy, rope, void, (int x))", True, "kernel slot rope declared more than once"),
+    ("DTN_KERNEL(toy, rope, void, (int x))", True, r"DTN_KERNEL rope is a kernel slot .* belongs in slots/toy\.def"),
+    ("DTN_OP(toy, rms_norm, \"llm.x\", \"m:f\", \"\", \"\", DTN_IN(x) DTN_OUT(y))", True,
+     "rms_norm declared more than once"),
+    (TOY_ROW.replace("DTN_VEC(w)", "DTN_VEC(w) DTN_HALF(u)"), True, "a DTN_HALF must directly follow the first"),
     (TOY_ROW, False, r'ops\.def does not include ops/toy\.def: add #include "ops/toy\.def"'),
     (TOY_ROW.replace("(toy,", "(elementwise,"), True, "names group 'elementwise'; a row of ops/toy.def belongs to"),
     (TOY_ROW.replace("DTN_IN(x) DTN_VEC(w)", "DTN_VEC(w) DTN_IN(x)"), True, "args must start with a DTN_IN"),
@@ -156,7 +167,7 @@ def test_a_module_that_differs_from_the_list_is_refused():
     (TOY_ROW.replace("DTN_F32(eps)", "DTN_F16(eps)"), True, r"left over: 'DTN_F16\(eps\)'"),
     (TOY_ROW.replace('"inplace"', '"aliased"'), True, "meta holds words 'inplace' and 'priority=N'"),
     (TOY_ROW.replace("DTN_F32(eps))", "DTN_F32(eps)"), True, "never closed"),
-    ('DTN_ENTRY(toy, "", "doc")', True, "belongs in ops.def"),
+    ('DTN_ENTRY(toy, "", "doc")', True, "belongs in entries.def"),
 ])
 def test_a_malformed_row_is_refused_naming_what_to_fix(tmp_path, rows, listed, match):
     with pytest.raises(RegistrationError, match=match):
@@ -189,7 +200,7 @@ def test_a_row_compiles_with_its_kernel_and_fails_the_build_without_it(tmp_path)
 def test_a_kernel_slot_without_an_implementation_fails_the_build_naming_it(tmp_path):
     """A DTN_KERNEL row that an ISA unit does not define: its group's object fails to compile, naming the op."""
     csrc = _copy(tmp_path)
-    rows = csrc / "ops" / "elementwise.def"
+    rows = csrc / "slots" / "elementwise.def"
     rows.write_text(rows.read_text() + "DTN_KERNEL(elementwise, toy_scale, void, (float* x, int64_t n, float s))\n")
     unit = next(u for u in build.units(csrc) if u.name == "isa_portable.elementwise")
     with pytest.raises(CompileError) as err:
@@ -280,8 +291,9 @@ def test_two_processes_building_at_once_both_get_whole_objects(tmp_path):
 
 def test_the_library_objects_a_change_reaches(tmp_path):
     """On the real units, with the object cache the library was built from: nothing is stale for an unchanged copy of
-    csrc; a change to one kernel header makes stale exactly the objects that include it; a new op (its own group, or
-    a row in a group) exactly its group's objects, table.cpp and binding.cpp."""
+    csrc; a change to one kernel header makes stale exactly the objects that include it; a new declared op (its own
+    group, or a row in a group) exactly its group's objects and table.cpp, never binding.cpp (the unit with torch's
+    headers); a hand-written slot its group's objects, table.cpp and binding.cpp."""
     if _REASON is not None:
         pytest.skip(f"native kernels unavailable: {_REASON}")
     csrc = _copy(tmp_path / "real")
@@ -295,14 +307,18 @@ def test_the_library_objects_a_change_reaches(tmp_path):
         pytest.skip("the object cache does not hold this library's objects (it was built before the object cache)")
     isas = [s[:-4] for s in build._units() if s.startswith("isa_")]
 
-    def objects(*groups, table=False):
-        return sorted([f"{i}.{g}" for i in isas for g in groups] + (["binding", "table"] if table else []))
+    def objects(*groups, table=False, binding=False):
+        return sorted([f"{i}.{g}" for i in isas for g in groups] + (["table"] if table else [])
+                      + (["binding"] if binding else []))
 
     for header, want in (("ops/recurrent.h", objects("recurrent")),
                          ("ops/elementwise.h", objects("elementwise")),
                          ("rows.h", objects(*oplist.parse().groups)),
                          ("binding.cpp", ["binding"]),
-                         ("ops/elementwise.def", objects("elementwise", table=True))):
+                         ("ops/elementwise.def", objects("elementwise", table=True)),
+                         ("ops.def", ["table"]),
+                         ("slots/elementwise.def", objects("elementwise", table=True, binding=True)),
+                         ("entries.def", ["binding", "table"])):
         before = (csrc / header).read_text()
         (csrc / header).write_text(before + "\n// touched\n")
         assert stale() == want, header

@@ -410,7 +410,8 @@ def test_rms_norm_and_add_rms_norm(dtype, isa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_on_token_strided_heads(dtype, isa):
     """Qwen3's per-head q / k norms run on [T, H, D] views of a fused qkv output (tokens a row of q, k and v heads
-    apart): the same values as on a contiguous copy, into a fresh out or in place; a residual wants contiguous x."""
+    apart): the same values as on a contiguous copy, into a fresh out or in place; with a residual too (the DTN_OP
+    row's token-strided rows)."""
     torch.manual_seed(8)
     w = torch.rand(64).to(dtype)
     for t in (1, 7):
@@ -423,9 +424,12 @@ def test_rms_norm_on_token_strided_heads(dtype, isa):
             nk.rms_norm(x, w, 1e-6, out=x)  # in place on the view: the other heads untouched
             assert torch.equal(x, want)
             assert torch.equal(qkv.flatten()[_outside(qkv, x)], before.flatten()[_outside(qkv, x)])
-    q = torch.randn(3, 10, 64).to(dtype)[:, :4]
-    with pytest.raises(LayoutError, match="contiguous with a residual"):
-        nk.load().rms_norm(q, q.clone(), q.clone(), w, q.clone(), 1e-6)
+    q, res = torch.randn(3, 10, 64).to(dtype)[:, :4], torch.randn(3, 4, 64).to(dtype)
+    out, h = nk.add_rms_norm(q, res, w, 1e-6)
+    want, want_h = nk.add_rms_norm(q.contiguous(), res, w, 1e-6)
+    assert torch.equal(h, res + q) and torch.equal(h, want_h) and torch.equal(out, want)
+    with pytest.raises(LayoutError, match=r"x \[2, 3, 4, 64\] must have its rows one stride apart, or be heads"):
+        nk.rms_norm(torch.randn(2, 6, 8, 64).to(dtype)[:, :3, :4], w, 1e-6)
 
 
 def _outside(base: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
@@ -482,6 +486,23 @@ def test_silu_and_mul(dtype, isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype, isa):
+    """The DTN_OP row with DTN_HALF(up): fused [..., 2I] (up None) or two halves, rows one stride apart (a view of the
+    fused tensor's halves), against torch's F.gelu(approximate="tanh") * up."""
+    torch.manual_seed(10)
+    mod = nk.load()
+    for shape in [(1, 2 * 1536), (3, 2 * 33), (2, 2, 2 * 8)]:
+        x = (3 * torch.randn(shape)).to(dtype)
+        g, u = x.chunk(2, -1)
+        want = torch.mul(F.gelu(g, approximate="tanh"), u)
+        tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else FUSED_TOL[dtype]
+        torch.testing.assert_close(nk.gelu_tanh_and_mul(x), want, **tol)
+        out = torch.empty_like(g)
+        mod.gelu_tanh_and_mul(g, u, out)  # the halves as views: rows 2I apart
+        torch.testing.assert_close(out, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_last_dim(dtype, isa):
     """The DTN_OP row ops/softmax.def (checks and registration from the row): float32 softmax rounded once, on
     contiguous rows, rows one stride apart (a view of wider rows) and in place."""
@@ -501,14 +522,15 @@ def test_softmax_last_dim(dtype, isa):
 
 @native
 def test_a_declared_op_checks_its_arguments_as_its_row_says():
-    """binding.cpp's checks of a DTN_OP row (DTN_IN(x) DTN_OUT(out)) name the argument and what was wrong."""
+    """binding.cpp's checks of a DTN_OP row (read from its RowInfo at run time) name the argument and what was
+    wrong."""
     mod = nk.load()
     x = torch.randn(3, 8)
     with pytest.raises(DTypeError, match="softmax_last_dim: out must have x's dtype Float, got Double"):
         mod.softmax_last_dim(x, x.double())
     with pytest.raises(ShapeError, match=r"softmax_last_dim: out must have x's shape \[3, 8\], got \[3, 4\]"):
         mod.softmax_last_dim(x, torch.empty(3, 4))
-    with pytest.raises(LayoutError, match="out .* must be dense in its last 1 dim"):
+    with pytest.raises(LayoutError, match="out .* must be dense in its last dim"):
         mod.softmax_last_dim(x, torch.empty(8, 3).t())
     with pytest.raises(ArgumentError, match=r"argument 2 \(out\) is missing; it takes DTN_IN\(x\) DTN_OUT\(out\)"):
         mod.softmax_last_dim(x)
@@ -516,6 +538,15 @@ def test_a_declared_op_checks_its_arguments_as_its_row_says():
         mod.softmax_last_dim(x, x, x)
     with pytest.raises(DTypeError, match="x must be float32 or bfloat16, got Double"):
         mod.softmax_last_dim(x.double(), x.double())
+    # DTN_HALF (silu_and_mul's up): None means gate is the fused [..., 2D]; the other rows name their arguments too
+    with pytest.raises(ShapeError, match=r"silu_and_mul: with up None, gate must be the fused \[\.\.\., 2D\]"):
+        mod.silu_and_mul(torch.randn(2, 7), None, torch.empty(2, 3))
+    with pytest.raises(ShapeError, match=r"out must have gate's shape \[2, 4\] \(its last dim halved\), got \[2, 8\]"):
+        mod.silu_and_mul(x[:2], None, torch.empty(2, 8))
+    with pytest.raises(ShapeError, match=r"add_rms_norm: residual must have x's shape \[3, 8\], got \[3, 4\]"):
+        mod.add_rms_norm(x, torch.empty(3, 4), torch.ones(8), x, x, 1e-6)
+    with pytest.raises(ShapeError, match=r"rms_norm: weight must be \[D = 8\], got \[4\]"):
+        mod.rms_norm(x, torch.ones(4), x, 1e-6)
 
 
 # -- build and cache --------------------------------------------------------------------------------------

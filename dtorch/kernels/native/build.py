@@ -8,8 +8,9 @@ The library links one object per translation unit: ``binding.cpp`` (the only one
 and each ISA unit once per group of the op list (``csrc/ops.def``, read by ``oplist.py``), reading that group's rows
 and headers only. Objects are cached apart (``objcache.py``, in ``<cache>/objects``) under a key of their own inputs
 (source, the headers it includes, flags, compiler), so a change to one kernel's header recompiles the objects that
-include it and relinks, and a new op recompiles its group's objects, ``table`` and ``binding``: the others come from
-the cache. Units are compiled in parallel with plain compiler calls (no ninja).
+include it and relinks, and a new declared op (a DTN_OP row) recompiles its group's objects and ``table``, never
+``binding`` (which reads no row: it makes the rows' functions at import from table.cpp's descriptions); the others
+come from the cache. Units are compiled in parallel with plain compiler calls (no ninja).
 
 Settings (environment, read by the small functions below): ``CXX`` the compiler (default ``c++``),
 ``DTORCH_NATIVE_CACHE`` the cache root (``dtorch.core.env.native_cache``, default ``~/.cache/dtorch/native``).
@@ -70,8 +71,9 @@ def _units() -> dict[str, list[str]]:
 
 def units(csrc: Path = CSRC) -> list[Unit]:
     """The library's objects: binding.cpp (with torch's headers), table.cpp, and each ISA unit once per group of
-    ``csrc/ops.def``. A group's object gets only its own group's flags (-DDTN_GROUP=<group>, -DDTN_GROUP_<group>=1,
-    the file of its rows -DDTN_GROUP_DEF and, where there is one, its kernels' header -DDTN_GROUP_H), so a new group
+    the op list (``csrc/entries.def``'s slot files, then ``csrc/ops.def``'s). A group's object gets only its own
+    group's flags (-DDTN_GROUP=<group>, -DDTN_GROUP_<group>=1 and, where the group has them, the file of its declared
+    rows -DDTN_GROUP_DEF, of its slots -DDTN_GROUP_SLOTS and its kernels' header -DDTN_GROUP_H), so a new group
     leaves every other object's flags, and so its cached object, as they were."""
     groups = oplist.parse(csrc / "ops.def").groups
     out = []
@@ -84,9 +86,10 @@ def units(csrc: Path = CSRC) -> list[Unit]:
             out.append(Unit(Path(source).stem, source, (*_COMMON, *flags)))
         else:
             for g in groups:
-                defs = [f"-DDTN_GROUP={g}", f"-DDTN_GROUP_{g}=1", f'-DDTN_GROUP_DEF="ops/{g}.def"']
-                if (csrc / "ops" / f"{g}.h").is_file():
-                    defs.append(f'-DDTN_GROUP_H="ops/{g}.h"')
+                defs = [f"-DDTN_GROUP={g}", f"-DDTN_GROUP_{g}=1"]
+                for flag, rel in (("DEF", f"ops/{g}.def"), ("SLOTS", f"slots/{g}.def"), ("H", f"ops/{g}.h")):
+                    if (csrc / rel).is_file():
+                        defs.append(f'-DDTN_GROUP_{flag}="{rel}"')
                 out.append(Unit(f"{Path(source).stem}.{g}", source, (*_COMMON, *flags, *defs)))
     return out
 

@@ -1,9 +1,10 @@
 """The native kernels as dispatcher kernels (provider "native", cpu only), each next to its registration.
 
-The ops declared whole by a DTN_OP row of the op list (csrc/ops/<group>.def) are registered at the end of this file
-from their rows alone (``register_rows``): no code here per such op. The hand-written kernels above it call the
-module's DTN_ENTRY functions (csrc/ops.def), whose lines name the dispatcher ops registered here: ``install`` refuses
-an op listed there without a kernel here, or the reverse (``oplist.check_registrations``).
+The ops declared whole by a DTN_OP row of the op list (csrc/ops/<group>.def: llm.rms_norm, llm.add_rms_norm,
+llm.silu_and_mul, llm.gelu_tanh_and_mul, llm.softmax_last_dim, ...) are registered at the end of this file from their
+rows alone (``register_rows``): no code here per such op. The hand-written kernels above it call the module's
+DTN_ENTRY functions (csrc/entries.def), whose lines name the dispatcher ops registered here: ``install`` refuses an op
+listed there without a kernel here, or the reverse (``oplist.check_registrations``).
 
 Every kernel has the ABI of the torch backend's kernel for the same key (inputs, outputs, params, in-place
 behaviour). Inputs the compiled code does not take (strides it cannot walk, a dtype mismatch) go to the torch
@@ -274,48 +275,6 @@ def gdn_gates(ctx, inputs, outputs):
         torch_gdn_gates.gdn_gates_torch(ctx, inputs, outputs)
 
 
-# -- llm.rms_norm / llm.add_rms_norm -------------------------------------------------------------------------
-# (x, weight) -> (out,) with out possibly x; (x, residual, weight) -> (out, residual_out) with residual_out
-# possibly residual; params eps. One pass per row; contiguous tensors of one dtype, else the torch kernel.
-
-@KERNELS.kernel("llm.rms_norm", ACTIVATIONS, meta=torch_llm.INPLACE, **NATIVE)
-def rms_norm(ctx, inputs, outputs):
-    x, weight = inputs
-    try:
-        _lib().rms_norm(x, None, None, weight, outputs[0], ctx.params.eps)
-    except DtorchError:
-        torch_llm.rms_norm_torch(ctx, inputs, outputs)
-
-
-@KERNELS.kernel("llm.add_rms_norm", ACTIVATIONS, meta=torch_llm.INPLACE, **NATIVE)
-def add_rms_norm(ctx, inputs, outputs):
-    x, residual, weight = inputs
-    try:
-        _lib().rms_norm(x, residual, outputs[1], weight, outputs[0], ctx.params.eps)
-    except DtorchError:
-        torch_llm.add_rms_norm_torch(ctx, inputs, outputs)
-
-
-# -- llm.silu_and_mul, llm.gelu_tanh_and_mul ---------------------------------------------------------------------
-# (gate, up) -> (out,), or (x [..., 2I], None) fused; gate/up may be row-strided views (a gate_up output's halves).
-
-@KERNELS.kernel("llm.silu_and_mul", ACTIVATIONS, **NATIVE)
-def silu_and_mul(ctx, inputs, outputs):
-    try:
-        _lib().silu_and_mul(inputs[0], inputs[1], outputs[0])
-    except DtorchError:
-        torch_llm.silu_and_mul_torch(ctx, inputs, outputs)
-
-
-@KERNELS.kernel("llm.gelu_tanh_and_mul", ACTIVATIONS, **NATIVE,
-                 varies="exp by a degree-6 polynomial (< 2 ulp); gelu_tanh(x) as x / (1 + exp(-2u))")
-def gelu_tanh_and_mul(ctx, inputs, outputs):
-    try:
-        _lib().gelu_tanh_and_mul(inputs[0], inputs[1], outputs[0])
-    except DtorchError:
-        torch_llm.gelu_tanh_and_mul_reference(ctx, inputs, outputs)
-
-
 # -- llm.rope (the table form that rope_cached runs) -------------------------------------------------------------
 # (x [..., T, H, D], cos, sin [..., T, R/2] float32) -> (out,) possibly x; params rotary_dim, interleaved. x, out,
 # cos and sin may be row-strided views (q/k heads of a fused qkv output). The positions form goes to torch.
@@ -416,6 +375,22 @@ def row_kernel(row: oplist.RowOp):
         except DtorchError:
             fallback(ctx, inputs, outputs)
 
+    def bind(ctx, inputs, outputs):
+        """This call on these very tensors as a callable of no arguments (a static plan's bare loop calls it every
+        step): the row's module function with its arguments fixed, the fallback where the C++ refuses them; None
+        for a call the row does not count (the kernel itself then runs, and names the row)."""
+        if len(inputs) != n_in or len(outputs) != n_out:
+            return None
+        fn, args = getattr(_lib(), name), (*inputs, *outputs, *(getattr(ctx.params, p) for p in params))
+
+        def run():
+            try:
+                fn(*args)
+            except DtorchError:
+                fallback(ctx, inputs, outputs)
+        return run
+
+    kernel.bind = bind
     kernel.__name__ = kernel.__qualname__ = name
     return kernel
 

@@ -1,6 +1,7 @@
-"""The native op list (``csrc/ops.def`` and the group files it includes, ``csrc/ops/<group>.def``) as Python reads
-it: the kernel slots of the ISA tables with their groups, the ops declared whole (``DTN_OP`` rows) and the module's
-hand-written entries with the dispatcher ops whose native kernels call them.
+"""The native op list as Python reads it: the ops declared whole (``DTN_OP`` rows of ``csrc/ops/<group>.def``, the
+groups listed in ``csrc/ops.def``), and the hand-written part (``csrc/entries.def``): the module's hand-written
+entries with the dispatcher ops whose native kernels call them, and the kernel slots they call (``DTN_KERNEL`` /
+``DTN_VALUE`` rows of ``csrc/slots/<group>.def``).
 
 The rows are the one declaration of a native op: the C++ tables, the per-ISA objects (``build.py`` compiles one per
 ISA and group) and the module's functions follow from them in C++; here ``kernels.py`` registers each ``DTN_OP`` row
@@ -21,12 +22,12 @@ from dtorch.core.errors import RegistrationError
 
 CSRC = Path(__file__).parent / "csrc"
 OPS_DEF = CSRC / "ops.def"
+ENTRIES = "entries.def"  # beside ops.def
 
-_INCLUDE = re.compile(r'^\s*#include\s+"ops/(\w+)\.def"', re.M)
 _CALL = re.compile(r"\bDTN_(KERNEL|VALUE|OP|ENTRY)\s*\(")
-_ARG = re.compile(r"DTN_(IN|VEC|OUT|F32|I64|BOOL)\(\s*(\w+)\s*\)")
+_ARG = re.compile(r"DTN_(IN|HALF|VEC|OUT|F32|I64|BOOL)\(\s*(\w+)\s*\)")
 # the argument kinds of a DTN_OP row, in the order the row must list them: the op's inputs, outputs, params
-_ARG_ORDER = {"IN": 0, "VEC": 0, "OUT": 1, "F32": 2, "I64": 2, "BOOL": 2}
+_ARG_ORDER = {"IN": 0, "HALF": 0, "VEC": 0, "OUT": 1, "F32": 2, "I64": 2, "BOOL": 2}
 _META = re.compile(r"^(inplace|priority=-?\d+)$")  # the words of a DTN_OP row's meta
 
 
@@ -54,9 +55,9 @@ class Entry:
 class RowOp:
     """A DTN_OP row: the module function ``name`` and the dispatcher op ``op`` it serves, declared whole.
 
-    ``args`` are (kind, name) pairs in the row's order: kinds IN and VEC are the op's inputs, OUT its outputs, F32,
-    I64 and BOOL its params (read as ``ctx.params.<name>``). ``fallback`` ("module:function") is the torch kernel that
-    runs what the C++ refuses; ``meta`` words: "inplace" when the output may be the input, "priority=N" where the
+    ``args`` are (kind, name) pairs in the row's order: kinds IN, HALF and VEC are the op's inputs, OUT its outputs,
+    F32, I64 and BOOL its params (read as ``ctx.params.<name>``). ``fallback`` ("module:function") is the torch kernel
+    that runs what the C++ refuses; ``meta`` words: "inplace" when the output may be the input, "priority=N" where the
     native provider's default (30) is not right.
     """
 
@@ -168,13 +169,16 @@ def _row_op(args: list[str], where: str) -> RowOp:
                                for k, v in (("op", op), ("fallback", fallback), ("meta", meta), ("doc", doc)))
     parsed = tuple((k, n) for k, n in _ARG.findall(spec))
     if _ARG.sub("", spec).strip():
-        raise RegistrationError(f"{where}: {what}: args may hold only DTN_IN, DTN_VEC, DTN_OUT, DTN_F32, DTN_I64 and "
-                                f"DTN_BOOL, each with one name; left over: {_ARG.sub('', spec).strip()!r}")
+        raise RegistrationError(f"{where}: {what}: args may hold only DTN_IN, DTN_HALF, DTN_VEC, DTN_OUT, DTN_F32, "
+                                f"DTN_I64 and DTN_BOOL, each with one name; left over: {_ARG.sub('', spec).strip()!r}")
     kinds = [_ARG_ORDER[k] for k, _ in parsed]
     if not parsed or parsed[0][0] != "IN" or 1 not in kinds or kinds != sorted(kinds):
         raise RegistrationError(f"{where}: {what}: args must start with a DTN_IN (it fixes the dtype and rows), then "
                                 "the other inputs, then the outputs (at least one DTN_OUT), then the params; got "
                                 f"{spec!r}")
+    if any(k == "HALF" for k, _ in parsed[2:]) or [k for k, _ in parsed].count("HALF") > 1:
+        raise RegistrationError(f"{where}: {what}: a DTN_HALF must directly follow the first DTN_IN (the fused input's "
+                                f"second half), and a row has at most one; got {spec!r}")
     names = [n for _, n in parsed]
     if len(set(names)) != len(names) or {"dt", "R", "D"} & set(names):
         raise RegistrationError(f"{where}: {what}: argument names must differ from each other and from dt, R, D; "
@@ -188,15 +192,28 @@ def _row_op(args: list[str], where: str) -> RowOp:
     return RowOp(name, group, op, fallback, meta, doc, parsed, where)
 
 
+def _includes(text: str, folder: str) -> tuple[str, ...]:
+    return tuple(re.findall(rf'^\s*#include\s+"{folder}/(\w+)\.def"', text, re.M))
+
+
 def _group_rows(path: Path, group: str, slots: list[Slot], row_ops: list[RowOp]) -> None:
-    where = f"ops/{path.name}"
+    """The rows of ``ops/<group>.def`` (DTN_OP only) or ``slots/<group>.def`` (DTN_KERNEL and DTN_VALUE only)."""
+    where = f"{path.parent.name}/{path.name}"
+    declared = path.parent.name == "ops"
     for kind, args in _calls(_code(path.read_text()), where):
+        name = args[1] if len(args) > 1 else ""
         if kind == "ENTRY":
-            raise RegistrationError(f"{where}: DTN_ENTRY {args[0]} belongs in ops.def (the module's hand-written "
+            raise RegistrationError(f"{where}: DTN_ENTRY {args[0]} belongs in {ENTRIES} (the module's hand-written "
                                     "functions), not in a group's file")
+        if declared and kind != "OP":
+            raise RegistrationError(f"{where}: DTN_{kind} {name} is a kernel slot of a hand-written entry: it belongs "
+                                    f"in slots/{group}.def (listed in {ENTRIES}); ops/{group}.def holds DTN_OP rows")
+        if not declared and kind == "OP":
+            raise RegistrationError(f"{where}: DTN_OP {name} belongs in ops/{group}.def (listed in ops.def); "
+                                    f"slots/{group}.def holds the hand-written entries' DTN_KERNEL and DTN_VALUE rows")
         if args[0] != group:
-            raise RegistrationError(f"{where}: DTN_{kind} {args[1] if len(args) > 1 else ''} names group {args[0]!r}; "
-                                    f"a row of ops/{group}.def belongs to group {group!r}")
+            raise RegistrationError(f"{where}: DTN_{kind} {name} names group {args[0]!r}; a row of {where} belongs to "
+                                    f"group {group!r}")
         if kind == "OP":
             row_ops.append(_row_op(args, where))
             slots.append(Slot(args[1], group, "op"))
@@ -204,37 +221,51 @@ def _group_rows(path: Path, group: str, slots: list[Slot], row_ops: list[RowOp])
             slots.append(Slot(args[1] if kind == "KERNEL" else args[2], group, kind.lower()))
 
 
+def _listed_files(listing: Path, folder: str, groups: tuple[str, ...], slots: list[Slot],
+                  row_ops: list[RowOp]) -> None:
+    """The rows of each group file ``listing`` includes from ``folder``; a listed file that is missing, or a file of
+    the folder that is not listed, names the fix."""
+    for g in groups:
+        f = listing.parent / folder / f"{g}.def"
+        if not f.is_file():
+            raise RegistrationError(f"{listing.name} includes {folder}/{g}.def, which does not exist: create it with "
+                                    "the group's rows, or remove the line")
+        _group_rows(f, g, slots, row_ops)
+    unlisted = sorted(p.name for p in (listing.parent / folder).glob("*.def") if p.stem not in groups)
+    if unlisted:
+        raise RegistrationError(f"{listing.name} does not include {', '.join(folder + '/' + n for n in unlisted)}: add "
+                                + " ".join(f'#include "{folder}/{n}"' for n in unlisted) + " to its list of groups")
+
+
 def parse(path: Path = OPS_DEF) -> OpList:
-    """The list in ``path`` and the group files it includes; a name declared twice, a group file that is missing or
-    not included, or a malformed row is a RegistrationError naming it."""
-    text = path.read_text()
-    groups = tuple(_INCLUDE.findall(text))
+    """The list: ``path`` (ops.def) and the group files it includes, ``entries.def`` beside it and the slot files it
+    includes; a name declared twice, a group file that is missing or not included, a row in the wrong file or a
+    malformed row is a RegistrationError naming it."""
+    entries_path = path.parent / ENTRIES
+    text, entries_text = path.read_text(), entries_path.read_text()
+    op_groups, slot_groups = _includes(text, "ops"), _includes(entries_text, "slots")
     slots: list[Slot] = []
     row_ops: list[RowOp] = []
-    for g in groups:
-        f = path.parent / "ops" / f"{g}.def"
-        if not f.is_file():
-            raise RegistrationError(f"{path.name} includes ops/{g}.def, which does not exist: create it with the "
-                                    f"group's rows, or remove the line")
-        _group_rows(f, g, slots, row_ops)
-    unlisted = sorted(p.name for p in (path.parent / "ops").glob("*.def") if p.stem not in groups)
-    if unlisted:
-        raise RegistrationError(f"{path.name} does not include {', '.join('ops/' + n for n in unlisted)}: add "
-                                + " ".join(f'#include "ops/{n}"' for n in unlisted) + " to its list of groups")
-    entries = []
+    _listed_files(entries_path, "slots", slot_groups, slots, row_ops)
+    _listed_files(path, "ops", op_groups, slots, row_ops)
     for kind, args in _calls(_code(text), path.name):
+        home = {"ENTRY": ENTRIES, "OP": "ops/<group>.def"}.get(kind, "slots/<group>.def")
+        raise RegistrationError(f"{path.name}: DTN_{kind} {args[1] if len(args) > 1 else args[0]} belongs in {home}; "
+                                f"{path.name} only lists the groups")
+    entries = []
+    for kind, args in _calls(_code(entries_text), ENTRIES):
         if kind != "ENTRY":
-            raise RegistrationError(f"{path.name}: DTN_{kind} {args[1] if len(args) > 1 else ''} belongs in its "
-                                    "group's file ops/<group>.def")
+            home = "ops/<group>.def" if kind == "OP" else "slots/<group>.def"
+            raise RegistrationError(f"{ENTRIES}: DTN_{kind} {args[1] if len(args) > 1 else ''} belongs in {home}")
         name, ops, doc = args
-        entries.append(Entry(name, tuple(_unquote(ops, f"DTN_ENTRY {name}'s ops", path.name).split()),
-                             _unquote(doc, f"DTN_ENTRY {name}'s doc", path.name)))
+        entries.append(Entry(name, tuple(_unquote(ops, f"DTN_ENTRY {name}'s ops", ENTRIES).split()),
+                             _unquote(doc, f"DTN_ENTRY {name}'s doc", ENTRIES)))
     for what, names in (("kernel slot", [s.name for s in slots]),
                         ("module function", [e.name for e in entries] + [r.name for r in row_ops])):
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
-            raise RegistrationError(f"{path}: {what} {', '.join(twice)} declared more than once")
-    return OpList(tuple(slots), tuple(entries), tuple(row_ops), groups)
+            raise RegistrationError(f"{path.parent}: {what} {', '.join(twice)} declared more than once")
+    return OpList(tuple(slots), tuple(entries), tuple(row_ops), tuple(dict.fromkeys((*slot_groups, *op_groups))))
 
 
 def check_module(mod, oplist: OpList | None = None) -> None:
@@ -268,12 +299,12 @@ def check_registrations(kernel_set, oplist: OpList | None = None, provider: str 
     if unregistered:
         users = {op: [e.name for e in oplist.entries if op in e.ops] for op in unregistered}
         raise RegistrationError(
-            "ops.def names dispatcher ops that kernels.py registers no native kernel for: "
+            "entries.def names dispatcher ops that kernels.py registers no native kernel for: "
             + "; ".join(f"{op} (entry {', '.join(users[op])})" for op in unregistered)
             + ": add KERNELS.add / @KERNELS.kernel(op, ..., provider='native') in dtorch/kernels/native/kernels.py")
     undeclared = sorted(registered - declared - set(rows))
     if undeclared:
         raise RegistrationError(
             f"kernels.py registers native kernels for {', '.join(undeclared)}, which no row of ops.def names: "
-            "list the op in the DTN_ENTRY line of the function its kernel calls (csrc/ops.def), or declare it whole "
-            "as a DTN_OP row (csrc/ops/<group>.def)")
+            "declare it whole as a DTN_OP row (csrc/ops/<group>.def), or list the op in the DTN_ENTRY line of the "
+            "function its kernel calls (csrc/entries.def)")

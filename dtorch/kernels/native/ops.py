@@ -54,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     """out [..., D] = weight [D] * rms_norm(x [..., D]) rounded as LlamaRMSNorm; out may be x."""
     if out is None:
         out = torch.empty_like(x)
-    _lib().rms_norm(x, None, None, weight, out, eps)
+    _lib().rms_norm(x, weight, out, eps)
     return out
 
 
@@ -69,7 +69,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         out = torch.empty_like(x)
     if residual_out is None:
         residual_out = torch.empty_like(x)
-    _lib().rms_norm(x, residual, residual_out, weight, out, eps)
+    _lib().add_rms_norm(x, residual, weight, out, residual_out, eps)
     return out, residual_out
 
 

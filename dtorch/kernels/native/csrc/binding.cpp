@@ -1,7 +1,8 @@
 // The Python module _dtorch_native: argument checks, workspace, threads (torch's intra-op pool through
 // at::parallel_for, split over output rows) and the ISA choice; the kernels live in the isa_*.cpp units. The
-// functions of the DTN_OP rows (ops/<group>.def) are made from their rows (RowCall, below); the others (DTN_ENTRY
-// rows of ops.def) are written here.
+// functions of the declared rows (DTN_OP, ops/<group>.def) are made at import from the rows' descriptions, which
+// table.cpp holds (py_row and RowCall, below): this unit reads no row, so a new row does not recompile it. The others
+// (DTN_ENTRY rows of entries.def) are written here.
 // Functions take torch tensors (METH_FASTCALL, no copies) and raise the dtorch errors registered by set_errors.
 #include <Python.h>
 
@@ -421,54 +422,6 @@ ENTRY(py_gemv)
   Py_RETURN_NONE;
 EXIT
 
-// rms_norm(x [..., D], res [..., D] | None, res_out | None, w [D], out [..., D], eps float); one dtype for all
-ENTRY(py_rms_norm)
-  need_args(nargs, 6, "rms_norm");
-  const at::Tensor& x = any_tensor(args[0], "rms_norm", "x");
-  const bool has_res = args[1] != Py_None;
-  const at::Tensor* res = has_res ? &tensor(args[1], "rms_norm", "residual") : nullptr;
-  const at::Tensor* res_out = has_res ? &tensor(args[2], "rms_norm", "residual_out") : nullptr;
-  const at::Tensor& w = tensor(args[3], "rms_norm", "weight");
-  const at::Tensor& out = any_tensor(args[4], "rms_norm", "out");
-  const double eps = PyFloat_AsDouble(args[5]);
-  if (eps == -1.0 && PyErr_Occurred()) throw Fail{};
-  const int dt = float_dt(x, "rms_norm", "x");
-  const int64_t D = x.dim() ? x.size(-1) : 0, R = D ? x.numel() / D : 0;
-  for (const at::Tensor* t : {res, res_out, &w, &out}) {
-    if (!t) continue;
-    need(t->scalar_type() == x.scalar_type(), g_dtype_error, std::string("rms_norm: every tensor must have x's "
-         "dtype ") + dtype_name(x) + ", got " + dtype_name(*t));
-    need(t == &w ? (t->dim() == 1 && t->size(0) == D) : t->sizes() == x.sizes(), g_shape_error,
-         "rms_norm: x " + dims(x) + " needs weight [" + std::to_string(D) + "] and residual/out like x; got " +
-         dims(*t));
-  }
-  const dtn::Table* tb = g_table;
-  const void *xp = x.data_ptr(), *rp = has_res ? res->data_ptr() : nullptr, *wp = w.data_ptr();
-  void *rop = has_res ? res_out->data_ptr() : nullptr, *op = out.data_ptr();
-  const float e = float(eps);
-  if (!x.is_contiguous() || !out.is_contiguous()) {
-    // a token-strided view, e.g. Qwen3's q / k heads [T, H, D] of a fused qkv output (per-head norms): the H rows
-    // of each token are dense, the tokens a uniform stride apart
-    need(!has_res, g_layout_error, "rms_norm: x " + dims(x) + " must be contiguous with a residual");
-    const int inner = x.dim() >= 3 ? 2 : 1;
-    const int64_t lx = row_stride(x, inner, "rms_norm", "x"), lo = row_stride(out, inner, "rms_norm", "out");
-    const int64_t H = inner == 2 ? x.size(-2) : 1, T = H ? R / H : 0, esz = x.element_size();
-    const char* xb = static_cast<const char*>(xp);
-    char* ob = static_cast<char*>(op);
-    Py_BEGIN_ALLOW_THREADS
-    parallel_rows(T, 4 * D * H, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        tb->rms_norm(xb + t * lx * esz, nullptr, nullptr, wp, ob + t * lo * esz, dt, 0, H, D, e);
-    });
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-  }
-  Py_BEGIN_ALLOW_THREADS
-  parallel_rows(R, 4 * D, [&](int64_t r0, int64_t r1) { tb->rms_norm(xp, rp, rop, wp, op, dt, r0, r1, D, e); });
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
-EXIT
-
 // rope(x [..., H, D], cos [..., rot/2] f32, sin like cos, out like x, rot int, interleaved bool); x, out, cos and
 // sin may be row-strided views (dense within a row)
 ENTRY(py_rope)
@@ -507,45 +460,6 @@ ENTRY(py_rope)
   });
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
-EXIT
-
-using GluFn = void (*)(const void*, const void*, int64_t, int64_t, void*, int, int64_t, int64_t, int64_t);
-
-// a gated activation op(gate, up | None, out): gate [..., 2I] fused (up None) or gate and up [..., I] (row-strided
-// views, e.g. the halves of a gate_up output); out [..., I] contiguous
-PyObject* glu(PyObject* const* args, Py_ssize_t nargs, const char* op, GluFn fn) {
-  need_args(nargs, 3, op);
-  const at::Tensor& g = any_tensor(args[0], op, "gate");
-  const bool fused = args[1] == Py_None;
-  const at::Tensor& u = fused ? g : any_tensor(args[1], op, "up");
-  const at::Tensor& out = tensor(args[2], op, "out");
-  const int dt = float_dt(g, op, "gate");
-  need(out.scalar_type() == g.scalar_type() && u.scalar_type() == g.scalar_type(), g_dtype_error,
-       std::string(op) + ": up and out must have gate's dtype " + dtype_name(g));
-  need(g.dim() >= 1 && out.dim() >= 1, g_shape_error, std::string(op) + ": gate and out must be [..., I]");
-  const int64_t I = out.size(-1), R = I ? out.numel() / I : 0;
-  need(fused ? (g.size(-1) == 2 * I && g.numel() == 2 * R * I) : (g.sizes() == out.sizes() && u.sizes() == out.sizes()),
-       g_shape_error, std::string(op) + ": " + (fused ? "x must be [..., 2I] for out [..., I]" :
-       "gate, up and out must have one shape") + "; got gate " + dims(g) + ", out " + dims(out));
-  const int64_t esz = dt == dtn::F32 ? 4 : 2;
-  const int64_t ldg = row_stride(g, 1, op, "gate"), ldu = fused ? ldg : row_stride(u, 1, op, "up");
-  const char* gp = static_cast<const char*>(g.data_ptr());
-  const void* up = fused ? gp + I * esz : u.data_ptr();
-  void* outp = out.data_ptr();
-  Py_BEGIN_ALLOW_THREADS
-  parallel_rows(R, 8 * I, [&](int64_t r0, int64_t r1) { fn(gp, up, ldg, ldu, outp, dt, r0, r1, I); });
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
-}
-
-// silu_and_mul(gate, up | None, out): out = silu(gate) * up (see glu)
-ENTRY(py_silu_and_mul)
-  return glu(args, nargs, "silu_and_mul", g_table->silu_and_mul);
-EXIT
-
-// gelu_tanh_and_mul(gate, up | None, out): out = gelu_tanh(gate) * up (see glu)
-ENTRY(py_gelu_tanh_and_mul)
-  return glu(args, nargs, "gelu_tanh_and_mul", g_table->gelu_tanh_and_mul);
 EXIT
 
 // set_isa(name): "avx512" | "avx2" | "portable"; the CPU must support it
@@ -610,120 +524,246 @@ ENTRY(py_set_errors)
   Py_RETURN_NONE;
 EXIT
 
-// ===== the DTN_OP rows: each one's module function, its argument checks following from the row ===============
+// ===== the declared rows (ops.def): one module function per row, made at import from the rows' RowInfo ==========
+// This unit reads no row: table.cpp describes each one (its arguments' kinds, names and field offsets in the row's
+// struct), and one function, py_row, checks a call against that description, fills the struct and runs the kernel.
+// So a new or edited row never recompiles this unit.
 
-// The arguments of one DTN_OP call, read in the row's order: the first input fixes the dtype (float32 or bfloat16),
-// the rows R and the width D; the other tensors must match it as the row says.
+// dims [0, end) of t, size-1 dims skipped: whether they step one stride apart (each dim's stride the next one's
+// times its size); *stride: that stride, or `dflt` when no dim is larger than 1
+bool uniform(const at::Tensor& t, int64_t end, int64_t dflt, int64_t* stride) {
+  int64_t rs = dflt, next = -1;
+  for (int64_t d = end - 1; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (next < 0) rs = t.stride(d);
+    else if (t.stride(d) != next) return false;
+    next = t.stride(d) * t.size(d);
+  }
+  *stride = rs;
+  return true;
+}
+
+// One tensor argument of a row call: its pointer's and row stride's fields in the struct, and its rows' strides:
+// row h of token t at t * outer + h * inner elements, H rows a token (the size of the last dim before D). Rows one
+// stride apart have outer == inner * H; token-strided heads (a fused qkv output's q heads) do not.
+struct RowTensor {
+  size_t off, ld_off;
+  int64_t inner, outer;
+};
+
+// The arguments of one call of a row, checked in the row's order as its RowInfo says and written into the row's
+// struct (buf): the first input fixes the dtype (float32 or bfloat16), the shape and D; the others must match it.
 class RowCall {
  public:
-  RowCall(const char* op, const char* spec, PyObject* const* args, Py_ssize_t nargs)
-      : op_(op), spec_(spec), args_(args), nargs_(nargs) {}
+  RowCall(const dtn::RowInfo& row, unsigned char* buf) : row_(row), op_(row.name), buf_(buf) {}
 
-  // DTN_IN / DTN_OUT: [..., D] of the first input's shape and dtype, rows one stride apart, the last dim dense
-  void* rows(const char* name, int64_t* ld) {
-    const at::Tensor& t = any_tensor(next(name), op_, name);
+  void parse(PyObject* const* args, Py_ssize_t nargs) {
+    NEED(nargs >= row_.nargs, g_arg_error, std::string(op_) + ": argument " + std::to_string(nargs + 1) + " (" +
+         row_.args[nargs].name + ") is missing; it takes " + row_.spec);
+    NEED(nargs == row_.nargs, g_arg_error, std::string(op_) + ": takes " + std::to_string(row_.nargs) +
+         " arguments (" + row_.spec + "), got " + std::to_string(nargs));
+    for (int i = 0; i < row_.nargs; ++i) {
+      const dtn::RowArg& a = row_.args[i];
+      PyObject* o = args[i];
+      switch (a.kind) {
+        case dtn::ARG_IN:
+        case dtn::ARG_OUT: rows(a, o); break;
+        case dtn::ARG_HALF: o == Py_None ? half(a) : rows(a, o); break;
+        case dtn::ARG_VEC: vec(a, o); break;
+        case dtn::ARG_F32: {
+          const double v = PyFloat_AsDouble(o);
+          if (v == -1.0 && PyErr_Occurred()) throw Fail{};
+          put(a.off, float(v));
+          break;
+        }
+        case dtn::ARG_I64: {
+          const long long v = PyLong_AsLongLong(o);
+          if (v == -1 && PyErr_Occurred()) throw Fail{};
+          put(a.off, int64_t(v));
+          break;
+        }
+        case dtn::ARG_BOOL: {
+          const int v = PyObject_IsTrue(o);
+          if (v < 0) throw Fail{};
+          put(a.off, bool(v));
+          break;
+        }
+      }
+    }
+  }
+
+  // Rows one stride apart: the kernel over every row, split over torch's threads. Token-strided heads: the kernel
+  // over each token's H rows, tokens split over the threads. The GIL released meanwhile.
+  void run(dtn::RowFn kernel) {
+    const int64_t D = shape_.back(), R = D ? first_->numel() / first_->size(-1) : 0;
+    const int64_t H = shape_.size() >= 2 ? shape_[shape_.size() - 2] : 1, esz = dt_ == dtn::F32 ? 4 : 2;
+    put(row_.off_dt, dt_);
+    put(row_.off_D, D);
+    bool two_level = false;
+    for (const RowTensor& t : tensors_) {
+      put(t.ld_off, t.inner);
+      two_level |= H > 1 && t.outer != t.inner * H;
+    }
+    unsigned char* buf = buf_;
+    const size_t size = row_.size;
+    const std::vector<RowTensor>& ts = tensors_;
+    Py_BEGIN_ALLOW_THREADS
+    if (!two_level) {
+      std::memcpy(buf + row_.off_R, &R, sizeof R);
+      parallel_rows(R, 4 * D, [&](int64_t r0, int64_t r1) { kernel(buf, r0, r1); });
+    } else {
+      std::memcpy(buf + row_.off_R, &H, sizeof H);
+      parallel_rows(H ? R / H : 0, 4 * D * H, [&](int64_t t0, int64_t t1) {
+        alignas(16) unsigned char mine[kMaxRowArgs];
+        std::memcpy(mine, buf, size);
+        for (int64_t t = t0; t < t1; ++t) {
+          for (const RowTensor& x : ts) {  // each tensor's pointer at token t
+            char* p;
+            std::memcpy(&p, buf + x.off, sizeof p);
+            p += t * x.outer * esz;
+            std::memcpy(mine + x.off, &p, sizeof p);
+          }
+          kernel(mine, 0, H);
+        }
+      });
+    }
+    Py_END_ALLOW_THREADS
+  }
+
+  static constexpr size_t kMaxRowArgs = 512;  // bytes of a row's struct (checked at import)
+
+ private:
+  template <class V>
+  void put(size_t off, V v) { std::memcpy(buf_ + off, &v, sizeof v); }
+
+  std::string shape_text() const {
+    std::string s = "[";
+    for (size_t i = 0; i < shape_.size(); ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
+    return s + "]";
+  }
+
+  // DTN_IN / DTN_HALF / DTN_OUT: [..., D] of the first input's shape and dtype, the last dim dense
+  void rows(const dtn::RowArg& a, PyObject* o) {
+    const at::Tensor& t = any_tensor(o, op_, a.name);
     if (!first_) {
       first_ = &t;
-      first_name_ = name;
-      dt_ = float_dt(t, op_, name);
-      NEED(t.dim() >= 1, g_shape_error, std::string(op_) + ": " + name + " must be [..., D], got a scalar");
-      D_ = t.size(-1);
-      R_ = D_ ? t.numel() / D_ : 0;
+      first_name_ = a.name;
+      dt_ = float_dt(t, op_, a.name);
+      NEED(t.dim() >= 1, g_shape_error, std::string(op_) + ": " + a.name + " must be [..., D], got a scalar");
+      shape_.assign(t.sizes().begin(), t.sizes().end());
     } else {
-      NEED(t.scalar_type() == first_->scalar_type(), g_dtype_error, std::string(op_) + ": " + name + " must have " +
-           first_name_ + "'s dtype " + dtype_name(*first_) + ", got " + dtype_name(t));
-      NEED(t.sizes() == first_->sizes(), g_shape_error, std::string(op_) + ": " + name + " must have " + first_name_ +
-           "'s shape " + dims(*first_) + ", got " + dims(t));
+      NEED(t.scalar_type() == first_->scalar_type(), g_dtype_error, std::string(op_) + ": " + a.name +
+           " must have " + first_name_ + "'s dtype " + dtype_name(*first_) + ", got " + dtype_name(t));
+      NEED(t.sizes() == c10::IntArrayRef(shape_), g_shape_error, std::string(op_) + ": " + a.name + " must have " +
+           first_name_ + "'s shape " + shape_text() + (halved_ ? " (its last dim halved)" : "") + ", got " + dims(t));
     }
-    *ld = row_stride(t, 1, op_, name);
-    return t.data_ptr();
+    const int64_t nd = t.dim(), H = nd >= 2 ? t.size(nd - 2) : 1;
+    NEED(t.size(nd - 1) <= 1 || t.stride(nd - 1) == 1, g_layout_error, std::string(op_) + ": " + a.name + " " +
+         dims(t) + " must be dense in its last dim");
+    RowTensor r{a.off, a.ld_off, 0, 0};
+    if (uniform(t, nd - 1, t.size(nd - 1), &r.inner)) {
+      r.outer = r.inner * H;
+    } else {
+      r.inner = t.stride(nd - 2);
+      NEED(uniform(t, nd - 2, r.inner * H, &r.outer), g_layout_error, std::string(op_) + ": " + a.name + " " +
+           dims(t) + " must have its rows one stride apart, or be heads [..., T, H, D] one stride apart in a "
+           "token, the tokens another");
+    }
+    put(a.off, static_cast<const void*>(t.data_ptr()));
+    tensors_.push_back(r);
+  }
+
+  // DTN_HALF given None: the first input is the fused [..., 2D]; this input is its second half, the first its first
+  void half(const dtn::RowArg& a) {
+    NEED(first_ && tensors_.size() == 1 && !halved_, g_arg_error, std::string(op_) + ": DTN_HALF(" + a.name +
+         ") must directly follow the first DTN_IN (ops.def)");
+    const int64_t D2 = shape_.back();
+    NEED(D2 % 2 == 0, g_shape_error, std::string(op_) + ": with " + a.name + " None, " + first_name_ +
+         " must be the fused [..., 2D] (" + first_name_ + " then " + a.name + "), got " + dims(*first_));
+    shape_.back() = D2 / 2;
+    halved_ = true;
+    const char* p = static_cast<const char*>(first_->data_ptr()) + (D2 / 2) * (dt_ == dtn::F32 ? 4 : 2);
+    put(a.off, static_cast<const void*>(p));
+    RowTensor r = tensors_[0];
+    r.off = a.off, r.ld_off = a.ld_off;
+    tensors_.push_back(r);
   }
 
   // DTN_VEC: [D], contiguous, of the first input's dtype
-  const void* vec(const char* name) {
+  void vec(const dtn::RowArg& a, PyObject* o) {
     NEED(first_ != nullptr, g_arg_error, std::string(op_) + ": its row must start with a DTN_IN (ops.def)");
-    const at::Tensor& t = tensor(next(name), op_, name);
-    NEED(t.scalar_type() == first_->scalar_type(), g_dtype_error, std::string(op_) + ": " + name + " must have " +
+    const at::Tensor& t = tensor(o, op_, a.name);
+    NEED(t.scalar_type() == first_->scalar_type(), g_dtype_error, std::string(op_) + ": " + a.name + " must have " +
          first_name_ + "'s dtype " + dtype_name(*first_) + ", got " + dtype_name(t));
-    NEED(t.dim() == 1 && t.size(0) == D_, g_shape_error, std::string(op_) + ": " + name + " must be [D = " +
-         std::to_string(D_) + "], got " + dims(t));
-    return t.data_ptr();
+    NEED(t.dim() == 1 && t.size(0) == shape_.back(), g_shape_error, std::string(op_) + ": " + a.name +
+         " must be [D = " + std::to_string(shape_.back()) + "], got " + dims(t));
+    put(a.off, static_cast<const void*>(t.data_ptr()));
   }
 
-  float f32(const char* name) {
-    const double v = PyFloat_AsDouble(next(name));
-    if (v == -1.0 && PyErr_Occurred()) throw Fail{};
-    return float(v);
-  }
-
-  int64_t i64(const char* name) {
-    const long long v = PyLong_AsLongLong(next(name));
-    if (v == -1 && PyErr_Occurred()) throw Fail{};
-    return v;
-  }
-
-  bool boolean(const char* name) {
-    const int v = PyObject_IsTrue(next(name));
-    if (v < 0) throw Fail{};
-    return v;
-  }
-
-  // after the row's last argument: no argument left over; returns the rows
-  int64_t done(int* dt, int64_t* D) {
-    NEED(i_ == nargs_, g_arg_error, std::string(op_) + ": takes " + std::to_string(i_) + " arguments (" + spec_ +
-         "), got " + std::to_string(nargs_));
-    *dt = dt_;
-    *D = D_;
-    return R_;
-  }
-
- private:
-  PyObject* next(const char* name) {
-    NEED(i_ < nargs_, g_arg_error, std::string(op_) + ": argument " + std::to_string(i_ + 1) + " (" + name +
-         ") is missing; it takes " + spec_);
-    return args_[i_++];
-  }
-
-  const char *op_, *spec_;
-  PyObject* const* args_;
-  Py_ssize_t nargs_, i_ = 0;
+  const dtn::RowInfo& row_;
+  const char* op_;
+  unsigned char* buf_;
   const at::Tensor* first_ = nullptr;
   const char* first_name_ = "";
   int dt_ = 0;
-  int64_t R_ = 0, D_ = 0;
+  bool halved_ = false;
+  std::vector<int64_t> shape_;  // the first input's shape, its last dim halved by a DTN_HALF given None
+  std::vector<RowTensor> tensors_;
 };
 
-#define DTN_IN(n) a.n = c.rows(#n, &a.ld_##n);
-#define DTN_VEC(n) a.n = c.vec(#n);
-#define DTN_OUT(n) a.n = c.rows(#n, &a.ld_##n);
-#define DTN_F32(n) a.n = c.f32(#n);
-#define DTN_I64(n) a.n = c.i64(#n);
-#define DTN_BOOL(n) a.n = c.boolean(#n);
-// rows split over torch's threads (chunks of ~32k elements); the GIL released while the kernel runs
-#define DTN_OP(group, name, op, fallback, meta, doc, spec)                                          \
-  ENTRY(py_##name)                                                                                  \
-    RowCall c(#name, #spec, args, nargs);                                                           \
-    dtn::name##_args a{};                                                                           \
-    spec                                                                                            \
-    a.R = c.done(&a.dt, &a.D);                                                                      \
-    const auto kernel = g_table->name;                                                              \
-    Py_BEGIN_ALLOW_THREADS                                                                          \
-    parallel_rows(a.R, 4 * a.D, [&](int64_t r0, int64_t r1) { kernel(a, r0, r1); });                \
-    Py_END_ALLOW_THREADS                                                                            \
-    Py_RETURN_NONE;                                                                                 \
-  EXIT
-#include "op_rows.h"
+const dtn::RowInfo* g_rows = nullptr;  // the rows of ops.def (table.cpp) and their number
+int g_nrows = 0;
 
-// one method per row of ops.def with a module function: DTN_OP rows (above) and DTN_ENTRY rows, each of those
-// defined in this file as ENTRY(py_<name>)
+// The module function of row `self` (its index in g_rows, a Python int): checks, then the kernel of the ISA in use
+PyObject* py_row(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    const Py_ssize_t i = PyLong_AsSsize_t(self);
+    if (i < 0 || i >= g_nrows) throw Fail{};
+    alignas(16) unsigned char buf[RowCall::kMaxRowArgs] = {};
+    RowCall c(g_rows[i], buf);
+    c.parse(args, nargs);
+    c.run(g_table->ops[i]);
+    Py_RETURN_NONE;
+  } catch (const Fail&) {
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// Adds one function per row to the module: its name and doc from the row, py_row with the row's index as self
+bool add_rows(PyObject* mod) {
+  g_rows = dtn::rows(&g_nrows);
+  static std::vector<PyMethodDef> defs;  // alive as long as the functions: never freed
+  defs.assign(size_t(g_nrows), PyMethodDef{});
+  for (int i = 0; i < g_nrows; ++i) {
+    const dtn::RowInfo& r = g_rows[i];
+    if (r.size > RowCall::kMaxRowArgs) {
+      PyErr_Format(PyExc_ImportError, "the struct of DTN_OP %s is %zu bytes, more than binding.cpp's %zu", r.name,
+                   r.size, RowCall::kMaxRowArgs);
+      return false;
+    }
+    defs[size_t(i)] = {r.name, (PyCFunction)(void (*)())py_row, METH_FASTCALL, r.doc};
+    PyObject* index = PyLong_FromLong(i);
+    PyObject* fn = index ? PyCFunction_NewEx(&defs[size_t(i)], index, nullptr) : nullptr;
+    Py_XDECREF(index);
+    if (!fn || PyModule_AddObject(mod, r.name, fn) < 0) {
+      Py_XDECREF(fn);
+      return false;
+    }
+  }
+  return true;
+}
+
+// the module's hand-written functions: one method per DTN_ENTRY row of entries.def, each defined in this file as
+// ENTRY(py_<name>)
 #define DTN_ENTRY(name, ops, doc) PyObject* py_##name(PyObject*, PyObject* const*, Py_ssize_t);
-#include "op_rows.h"
+#include "slot_rows.h"
 
 PyMethodDef methods[] = {
-#define DTN_OP(group, name, op, fallback, meta, doc, args) \
-  {#name, (PyCFunction)(void (*)())py_##name, METH_FASTCALL, doc},
 #define DTN_ENTRY(name, ops, doc) {#name, (PyCFunction)(void (*)())py_##name, METH_FASTCALL, doc},
-#include "op_rows.h"
+#include "slot_rows.h"
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CPU kernels", -1, methods};
@@ -731,12 +771,12 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dtorch_native", "dtorch native CP
 }  // namespace
 
 PyMODINIT_FUNC PyInit__dtorch_native() {
-  for (const char* isa : {"avx512", "avx2", "portable"}) {  // a table without a kernel of ops.def: a broken build
+  for (const char* isa : {"avx512", "avx2", "portable"}) {  // a table without a kernel of the list: a broken build
     const char* missing = nullptr;
     dtn::table(isa, &missing);
     if (missing) {
       PyErr_Format(PyExc_ImportError, "the %s kernel table lacks %s: isa_%s.cpp must define each kernel of ops.def "
-                   "in its namespace kernels, and build.py link one object per group", isa, missing, isa);
+                   "and entries.def in its namespace kernels, and build.py link one object per group", isa, missing, isa);
       return nullptr;
     }
   }
@@ -747,7 +787,9 @@ PyMODINIT_FUNC PyInit__dtorch_native() {
     PyErr_SetString(PyExc_ImportError, "no portable kernel table was linked (build.py links isa_portable.cpp)");
     return nullptr;
   }
-  return PyModule_Create(&module);
+  PyObject* mod = PyModule_Create(&module);
+  if (mod && !add_rows(mod)) Py_CLEAR(mod);
+  return mod;
 }
 
 // ===== KV cache and quantized embedding: paged_attention, cache_store, qembedding ===========================
@@ -1173,7 +1215,7 @@ ENTRY(py_moe_decode)
       tb->gemv(xp, xdt, 1, gup + exp_[j] * 2 * I * H * esz, xdt, H, a, b, gu + j * 2 * I, dtn::F32, 2 * I);
     }
   });
-  tb->silu_and_mul(gu, gu + I, 2 * I, 2 * I, hp, dtn::F32, 0, n, I);
+  tb->silu_mul(gu, gu + I, 2 * I, 2 * I, hp, dtn::F32, 0, n, I);
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < I; ++i) hp[j * I + i] *= ewp[j];
   parallel_rows(H, n * I, [&](int64_t r0, int64_t r1) {

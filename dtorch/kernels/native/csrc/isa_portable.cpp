@@ -1,10 +1,12 @@
 // The portable kernels: plain C++ for any CPU, built without -m flags. build.py compiles this unit once per group of
-// ops.def (-DDTN_GROUP_<group>=1, -DDTN_GROUP_DEF, -DDTN_GROUP_H): each object includes its own group's headers
+// the op list (ops.def, entries.def) (-DDTN_GROUP=<group>, -DDTN_GROUP_<group>=1, -DDTN_GROUP_DEF, -DDTN_GROUP_SLOTS,
+// -DDTN_GROUP_H): each object includes its own group's rows and headers
 // and registers that group's kernels (isa_fill.h).
 // Everything here lives in its own namespace, so no inline function is shared with a unit built for another ISA.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 #include "op_args.h"  // the structs of this group's DTN_OP rows
@@ -19,7 +21,7 @@ namespace DTN_ISA {
 #endif
 }  // namespace DTN_ISA
 
-// the kernels of this unit by their names in ops.def, where the functions are named otherwise
+// the kernels of this unit by their names in the op list (entries.def, ops.def), where the functions are named otherwise
 namespace DTN_ISA::kernels {
 using namespace DTN_ISA;
 #if DTN_GROUP_quant

@@ -10,11 +10,34 @@ static inline float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]);
 static inline void st(float* p, int64_t i, float v) { p[i] = v; }
 static inline void st(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
 
-// exp (the gated activations, attention's and softmax's exps): Cody-Waite range reduction and a degree-6 polynomial (< 2 ulp over float32), written
-// branch-free so the loop vectorizes (libm's expf does not without -ffast-math)
+// exp (the gated activations, attention's and softmax's exps): Cody-Waite range reduction and a degree-6 polynomial
+// (< 2 ulp over float32), written so that a loop calling it vectorizes on every ISA (libm's expf does not without
+// -ffast-math). Each ISA gets the form GCC vectorizes best, all giving the same bits (k = round(x / ln 2) to
+// nearest even; x clamped to [-87.3, 88.3], so 2^k stays a normal float; a NaN stays NaN):
+//  - the clamp: on AVX-512 a plain `x < lo ? lo : ...` (masked blends); elsewhere GCC turns that into a branch to a
+//    folded constant, which stops the vectorizer, so it is a blend of the bits by compare masks;
+//  - the rounding: nearbyint (vrndscaleps / vroundps) where SSE4.1 has it; the portable unit has only SSE2, where
+//    nearbyint is a libm call, so it adds and subtracts 1.5 * 2^23 (exact for |x / ln 2| < 2^22).
+// A silu loop over 24576 floats, one core: AVX-512 11.6 us, AVX2 18.2 us (111 with the plain clamp), SSE2 38 us
+// (138 with nearbyint).
 static inline float exp_f32(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);  // 2^k stays a normal float
+  constexpr float lo = -87.3f, hi = 88.3f;
+#if defined(__AVX512F__)
+  x = x < lo ? lo : (x > hi ? hi : x);
+#else
+  int32_t xi, lo_i, hi_i;
+  std::memcpy(&xi, &x, 4);
+  std::memcpy(&lo_i, &lo, 4);
+  std::memcpy(&hi_i, &hi, 4);
+  const int32_t below = -int32_t(x < lo), above = -int32_t(x > hi);  // all ones where true
+  xi = (xi & ~(below | above)) | (lo_i & below) | (hi_i & above);
+  std::memcpy(&x, &xi, 4);
+#endif
+#if defined(__SSE4_1__)
   const float k = std::nearbyint(x * 1.44269504088896341f);
+#else
+  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+#endif
   const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;

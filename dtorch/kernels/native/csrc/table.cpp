@@ -1,17 +1,48 @@
 // The kernel table of each ISA (table.h), assembled at load from the slots its objects registered (isa_fill.h,
-// slots.h) and checked complete against the op list (ops.def): a row no object registered, or registered with
-// another signature, names itself and its group.
+// slots.h) and checked complete against the op list (entries.def's slots, ops.def's rows): a slot or row no object
+// registered, or registered with another signature, names itself and its group. Also the rows' descriptions
+// (RowInfo) that binding.cpp reads at run time. The one unit besides the ISA objects that reads ops.def: small and
+// without torch's headers, so a new row recompiles it in a second or two.
+#include <cstddef>
+#include <iterator>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "op_args.h"
 #include "slots.h"
 #include "table.h"
 
 namespace dtn {
 namespace {
 
+// -- the rows' descriptions: each argument's kind, name and field offsets in the row's struct ----------------------
+#define DTN_IN(n) RowArg{ARG_IN, #n, offsetof(S, n), offsetof(S, ld_##n)},
+#define DTN_HALF(n) RowArg{ARG_HALF, #n, offsetof(S, n), offsetof(S, ld_##n)},
+#define DTN_VEC(n) RowArg{ARG_VEC, #n, offsetof(S, n), 0},
+#define DTN_OUT(n) RowArg{ARG_OUT, #n, offsetof(S, n), offsetof(S, ld_##n)},
+#define DTN_F32(n) RowArg{ARG_F32, #n, offsetof(S, n), 0},
+#define DTN_I64(n) RowArg{ARG_I64, #n, offsetof(S, n), 0},
+#define DTN_BOOL(n) RowArg{ARG_BOOL, #n, offsetof(S, n), 0},
+namespace row_args {
+#define DTN_OP(group, name, op, fallback, meta, doc, args) \
+  struct name {                                           \
+    using S = name##_args;                                \
+    static constexpr RowArg list[] = {args};              \
+  };
+#include "op_rows.h"
+}  // namespace row_args
+
+#define DTN_OP(group, name, op, fallback, meta, doc, args)                                                       \
+  RowInfo{#name, #group, doc, #args, sizeof(name##_args), offsetof(name##_args, dt), offsetof(name##_args, R), \
+          offsetof(name##_args, D), int(std::size(row_args::name::list)), row_args::name::list},
+const RowInfo kRows[] = {
+#include "op_rows.h"
+    RowInfo{}};  // the end (a list may have no row)
+constexpr int kNumRows = int(std::size(kRows)) - 1;
+
+// -- the tables -------------------------------------------------------------------------------------------------
 struct Slot {
   std::string isa, group, name, signature;
   AnyFn fn;
@@ -25,6 +56,7 @@ std::vector<Slot>& slots() {  // constructed on first use: the objects' static i
 
 struct Built {
   Table table;
+  std::vector<RowFn> ops;
   std::string missing;  // empty when complete
 };
 
@@ -42,23 +74,30 @@ const Slot* find(const std::string& isa, const char* name, const char* group, co
   return nullptr;
 }
 
-Built build(const std::string& isa) {
-  Built b{};
-  Table& t = b.table;
-  std::string* m = &b.missing;
+void build(const std::string& isa, Built* b) {
+  Table& t = b->table;
+  std::string* m = &b->missing;
 #define DTN_KERNEL(group, op, ret, params)                        \
   if (const Slot* s = find(isa, #op, #group, #ret " " #params, m)) \
     t.op = reinterpret_cast<ret(*) params>(s->fn);
 #define DTN_VALUE(group, type, name) \
   if (const Slot* s = find(isa, #name, #group, #type, m)) t.name = *static_cast<const type*>(s->value);
-#define DTN_OP(group, name, op, fallback, meta, doc, args)        \
-  if (const Slot* s = find(isa, #name, #group, "DTN_OP " #args, m)) \
-    t.name = reinterpret_cast<void (*)(const name##_args&, int64_t, int64_t)>(s->fn);
+#include "slot_rows.h"
+#define DTN_OP(group, name, op, fallback, meta, doc, args)          \
+  {                                                                 \
+    const Slot* s = find(isa, #name, #group, "DTN_OP " #args, m);   \
+    b->ops.push_back(s ? reinterpret_cast<RowFn>(s->fn) : nullptr); \
+  }
 #include "op_rows.h"
-  return b;
+  t.ops = b->ops.data();
 }
 
 }  // namespace
+
+const RowInfo* rows(int* n) {
+  *n = kNumRows;
+  return kRows;
+}
 
 bool add_slot(const char* isa, const char* group, const char* name, const char* signature, AnyFn fn,
               const void* value) {
@@ -73,7 +112,8 @@ const Table* table(const char* isa, const char** missing) {
     bool linked = false;
     for (const Slot& s : slots()) linked |= s.isa == isa;
     if (!linked) return nullptr;
-    it = built.emplace(isa, build(isa)).first;
+    it = built.emplace(isa, Built{}).first;
+    build(isa, &it->second);
     it->second.table.name = it->first.c_str();
   }
   if (!it->second.missing.empty()) {

@@ -1,53 +1,63 @@
 // Decode-step elementwise kernels in plain C++ (vectorized by the compiler for each ISA unit), matching the
 // torch reference kernels of dtorch/kernels/torch/llm.py: statistics in float32, low precision rounded where
-// the reference rounds. The elementwise group's kernels (ops/elementwise.def); included inside namespace DTN_ISA
-// after generic.h and rows.h (ld, st, exp_f32), by its group's objects only.
+// the reference rounds. The elementwise group's kernels (its rows ops/elementwise.def, its slots
+// slots/elementwise.def); included inside namespace DTN_ISA after generic.h and rows.h (ld, st, exp_f32), by its
+// group's objects only.
 #pragma once
 
-// rows [r0, r1) of [R, D]; res == nullptr: h = x, else h = round(x + res) stored to res_out (may alias res).
-// out = round(w * round(h * rsqrt(mean(h^2) + eps))) (one rounding for float32), out may alias x.
-static void rms_norm(const void* x, const void* res, void* res_out, const void* w, void* out, int dt, int64_t r0,
-                     int64_t r1, int64_t D, float eps) {
+// rows [r0, r1), each of D elements at its own row stride; res == nullptr: h = x, else h = round(x + res) stored to
+// res_out (may alias res). out = round(w * round(h * rsqrt(mean(h^2) + eps))) (one rounding for float32), out may
+// alias x (h is read before out is written).
+template <class T>
+static void rms_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, T* res_out, int64_t ldro, const T* w, T* out,
+                     int64_t ldo, int64_t r0, int64_t r1, int64_t D, float eps) {
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t o = r * D;
+    const T* xr = x + r * ldx;
+    const T* hr = xr;
+    if (res) {
+      const T* rr = res + r * ldr;
+      T* ho = res_out + r * ldro;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) st(ho, i, ld(rr, i) + ld(xr, i));
+      hr = ho;
+    }
     float ss = 0.f;
-    if (dt == F32) {
-      const float* xr = static_cast<const float*>(x) + o;
-      const float* hr = xr;
-      if (res) {
-        const float* rr = static_cast<const float*>(res) + o;
-        float* ho = static_cast<float*>(res_out) + o;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) ho[i] = rr[i] + xr[i];
-        hr = ho;
-      }
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < D; ++i) ss += hr[i] * hr[i];
-      const float scale = 1.f / std::sqrt(ss / float(D) + eps);
-      const float* wr = static_cast<const float*>(w);
-      float* outr = static_cast<float*>(out) + o;
+    for (int64_t i = 0; i < D; ++i) ss += ld(hr, i) * ld(hr, i);
+    const float scale = 1.f / std::sqrt(ss / float(D) + eps);
+    T* outr = out + r * ldo;
+    if constexpr (sizeof(T) == 4) {
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) outr[i] = wr[i] * (hr[i] * scale);
+      for (int64_t i = 0; i < D; ++i) outr[i] = w[i] * (hr[i] * scale);
     } else {
-      const uint16_t* xr = static_cast<const uint16_t*>(x) + o;
-      const uint16_t* hr = xr;
-      if (res) {
-        const uint16_t* rr = static_cast<const uint16_t*>(res) + o;
-        uint16_t* ho = static_cast<uint16_t*>(res_out) + o;
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) ho[i] = f32_to_bf16(bf16_to_f32(rr[i]) + bf16_to_f32(xr[i]));
-        hr = ho;
-      }
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < D; ++i) ss += bf16_to_f32(hr[i]) * bf16_to_f32(hr[i]);
-      const float scale = 1.f / std::sqrt(ss / float(D) + eps);
-      const uint16_t* wr = static_cast<const uint16_t*>(w);
-      uint16_t* outr = static_cast<uint16_t*>(out) + o;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i)
-        outr[i] = f32_to_bf16(bf16_to_f32(wr[i]) * round_to(BF16, bf16_to_f32(hr[i]) * scale));
+      for (int64_t i = 0; i < D; ++i) st(outr, i, ld(w, i) * round_to(BF16, ld(hr, i) * scale));
     }
   }
+}
+
+// llm.rms_norm: rows [r0, r1) of a.x into a.out
+static void rms_norm(const dtn::rms_norm_args& a, int64_t r0, int64_t r1) {
+  if (a.dt == F32)
+    rms_rows<float>(static_cast<const float*>(a.x), a.ld_x, nullptr, 0, nullptr, 0, static_cast<const float*>(a.weight),
+                    static_cast<float*>(a.out), a.ld_out, r0, r1, a.D, a.eps);
+  else
+    rms_rows<uint16_t>(static_cast<const uint16_t*>(a.x), a.ld_x, nullptr, 0, nullptr, 0,
+                       static_cast<const uint16_t*>(a.weight), static_cast<uint16_t*>(a.out), a.ld_out, r0, r1, a.D,
+                       a.eps);
+}
+
+// llm.add_rms_norm: rows [r0, r1) of a.x and a.residual into a.out and a.residual_out
+static void add_rms_norm(const dtn::add_rms_norm_args& a, int64_t r0, int64_t r1) {
+  if (a.dt == F32)
+    rms_rows<float>(static_cast<const float*>(a.x), a.ld_x, static_cast<const float*>(a.residual), a.ld_residual,
+                    static_cast<float*>(a.residual_out), a.ld_residual_out, static_cast<const float*>(a.weight),
+                    static_cast<float*>(a.out), a.ld_out, r0, r1, a.D, a.eps);
+  else
+    rms_rows<uint16_t>(static_cast<const uint16_t*>(a.x), a.ld_x, static_cast<const uint16_t*>(a.residual),
+                       a.ld_residual, static_cast<uint16_t*>(a.residual_out), a.ld_residual_out,
+                       static_cast<const uint16_t*>(a.weight), static_cast<uint16_t*>(a.out), a.ld_out, r0, r1, a.D,
+                       a.eps);
 }
 
 template <class T>
@@ -106,11 +116,12 @@ struct GeluTanh {
 // out = act(gate) * up; bf16: the activation rounded to bf16, then the product rounded (as torch's F.silu / F.gelu
 // then mul)
 template <class A, class T>
-static void glu_t(const T* gate, const T* up, int64_t ldg, int64_t ldu, T* out, int64_t r0, int64_t r1, int64_t I) {
+static void glu_t(const T* gate, const T* up, int64_t ldg, int64_t ldu, T* out, int64_t ldo, int64_t r0, int64_t r1,
+                  int64_t I) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* g = gate + r * ldg;
     const T* u = up + r * ldu;
-    T* o = out + r * I;
+    T* o = out + r * ldo;
 #pragma omp simd
     for (int64_t i = 0; i < I; ++i) {
       float a = A::act(ld(g, i));
@@ -120,23 +131,30 @@ static void glu_t(const T* gate, const T* up, int64_t ldg, int64_t ldu, T* out, 
   }
 }
 
-template <class A>
-static void glu(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0, int64_t r1,
-                int64_t I) {
-  if (dt == F32)
-    glu_t<A>(static_cast<const float*>(gate), static_cast<const float*>(up), ldg, ldu, static_cast<float*>(out), r0,
-             r1, I);
+// a DTN_OP row of a gated activation (silu_and_mul_args, gelu_tanh_and_mul_args: gate, up, out)
+template <class A, class Args>
+static void glu_row(const Args& a, int64_t r0, int64_t r1) {
+  if (a.dt == F32)
+    glu_t<A>(static_cast<const float*>(a.gate), static_cast<const float*>(a.up), a.ld_gate, a.ld_up,
+             static_cast<float*>(a.out), a.ld_out, r0, r1, a.D);
   else
-    glu_t<A>(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up), ldg, ldu,
-             static_cast<uint16_t*>(out), r0, r1, I);
+    glu_t<A>(static_cast<const uint16_t*>(a.gate), static_cast<const uint16_t*>(a.up), a.ld_gate, a.ld_up,
+             static_cast<uint16_t*>(a.out), a.ld_out, r0, r1, a.D);
 }
 
-static void silu_and_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
-                         int64_t r1, int64_t I) {
-  glu<Silu>(gate, up, ldg, ldu, out, dt, r0, r1, I);
+static void silu_and_mul(const dtn::silu_and_mul_args& a, int64_t r0, int64_t r1) { glu_row<Silu>(a, r0, r1); }
+
+static void gelu_tanh_and_mul(const dtn::gelu_tanh_and_mul_args& a, int64_t r0, int64_t r1) {
+  glu_row<GeluTanh>(a, r0, r1);
 }
 
-static void gelu_tanh_and_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt,
-                              int64_t r0, int64_t r1, int64_t I) {
-  glu<GeluTanh>(gate, up, ldg, ldu, out, dt, r0, r1, I);
+// the slot silu_mul (slots/elementwise.def): moe_decode's hidden rows, out rows I apart
+static void silu_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
+                     int64_t r1, int64_t I) {
+  if (dt == F32)
+    glu_t<Silu>(static_cast<const float*>(gate), static_cast<const float*>(up), ldg, ldu, static_cast<float*>(out), I,
+                r0, r1, I);
+  else
+    glu_t<Silu>(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up), ldg, ldu,
+                static_cast<uint16_t*>(out), I, r0, r1, I);
 }

@@ -1,8 +1,8 @@
 // Decode steps of the recurrent mixers of hybrid models (Qwen3-Next's Gated DeltaNet layers): the short causal
 // conv's update (llm.causal_conv1d_update) and one step of the gated delta rule (llm.gated_delta_net), both
 // computed in float32 as the torch kernels of dtorch/kernels/torch/{causal_conv1d,gated_delta_net}.py.
-// The recurrent group's kernels (ops/recurrent.def); included inside namespace DTN_ISA after generic.h and rows.h
-// (ld, st, exp_f32, V16).
+// The recurrent group's kernels (its slots: slots/recurrent.def); included inside namespace DTN_ISA after
+// generic.h and rows.h (ld, st, exp_f32, V16).
 #pragma once
 
 using dtn::ConvCall;
