@@ -442,8 +442,13 @@ class Engine:
         """Take each of ``seqs``'s verified tokens (the drafts it keeps, then the target's own; ``logits``: its rows,
         ``entries``: its entry in the step's ``drafts``) one by one until it ends; then settle what it drafted."""
         runs, logprobs = self.speculator.verify(self, seqs, logits, drafts, entries)
+        failed = [s for s, run in zip(seqs, runs, strict=True) if not run]  # its verification failed: it ends alone
+        if failed:
+            self._end(failed, "abort")
         done = []
         for s, run, lps, i in zip(seqs, runs, logprobs, entries, strict=True):
+            if not run:
+                continue
             taken = 0
             for tok, lp in zip(run, lps, strict=True):
                 taken += 1
