@@ -442,6 +442,40 @@ def test_a_thousand_identical_lines_write_a_few_and_their_count():
     assert lines[4].startswith("the line before repeated 1000 times in all") and lines[5] == "something else"
 
 
+SERVE_LOGGING = """
+import logging
+from dtorch.serve.logs import setup_logging
+setup_logging("info")
+for _ in range(20000):  # what a full file table made asyncio write 684,000 times
+    logging.getLogger("asyncio").error("socket.accept() out of system resource: [Errno 24] Too many open files")
+def down(n):  # two frames a level, as the escaping of a deep template input (no line repeats to fold)
+    return [down(n + 1) for _ in (1,)]
+try:
+    down(0)
+except RecursionError as exc:
+    logging.getLogger("dtorch.serve").error("request failed", exc_info=exc)
+"""
+
+
+def test_the_servers_logging_holds_back_repeats_and_long_tracebacks():
+    """``dtorch serve``'s logging set-up (in a process of its own: it changes the loggers): 20,000 identical asyncio
+    lines write 5, and a RecursionError's traceback a few KB."""
+    import os
+    import subprocess
+    import sys
+
+    from dtorch.serve.logs import MAX_LOGGED_TRACEBACK
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", SERVE_LOGGING], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    assert sum("Too many open files" in line for line in lines) == 6, lines[:8]  # 1st, 10th ... 10000th, the count
+    assert any("repeated 20000 times in all" in line for line in lines)
+    failed = run.stderr[run.stderr.index("request failed"):]
+    assert "RecursionError" in failed and len(failed) < MAX_LOGGED_TRACEBACK + 200, len(failed)
+
+
 # --- item 8: /metrics keeps constant memory however many tokens come between scrapes --------------------------------
 
 def test_the_metrics_token_rate_keeps_constant_memory():
