@@ -78,6 +78,36 @@ def test_a_row_whose_sampling_fails_ends_alone(tiny):
 
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_row_whose_token_cannot_be_taken_ends_alone(tiny, monkeypatch, speculative):
+    """A failure after sampling (its text, its grammar's state: here its delta) ends that request alone."""
+    from dtorch.engine.engine import Engine
+    from dtorch.engine.speculative import Adaptive
+
+    emit = Engine._emit
+
+    def failing(self, s, tokens, text, logprobs):
+        if s.request_id == "bad" and tokens and len(s.output_ids) > 1:
+            raise RuntimeError("the fault of one request")
+        emit(self, s, tokens, text, logprobs)
+
+    monkeypatch.setattr(Engine, "_emit", failing)
+    monkeypatch.setattr(Adaptive, "want", lambda self, k_max, cost: k_max)
+    hf, path = tiny
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2} if speculative else None
+    llm = LLM(path, speculative_config=spec)
+    try:
+        e, good, bad = llm.engine, [], []
+        prompt = rand_ids(8, 12)
+        e.add_request("bad", rand_ids(8, 13), greedy(12), bad.append)
+        e.add_request("good", prompt, greedy(12), lambda d: good.extend(d.token_ids))
+        e.run_until(lambda: not e.has_unfinished(), timeout=60)
+        assert good == hf_greedy(hf, prompt, 12)
+        assert bad[-1].finish_reason == "abort" and e.stats().kv_blocks_used == 0
+    finally:
+        llm.close()
+
+
 def test_a_row_whose_verification_fails_ends_alone(tiny, monkeypatch):
     """Speculative decoding (the model drafting for itself, drafts every step): a row whose draft or verification
     fails (its repetition penalty turned NaN-making after its first token) ends alone; the batch goes on."""
