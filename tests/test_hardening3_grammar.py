@@ -50,6 +50,7 @@ def server():
     proc, port = _start_server("--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "128",
                                "--shutdown-grace", str(SIGTERM_GRACE))  # short steps: SIGTERM waits for one
     try:
+        GREEDY["before"] = _greedy(port)
         yield proc, port
     finally:
         _stop(proc)
@@ -60,6 +61,15 @@ def _chat(port: int, **fields) -> tuple[int, dict]:
 
     body = {"messages": [{"role": "user", "content": "Pick one."}], "max_tokens": 12, "temperature": 0} | fields
     return _post(port, "/v1/chat/completions", body, timeout=120)
+
+
+GREEDY: dict[str, str] = {}  # the server's greedy answer to one question, before the crash class and after
+
+
+def _greedy(port: int) -> str:
+    code, body = _chat(port, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=8)
+    assert code == 200, body
+    return body["choices"][0]["message"]["content"]
 
 
 def _alive(proc, port: int) -> None:
@@ -311,6 +321,12 @@ def test_endless_schemas_in_tools_and_beside_them_are_refused(llm):
     setup = prepare_chat(llm.tokenizer, hi, tools=[_tool("weather")])  # a response_format beside tools
     with pytest.raises(dtorch.SamplingError, match="requires itself without end"):
         setup.with_answer(S(json=endless(True), strict=True))
+
+
+def test_zy_the_greedy_answer_is_unchanged_after_the_crash_class(server):
+    proc, port = server
+    _alive(proc, port)
+    assert GREEDY["before"] and _greedy(port) == GREEDY["before"]
 
 
 # --- item 3: SIGTERM during a long scoring, against the same server process (last: it ends the server) -------------
