@@ -36,6 +36,17 @@ def test_repetition_penalties_past_float32_are_refused(penalty):
         SamplingParams(repetition_penalty=penalty)
 
 
+@pytest.mark.parametrize("temperature", [3.5e38, 1e300])
+def test_a_temperature_past_float32s_range_is_refused(temperature):
+    """float32 holds it as inf: a banned token's -inf / inf is NaN, and the sampler failed on it."""
+    with pytest.raises(dtorch.SamplingError, match=r"temperature must be in \[0, 3.403e\+38\]"):
+        SamplingParams(temperature=temperature)
+    p = SamplingParams(temperature=3.4e38, seed=0, min_tokens=2)  # the largest is uniform over what is allowed
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)) * 5
+    drawn = {sample_step(logits, [p], [p.generator(i)], [()], [()], banned=[[3, 4]])[0][0] for i in range(200)}
+    assert 3 not in drawn and 4 not in drawn and len(drawn) > 30
+
+
 def test_a_top_p_under_float32s_range_keeps_the_most_likely_token():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 5
     for top_p in (1e-300, 1e-45):
@@ -65,6 +76,64 @@ def test_a_row_whose_sampling_fails_ends_alone(tiny):
     finally:
         llm.close()
 
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_row_whose_token_cannot_be_taken_ends_alone(tiny, monkeypatch, speculative):
+    """A failure after sampling (its text, its grammar's state: here its delta) ends that request alone."""
+    from dtorch.engine.engine import Engine
+    from dtorch.engine.speculative import Adaptive
+
+    emit = Engine._emit
+
+    def failing(self, s, tokens, text, logprobs):
+        if s.request_id == "bad" and tokens and len(s.output_ids) > 1:
+            raise RuntimeError("the fault of one request")
+        emit(self, s, tokens, text, logprobs)
+
+    monkeypatch.setattr(Engine, "_emit", failing)
+    monkeypatch.setattr(Adaptive, "want", lambda self, k_max, cost: k_max)
+    hf, path = tiny
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2} if speculative else None
+    llm = LLM(path, speculative_config=spec)
+    try:
+        e, good, bad = llm.engine, [], []
+        prompt = rand_ids(8, 12)
+        e.add_request("bad", rand_ids(8, 13), greedy(12), bad.append)
+        e.add_request("good", prompt, greedy(12), lambda d: good.extend(d.token_ids))
+        e.run_until(lambda: not e.has_unfinished(), timeout=60)
+        assert good == hf_greedy(hf, prompt, 12)
+        assert bad[-1].finish_reason == "abort" and e.stats().kv_blocks_used == 0
+    finally:
+        llm.close()
+
+
+def test_a_row_whose_verification_fails_ends_alone(tiny, monkeypatch):
+    """Speculative decoding (the model drafting for itself, drafts every step): a row whose draft or verification
+    fails (its repetition penalty turned NaN-making after its first token) ends alone; the batch goes on."""
+    from dtorch.engine.speculative import Adaptive
+
+    monkeypatch.setattr(Adaptive, "want", lambda self, k_max, cost: k_max)  # always draft
+    hf, path = tiny
+    llm = LLM(path, speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    try:
+        e, good, bad = llm.engine, [], []
+        poisoned = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=1)
+
+        def poison(d):  # from its second token on, past the checks: the sampler meets NaN
+            bad.append(d)
+            object.__setattr__(poisoned, "repetition_penalty", 1e-300)
+
+        prompt = rand_ids(8, 12)
+        e.add_request("bad", [1, 2, 3] * 4, poisoned, poison)
+        e.add_request("good", prompt, greedy(12), lambda d: good.extend(d.token_ids))
+        e.run_until(lambda: not e.has_unfinished(), timeout=60)
+        assert llm.engine.speculator.drafted > 0
+        assert good == hf_greedy(hf, prompt, 12)  # the batch went on without it
+        assert bad[-1].finish_reason == "abort" and sum(len(d.token_ids) for d in bad) < 20
+        assert e.stats().kv_blocks_used == 0
+    finally:
+        llm.close()
 
 
 # --- item 13: the kernel registry's ABI -----------------------------------------------------------------------------
@@ -212,6 +281,70 @@ def test_chat_template_kwargs_may_not_take_the_renderers_own_names(name):
     with pytest.raises(dtorch.ArgumentError, match=f"chat_template_kwargs: '{name}' is set by the request") as e:
         prepare_chat(None, [{"role": "user", "content": "hi"}], chat_template_kwargs={name: 1})
     assert e.value.param == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("field, value", [("chat_template_kwargs", {"x": "["}), ("tools", "["), ("messages", "[")])
+def test_template_inputs_nested_past_the_bound_are_a_400(field, value):
+    """A chat_template_kwargs value 900 lists deep recursed past Python's stack in the template's escaping: a 500
+    whose 200 KB traceback filled the log."""
+    from dtorch.engine.chat_format import MAX_TEMPLATE_DEPTH, prepare_chat
+
+    def deep(n: int):
+        return json.loads("[" * n + "]" * n)
+
+    kw = {"messages": [{"role": "user", "content": "hi"}]}
+    for n in (MAX_TEMPLATE_DEPTH + 1, 900):
+        if field == "chat_template_kwargs":
+            kw[field] = {"x": deep(n)}
+        elif field == "tools":
+            kw[field] = [{"type": "function", "function": {"name": "f", "x": deep(n)}}]
+        else:
+            kw[field] = [{"role": "user", "content": "hi", "x": deep(n)}]
+        with pytest.raises(dtorch.ArgumentError, match=f"nests deeper than {MAX_TEMPLATE_DEPTH} levels") as e:
+            prepare_chat(None, **kw)
+        assert e.value.param == field
+
+
+def test_a_schema_nested_past_the_bound_is_a_sampling_error():
+    """A structured_outputs.json text nested 100,000 deep was a RecursionError (a 500), a dict 5000 deep too."""
+    from dtorch.engine.grammar_bounds import MAX_SCHEMA_DEPTH
+    from dtorch.engine.structured import StructuredOutputsParams as S
+
+    deep_dict: dict = {"type": "integer"}
+    for _ in range(5000):
+        deep_dict = {"type": "array", "items": deep_dict}
+    for schema in ("[" * 100_000 + "]" * 100_000, deep_dict, json.loads("[" * 300 + "]" * 300)):
+        with pytest.raises(dtorch.SamplingError, match=f"json nests deeper than {MAX_SCHEMA_DEPTH} levels"):
+            S(json=schema)
+    assert S(json={"type": "array", "items": {"type": "array", "items": {}}}).key  # a shallow one passes
+
+
+def test_a_logged_traceback_keeps_its_innermost_frames_only():
+    """A request that fails deep in a recursion logs a few KB (serve's formatter), the exception line included."""
+    import io
+    import logging
+
+    from dtorch.serve.logs import MAX_LOGGED_TRACEBACK, BriefFormatter
+
+    def down(n: int) -> list:  # two frames a level, as the escaping of a deep template input (no line repeats)
+        return [down(n + 1) for _ in (1,)]
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(BriefFormatter("%(message)s"))
+    log = logging.getLogger("dtorch.test.brief")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        try:
+            down(0)
+        except RecursionError as exc:
+            log.error("request failed", exc_info=exc)
+    finally:
+        log.removeHandler(handler)
+    text = out.getvalue()
+    assert len(text) < MAX_LOGGED_TRACEBACK + 100 and 0 < text.count(", in down") <= 40
+    assert text.startswith("request failed") and "RecursionError: maximum recursion depth exceeded" in text
 
 
 def test_boolean_schemas_and_lone_surrogates_are_sampling_errors():

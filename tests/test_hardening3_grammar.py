@@ -38,6 +38,7 @@ def endless(strict: bool) -> dict:
 
 
 OPTIONS = [f"option{i}" for i in range(3000)]
+SIGTERM_GRACE = 1.0  # the server's --shutdown-grace (its last test sends SIGTERM)
 
 
 # --- items 1, 6, 12 against a server process the test watches ------------------------------------------------------
@@ -46,8 +47,10 @@ OPTIONS = [f"option{i}" for i in range(3000)]
 def server():
     from tests.test_serve import _start_server, _stop
 
-    proc, port = _start_server("--max-model-len", "256", "--max-num-seqs", "2")
+    proc, port = _start_server("--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "128",
+                               "--shutdown-grace", str(SIGTERM_GRACE))  # short steps: SIGTERM waits for one
     try:
+        GREEDY["before"] = _greedy(port)
         yield proc, port
     finally:
         _stop(proc)
@@ -58,6 +61,15 @@ def _chat(port: int, **fields) -> tuple[int, dict]:
 
     body = {"messages": [{"role": "user", "content": "Pick one."}], "max_tokens": 12, "temperature": 0} | fields
     return _post(port, "/v1/chat/completions", body, timeout=120)
+
+
+GREEDY: dict[str, str] = {}  # the server's greedy answer to one question, before the crash class and after
+
+
+def _greedy(port: int) -> str:
+    code, body = _chat(port, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=8)
+    assert code == 200, body
+    return body["choices"][0]["message"]["content"]
 
 
 def _alive(proc, port: int) -> None:
@@ -71,10 +83,13 @@ def _alive(proc, port: int) -> None:
     (dict(structured_outputs={"grammar": lark_chain(3000)}), 200, None),
     (dict(structured_outputs={"grammar": lark_chain(MAX_GRAMMAR_PARTS)}), 400, f"the {MAX_GRAMMAR_PARTS} allowed"),
     (dict(structured_outputs={"grammar": gbnf_chain(5000)}), 400, f"the {MAX_GBNF_RULES} allowed"),
+    (dict(structured_outputs={"grammar": gbnf_chain(MAX_GBNF_RULES - 2)}), 200, None),  # root and 2 + n rules
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": ref_chain(1000)}}),
      200, None),
+    (dict(structured_outputs={"json": ref_chain(1000)}), 200, None),
     (dict(structured_outputs={"json": ref_chain(MAX_GRAMMAR_PARTS // 4)}), 400, f"the {MAX_GRAMMAR_PARTS} allowed"),
-], ids=["lark-3000", "lark-past-the-bound", "gbnf-5000", "ref-1000", "ref-past-the-bound"])
+], ids=["lark-3000", "lark-past-the-bound", "gbnf-5000", "gbnf-at-the-bound", "ref-1000", "ref-1000-structured",
+        "ref-past-the-bound"])
 def test_deep_grammars_never_kill_the_server(server, fields, status, words):
     proc, port = server
     code, body = _chat(port, **fields, max_tokens=4)  # a deep schema's masks take ~1 s a token on a busy core
@@ -85,7 +100,7 @@ def test_deep_grammars_never_kill_the_server(server, fields, status, words):
                                                                                  "response_format"), body
     else:  # the grammar holds: the chain ends in "x" / an integer at its bottom
         text = body["choices"][0]["message"]["content"]
-        assert text == "x" if "structured_outputs" in fields else text.startswith('{"a": {"')
+        assert text == "x" if "grammar" in str(fields)[:40] else text.startswith('{"a": {"'), text
 
 
 @pytest.mark.parametrize("grammar", [dict(choice=OPTIONS), dict(grammar="start: " + " | ".join(map(json.dumps,
@@ -131,15 +146,64 @@ def llm():
     llm.close()
 
 
-def test_a_library_caller_gets_an_error_or_an_answer_never_a_crash(llm):
-    greedy = dict(temperature=0, max_tokens=8)
-    deep = dtorch.SamplingParams(**greedy, structured_outputs=S(grammar=lark_chain(3000)))
-    assert llm.generate(["Say x:"], deep)[0].outputs[0].text == "x"
-    for so, words in [(S(grammar=lark_chain(MAX_GRAMMAR_PARTS)), "more than the 16000 allowed"),
-                      (S(grammar=gbnf_chain(MAX_GBNF_RULES)), f"rules, more than the {MAX_GBNF_RULES} allowed"),
-                      (S(json=endless(True), strict=True), "requires itself without end")]:
-        with pytest.raises(dtorch.SamplingError, match=words):
-            llm.generate(["Say x:"], dtorch.SamplingParams(**greedy, structured_outputs=so))
+LIBRARY_CALLER = """
+import json, sys
+import dtorch
+from dtorch.engine.llm import LLM
+from dtorch.engine.structured import StructuredOutputsParams as S
+from tests.test_hardening3_grammar import MAX_GBNF_RULES, MAX_GRAMMAR_PARTS, endless, gbnf_chain, lark_chain
+
+llm = LLM(max_num_seqs=1, max_model_len=64, kv_cache_memory_bytes=8 << 20)
+cases = [S(grammar=lark_chain(3000)), S(grammar=lark_chain(MAX_GRAMMAR_PARTS)), S(grammar=gbnf_chain(MAX_GBNF_RULES)),
+         S(json=endless(True), strict=True)]
+for so in cases:
+    try:
+        out = llm.generate(["Say x:"], dtorch.SamplingParams(temperature=0, max_tokens=4, structured_outputs=so))
+        print(json.dumps(["text", out[0].outputs[0].text]), flush=True)
+    except dtorch.DtorchError as e:
+        print(json.dumps([type(e).__name__, str(e)]), flush=True)
+llm.close()
+"""
+
+
+def test_a_library_caller_gets_an_error_or_an_answer_never_a_crash():
+    """The Python API with the crash class, in a process of its own that the test watches (a SIGSEGV there is a
+    failure naming the signal, not the end of the test run)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", LIBRARY_CALLER], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert run.returncode == 0, f"the library caller died with {run.returncode}: {run.stderr[-2000:]}"
+    got = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("[")]
+    assert got[0] == ["text", "x"], got[0]
+    for (kind, message), words in zip(got[1:], ["more than the 16000 allowed",
+                                                f"rules, more than the {MAX_GBNF_RULES} allowed",
+                                                "requires itself without end"], strict=True):
+        assert kind == "SamplingError" and words in message, (kind, message)
+
+
+def test_thousands_of_options_log_nothing_big(llm, caplog):
+    """A choice or Lark alternation of 3000 options answers one of them in the library too, and a refused token's
+    error is one short line (llguidance's verbose errors, the parser's state, ran to 470 KB of log a request)."""
+    import logging
+
+    import llguidance as llg
+
+    from dtorch.engine.structured import LIMITS
+
+    caplog.set_level(logging.DEBUG)
+    alternation = S(grammar="start: " + " | ".join(map(json.dumps, OPTIONS)))  # (the choice: the server's test)
+    out = llm.generate(["Pick one:"], dtorch.SamplingParams(temperature=0, max_tokens=12,
+                                                            structured_outputs=alternation))
+    assert out[0].outputs[0].text in OPTIONS
+    assert sum(len(r.getMessage()) for r in caplog.records) < 2000
+    m = llg.LLMatcher(llm.engine.grammars._ll_tokenizer(), alternation.grammar_text(), log_level=0,
+                      limits=llg.LLParserLimits(**LIMITS))
+    assert not m.consume_token(llm.tokenizer.encode("zzz")[0]) and m.is_error()
+    assert 0 < len(m.get_error()) < 1000
 
 
 @pytest.mark.parametrize("schema, where", [
@@ -257,3 +321,56 @@ def test_endless_schemas_in_tools_and_beside_them_are_refused(llm):
     setup = prepare_chat(llm.tokenizer, hi, tools=[_tool("weather")])  # a response_format beside tools
     with pytest.raises(dtorch.SamplingError, match="requires itself without end"):
         setup.with_answer(S(json=endless(True), strict=True))
+
+
+def test_zy_the_greedy_answer_is_unchanged_after_the_crash_class(server):
+    proc, port = server
+    _alive(proc, port)
+    assert GREEDY["before"] and _greedy(port) == GREEDY["before"]
+
+
+# --- item 3: SIGTERM during a long scoring, against the same server process (last: it ends the server) -------------
+
+def test_zz_sigterm_during_a_scoring_and_an_embedding_answers_503_within_the_grace(server):
+    """A scoring of 50k tokens and an embedding of as many are running in chunks when SIGTERM comes: both answer
+    OpenAI's 503 JSON within the grace (``SIGTERM_GRACE``, and ``LATE_ABORT_S`` for a step still in flight) and the
+    process exits 0 (#43 item 3: it took 55 s at a grace of 2 s and answered a plain-text 500)."""
+    import http.client
+    import random
+    import signal
+    import threading
+    import time
+
+    from dtorch.serve.server import LATE_ABORT_S
+
+    proc, port = server
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(250)] for _ in range(200)]  # 50k tokens, 100 steps
+    got: dict[str, tuple] = {}
+
+    def post(path: str, body: dict) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            got[path] = (r.status, r.getheader("content-type"), r.read(), time.monotonic())
+        finally:
+            conn.close()
+
+    clients = [threading.Thread(target=post, args=("/v1/completions", {"prompt": prompts, "max_tokens": 0,
+                                                                        "echo": True, "logprobs": 1})),
+               threading.Thread(target=post, args=("/v1/embeddings", {"input": prompts}))]
+    for c in clients:
+        c.start()
+    time.sleep(1.0)  # both requests in the engine's queue, a chunk of one running
+    assert proc.poll() is None and not got, got
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    for c in clients:
+        c.join(60)
+    for path, (status, kind, raw, at) in got.items():
+        assert status == 503 and kind == "application/json", (path, status, raw[:200])
+        assert json.loads(raw)["error"]["code"] in ("shutting_down", "engine_busy"), raw
+        assert at - t0 < SIGTERM_GRACE + LATE_ABORT_S + 3.0, f"{path} answered {at - t0:.1f} s after SIGTERM"
+    assert len(got) == 2
+    assert proc.wait(60) == 0

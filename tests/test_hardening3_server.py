@@ -282,6 +282,45 @@ def test_passes_count_against_max_waiting_and_end_at_shutdown(spare):
         llm.close()
 
 
+def test_at_the_grace_end_passes_held_up_by_a_long_step_answer_503_json(spare, monkeypatch):
+    """SIGTERM's path (``EngineLoop.stop(grace)``) while a pass step takes longer than the grace: the request still
+    waiting answers OpenAI's 503 ``LATE_ABORT_S`` after the grace, not once the step lands (uvicorn's backstop cut
+    such a request with a plain-text 500)."""
+    from dtorch.engine.prompt_pass import PromptPasses
+    from dtorch.serve import build_app
+    from dtorch.serve.server import LATE_ABORT_S
+
+    step, grace, long_step = PromptPasses.step, 0.3, 4.5
+
+    def slow(self, engine):  # once the shutdown began: a chunk on a very busy CPU
+        if not engine.accepting:
+            time.sleep(long_step)
+        return step(self, engine)
+
+    monkeypatch.setattr(PromptPasses, "step", slow)
+    llm = LLM(spare, max_num_batched_tokens=16, max_model_len=256)
+    loop = EngineLoop(llm.engine).start()
+    port, got = _free_port(), {}
+    try:
+        with _serving(build_app(llm, "tiny", engine_loop=loop, log_interval=0), port):
+            body = {"model": "tiny", "prompt": [_ids(200, s, 128) for s in range(4)], "max_tokens": 0, "echo": True,
+                    "logprobs": 1}
+            client = threading.Thread(target=lambda: got.update(r=_request(port, "POST", "/v1/completions", body)))
+            client.start()
+            _wait(lambda: llm.engine.passes.jobs, 10, "the passes to start")
+            stopping = threading.Thread(target=loop.stop, args=(grace,))
+            t0 = time.monotonic()
+            stopping.start()
+            client.join(30)
+            took = time.monotonic() - t0
+            stopping.join(30)
+        status, r = got["r"]
+        assert status == 503 and r["error"]["code"] == "shutting_down" and "--shutdown-grace" in r["error"]["message"]
+        assert took < grace + LATE_ABORT_S + 2.0 < long_step, f"answered {took:.1f} s after the stop began"
+    finally:
+        llm.close()
+
+
 def test_pass_steps_take_turns_with_decode_steps(spare):
     """The engine stepped by hand: while a long scoring runs, every other step is a generation step."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(spare, dtype=torch.float32).eval()
@@ -403,6 +442,40 @@ def test_a_thousand_identical_lines_write_a_few_and_their_count():
     assert lines[4].startswith("the line before repeated 1000 times in all") and lines[5] == "something else"
 
 
+SERVE_LOGGING = """
+import logging
+from dtorch.serve.logs import setup_logging
+setup_logging("info")
+for _ in range(20000):  # what a full file table made asyncio write 684,000 times
+    logging.getLogger("asyncio").error("socket.accept() out of system resource: [Errno 24] Too many open files")
+def down(n):  # two frames a level, as the escaping of a deep template input (no line repeats to fold)
+    return [down(n + 1) for _ in (1,)]
+try:
+    down(0)
+except RecursionError as exc:
+    logging.getLogger("dtorch.serve").error("request failed", exc_info=exc)
+"""
+
+
+def test_the_servers_logging_holds_back_repeats_and_long_tracebacks():
+    """``dtorch serve``'s logging set-up (in a process of its own: it changes the loggers): 20,000 identical asyncio
+    lines write 5, and a RecursionError's traceback a few KB."""
+    import os
+    import subprocess
+    import sys
+
+    from dtorch.serve.logs import MAX_LOGGED_TRACEBACK
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", SERVE_LOGGING], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    assert sum("Too many open files" in line for line in lines) == 6, lines[:8]  # 1st, 10th ... 10000th, the count
+    assert any("repeated 20000 times in all" in line for line in lines)
+    failed = run.stderr[run.stderr.index("request failed"):]
+    assert "RecursionError" in failed and len(failed) < MAX_LOGGED_TRACEBACK + 200, len(failed)
+
+
 # --- item 8: /metrics keeps constant memory however many tokens come between scrapes --------------------------------
 
 def test_the_metrics_token_rate_keeps_constant_memory():
@@ -506,6 +579,8 @@ PROBES = [
      "temperature"),
     ("n past its cap", "/v1/completions", {"model": "tiny", "prompt": "hi", "n": 10 ** 6}, 400, "n"),
     ("negative max_tokens", "/v1/chat/completions", _chat(max_tokens=-1), 400, "max_tokens"),
+    ("top_p 1e-300 with temperature 1 answered (the top token)", "/v1/completions",
+     {"model": "tiny", "prompt": "hi", "top_p": 1e-300, "temperature": 1, "max_tokens": 2}, 200, None),
     # item 3: prompt scoring past its caps (a long one runs chunked: test_a_stream_keeps_flowing_...)
     ("scoring 2049 prompts", "/v1/completions",
      {"model": "tiny", "prompt": [[1]] * (MAX_INPUTS + 1), "max_tokens": 0, "echo": True, "logprobs": 1}, 400,
@@ -521,8 +596,9 @@ PROBES = [
     ("declared body past the limit", None, ("raw", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                             b"Content-Length: 999999999\r\n\r\n"), 413, b"--max-body-bytes"),
     # item 9: tokenizer work past its caps
-    ("tokenize past the cap", "/tokenize", {"model": "tiny", "prompt": "a" * ((1 << 20) + 1)}, 400, "prompt"),
-    ("detokenize past the cap", "/detokenize", {"model": "tiny", "tokens": [1] * ((1 << 18) + 1)}, 400, "tokens"),
+    ("tokenize a 5 MB prompt", "/tokenize", b'{"model": "tiny", "prompt": "' + b"a" * 5_000_000 + b'"}', 400,
+     "prompt"),
+    ("detokenize 2M ids", "/detokenize", b'{"model": "tiny", "tokens": [' + b"1," * 1_999_999 + b'1]}', 400, "tokens"),
     ("detokenize an id past the vocabulary", "/detokenize", {"model": "tiny", "tokens": [1, 10 ** 9]}, 400,
      "tokens"),
     # item 11: what answered 500
@@ -530,18 +606,48 @@ PROBES = [
      "logit_bias"),
     ("logit_bias key of 5000 digits", "/v1/completions",
      {"model": "tiny", "prompt": "hi", "logit_bias": {"1" + "0" * 4999: 1}}, 400, "logit_bias"),
-    ("chat_template_kwargs limit", "/v1/chat/completions", _chat(chat_template_kwargs={"limit": 1}), 400,
-     "chat_template_kwargs"),
+    ("logit_bias key in Arabic digits", "/v1/completions",
+     {"model": "tiny", "prompt": "hi", "logit_bias": {"\u0661\u0662": 1}}, 400, "logit_bias"),
+    ("logit_bias key in fullwidth digits", "/v1/completions",
+     {"model": "tiny", "prompt": "hi", "logit_bias": {"\uff11\uff12": 1}}, 400, "logit_bias"),
+    ("logit_bias keys 1 and 01", "/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"1": 1, "01": 2}},
+     400, "logit_bias"),
+    *[(f"chat_template_kwargs {name}", "/v1/chat/completions", _chat(chat_template_kwargs={name: True}), 400,
+       "chat_template_kwargs") for name in ("limit", "allow_special_tokens", "continue_final_message", "self")],
     ("schema false", "/v1/chat/completions", _chat(structured_outputs={"json": "false"}), 400, None),
+    ("schema false in response_format", "/v1/chat/completions", _chat(response_format=_schema(False)), 400,
+     "response_format"),
+    ("schema true in response_format", "/v1/chat/completions", _chat(response_format=_schema(True)), 400,
+     "response_format"),
     ("regex with a lone surrogate", "/v1/chat/completions",
      b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a\\ud800"}}',
      400, None),
+    ("choice with a lone surrogate", "/v1/chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+     b'"structured_outputs": {"choice": ["a", "\\udfff"]}}', 400, "structured_outputs"),
     ("schema bounds 1e30", "/v1/chat/completions",
      _chat(response_format=_schema({"type": "number", "minimum": -1e30, "maximum": 1e30})), 400, None),
+    ("integer bounds 1e30", "/v1/chat/completions",
+     _chat(response_format=_schema({"type": "integer", "minimum": -1e30, "maximum": 1e30})), 400, "response_format"),
+    ("maxLength 1e30", "/v1/chat/completions", _chat(response_format=_schema({"type": "string", "maxLength": 1e30})),
+     400, "response_format"),
     ("tool-call arguments 100,000 deep", "/v1/chat/completions", _nested_call(100_000), 400, "messages"),
+    # what nests past Python's stack elsewhere (found by #43's audit: 500s)
+    ("structured_outputs.json text 100,000 deep", "/v1/chat/completions",
+     _chat(structured_outputs={"json": "[" * 100_000 + "]" * 100_000}), 400, "structured_outputs"),
+    ("chat_template_kwargs 900 deep", "/v1/chat/completions",
+     json.dumps(_chat(chat_template_kwargs={"x": "@"})).replace('"@"', "[" * 900 + "]" * 900).encode(), 400,
+     "chat_template_kwargs"),
+    ("a body 100,000 deep", "/v1/chat/completions",
+     json.dumps(_chat(x="@")).replace('"@"', "[" * 100_000 + "]" * 100_000).encode(), 400, None),
     # item 12: a schema that only refers to itself
     ("self-referencing $ref", "/v1/chat/completions", _chat(response_format=_schema({"$ref": "#"}, strict=True)), 400,
      None),
+    ("self-referencing $ref, not strict", "/v1/chat/completions", _chat(response_format=_schema({"$ref": "#"})), 400,
+     "response_format"),
+    ("$defs referring to each other", "/v1/chat/completions", _chat(response_format=_schema(
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, strict=True)), 400,
+     "response_format"),
     # the usual
     ("an unknown field", "/v1/chat/completions", _chat(max_token=3), 400, "max_token"),
     ("an unknown model", "/v1/completions", {"model": "gpt-4o", "prompt": "hi"}, 404, "model"),

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtorch.core.errors import ArgumentError, SamplingError
+from dtorch.engine.grammar_bounds import nesting_depth
 from dtorch.engine.output_parser import THINK_OPEN, OutputParser
 from dtorch.engine.request import CompletionOutput
 from dtorch.engine.sampling import SamplingParams
@@ -52,6 +53,9 @@ For each function call, return a json object with function name and arguments wi
 
 
 MAX_ARGUMENT_DEPTH = 64  # levels of lists / dicts in a history's tool-call arguments
+# levels of lists / dicts in anything else that reaches the template (messages, tools, chat_template_kwargs): its
+# escaping and the template walk them by recursion (two Python frames a level), ~1000 deep was a RecursionError
+MAX_TEMPLATE_DEPTH = 128
 
 
 def field_error(param: str, message: str) -> ArgumentError:
@@ -112,6 +116,9 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
                  limit: int | None = None) -> ChatSetup:
     """The ``ChatSetup`` of one conversation. Errors are ``ArgumentError`` s whose ``param`` names the field; a
     rendered conversation past ``limit`` tokens is a ``ModelError`` (``Tokenizer.encode_chat``)."""
+    for name, value in (("messages", messages), ("tools", tools)):
+        if nesting_depth(value) > MAX_TEMPLATE_DEPTH:
+            raise field_error(name, f"{name} nests deeper than {MAX_TEMPLATE_DEPTH} levels of lists and dicts")
     tools = check_tools(tools)
     choice = check_tool_choice(tool_choice, tools)
     kwargs = dict(chat_template_kwargs or {})
@@ -122,6 +129,10 @@ def prepare_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools
     if reserved:
         raise field_error("chat_template_kwargs", f"chat_template_kwargs: {sorted(reserved)[0]!r} is set by the "
                                                   "request itself; pass it as its own field")
+    for name, value in kwargs.items():
+        if nesting_depth(value) > MAX_TEMPLATE_DEPTH:
+            raise field_error("chat_template_kwargs", f"chat_template_kwargs[{name!r}] nests deeper than "
+                                                      f"{MAX_TEMPLATE_DEPTH} levels of lists and dicts")
     if continue_final_message and add_generation_prompt:
         raise field_error("continue_final_message", "continue_final_message: the final message can be continued "
                                                     "only with add_generation_prompt false")
@@ -253,24 +264,10 @@ def _history_call(i: int, j: int, call: Any) -> dict[str, Any]:
             raise field_error("messages", f"{where}.function.arguments is not valid JSON ({e})") from None
         except RecursionError:
             args = None  # nested past Python's stack: past any depth below too
-    if args is None or _depth(args) > MAX_ARGUMENT_DEPTH:
+    if args is None or nesting_depth(args) > MAX_ARGUMENT_DEPTH:
         raise field_error("messages", f"{where}.function.arguments nests deeper than {MAX_ARGUMENT_DEPTH} levels; "
                                       "the template and the tokenizer would recurse that deep")
     return {**call, "type": "function", "function": {"name": fn["name"], "arguments": args}}
-
-
-def _depth(value: Any) -> int:
-    """How deeply lists and dicts nest in ``value`` (a scalar: 0), without recursion."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        if isinstance(v, (list, dict)) and d > deepest:
-            deepest = d
-        if isinstance(v, dict):
-            todo += [(x, d + 1) for x in v.values()]
-        elif isinstance(v, list):
-            todo += [(x, d + 1) for x in v]
-    return deepest
 
 
 def default_tool_rendering(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

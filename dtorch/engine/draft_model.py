@@ -136,7 +136,11 @@ class DraftModel:
                 g = s.generator
                 if g is not None and g.device != p.device:
                     p = p.to(g.device)
-                picked[r] = multinomial_one(p, g)
+                try:
+                    picked[r] = multinomial_one(p, g)
+                except RuntimeError:  # a broken distribution (NaN) of one request: a point mass on its argmax, so
+                    # the others draft on; verification ends the request if its own sampling fails too
+                    p = torch.zeros_like(p).index_fill_(0, torch.tensor([picked[r]], device=p.device), 1.0)
                 qs[i].append(p)
         else:
             picked = [0] * len(live)

@@ -401,9 +401,21 @@ class Engine:
         failed = [s for s, tok in zip(seqs, tokens, strict=True) if tok < 0]
         if failed:
             self._end(failed, "abort")
-        done = [s for s, tok, lp in zip(seqs, tokens, logprobs, strict=True) if tok >= 0 and self._take(s, tok, lp)]
+        done = []
+        for s, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+            if tok >= 0 and self._take_alone(s, tok, lp):
+                done.append(s)
         if done:
             self._finish(done)
+
+    def _take_alone(self, s: Sequence, tok: int, lp) -> bool:
+        """``_take``; a failure there (its text, its grammar) ends ``s`` alone ("abort"), not the step's others."""
+        try:
+            return self._take(s, tok, lp)
+        except Exception:
+            log.exception("taking a token for request %r failed; it is aborted", s.request_id)
+            self._end([s], "abort")
+            return False
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list]:
         """``sample_step`` over ``seqs``; if the batch fails, each row alone, a row that still fails getting
@@ -442,13 +454,20 @@ class Engine:
         """Take each of ``seqs``'s verified tokens (the drafts it keeps, then the target's own; ``logits``: its rows,
         ``entries``: its entry in the step's ``drafts``) one by one until it ends; then settle what it drafted."""
         runs, logprobs = self.speculator.verify(self, seqs, logits, drafts, entries)
+        failed = [s for s, run in zip(seqs, runs, strict=True) if not run]  # its verification failed: it ends alone
+        if failed:
+            self._end(failed, "abort")
         done = []
         for s, run, lps, i in zip(seqs, runs, logprobs, entries, strict=True):
+            if not run:
+                continue
             taken = 0
             for tok, lp in zip(run, lps, strict=True):
                 taken += 1
-                if self._take(s, tok, lp):
+                if self._take_alone(s, tok, lp):
                     done.append(s)
+                    break
+                if s.finished:  # its take failed: it ended alone
                     break
             if drafts.tokens[i]:
                 self.speculator.settle(self, s, drafts.tokens[i], run, taken, drafts.rollback)

@@ -37,6 +37,9 @@ MAX_GBNF_RULES = 2000
 # refused whole; a choice is one lexeme and needs no row
 MAX_ALTERNATIVES = 50_000
 COMPILE_STACK_BYTES = 256 << 20  # the compiling thread's stack (address space; touched only as deep as it recurses)
+# levels of JSON objects and arrays a schema given inline may nest (a request's body cannot nest ~1000: Python's JSON
+# parser stops there; a library caller's dict could, and json.dumps would meet Python's recursion limit)
+MAX_SCHEMA_DEPTH = 256
 
 T = TypeVar("T")
 _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore under one lock
@@ -71,6 +74,20 @@ def check_gbnf(text: str) -> None:
     if rules > MAX_GBNF_RULES:
         raise SamplingError(f"SamplingParams: structured_outputs: grammar: the GBNF grammar has {rules} rules, more "
                             f"than the {MAX_GBNF_RULES} allowed; write it in Lark (up to {MAX_GRAMMAR_PARTS} lines)")
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply lists and dicts (JSON arrays and objects) nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (list, tuple, dict)) and d > deepest:
+            deepest = d
+        if isinstance(v, dict):
+            todo += [(x, d + 1) for x in v.values()]
+        elif isinstance(v, (list, tuple)):
+            todo += [(x, d + 1) for x in v]
+    return deepest
 
 
 def on_big_stack(fn: Callable[..., T], *args: Any) -> T:

@@ -26,6 +26,9 @@ class EngineLoop:
         self._stop = threading.Event()
         self._stopping = threading.Lock()
         self._thread: threading.Thread | None = None
+        # called (on the stopping thread) when the grace is over, before what is left is aborted: the aborts wait for
+        # the step in flight, which may be long (a prompt's chunk on a busy CPU), so the server need not
+        self.at_grace_end: list[Callable[[], None]] = []
         self._finalizer = weakref.finalize(self, self._stop.set)
 
     def start(self) -> EngineLoop:
@@ -67,6 +70,8 @@ class EngineLoop:
         while e.has_unfinished() and time.monotonic() < end and not self._stop.is_set():
             time.sleep(0.02)
         self._stop.set()
+        for fn in self.at_grace_end:
+            fn()
         with e.stepped:
             e.stepped.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():

@@ -32,6 +32,8 @@ MAX_N = 16
 # float32: logit / 0 is inf, then NaN in the softmax); a penalty of 1e4 already all but bans every seen token
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to NaN
+# a temperature past float32's range is inf on the logits: a banned or masked token's -inf / inf is NaN
+TEMPERATURE_MAX = float(torch.finfo(torch.float32).max)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 NUCLEUS_BINS = 8  # bins a halving of probability when looking for top_p's nucleus
 NUCLEUS_DEPTH = 8 * 64  # bins in all: probabilities 2^-64 of the top one and below share the last
@@ -83,8 +85,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise SamplingError(f"SamplingParams: temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 <= self.temperature <= TEMPERATURE_MAX:
+            raise SamplingError(f"SamplingParams: temperature must be in [0, {TEMPERATURE_MAX:.4g}] (0 is greedy; "
+                                f"float32's range), got {self.temperature}")
         _number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ import torch
 
 from dtorch.core.errors import ArgumentError
 from dtorch.engine.verify import verify
+
+log = logging.getLogger("dtorch.engine")
 
 METHODS = ("ngram", "draft_model")
 MAX_PAUSE = 32  # steps a sequence whose drafts do not pay waits at most before it tries again
@@ -305,7 +308,7 @@ class Speculator:
         rank 0's). ``logits``: their rows; ``entries``: each one's entry in ``drafts``."""
         tokens = [drafts.tokens[i] for i in entries]
         if engine.rank == 0:
-            runs, logprobs = verify(logits, seqs, tokens, [drafts.probs[i] for i in entries], engine.grammars)
+            runs, logprobs = _verify_apart(logits, seqs, tokens, [drafts.probs[i] for i in entries], engine.grammars)
         else:
             runs, logprobs = [[0] for _ in seqs], [[None] for _ in seqs]
         if engine.agree is not None:  # a fixed width per sequence (its drafts and one), padded with -1
@@ -372,3 +375,30 @@ def speculator_for(config: SpeculativeConfig | None, llm: Any, dtype: torch.dtyp
 
         drafter = DraftModel.load(config.model, llm, dtype, where.communicator, where.timeout)
     return Speculator(config, row_cost(llm.device.type), drafter)
+
+
+def _verify_apart(logits: torch.Tensor, seqs: Sequence[Any], drafts: Sequence[Sequence[int]],
+                  probs: Sequence[torch.Tensor | None], grammars: Any) -> tuple[list[list[int]], list[list[Any]]]:
+    """``verify.verify`` over the batch; if it fails, each sequence alone (its 1 + len(draft) rows of ``logits``),
+    one that still fails getting an empty run (the engine ends it): a request's own failure must not end the
+    requests batched with it."""
+    try:
+        return verify(logits, seqs, drafts, probs, grammars)
+    except Exception:
+        if len(seqs) == 1:
+            log.exception("verifying request %r failed; it is aborted", seqs[0].request_id)
+            return [[]], [[]]
+    runs: list[list[int]] = []
+    logprobs: list[list[Any]] = []
+    at = 0
+    for s, d, q in zip(seqs, drafts, probs, strict=True):
+        rows = logits[at:at + len(d) + 1]  # [1 + len(d), V]
+        at += len(d) + 1
+        try:
+            (run,), (lps,) = verify(rows, [s], [d], [q], grammars)
+        except Exception:
+            log.exception("verifying request %r failed; it is aborted", s.request_id)
+            run, lps = [], []
+        runs.append(run)
+        logprobs.append(lps)
+    return runs, logprobs

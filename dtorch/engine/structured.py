@@ -25,12 +25,14 @@ import torch
 from dtorch.core.errors import DtorchError, SamplingError
 from dtorch.engine.grammar_bounds import (
     MAX_ALTERNATIVES,
+    MAX_SCHEMA_DEPTH,
     check_alternatives,
     check_gbnf,
     check_parts,
     endless_at,
     grammar_parts,
     heap_bytes,
+    nesting_depth,
     on_big_stack,
 )
 
@@ -79,11 +81,15 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise SamplingError(f"SamplingParams: structured_outputs: json is not valid JSON ({e})") from None
+                except RecursionError:  # nested past Python's stack: past the depth below too
+                    raise SamplingError(_too_deep()) from None
             if schema is False:
                 raise SamplingError("SamplingParams: structured_outputs: json is the schema false, which no output "
                                     "matches")
             if schema is True:  # the schema every JSON value matches
                 object.__setattr__(self, "json", schema := {})
+            if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
+                raise SamplingError(_too_deep())
             if not isinstance(schema, dict):
                 raise SamplingError("SamplingParams: structured_outputs: json must be a JSON schema (an object), "
                                     f"got {type(schema).__name__}")
@@ -161,6 +167,11 @@ class StructuredOutputsParams:
         value = self.json if self.json is None or isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
         kind = self.field
         return json.dumps([kind, value if kind == "json" else getattr(self, kind), self.strict])
+
+
+def _too_deep() -> str:
+    return (f"SamplingParams: structured_outputs: json nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and "
+            "arrays; share deep parts by $ref to $defs")
 
 
 def _utf8(text: str) -> bool:

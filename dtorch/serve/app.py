@@ -96,6 +96,8 @@ def build_app(llm: Any, served_model_name: str, *, engine_loop: Any = None, pool
 
         engine_loop = EngineLoop(llm.engine)
     server = Server(llm, served_model_name, workers)
+    if isinstance(getattr(engine_loop, "at_grace_end", None), list):  # an EngineLoop: its shutdown ends our waits
+        engine_loop.at_grace_end.append(server.grace_ended)
     hide_paths(model_paths(llm), served_model_name)
 
     @asynccontextmanager

@@ -13,10 +13,14 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from typing import Any
 
 log = logging.getLogger("dtorch.serve")
+
+MAX_LOGGED_FRAMES = 40  # of a traceback in the log: the innermost (a RecursionError's ran to 200 KB a request)
+MAX_LOGGED_TRACEBACK = 20_000  # characters of one logged traceback at most (its end kept)
 
 
 def setup_logging(level: str) -> None:
@@ -26,7 +30,7 @@ def setup_logging(level: str) -> None:
     root.setLevel(level.upper())
     if not any(getattr(h, "dtorch_serve", False) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)-8s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+        handler.setFormatter(BriefFormatter("%(levelname)-8s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
         handler.dtorch_serve = True
         handler.addFilter(RepeatFilter(handler))
         root.addHandler(handler)
@@ -41,6 +45,17 @@ def hold_back_repeats(*names: str) -> None:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, RepeatFilter) for f in handler.filters):
                 handler.addFilter(RepeatFilter(handler))
+
+
+class BriefFormatter(logging.Formatter):
+    """A formatter whose tracebacks keep their innermost ``MAX_LOGGED_FRAMES`` frames and at most
+    ``MAX_LOGGED_TRACEBACK`` characters: a request that fails deep in a recursion logs a few KB, not a flood."""
+
+    def formatException(self, ei) -> str:  # noqa: N802 - logging's name
+        text = "".join(traceback.format_exception(ei[0], ei[1], ei[2], limit=-MAX_LOGGED_FRAMES)).rstrip("\n")
+        if len(text) > MAX_LOGGED_TRACEBACK:
+            text = f"[{len(text) - MAX_LOGGED_TRACEBACK} characters left out]\n" + text[-MAX_LOGGED_TRACEBACK:]
+        return text
 
 
 class RepeatFilter(logging.Filter):

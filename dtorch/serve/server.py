@@ -28,6 +28,10 @@ from dtorch.serve.responses import (
 log = logging.getLogger("dtorch.serve")
 POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
 WORKERS = 2  # threads that render templates and run tokenizers (which release the GIL) and grammar compilers
+# after the shutdown's grace: how long the engine's aborts may take to reach the requests still waiting before those
+# end with a 503 on their own (the aborts wait for the step in flight; uvicorn's backstop would cut them with a
+# plain-text 500)
+LATE_ABORT_S = 1.0
 
 
 class Server:
@@ -54,22 +58,32 @@ class Server:
         """A rank of the model was lost (any thread): /health answers 503, new requests are refused and those in
         flight end with that error, before any delta the engine sends them after."""
         self.lost = why
+        self._end_waiting(self.lost_error())
+
+    def grace_ended(self) -> None:
+        """The shutdown's grace is over (any thread; ``EngineLoop.at_grace_end``): the requests still waiting
+        ``LATE_ABORT_S`` later, their engine aborts held up behind a long step, end with a 503."""
+        self._end_waiting(ApiError(503, "the server shut down before the request was done (its --shutdown-grace "
+                                        "ended)", "ServiceUnavailableError", None, "shutting_down"), LATE_ABORT_S)
+
+    def _end_waiting(self, error: ApiError, after: float = 0.0) -> None:
+        """In ``after`` seconds, end every request in flight (any thread) with ``error``: its delta queue gets it, a
+        pass's future raises it."""
         loop = self.loop
         if loop is None:
             return
-        error = self.lost_error()
 
-        def fail(w: Any) -> None:
-            if isinstance(w, asyncio.Queue):
-                w.put_nowait(error)
-            elif not w.done():
-                w.set_exception(error)
+        def fail_all() -> None:
+            for w in list(self.waiting):
+                if isinstance(w, asyncio.Queue):
+                    w.put_nowait(error)
+                elif not w.done():
+                    w.set_exception(error)
 
-        for w in list(self.waiting):
-            try:
-                loop.call_soon_threadsafe(fail, w)
-            except RuntimeError:  # the event loop is closed: the server is gone
-                return
+        try:
+            loop.call_soon_threadsafe(loop.call_later, after, fail_all)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
 
     def check_ranks(self) -> None:
         """The 503 of a lost rank."""
