@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -388,13 +389,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "2", "DTORCH_BATCH_INVARIANT": "1"}
 
 def _start_server(*args: str) -> tuple[subprocess.Popen, int]:
     port = _free_port()
+    # the output goes to a file, not a pipe: nobody reads a pipe while the server runs, and a full one (64 KB of log)
+    # would freeze the server's event loop
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "dtorch", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--log-level", "warning", *args], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--log-level", "warning", *args], env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True)
 
     def up() -> bool:
         if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+            log.seek(0)  # the server has exited: its output is whole
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{log.read()[-20000:]}")
         try:
             return _get(port, "/health", timeout=2)[0] == 200
         except OSError:
@@ -405,6 +409,8 @@ def _start_server(*args: str) -> tuple[subprocess.Popen, int]:
     except BaseException:
         _stop(proc)
         raise
+    finally:
+        log.close()  # the child writes through its own descriptor
     return proc, port
 
 
