@@ -1,6 +1,8 @@
 // Paged KV-cache attention (llm.flash_attention_with_kvcache) for float32 / bf16 caches, one item (a sequence, a
 // kv head, up to 16 query rows) at a time: keys in chunks of 64, online softmax in float32, dot products and the
-// V accumulation on 16-float vectors (one zmm, two ymm, or a plain array the compiler vectorizes).
+// V accumulation on 16-float vectors (one zmm, two ymm, or a plain array the compiler vectorizes). The rows of an
+// item that see the same keys (a decode step's query heads of one kv head) go through each chunk together, so one
+// load of a K or V vector serves them all (1.4-1.6x a row at a time at one row on AVX-512).
 // The attention group's kernel (ops/attention.def); included inside namespace DTN_ISA after generic.h and rows.h
 // (exp_f32, V16).
 #pragma once
@@ -9,8 +11,136 @@
 namespace attn {
 constexpr int kChunk = 64;  // keys per online-softmax step
 constexpr int kRows = 16;   // rows per item at most
+// A block: rows of one item that see the same keys (a decode step's G query heads; one query's heads in a prefill),
+// so each K and V vector loaded serves all of them. Sizes keep the sums in registers: AVX-512 (32 registers) 4 rows
+// x 4 keys of score sums and 4 rows x 4 vectors of P V; the 16-register ISAs 2 x 2 and 2 x 1.
+constexpr int kBlock = kTwoChains ? 4 : 2;  // rows per block at most
+constexpr int kKeys = kTwoChains ? 4 : 2;   // keys per score step
+constexpr int kVecs = kTwoChains ? 4 : 1;   // 16-float vectors of D per P V pass
 
-// One item: for each row, softmax(scale * q k^T) v over its visible keys, accumulated chunk by chunk.
+// rows [0, n) of p (each `bytes` long) towards L1: the next chunk's keys while this one computes
+template <class C>
+static inline void prefetch_rows(const C* const* p, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p[j]) + b, 0, 3);
+}
+
+// s[r][j] = q_r . k_j for the NR rows of a block (q: [NR][D] float32) and keys kp[0, n): kKeys keys at a time, each
+// key vector loaded once for all NR rows, the NR x kKeys sums reduced together.
+template <int NV, int NR, class C>
+static void block_scores(const float* q, const C* const* kp, int64_t n, float (*s)[kChunk]) {
+  constexpr int D = 16 * NV;
+  int64_t j = 0;
+  for (; j + kKeys <= n; j += kKeys) {
+    V16 acc[NR][kKeys];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < kKeys; ++k) acc[r][k] = v16_zero();
+    for (int v = 0; v < NV; ++v) {
+      V16 kv[kKeys];
+      for (int k = 0; k < kKeys; ++k) kv[k] = v16_load(kp[j + k] + 16 * v);
+      for (int r = 0; r < NR; ++r) {
+        const V16 qv = v16_load(q + r * D + 16 * v);
+        for (int k = 0; k < kKeys; ++k) acc[r][k] = v16_fma(qv, kv[k], acc[r][k]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      if constexpr (kKeys == 4) v16_sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s[r] + j);
+      else
+        for (int k = 0; k < kKeys; ++k) s[r][j + k] = v16_sum(acc[r][k]);
+    }
+  }
+  for (; j < n; ++j) {
+    V16 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = v16_zero();
+    for (int v = 0; v < NV; ++v) {
+      const V16 kv = v16_load(kp[j] + 16 * v);
+      for (int r = 0; r < NR; ++r) acc[r] = v16_fma(v16_load(q + r * D + 16 * v), kv, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) s[r][j] = v16_sum(acc[r]);
+  }
+}
+
+// acc_r = alpha_r acc_r + sum_j p_r[j] v_j over D's vectors [V0, V0 + W) and on (W = kVecs at most): each V vector
+// loaded once for all NR rows; a lone row keeps two chains of keys so the FMA latency hides (AVX-512)
+template <int NV, int NR, int V0, class C>
+static void block_pv(float* const* acc, const float (*p)[kChunk], const C* const* vp, int64_t n, const float* alpha) {
+  constexpr int W = NV - V0 < kVecs ? NV - V0 : kVecs;
+  constexpr int CH = kTwoChains && NR * W < 8 ? 2 : 1;
+  V16 o[CH][NR][W];
+  for (int r = 0; r < NR; ++r) {
+    const V16 a = v16_set1(alpha[r]);
+    for (int w = 0; w < W; ++w) {
+      o[0][r][w] = v16_mul(v16_load(acc[r] + 16 * (V0 + w)), a);
+      if constexpr (CH == 2) o[1][r][w] = v16_zero();
+    }
+  }
+  int64_t j = 0;
+  for (; j + CH <= n; j += CH)
+    for (int c = 0; c < CH; ++c) {
+      V16 vv[W];
+      for (int w = 0; w < W; ++w) vv[w] = v16_load(vp[j + c] + 16 * (V0 + w));
+      for (int r = 0; r < NR; ++r) {
+        const V16 pj = v16_set1(p[r][j + c]);
+        for (int w = 0; w < W; ++w) o[c][r][w] = v16_fma(pj, vv[w], o[c][r][w]);
+      }
+    }
+  for (; j < n; ++j) {
+    V16 vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = v16_load(vp[j] + 16 * (V0 + w));
+    for (int r = 0; r < NR; ++r) {
+      const V16 pj = v16_set1(p[r][j]);
+      for (int w = 0; w < W; ++w) o[0][r][w] = v16_fma(pj, vv[w], o[0][r][w]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int w = 0; w < W; ++w) {
+      if constexpr (CH == 2) o[0][r][w] = v16_add(o[0][r][w], o[1][r][w]);
+      v16_store(acc[r] + 16 * (V0 + w), o[0][r][w]);
+    }
+  if constexpr (V0 + W < NV) block_pv<NV, NR, V0 + W>(acc, p, vp, n, alpha);
+}
+
+// The running softmax of one row over its scores p[0, n) of this chunk (scaled in place to exp(scale p - m)):
+// m, l and bad updated, and the factor that rescales what the row accumulated before returned
+static inline float online_softmax(float* p, int64_t n, float scale, float& m, float& l, bool& bad) {
+  float mx = m;
+  int nonfinite = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nonfinite)
+  for (int64_t k = 0; k < n; ++k) {
+    p[k] *= scale;
+    nonfinite |= !(p[k] - p[k] == 0.f);  // NaN or an inf (x - x is NaN for both)
+    mx = p[k] > mx ? p[k] : mx;
+  }
+  bad = bad || nonfinite;
+  const float alpha = m == -INFINITY ? 0.f : exp_f32(m - mx);  // rescales what came before
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t k = 0; k < n; ++k) {
+    p[k] = exp_f32(p[k] - mx);
+    sum += p[k];
+  }
+  l = l * alpha + sum;
+  m = mx;
+  return alpha;
+}
+
+// One block's share of a chunk: NR rows from row b of the item, seeing keys kp/vp[0, n) of it
+template <int NV, int NR, class C>
+static void block_chunk(const float* qf, float (*acc)[16 * NV], const C* const* kp, const C* const* vp, int64_t n,
+                        float scale, float* m, float* l, bool* bad) {
+  alignas(64) float p[NR][kChunk];
+  float alpha[NR];
+  float* rows[NR];
+  block_scores<NV, NR>(qf, kp, n, p);
+  for (int r = 0; r < NR; ++r) {
+    alpha[r] = online_softmax(p[r], n, scale, m[r], l[r], bad[r]);
+    rows[r] = acc[r];
+  }
+  block_pv<NV, NR, 0>(rows, p, vp, n, alpha);
+}
+
+// One item: for each row, softmax(scale * q k^T) v over its visible keys, accumulated chunk by chunk. Rows that see
+// the same keys go through a chunk together in blocks of kBlock; the next chunk's rows are prefetched meanwhile.
 template <class T, class C, int NV>
 static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   constexpr int D = 16 * NV;
@@ -20,16 +150,15 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   const C* kc = static_cast<const C*>(c.k) + h * D;
   const C* vc = static_cast<const C*>(c.v) + h * D;
   const int nr = it.r1 - it.r0;
-  const float scale = c.scale;
-  const T* qp[kRows];
   T* op[kRows];
   int64_t lim[kRows], lo[kRows], kmax = 0, kmin = INT64_MAX;  // row r sees keys [lo[r], lim[r])
   float m[kRows], l[kRows];
   bool bad[kRows];  // a non-finite score seen: q or a visible key holds a NaN or an inf
+  alignas(64) float qf[kRows][D];
   alignas(64) float acc[kRows][D];
   for (int r = 0; r < nr; ++r) {
     const int64_t rr = it.r0 + r, i = rr / G, hq = h * G + rr % G;
-    qp[r] = static_cast<const T*>(c.q) + (q0 + i) * c.q_tok + hq * c.q_head;
+    const T* qp = static_cast<const T*>(c.q) + (q0 + i) * c.q_tok + hq * c.q_head;
     op[r] = static_cast<T*>(c.out) + (q0 + i) * c.o_tok + hq * c.o_head;
     const int64_t seen = c.causal ? n - nq + i + 1 : n;  // keys [0, seen) visible
     lim[r] = seen < 0 ? 0 : (seen > n ? n : seen);
@@ -41,85 +170,56 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
     m[r] = -INFINITY;
     l[r] = 0.f;
     bad[r] = false;
+    for (int d = 0; d < D; ++d) qf[r][d] = ld(qp, d);
     for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, v16_zero());
   }
-  const C* kpc[kChunk];
-  const C* vpc[kChunk];
-  alignas(64) float p[kChunk];
+  // blocks: runs of consecutive rows with the same keys, kBlock at most
+  int nb = 0, start[kRows + 1];
+  for (int r = 0; r < nr; ++r)
+    if (r == 0 || r - start[nb - 1] == kBlock || lo[r] != lo[r - 1] || lim[r] != lim[r - 1]) start[nb++] = r;
+  start[nb] = nr;
   if (kmin > kmax) kmin = kmax;
-  for (int64_t j0 = kmin; j0 < kmax; j0 += kChunk) {
+  const C* kpc[2][kChunk];  // this chunk's and the next one's key rows through the block table
+  const C* vpc[2][kChunk];
+  const int64_t row_bytes = D * int64_t(sizeof(C));
+  auto rows_of = [&](int64_t j0, int buf) {  // the chunk from key j0: its row count, pointers into kpc/vpc[buf]
     const int64_t cn = kmax - j0 < kChunk ? kmax - j0 : kChunk;
-    int64_t b = j0 / bs, off = j0 % bs;  // this chunk's key rows through the block table (no division per key)
+    int64_t b = j0 / bs, off = j0 % bs;  // no division per key
     for (int64_t jj = 0; jj < cn; ++jj) {
       const int64_t slot = int64_t(blocks[b]) * bs + off;
-      kpc[jj] = kc + slot * row;
-      vpc[jj] = vc + slot * row;
+      kpc[buf][jj] = kc + slot * row;
+      vpc[buf][jj] = vc + slot * row;
       if (++off == bs) off = 0, ++b;
     }
-    for (int r = 0; r < nr; ++r) {
-      const int64_t s0 = lo[r] > j0 ? lo[r] - j0 : 0;  // this row's keys of the chunk: [s0, cr)
+    return cn;
+  };
+  int64_t cn = kmin < kmax ? rows_of(kmin, 0) : 0;
+  prefetch_rows(kpc[0], cn, row_bytes);
+  prefetch_rows(vpc[0], cn, row_bytes);
+  int cur = 0;
+  for (int64_t j0 = kmin; j0 < kmax; j0 += kChunk, cur ^= 1) {
+    const int64_t nn = j0 + kChunk < kmax ? rows_of(j0 + kChunk, cur ^ 1) : 0;
+    prefetch_rows(kpc[cur ^ 1], nn, row_bytes);
+    prefetch_rows(vpc[cur ^ 1], nn, row_bytes);
+    for (int bi = 0; bi < nb; ++bi) {
+      const int r = start[bi], nrb = start[bi + 1] - r;
+      const int64_t s0 = lo[r] > j0 ? lo[r] - j0 : 0;  // the block's keys of the chunk: [s0, s0 + cr)
       const int64_t cr = (lim[r] - j0 < cn ? lim[r] - j0 : cn) - s0;
       if (cr <= 0) continue;
-      const C* const* kp = kpc + s0;
-      const C* const* vp = vpc + s0;
-      V16 qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = v16_load(qp[r] + 16 * v);
-      int64_t jj = 0;
-      for (; jj + 4 <= cr; jj += 4) {  // scores of 4 keys, reduced together
-        V16 s0 = v16_mul(qv[0], v16_load(kp[jj])), s1 = v16_mul(qv[0], v16_load(kp[jj + 1]));
-        V16 s2 = v16_mul(qv[0], v16_load(kp[jj + 2])), s3 = v16_mul(qv[0], v16_load(kp[jj + 3]));
-        for (int v = 1; v < NV; ++v) {
-          s0 = v16_fma(qv[v], v16_load(kp[jj] + 16 * v), s0);
-          s1 = v16_fma(qv[v], v16_load(kp[jj + 1] + 16 * v), s1);
-          s2 = v16_fma(qv[v], v16_load(kp[jj + 2] + 16 * v), s2);
-          s3 = v16_fma(qv[v], v16_load(kp[jj + 3] + 16 * v), s3);
-        }
-        v16_sum4(s0, s1, s2, s3, p + jj);
+      const C* const* kp = kpc[cur] + s0;
+      const C* const* vp = vpc[cur] + s0;
+      switch (nrb) {
+        case 1: block_chunk<NV, 1>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r); break;
+        case 2: block_chunk<NV, 2>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r); break;
+        case 3:
+          if constexpr (kBlock >= 3) block_chunk<NV, 3>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r);
+          break;
+        default:
+          if constexpr (kBlock >= 4) block_chunk<NV, 4>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r);
+          break;
       }
-      for (; jj < cr; ++jj) {
-        V16 s0 = v16_mul(qv[0], v16_load(kp[jj]));
-        for (int v = 1; v < NV; ++v) s0 = v16_fma(qv[v], v16_load(kp[jj] + 16 * v), s0);
-        p[jj] = v16_sum(s0);
-      }
-      float mx = m[r];
-      int nonfinite = 0;
-#pragma omp simd reduction(max : mx) reduction(| : nonfinite)
-      for (int64_t k = 0; k < cr; ++k) {
-        p[k] *= scale;
-        nonfinite |= !(p[k] - p[k] == 0.f);  // NaN or an inf (x - x is NaN for both)
-        mx = p[k] > mx ? p[k] : mx;
-      }
-      bad[r] = bad[r] || nonfinite;
-      const float alpha = m[r] == -INFINITY ? 0.f : exp_f32(m[r] - mx);  // rescales what came before
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t jj = 0; jj < cr; ++jj) {
-        p[jj] = exp_f32(p[jj] - mx);
-        sum += p[jj];
-      }
-      l[r] = l[r] * alpha + sum;
-      m[r] = mx;
-      V16 o[NV], o2[NV];
-      const V16 va = v16_set1(alpha);
-      for (int v = 0; v < NV; ++v) o[v] = v16_mul(v16_load(acc[r] + 16 * v), va), o2[v] = v16_zero();
-      int64_t j = 0;
-      if constexpr (kTwoChains) {
-        for (; j + 2 <= cr; j += 2) {
-          const V16 p0 = v16_set1(p[j]), p1 = v16_set1(p[j + 1]);
-          for (int v = 0; v < NV; ++v) {
-            o[v] = v16_fma(p0, v16_load(vp[j] + 16 * v), o[v]);
-            o2[v] = v16_fma(p1, v16_load(vp[j + 1] + 16 * v), o2[v]);
-          }
-        }
-      }
-      for (; j < cr; ++j) {
-        const V16 pj = v16_set1(p[j]);
-        for (int v = 0; v < NV; ++v) o[v] = v16_fma(pj, v16_load(vp[j] + 16 * v), o[v]);
-      }
-      if constexpr (kTwoChains)
-        for (int v = 0; v < NV; ++v) o[v] = v16_add(o[v], o2[v]);
-      for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, o[v]);
     }
+    cn = nn;
   }
   for (int r = 0; r < nr; ++r) {  // normalize; a row that sees no key gives zeros (as flash-attn)
     const float inv = lim[r] > 0 ? 1.f / l[r] : 0.f;
