@@ -123,8 +123,10 @@ def test_decode_on_real_shapes_matches_torch_sdpa(shape, cache_dtype, isa):
     inputs, params = _attention_inputs((name, h, hkv, d, 16, [(1, 150), (1, 7)], True), torch.float32)
     q, kc, vc, cu, lens, table = inputs
     inputs = (q, kc.to(cache_dtype), vc.to(cache_dtype), cu, lens, table)
-    got = torch.full(q.shape, float("nan"))
+    got, bound = torch.full(q.shape, float("nan")), torch.full(q.shape, float("nan"))
     native.flash_attention_with_kvcache(_ctx(**params), inputs, (got,))
+    native.flash_attention_with_kvcache.bind(_ctx(**params), inputs, (bound,))()  # a static plan's bound call
+    torch.testing.assert_close(bound, got, rtol=0, atol=0)
     for s, n in enumerate(lens.tolist()):
         rows = [int(table[s, j // 16]) * 16 + j % 16 for j in range(n)]
         k, v = (c.flatten(0, 1)[rows].float().transpose(0, 1)[None] for c in inputs[1:3])  # [1, Hkv, n, D]
@@ -192,6 +194,9 @@ def test_attention_falls_back_where_the_native_kernel_does_not_go():
     out = torch.empty_like(inputs[0])
     native.flash_attention_with_kvcache(_ctx(**params), inputs, (out,))
     torch.testing.assert_close(out, _plain_attention(inputs, **params).float(), **TOL[torch.float32])
+    bound = torch.full_like(out, float("nan"))  # the call bound once, as a static plan's loop makes it
+    native.flash_attention_with_kvcache.bind(_ctx(**params), inputs, (bound,))()
+    torch.testing.assert_close(bound, out, rtol=0, atol=0)
     q, kc, vc, cu, lens, table = _attention_inputs(CASES[1], torch.float32)[0]
     bad = table.clone()
     bad[0, 0] = kc.shape[0]  # a block past the cache
