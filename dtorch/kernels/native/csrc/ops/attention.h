@@ -12,11 +12,15 @@ namespace attn {
 constexpr int kChunk = 64;  // keys per online-softmax step
 constexpr int kRows = 16;   // rows per item at most
 // A block: rows of one item that see the same keys (a decode step's G query heads; one query's heads in a prefill),
-// so each K and V vector loaded serves all of them. Sizes keep the sums in registers: AVX-512 (32 registers) 4 rows
-// x 4 keys of score sums and 4 rows x 4 vectors of P V; the 16-register ISAs 2 x 2 and 2 x 1.
-constexpr int kBlock = kTwoChains ? 4 : 2;  // rows per block at most
-constexpr int kKeys = kTwoChains ? 4 : 2;   // keys per score step
-constexpr int kVecs = kTwoChains ? 4 : 1;   // 16-float vectors of D per P V pass
+// so each K and V vector loaded serves all of them. kBlock rows at most, kKeys keys per score step, kVecs 16-float
+// vectors of D per P V pass: sizes that keep the sums in registers.
+#if defined(__AVX512F__)  // 32 zmm: 4 x 4 score sums, 4 rows x 4 vectors of P V
+constexpr int kBlock = 4, kKeys = 4, kVecs = 4;
+#elif defined(__AVX2__) && defined(__FMA__)  // 16 ymm, two to a V16
+constexpr int kBlock = 2, kKeys = 2, kVecs = 2;
+#else  // plain arrays: attend_item_rowwise, a row at a time (blocks of arrays spill: 0.6-0.75x)
+constexpr int kBlock = 1, kKeys = 4, kVecs = 16;
+#endif
 
 // rows [0, n) of p (each `bytes` long) towards L1: the next chunk's keys while this one computes
 template <class C>
@@ -124,6 +128,26 @@ static inline float online_softmax(float* p, int64_t n, float scale, float& m, f
   return alpha;
 }
 
+// Each row's output: its sums over l, rounded once; a row that sees no key gives zeros (as flash-attn), and a row
+// that read a non-finite q, k or v value is NaN (the rule every provider follows)
+template <class T, int D>
+static void finish(float (*acc)[D], T* const* op, const int64_t* lim, const float* l, const bool* bad, int nr) {
+  for (int r = 0; r < nr; ++r) {
+    const float inv = lim[r] > 0 ? 1.f / l[r] : 0.f;
+    float* a = acc[r];
+    int nonfinite = bad[r];  // a non-finite value in a visible v row shows in the sums (p v, or 0 * inf)
+#pragma omp simd reduction(| : nonfinite)
+    for (int d = 0; d < D; ++d) nonfinite |= !(a[d] - a[d] == 0.f);
+    if (nonfinite)
+      for (int d = 0; d < D; ++d) a[d] = NAN;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) {
+      if constexpr (sizeof(T) == 4) op[r][d] = a[d] * inv;
+      else op[r][d] = f32_to_bf16(a[d] * inv);
+    }
+  }
+}
+
 // One block's share of a chunk: NR rows from row b of the item, seeing keys kp/vp[0, n) of it
 template <int NV, int NR, class C>
 static void block_chunk(const float* qf, float (*acc)[16 * NV], const C* const* kp, const C* const* vp, int64_t n,
@@ -210,7 +234,9 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
       const C* const* vp = vpc[cur] + s0;
       switch (nrb) {
         case 1: block_chunk<NV, 1>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r); break;
-        case 2: block_chunk<NV, 2>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r); break;
+        case 2:
+          if constexpr (kBlock >= 2) block_chunk<NV, 2>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r);
+          break;
         case 3:
           if constexpr (kBlock >= 3) block_chunk<NV, 3>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r);
           break;
@@ -221,20 +247,104 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
     }
     cn = nn;
   }
-  for (int r = 0; r < nr; ++r) {  // normalize; a row that sees no key gives zeros (as flash-attn)
-    const float inv = lim[r] > 0 ? 1.f / l[r] : 0.f;
-    float* a = acc[r];
-    int nonfinite = bad[r];  // a non-finite value in a visible v row shows in the sums (p v, or 0 * inf)
-#pragma omp simd reduction(| : nonfinite)
-    for (int d = 0; d < D; ++d) nonfinite |= !(a[d] - a[d] == 0.f);
-    if (nonfinite)  // the rule every provider follows: a row reading a non-finite q, k or v value is NaN
-      for (int d = 0; d < D; ++d) a[d] = NAN;
-#pragma omp simd
-    for (int d = 0; d < D; ++d) {
-      if constexpr (sizeof(T) == 4) op[r][d] = a[d] * inv;
-      else op[r][d] = f32_to_bf16(a[d] * inv);
+  finish<T, D>(acc, op, lim, l, bad, nr);
+}
+
+// The portable unit's item (plain arrays, which the blocks would spill): a row at a time, 4 keys per score step
+template <class T, class C, int NV>
+static void attend_item_rowwise(const dtn::AttnCall& c, const dtn::AttnItem& it) {
+  constexpr int D = 16 * NV;
+  const int64_t G = c.G, bs = c.block_size, row = c.hkv * D, h = it.head;
+  const int64_t q0 = c.cu_q[it.seq], nq = c.cu_q[it.seq + 1] - q0, n = c.seqlens_k[it.seq];
+  const int32_t* blocks = c.table + it.seq * c.ld_table;
+  const C* kc = static_cast<const C*>(c.k) + h * D;
+  const C* vc = static_cast<const C*>(c.v) + h * D;
+  const int nr = it.r1 - it.r0;
+  const float scale = c.scale;
+  const T* qp[kRows];
+  T* op[kRows];
+  int64_t lim[kRows], lo[kRows], kmax = 0, kmin = INT64_MAX;  // row r sees keys [lo[r], lim[r])
+  float m[kRows], l[kRows];
+  bool bad[kRows];  // a non-finite score seen: q or a visible key holds a NaN or an inf
+  alignas(64) float acc[kRows][D];
+  for (int r = 0; r < nr; ++r) {
+    const int64_t rr = it.r0 + r, i = rr / G, hq = h * G + rr % G;
+    qp[r] = static_cast<const T*>(c.q) + (q0 + i) * c.q_tok + hq * c.q_head;
+    op[r] = static_cast<T*>(c.out) + (q0 + i) * c.o_tok + hq * c.o_head;
+    const int64_t seen = c.causal ? n - nq + i + 1 : n;  // keys [0, seen) visible
+    lim[r] = seen < 0 ? 0 : (seen > n ? n : seen);
+    const int64_t first = c.window > 0 ? n - nq + i - c.window + 1 : 0;  // sliding: the window's oldest key
+    lo[r] = first < 0 ? 0 : first;
+    if (lo[r] > lim[r]) lo[r] = lim[r];
+    kmax = lim[r] > kmax ? lim[r] : kmax;
+    kmin = lo[r] < kmin ? lo[r] : kmin;
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    bad[r] = false;
+    for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, v16_zero());
+  }
+  const C* kpc[kChunk];
+  const C* vpc[kChunk];
+  alignas(64) float p[kChunk];
+  if (kmin > kmax) kmin = kmax;
+  for (int64_t j0 = kmin; j0 < kmax; j0 += kChunk) {
+    const int64_t cn = kmax - j0 < kChunk ? kmax - j0 : kChunk;
+    int64_t b = j0 / bs, off = j0 % bs;  // this chunk's key rows through the block table (no division per key)
+    for (int64_t jj = 0; jj < cn; ++jj) {
+      const int64_t slot = int64_t(blocks[b]) * bs + off;
+      kpc[jj] = kc + slot * row;
+      vpc[jj] = vc + slot * row;
+      if (++off == bs) off = 0, ++b;
+    }
+    for (int r = 0; r < nr; ++r) {
+      const int64_t s0 = lo[r] > j0 ? lo[r] - j0 : 0;  // this row's keys of the chunk: [s0, cr)
+      const int64_t cr = (lim[r] - j0 < cn ? lim[r] - j0 : cn) - s0;
+      if (cr <= 0) continue;
+      const C* const* kp = kpc + s0;
+      const C* const* vp = vpc + s0;
+      V16 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = v16_load(qp[r] + 16 * v);
+      int64_t jj = 0;
+      for (; jj + 4 <= cr; jj += 4) {  // scores of 4 keys, reduced together
+        V16 s0 = v16_mul(qv[0], v16_load(kp[jj])), s1 = v16_mul(qv[0], v16_load(kp[jj + 1]));
+        V16 s2 = v16_mul(qv[0], v16_load(kp[jj + 2])), s3 = v16_mul(qv[0], v16_load(kp[jj + 3]));
+        for (int v = 1; v < NV; ++v) {
+          s0 = v16_fma(qv[v], v16_load(kp[jj] + 16 * v), s0);
+          s1 = v16_fma(qv[v], v16_load(kp[jj + 1] + 16 * v), s1);
+          s2 = v16_fma(qv[v], v16_load(kp[jj + 2] + 16 * v), s2);
+          s3 = v16_fma(qv[v], v16_load(kp[jj + 3] + 16 * v), s3);
+        }
+        v16_sum4(s0, s1, s2, s3, p + jj);
+      }
+      for (; jj < cr; ++jj) {
+        V16 s0 = v16_mul(qv[0], v16_load(kp[jj]));
+        for (int v = 1; v < NV; ++v) s0 = v16_fma(qv[v], v16_load(kp[jj] + 16 * v), s0);
+        p[jj] = v16_sum(s0);
+      }
+      const float alpha = online_softmax(p, cr, scale, m[r], l[r], bad[r]);
+      V16 o[NV], o2[NV];
+      const V16 va = v16_set1(alpha);
+      for (int v = 0; v < NV; ++v) o[v] = v16_mul(v16_load(acc[r] + 16 * v), va), o2[v] = v16_zero();
+      int64_t j = 0;
+      if constexpr (kTwoChains) {
+        for (; j + 2 <= cr; j += 2) {
+          const V16 p0 = v16_set1(p[j]), p1 = v16_set1(p[j + 1]);
+          for (int v = 0; v < NV; ++v) {
+            o[v] = v16_fma(p0, v16_load(vp[j] + 16 * v), o[v]);
+            o2[v] = v16_fma(p1, v16_load(vp[j + 1] + 16 * v), o2[v]);
+          }
+        }
+      }
+      for (; j < cr; ++j) {
+        const V16 pj = v16_set1(p[j]);
+        for (int v = 0; v < NV; ++v) o[v] = v16_fma(pj, v16_load(vp[j] + 16 * v), o[v]);
+      }
+      if constexpr (kTwoChains)
+        for (int v = 0; v < NV; ++v) o[v] = v16_add(o[v], o2[v]);
+      for (int v = 0; v < NV; ++v) v16_store(acc[r] + 16 * v, o[v]);
     }
   }
+  finish<T, D>(acc, op, lim, l, bad, nr);
 }
 
 template <class T, class C, int NV = 1>
@@ -242,7 +352,10 @@ static void attend_items(const dtn::AttnCall& c, const dtn::AttnItem* items, int
   if constexpr (NV < 16) {
     if (c.D != 16 * NV) return attend_items<T, C, NV + 1>(c, items, i0, i1);
   }
-  for (int64_t i = i0; i < i1; ++i) attend_item<T, C, NV>(c, items[i]);
+  for (int64_t i = i0; i < i1; ++i) {
+    if constexpr (kBlock == 1) attend_item_rowwise<T, C, NV>(c, items[i]);
+    else attend_item<T, C, NV>(c, items[i]);
+  }
 }
 }  // namespace attn
 
