@@ -22,20 +22,32 @@ constexpr int kBlock = 2, kKeys = 2, kVecs = 2;
 constexpr int kBlock = 1, kKeys = 4, kVecs = 16;
 #endif
 
-// rows [0, n) of p (each `bytes` long) towards L1: the next chunk's keys while this one computes
-template <class C>
-static inline void prefetch_rows(const C* const* p, int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p[j]) + b, 0, 3);
+// Keys a fixed distance ahead are prefetched while the scores of a chunk's first block compute (K and V rows, through
+// the block table into the next chunk): the rows of a paged cache lie in blocks of a few KiB, at whose page
+// boundaries the hardware's prefetchers stop, and a decode step finds them in memory (a layer's weights passed
+// through the caches since)
+struct Ahead {
+  const void* const* k;  // k[j], v[j]: the rows to prefetch when at key j of the block, j < n
+  const void* const* v;
+  int64_t n, bytes;
+};
+
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
+
+static inline void ahead(const Ahead& a, int64_t j) {
+  if (j < a.n) prefetch_row(a.k[j], a.bytes), prefetch_row(a.v[j], a.bytes);
 }
 
 // s[r][j] = q_r . k_j for the NR rows of a block (q: [NR][D] float32) and keys kp[0, n): kKeys keys at a time, each
 // key vector loaded once for all NR rows, the NR x kKeys sums reduced together.
 template <int NV, int NR, class C>
-static void block_scores(const float* q, const C* const* kp, int64_t n, float (*s)[kChunk]) {
+static void block_scores(const float* q, const C* const* kp, int64_t n, float (*s)[kChunk], const Ahead& pre) {
   constexpr int D = 16 * NV;
   int64_t j = 0;
   for (; j + kKeys <= n; j += kKeys) {
+    for (int k = 0; k < kKeys; ++k) ahead(pre, j + k);
     V16 acc[NR][kKeys];
     for (int r = 0; r < NR; ++r)
       for (int k = 0; k < kKeys; ++k) acc[r][k] = v16_zero();
@@ -54,6 +66,7 @@ static void block_scores(const float* q, const C* const* kp, int64_t n, float (*
     }
   }
   for (; j < n; ++j) {
+    ahead(pre, j);
     V16 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = v16_zero();
     for (int v = 0; v < NV; ++v) {
@@ -151,11 +164,11 @@ static void finish(float (*acc)[D], T* const* op, const int64_t* lim, const floa
 // One block's share of a chunk: NR rows from row b of the item, seeing keys kp/vp[0, n) of it
 template <int NV, int NR, class C>
 static void block_chunk(const float* qf, float (*acc)[16 * NV], const C* const* kp, const C* const* vp, int64_t n,
-                        float scale, float* m, float* l, bool* bad) {
+                        float scale, float* m, float* l, bool* bad, const Ahead& pre) {
   alignas(64) float p[NR][kChunk];
   float alpha[NR];
   float* rows[NR];
-  block_scores<NV, NR>(qf, kp, n, p);
+  block_scores<NV, NR>(qf, kp, n, p, pre);
   for (int r = 0; r < NR; ++r) {
     alpha[r] = online_softmax(p[r], n, scale, m[r], l[r], bad[r]);
     rows[r] = acc[r];
@@ -203,48 +216,51 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
     if (r == 0 || r - start[nb - 1] == kBlock || lo[r] != lo[r - 1] || lim[r] != lim[r - 1]) start[nb++] = r;
   start[nb] = nr;
   if (kmin > kmax) kmin = kmax;
-  const C* kpc[2][kChunk];  // this chunk's and the next one's key rows through the block table
-  const C* vpc[2][kChunk];
+  const C* kpc[2 * kChunk];  // this chunk's key rows through the block table [0, cn), then the next one's
+  const C* vpc[2 * kChunk];
   const int64_t row_bytes = D * int64_t(sizeof(C));
-  auto rows_of = [&](int64_t j0, int buf) {  // the chunk from key j0: its row count, pointers into kpc/vpc[buf]
+  auto rows_of = [&](int64_t j0, int64_t at) {  // the chunk from key j0: its row count, pointers from kpc/vpc[at]
     const int64_t cn = kmax - j0 < kChunk ? kmax - j0 : kChunk;
     int64_t b = j0 / bs, off = j0 % bs;  // no division per key
     for (int64_t jj = 0; jj < cn; ++jj) {
       const int64_t slot = int64_t(blocks[b]) * bs + off;
-      kpc[buf][jj] = kc + slot * row;
-      vpc[buf][jj] = vc + slot * row;
+      kpc[at + jj] = kc + slot * row;
+      vpc[at + jj] = vc + slot * row;
       if (++off == bs) off = 0, ++b;
     }
     return cn;
   };
+  // prefetch distance: ~8 KiB of keys ahead, at least 4 keys
+  const int64_t dist = row_bytes >= 2048 ? 4 : 8192 / row_bytes;
   int64_t cn = kmin < kmax ? rows_of(kmin, 0) : 0;
-  prefetch_rows(kpc[0], cn, row_bytes);
-  prefetch_rows(vpc[0], cn, row_bytes);
-  int cur = 0;
-  for (int64_t j0 = kmin; j0 < kmax; j0 += kChunk, cur ^= 1) {
-    const int64_t nn = j0 + kChunk < kmax ? rows_of(j0 + kChunk, cur ^ 1) : 0;
-    prefetch_rows(kpc[cur ^ 1], nn, row_bytes);
-    prefetch_rows(vpc[cur ^ 1], nn, row_bytes);
+  for (int64_t j0 = kmin; j0 < kmax; j0 += kChunk) {
+    const int64_t nn = j0 + kChunk < kmax ? rows_of(j0 + kChunk, cn) : 0;
+    bool first = true;
     for (int bi = 0; bi < nb; ++bi) {
       const int r = start[bi], nrb = start[bi + 1] - r;
       const int64_t s0 = lo[r] > j0 ? lo[r] - j0 : 0;  // the block's keys of the chunk: [s0, s0 + cr)
       const int64_t cr = (lim[r] - j0 < cn ? lim[r] - j0 : cn) - s0;
       if (cr <= 0) continue;
-      const C* const* kp = kpc[cur] + s0;
-      const C* const* vp = vpc[cur] + s0;
+      const C* const* kp = kpc + s0;
+      const C* const* vp = vpc + s0;
+      const int64_t far = s0 + dist < cn + nn ? cn + nn - s0 - dist : 0;  // rows past the chunk's next one: none
+      const Ahead pre{reinterpret_cast<const void* const*>(kp + dist), reinterpret_cast<const void* const*>(vp + dist),
+                      first ? far : 0, row_bytes};
+      first = false;
       switch (nrb) {
-        case 1: block_chunk<NV, 1>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r); break;
+        case 1: block_chunk<NV, 1>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r, pre); break;
         case 2:
-          if constexpr (kBlock >= 2) block_chunk<NV, 2>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r);
+          if constexpr (kBlock >= 2) block_chunk<NV, 2>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r, pre);
           break;
         case 3:
-          if constexpr (kBlock >= 3) block_chunk<NV, 3>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r);
+          if constexpr (kBlock >= 3) block_chunk<NV, 3>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r, pre);
           break;
         default:
-          if constexpr (kBlock >= 4) block_chunk<NV, 4>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r);
+          if constexpr (kBlock >= 4) block_chunk<NV, 4>(qf[r], acc + r, kp, vp, cr, c.scale, m + r, l + r, bad + r, pre);
           break;
       }
     }
+    for (int64_t jj = 0; jj < nn; ++jj) kpc[jj] = kpc[cn + jj], vpc[jj] = vpc[cn + jj];  // the next chunk to the front
     cn = nn;
   }
   finish<T, D>(acc, op, lim, l, bad, nr);
