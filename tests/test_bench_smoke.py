@@ -18,6 +18,7 @@ BENCH = ROOT / "bench"
 
 # script -> (smoke arguments, strings its output must hold: its table's header and, where it names one, a row)
 SMOKE = {
+    "attention_decode.py": (["--smoke"], ["native hot", "torch sdpa", "Qwen2.5-0.5B"]),
     "decode.py": (["--smoke"], ["prefill tok/s", "decode tok/s", "dtorch (weights as stored)"]),
     "dispatch.py": (["--smoke"], ["torch out=", "+prepared", "+functional", "linear [1,576]x[1536,576]"]),
     "gated_delta_net.py": (["--smoke"], ["recurrent", "chunked speed-up", "max |diff|"]),

@@ -111,6 +111,30 @@ def test_attention_matches_torch_kernel_and_plain_math(case, dtype, isa):
     torch.testing.assert_close(got, plain, **TOL[dtype], msg=f"{case[0]} {isa} vs plain math")
 
 
+# the real models' decode shapes: Qwen2.5-0.5B (14 query heads over 2 KV heads of 64), Gemma 3 270M (4 over 1 of 256),
+# Llama 3.2 1B (32 over 8 of 64); one sequence's keys run over chunks of 64 with a tail, another's fit in one
+REAL_DECODE = [("qwen2.5_0.5b", 14, 2, 64), ("gemma3_270m", 4, 1, 256), ("llama3.2_1b", 32, 8, 64)]
+
+
+@pytest.mark.parametrize("shape", REAL_DECODE, ids=[s[0] for s in REAL_DECODE])
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+def test_decode_on_real_shapes_matches_torch_sdpa(shape, cache_dtype, isa):
+    name, h, hkv, d = shape
+    inputs, params = _attention_inputs((name, h, hkv, d, 16, [(1, 150), (1, 7)], True), torch.float32)
+    q, kc, vc, cu, lens, table = inputs
+    inputs = (q, kc.to(cache_dtype), vc.to(cache_dtype), cu, lens, table)
+    got, bound = torch.full(q.shape, float("nan")), torch.full(q.shape, float("nan"))
+    native.flash_attention_with_kvcache(_ctx(**params), inputs, (got,))
+    native.flash_attention_with_kvcache.bind(_ctx(**params), inputs, (bound,))()  # a static plan's bound call
+    torch.testing.assert_close(bound, got, rtol=0, atol=0)
+    for s, n in enumerate(lens.tolist()):
+        rows = [int(table[s, j // 16]) * 16 + j % 16 for j in range(n)]
+        k, v = (c.flatten(0, 1)[rows].float().transpose(0, 1)[None] for c in inputs[1:3])  # [1, Hkv, n, D]
+        want = torch.nn.functional.scaled_dot_product_attention(q[s][None, :, None], k, v, scale=params["scale"],
+                                                                enable_gqa=True)  # [1, H, 1, D]
+        torch.testing.assert_close(got[s], want[0, :, 0], **TOL[torch.float32], msg=f"{name} {isa} sequence {s}")
+
+
 # a cache whose dtype is not the activations' (LLM(kv_cache_dtype=...)): float32 activations over a bfloat16 cache
 # (half the bytes each step reads), and the reverse
 MIXED = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
@@ -170,6 +194,9 @@ def test_attention_falls_back_where_the_native_kernel_does_not_go():
     out = torch.empty_like(inputs[0])
     native.flash_attention_with_kvcache(_ctx(**params), inputs, (out,))
     torch.testing.assert_close(out, _plain_attention(inputs, **params).float(), **TOL[torch.float32])
+    bound = torch.full_like(out, float("nan"))  # the call bound once, as a static plan's loop makes it
+    native.flash_attention_with_kvcache.bind(_ctx(**params), inputs, (bound,))()
+    torch.testing.assert_close(bound, out, rtol=0, atol=0)
     q, kc, vc, cu, lens, table = _attention_inputs(CASES[1], torch.float32)[0]
     bad = table.clone()
     bad[0, 0] = kc.shape[0]  # a block past the cache

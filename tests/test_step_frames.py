@@ -130,3 +130,37 @@ def test_a_failing_kernel_on_the_bare_path_is_reported_and_the_runner_recovers()
             r.run({"x": x})
         fail["on"] = False
         torch.testing.assert_close(r.run({"x": x})["y"], (x.exp() + 1).relu())
+
+
+def test_the_bound_calls_are_the_kernels_own_and_follow_a_rebind():
+    """After a whole run the loop binds each call once (the kernel's own ``bind`` where it has one); later runs call
+    what it bound, and a registration re-binds: the next run calls the kernel now chosen, then binds again."""
+    key = KernelKey("unary.exp", "cpu", torch.float32)
+    runs = {"bind": 0, "bound": 0}
+
+    def plus_one(ctx, inputs, outputs):  # exp(x) + 1, so which kernel ran shows in the output
+        torch.add(inputs[0].exp(), 1, out=outputs[0])
+
+    def bind(ctx, inputs, outputs):
+        runs["bind"] += 1
+
+        def bound():
+            runs["bound"] += 1
+            plus_one(ctx, inputs, outputs)
+        return bound
+
+    plus_one.bind = bind
+    g = LogicalGraph(DeviceMesh.cpu(1))
+    g.output("y", g.input("x", (4, 8)).exp())
+    x = torch.randn(4, 8)
+    with Runner(g, static=True) as r:
+        torch.testing.assert_close(r.run({"x": x})["y"], x.exp(), rtol=0, atol=0)  # then bound: the torch kernel
+        dtorch.dispatcher.register(key, plus_one, provider="user")
+        try:
+            for _ in range(3):  # the first run re-binds (and checks the ABI), the later ones call the bound call
+                torch.testing.assert_close(r.run({"x": x})["y"], x.exp() + 1)
+            assert runs == {"bind": 1, "bound": 2}
+        finally:
+            dtorch.dispatcher.unregister(key, "user")
+        torch.testing.assert_close(r.run({"x": x})["y"], x.exp(), rtol=0, atol=0)
+        assert runs["bound"] == 2

@@ -8,7 +8,8 @@ changes, a provider is disabled for an A/B block, or verify mode flips, so ``fn`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -83,6 +84,18 @@ class PreparedKernel:
 
     def __call__(self, ctx: KernelContext, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         self.fn(ctx, inputs, outputs)
+
+    def bound(self, ctx: KernelContext, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
+              ) -> Callable[[], object]:
+        """This call on these very tensors as a callable of no arguments, for a caller that makes the same call every
+        step (a static plan's bare loop): the kernel's own ``bind(ctx, inputs, outputs)`` where it has one and takes
+        these tensors (the native kernels: the compiled function with its arguments fixed, no per-call checks in
+        Python), else ``fn`` with the arguments fixed. Valid while the dispatcher's ``generation`` stays what it was
+        (a re-bind makes a new ``fn``); made after the first call of each binding, or it keeps the ABI check."""
+        fn = self.fn
+        bind = getattr(fn, "bind", None)
+        made = bind(ctx, inputs, outputs) if bind is not None else None
+        return made if made is not None else functools.partial(fn, ctx, inputs, outputs)
 
     def __repr__(self) -> str:
         return f"PreparedKernel({self.key}, provider={self.provider!r})"

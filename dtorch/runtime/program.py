@@ -18,7 +18,7 @@ thread. All or none: collectives of one device must reach the communicator in gr
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -86,6 +86,23 @@ class Program:
         self.items, self.slots = schedule(self.kernels)
         self.inline = self._inline_stream()
         self.calls = bare_calls(self.kernels) if self.inline is not None else None
+        # ``calls`` bound once (``bind_calls``): (kernel, callable of no arguments), with the dispatchers' generations
+        # they were bound under
+        self.bound: tuple[tuple[Kernel, Callable[[], object]], ...] | None = None
+        self.bound_under: tuple[int, ...] = ()
+        self._binders = tuple({id(c[1].dispatcher): c[1].dispatcher for c in self.calls or () if c[1]}.values())
+
+    def generations(self) -> tuple[int, ...]:
+        """The generations of the dispatchers ``calls`` were prepared by: any change re-binds their kernels."""
+        return tuple(d.generation for d in self._binders)
+
+    def bind_calls(self, under: tuple[int, ...]) -> None:
+        """Bind ``calls`` (after a whole run of them, so every prepared kernel is past its first call's ABI check):
+        each kernel's call on its fixed buffers as a callable of no arguments (``PreparedKernel.bound``), which a run
+        uses while ``generations()`` is ``under``, theirs when that run began."""
+        self.bound_under = under
+        self.bound = tuple((k, k.run if prepared is None else prepared.bound(ctx, ins, outs))
+                           for k, prepared, ctx, ins, outs in self.calls or ())
 
     # -- build ---------------------------------------------------------------------------------
 

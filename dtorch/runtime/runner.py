@@ -235,15 +235,22 @@ class Runner:
         """Call the program's kernels here, in order, each straight from this loop (``Program.calls``: one CPU
         stream, static buffers, nothing to trace or check); the first failure lands in ``state`` as it would on
         ``stream``, and the kernels after it do not run."""
-        k = None
+        program, k, under = self.program, None, self.program.generations()
         try:
-            for k, prepared, ctx, ins, outs in self.program.calls:
+            if program.bound is not None and program.bound_under == under:
+                for k, fn in program.bound:  # noqa: B007 - k names a failure. Each call bound once: no lookup in Python
+                    fn()
+                return
+            for k, prepared, ctx, ins, outs in program.calls:
                 if prepared is None:
                     k.run()
                 else:
                     prepared.fn(ctx, ins, outs)
         except BaseException as exc:  # noqa: BLE001 - raised by run() after the synchronization, as on a stream
             state.fail(k, stream, exc)
+            return
+        if program.generations() == under:  # a whole run, no re-bind during it: every kernel past its first call
+            program.bind_calls(under)
 
     def _run_inline(self, stream: Any, state: RunState) -> None:
         """Execute the program's items here, in order, as ``stream``'s thread would (failures land in ``state``)."""

@@ -17,6 +17,8 @@ capture-safe except ``llm.moe_experts``, which groups the ids in Python (``ids.t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dtorch.core.dtypes import GGUF_LAYOUTS
@@ -47,6 +49,28 @@ def _lib():
     return mod if mod is not None else loader.load()
 
 
+# -- bound calls ----------------------------------------------------------------------------------------------
+# A kernel's ``bind(ctx, inputs, outputs)`` (PreparedKernel.bound): its call on these very tensors, which a static
+# plan makes every step, as a callable of no arguments: the compiled function with its arguments fixed, the Python
+# of the kernel (params read, layouts checked) done once here. None: this call takes another path (the kernel runs).
+
+def _binds(bind):
+    def attach(kernel):
+        kernel.bind = bind
+        return kernel
+    return attach
+
+
+def _or_fallback(call, fallback, ctx, inputs, outputs):
+    """``call()``, or the torch ``fallback`` on these tensors where the compiled code refuses them."""
+    def run():
+        try:
+            call()
+        except DtorchError:
+            fallback(ctx, inputs, outputs)
+    return run
+
+
 # -- matmul.linear on GGUF weights -------------------------------------------------------------------------
 # inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
 # params: coarse (optional): each row's precision may be traded for speed (a prompt's rows, a batch of decodes).
@@ -72,6 +96,14 @@ def _linear_kernel(layout: str):
         else:
             out.copy_(_qlinear(x, w, code, bias, one_level))
 
+    def bind(ctx, inputs, outputs):
+        x, w, bias = inputs
+        out = outputs[0]
+        if not (x.is_contiguous() and out.is_contiguous()) or (bias is not None and bias.dtype != x.dtype):
+            return None
+        return functools.partial(_lib().qlinear, x, w, code, bias, out, ctx.params.get("coarse", False))
+
+    kernel.bind = bind
     kernel.__name__ = kernel.__qualname__ = f"linear_{layout[5:]}"
     return kernel
 
@@ -279,7 +311,16 @@ def gdn_gates(ctx, inputs, outputs):
 # (x [..., T, H, D], cos, sin [..., T, R/2] float32) -> (out,) possibly x; params rotary_dim, interleaved. x, out,
 # cos and sin may be row-strided views (q/k heads of a fused qkv output). The positions form goes to torch.
 
+def _bind_rope(ctx, inputs, outputs):
+    if len(inputs) != 3:
+        return None
+    p = ctx.params
+    call = functools.partial(_lib().rope, inputs[0], inputs[1], inputs[2], outputs[0], p.rotary_dim, p.interleaved)
+    return _or_fallback(call, torch_llm.rope_reference, ctx, inputs, outputs)
+
+
 @KERNELS.kernel("llm.rope", ACTIVATIONS, meta=torch_llm.INPLACE, **NATIVE)
+@_binds(_bind_rope)
 def rope(ctx, inputs, outputs):
     if len(inputs) == 3:
         try:
@@ -297,7 +338,14 @@ def rope(ctx, inputs, outputs):
 # (key, value [T, Hkv, D], k_cache, v_cache [blocks, block_size, Hkv, D], slot_mapping int [T]) -> the caches
 # themselves (outputs alias inputs 2 and 3), row t to flat row slot_mapping[t], negative slots skipped. Row copies.
 
+def _bind_cache_store(ctx, inputs, outputs):
+    key, value, _, _, slots = inputs
+    call = functools.partial(_lib().cache_store, key, value, outputs[0], outputs[1], slots)
+    return _or_fallback(call, torch_kv_cache.reshape_and_cache_reference, ctx, inputs, outputs)
+
+
 @KERNELS.kernel("llm.reshape_and_cache", ACTIVATIONS, meta=torch_kv_cache.INPLACE, **NATIVE)
+@_binds(_bind_cache_store)
 def reshape_and_cache(ctx, inputs, outputs):
     key, value, _, _, slots = inputs
     try:
@@ -317,9 +365,18 @@ def _no_softcap(call: Call) -> str | None:
     return "softcap: csrc/attention.h does not cap the scores" if call.params.get("softcap", 0.0) else None
 
 
+def _bind_attention(ctx, inputs, outputs):
+    q, kc, vc, cu_q, seqlens_k, block_table = inputs
+    p = ctx.params
+    call = functools.partial(_lib().paged_attention, q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal,
+                             p.scale, p.get("window", 0))
+    return _or_fallback(call, torch_kv_cache.flash_attention_with_kvcache_padded, ctx, inputs, outputs)
+
+
 @KERNELS.kernel("llm.flash_attention_with_kvcache", ACTIVATIONS, **NATIVE, check=_no_softcap,
                 varies="float32 online softmax over chunks of 64 keys; items split over torch's intra-op threads "
                        "past ~130k multiply-adds")
+@_binds(_bind_attention)
 def flash_attention_with_kvcache(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     p = ctx.params
