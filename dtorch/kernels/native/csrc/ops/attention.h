@@ -3,7 +3,7 @@
 // V accumulation on 16-float vectors (one zmm, two ymm, or a plain array the compiler vectorizes). The rows of an
 // item that see the same keys (a decode step's query heads of one kv head) go through each chunk together, so one
 // load of a K or V vector serves them all (1.4-1.6x a row at a time at one row on AVX-512).
-// The attention group's kernel (ops/attention.def); included inside namespace DTN_ISA after generic.h and rows.h
+// The attention group's kernel (slots/attention.def); included inside namespace DTN_ISA after generic.h and rows.h
 // (exp_f32, V16).
 #pragma once
 
