@@ -288,15 +288,17 @@ static inline float sg_row512(const uint8_t* row, const SGAct& a, int64_t m, int
 // float operations in its order (sg_tile512<F, 1, 1>'s bits), the activation vectors are loaded once for the R rows.
 // One-row products of these formats are bound by vpdpbusd (16 a super-group with both levels: on this Zen 4 a zmm
 // vpdpbusd issues every ~2 cycles, so ~31 GB/s of Q4_K at most), and the weights stream from memory:
-// - kStreamAhead bytes on, each row's next super-group is fetched into L2 as this one is summed (a steady stream,
-//   where prefetch_row's bursts of whole rows 8 KB on left the memory idle between them: cold Q6_K [2048, 8192]
-//   17 -> 28 GB/s, Q4_K [16384, 2048] 20 -> 28, against a ~32 GB/s plain read, both levels);
+// - as each super-group is summed, the same bytes of the rows whole blocks of R rows on (at least kStreamAhead bytes
+//   on) are fetched into L2: a steady stream, where prefetch_row's bursts of whole rows 8 KB on left the memory idle
+//   between them (cold, both levels: Q6_K [2048, 8192] 17 -> 28 GB/s, Q4_K [16384, 2048] 20 -> 27.5, [1536, 8960]
+//   -> 27.7, against a ~32 GB/s plain read);
 // - R = 4 rows of the 4-bit formats share each activation load (hot Q4_K 21 -> 30 GB/s); Q6_K's unpacking fills the
 //   registers at more than one row.
 constexpr int64_t kStreamAhead = 16 << 10;
 
 template <int F, int R, bool LO>
-static inline void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, float* out) {
+static inline void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
+                              float* out) {
   using G = SG<F>;
   constexpr bool Q6 = F == dtn::Q6_K;
   const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
@@ -312,7 +314,7 @@ static inline void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_
     if (m == 0)  // (further rows of x find the weight rows in L1)
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 2 * G::kblock; i += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(p[r]) + kStreamAhead + i, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(p[r]) + ahead + i, _MM_HINT_T1);
     if (nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_row512
       const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
       float o[1][R];
@@ -409,8 +411,11 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
                          void* y, int ydt, int64_t ldy) {
   constexpr int R = F == dtn::Q6_K ? 1 : 4;
   const int64_t nb = w.K / 32;
+  // each row fetches the same bytes of a row whole blocks of R rows on, at least kStreamAhead bytes: R rows are read
+  // side by side, so kStreamAhead bytes on would land in this block's own rows once R rows span that much
+  const int64_t block = R * w.qs_row, ahead = (kStreamAhead + block - 1) / block * block;
   const char* first = reinterpret_cast<const char*>(w.qs + n0 * w.qs_row);  // the stream's start, before it asks
-  for (int64_t i = 0; i < kStreamAhead && i < (n1 - n0) * w.qs_row; i += 64) _mm_prefetch(first + i, _MM_HINT_T1);
+  for (int64_t i = 0; i < ahead && i < (n1 - n0) * w.qs_row; i += 64) _mm_prefetch(first + i, _MM_HINT_T1);
   auto put = [&](int64_t m, int64_t n, float v) { store_f(y, ydt, m * ldy + n, v + (bias ? load_f(bias, ydt, n) : 0.f)); };
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
@@ -418,7 +423,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     for (int r = 0; r < R; ++r) rows[r] = w.qs + (n + r) * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[R];
-      kq_rows512<F, R, LO>(rows, a, m, nb, o);
+      kq_rows512<F, R, LO>(rows, a, m, nb, ahead, o);
       for (int r = 0; r < R; ++r) put(m, n + r, o[r]);
     }
   }
@@ -426,7 +431,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     const uint8_t* row = w.qs + n * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[1];
-      kq_rows512<F, 1, LO>(&row, a, m, nb, o);
+      kq_rows512<F, 1, LO>(&row, a, m, nb, ahead, o);
       put(m, n, o[0]);
     }
   }
