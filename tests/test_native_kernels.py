@@ -333,6 +333,38 @@ def test_rows_together_equal_each_row_alone(fmt, isa):
             assert torch.equal(got, alone[:m]), (fmt, isa, k, m, (got - alone[:m]).abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["gguf.q4_k", "gguf.q6_k", "gguf.q5_k", "gguf.q5_0"])
+def test_every_row_one_level(fmt, isa, monkeypatch):
+    """one_level=2 (DTORCH_ONE_LEVEL=1 passes it for every product): a lone row takes one int8 level per 32 values
+    too. x rounded to 8 bits per block of 32 (error uniform within d / 2, d = amax / 127, ~2e-5 of x's power for
+    Gaussian x): NMSE under NMSE_ONE_LEVEL and well above two levels'; the SIMD paths sum the same integers as the
+    scalar one; every row of a batch gets the bits it gets alone (K with a lone last super-block: 768)."""
+    gen = np.random.default_rng(11)
+    torch.manual_seed(11)
+    k = 768 if layouts.block_size(fmt) == 256 else 576
+    raw = _raw(fmt, 37, k, gen)
+    w = layouts.pack(torch.from_numpy(raw), fmt, k)
+    ref_w = _reference(fmt, raw, 37, k).double()
+    bias = torch.randn(37)
+    x = _x(17, k, outliers=False)
+    alone = torch.cat([nk.qlinear(x[i:i + 1], w, fmt, bias, one_level=2) for i in range(17)])
+    ref = x.double() @ ref_w.T + bias.double()
+    two = _nmse(torch.cat([nk.qlinear(x[i:i + 1], w, fmt, bias) for i in range(17)]), ref)
+    assert _nmse(alone, ref) < NMSE_ONE_LEVEL[0] and _nmse(alone, ref) > 10 * two, (fmt, isa)
+    if isa != "portable":
+        with nk.use_isa("portable"):
+            assert _nmse(alone, nk.qlinear(x, w, fmt, bias, one_level=2).double()) < 1e-9
+    for m in (2, 3, 5, 17):
+        assert torch.equal(nk.qlinear(x[:m], w, fmt, bias, one_level=2), alone[:m]), (fmt, isa, m)
+    key = KernelKey("matmul.linear", "cpu", torch.float32, fmt)
+    out = torch.empty(1, 37)
+    monkeypatch.setenv("DTORCH_ONE_LEVEL", "1")  # the dispatched kernel: one level for a precise lone row
+    Dispatcher().select(key).fn(_ctx(), (x[:1], w, bias), (out,))
+    assert torch.equal(out, alone[:1])
+    with pytest.raises(ArgumentError, match="one_level must be 0, 1"):
+        nk.qlinear(x[:1], w, fmt, bias, one_level=3)
+
+
 @native
 def test_qlinear_leading_dims_out_bias_and_slices():
     w = _packed("gguf.q4_1", 16, 64, 3)

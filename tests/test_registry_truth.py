@@ -236,6 +236,7 @@ def test_a_new_op_is_defined_first():
     ({"DTORCH_SYNC_TIMEOUT": "0"}, "DTORCH_SYNC_TIMEOUT='0' is not valid; expected a finite number of seconds > 0"),
     ({"DTORCH_VERIFY": "maybe"}, "DTORCH_VERIFY='maybe' is not a flag"),
     ({"DTORCH_TRACE": "2"}, "DTORCH_TRACE='2' is not a flag"),
+    ({"DTORCH_ONE_LEVEL": "2"}, "DTORCH_ONE_LEVEL='2' is not a flag"),
     ({"DTORCH_NATIVE_ISA": "sse"}, "expected one of auto, avx512, avx2, portable"),
     ({"DTORCH_CPU_FEATURES": "-avx512_bf17"}, "unknown CPU feature 'avx512_bf17'"),
     ({"DTORCH_CPU_FEATURES": "avx2"}, "must be +name or -name"),

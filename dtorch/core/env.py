@@ -18,6 +18,7 @@
 | DTORCH_PACK_CACHE | cache a GGUF file's packed weights, so a later load is one read | a flag | on |
 | DTORCH_PACK_CACHE_DIR | folder of that cache (``dtorch.models.pack_cache``) | a path | ~/.cache/dtorch/packed |
 | DTORCH_SHM_COMM | gloo ranks of one host talk through shared memory (``distributed/shm.py``) | a flag | on |
+| DTORCH_ONE_LEVEL | quantized CPU products: one int8 level of x per 32 values, every row (ops.qlinear) | a flag | off |
 
 A flag is one of 1/true/yes/on or 0/false/no/off (or empty). A malformed value, or a ``DTORCH_*`` name
 not in this table, raises ``ConfigError`` listing what is allowed: a typo is never ignored silently.
@@ -34,7 +35,7 @@ from dtorch.core.errors import ConfigError
 SETTINGS = ("DTORCH_VERIFY", "DTORCH_DISABLE_PROVIDERS", "DTORCH_SYNC_TIMEOUT", "DTORCH_THREADS", "DTORCH_TRACE",
             "DTORCH_FORBID_SYNC", "DTORCH_CPU_FEATURES", "DTORCH_NATIVE_ISA", "DTORCH_NATIVE_CACHE", "DTORCH_DEBUG",
             "DTORCH_API_KEY", "DTORCH_BATCH_INVARIANT", "DTORCH_NO_HUGE_PAGES", "DTORCH_PACK_CACHE",
-            "DTORCH_PACK_CACHE_DIR", "DTORCH_SHM_COMM")
+            "DTORCH_PACK_CACHE_DIR", "DTORCH_SHM_COMM", "DTORCH_ONE_LEVEL")
 NATIVE_ISAS = ("auto", "avx512", "avx2", "portable")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -47,7 +48,7 @@ def check() -> None:
         raise ConfigError(f"unknown environment setting(s) {', '.join(unknown)}; dtorch reads "
                           f"{', '.join(SETTINGS)} (see dtorch/core/env.py)")
     for read in (verify, disabled_providers, sync_timeout, threads, trace, forbid_sync, cpu_features, native_isa,
-                 debug, batch_invariant, pack_cache, shm_comm):
+                 debug, batch_invariant, pack_cache, shm_comm, one_level):
         read()
 
 
@@ -117,6 +118,10 @@ def trace() -> bool:
 
 def batch_invariant() -> bool:
     return _flag("DTORCH_BATCH_INVARIANT")
+
+
+def one_level() -> bool:
+    return _flag("DTORCH_ONE_LEVEL")
 
 
 def no_huge_pages() -> bool:

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from dtorch.core import env
 from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import ArgumentError, DtorchError
 from dtorch.dispatch.meta import Call, KernelMeta
@@ -74,11 +75,11 @@ def _or_fallback(call, fallback, ctx, inputs, outputs):
 # -- matmul.linear on GGUF weights -------------------------------------------------------------------------
 # inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
 # params: coarse (optional): each row's precision may be traded for speed (a prompt's rows, a batch of decodes).
-# outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for coarse rows,
-# 4 and more, in the super-grouped formats), else w is dequantized in panels for oneDNN's float32 GEMM (torch's
-# mm without it; see ops.qlinear), except on AVX-512 VNNI, whose integer tiles keep all but q2_k and q3_k: coarse rows
-# at every row count, others under 128 rows per thread (q4_k, q5_k, iq4_xs and q8_0 at every row count); the
-# reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
+# outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for coarse rows, 4
+# and more, in the super-grouped formats, and for every row under DTORCH_ONE_LEVEL=1), else w is dequantized in panels
+# for oneDNN's float32 GEMM (torch's mm without it; see ops.qlinear), except on AVX-512 VNNI, whose integer tiles keep
+# all but q2_k and q3_k: coarse rows at every row count, others under 128 rows per thread (q4_k, q5_k, iq4_xs and q8_0
+# at every row count); the reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
 
 def _linear_kernel(layout: str):
     code = layouts.format_code(layout)
@@ -86,7 +87,8 @@ def _linear_kernel(layout: str):
     def kernel(ctx, inputs, outputs):
         x, w, bias = inputs
         out = outputs[0]
-        one_level = ctx.params.get("coarse", False)
+        # DTORCH_ONE_LEVEL: every row one level (2), else coarse rows from 4 rows (1) and the others two levels (0)
+        one_level = 2 if env.one_level() else int(ctx.params.get("coarse", False))
         if not x.is_contiguous():
             x = x.contiguous()
         if bias is not None and bias.dtype != x.dtype:
@@ -109,7 +111,7 @@ def _linear_kernel(layout: str):
 
 
 def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | None,
-             one_level: bool) -> torch.Tensor:
+             one_level: int) -> torch.Tensor:
     y = x.new_empty(*x.shape[:-1], w.shape[0])
     _lib().qlinear(x, w, code, bias, y, one_level)
     return y

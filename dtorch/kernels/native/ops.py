@@ -19,25 +19,27 @@ def _lib():
 
 
 def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tensor | None = None,
-            out: torch.Tensor | None = None, one_level: bool = False) -> torch.Tensor:
+            out: torch.Tensor | None = None, one_level: bool | int = False) -> torch.Tensor:
     """out [..., N] = x [..., K] @ dequantize(packed).T (+ bias [N]) for a weight packed uint8 [N, row_bytes]
     in ``layout`` (see dtorch/kernels/layouts.py); K comes from x. x float32 or bfloat16, out and bias alike.
 
-    Under 32 rows of x (decode): x is quantized once per call to two int8 levels per 32 values, x = d (hi +
-    lo / 254) with d = amax / 127 (about 16 bits), and the products are integer dot products scaled in float32.
-    ``one_level`` (coarse rows: a prompt's, a batch of decodes) from 4 rows: the formats of super-groups (all
-    but Q2_K and Q3_K) use the hi level alone (8 bits per block of 32, as llama.cpp's Q8_0 activations: half
-    the integer work). 32 rows and more (prefill): the weight is dequantized to float32 in panels and multiplied
-    in a float GEMM (``float_gemm()``: oneDNN's where torch has it, else torch's mm; the products are exact), except
-    on AVX-512 VNNI (``isa() == "avx512"``), where the super-grouped formats stay on the integer levels: one level
-    (coarse rows) at every row count, two below 128 rows per thread, and for Q4_K, Q5_K, IQ4_XS and Q8_0 (whose tiles
-    run at about oneDNN's speed) at every row count. Where AMX works (``bf16_panels()``, ``dtorch.core.cpu.use_amx``),
-    coarse rows of 32 and more go through bfloat16 panels in oneDNN's GEMM (its AMX tiles) instead.
+    Under 32 rows of x (decode): x is quantized once per call to two int8 levels per 32 values, x = d (hi + lo / 254)
+    with d = amax / 127 (about 16 bits), and the products are integer dot products scaled in float32. ``one_level``
+    (coarse rows: a prompt's, a batch of decodes) from 4 rows: the formats of super-groups (all but Q2_K and Q3_K) use
+    the hi level alone (8 bits per block of 32, as llama.cpp's Q8_0 activations: half the integer work);
+    ``one_level=2``: every row does, a lone decode's too (``DTORCH_ONE_LEVEL=1`` passes it for every product: faster
+    one-row decode, coarser, see bench/README.md). 32 rows and more (prefill): the weight is dequantized to float32 in
+    panels and multiplied in a float GEMM (``float_gemm()``: oneDNN's where torch has it, else torch's mm; the products
+    are exact), except on AVX-512 VNNI (``isa() == "avx512"``), where the super-grouped formats stay on the integer
+    levels: one level (coarse rows) at every row count, two below 128 rows per thread, and for Q4_K, Q5_K, IQ4_XS and
+    Q8_0 (whose tiles run at about oneDNN's speed) at every row count. Where AMX works (``bf16_panels()``,
+    ``dtorch.core.cpu.use_amx``), coarse rows of 32 and more go through bfloat16 panels in oneDNN's GEMM (its AMX tiles)
+    instead.
     The bias is added before the one rounding to out's dtype.
     """
     if out is None:
         out = x.new_empty(*x.shape[:-1], packed.shape[0])
-    _lib().qlinear(x, packed, layouts.format_code(layout), bias, out, one_level)
+    _lib().qlinear(x, packed, layouts.format_code(layout), bias, out, int(one_level))
     return out
 
 

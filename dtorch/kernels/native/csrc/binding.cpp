@@ -322,8 +322,11 @@ ENTRY(py_qlinear)
   const bool has_bias = args[3] != Py_None;
   const at::Tensor* bias = has_bias ? &tensor(args[3], "qlinear", "bias") : nullptr;
   const at::Tensor& out = tensor(args[4], "qlinear", "out");
-  const int one_level = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
-  if (one_level < 0) throw Fail{};
+  // 0: both levels; 1: coarse rows (one level from kOneLevelRows rows); 2: one level at every row count
+  const long one_level = nargs == 6 ? PyLong_AsLong(args[5]) : 0;
+  if (one_level == -1 && PyErr_Occurred()) throw Fail{};
+  need(one_level >= 0 && one_level <= 2, g_arg_error,
+       "qlinear: one_level must be 0, 1 (coarse rows) or 2 (every row), got " + std::to_string(one_level));
   const int xdt = float_dt(x, "qlinear", "x");
   need(out.scalar_type() == x.scalar_type(), g_dtype_error,
        std::string("qlinear: out must have x's dtype ") + dtype_name(x) + ", got " + dtype_name(out));
@@ -372,7 +375,7 @@ ENTRY(py_qlinear)
     if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
     if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
     if (int64_t(ws.halves.size()) < M * nsg * 32) ws.halves.resize(size_t(M * nsg * 32));
-    const int levels = one_level && M >= kOneLevelRows ? 1 : 2;
+    const int levels = one_level == 2 || (one_level && M >= kOneLevelRows) ? 1 : 2;
     const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg, ws.halves.data(), levels};
     Py_BEGIN_ALLOW_THREADS
     parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {

@@ -283,6 +283,160 @@ static inline float sg_row512(const uint8_t* row, const SGAct& a, int64_t m, int
   return _mm512_reduce_add_ps(acc) + tail;
 }
 
+// -- the K-quants (Q4_K, Q5_K, Q6_K, IQ4_XS) -----------------------------------------------------------------
+// R weight rows against activation row m, whole super-groups of two super-blocks: each row's sum takes sg_row512's
+// float operations in its order (sg_tile512<F, 1, 1>'s bits), the activation vectors are loaded once for the R rows.
+// One-row products of these formats are bound by vpdpbusd (16 a super-group with both levels: on this Zen 4 a zmm
+// vpdpbusd issues every ~2 cycles, so ~31 GB/s of Q4_K at most), and the weights stream from memory:
+// - as each super-group is summed, the same bytes of the rows whole blocks of R rows on (at least kStreamAhead bytes
+//   on) are fetched into L2: a steady stream, where prefetch_row's bursts of whole rows 8 KB on left the memory idle
+//   between them (cold, both levels: Q6_K [2048, 8192] 17 -> 28 GB/s, Q4_K [16384, 2048] 20 -> 27.5, [1536, 8960]
+//   -> 27.7, against a ~32 GB/s plain read);
+// - R = 4 rows of the 4-bit formats share each activation load (hot Q4_K 21 -> 30 GB/s); Q6_K's unpacking fills the
+//   registers at more than one row.
+constexpr int64_t kStreamAhead = 16 << 10;
+
+template <int F, int R, bool LO>
+static inline void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
+                              float* out) {
+  using G = SG<F>;
+  constexpr bool Q6 = F == dtn::Q6_K;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  float tail[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    tail[r] = 0.f;
+  }
+  for (int64_t g = 0; g * 16 < nb; ++g) {
+    const uint8_t* p[R];
+    for (int r = 0; r < R; ++r) p[r] = rows[r] + g * 2 * G::kblock;
+    if (m == 0)  // (further rows of x find the weight rows in L1)
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 2 * G::kblock; i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(p[r]) + ahead + i, _MM_HINT_T1);
+    if (nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_row512
+      const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
+      float o[1][R];
+      sg_tile256<F, 1, R, LO>(p, at, m, nb - g * 16, o);
+      for (int r = 0; r < R; ++r) tail[r] = o[0][r];
+      continue;
+    }
+    const int8_t* ag = a.q + (m * a.nsg + g) * 1024;  // hi levels, then lo at + 512
+    __m512i is[R], il[R], is2[R], il2[R], hv[R];  // low nibbles' sums (is, il), high nibbles' (is2, il2)
+    for (int r = 0; r < R; ++r) {
+      is[r] = il[r] = is2[r] = il2[r] = _mm512_setzero_si512();
+      if constexpr (G::hbytes != 0) hv[r] = two_halves(p[r] + G::kh, p[r] + G::kblock + G::kh);
+    }
+    for (int u = 0; u < 4; ++u) {
+      __m512i a0 = _mm512_loadu_si512(ag + 64 * u), a1 = _mm512_loadu_si512(ag + 64 * (u + 4)), l0, l1;
+      // held in registers: left as memory operands GCC copies them to the stack once per row (0.75x the speed)
+      asm("" : "+v"(a0), "+v"(a1));
+      if constexpr (LO) {
+        l0 = _mm512_loadu_si512(ag + 512 + 64 * u);
+        l1 = _mm512_loadu_si512(ag + 512 + 64 * (u + 4));
+        asm("" : "+v"(l0), "+v"(l1));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i v = two_halves(p[r] + G::kq + 32 * u, p[r] + G::kblock + G::kq + 32 * u);
+        __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        if constexpr (Q6) {  // two high bits per quant, 4 steps a byte (as sg_tile512)
+          const int off = 32 * (u % 2);
+          const __m512i hq = two_halves(p[r] + G::kh + off, p[r] + G::kblock + G::kh + off);
+          const __m512i hl = u < 2 ? _mm512_slli_epi16(hq, 4) : hq;
+          const __m512i hh = u < 2 ? _mm512_slli_epi16(hq, 2) : _mm512_srli_epi16(hq, 2);
+          wl = _mm512_or_si512(wl, _mm512_and_si512(hl, b45));
+          wh = _mm512_or_si512(wh, _mm512_and_si512(hh, b45));
+        } else if constexpr (G::hbytes != 0) {  // Q5_K: bit u of each byte the low nibble's fifth bit, 4 + u the high's
+          wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv[r], 4 - u), b4));
+          wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv[r], u), b4));
+        }
+        if constexpr (F == dtn::IQ4_XS) {
+          const __m512i iq4 = iq4_table512();
+          wl = _mm512_shuffle_epi8(iq4, wl);
+          wh = _mm512_shuffle_epi8(iq4, wh);
+        }
+        is[r] = _mm512_dpbusd_epi32(is[r], wl, a0);
+        is2[r] = _mm512_dpbusd_epi32(is2[r], wh, a1);
+        if constexpr (LO) {
+          il[r] = _mm512_dpbusd_epi32(il[r], wl, l0);
+          il2[r] = _mm512_dpbusd_epi32(il2[r], wh, l1);
+        }
+      }
+    }
+    const __m512 da = _mm512_loadu_ps(a.d + (m * a.nsg + g) * 16);
+    const __m512 sa = _mm512_loadu_ps(a.s + (m * a.nsg + g) * 16);
+    for (int r = 0; r < R; ++r) {  // sg_row512's epilogue
+      const uint8_t* q = p[r] + G::kblock;
+      if constexpr (Q6) {  // (d sc) (u - 32) per 16 weights
+        const __m128i ev = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m128i s0 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + 2)), ev);
+        const __m128i s1 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2)), ev);
+        const __m512 d = fp16_pair(p[r], q);
+        const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))));
+        const __m512 mw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))));
+        const float* hs = a.sh + (m * a.nsg + g) * 32;
+        const __m512 t = _mm512_mul_ps(LO ? levels512(is[r], il[r]) : _mm512_cvtepi32_ps(is[r]), da);
+        const __m512 t2 = _mm512_mul_ps(LO ? levels512(is2[r], il2[r]) : _mm512_cvtepi32_ps(is2[r]), da);
+        const __m512 k32 = _mm512_set1_ps(-32.f);
+        const __m512 lo_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs), k32, t);
+        const __m512 hi_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs + 16), k32, t2);
+        acc[r] = _mm512_fmadd_ps(hi_, mw, _mm512_fmadd_ps(lo_, dw, acc[r]));
+        continue;
+      }
+      const __m512i s = _mm512_add_epi32(is[r], is2[r]), l = _mm512_add_epi32(il[r], il2[r]);
+      const __m512 t = _mm512_mul_ps(LO ? levels512(s, l) : _mm512_cvtepi32_ps(s), da);
+      __m512 dw, mw;
+      if constexpr (F == dtn::IQ4_XS) {
+        dw = _mm512_mul_ps(fp16_pair(p[r], q), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes_pair(p[r] + 2, q + 2))));
+        mw = dw;
+      } else {
+        const __m128i ha = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + 4));
+        const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4));
+        __m512 d, mdmin;
+        fp16_pairs2(p[r], q, d, mdmin);
+        dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ha, hb))));
+        mw = _mm512_mul_ps(mdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ha, hb))));
+      }
+      if constexpr (G::scales == 2) acc[r] = _mm512_fmadd_ps(mw, sa, _mm512_fmadd_ps(t, dw, acc[r]));
+      else acc[r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(sa, _mm512_set1_ps(G::offset), t), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
+
+// The K-quants' decode driver: R rows at a time (then one), y = sum + bias as sg_block512 writes it
+template <int F, bool LO>
+static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                         void* y, int ydt, int64_t ldy) {
+  constexpr int R = F == dtn::Q6_K ? 1 : 4;
+  const int64_t nb = w.K / 32;
+  // each row fetches the same bytes of a row whole blocks of R rows on, at least kStreamAhead bytes: R rows are read
+  // side by side, so kStreamAhead bytes on would land in this block's own rows once R rows span that much
+  const int64_t block = R * w.qs_row, ahead = (kStreamAhead + block - 1) / block * block;
+  const char* first = reinterpret_cast<const char*>(w.qs + n0 * w.qs_row);  // the stream's start, before it asks
+  for (int64_t i = 0; i < ahead && i < (n1 - n0) * w.qs_row; i += 64) _mm_prefetch(first + i, _MM_HINT_T1);
+  auto put = [&](int64_t m, int64_t n, float v) { store_f(y, ydt, m * ldy + n, v + (bias ? load_f(bias, ydt, n) : 0.f)); };
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = w.qs + (n + r) * w.qs_row;
+    for (int64_t m = 0; m < M; ++m) {
+      float o[R];
+      kq_rows512<F, R, LO>(rows, a, m, nb, ahead, o);
+      for (int r = 0; r < R; ++r) put(m, n + r, o[r]);
+    }
+  }
+  for (; n < n1; ++n) {
+    const uint8_t* row = w.qs + n * w.qs_row;
+    for (int64_t m = 0; m < M; ++m) {
+      float o[1];
+      kq_rows512<F, 1, LO>(&row, a, m, nb, ahead, o);
+      put(m, n, o[0]);
+    }
+  }
+}
+
 // The decode driver (M < 4 rows of x): each weight row once, against every row of x while it is in L1. Without a
 // last super-group of under 16 blocks, y = sum + bias as sg_block512 writes it; with one, chunks of 16 rows: the
 // whole super-groups' sums and the tails' per-block products row by row, then the tails finished for the chunk
@@ -290,6 +444,7 @@ static inline float sg_row512(const uint8_t* row, const SGAct& a, int64_t m, int
 template <int F, bool LO>
 static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                          void* y, int ydt, int64_t ldy) {
+  if constexpr (SG<F>::kblock != 0) return kq_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
   const int64_t nb = w.K / 32, ahead = ahead_rows(w);
   for (int64_t n = n0; n < n1 && n < n0 + ahead; ++n) prefetch_row(w, n);  // the first rows, before the loop asks
   if (SG<F>::kblock != 0 || nb % 16 == 0) {
