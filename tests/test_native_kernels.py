@@ -333,6 +333,39 @@ def test_rows_together_equal_each_row_alone(fmt, isa):
             assert torch.equal(got, alone[:m]), (fmt, isa, k, m, (got - alone[:m]).abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["gguf.q5_0", "gguf.q8_0", "gguf.q4_k"])
+def test_one_level_switch_takes_every_row(fmt, isa):
+    # DTORCH_DECODE_ONE_LEVEL (set_one_level): a lone decode row takes one int8 level too, with llama.cpp's int8 noise
+    # (not two levels' ~1e-9), and rows together still equal each row alone; K = 896 and 640 carry last super-groups
+    # of 12 and 4 blocks
+    gen = np.random.default_rng(11)
+    torch.manual_seed(11)
+    lib = nk.load()
+    for k in ((896, 640) if layouts.block_size(fmt) == 32 else (768,)):
+        w = layouts.pack(torch.from_numpy(_raw(fmt, 45, k, gen)), fmt, k)
+        x = _x(5, k, outliers=False)
+        two = nk.qlinear(x[:1], w, fmt)
+        assert lib.set_one_level(True) is False
+        try:
+            alone = torch.cat([nk.qlinear(x[i:i + 1], w, fmt) for i in range(5)])
+            together = nk.qlinear(x, w, fmt)
+        finally:
+            assert lib.set_one_level(False) is True
+        assert torch.equal(together, alone), (fmt, isa, k)
+        want = x.double() @ layouts.dequantize(w, fmt, k).double().T
+        assert _nmse(two, want[:1]) < NMSE_BOUND[fmt][0] < 10 * NMSE_BOUND[fmt][0] < _nmse(alone[:1], want[:1])
+        assert _nmse(alone, want) < NMSE_ONE_LEVEL[0], (fmt, isa, k)
+
+
+@native
+def test_one_level_switch_from_the_environment():
+    code = "from dtorch.kernels import native as nk\nprint(nk.load().set_one_level(None))\n"
+    for value, want in (("1", "True"), ("0", "False")):
+        env = dict(os.environ, DTORCH_DECODE_ONE_LEVEL=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.stdout.strip() == want, out.stderr
+
+
 @native
 def test_qlinear_leading_dims_out_bias_and_slices():
     w = _packed("gguf.q4_1", 16, 64, 3)

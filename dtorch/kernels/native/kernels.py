@@ -85,7 +85,8 @@ def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | N
 for _layout in GGUF_LAYOUTS:
     KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
                 varies="under 32 rows: activations in two int8 levels per 32 values (~16 bits), or one level (8 bits) "
-                       "for a batch of 4 or more decodes (param decode) in all but q2_k and q3_k; output rows "
+                       "for a batch of 4 or more decodes (param decode) in all but q2_k and q3_k, for every row "
+                       "with DTORCH_DECODE_ONE_LEVEL; output rows "
                        "split over torch's intra-op threads; 32 rows and more: float32 weight panels in oneDNN's GEMM "
                        "(torch's mm without oneDNN), but on avx512 the integer levels in all but q2_k and q3_k "
                        "under 128 rows per thread, and at every row count in q4_k, q5_k, iq4_xs and q8_0")

@@ -57,6 +57,7 @@ def load() -> ModuleType:
         _reason = str(e)
         raise
     _mod = mod
+    mod.set_one_level(env.decode_one_level())
     _bf16_panels()
     cpu.add_listener(_bf16_panels)
     return mod

@@ -27,8 +27,10 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, layout: str, bias: torch.Tens
     lo / 254) with d = amax / 127 (about 16 bits), and the products are integer dot products scaled in float32.
     ``one_level`` (coarse rows: a prompt's, a batch of decodes) from 4 rows: the formats of super-groups (all
     but Q2_K and Q3_K) use the hi level alone (8 bits per block of 32, as llama.cpp's Q8_0 activations: half
-    the integer work). 32 rows and more (prefill): the weight is dequantized to float32 in panels and multiplied
-    in a float GEMM (``float_gemm()``: oneDNN's where torch has it, else torch's mm; the products are exact), except
+    the integer work); with DTORCH_DECODE_ONE_LEVEL (``dtorch.core.env.decode_one_level``) every row does,
+    a lone decode's too (1.2-1.35x faster one-row products on one thread). 32 rows and more (prefill): the weight
+    is dequantized to float32 in panels and multiplied in a float GEMM (``float_gemm()``: oneDNN's where torch
+    has it, else torch's mm; the products are exact), except
     on AVX-512 VNNI (``isa() == "avx512"``), where the super-grouped formats stay on the integer levels: one level
     (coarse rows) at every row count, two below 128 rows per thread, and for Q4_K, Q5_K, IQ4_XS and Q8_0 (whose tiles
     run at about oneDNN's speed) at every row count. Where AMX works (``bf16_panels()``, ``dtorch.core.cpu.use_amx``),

@@ -263,6 +263,12 @@ void panel_product(at::Tensor& yv, const at::Tensor& x, const at::Tensor& w, con
 // caller wants as precise as a lone decode's (a speculative step's verified rows).
 constexpr int64_t kOneLevelRows = 4;
 
+// DTORCH_DECODE_ONE_LEVEL (set_one_level; the loader sets it from dtorch.core.env): every row of x of the
+// super-grouped formats on one level, a lone decode's and a speculative step's included (each row's result stays
+// the same at every row count). One-row products run 1.2-1.35x faster where they wait on the arithmetic (one thread,
+// K = 640 / 896, weights in L3 or streamed at the read rate); x is then rounded as llama.cpp's Q8_0 activations.
+bool g_one_level = false;
+
 // y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights: 512 KB on one
 // thread (they stay in L2; larger panels measured no faster), more on several, where oneDNN splits each panel's
 // product among the threads and small products do not pay for it (two threads, 128-row Q8_0 prompts of a
@@ -373,7 +379,7 @@ ENTRY(py_qlinear)
     if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
     if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
     if (int64_t(ws.halves.size()) < M * nsg * 32) ws.halves.resize(size_t(M * nsg * 32));
-    const int levels = one_level && M >= kOneLevelRows ? 1 : 2;
+    const int levels = g_one_level || (one_level && M >= kOneLevelRows) ? 1 : 2;
     const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg, ws.halves.data(), levels};
     Py_BEGIN_ALLOW_THREADS
     parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {
@@ -569,6 +575,18 @@ ENTRY(py_set_bf16_panels)
     const int on = PyObject_IsTrue(args[0]);
     if (on < 0) throw Fail{};
     g_bf16_panels = on;
+  }
+  return PyBool_FromLong(was);
+EXIT
+
+// set_one_level(bool | None) -> the setting before: every row of x on one level (g_one_level)
+ENTRY(py_set_one_level)
+  need_args(nargs, 1, "set_one_level");
+  const bool was = g_one_level;
+  if (args[0] != Py_None) {
+    const int on = PyObject_IsTrue(args[0]);
+    if (on < 0) throw Fail{};
+    g_one_level = on;
   }
   return PyBool_FromLong(was);
 EXIT
