@@ -65,7 +65,7 @@ static inline TailPlan tail_plan(int S) {
 }
 
 // lanes l of x summed over l % P: lanes 0..P-1 hold the sums (exact integer adds)
-static inline __m512i fold_lanes(__m512i x, int P) {
+static inline __attribute__((always_inline)) __m512i fold_lanes(__m512i x, int P) {
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int w = 8; w >= P; w /= 2)
     x = _mm512_add_epi32(x, _mm512_permutexvar_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32(w)), x));
@@ -94,80 +94,105 @@ static inline __m512i tail_weights(const TailPlan& t, const uint8_t* p, int v) {
   return x;
 }
 
+// row r's lanes of tail_lanes512 from its integer sums: lane b < S = block b's levels times x's scale of the block
+template <bool LO, int NR>
+static inline void tail_finish512(const TailPlan& t, const SGAct& a, int64_t m, const __m512i* is, const __m512i* il,
+                                  float* pl) {
+  const __mmask16 km = __mmask16((1u << t.S) - 1);
+  const __m512 da = _mm512_maskz_loadu_ps(km, a.d + (m * a.nsg + a.nsg - 1) * 16);
+  for (int r = 0; r < NR; ++r) {
+    const __m512 lv = LO ? levels512(is[r], il[r]) : _mm512_cvtepi32_ps(is[r]);
+    _mm512_store_ps(pl + r * 16, _mm512_maskz_mul_ps(km, lv, da));
+  }
+}
+
+// tail_lanes512 for S of 9..15 blocks (P = 16): a step a vector, as the whole super-groups (lanes from S on read as
+// zero)
+template <int F, bool LO, int NR>
+static void tail_steps512(const TailPlan& t, const uint8_t* const* p, const SGAct& a, int64_t m, float* pl) {
+  const int8_t* ag = a.q + (m * a.nsg + a.nsg - 1) * 1024;
+  constexpr int kSteps = F == dtn::Q8_0 ? 8 : 4;
+  const __mmask16 km = __mmask16((1u << t.S) - 1);
+  const int64_t qoff = 2 * t.S * SG<F>::scales + t.S * SG<F>::hbytes;
+  __m512i is[NR], il[NR], hv[NR], is2[NR], il2[NR];
+  for (int r = 0; r < NR; ++r) {
+    is[r] = il[r] = is2[r] = il2[r] = _mm512_setzero_si512();
+    if constexpr (SG<F>::hbytes != 0) hv[r] = _mm512_maskz_loadu_epi32(km, p[r] + 2 * t.S * SG<F>::scales);
+  }
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
+  for (int u = 0; u < kSteps; ++u) {
+    if constexpr (F == dtn::Q8_0) {
+      const __m512i ah = _mm512_loadu_si512(ag + 64 * u), al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
+      for (int r = 0; r < NR; ++r) {
+        const __m512i v = _mm512_maskz_loadu_epi32(km, p[r] + qoff + 4 * t.S * u);
+        is[r] = _mm512_dpbusd_epi32(is[r], v, ah);
+        if constexpr (LO) il[r] = _mm512_dpbusd_epi32(il[r], v, al);
+      }
+      continue;
+    }
+    const __m512i ah = _mm512_loadu_si512(ag + 64 * u), ah2 = _mm512_loadu_si512(ag + 64 * (u + 4));
+    const __m512i al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
+    const __m512i al2 = LO ? _mm512_loadu_si512(ag + 512 + 64 * (u + 4)) : ah;
+    for (int r = 0; r < NR; ++r) {
+      const __m512i v = _mm512_maskz_loadu_epi32(km, p[r] + qoff + 4 * t.S * u);
+      __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      if constexpr (SG<F>::hbytes != 0) {
+        wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv[r], 4 - u), b4));
+        wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv[r], u), b4));
+      }
+      if constexpr (F == dtn::IQ4_NL) {
+        wl = _mm512_shuffle_epi8(iq4_table512(), wl);
+        wh = _mm512_shuffle_epi8(iq4_table512(), wh);
+      }
+      is[r] = _mm512_dpbusd_epi32(is[r], wl, ah);
+      is2[r] = _mm512_dpbusd_epi32(is2[r], wh, ah2);
+      if constexpr (LO) {
+        il[r] = _mm512_dpbusd_epi32(il[r], wl, al);
+        il2[r] = _mm512_dpbusd_epi32(il2[r], wh, al2);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    is[r] = _mm512_add_epi32(is[r], is2[r]);
+    il[r] = _mm512_add_epi32(il[r], il2[r]);
+  }
+  tail_finish512<LO, NR>(t, a, m, is, il, pl);
+}
+
+// tail_lanes512 for S of 1..8 blocks (P = sg_period(S) < 16): 16 / P steps a vector, then the lanes of each block
+// added up
+template <int F, bool LO, int NR, int P>
+static void tail_spread512(const TailPlan& t, const uint8_t* const* p, const SGAct& a, int64_t m, float* pl) {
+  const int8_t* ag = a.q + (m * a.nsg + a.nsg - 1) * 1024;
+  constexpr int nv = P >= 2 ? P / 2 : 1;
+  __m512i is[NR], il[NR];
+  for (int r = 0; r < NR; ++r) is[r] = il[r] = _mm512_setzero_si512();
+  for (int v = 0; v < nv; ++v) {
+    const __m512i ah = _mm512_loadu_si512(ag + 64 * v), al = LO ? _mm512_loadu_si512(ag + 512 + 64 * v) : ah;
+    for (int r = 0; r < NR; ++r) {
+      const __m512i wv = tail_weights<F>(t, p[r], v);
+      is[r] = _mm512_dpbusd_epi32(is[r], wv, ah);
+      if constexpr (LO) il[r] = _mm512_dpbusd_epi32(il[r], wv, al);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    is[r] = fold_lanes(is[r], P);
+    if constexpr (LO) il[r] = fold_lanes(il[r], P);
+  }
+  tail_finish512<LO, NR>(t, a, m, is, il, pl);
+}
+
 // The last super-groups (at p[r] in NR weight rows) against activation row m: pl[r * 16 + b], b < S = row r's block
 // b's integer sums as levels512 rounds them, times x's scale of the block (the products sg_tails512 multiplies by the
 // weights' scales). Each activation vector is loaded once for the NR rows.
 template <int F, bool LO, int NR>
 static inline void tail_lanes512(const TailPlan& t, const uint8_t* const* p, const SGAct& a, int64_t m, float* pl) {
-  const int64_t g = a.nsg - 1;
-  const int8_t* ag = a.q + (m * a.nsg + g) * 1024;
-  __m512i is[NR], il[NR];
-  for (int r = 0; r < NR; ++r) is[r] = il[r] = _mm512_setzero_si512();
-  if (t.P == 16) {  // a step a vector, as the whole super-groups (lanes from S on read as zero)
-    constexpr int kSteps = F == dtn::Q8_0 ? 8 : 4;
-    const __mmask16 km = __mmask16((1u << t.S) - 1);
-    const int64_t qoff = 2 * t.S * SG<F>::scales + t.S * SG<F>::hbytes;
-    __m512i hv[NR], is2[NR], il2[NR];
-    for (int r = 0; r < NR; ++r) {
-      is2[r] = il2[r] = _mm512_setzero_si512();
-      if constexpr (SG<F>::hbytes != 0) hv[r] = _mm512_maskz_loadu_epi32(km, p[r] + 2 * t.S * SG<F>::scales);
-    }
-    const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
-    for (int u = 0; u < kSteps; ++u) {
-      if constexpr (F == dtn::Q8_0) {
-        const __m512i ah = _mm512_loadu_si512(ag + 64 * u), al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
-        for (int r = 0; r < NR; ++r) {
-          const __m512i v = _mm512_maskz_loadu_epi32(km, p[r] + qoff + 4 * t.S * u);
-          is[r] = _mm512_dpbusd_epi32(is[r], v, ah);
-          if constexpr (LO) il[r] = _mm512_dpbusd_epi32(il[r], v, al);
-        }
-        continue;
-      }
-      const __m512i ah = _mm512_loadu_si512(ag + 64 * u), ah2 = _mm512_loadu_si512(ag + 64 * (u + 4));
-      const __m512i al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
-      const __m512i al2 = LO ? _mm512_loadu_si512(ag + 512 + 64 * (u + 4)) : ah;
-      for (int r = 0; r < NR; ++r) {
-        const __m512i v = _mm512_maskz_loadu_epi32(km, p[r] + qoff + 4 * t.S * u);
-        __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-        if constexpr (SG<F>::hbytes != 0) {
-          wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv[r], 4 - u), b4));
-          wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv[r], u), b4));
-        }
-        if constexpr (F == dtn::IQ4_NL) {
-          wl = _mm512_shuffle_epi8(iq4_table512(), wl);
-          wh = _mm512_shuffle_epi8(iq4_table512(), wh);
-        }
-        is[r] = _mm512_dpbusd_epi32(is[r], wl, ah);
-        is2[r] = _mm512_dpbusd_epi32(is2[r], wh, ah2);
-        if constexpr (LO) {
-          il[r] = _mm512_dpbusd_epi32(il[r], wl, al);
-          il2[r] = _mm512_dpbusd_epi32(il2[r], wh, al2);
-        }
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      is[r] = _mm512_add_epi32(is[r], is2[r]);
-      il[r] = _mm512_add_epi32(il[r], il2[r]);
-    }
-  } else {  // 16 / P steps a vector, then the lanes of each block added up
-    for (int v = 0; v < t.nv; ++v) {
-      const __m512i ah = _mm512_loadu_si512(ag + 64 * v), al = LO ? _mm512_loadu_si512(ag + 512 + 64 * v) : ah;
-      for (int r = 0; r < NR; ++r) {
-        const __m512i wv = tail_weights<F>(t, p[r], v);
-        is[r] = _mm512_dpbusd_epi32(is[r], wv, ah);
-        if constexpr (LO) il[r] = _mm512_dpbusd_epi32(il[r], wv, al);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      is[r] = fold_lanes(is[r], t.P);
-      if constexpr (LO) il[r] = fold_lanes(il[r], t.P);
-    }
-  }
-  const __mmask16 km = __mmask16((1u << t.S) - 1);
-  const __m512 da = _mm512_maskz_loadu_ps(km, a.d + (m * a.nsg + g) * 16);
-  for (int r = 0; r < NR; ++r) {
-    const __m512 lv = LO ? levels512(is[r], il[r]) : _mm512_cvtepi32_ps(is[r]);
-    _mm512_store_ps(pl + r * 16, _mm512_maskz_mul_ps(km, lv, da));
+  switch (t.P) {
+    case 16: return tail_steps512<F, LO, NR>(t, p, a, m, pl);
+    case 8: return tail_spread512<F, LO, NR, 8>(t, p, a, m, pl);
+    case 4: return tail_spread512<F, LO, NR, 4>(t, p, a, m, pl);
+    case 2: return tail_spread512<F, LO, NR, 2>(t, p, a, m, pl);
+    default: return tail_spread512<F, LO, NR, 1>(t, p, a, m, pl);
   }
 }
 
