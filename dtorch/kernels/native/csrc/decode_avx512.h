@@ -405,8 +405,10 @@ static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_
   for (int r = 0; r < NR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-// The 32-block formats' decode: chunks of 16 weight rows, read 4 at a time where the rows end in a last super-group of
-// under 16 blocks (sg_rows512, tail_lanes512), else one at a time; without a
+constexpr int64_t kFourRowBytes = 768;  // sg_decode32_512 reads rows of at most this many bytes four at a time
+
+// The 32-block formats' decode: chunks of 16 weight rows, read 4 at a time where the rows are short and end in a last
+// super-group of under 16 blocks (sg_rows512, tail_lanes512), else one at a time; without a
 // last super-group of under 16 blocks y = sum + bias, as sg_block512 writes it; with one, the whole super-groups'
 // sums and the tails' per-block products, then the tails finished for the chunk (tail_chain512) and y = (sums +
 // tails) + bias (store_with_tails), as the tiles write it.
@@ -417,6 +419,10 @@ static void sg_decode32_512(const QWeight& w, const SGAct& a, int64_t M, int64_t
   constexpr int NR = 4;
   const int64_t nb = w.K / 32, ahead = ahead_rows(w);
   const bool tails = nb % 16 != 0;
+  // four rows at a time only for short rows with a last super-group (K = 576 / 640 / 896 of Q4_0 and Q5_0, 576 / 640
+  // of Q8_0): streamed from memory, longer rows four at a time (their prefetches issued together) ran 0.7-0.9x one
+  // after another (Q8_0 K = 896, 1024, 2048), though in cache 1.2-1.3x
+  const bool four = tails && w.qs_row <= kFourRowBytes;
   const TailPlan t = tails ? tail_plan<F>(int(nb % 16)) : TailPlan{};
   const int64_t tail_at = nb / 16 * 16 * SG<F>::bytes;  // the last super-group's offset in a row
   alignas(64) float pl[3][kChunk * 16];
@@ -439,8 +445,7 @@ static void sg_decode32_512(const QWeight& w, const SGAct& a, int64_t M, int64_t
   for (int64_t nc = n0; nc < n1; nc += kChunk) {
     const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
     int64_t n = nc;
-    if (tails)  // (without tails, one row after another streams faster from memory: the four rows' prefetches at once
-                // left K = 1024-2048 at 0.7-0.9x, though in cache they ran 1.2-1.3x)
+    if (four)
       for (; n + NR <= ne; n += NR) rows(std::integral_constant<int, NR>{}, n, nc);
     for (; n < ne; ++n) rows(std::integral_constant<int, 1>{}, n, nc);
     if (!tails) {
