@@ -365,6 +365,23 @@ def test_every_row_one_level(fmt, isa, monkeypatch):
         nk.qlinear(x[:1], w, fmt, bias, one_level=3)
 
 
+@pytest.mark.parametrize("fmt", ["gguf.q5_0", "gguf.q8_0", "gguf.q4_k"])
+def test_one_level_at_the_real_shapes_tails(fmt, isa):
+    # one_level=2 at K = 896 and 640 (last super-groups of 12 and 4 blocks, the four-row decode path of the 32-block
+    # formats): a lone row takes int8 noise (not two levels' ~1e-9), and rows together equal each row alone
+    gen = np.random.default_rng(11)
+    torch.manual_seed(11)
+    for k in ((896, 640) if layouts.block_size(fmt) == 32 else (768,)):
+        w = layouts.pack(torch.from_numpy(_raw(fmt, 45, k, gen)), fmt, k)
+        x = _x(5, k, outliers=False)
+        two = nk.qlinear(x[:1], w, fmt)
+        alone = torch.cat([nk.qlinear(x[i:i + 1], w, fmt, one_level=2) for i in range(5)])
+        assert torch.equal(nk.qlinear(x, w, fmt, one_level=2), alone), (fmt, isa, k)
+        want = x.double() @ layouts.dequantize(w, fmt, k).double().T
+        assert _nmse(two, want[:1]) < NMSE_BOUND[fmt][0] < 10 * NMSE_BOUND[fmt][0] < _nmse(alone[:1], want[:1])
+        assert _nmse(alone, want) < NMSE_ONE_LEVEL[0], (fmt, isa, k)
+
+
 @native
 def test_qlinear_leading_dims_out_bias_and_slices():
     w = _packed("gguf.q4_1", 16, 64, 3)

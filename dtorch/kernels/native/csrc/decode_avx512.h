@@ -3,7 +3,9 @@
 // bits the tiles of quant_avx512.h give it (a row gets the same result at every row count: speculative decoding's
 // verified rows equal plain decoding).
 // - whole super-groups: sg_tile512<F, 1, 1>'s float operations in the same order, its integer sums (exact, any order)
-//   split over two chains each, so a row waits on half the vpdpbusd latency;
+//   split over two chains each, so a row waits on half the vpdpbusd latency; the 32-block formats four weight rows
+//   at a time, each activation vector loaded once for the four (a core with 64 bytes of loads a cycle spent the one-row
+//   loop on x's loads: 1.1-1.25x at K = 640-1024, two levels);
 // - a 32-block format's last super-group of S < 16 blocks: per row, each block's integer sums in its own lane (the
 //   weights' 4 S bytes per step spread to the activations' P = sg_period(S) lanes per step, then the 16 / P lanes of
 //   a block added up), times x's scale; per 16 rows those floats are transposed to one row per lane and finished as
@@ -63,7 +65,7 @@ static inline TailPlan tail_plan(int S) {
 }
 
 // lanes l of x summed over l % P: lanes 0..P-1 hold the sums (exact integer adds)
-static inline __m512i fold_lanes(__m512i x, int P) {
+static inline __attribute__((always_inline)) __m512i fold_lanes(__m512i x, int P) {
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int w = 8; w >= P; w /= 2)
     x = _mm512_add_epi32(x, _mm512_permutexvar_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32(w)), x));
@@ -92,58 +94,106 @@ static inline __m512i tail_weights(const TailPlan& t, const uint8_t* p, int v) {
   return x;
 }
 
-// The last super-group (at p in the weight row) against activation row m: lane b < S = its block b's integer sums
-// as levels512 rounds them, times x's scale of the block (the products sg_tails512 multiplies by the weights' scales)
-template <int F, bool LO>
-static inline __m512 tail_lanes512(const TailPlan& t, const uint8_t* p, const SGAct& a, int64_t m) {
-  const int64_t g = a.nsg - 1;
-  const int8_t* ag = a.q + (m * a.nsg + g) * 1024;
-  __m512i is = _mm512_setzero_si512(), il = is;
-  if (t.P == 16) {  // a step a vector, as the whole super-groups (lanes from S on read as zero)
-    constexpr int kSteps = F == dtn::Q8_0 ? 8 : 4;
-    const __mmask16 km = __mmask16((1u << t.S) - 1);
-    const uint8_t* q = p + 2 * t.S * SG<F>::scales + t.S * SG<F>::hbytes;
-    __m512i hv = _mm512_setzero_si512();
-    if constexpr (SG<F>::hbytes != 0) hv = _mm512_maskz_loadu_epi32(km, p + 2 * t.S * SG<F>::scales);
-    const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
-    __m512i is2 = is, il2 = is;
-    for (int u = 0; u < kSteps; ++u) {
-      const __m512i v = _mm512_maskz_loadu_epi32(km, q + 4 * t.S * u);
-      if constexpr (F == dtn::Q8_0) {
-        is = _mm512_dpbusd_epi32(is, v, _mm512_loadu_si512(ag + 64 * u));
-        if constexpr (LO) il = _mm512_dpbusd_epi32(il, v, _mm512_loadu_si512(ag + 512 + 64 * u));
-        continue;
+// row r's lanes of tail_lanes512 from its integer sums: lane b < S = block b's levels times x's scale of the block
+template <bool LO, int NR>
+static inline void tail_finish512(const TailPlan& t, const SGAct& a, int64_t m, const __m512i* is, const __m512i* il,
+                                  float* pl) {
+  const __mmask16 km = __mmask16((1u << t.S) - 1);
+  const __m512 da = _mm512_maskz_loadu_ps(km, a.d + (m * a.nsg + a.nsg - 1) * 16);
+  for (int r = 0; r < NR; ++r) {
+    const __m512 lv = LO ? levels512(is[r], il[r]) : _mm512_cvtepi32_ps(is[r]);
+    _mm512_store_ps(pl + r * 16, _mm512_maskz_mul_ps(km, lv, da));
+  }
+}
+
+// tail_lanes512 for S of 9..15 blocks (P = 16): a step a vector, as the whole super-groups (lanes from S on read as
+// zero)
+template <int F, bool LO, int NR>
+static void tail_steps512(const TailPlan& t, const uint8_t* const* p, const SGAct& a, int64_t m, float* pl) {
+  const int8_t* ag = a.q + (m * a.nsg + a.nsg - 1) * 1024;
+  constexpr int kSteps = F == dtn::Q8_0 ? 8 : 4;
+  const __mmask16 km = __mmask16((1u << t.S) - 1);
+  const int64_t qoff = 2 * t.S * SG<F>::scales + t.S * SG<F>::hbytes;
+  __m512i is[NR], il[NR], hv[NR], is2[NR], il2[NR];
+  for (int r = 0; r < NR; ++r) {
+    is[r] = il[r] = is2[r] = il2[r] = _mm512_setzero_si512();
+    if constexpr (SG<F>::hbytes != 0) hv[r] = _mm512_maskz_loadu_epi32(km, p[r] + 2 * t.S * SG<F>::scales);
+  }
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
+  for (int u = 0; u < kSteps; ++u) {
+    if constexpr (F == dtn::Q8_0) {
+      const __m512i ah = _mm512_loadu_si512(ag + 64 * u), al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
+      for (int r = 0; r < NR; ++r) {
+        const __m512i v = _mm512_maskz_loadu_epi32(km, p[r] + qoff + 4 * t.S * u);
+        is[r] = _mm512_dpbusd_epi32(is[r], v, ah);
+        if constexpr (LO) il[r] = _mm512_dpbusd_epi32(il[r], v, al);
       }
+      continue;
+    }
+    const __m512i ah = _mm512_loadu_si512(ag + 64 * u), ah2 = _mm512_loadu_si512(ag + 64 * (u + 4));
+    const __m512i al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
+    const __m512i al2 = LO ? _mm512_loadu_si512(ag + 512 + 64 * (u + 4)) : ah;
+    for (int r = 0; r < NR; ++r) {
+      const __m512i v = _mm512_maskz_loadu_epi32(km, p[r] + qoff + 4 * t.S * u);
       __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
       if constexpr (SG<F>::hbytes != 0) {
-        wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4 - u), b4));
-        wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv, u), b4));
+        wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv[r], 4 - u), b4));
+        wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv[r], u), b4));
       }
       if constexpr (F == dtn::IQ4_NL) {
         wl = _mm512_shuffle_epi8(iq4_table512(), wl);
         wh = _mm512_shuffle_epi8(iq4_table512(), wh);
       }
-      is = _mm512_dpbusd_epi32(is, wl, _mm512_loadu_si512(ag + 64 * u));
-      is2 = _mm512_dpbusd_epi32(is2, wh, _mm512_loadu_si512(ag + 64 * (u + 4)));
+      is[r] = _mm512_dpbusd_epi32(is[r], wl, ah);
+      is2[r] = _mm512_dpbusd_epi32(is2[r], wh, ah2);
       if constexpr (LO) {
-        il = _mm512_dpbusd_epi32(il, wl, _mm512_loadu_si512(ag + 512 + 64 * u));
-        il2 = _mm512_dpbusd_epi32(il2, wh, _mm512_loadu_si512(ag + 512 + 64 * (u + 4)));
+        il[r] = _mm512_dpbusd_epi32(il[r], wl, al);
+        il2[r] = _mm512_dpbusd_epi32(il2[r], wh, al2);
       }
     }
-    is = _mm512_add_epi32(is, is2);
-    il = _mm512_add_epi32(il, il2);
-  } else {  // 16 / P steps a vector, then the lanes of each block added up
-    for (int v = 0; v < t.nv; ++v) {
-      const __m512i wv = tail_weights<F>(t, p, v);
-      is = _mm512_dpbusd_epi32(is, wv, _mm512_loadu_si512(ag + 64 * v));
-      if constexpr (LO) il = _mm512_dpbusd_epi32(il, wv, _mm512_loadu_si512(ag + 512 + 64 * v));
-    }
-    is = fold_lanes(is, t.P);
-    if constexpr (LO) il = fold_lanes(il, t.P);
   }
-  const __mmask16 km = __mmask16((1u << t.S) - 1);
-  const __m512 lv = LO ? levels512(is, il) : _mm512_cvtepi32_ps(is);
-  return _mm512_maskz_mul_ps(km, lv, _mm512_maskz_loadu_ps(km, a.d + (m * a.nsg + g) * 16));
+  for (int r = 0; r < NR; ++r) {
+    is[r] = _mm512_add_epi32(is[r], is2[r]);
+    il[r] = _mm512_add_epi32(il[r], il2[r]);
+  }
+  tail_finish512<LO, NR>(t, a, m, is, il, pl);
+}
+
+// tail_lanes512 for S of 1..8 blocks (P = sg_period(S) < 16): 16 / P steps a vector, then the lanes of each block
+// added up
+template <int F, bool LO, int NR, int P>
+static void tail_spread512(const TailPlan& t, const uint8_t* const* p, const SGAct& a, int64_t m, float* pl) {
+  const int8_t* ag = a.q + (m * a.nsg + a.nsg - 1) * 1024;
+  constexpr int nv = P >= 2 ? P / 2 : 1;
+  __m512i is[NR], il[NR];
+  for (int r = 0; r < NR; ++r) is[r] = il[r] = _mm512_setzero_si512();
+  for (int v = 0; v < nv; ++v) {
+    const __m512i ah = _mm512_loadu_si512(ag + 64 * v), al = LO ? _mm512_loadu_si512(ag + 512 + 64 * v) : ah;
+    for (int r = 0; r < NR; ++r) {
+      const __m512i wv = tail_weights<F>(t, p[r], v);
+      is[r] = _mm512_dpbusd_epi32(is[r], wv, ah);
+      if constexpr (LO) il[r] = _mm512_dpbusd_epi32(il[r], wv, al);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    is[r] = fold_lanes(is[r], P);
+    if constexpr (LO) il[r] = fold_lanes(il[r], P);
+  }
+  tail_finish512<LO, NR>(t, a, m, is, il, pl);
+}
+
+// The last super-groups (at p[r] in NR weight rows) against activation row m: pl[r * 16 + b], b < S = row r's block
+// b's integer sums as levels512 rounds them, times x's scale of the block (the products sg_tails512 multiplies by the
+// weights' scales). Each activation vector is loaded once for the NR rows.
+template <int F, bool LO, int NR>
+static inline void tail_lanes512(const TailPlan& t, const uint8_t* const* p, const SGAct& a, int64_t m, float* pl) {
+  switch (t.P) {
+    case 16: return tail_steps512<F, LO, NR>(t, p, a, m, pl);
+    case 8: return tail_spread512<F, LO, NR, 8>(t, p, a, m, pl);
+    case 4: return tail_spread512<F, LO, NR, 4>(t, p, a, m, pl);
+    case 2: return tail_spread512<F, LO, NR, 2>(t, p, a, m, pl);
+    default: return tail_spread512<F, LO, NR, 1>(t, p, a, m, pl);
+  }
 }
 
 // Rows n0..n1 (at most 16) of the last super-groups, activation row m: pl[r * 16 + b] the products of row n0 + r's
@@ -437,45 +487,141 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
   }
 }
 
-// The decode driver (M < 4 rows of x): each weight row once, against every row of x while it is in L1. Without a
-// last super-group of under 16 blocks, y = sum + bias as sg_block512 writes it; with one, chunks of 16 rows: the
-// whole super-groups' sums and the tails' per-block products row by row, then the tails finished for the chunk
-// (tail_chain512) and y = (sums + tails) + bias (store_with_tails), as the tiles write it.
-template <int F, bool LO>
-static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
-                         void* y, int ydt, int64_t ldy) {
-  if constexpr (SG<F>::kblock != 0) return kq_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
-  const int64_t nb = w.K / 32, ahead = ahead_rows(w);
-  for (int64_t n = n0; n < n1 && n < n0 + ahead; ++n) prefetch_row(w, n);  // the first rows, before the loop asks
-  if (SG<F>::kblock != 0 || nb % 16 == 0) {
-    for (int64_t n = n0; n < n1; ++n) {
-      if (n + ahead < n1) prefetch_row(w, n + ahead);
-      const uint8_t* row = w.qs + n * w.qs_row;
-      for (int64_t m = 0; m < M; ++m) {
-        const float b = bias ? load_f(bias, ydt, n) : 0.f;
-        store_f(y, ydt, m * ldy + n, sg_row512<F, LO>(row, a, m, nb) + b);
+// NR weight rows of a 32-block format against activation row m over its whole super-groups: out[r] = row r's
+// sg_row512 sum, the same float operations in the same order, each activation vector loaded once for the NR rows
+// (a core that loads 64 bytes a cycle, as Zen 4, spends the one-row loop on loads: x's 1 KB per super-group against
+// 352 bytes of a Q5_0 row)
+template <int F, bool LO, int NR>
+static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, float* out) {
+  using G = SG<F>;
+  static_assert(G::kblock == 0, "the 32-block formats");
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
+  constexpr int64_t gbytes = 16 * G::bytes, qoff = 2 * 16 * G::scales + 16 * G::hbytes;
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g * 16 + 16 <= nb; ++g) {
+    const int8_t* ag = a.q + (m * a.nsg + g) * 1024;
+    // is/il: the low nibbles' (Q8_0: every step's) sums, is2/il2 the high nibbles'
+    __m512i is[NR], il[NR], is2[NR], il2[NR];
+    for (int r = 0; r < NR; ++r) is[r] = il[r] = is2[r] = il2[r] = _mm512_setzero_si512();
+    if constexpr (F == dtn::Q8_0) {
+      for (int u = 0; u < 8; ++u) {
+        const __m512i ah = _mm512_loadu_si512(ag + 64 * u), al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
+        for (int r = 0; r < NR; ++r) {
+          const __m512i v = _mm512_loadu_si512(rows[r] + g * gbytes + qoff + 64 * u);
+          is[r] = _mm512_dpbusd_epi32(is[r], v, ah);
+          if constexpr (LO) il[r] = _mm512_dpbusd_epi32(il[r], v, al);
+        }
+      }
+    } else {
+      __m512i hv[NR];
+      if constexpr (G::hbytes != 0)
+        for (int r = 0; r < NR; ++r) hv[r] = _mm512_loadu_si512(rows[r] + g * gbytes + 2 * 16 * G::scales);
+      for (int u = 0; u < 4; ++u) {
+        const __m512i ah = _mm512_loadu_si512(ag + 64 * u), ah2 = _mm512_loadu_si512(ag + 64 * (u + 4));
+        const __m512i al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
+        const __m512i al2 = LO ? _mm512_loadu_si512(ag + 512 + 64 * (u + 4)) : ah;
+        for (int r = 0; r < NR; ++r) {
+          const __m512i v = _mm512_loadu_si512(rows[r] + g * gbytes + qoff + 64 * u);
+          __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+          if constexpr (G::hbytes != 0) {  // bit u of each byte: the low nibble's fifth bit, 4 + u the high's
+            wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv[r], 4 - u), b4));
+            wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv[r], u), b4));
+          }
+          if constexpr (F == dtn::IQ4_NL) {
+            wl = _mm512_shuffle_epi8(iq4_table512(), wl);
+            wh = _mm512_shuffle_epi8(iq4_table512(), wh);
+          }
+          is[r] = _mm512_dpbusd_epi32(is[r], wl, ah);
+          is2[r] = _mm512_dpbusd_epi32(is2[r], wh, ah2);
+          if constexpr (LO) {
+            il[r] = _mm512_dpbusd_epi32(il[r], wl, al);
+            il2[r] = _mm512_dpbusd_epi32(il2[r], wh, al2);
+          }
+        }
       }
     }
-    return;
+    const __m512 da = _mm512_loadu_ps(a.d + (m * a.nsg + g) * 16);
+    const __m512 sa = _mm512_loadu_ps(a.s + (m * a.nsg + g) * 16);
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* p = rows[r] + g * gbytes;
+      const __m512i hi = _mm512_add_epi32(is[r], is2[r]), lo = _mm512_add_epi32(il[r], il2[r]);
+      const __m512 t = _mm512_mul_ps(LO ? levels512(hi, lo) : _mm512_cvtepi32_ps(hi), da);
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      if constexpr (G::scales == 2) {
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+        acc[r] = _mm512_fmadd_ps(mw, sa, _mm512_fmadd_ps(t, dw, acc[r]));
+      } else {
+        acc[r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(sa, _mm512_set1_ps(G::offset), t), acc[r]);
+      }
+    }
   }
+  for (int r = 0; r < NR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+constexpr int64_t kFourRowBytes = 768;  // sg_decode32_512 reads rows of at most this many bytes four at a time
+
+// The 32-block formats' decode: chunks of 16 weight rows, read 4 at a time where the rows are short and end in a last
+// super-group of under 16 blocks (sg_rows512, tail_lanes512), else one at a time; without a
+// last super-group of under 16 blocks y = sum + bias, as sg_block512 writes it; with one, the whole super-groups'
+// sums and the tails' per-block products, then the tails finished for the chunk (tail_chain512) and y = (sums +
+// tails) + bias (store_with_tails), as the tiles write it.
+template <int F, bool LO>
+static void sg_decode32_512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                            void* y, int ydt, int64_t ldy) {
   constexpr int64_t kChunk = 16;
-  const TailPlan t = tail_plan<F>(int(nb % 16));
+  constexpr int NR = 4;
+  const int64_t nb = w.K / 32, ahead = ahead_rows(w);
+  const bool tails = nb % 16 != 0;
+  // four rows at a time only for short rows with a last super-group (K = 576 / 640 / 896 of Q4_0 and Q5_0, 576 / 640
+  // of Q8_0): streamed from memory, longer rows four at a time (their prefetches issued together) ran 0.7-0.9x one
+  // after another (Q8_0 K = 896, 1024, 2048), though in cache 1.2-1.3x
+  const bool four = tails && w.qs_row <= kFourRowBytes;
+  const TailPlan t = tails ? tail_plan<F>(int(nb % 16)) : TailPlan{};
   const int64_t tail_at = nb / 16 * 16 * SG<F>::bytes;  // the last super-group's offset in a row
   alignas(64) float pl[3][kChunk * 16];
   float part[3 * kChunk], pre[3 * kChunk];
+  auto rows = [&](auto nr, int64_t n, int64_t nc) {  // rows n .. n + nr, every row of x
+    constexpr int R = decltype(nr)::value;
+    const uint8_t* row[R];
+    const uint8_t* tail[R];
+    for (int r = 0; r < R; ++r) {
+      if (n + r + ahead < n1) prefetch_row(w, n + r + ahead);
+      row[r] = w.qs + (n + r) * w.qs_row;
+      tail[r] = row[r] + tail_at;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      sg_rows512<F, LO, R>(row, a, m, nb, part + m * kChunk + n - nc);
+      if (tails) tail_lanes512<F, LO, R>(t, tail, a, m, pl[m] + (n - nc) * 16);
+    }
+  };
+  for (int64_t n = n0; n < n1 && n < n0 + ahead; ++n) prefetch_row(w, n);  // the first rows, before the loop asks
   for (int64_t nc = n0; nc < n1; nc += kChunk) {
     const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
-    for (int64_t n = nc; n < ne; ++n) {
-      if (n + ahead < n1) prefetch_row(w, n + ahead);
-      const uint8_t* row = w.qs + n * w.qs_row;
-      for (int64_t m = 0; m < M; ++m) {
-        part[m * kChunk + n - nc] = sg_row512<F, LO>(row, a, m, nb);
-        _mm512_store_ps(pl[m] + (n - nc) * 16, tail_lanes512<F, LO>(t, row + tail_at, a, m));
-      }
+    int64_t n = nc;
+    if (four)
+      for (; n + NR <= ne; n += NR) rows(std::integral_constant<int, NR>{}, n, nc);
+    for (; n < ne; ++n) rows(std::integral_constant<int, 1>{}, n, nc);
+    if (!tails) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = nc; r < ne; ++r)
+          store_f(y, ydt, m * ldy + r, part[m * kChunk + r - nc] + (bias ? load_f(bias, ydt, r) : 0.f));
+      continue;
     }
     for (int64_t m = 0; m < M; ++m) tail_chain512<F>(w, a, m, t, pl[m], nc, ne, pre + m * kChunk);
     store_with_tails(part, pre, kChunk, M, nc, ne, bias, y, ydt, ldy);
   }
+}
+
+// The decode driver (M < 4 rows of x): each weight row once, against every row of x while it is in L1; y = sum + bias
+// as sg_block512 writes it (a K-quant's lone last super-block included). The 32-block formats: sg_decode32_512.
+template <int F, bool LO>
+static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
+                         void* y, int ydt, int64_t ldy) {
+  if constexpr (SG<F>::kblock == 0)
+    sg_decode32_512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  else
+    kq_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
 }
 
 // -- the activations: quantize_sg (generic.h) in 512-bit vectors, bit for bit -------------------------------------
