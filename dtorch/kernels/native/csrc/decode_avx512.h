@@ -106,6 +106,32 @@ static inline void tail_finish512(const TailPlan& t, const SGAct& a, int64_t m, 
   }
 }
 
+// Step u of a 4-bit 32-block format's super-group for one weight row: v's 128 nibbles (low ones: the step's first
+// 64 weights, high ones: those 4 steps on), each with its fifth bit from hv (Q5_0, Q5_1: bit u of each byte the low
+// nibble's, 4 + u the high's; hv is not read otherwise), dotted with the hi level (ah, ah2) and, with LO, the lo
+// level (al, al2) of x
+template <int F, bool LO>
+static inline __attribute__((always_inline)) void nib_step512(__m512i v, const __m512i& hv, int u, __m512i ah,
+                                                              __m512i ah2, __m512i al, __m512i al2, __m512i& is,
+                                                              __m512i& is2, __m512i& il, __m512i& il2) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
+  __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+  if constexpr (SG<F>::hbytes != 0) {
+    wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4 - u), b4));
+    wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv, u), b4));
+  }
+  if constexpr (F == dtn::IQ4_NL) {
+    wl = _mm512_shuffle_epi8(iq4_table512(), wl);
+    wh = _mm512_shuffle_epi8(iq4_table512(), wh);
+  }
+  is = _mm512_dpbusd_epi32(is, wl, ah);
+  is2 = _mm512_dpbusd_epi32(is2, wh, ah2);
+  if constexpr (LO) {
+    il = _mm512_dpbusd_epi32(il, wl, al);
+    il2 = _mm512_dpbusd_epi32(il2, wh, al2);
+  }
+}
+
 // tail_lanes512 for S of 9..15 blocks (P = 16): a step a vector, as the whole super-groups (lanes from S on read as
 // zero)
 template <int F, bool LO, int NR>
@@ -119,7 +145,6 @@ static void tail_steps512(const TailPlan& t, const uint8_t* const* p, const SGAc
     is[r] = il[r] = is2[r] = il2[r] = _mm512_setzero_si512();
     if constexpr (SG<F>::hbytes != 0) hv[r] = _mm512_maskz_loadu_epi32(km, p[r] + 2 * t.S * SG<F>::scales);
   }
-  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
   for (int u = 0; u < kSteps; ++u) {
     if constexpr (F == dtn::Q8_0) {
       const __m512i ah = _mm512_loadu_si512(ag + 64 * u), al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
@@ -134,22 +159,8 @@ static void tail_steps512(const TailPlan& t, const uint8_t* const* p, const SGAc
     const __m512i al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
     const __m512i al2 = LO ? _mm512_loadu_si512(ag + 512 + 64 * (u + 4)) : ah;
     for (int r = 0; r < NR; ++r) {
-      const __m512i v = _mm512_maskz_loadu_epi32(km, p[r] + qoff + 4 * t.S * u);
-      __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-      if constexpr (SG<F>::hbytes != 0) {
-        wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv[r], 4 - u), b4));
-        wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv[r], u), b4));
-      }
-      if constexpr (F == dtn::IQ4_NL) {
-        wl = _mm512_shuffle_epi8(iq4_table512(), wl);
-        wh = _mm512_shuffle_epi8(iq4_table512(), wh);
-      }
-      is[r] = _mm512_dpbusd_epi32(is[r], wl, ah);
-      is2[r] = _mm512_dpbusd_epi32(is2[r], wh, ah2);
-      if constexpr (LO) {
-        il[r] = _mm512_dpbusd_epi32(il[r], wl, al);
-        il2[r] = _mm512_dpbusd_epi32(il2[r], wh, al2);
-      }
+      nib_step512<F, LO>(_mm512_maskz_loadu_epi32(km, p[r] + qoff + 4 * t.S * u), hv[r], u, ah, ah2, al, al2, is[r],
+                         is2[r], il[r], il2[r]);
     }
   }
   for (int r = 0; r < NR; ++r) {
@@ -495,7 +506,6 @@ template <int F, bool LO, int NR>
 static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, float* out) {
   using G = SG<F>;
   static_assert(G::kblock == 0, "the 32-block formats");
-  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
   constexpr int64_t gbytes = 16 * G::bytes, qoff = 2 * 16 * G::scales + 16 * G::hbytes;
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
@@ -522,22 +532,8 @@ static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_
         const __m512i al = LO ? _mm512_loadu_si512(ag + 512 + 64 * u) : ah;
         const __m512i al2 = LO ? _mm512_loadu_si512(ag + 512 + 64 * (u + 4)) : ah;
         for (int r = 0; r < NR; ++r) {
-          const __m512i v = _mm512_loadu_si512(rows[r] + g * gbytes + qoff + 64 * u);
-          __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-          if constexpr (G::hbytes != 0) {  // bit u of each byte: the low nibble's fifth bit, 4 + u the high's
-            wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv[r], 4 - u), b4));
-            wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv[r], u), b4));
-          }
-          if constexpr (F == dtn::IQ4_NL) {
-            wl = _mm512_shuffle_epi8(iq4_table512(), wl);
-            wh = _mm512_shuffle_epi8(iq4_table512(), wh);
-          }
-          is[r] = _mm512_dpbusd_epi32(is[r], wl, ah);
-          is2[r] = _mm512_dpbusd_epi32(is2[r], wh, ah2);
-          if constexpr (LO) {
-            il[r] = _mm512_dpbusd_epi32(il[r], wl, al);
-            il2[r] = _mm512_dpbusd_epi32(il2[r], wh, al2);
-          }
+          nib_step512<F, LO>(_mm512_loadu_si512(rows[r] + g * gbytes + qoff + 64 * u), hv[r], u, ah, ah2, al, al2,
+                             is[r], is2[r], il[r], il2[r]);
         }
       }
     }

@@ -178,6 +178,19 @@ static void block_chunk(const float* qf, float (*acc)[16 * NV], const C* const* 
 
 // One item: for each row, softmax(scale * q k^T) v over its visible keys, accumulated chunk by chunk. Rows that see
 // the same keys go through a chunk together in blocks of kBlock; the next chunk's rows are prefetched meanwhile.
+// The keys [lo, lim) that query row i of an item's nq rows sees among its n keys (causal: up to its own position;
+// sliding: from the window's oldest key on), widening the item's range [kmin, kmax) to take them in
+static inline void row_keys(const dtn::AttnCall& c, int64_t n, int64_t nq, int64_t i, int64_t& lo, int64_t& lim,
+                            int64_t& kmin, int64_t& kmax) {
+  const int64_t seen = c.causal ? n - nq + i + 1 : n;  // keys [0, seen) visible
+  lim = seen < 0 ? 0 : (seen > n ? n : seen);
+  const int64_t first = c.window > 0 ? n - nq + i - c.window + 1 : 0;  // sliding: the window's oldest key
+  lo = first < 0 ? 0 : first;
+  if (lo > lim) lo = lim;
+  kmax = lim > kmax ? lim : kmax;
+  kmin = lo < kmin ? lo : kmin;
+}
+
 template <class T, class C, int NV>
 static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   constexpr int D = 16 * NV;
@@ -197,13 +210,7 @@ static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
     const int64_t rr = it.r0 + r, i = rr / G, hq = h * G + rr % G;
     const T* qp = static_cast<const T*>(c.q) + (q0 + i) * c.q_tok + hq * c.q_head;
     op[r] = static_cast<T*>(c.out) + (q0 + i) * c.o_tok + hq * c.o_head;
-    const int64_t seen = c.causal ? n - nq + i + 1 : n;  // keys [0, seen) visible
-    lim[r] = seen < 0 ? 0 : (seen > n ? n : seen);
-    const int64_t first = c.window > 0 ? n - nq + i - c.window + 1 : 0;  // sliding: the window's oldest key
-    lo[r] = first < 0 ? 0 : first;
-    if (lo[r] > lim[r]) lo[r] = lim[r];
-    kmax = lim[r] > kmax ? lim[r] : kmax;
-    kmin = lo[r] < kmin ? lo[r] : kmin;
+    row_keys(c, n, nq, i, lo[r], lim[r], kmin, kmax);
     m[r] = -INFINITY;
     l[r] = 0.f;
     bad[r] = false;
@@ -287,13 +294,7 @@ static void attend_item_rowwise(const dtn::AttnCall& c, const dtn::AttnItem& it)
     const int64_t rr = it.r0 + r, i = rr / G, hq = h * G + rr % G;
     qp[r] = static_cast<const T*>(c.q) + (q0 + i) * c.q_tok + hq * c.q_head;
     op[r] = static_cast<T*>(c.out) + (q0 + i) * c.o_tok + hq * c.o_head;
-    const int64_t seen = c.causal ? n - nq + i + 1 : n;  // keys [0, seen) visible
-    lim[r] = seen < 0 ? 0 : (seen > n ? n : seen);
-    const int64_t first = c.window > 0 ? n - nq + i - c.window + 1 : 0;  // sliding: the window's oldest key
-    lo[r] = first < 0 ? 0 : first;
-    if (lo[r] > lim[r]) lo[r] = lim[r];
-    kmax = lim[r] > kmax ? lim[r] : kmax;
-    kmin = lo[r] < kmin ? lo[r] : kmin;
+    row_keys(c, n, nq, i, lo[r], lim[r], kmin, kmax);
     m[r] = -INFINITY;
     l[r] = 0.f;
     bad[r] = false;
