@@ -45,3 +45,19 @@ def test_commands_run_without_the_serve_extra_and_serve_names_it():
     status, _, err = serve
     assert status == 2 and len(err.strip().splitlines()) == 1, err
     assert "pip install 'dtorch[serve]'" in err and "Traceback" not in err
+
+
+def test_every_native_source_is_package_data():
+    # an installed package builds its kernels from the csrc files it ships: one left out of pyproject's package-data
+    # (a new folder under csrc/) fails every command of a plain install, not the tests of a checkout
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["dtorch"]
+    csrc = root / "dtorch" / "kernels" / "native" / "csrc"
+    shipped = [p.relative_to(root / "dtorch").as_posix() for p in csrc.rglob("*") if p.is_file()]
+    # setuptools' "*" does not cross a "/": each file must match a glob of its own folder
+    missing = [f for f in shipped if not any(fnmatch.fnmatch(f, g) and f.count("/") == g.count("/") for g in globs)]
+    assert shipped and not missing, f"add to [tool.setuptools.package-data] in pyproject.toml: {missing}"
