@@ -191,14 +191,28 @@ static inline void row_keys(const dtn::AttnCall& c, int64_t n, int64_t nq, int64
   kmin = lo < kmin ? lo : kmin;
 }
 
+// An item's sequence as its kernel reads it: its nq query rows from q0, its n keys in the blocks of its table row,
+// its kv head's K and V columns (D values a key)
+template <class C>
+struct ItemSeq {
+  int64_t q0, nq, n;
+  const int32_t* blocks;
+  const C* kc;
+  const C* vc;
+};
+
+template <class C, int D>
+static inline ItemSeq<C> item_seq(const dtn::AttnCall& c, const dtn::AttnItem& it) {
+  const int64_t q0 = c.cu_q[it.seq];
+  return {q0, c.cu_q[it.seq + 1] - q0, c.seqlens_k[it.seq], c.table + it.seq * c.ld_table,
+          static_cast<const C*>(c.k) + it.head * D, static_cast<const C*>(c.v) + it.head * D};
+}
+
 template <class T, class C, int NV>
 static void attend_item(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   constexpr int D = 16 * NV;
   const int64_t G = c.G, bs = c.block_size, row = c.hkv * D, h = it.head;
-  const int64_t q0 = c.cu_q[it.seq], nq = c.cu_q[it.seq + 1] - q0, n = c.seqlens_k[it.seq];
-  const int32_t* blocks = c.table + it.seq * c.ld_table;
-  const C* kc = static_cast<const C*>(c.k) + h * D;
-  const C* vc = static_cast<const C*>(c.v) + h * D;
+  const auto [q0, nq, n, blocks, kc, vc] = item_seq<C, D>(c, it);
   const int nr = it.r1 - it.r0;
   T* op[kRows];
   int64_t lim[kRows], lo[kRows], kmax = 0, kmin = INT64_MAX;  // row r sees keys [lo[r], lim[r])
@@ -278,10 +292,7 @@ template <class T, class C, int NV>
 static void attend_item_rowwise(const dtn::AttnCall& c, const dtn::AttnItem& it) {
   constexpr int D = 16 * NV;
   const int64_t G = c.G, bs = c.block_size, row = c.hkv * D, h = it.head;
-  const int64_t q0 = c.cu_q[it.seq], nq = c.cu_q[it.seq + 1] - q0, n = c.seqlens_k[it.seq];
-  const int32_t* blocks = c.table + it.seq * c.ld_table;
-  const C* kc = static_cast<const C*>(c.k) + h * D;
-  const C* vc = static_cast<const C*>(c.v) + h * D;
+  const auto [q0, nq, n, blocks, kc, vc] = item_seq<C, D>(c, it);
   const int nr = it.r1 - it.r0;
   const float scale = c.scale;
   const T* qp[kRows];
