@@ -345,6 +345,7 @@ def test_packed_weights_cached_for_one_split_are_not_taken_for_another(tmp_path,
         llm = LLM(**({} if split is None else dict(pipeline_parallel_size=2, pp_layers=split)))
         try:
             got.append(llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids)
+            llm.pack_cache.wait()  # the entry is written on a thread of its own after the load
         finally:
             llm.close()
     assert got[1] == got[0] and got[2] == got[0]
