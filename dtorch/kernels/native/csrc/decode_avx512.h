@@ -498,8 +498,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
   }
 }
 
-// The 32-block decode's stream (sg_decode32_512): bytes [p, p + n) of the rows, read now, ask for the bytes `ahead` on
-// into L2 (the rows lie back to back, so one distance runs on through the next rows)
+// Bytes [p, p + n) of the weight, read now, ask for the bytes `ahead` on into L2 (prefetcht1, see prefetch_row)
 static inline __attribute__((always_inline)) void stream_ahead(const uint8_t* p, int64_t n, int64_t ahead) {
   for (int64_t i = 0; i < n; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + i, _MM_HINT_T1);
 }
@@ -507,7 +506,8 @@ static inline __attribute__((always_inline)) void stream_ahead(const uint8_t* p,
 // NR weight rows of a 32-block format against activation row m over its whole super-groups: out[r] = row r's
 // sg_row512 sum, the same float operations in the same order, each activation vector loaded once for the NR rows
 // (a core that loads 64 bytes a cycle, as Zen 4, spends the one-row loop on loads: x's 1 KB per super-group against
-// 352 bytes of a Q5_0 row)
+// 352 bytes of a Q5_0 row). ahead > 0: each super-group's bytes that far on are asked for as it is read (the stream
+// of long rows, sg_decode32_512).
 template <int F, bool LO, int NR>
 static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
                               float* out) {
@@ -518,7 +518,7 @@ static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g * 16 + 16 <= nb; ++g) {
     const int8_t* ag = a.q + (m * a.nsg + g) * 1024;
-    if (m == 0 && ahead)  // the stream (further rows of x find the weight rows in L1)
+    if (m == 0 && ahead)  // (further rows of x find the weight rows in L1)
       for (int r = 0; r < NR; ++r) stream_ahead(rows[r] + g * gbytes, gbytes, ahead);
     // is/il: the low nibbles' (Q8_0: every step's) sums, is2/il2 the high nibbles'
     __m512i is[NR], il[NR], is2[NR], il2[NR];
@@ -565,31 +565,32 @@ static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_
 }
 
 constexpr int64_t kFourRowBytes = 768;  // sg_decode32_512 reads rows of at most this many bytes four at a time
+// sg_decode32_512 streams rows of more than this many bytes a super-group at a time: the down projections (Q8_0 at
+// K = 4864-8960, rows of 5-9.5 KB), whose whole-row bursts (at least 4 rows, 20-38 KB, on) left the memory idle
+// between them: cold [2048, 8192] 16.5-20 -> 28-30 GB/s, [1536, 8960] 15.6-16.6 -> 24-27.5, [1152, 6912] 20-20.7 ->
+// 26.5-28, [896, 4864] 22.5-24 -> 28-33 (one thread, same-run A/B, 2 MiB pages). Shorter rows keep whole rows
+// ahead_rows on: the stream at K = 896-2048 ran 0.85-1.05x them (four rows of K = 896 / 960 streamed 0.75-0.85x).
+constexpr int64_t kStreamRowBytes = 4096;
 
-// The 32-block formats' decode: chunks of 16 weight rows, read 4 at a time where the rows end in a last super-group
-// of under 16 blocks and are short (sg_rows512, tail_lanes512), else one at a time; without a last super-group of
-// under 16 blocks y = sum + bias, as sg_block512 writes it; with one, the whole super-groups' sums and the tails'
-// per-block products, then the tails finished for the chunk (tail_chain512) and y = (sums + tails) + bias
-// (store_with_tails), as the tiles write it.
-// The rows stream from memory kStreamAhead bytes (rounded to whole blocks of the rows read side by side) ahead of
-// the reads into L2: four rows ask for their block's bytes on at once, in address order (spread over the rows'
-// super-groups, or each row's super-groups asking for their own bytes on, four rows at K = 1152-8960 ran 0.6-0.8x one
-// at a time); a row read alone asks for each super-group's bytes as it reads it, where whole rows 8 KB on at once
-// left the memory idle between bursts (cold Q8_0 [2048, 8192] 17 -> 30 GB/s, [1536, 8960] 15 -> 26.5, the shorter
-// rows alike).
+// The 32-block formats' decode: chunks of 16 weight rows, read 4 at a time where the rows are short and end in a last
+// super-group of under 16 blocks (sg_rows512, tail_lanes512), else one at a time; without a
+// last super-group of under 16 blocks y = sum + bias, as sg_block512 writes it; with one, the whole super-groups'
+// sums and the tails' per-block products, then the tails finished for the chunk (tail_chain512) and y = (sums +
+// tails) + bias (store_with_tails), as the tiles write it.
 template <int F, bool LO>
 static void sg_decode32_512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                             void* y, int ydt, int64_t ldy) {
   constexpr int64_t kChunk = 16;
   constexpr int NR = 4;
-  const int64_t nb = w.K / 32;
+  const int64_t nb = w.K / 32, ahead = ahead_rows(w);
   const bool tails = nb % 16 != 0;
-  // four rows at a time for rows of one whole super-group and a last one (K = 544-992: Qwen2.5-0.5B's 896, SmolLM2's
-  // 960, Gemma 3 270M's 640) or short rows with a last super-group (K <= 1088 of Q5_0, 1344 of Q4_0): in cache 1.1-1.35x
-  // one at a time (Q8_0 K = 896 25.8 -> 34.9 GB/s, 960 31.9 -> 37.5), from memory 1.08-1.17x; longer rows four at a
-  // time (Q8_0 K = 1152, 8960) ran 0.75-0.9x
-  const bool four = tails && (nb < 32 || w.qs_row <= kFourRowBytes);
-  const int64_t block = (four ? NR : 1) * w.qs_row, ahead = (kStreamAhead + block - 1) / block * block;
+  // four rows at a time only for short rows with a last super-group (K = 576 / 640 / 896 of Q4_0 and Q5_0, 576 / 640
+  // of Q8_0): streamed from memory, longer rows four at a time (their prefetches issued together) ran 0.7-0.9x one
+  // after another (Q8_0 K = 896, 1024, 2048), though in cache 1.2-1.3x
+  const bool four = tails && w.qs_row <= kFourRowBytes;
+  // long rows: the stream kStreamAhead bytes (at least a row) on, asked for a super-group at a time; else whole rows
+  const bool stream = w.qs_row > kStreamRowBytes;
+  const int64_t stream_at = (kStreamAhead + w.qs_row - 1) / w.qs_row * w.qs_row;
   const TailPlan t = tails ? tail_plan<F>(int(nb % 16)) : TailPlan{};
   const int64_t tail_at = nb / 16 * 16 * SG<F>::bytes;  // the last super-group's offset in a row
   alignas(64) float pl[3][kChunk * 16];
@@ -599,18 +600,18 @@ static void sg_decode32_512(const QWeight& w, const SGAct& a, int64_t M, int64_t
     const uint8_t* row[R];
     const uint8_t* tail[R];
     for (int r = 0; r < R; ++r) {
+      if (!stream && n + r + ahead < n1) prefetch_row(w, n + r + ahead);
       row[r] = w.qs + (n + r) * w.qs_row;
       tail[r] = row[r] + tail_at;
+      if (stream && tails) stream_ahead(tail[r], w.qs_row - tail_at, stream_at);
     }
-    if (four) stream_ahead(row[0], R * w.qs_row, ahead);  // (the rows lie back to back)
-    else if (tails) stream_ahead(tail[0], w.qs_row - tail_at, ahead);  // (sg_rows512 streams the whole groups)
     for (int64_t m = 0; m < M; ++m) {
-      sg_rows512<F, LO, R>(row, a, m, nb, four ? 0 : ahead, part + m * kChunk + n - nc);
+      sg_rows512<F, LO, R>(row, a, m, nb, stream ? stream_at : 0, part + m * kChunk + n - nc);
       if (tails) tail_lanes512<F, LO, R>(t, tail, a, m, pl[m] + (n - nc) * 16);
     }
   };
-  const char* first = reinterpret_cast<const char*>(w.qs + n0 * w.qs_row);  // the stream's start, before it asks
-  for (int64_t i = 0; i < ahead && i < (n1 - n0) * w.qs_row; i += 64) _mm_prefetch(first + i, _MM_HINT_T1);
+  for (int64_t n = n0; n < n1 && n < n0 + (stream ? stream_at / w.qs_row : ahead); ++n)
+    prefetch_row(w, n);  // the first rows, before the loop asks
   for (int64_t nc = n0; nc < n1; nc += kChunk) {
     const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
     int64_t n = nc;
