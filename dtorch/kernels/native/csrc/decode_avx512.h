@@ -353,12 +353,17 @@ static inline float sg_row512(const uint8_t* row, const SGAct& a, int64_t m, int
 //   on) are fetched into L2: a steady stream, where prefetch_row's bursts of whole rows 8 KB on left the memory idle
 //   between them (cold, both levels: Q6_K [2048, 8192] 17 -> 28 GB/s, Q4_K [16384, 2048] 20 -> 27.5, [1536, 8960]
 //   -> 27.7, against a ~32 GB/s plain read);
-// - R = 4 rows of the 4-bit formats share each activation load (hot Q4_K 21 -> 30 GB/s); Q6_K's unpacking fills the
-//   registers at more than one row.
+// - R = 4 rows of the 4-bit formats share each activation load (hot Q4_K 21 -> 30 GB/s), R = 2 of Q6_K (its
+//   unpacking fills the registers beyond two rows): one row loaded x's 1 KB a super-group against 420 bytes of
+//   weight, and a Zen 4 core spends a cycle on each 64-byte load (hot [256, 2048] 27.8 -> 30.0 GB/s, [64, 8192]
+//   29.5 -> 31.7; cold, as a Llama 3.2 1B step reads them, the tied head 25.8 -> 28.1, down 26.5 -> 28.0; three or
+//   four rows ran no faster).
 constexpr int64_t kStreamAhead = 16 << 10;
 
+// Inlined into kq_decode512: called out of line (GCC's choice once Q6_K took two rows) the library's Q6_K ran 0.88x
+// its stand-alone build's speed, hot, where inlined it runs 1.15x the one-row loop (Q4_K 1.03x).
 template <int F, int R, bool LO>
-static inline void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
+static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
                               float* out) {
   using G = SG<F>;
   constexpr bool Q6 = F == dtn::Q6_K;
@@ -470,7 +475,7 @@ static inline void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_
 template <int F, bool LO>
 static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                          void* y, int ydt, int64_t ldy) {
-  constexpr int R = F == dtn::Q6_K ? 1 : 4;
+  constexpr int R = F == dtn::Q6_K ? 2 : 4;
   const int64_t nb = w.K / 32;
   // each row fetches the same bytes of a row whole blocks of R rows on, at least kStreamAhead bytes: R rows are read
   // side by side, so kStreamAhead bytes on would land in this block's own rows once R rows span that much
