@@ -16,13 +16,12 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import torch
 
 from dtorch.core.errors import SamplingError
-from dtorch.engine.draw import multinomial_one
+from dtorch.engine.kept import draw, keep
 from dtorch.engine.request import TokenLogprob
 from dtorch.engine.structured import StructuredOutputsParams
 
@@ -35,8 +34,6 @@ GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
 # a temperature past float32's range is inf on the logits: a banned or masked token's -inf / inf is NaN
 TEMPERATURE_MAX = float(torch.finfo(torch.float32).max)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
-NUCLEUS_BINS = 8  # bins a halving of probability when looking for top_p's nucleus
-NUCLEUS_DEPTH = 8 * 64  # bins in all: probabilities 2^-64 of the top one and below share the last
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,72 +214,18 @@ def _int(name: str, value: object) -> None:
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits with every token outside the top-k / top-p / min-p set at -inf.
 
-    logits: [V] float32 -> [V] float32 (a new tensor).
+    logits: [V] float32 -> [V] float32 (a new tensor). Raises ``SamplingError`` when a filter meets NaN or +inf
+    logits, or nothing but -inf.
     """
-    return _filter(logits, params)[0]
+    z = logits.float() / params.temperature
+    ids = keep(z, params.top_k, params.top_p, params.min_p, "filter_logits")
+    return z if ids is None else torch.full_like(z, -math.inf).index_copy_(0, ids, z[ids])
 
 
-def _filter(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``filter_logits``'s result and its support: the ascending ids of the tokens a filter left (the others are
-    -inf), or None when no filter ran. Each filter after top-k looks at its tokens only, not the vocabulary."""
-    x = logits.float() / params.temperature
-    vocab, support = x.shape[-1], None
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x, support = _keep(x, ~(x < kth))
-    if params.top_p < 1.0:
-        x, support = _keep(x, _nucleus(x, params.top_p, support))
-    if params.min_p > 0.0:
-        probs = torch.softmax(x, dim=-1)
-        x, support = _keep(x, ~(probs < params.min_p * probs.max()))
-    return x, support
-
-
-def _keep(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x with -inf where ``keep`` [V] bool is False, and the ids where it is True (ascending)."""
-    return x.masked_fill(~keep, -math.inf), torch.nonzero(keep).squeeze(1)
-
-
-def _nucleus(x: torch.Tensor, top_p: float, support: torch.Tensor | None) -> torch.Tensor:
-    """[V] bool: the nucleus, True where the tokens ranked above a token reach less than ``top_p`` together (the most
-    likely always stays). x: [V] float32 logits, -inf outside ``support`` (ascending ids, or None: anywhere).
-
-    The ranking is a top-k over the tokens that can be in it rather than a sort of the vocabulary (~25 ms for 152k
-    float32 on one core): the support, or the tokens of the bins (``NUCLEUS_BINS`` a halving of probability, from the
-    most likely down) whose summed probability first reaches ``top_p``, with one bin more for rounding. Should their
-    ranked sums still fall short, the ranking widens to the whole vocabulary; a nucleus of more than a quarter of it
-    (a flat distribution) is ranked by a sort."""
-    vocab = x.shape[-1]
-    probs = torch.softmax(x, dim=-1)
-    if support is not None:
-        pool = support
-    else:
-        top = float(x.max())  # log2(p_j / p_top) = (x_j - top) / ln 2: bins from the logits, no log taken
-        bins = (top - x).mul_(NUCLEUS_BINS / math.log(2)).clamp_(max=NUCLEUS_DEPTH).long()  # [V], 0: the top
-        mass = torch.bincount(bins, weights=probs, minlength=NUCLEUS_DEPTH + 1).cumsum_(0)  # float64
-        last = min(int(torch.searchsorted(mass, top_p)) + 1, NUCLEUS_DEPTH)
-        pool = torch.nonzero(bins <= last).squeeze(1)
-    while True:
-        if pool.shape[0] * 4 > vocab:  # a flat distribution's nucleus is most of the vocabulary: a sort costs less
-            order = torch.sort(x, descending=True).indices
-        else:
-            order = pool[torch.topk(x[pool], pool.shape[0]).indices]  # most likely first
-        ranked = probs[order]
-        drop = (torch.cumsum(ranked, dim=-1) - ranked) >= top_p  # the cumulative sum only grows: a prefix stays
-        drop[0] = False  # a top_p under float32's range (1e-300 is 0) would drop it too: all -inf, NaN
-        if support is not None or order.shape[0] == vocab or bool(drop[-1]):  # (outside the support: probability 0)
-            return torch.zeros(vocab, dtype=torch.bool, device=x.device).index_fill_(0, order[~drop], True)
-        pool = torch.arange(vocab, device=x.device)
-
-
-def _counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each token occurs in each sequence: [len(seqs), vocab] int64. Ids >= vocab are not counted."""
-    ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=device).clamp_(max=vocab)
-    lengths = torch.tensor([len(s) for s in seqs], device=device)
-    # row r counts into [r * (vocab + 1), (r + 1) * (vocab + 1)); the last column catches ids past the vocab
-    offsets = torch.repeat_interleave(torch.arange(len(seqs), device=device) * (vocab + 1), lengths)
-    counts = torch.bincount(ids + offsets, minlength=len(seqs) * (vocab + 1))
-    return counts.view(len(seqs), vocab + 1)[:, :vocab]
+def _ids(seq: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """seq's token ids below ``vocab`` (ids past it are not counted): [N] int64."""
+    ids = torch.tensor(list(seq), dtype=torch.long, device=device)
+    return ids[ids < vocab]
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
@@ -290,28 +233,26 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], outp
     """Logits with each row's repetition, then frequency and presence penalties applied.
 
     logits: [B, V]; ``output_ids[b]`` / ``prompt_ids[b]``: row b's generated / prompt tokens. Returns [B, V]
-    float32: a new tensor when some row is penalized, else ``logits`` itself.
+    float32: a new tensor when some row is penalized, else ``logits`` itself. Only the tokens a row has seen change:
+    its cost grows with the history, not the vocabulary.
     """
     rows = [b for b, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
-    x = logits[rows].float()  # [R, V], a copy
+    x = logits.float()
+    x = x.clone() if x is logits else x  # [B, V]
     vocab, dev = x.shape[-1], x.device
-    out_counts = _counts([output_ids[b] for b in rows], vocab, dev)  # [R, V]
-    rep = [params[b].repetition_penalty for b in rows]
-    if any(r != 1.0 for r in rep):
-        seen = out_counts > 0
-        seen |= _counts([prompt_ids[b] if r != 1.0 else () for b, r in zip(rows, rep, strict=True)], vocab, dev) > 0
-        penalty = torch.tensor(rep, device=dev)[:, None]
-        x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
-    freq = torch.tensor([params[b].frequency_penalty for b in rows], device=dev)[:, None]
-    pres = torch.tensor([params[b].presence_penalty for b in rows], device=dev)[:, None]
-    x = x - (freq * out_counts + pres * (out_counts > 0))
-    if len(rows) == len(params):
-        return x
-    full = logits.float().clone()
-    full[rows] = x
-    return full
+    for b in rows:
+        p, row = params[b], x[b]
+        out = _ids(output_ids[b], vocab, dev)
+        if p.repetition_penalty != 1.0:  # every token of prompt or output: divided when positive, else multiplied
+            seen = torch.unique(torch.cat([out, _ids(prompt_ids[b], vocab, dev)]))
+            v = row[seen]
+            row[seen] = torch.where(v < 0, v * p.repetition_penalty, v / p.repetition_penalty)
+        if out.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            ids, counts = torch.unique(out, return_counts=True)
+            row[ids] -= p.frequency_penalty * counts + p.presence_penalty  # OpenAI's: count * f + (count > 0) * p
+    return x
 
 
 def token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
@@ -392,12 +333,8 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
     for b, p in enumerate(params):
         if b in skip:
             continue
-        kept, support = _filter(x[b], p)
-        probs = torch.softmax(kept, dim=-1)
-        g = generators[b]
-        if g is not None and g.device != probs.device:
-            probs, support = probs.to(g.device), None
-        tokens[b] = multinomial_one(probs, g, support)  # torch.multinomial's token, without its V exponentials
+        z = x[b].float() / p.temperature  # [V]
+        tokens[b] = draw(z, keep(z, p.top_k, p.top_p, p.min_p, f"sample_step row {b}"), generators[b])
     if logprobs is None:
         return tokens, [None] * len(params)
     return tokens, token_logprobs(logprobs, lp_rows, params, tokens)
