@@ -1,26 +1,28 @@
 """The tokens a sampled row keeps (top-k, top-p, min-p) and one draw among them, in a pass or two over the vocabulary.
 
-A row's scaled logits z [V] (raw / temperature) are read whole twice at most: once for the maxima of its chunks of
-``CHUNK`` tokens (``Chunks``), once more for the softmax when top-p runs without top-k. Every filter keeps the tokens
-at or above some logit, so the pool a filter ranks is the chunks whose maximum reaches a bound, gathered, never the
-vocabulary:
-- top-k: the k-th largest of the chunk maxima is at most the k-th largest logit (k chunks each hold a token at or
-  above it): the chunks reaching it hold the k most likely tokens;
-- top-p alone: the tokens of probability >= eps, eps lowered until their mass reaches top_p (the nucleus is a prefix
-  of the ranking, so a prefix holding mass top_p holds it); a flat distribution's nucleus is ranked by a sort;
+A row's scaled logits z [V] are read whole once for the maxima of their chunks of ``CHUNK`` tokens (``Chunks``), and
+once more for the softmax when top-p runs without top-k. Every filter keeps the tokens at or above some value, so the
+pool a filter ranks is the chunks whose maximum reaches a bound, gathered, never the vocabulary:
+- top-k: the k-th largest chunk maximum is at most the k-th largest logit (k chunks each hold a token at or above
+  it): the chunks reaching it hold the k most likely tokens (a large k takes smaller chunks);
+- top-p alone: the tokens of probability >= 2^-13 (8192 at most), cut to the bins of probability (8 an octave) from
+  the top down to where their mass reaches top_p: a prefix of the ranking holding top_p holds the nucleus; when the
+  tokens of 2^-13 and above hold less, the bins are summed over the vocabulary, and a nucleus of more than a quarter
+  of it is ranked by a sort;
 - min-p alone: the tokens within ln(min_p) of the top logit.
-Each filter then ranks its pool exactly as the plain definitions do over the vocabulary (``reference_keep`` in the
-tests): top-k keeps ties of the k-th, top-p keeps a token while the mass ranked above it is below top_p, min-p keeps
+Each filter then ranks its pool as the plain definitions rank the vocabulary (transformers' warpers in the tests):
+top-k keeps ties of the k-th, top-p keeps a token while the mass ranked above it is below top_p, min-p keeps
 p >= min_p * p_max, each over what the filters before it left.
 
 The draw takes one float64 uniform u from the row's generator and returns the kept token at u of their cumulative
-distribution in token-id order (the first id whose cumulative probability exceeds u): one uniform a token rather
-than torch.multinomial's V exponentials, the same distribution.
+distribution in token-id order (the first id whose cumulative probability exceeds u times the total): one uniform a
+token rather than torch.multinomial's V exponentials, the same distribution.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -28,46 +30,40 @@ import torch
 from dtorch.core.errors import SamplingError
 
 CHUNK = 64  # tokens a chunk: the maxima of 128k logits in ~0.02 ms, and a pool's gather stays near its tokens
-FIRST_EPS = 2.0 ** -6  # top-p alone: the first pool is the tokens of probability >= this
-EPS_STEP = 2.0 ** -4  # each next pool lowers the bound this much
-MASS_MARGIN = 1e-5  # a pool must hold top_p + this (float32 cumulative sums over it and over the vocabulary differ)
-SORT_ABOVE = 4  # a pool past 1 / SORT_ABOVE of the vocabulary: rank the vocabulary by a sort
+FLOOR = 2.0 ** -13  # top-p alone: first the tokens of probability >= this (8192 at most; a bin floor)
+BIN_SHIFT = 20  # bins of probability, 8 an octave (a float32's exponent and top 3 mantissa bits)
+NBINS = 1 << (31 - BIN_SHIFT)  # probabilities are >= 0: the sign bit is 0
+MASS_MARGIN = 1e-5  # a pool must hold top_p + this (float32 sums: over it and over the vocabulary they differ)
+SORT_ABOVE = 4  # a bound reaching more than 1 / SORT_ABOVE of the chunks: one pass over the values instead
 
 
 @dataclass(slots=True)
 class Chunks:
-    """One row's scaled logits and the maxima of their chunks.
+    """Values and the maxima of their chunks: t [N] float32; cmax [ceil(N / chunk)] float32, chunk c's maximum over
+    t[c * chunk:(c + 1) * chunk]."""
 
-    z: [V] float32; cmax: [ceil(V / CHUNK)] float32, chunk c's maximum over z[c * CHUNK:(c + 1) * CHUNK]; top: the
-    largest logit (finite: ``of`` refuses a row with NaN or +inf, or with every token at -inf)."""
-
-    z: torch.Tensor
+    t: torch.Tensor
     cmax: torch.Tensor
-    top: float
+    chunk: int
 
     @classmethod
-    def of(cls, z: torch.Tensor, where: str) -> Chunks:
-        v = z.shape[0]
-        n = v // CHUNK
-        cmax = z[:n * CHUNK].view(n, CHUNK).amax(1)
-        if n * CHUNK < v:
-            cmax = torch.cat([cmax, z[n * CHUNK:].amax(0, keepdim=True)])
-        top = float(cmax.max())  # NaN anywhere is NaN here
-        if not math.isfinite(top):
-            what = "every token is banned or masked (-inf)" if top == -math.inf else f"a logit is {top}"
-            raise SamplingError(f"{where}: cannot sample: {what}; the logits or their penalties are broken")
-        return cls(z, cmax, top)
+    def over(cls, t: torch.Tensor, chunk: int = CHUNK) -> Chunks:
+        n = t.shape[0] // chunk
+        cmax = t[:n * chunk].view(n, chunk).amax(1)
+        if n * chunk < t.shape[0]:
+            cmax = torch.cat([cmax, t[n * chunk:].amax(0, keepdim=True)])
+        return cls(t, cmax, chunk)
 
     def above(self, bound: float) -> torch.Tensor:
-        """Ascending ids of the tokens with z >= bound (bound is rounded to float32), from the chunks reaching it."""
-        v = self.z.shape[0]
+        """Ascending indices of the values >= bound (a float32 value: compared exactly), from the chunks reaching
+        it."""
         chunks = torch.nonzero(self.cmax >= bound).squeeze(1)
-        if chunks.shape[0] * SORT_ABOVE > self.cmax.shape[0]:  # most of the vocabulary: one pass over it
-            return torch.nonzero(self.z >= bound).squeeze(1)
-        ids = (chunks[:, None] * CHUNK + torch.arange(CHUNK, device=chunks.device)).flatten()
-        if v % CHUNK and chunks.shape[0] and int(chunks[-1]) == self.cmax.shape[0] - 1:
-            ids = ids[ids < v]  # the last chunk is short
-        return ids[self.z[ids] >= bound]
+        if chunks.shape[0] * SORT_ABOVE > self.cmax.shape[0]:  # most of them: one pass over the values
+            return torch.nonzero(self.t >= bound).squeeze(1)
+        ids = (chunks[:, None] * self.chunk + torch.arange(self.chunk, device=chunks.device)).flatten()
+        if self.t.shape[0] % self.chunk and chunks.shape[0] and int(chunks[-1]) == self.cmax.shape[0] - 1:
+            ids = ids[ids < self.t.shape[0]]  # the last chunk is short
+        return ids[self.t[ids] >= bound]
 
 
 def keep(z: torch.Tensor, top_k: int, top_p: float, min_p: float, where: str = "sampling") -> torch.Tensor | None:
@@ -75,50 +71,73 @@ def keep(z: torch.Tensor, top_k: int, top_p: float, min_p: float, where: str = "
 
     z: [V] float32 scaled logits (-inf: banned). Raises ``SamplingError`` on a row that cannot be sampled (NaN or
     +inf logits, every token -inf)."""
-    row = Chunks.of(z, where)
+    row = Chunks.over(z)
+    top = float(row.cmax.max())  # NaN anywhere is NaN here
+    if not math.isfinite(top):
+        what = "every token is banned or masked (-inf)" if top == -math.inf else f"a logit is {top}"
+        raise SamplingError(f"{where}: cannot sample: {what}; the logits or their penalties are broken")
     v = z.shape[0]
     ids = None  # the support so far (any order), None: every token
     if 0 < top_k < v:
         ids = _top_k(row, top_k)
     if top_p < 1.0:
-        ids = _nucleus(row, ids, top_p)
+        ids = _nucleus(row, top, ids, top_p)
     if min_p > 0.0:
-        ids = _min_p(row, ids, min_p)
+        ids = _min_p(row, top, ids, min_p)
     return None if ids is None else torch.sort(ids).values
 
 
 def _top_k(row: Chunks, k: int) -> torch.Tensor:
     """Ids with z >= the k-th largest z (ties of the k-th kept, as ``x < kth`` drops)."""
-    z = row.z
-    if k * SORT_ABOVE > row.cmax.shape[0]:  # k near the number of chunks: the bound would select most of them
-        return torch.nonzero(z >= torch.topk(z, k).values[-1]).squeeze(1)
+    z = row.t
+    if k * SORT_ABOVE > row.cmax.shape[0]:  # a large k: chunks small enough that k of them are few
+        chunk = 1 << max(0, (z.shape[0] // (k * SORT_ABOVE)).bit_length() - 1)
+        if chunk < 2:
+            return torch.nonzero(z >= torch.topk(z, k).values[-1]).squeeze(1)
+        row = Chunks.over(z, chunk)
     pool = row.above(float(torch.topk(row.cmax, k).values[-1]))  # >= k ids, the k most likely among them
     vals = z[pool]
     return pool[vals >= torch.topk(vals, k).values[-1]]
 
 
-def _nucleus(row: Chunks, ids: torch.Tensor | None, top_p: float) -> torch.Tensor:
+def _nucleus(row: Chunks, top: float, ids: torch.Tensor | None, top_p: float) -> torch.Tensor:
     """Ids of the support (``ids``, or every token) kept while the probability ranked above them is below top_p;
     the most likely always stays. Probabilities are the softmax over the support."""
-    z = row.z
+    z = row.t
     if ids is not None:
         return _nucleus_of(ids, torch.softmax(z[ids], dim=-1), top_p)
-    probs = torch.softmax(z, dim=-1)  # [V]: the mass of a pool needs the whole distribution's sum
-    lse = row.top - math.log(float(probs.max()))  # z_j - lse = ln p_j
-    floor = (1.0 - top_p) / (2 * z.shape[0])  # the tokens below it hold < (1 - top_p) / 2 together
-    eps = FIRST_EPS
-    while True:
-        eps = max(eps, floor)
-        pool = row.above(lse + math.log(eps))
-        if pool.shape[0] * SORT_ABOVE > z.shape[0]:
-            break
+    probs = torch.softmax(z, dim=-1)  # [V]: a pool's mass needs the whole distribution's sum
+    need = top_p + MASS_MARGIN
+    lse = top - math.log(float(probs.max()))  # ln p_j = z_j - lse
+    pool = _at_least(row, probs, lse, FLOOR)  # at most 1 / FLOOR tokens
+    if float(probs[pool].sum()) >= need:  # they hold the nucleus: cut them to the bin reaching it
         p = probs[pool]
-        if float(p.sum(dtype=torch.float64)) >= top_p + MASS_MARGIN:
-            return _nucleus_of(pool, p, top_p)
-        if eps == floor:
-            break
-        eps *= EPS_STEP
-    return _nucleus_of(torch.arange(z.shape[0], device=z.device), probs, top_p)  # a flat distribution: a sort
+        pool = pool[p >= _mass_floor(p, need)]
+    else:  # a flat distribution: the bins over the vocabulary
+        floor = _mass_floor(probs, need)
+        pool = None if floor is None else _at_least(row, probs, lse, floor)
+        if pool is None or pool.shape[0] * SORT_ABOVE > z.shape[0] \
+                or float(probs[pool].sum()) < need:
+            pool = torch.arange(z.shape[0], device=z.device)  # flatter still: rank the vocabulary
+    return _nucleus_of(pool, probs[pool], top_p)
+
+
+def _at_least(row: Chunks, probs: torch.Tensor, lse: float, p: float) -> torch.Tensor:
+    """Ascending ids of the tokens with probs >= p, from the chunks of logits reaching ln p + lse (less a margin
+    for the softmax's rounding)."""
+    bound = lse + math.log(p)
+    ids = row.above(bound - 1e-4 * max(1.0, abs(bound)))
+    return ids[probs[ids] >= p]
+
+
+def _mass_floor(probs: torch.Tensor, need: float) -> float | None:
+    """The greatest bin floor f (bins of ``BIN_SHIFT``: 8 an octave) with the mass of the tokens of probability >= f
+    at least ``need``; None when even the whole vocabulary's sums fall short. probs: [V] float32 >= 0."""
+    bins = probs.view(torch.int32) >> BIN_SHIFT  # [V]: a float's exponent and top 3 bits, ascending with p
+    mass = torch.bincount(bins, weights=probs, minlength=NBINS)  # [NBINS] float64
+    from_top = mass.flip(0).cumsum(0)  # [i]: bins NBINS - 1 - i and above
+    i = int(torch.searchsorted(from_top, torch.tensor([need], dtype=torch.float64, device=probs.device)))
+    return None if i >= NBINS else struct.unpack("<f", struct.pack("<i", (NBINS - 1 - i) << BIN_SHIFT))[0]
 
 
 def _nucleus_of(ids: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -131,11 +150,11 @@ def _nucleus_of(ids: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.T
     return ids[order[~drop]]
 
 
-def _min_p(row: Chunks, ids: torch.Tensor | None, min_p: float) -> torch.Tensor:
+def _min_p(row: Chunks, top: float, ids: torch.Tensor | None, min_p: float) -> torch.Tensor:
     """Ids of the support whose probability is >= min_p times the most likely one's."""
     if ids is None:  # p_j >= min_p * p_max  <=>  z_j >= top + ln(min_p); the pool is a little wider for rounding
-        ids = row.above(row.top + math.log(min_p) - 1e-3 * max(1.0, abs(row.top)))
-    probs = torch.softmax(row.z[ids], dim=-1)
+        ids = row.above(top + math.log(min_p) - 1e-3 * max(1.0, abs(top)))
+    probs = torch.softmax(row.t[ids], dim=-1)
     return ids[~(probs < min_p * probs.max())]
 
 
