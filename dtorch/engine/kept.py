@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,23 @@ BIN_SHIFT = 20  # bins of probability, 8 an octave (a float32's exponent and top
 NBINS = 1 << (31 - BIN_SHIFT)  # probabilities are >= 0: the sign bit is 0
 MASS_MARGIN = 1e-5  # a pool must hold top_p + this (float32 sums: over it and over the vocabulary they differ)
 SORT_ABOVE = 4  # a bound reaching more than 1 / SORT_ABOVE of the chunks: one pass over the values instead
+_SCRATCH = threading.local()  # this thread's buffers of ``scratch``
+
+
+def scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n] of this thread's buffer ``name``, kept across rows and steps: a new [V] tensor is fresh pages, which cost
+    ~1-10 us each to touch on a VM (~0.3 ms for a 128k float32 row). The next call with the same name reuses it:
+    nothing returned from this module aliases one."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    t = bufs.get((name, dtype, device))
+    if t is None or t.shape[0] < n:
+        t = bufs[(name, dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+    return t[:n]
+
+
+def _softmax(z: torch.Tensor) -> torch.Tensor:
+    """softmax(z) [V] into the buffer "probs" (torch.softmax's kernel: the same values)."""
+    return torch._softmax(z, 0, False, out=scratch("probs", z.shape[0], torch.float32, z.device))
 
 
 @dataclass(slots=True)
@@ -59,7 +77,8 @@ class Chunks:
         it."""
         chunks = torch.nonzero(self.cmax >= bound).squeeze(1)
         if chunks.shape[0] * SORT_ABOVE > self.cmax.shape[0]:  # most of them: one pass over the values
-            return torch.nonzero(self.t >= bound).squeeze(1)
+            mask = torch.ge(self.t, bound, out=scratch("mask", self.t.shape[0], torch.bool, self.t.device))
+            return torch.nonzero(mask).squeeze(1)
         ids = (chunks[:, None] * self.chunk + torch.arange(self.chunk, device=chunks.device)).flatten()
         if self.t.shape[0] % self.chunk and chunks.shape[0] and int(chunks[-1]) == self.cmax.shape[0] - 1:
             ids = ids[ids < self.t.shape[0]]  # the last chunk is short
@@ -106,7 +125,7 @@ def _nucleus(row: Chunks, top: float, ids: torch.Tensor | None, top_p: float) ->
     z = row.t
     if ids is not None:
         return _nucleus_of(ids, torch.softmax(z[ids], dim=-1), top_p)
-    probs = torch.softmax(z, dim=-1)  # [V]: a pool's mass needs the whole distribution's sum
+    probs = _softmax(z)  # [V]: a pool's mass needs the whole distribution's sum
     need = top_p + MASS_MARGIN
     lse = top - math.log(float(probs.max()))  # ln p_j = z_j - lse
     pool = _at_least(row, probs, lse, FLOOR)  # at most 1 / FLOOR tokens
@@ -133,7 +152,8 @@ def _at_least(row: Chunks, probs: torch.Tensor, lse: float, p: float) -> torch.T
 def _mass_floor(probs: torch.Tensor, need: float) -> float | None:
     """The greatest bin floor f (bins of ``BIN_SHIFT``: 8 an octave) with the mass of the tokens of probability >= f
     at least ``need``; None when even the whole vocabulary's sums fall short. probs: [V] float32 >= 0."""
-    bins = probs.view(torch.int32) >> BIN_SHIFT  # [V]: a float's exponent and top 3 bits, ascending with p
+    bins = torch.bitwise_right_shift(probs.view(torch.int32), BIN_SHIFT,  # [V]: exponent and top 3 bits, as p
+                                     out=scratch("bins", probs.shape[0], torch.int32, probs.device))
     mass = torch.bincount(bins, weights=probs, minlength=NBINS)  # [NBINS] float64
     from_top = mass.flip(0).cumsum(0)  # [i]: bins NBINS - 1 - i and above
     i = int(torch.searchsorted(from_top, torch.tensor([need], dtype=torch.float64, device=probs.device)))
@@ -164,7 +184,7 @@ def draw(z: torch.Tensor, ids: torch.Tensor | None, generator: torch.Generator |
     device = generator.device if generator is not None else "cpu"
     u = float(torch.rand((), dtype=torch.float64, generator=generator, device=device))
     if ids is None:
-        return _draw_all(torch.softmax(z, dim=-1), u)
+        return _draw_all(_softmax(z), u)
     probs = torch.softmax(z[ids], dim=-1)
     return int(ids[_at(probs, u)])
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import SamplingError
-from dtorch.engine.kept import draw, keep
+from dtorch.engine.kept import draw, keep, scratch
 from dtorch.engine.request import TokenLogprob
 from dtorch.engine.structured import StructuredOutputsParams
 
@@ -233,26 +233,30 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], outp
     """Logits with each row's repetition, then frequency and presence penalties applied.
 
     logits: [B, V]; ``output_ids[b]`` / ``prompt_ids[b]``: row b's generated / prompt tokens. Returns [B, V]
-    float32: a new tensor when some row is penalized, else ``logits`` itself. Only the tokens a row has seen change:
-    its cost grows with the history, not the vocabulary.
+    float32: a new tensor when some row is penalized, else ``logits`` itself.
     """
     rows = [b for b, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
     x = logits.float()
     x = x.clone() if x is logits else x  # [B, V]
-    vocab, dev = x.shape[-1], x.device
     for b in rows:
-        p, row = params[b], x[b]
-        out = _ids(output_ids[b], vocab, dev)
-        if p.repetition_penalty != 1.0:  # every token of prompt or output: divided when positive, else multiplied
-            seen = torch.unique(torch.cat([out, _ids(prompt_ids[b], vocab, dev)]))
-            v = row[seen]
-            row[seen] = torch.where(v < 0, v * p.repetition_penalty, v / p.repetition_penalty)
-        if out.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
-            ids, counts = torch.unique(out, return_counts=True)
-            row[ids] -= p.frequency_penalty * counts + p.presence_penalty  # OpenAI's: count * f + (count > 0) * p
+        _penalize(x[b], params[b], output_ids[b], prompt_ids[b])
     return x
+
+
+def _penalize(row: torch.Tensor, p: SamplingParams, output: Sequence[int], prompt: Sequence[int]) -> None:
+    """Row [V] float32 with p's penalties, in place. Only the tokens it has seen change: the cost grows with the
+    history, not the vocabulary."""
+    vocab, dev = row.shape[0], row.device
+    out = _ids(output, vocab, dev)
+    if p.repetition_penalty != 1.0:  # every token of prompt or output: divided when positive, else multiplied
+        seen = torch.unique(torch.cat([out, _ids(prompt, vocab, dev)]))
+        v = row[seen]
+        row[seen] = torch.where(v < 0, v * p.repetition_penalty, v / p.repetition_penalty)
+    if out.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        ids, counts = torch.unique(out, return_counts=True)
+        row[ids] -= p.frequency_penalty * counts + p.presence_penalty  # OpenAI's: count * f + (count > 0) * p
 
 
 def token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
@@ -275,32 +279,49 @@ def token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[Sam
     return out
 
 
+def _shapes(p: SamplingParams, ban: Sequence[int], refused: torch.Tensor | None) -> bool:
+    """Whether row shaping changes a row's logits."""
+    return p.penalized or bool(p.logit_bias) or bool(ban) or refused is not None
+
+
+def _shape(row: torch.Tensor, p: SamplingParams, output: Sequence[int], prompt: Sequence[int], ban: Sequence[int],
+           refused: torch.Tensor | None) -> None:
+    """Row [V] float32 with its penalties, logit bias, grammar mask (``refused`` [V] bool, True: masked) and bans
+    applied, in place; a ban that would leave the grammar nothing yields to it (its EOS before min_tokens)."""
+    _penalize(row, p, output, prompt)
+    if p.logit_bias:
+        vocab = row.shape[0]
+        ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.int64, device=row.device)
+        row[ids] += torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab], dtype=row.dtype,
+                                 device=row.device)
+    if refused is not None:
+        row.masked_fill_(refused, -math.inf)
+    if ban:
+        ids = torch.tensor(list(ban), dtype=torch.int64, device=row.device)
+        if refused is None or not refused.clone().index_fill_(0, ids, True).all():
+            row[ids] = -math.inf
+
+
+def _refusals(allowed: tuple[Sequence[int], torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    """{row: refused [V] bool} of ``allowed`` = (rows, refused [R, V])."""
+    return {} if allowed is None else {b: allowed[1][i] for i, b in enumerate(allowed[0])}
+
+
 def shape_logits(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
                  prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None,
                  allowed: tuple[Sequence[int], torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Each row's logits with its penalties, logit bias, grammar mask and bans applied (arguments as ``sample_step``):
     [B, V] float32 (``logits`` itself when nothing changes it), and {row: refused [V] bool} of the grammar's rows."""
-    bans = [(b, list(ids)) for b, ids in enumerate(banned or ()) if ids]
-    x = apply_penalties(logits, params, output_ids, prompt_ids)
-    biased = [b for b, p in enumerate(params) if p.logit_bias]
-    if bans or biased or allowed is not None:
-        x = x.clone() if x is logits else x
-    for b in biased:
-        bias = params[b].logit_bias
-        ids = torch.tensor([t for t in bias if t < x.shape[-1]], dtype=torch.int64)
-        x[b, ids] += torch.tensor([bias[t] for t in bias if t < x.shape[-1]], dtype=x.dtype)
-    refused = {}
-    if allowed is not None:
-        rows, refuse = allowed
-        for i, b in enumerate(rows):
-            refused[b] = refuse[i]
-            x[b].masked_fill_(refuse[i], -math.inf)  # in place, row by row: no copy of the batch
-    for b, ids in bans:
-        ids = torch.tensor(ids, dtype=torch.int64)
-        if b in refused and refused[b].clone().index_fill_(0, ids, True).all():
-            continue  # the grammar allows nothing but these (its EOS before min_tokens): the grammar wins
-        x[b, ids] = -math.inf
+    bans = list(banned or ()) + [()] * (len(params) - len(banned or ()))
+    refused = _refusals(allowed)
+    rows = [b for b, p in enumerate(params) if _shapes(p, bans[b], refused.get(b))]
+    if not rows:
+        return logits, refused
+    x = logits.float()
+    x = x.clone() if x is logits else x  # [B, V]
+    for b in rows:
+        _shape(x[b], params[b], output_ids[b], prompt_ids[b], bans[b], refused.get(b))
     return x, refused
 
 
@@ -316,25 +337,35 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
     belong to row b. allowed: (rows, refused [R, V] bool): the tokens each of those rows may not take (True; a
     grammar's mask); a ban that would leave such a row nothing yields to the grammar. Returns (B token ids, B
     ``TokenLogprob`` or None).
+
+    Each row is shaped (``shape_logits``'s row) in a buffer of this thread's, not in a copy of the batch.
     """
     lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
     if not lp_rows and not any(banned or ()) and allowed is None and all(p.plain for p in params):
         return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
     logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
-    x, refused = shape_logits(logits, params, output_ids, prompt_ids, banned, allowed)
-    # a broken grammar refuses all: its matcher ends the sequence, and the argmax stands in
-    argmax = [b for b, p in enumerate(params) if p.greedy or (b in refused and bool(refused[b].all()))]
-    skip = set(argmax)
-    tokens = [0] * len(params)
-    if argmax:  # the greedy rows only: a pass over the vocabulary each
-        for b, t in zip(argmax, torch.argmax(x[argmax] if len(argmax) < len(params) else x, dim=-1).tolist(),
-                        strict=True):
-            tokens[b] = t
+    bans = list(banned or ()) + [()] * (len(params) - len(banned or ()))
+    refused = _refusals(allowed)
+    vocab, tokens = logits.shape[-1], [0] * len(params)
+    plain_greedy = []  # greedy rows nothing shapes: one argmax over them together
     for b, p in enumerate(params):
-        if b in skip:
+        shaped = _shapes(p, bans[b], refused.get(b))
+        if p.greedy and not shaped:
+            plain_greedy.append(b)
             continue
-        z = x[b].float() / p.temperature  # [V]
+        row = scratch("row", vocab, torch.float32, logits.device)  # [V]
+        if shaped:
+            _shape(row.copy_(logits[b]), p, output_ids[b], prompt_ids[b], bans[b], refused.get(b))
+        # a broken grammar refuses all: its matcher ends the sequence, and the argmax stands in
+        if p.greedy or (b in refused and bool(refused[b].all())):
+            tokens[b] = int(torch.argmax(row if shaped else logits[b]))
+            continue
+        z = torch.div(row if shaped else logits[b], p.temperature, out=row)  # [V] float32, in place when shaped
         tokens[b] = draw(z, keep(z, p.top_k, p.top_p, p.min_p, f"sample_step row {b}"), generators[b])
+    if plain_greedy:
+        rows = logits[plain_greedy] if len(plain_greedy) < len(params) else logits
+        for b, t in zip(plain_greedy, torch.argmax(rows, dim=-1).tolist(), strict=True):
+            tokens[b] = t
     if logprobs is None:
         return tokens, [None] * len(params)
     return tokens, token_logprobs(logprobs, lp_rows, params, tokens)
