@@ -1,6 +1,6 @@
 """The tokens a sampled row keeps (top-k, top-p, min-p) and one draw among them, in a pass or two over the vocabulary.
 
-A row's scaled logits z [V] are read whole once for the maxima of their chunks of ``CHUNK`` tokens (``Chunks``), and
+A row's logits x [V] are read whole once for the maxima of their chunks of ``CHUNK`` tokens (``Row``), and
 once more for the softmax when top-p runs without top-k. Every filter keeps the tokens at or above some value, so the
 pool a filter ranks is the chunks whose maximum reaches a bound, gathered, never the vocabulary:
 - top-k: the k-th largest chunk maximum is at most the k-th largest logit (k chunks each hold a token at or above
@@ -56,46 +56,62 @@ def _softmax(z: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(slots=True)
-class Chunks:
-    """Values and the maxima of their chunks: t [N] float32; cmax [ceil(N / chunk)] float32, chunk c's maximum over
-    t[c * chunk:(c + 1) * chunk]."""
+class Row:
+    """One row's logits x [V] (raw, or shaped in place), its temperature, and the maxima of its chunks of scaled
+    logits z = x / temperature: cmax [ceil(V / chunk)] float32. z is made only where a pass over all of it is needed
+    (softmax, a bound most chunks reach): a filter reads x / temperature of its pool alone, the same floats
+    (division rounds monotonically: the maximum of the quotients is the quotient of the maximum)."""
 
-    t: torch.Tensor
+    x: torch.Tensor
+    temperature: float
     cmax: torch.Tensor
     chunk: int
+    scaled: torch.Tensor | None = None
 
     @classmethod
-    def over(cls, t: torch.Tensor, chunk: int = CHUNK) -> Chunks:
-        n = t.shape[0] // chunk
-        cmax = t[:n * chunk].view(n, chunk).amax(1)
-        if n * chunk < t.shape[0]:
-            cmax = torch.cat([cmax, t[n * chunk:].amax(0, keepdim=True)])
-        return cls(t, cmax, chunk)
+    def of(cls, x: torch.Tensor, temperature: float, chunk: int = CHUNK) -> Row:
+        n = x.shape[0] // chunk
+        cmax = x[:n * chunk].view(n, chunk).amax(1)
+        if n * chunk < x.shape[0]:
+            cmax = torch.cat([cmax, x[n * chunk:].amax(0, keepdim=True)])
+        return cls(x, temperature, cmax if temperature == 1.0 else cmax.div_(temperature), chunk)
+
+    def z(self) -> torch.Tensor:
+        """z [V] float32, made once (in the buffer "z", or x itself at temperature 1)."""
+        if self.scaled is None:
+            self.scaled = self.x if self.temperature == 1.0 else torch.div(
+                self.x, self.temperature, out=scratch("z", self.x.shape[0], torch.float32, self.x.device))
+        return self.scaled
+
+    def at(self, ids: torch.Tensor) -> torch.Tensor:
+        """z[ids]."""
+        return self.scaled[ids] if self.scaled is not None else self.x[ids] / self.temperature
 
     def above(self, bound: float) -> torch.Tensor:
-        """Ascending indices of the values >= bound (a float32 value: compared exactly), from the chunks reaching
-        it."""
+        """Ascending ids of the tokens with z >= bound (compared as float32), from the chunks reaching it."""
         chunks = torch.nonzero(self.cmax >= bound).squeeze(1)
+        v = self.x.shape[0]
         if chunks.shape[0] * SORT_ABOVE > self.cmax.shape[0]:  # most of them: one pass over the values
-            mask = torch.ge(self.t, bound, out=scratch("mask", self.t.shape[0], torch.bool, self.t.device))
-            return torch.nonzero(mask).squeeze(1)
+            return torch.nonzero(torch.ge(self.z(), bound, out=scratch("mask", v, torch.bool, self.x.device))
+                                 ).squeeze(1)
         ids = (chunks[:, None] * self.chunk + torch.arange(self.chunk, device=chunks.device)).flatten()
-        if self.t.shape[0] % self.chunk and chunks.shape[0] and int(chunks[-1]) == self.cmax.shape[0] - 1:
-            ids = ids[ids < self.t.shape[0]]  # the last chunk is short
-        return ids[self.t[ids] >= bound]
+        if v % self.chunk and chunks.shape[0] and int(chunks[-1]) == self.cmax.shape[0] - 1:
+            ids = ids[ids < v]  # the last chunk is short
+        return ids[self.at(ids) >= bound]
 
 
-def keep(z: torch.Tensor, top_k: int, top_p: float, min_p: float, where: str = "sampling") -> torch.Tensor | None:
+def keep(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+         where: str = "sampling") -> torch.Tensor | None:
     """The ids a row keeps after top-k, then top-p, then min-p, ascending; None when no filter runs (all tokens).
 
-    z: [V] float32 scaled logits (-inf: banned). Raises ``SamplingError`` on a row that cannot be sampled (NaN or
-    +inf logits, every token -inf)."""
-    row = Chunks.over(z)
+    x: [V] float32 logits (-inf: banned), scaled here by ``temperature`` (> 0). Raises ``SamplingError`` on a row
+    that cannot be sampled (NaN or +inf logits, every token -inf)."""
+    row = Row.of(x, temperature)
     top = float(row.cmax.max())  # NaN anywhere is NaN here
     if not math.isfinite(top):
         what = "every token is banned or masked (-inf)" if top == -math.inf else f"a logit is {top}"
         raise SamplingError(f"{where}: cannot sample: {what}; the logits or their penalties are broken")
-    v = z.shape[0]
+    v = x.shape[0]
     ids = None  # the support so far (any order), None: every token
     if 0 < top_k < v:
         ids = _top_k(row, top_k)
@@ -106,28 +122,30 @@ def keep(z: torch.Tensor, top_k: int, top_p: float, min_p: float, where: str = "
     return None if ids is None else torch.sort(ids).values
 
 
-def _top_k(row: Chunks, k: int) -> torch.Tensor:
+def _top_k(row: Row, k: int) -> torch.Tensor:
     """Ids with z >= the k-th largest z (ties of the k-th kept, as ``x < kth`` drops)."""
-    z = row.t
+    v = row.x.shape[0]
     if k * SORT_ABOVE > row.cmax.shape[0]:  # a large k: chunks small enough that k of them are few
-        chunk = 1 << max(0, (z.shape[0] // (k * SORT_ABOVE)).bit_length() - 1)
+        chunk = 1 << max(0, (v // (k * SORT_ABOVE)).bit_length() - 1)
         if chunk < 2:
+            z = row.z()
             return torch.nonzero(z >= torch.topk(z, k).values[-1]).squeeze(1)
-        row = Chunks.over(z, chunk)
+        row = Row.of(row.x, row.temperature, chunk)
     pool = row.above(float(torch.topk(row.cmax, k).values[-1]))  # >= k ids, the k most likely among them
-    vals = z[pool]
+    vals = row.at(pool)
     return pool[vals >= torch.topk(vals, k).values[-1]]
 
 
-def _nucleus(row: Chunks, top: float, ids: torch.Tensor | None, top_p: float) -> torch.Tensor:
+def _nucleus(row: Row, top: float, ids: torch.Tensor | None, top_p: float) -> torch.Tensor:
     """Ids of the support (``ids``, or every token) kept while the probability ranked above them is below top_p;
     the most likely always stays. Probabilities are the softmax over the support."""
-    z = row.t
     if ids is not None:
-        return _nucleus_of(ids, torch.softmax(z[ids], dim=-1), top_p)
+        return _nucleus_of(ids, torch.softmax(row.at(ids), dim=-1), top_p)
+    z = row.z()
     probs = _softmax(z)  # [V]: a pool's mass needs the whole distribution's sum
     need = top_p + MASS_MARGIN
-    lse = top - math.log(float(probs.max()))  # ln p_j = z_j - lse
+    c = int(row.cmax.argmax())  # the top logit's chunk: p_top = exp(top - lse)
+    lse = top - math.log(float(probs[c * CHUNK:(c + 1) * CHUNK].max()))  # ln p_j = z_j - lse
     pool = _at_least(row, probs, lse, FLOOR)  # at most 1 / FLOOR tokens
     if float(probs[pool].sum()) >= need:  # they hold the nucleus: cut them to the bin reaching it
         p = probs[pool]
@@ -141,7 +159,7 @@ def _nucleus(row: Chunks, top: float, ids: torch.Tensor | None, top_p: float) ->
     return _nucleus_of(pool, probs[pool], top_p)
 
 
-def _at_least(row: Chunks, probs: torch.Tensor, lse: float, p: float) -> torch.Tensor:
+def _at_least(row: Row, probs: torch.Tensor, lse: float, p: float) -> torch.Tensor:
     """Ascending ids of the tokens with probs >= p, from the chunks of logits reaching ln p + lse (less a margin
     for the softmax's rounding)."""
     bound = lse + math.log(p)
@@ -156,7 +174,7 @@ def _mass_floor(probs: torch.Tensor, need: float) -> float | None:
                                      out=scratch("bins", probs.shape[0], torch.int32, probs.device))
     mass = torch.bincount(bins, weights=probs, minlength=NBINS)  # [NBINS] float64
     from_top = mass.flip(0).cumsum(0)  # [i]: bins NBINS - 1 - i and above
-    i = int(torch.searchsorted(from_top, torch.tensor([need], dtype=torch.float64, device=probs.device)))
+    i = int((from_top < need).sum())  # the first bin where it reaches need (from_top does not decrease)
     return None if i >= NBINS else struct.unpack("<f", struct.pack("<i", (NBINS - 1 - i) << BIN_SHIFT))[0]
 
 
@@ -170,22 +188,25 @@ def _nucleus_of(ids: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.T
     return ids[order[~drop]]
 
 
-def _min_p(row: Chunks, top: float, ids: torch.Tensor | None, min_p: float) -> torch.Tensor:
+def _min_p(row: Row, top: float, ids: torch.Tensor | None, min_p: float) -> torch.Tensor:
     """Ids of the support whose probability is >= min_p times the most likely one's."""
     if ids is None:  # p_j >= min_p * p_max  <=>  z_j >= top + ln(min_p); the pool is a little wider for rounding
         ids = row.above(top + math.log(min_p) - 1e-3 * max(1.0, abs(top)))
-    probs = torch.softmax(row.t[ids], dim=-1)
+    probs = torch.softmax(row.at(ids), dim=-1)
     return ids[~(probs < min_p * probs.max())]
 
 
-def draw(z: torch.Tensor, ids: torch.Tensor | None, generator: torch.Generator | None) -> int:
-    """One token of softmax(z) restricted to ``ids`` (ascending; None: every token): the first id whose cumulative
-    probability in id order exceeds u, one float64 uniform of ``generator`` (None: torch's default one)."""
+def draw(x: torch.Tensor, temperature: float, ids: torch.Tensor | None, generator: torch.Generator | None) -> int:
+    """One token of softmax(x / temperature) restricted to ``ids`` (ascending; None: every token): the first id
+    whose cumulative probability in id order exceeds u, one float64 uniform of ``generator`` (None: torch's default
+    one)."""
     device = generator.device if generator is not None else "cpu"
     u = float(torch.rand((), dtype=torch.float64, generator=generator, device=device))
     if ids is None:
+        z = x if temperature == 1.0 else torch.div(x, temperature, out=scratch("z", x.shape[0], torch.float32,
+                                                                                x.device))
         return _draw_all(_softmax(z), u)
-    probs = torch.softmax(z[ids], dim=-1)
+    probs = torch.softmax(x[ids] / temperature, dim=-1)
     return int(ids[_at(probs, u)])
 
 
@@ -193,7 +214,7 @@ def _at(probs: torch.Tensor, u: float) -> int:
     """The index i of probs [N] (>= 0, some > 0) with cum[i - 1] <= u * cum[-1] < cum[i] (float64 sums); never one
     of probability 0."""
     cum = torch.cumsum(probs, dim=0, dtype=torch.float64)
-    i = int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=torch.float64), right=True))
+    i = int((cum <= u * float(cum[-1])).sum())  # the first index past u * sum (cum does not decrease)
     if i >= probs.shape[0]:  # u * sum rounded up to the sum: the last positive one (cum[i] > cum[i - 1] elsewhere)
         i = int(torch.nonzero(probs)[-1])
     return i

@@ -217,8 +217,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits: [V] float32 -> [V] float32 (a new tensor). Raises ``SamplingError`` when a filter meets NaN or +inf
     logits, or nothing but -inf.
     """
-    z = logits.float() / params.temperature
-    ids = keep(z, params.top_k, params.top_p, params.min_p, "filter_logits")
+    x = logits.float()
+    ids = keep(x, params.temperature, params.top_k, params.top_p, params.min_p, "filter_logits")
+    z = x / params.temperature
     return z if ids is None else torch.full_like(z, -math.inf).index_copy_(0, ids, z[ids])
 
 
@@ -288,7 +289,8 @@ def _shape(row: torch.Tensor, p: SamplingParams, output: Sequence[int], prompt: 
            refused: torch.Tensor | None) -> None:
     """Row [V] float32 with its penalties, logit bias, grammar mask (``refused`` [V] bool, True: masked) and bans
     applied, in place; a ban that would leave the grammar nothing yields to it (its EOS before min_tokens)."""
-    _penalize(row, p, output, prompt)
+    if p.penalized:
+        _penalize(row, p, output, prompt)
     if p.logit_bias:
         vocab = row.shape[0]
         ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.int64, device=row.device)
@@ -353,15 +355,16 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
         if p.greedy and not shaped:
             plain_greedy.append(b)
             continue
-        row = scratch("row", vocab, torch.float32, logits.device)  # [V]
-        if shaped:
-            _shape(row.copy_(logits[b]), p, output_ids[b], prompt_ids[b], bans[b], refused.get(b))
+        x = logits[b]  # [V]
+        if shaped or x.dtype != torch.float32 or not x.is_contiguous():
+            x = scratch("row", vocab, torch.float32, logits.device).copy_(x)
+            _shape(x, p, output_ids[b], prompt_ids[b], bans[b], refused.get(b))
         # a broken grammar refuses all: its matcher ends the sequence, and the argmax stands in
         if p.greedy or (b in refused and bool(refused[b].all())):
-            tokens[b] = int(torch.argmax(row if shaped else logits[b]))
+            tokens[b] = int(torch.argmax(x))
             continue
-        z = torch.div(row if shaped else logits[b], p.temperature, out=row)  # [V] float32, in place when shaped
-        tokens[b] = draw(z, keep(z, p.top_k, p.top_p, p.min_p, f"sample_step row {b}"), generators[b])
+        kept = keep(x, p.temperature, p.top_k, p.top_p, p.min_p, f"sample_step row {b}")
+        tokens[b] = draw(x, p.temperature, kept, generators[b])
     if plain_greedy:
         rows = logits[plain_greedy] if len(plain_greedy) < len(params) else logits
         for b, t in zip(plain_greedy, torch.argmax(rows, dim=-1).tolist(), strict=True):
