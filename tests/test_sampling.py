@@ -381,3 +381,25 @@ def test_an_unknown_field_is_a_sampling_error_with_a_suggestion():
     with pytest.raises(dtorch.SamplingError, match="unknown field .foo'; the fields are .*max_tokens"):
         SamplingParams(foo=1)
     assert SamplingParams(temperature=0.5).temperature == 0.5
+
+
+@pytest.mark.parametrize("k", [1, 40, 700, 40_000])  # the chunk-maxima bound, smaller chunks, a plain topk
+def test_top_k_keeps_the_k_largest_with_ties(k):
+    """Every top-k route keeps exactly ``x >= kth`` (torch.topk's k-th value), ties of the k-th included."""
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(k)).mul_(4).round_()  # many ties
+    params = SamplingParams(temperature=0.9, top_k=k)
+    kth = torch.topk(x / 0.9, k).values[-1]
+    got = torch.isfinite(filter_logits(x, params))
+    assert torch.equal(got, x / 0.9 >= kth) and int(got.sum()) >= k
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "all -inf"])
+def test_a_row_that_cannot_be_sampled_raises_sampling_error(bad):
+    logits = torch.randn(2, 5000)
+    if bad == "all -inf":
+        logits[1] = -math.inf
+    else:
+        logits[1, 17] = float(bad)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1)] * 2
+    with pytest.raises(dtorch.SamplingError, match="sample_step row 1: cannot sample"):
+        sample_step(logits, params, [p.generator() for p in params], [[], []], [[], []])
