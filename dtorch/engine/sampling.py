@@ -14,6 +14,7 @@ import difflib
 import functools
 import math
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -223,12 +224,6 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return z if ids is None else torch.full_like(z, -math.inf).index_copy_(0, ids, z[ids])
 
 
-def _ids(seq: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """seq's token ids below ``vocab`` (ids past it are not counted): [N] int64."""
-    ids = torch.tensor(list(seq), dtype=torch.long, device=device)
-    return ids[ids < vocab]
-
-
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
                     prompt_ids: Sequence[Sequence[int]]) -> torch.Tensor:
     """Logits with each row's repetition, then frequency and presence penalties applied.
@@ -247,17 +242,25 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], outp
 
 
 def _penalize(row: torch.Tensor, p: SamplingParams, output: Sequence[int], prompt: Sequence[int]) -> None:
-    """Row [V] float32 with p's penalties, in place. Only the tokens it has seen change: the cost grows with the
-    history, not the vocabulary."""
-    vocab, dev = row.shape[0], row.device
-    out = _ids(output, vocab, dev)
-    if p.repetition_penalty != 1.0:  # every token of prompt or output: divided when positive, else multiplied
-        seen = torch.unique(torch.cat([out, _ids(prompt, vocab, dev)]))
-        v = row[seen]
-        row[seen] = torch.where(v < 0, v * p.repetition_penalty, v / p.repetition_penalty)
-    if out.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
-        ids, counts = torch.unique(out, return_counts=True)
-        row[ids] -= p.frequency_penalty * counts + p.presence_penalty  # OpenAI's: count * f + (count > 0) * p
+    """Row [V] float32 with p's penalties, in place: repetition (every token of prompt or output divided when
+    positive, else multiplied), then ``count * frequency + (count > 0) * presence`` subtracted (OpenAI's; count over
+    the output). Only the tokens seen change: the cost grows with the history, not the vocabulary."""
+    vocab = row.shape[0]
+    counts = Counter(t for t in output if t < vocab)
+    seen = set(counts)
+    if p.repetition_penalty != 1.0:
+        seen.update(t for t in prompt if t < vocab)
+    if not seen:
+        return
+    order = sorted(seen)
+    ids = torch.tensor(order, dtype=torch.int64, device=row.device)
+    v = row[ids]
+    if p.repetition_penalty != 1.0:
+        v = torch.where(v < 0, v * p.repetition_penalty, v / p.repetition_penalty)
+    if counts and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        n = torch.tensor([counts.get(t, 0) for t in order], device=row.device)
+        v = v - (p.frequency_penalty * n + p.presence_penalty * (n > 0))  # a count of 0 takes 0 off
+    row[ids] = v
 
 
 def token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
