@@ -3,8 +3,10 @@
 Each step: repetition, then frequency and presence penalties change the logits; greedy (temperature 0) takes
 the argmax, otherwise the logits are divided by the temperature, top-k, top-p (nucleus) and min-p filters
 remove tokens, and one token is drawn from what is left with the sequence's own ``torch.Generator`` (seeded
-from ``seed`` when given, so a run is reproducible). Logprobs, when asked for, are of the model's own
-distribution: log_softmax of the raw logits, before penalties, temperature and filters (vLLM's default).
+from ``seed`` when given, so a run is reproducible): one float64 uniform u a token, the kept token at u of their
+cumulative distribution in id order (``engine/kept.py``, which finds the kept set without sorting the vocabulary).
+Logprobs, when asked for, are of the model's own distribution: log_softmax of the raw logits, before penalties,
+temperature and filters (vLLM's default).
 """
 
 from __future__ import annotations
