@@ -11,8 +11,8 @@ pool a filter ranks is the chunks whose maximum reaches a bound, gathered, never
   of it is ranked by a sort;
 - min-p alone: the tokens within ln(min_p) of the top logit.
 Each filter then ranks its pool as the plain definitions rank the vocabulary (transformers' warpers in the tests):
-top-k keeps ties of the k-th, top-p keeps a token while the mass ranked above it is below top_p, min-p keeps
-p >= min_p * p_max, each over what the filters before it left.
+top-k keeps ties of the k-th, top-p keeps a token while the mass ranked above it is below top_p (tied tokens rank
+by id, the lower first), min-p keeps p >= min_p * p_max, each over what the filters before it left.
 
 The draw takes one float64 uniform u from the row's generator and returns the kept token at u of their cumulative
 distribution in token-id order (the first id whose cumulative probability exceeds u times the total): one uniform a
