@@ -152,7 +152,7 @@ def _nucleus(row: Row, top: float, ids: torch.Tensor | None, top_p: float) -> to
         pool = pool[p >= _mass_floor(p, need)]
     else:  # a flat distribution: the bins over the vocabulary
         floor = _mass_floor(probs, need)
-        pool = None if floor is None else _at_least(row, probs, lse, floor)
+        pool = None if floor is None or floor <= 0.0 else _at_least(row, probs, lse, floor)
         if pool is None or pool.shape[0] * SORT_ABOVE > z.shape[0] \
                 or float(probs[pool].sum()) < need:
             pool = torch.arange(z.shape[0], device=z.device)  # flatter still: rank the vocabulary
