@@ -403,3 +403,25 @@ def test_a_row_that_cannot_be_sampled_raises_sampling_error(bad):
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1)] * 2
     with pytest.raises(dtorch.SamplingError, match="sample_step row 1: cannot sample"):
         sample_step(logits, params, [p.generator() for p in params], [[], []], [[], []])
+
+
+def test_sampling_in_and_out_of_inference_mode():
+    """The sampler's per-thread buffers are normal tensors: a first call under inference mode does not make later
+    ones fail (torch refuses writes to inference tensors outside it), nor do logits that require grad. In a new
+    thread: its buffers are made by its first call."""
+    import threading
+
+    logits = torch.randn(1, 9000)
+    p = SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.3, seed=1)
+    got: list = []
+
+    def run() -> None:
+        with torch.inference_mode():
+            got.append(sample_step(logits, [p], [p.generator()], [[1]], [[]])[0])
+        got.append(sample_step(logits, [p], [p.generator()], [[1]], [[]])[0])
+        got.append(sample_step(logits.clone().requires_grad_(True), [p], [p.generator()], [[1]], [[]])[0])
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert len(got) == 3 and got[0] == got[1] == got[2]

@@ -46,7 +46,8 @@ def scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torc
     bufs = _SCRATCH.__dict__.setdefault("bufs", {})
     t = bufs.get((name, dtype, device))
     if t is None or t.shape[0] < n:
-        t = bufs[(name, dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            t = bufs[(name, dtype, device)] = torch.empty(n, dtype=dtype, device=device)
     return t[:n]
 
 

@@ -214,6 +214,7 @@ def _int(name: str, value: object) -> None:
         raise SamplingError(f"SamplingParams: {name} must be an int, got {value!r}")
 
 
+@torch.no_grad()
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits with every token outside the top-k / top-p / min-p set at -inf.
 
@@ -332,6 +333,7 @@ def shape_logits(logits: torch.Tensor, params: Sequence[SamplingParams], output_
     return x, refused
 
 
+@torch.no_grad()
 def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], output_ids: Sequence[Sequence[int]],
                 prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None,
