@@ -8,7 +8,9 @@ One sequence decodes after a 128-token prompt; each component is timed on its ow
 - "Runner.run": its run less the bare loop (feeds copied into their buffers, the logits copied out);
 - "Executor.step": its step less Runner.run (the step's inputs built on the host);
 - sampling: ``sample_step`` on the step's logits, greedy and sampled (temperature 0.8, top-k 40, top-p 0.95), the
-  sampled one beside the reference it replaced (the full-vocabulary sort and torch.multinomial, in this file);
+  sampled one beside the reference it replaced (the full-vocabulary sort and torch.multinomial, in this file); then
+  each of ``SETTINGS`` on the logits sharpened ``SHARPEN`` times (a random-weight model's logits are nearly flat, a
+  trained one's nucleus is a few to a few thousand tokens), penalties over a 64-token output and the prompt;
 - detokenizing: one token pushed into a sequence's stream decoder;
 - "engine": ``LLM.generate`` per token less all of the above (scheduling, stop checks, deltas, sinks).
 """
@@ -25,6 +27,17 @@ import torch
 PROMPT = 128
 KINDS = ("products (layers)", "head", "attention", "norms, rope, elementwise")
 SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.95)
+SHARPEN = 6.0
+SETTINGS = {  # label -> SamplingParams fields, timed on the sharpened logits
+    "T 0.8, top-k 40, top-p 0.95": SAMPLED,
+    "T 0.8, top-p 0.95 (no top-k)": dict(temperature=0.8, top_p=0.95),
+    "T 1.0, top-p 0.95 (no top-k)": dict(temperature=1.0, top_p=0.95),
+    "T 1.0, min-p 0.05": dict(temperature=1.0, min_p=0.05),
+    "T 0.8 alone": dict(temperature=0.8),
+    "T 0.8, top-k 40, top-p 0.95, repetition 1.1, frequency 0.5, presence 0.5, logit_bias of 3":
+        dict(SAMPLED, repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5,
+             logit_bias={11: 2.0, 12: -100.0, 13: 5.0}),
+}
 
 
 def kind(k, vocab: int) -> str:
@@ -116,6 +129,10 @@ def profile(path: str, threads: int, steps: int, repeats: int, cpu_time: bool = 
             llm.generate([prompt], many)
             return ((clock() - t1) - (t1 - t0)) / steps
 
+        sharp = logits * SHARPEN
+        history = [[7 * i % vocab for i in range(64)]], [prompt]
+        settings = {label: SamplingParams(seed=1, **kw) for label, kw in SETTINGS.items()}
+        gens = {label: p.generator() for label, p in settings.items()}
         timers = {
             "run": lambda: runner.run(feeds),  # first: the step's inputs in its buffers for the bare loop after it
             "bare": bare,
@@ -123,6 +140,8 @@ def profile(path: str, threads: int, steps: int, repeats: int, cpu_time: bool = 
             "greedy": lambda: sample_step(logits, [greedy], [None], [[]], [[]]),
             "sampled": lambda: sample_step(logits, [sampled], [g_new], [[]], [[]]),
             "sampled (reference)": lambda: reference_sample(logits[0], sampled, g_ref),
+            **{label: (lambda p=p, g=gens[label]: sample_step(sharp, [p], [g], *history))
+               for label, p in settings.items()},
         }
         got: dict[str, list[float]] = defaultdict(list)
         llm.engine.blocks.free(blocks)
@@ -157,7 +176,8 @@ def profile(path: str, threads: int, steps: int, repeats: int, cpu_time: bool = 
     rows["detokenize"] = med["detokenize"]
     rows["engine (scheduling, stops, deltas)"] = med["generate"] - med["step"] - med["greedy"] - med["detokenize"]
     extra = {"LLM.generate, greedy": med["generate"], "Executor.step": med["step"], "sampled": med["sampled"],
-             "sampled (reference)": med["sampled (reference)"], "vocab": vocab}
+             "sampled (reference)": med["sampled (reference)"], "vocab": vocab,
+             **{f"setting: {label}": med[label] for label in SETTINGS}}
     return rows, extra
 
 
@@ -170,3 +190,6 @@ def print_profile(name: str, threads: int, rows: dict[str, float], extra: dict[s
         print(f"| {label} | {ms:.3f} | {ms / total:.1%} |")
     print(f"| sampling, {SAMPLED} (the reference: sort + torch.multinomial) | {extra['sampled']:.3f} "
           f"({extra['sampled (reference)']:.3f}) | {extra['sampled'] / total:.1%} |")
+    for label in SETTINGS:
+        ms = extra[f"setting: {label}"]
+        print(f"| sampling, logits x{SHARPEN:g}: {label} | {ms:.3f} | {ms / total:.1%} |")

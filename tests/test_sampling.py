@@ -220,6 +220,14 @@ def test_filter_logits_matches_hf_warpers(kwargs):
     torch.testing.assert_close(filter_logits(logits, params), _hf_filter(logits, params))
 
 
+def _inverse_cdf(probs: torch.Tensor, g: torch.Generator) -> int:
+    """The draw the sampler promises: u, one float64 uniform of ``g``; the first token id whose cumulative
+    probability (in id order) exceeds u times the total."""
+    u = float(torch.rand((), dtype=torch.float64, generator=g))
+    cum = torch.cumsum(probs.double(), 0)
+    return int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=torch.float64), right=True))
+
+
 @pytest.mark.parametrize("kwargs", FILTERS)
 def test_sample_step_draw_matches_reference_pipeline(kwargs):
     logits = torch.randn(64) * 2
@@ -228,25 +236,59 @@ def test_sample_step_draw_matches_reference_pipeline(kwargs):
     ref = _hf_filter(_openai_penalties(_hf_repetition(logits, prompt + output, 1.2), output, 0.5, 0.3), params)
     ref_g, g = params.generator(), params.generator()
     for _ in range(30):  # the same generator stream gives the same draws
-        want = int(torch.multinomial(torch.softmax(ref, -1), 1, generator=ref_g))
+        want = _inverse_cdf(torch.softmax(ref, -1), ref_g)
         assert sample_step(logits[None], [params], [g], [output], [prompt])[0] == [want]
+    assert torch.equal(g.get_state(), ref_g.get_state())  # one uniform a token
 
 
+LARGE = [  # a 150k vocabulary, peaked as a model's; the last two flatter: a nucleus of ~1.6k tokens, then of most
+    ({"temperature": 0.8, "top_k": 40, "top_p": 0.95}, 6.0), ({"temperature": 0.8, "top_p": 0.95}, 6.0),
+    ({"temperature": 1.0, "min_p": 0.05}, 6.0), ({"temperature": 0.7}, 6.0), ({"temperature": 1.2, "top_k": 1}, 6.0),
+    ({"temperature": 1.0, "top_k": 5000, "min_p": 0.01}, 6.0), ({"temperature": 1.1, "top_p": 0.9, "min_p": 0.2}, 6.0),
+    ({"temperature": 1.0, "top_p": 0.9}, 3.5), ({"temperature": 1.0, "top_p": 0.9}, 1.0),
+]
+EXTRA = [{}, {"frequency_penalty": 0.5, "repetition_penalty": 1.2}, {"logit_bias": {3: 4.0, 149_998: 9.0}}]
 
-@pytest.mark.parametrize("kwargs", [*FILTERS, {"temperature": 1.0, "top_p": 0.9}])
-def test_large_vocab_draws_match_torch_multinomial(kwargs):
-    """Over a vocabulary past ``draw.SMALL`` the draw is ``draw.multinomial_one`` and top-p ranks a few bins, not a
-    sort: the tokens are still transformers' filters then torch.multinomial's, draw for draw, and the generator ends
-    where torch's does."""
-    torch.manual_seed(3)
-    logits = torch.randn(20_000) * 6  # peaked as a model's: a nucleus of tens to hundreds of tokens
-    params = SamplingParams(seed=5, **kwargs)
-    probs = torch.softmax(_hf_filter(logits, params), -1)
-    ref_g, g = params.generator(), params.generator()
-    for _ in range(8):
-        want = int(torch.multinomial(probs, 1, generator=ref_g))
-        assert sample_step(logits[None], [params], [g], [[]], [[]])[0] == [want]
-    assert torch.equal(g.get_state(), ref_g.get_state())
+
+def test_large_vocab_keeps_the_reference_set_and_draws_by_it():
+    """Over a 150k vocabulary (filters rank pools of chunks, not the vocabulary; the draw reads chunk sums), one batch
+    with every setting of ``LARGE``, some rows penalized and biased: each row keeps exactly transformers' set with its
+    probabilities, and draws ``_inverse_cdf``'s tokens from the same seeds."""
+    vocab = 150_000
+    g0 = torch.Generator().manual_seed(3)
+    logits = torch.stack([torch.randn(vocab, generator=g0) * scale for _, scale in LARGE])
+    logits[:, :7] += torch.tensor([9.0, 8.5, 8.0, 6.0, 5.5, 5.0, 3.0])  # a few likely tokens, as after a prompt
+    params = [SamplingParams(seed=20 + i, **kw, **EXTRA[i % 3]) for i, (kw, _) in enumerate(LARGE)]
+    outputs, prompts = [[0, 0, 1, 5]] * len(LARGE), [[2, 6, 149_998]] * len(LARGE)
+    shaped = [_hf_repetition(logits[i], prompts[i] + outputs[i], p.repetition_penalty) for i, p in enumerate(params)]
+    for x, p in zip(shaped, params, strict=True):  # OpenAI's formula; tokens with count 0 lose 0
+        for t in set(outputs[0]):
+            x[t] -= p.frequency_penalty * outputs[0].count(t)
+    for x, p in zip(shaped, params, strict=True):
+        for t, b in (p.logit_bias or {}).items():
+            x[t] += b
+    refs = [torch.softmax(_hf_filter(x, p), -1) for x, p in zip(shaped, params, strict=True)]
+    for x, p, ref in zip(shaped, params, refs, strict=True):
+        got = torch.softmax(filter_logits(x, p), -1)
+        assert torch.equal(got > 0, ref > 0), p  # exactly the same kept set
+        assert float(((got - ref).abs() - 1e-5 * ref).max()) <= 1e-8, p
+    gens, ref_gens = [p.generator() for p in params], [p.generator() for p in params]
+    for _ in range(3):
+        tokens, _ = sample_step(logits, params, gens, outputs, prompts)
+        assert tokens == [_inverse_cdf(ref, g) for ref, g in zip(refs, ref_gens, strict=True)]
+
+
+def test_draws_follow_the_kept_distribution():
+    """Frequencies of 4000 seeded draws (top-k 6 of a 10k vocabulary) against the kept probabilities: a chi-square
+    test at the 1e-4 level (27.9 for 5 degrees of freedom), and no token outside the kept set."""
+    logits = torch.randn(10_000, generator=torch.Generator().manual_seed(1)) * 3
+    params = SamplingParams(temperature=1.5, top_k=6, seed=4)
+    ref = torch.softmax(_hf_filter(logits, params), -1)
+    counts = torch.bincount(torch.tensor(_draw(logits, params, 4000)), minlength=10_000).double()
+    kept = ref > 0
+    assert counts[~kept].sum() == 0
+    expected = ref[kept].double() * 4000
+    assert float(((counts[kept] - expected) ** 2 / expected).sum()) < 27.9
 
 
 def test_race_takes_every_candidate_when_a_uniform_is_zero(monkeypatch):
@@ -339,3 +381,47 @@ def test_an_unknown_field_is_a_sampling_error_with_a_suggestion():
     with pytest.raises(dtorch.SamplingError, match="unknown field .foo'; the fields are .*max_tokens"):
         SamplingParams(foo=1)
     assert SamplingParams(temperature=0.5).temperature == 0.5
+
+
+@pytest.mark.parametrize("k", [1, 40, 700, 40_000])  # the chunk-maxima bound, smaller chunks, a plain topk
+def test_top_k_keeps_the_k_largest_with_ties(k):
+    """Every top-k route keeps exactly ``x >= kth`` (torch.topk's k-th value), ties of the k-th included."""
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(k)).mul_(4).round_()  # many ties
+    params = SamplingParams(temperature=0.9, top_k=k)
+    kth = torch.topk(x / 0.9, k).values[-1]
+    got = torch.isfinite(filter_logits(x, params))
+    assert torch.equal(got, x / 0.9 >= kth) and int(got.sum()) >= k
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "all -inf"])
+def test_a_row_that_cannot_be_sampled_raises_sampling_error(bad):
+    logits = torch.randn(2, 5000)
+    if bad == "all -inf":
+        logits[1] = -math.inf
+    else:
+        logits[1, 17] = float(bad)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1)] * 2
+    with pytest.raises(dtorch.SamplingError, match="sample_step row 1: cannot sample"):
+        sample_step(logits, params, [p.generator() for p in params], [[], []], [[], []])
+
+
+def test_sampling_in_and_out_of_inference_mode():
+    """The sampler's per-thread buffers are normal tensors: a first call under inference mode does not make later
+    ones fail (torch refuses writes to inference tensors outside it), nor do logits that require grad. In a new
+    thread: its buffers are made by its first call."""
+    import threading
+
+    logits = torch.randn(1, 9000)
+    p = SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.3, seed=1)
+    got: list = []
+
+    def run() -> None:
+        with torch.inference_mode():
+            got.append(sample_step(logits, [p], [p.generator()], [[1]], [[]])[0])
+        got.append(sample_step(logits, [p], [p.generator()], [[1]], [[]])[0])
+        got.append(sample_step(logits.clone().requires_grad_(True), [p], [p.generator()], [[1]], [[]])[0])
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert len(got) == 3 and got[0] == got[1] == got[2]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dtorch.core.errors import ModelError
+from dtorch.core.errors import ModelError, SamplingError
 from dtorch.engine.draw import multinomial_one
 from dtorch.engine.sampling import filter_logits, shape_logits
 from dtorch.models.bucket import long_prompts
@@ -132,15 +132,15 @@ class DraftModel:
             for r, (i, s) in enumerate(live):
                 if s.params.greedy:
                     continue
-                p = torch.softmax(filter_logits(x[r], s.params), dim=-1)
                 g = s.generator
-                if g is not None and g.device != p.device:
-                    p = p.to(g.device)
                 try:
+                    p = torch.softmax(filter_logits(x[r], s.params), dim=-1)
+                    if g is not None and g.device != p.device:
+                        p = p.to(g.device)
                     picked[r] = multinomial_one(p, g)
-                except RuntimeError:  # a broken distribution (NaN) of one request: a point mass on its argmax, so
-                    # the others draft on; verification ends the request if its own sampling fails too
-                    p = torch.zeros_like(p).index_fill_(0, torch.tensor([picked[r]], device=p.device), 1.0)
+                except (RuntimeError, SamplingError):  # a broken distribution (NaN) of one request: a point mass on
+                    # its argmax, so the others draft on; verification ends the request if its own sampling fails too
+                    p = torch.zeros_like(x[r]).index_fill_(0, torch.tensor([picked[r]], device=x.device), 1.0)
                 qs[i].append(p)
         else:
             picked = [0] * len(live)

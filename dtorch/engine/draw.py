@@ -1,5 +1,9 @@
 """``multinomial_one``: torch.multinomial's draw of one token, without its cost over a large vocabulary.
 
+Speculative verification and the draft model draw with it (from a whole vocabulary's probabilities); ``sample_step``
+draws with ``engine/kept.py``'s one-uniform inverse CDF over the kept tokens instead (the same distribution, other
+tokens for a seed: it does not consume V uniforms).
+
 torch draws one sample of probs [V] as an exponential race: q_j = -log1p(-u_j) (u_j: the generator's j-th float64
 uniform, one per token, rounded to float32 after the log), token = argmax(probs / q). Its serial exponential costs
 ~25-30 ns a token of one core's time (twice that in wall time on a busy machine): ~4 ms over a 152k vocabulary, 6-8

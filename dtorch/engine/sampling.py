@@ -3,8 +3,10 @@
 Each step: repetition, then frequency and presence penalties change the logits; greedy (temperature 0) takes
 the argmax, otherwise the logits are divided by the temperature, top-k, top-p (nucleus) and min-p filters
 remove tokens, and one token is drawn from what is left with the sequence's own ``torch.Generator`` (seeded
-from ``seed`` when given, so a run is reproducible). Logprobs, when asked for, are of the model's own
-distribution: log_softmax of the raw logits, before penalties, temperature and filters (vLLM's default).
+from ``seed`` when given, so a run is reproducible): one float64 uniform u a token, the kept token at u of their
+cumulative distribution in id order (``engine/kept.py``, which finds the kept set without sorting the vocabulary).
+Logprobs, when asked for, are of the model's own distribution: log_softmax of the raw logits, before penalties,
+temperature and filters (vLLM's default).
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ import difflib
 import functools
 import math
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import torch
 
 from dtorch.core.errors import SamplingError
-from dtorch.engine.draw import multinomial_one
+from dtorch.engine.kept import draw, keep, scratch
 from dtorch.engine.request import TokenLogprob
 from dtorch.engine.structured import StructuredOutputsParams
 
@@ -35,8 +37,6 @@ GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
 # a temperature past float32's range is inf on the logits: a banned or masked token's -inf / inf is NaN
 TEMPERATURE_MAX = float(torch.finfo(torch.float32).max)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
-NUCLEUS_BINS = 8  # bins a halving of probability when looking for top_p's nucleus
-NUCLEUS_DEPTH = 8 * 64  # bins in all: probabilities 2^-64 of the top one and below share the last
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,75 +214,17 @@ def _int(name: str, value: object) -> None:
         raise SamplingError(f"SamplingParams: {name} must be an int, got {value!r}")
 
 
+@torch.no_grad()
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits with every token outside the top-k / top-p / min-p set at -inf.
 
-    logits: [V] float32 -> [V] float32 (a new tensor).
+    logits: [V] float32 -> [V] float32 (a new tensor). Raises ``SamplingError`` when a filter meets NaN or +inf
+    logits, or nothing but -inf.
     """
-    return _filter(logits, params)[0]
-
-
-def _filter(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``filter_logits``'s result and its support: the ascending ids of the tokens a filter left (the others are
-    -inf), or None when no filter ran. Each filter after top-k looks at its tokens only, not the vocabulary."""
-    x = logits.float() / params.temperature
-    vocab, support = x.shape[-1], None
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x, support = _keep(x, ~(x < kth))
-    if params.top_p < 1.0:
-        x, support = _keep(x, _nucleus(x, params.top_p, support))
-    if params.min_p > 0.0:
-        probs = torch.softmax(x, dim=-1)
-        x, support = _keep(x, ~(probs < params.min_p * probs.max()))
-    return x, support
-
-
-def _keep(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x with -inf where ``keep`` [V] bool is False, and the ids where it is True (ascending)."""
-    return x.masked_fill(~keep, -math.inf), torch.nonzero(keep).squeeze(1)
-
-
-def _nucleus(x: torch.Tensor, top_p: float, support: torch.Tensor | None) -> torch.Tensor:
-    """[V] bool: the nucleus, True where the tokens ranked above a token reach less than ``top_p`` together (the most
-    likely always stays). x: [V] float32 logits, -inf outside ``support`` (ascending ids, or None: anywhere).
-
-    The ranking is a top-k over the tokens that can be in it rather than a sort of the vocabulary (~25 ms for 152k
-    float32 on one core): the support, or the tokens of the bins (``NUCLEUS_BINS`` a halving of probability, from the
-    most likely down) whose summed probability first reaches ``top_p``, with one bin more for rounding. Should their
-    ranked sums still fall short, the ranking widens to the whole vocabulary; a nucleus of more than a quarter of it
-    (a flat distribution) is ranked by a sort."""
-    vocab = x.shape[-1]
-    probs = torch.softmax(x, dim=-1)
-    if support is not None:
-        pool = support
-    else:
-        top = float(x.max())  # log2(p_j / p_top) = (x_j - top) / ln 2: bins from the logits, no log taken
-        bins = (top - x).mul_(NUCLEUS_BINS / math.log(2)).clamp_(max=NUCLEUS_DEPTH).long()  # [V], 0: the top
-        mass = torch.bincount(bins, weights=probs, minlength=NUCLEUS_DEPTH + 1).cumsum_(0)  # float64
-        last = min(int(torch.searchsorted(mass, top_p)) + 1, NUCLEUS_DEPTH)
-        pool = torch.nonzero(bins <= last).squeeze(1)
-    while True:
-        if pool.shape[0] * 4 > vocab:  # a flat distribution's nucleus is most of the vocabulary: a sort costs less
-            order = torch.sort(x, descending=True).indices
-        else:
-            order = pool[torch.topk(x[pool], pool.shape[0]).indices]  # most likely first
-        ranked = probs[order]
-        drop = (torch.cumsum(ranked, dim=-1) - ranked) >= top_p  # the cumulative sum only grows: a prefix stays
-        drop[0] = False  # a top_p under float32's range (1e-300 is 0) would drop it too: all -inf, NaN
-        if support is not None or order.shape[0] == vocab or bool(drop[-1]):  # (outside the support: probability 0)
-            return torch.zeros(vocab, dtype=torch.bool, device=x.device).index_fill_(0, order[~drop], True)
-        pool = torch.arange(vocab, device=x.device)
-
-
-def _counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each token occurs in each sequence: [len(seqs), vocab] int64. Ids >= vocab are not counted."""
-    ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=device).clamp_(max=vocab)
-    lengths = torch.tensor([len(s) for s in seqs], device=device)
-    # row r counts into [r * (vocab + 1), (r + 1) * (vocab + 1)); the last column catches ids past the vocab
-    offsets = torch.repeat_interleave(torch.arange(len(seqs), device=device) * (vocab + 1), lengths)
-    counts = torch.bincount(ids + offsets, minlength=len(seqs) * (vocab + 1))
-    return counts.view(len(seqs), vocab + 1)[:, :vocab]
+    x = logits.float()
+    ids = keep(x, params.temperature, params.top_k, params.top_p, params.min_p, "filter_logits")
+    z = x / params.temperature
+    return z if ids is None else torch.full_like(z, -math.inf).index_copy_(0, ids, z[ids])
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
@@ -295,23 +237,33 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], outp
     rows = [b for b, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
-    x = logits[rows].float()  # [R, V], a copy
-    vocab, dev = x.shape[-1], x.device
-    out_counts = _counts([output_ids[b] for b in rows], vocab, dev)  # [R, V]
-    rep = [params[b].repetition_penalty for b in rows]
-    if any(r != 1.0 for r in rep):
-        seen = out_counts > 0
-        seen |= _counts([prompt_ids[b] if r != 1.0 else () for b, r in zip(rows, rep, strict=True)], vocab, dev) > 0
-        penalty = torch.tensor(rep, device=dev)[:, None]
-        x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
-    freq = torch.tensor([params[b].frequency_penalty for b in rows], device=dev)[:, None]
-    pres = torch.tensor([params[b].presence_penalty for b in rows], device=dev)[:, None]
-    x = x - (freq * out_counts + pres * (out_counts > 0))
-    if len(rows) == len(params):
-        return x
-    full = logits.float().clone()
-    full[rows] = x
-    return full
+    x = logits.float()
+    x = x.clone() if x is logits else x  # [B, V]
+    for b in rows:
+        _penalize(x[b], params[b], output_ids[b], prompt_ids[b])
+    return x
+
+
+def _penalize(row: torch.Tensor, p: SamplingParams, output: Sequence[int], prompt: Sequence[int]) -> None:
+    """Row [V] float32 with p's penalties, in place: repetition (every token of prompt or output divided when
+    positive, else multiplied), then ``count * frequency + (count > 0) * presence`` subtracted (OpenAI's; count over
+    the output). Only the tokens seen change: the cost grows with the history, not the vocabulary."""
+    vocab = row.shape[0]
+    counts = Counter(t for t in output if t < vocab)
+    seen = set(counts)
+    if p.repetition_penalty != 1.0:
+        seen.update(t for t in prompt if t < vocab)
+    if not seen:
+        return
+    order = sorted(seen)
+    ids = torch.tensor(order, dtype=torch.int64, device=row.device)
+    v = row[ids]
+    if p.repetition_penalty != 1.0:
+        v = torch.where(v < 0, v * p.repetition_penalty, v / p.repetition_penalty)
+    if counts and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        n = torch.tensor([counts.get(t, 0) for t in order], device=row.device)
+        v = v - (p.frequency_penalty * n + p.presence_penalty * (n > 0))  # a count of 0 takes 0 off
+    row[ids] = v
 
 
 def token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
@@ -334,35 +286,54 @@ def token_logprobs(logprobs: torch.Tensor, rows: list[int], params: Sequence[Sam
     return out
 
 
+def _shapes(p: SamplingParams, ban: Sequence[int], refused: torch.Tensor | None) -> bool:
+    """Whether row shaping changes a row's logits."""
+    return p.penalized or bool(p.logit_bias) or bool(ban) or refused is not None
+
+
+def _shape(row: torch.Tensor, p: SamplingParams, output: Sequence[int], prompt: Sequence[int], ban: Sequence[int],
+           refused: torch.Tensor | None) -> None:
+    """Row [V] float32 with its penalties, logit bias, grammar mask (``refused`` [V] bool, True: masked) and bans
+    applied, in place; a ban that would leave the grammar nothing yields to it (its EOS before min_tokens)."""
+    if p.penalized:
+        _penalize(row, p, output, prompt)
+    if p.logit_bias:
+        vocab = row.shape[0]
+        ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.int64, device=row.device)
+        row[ids] += torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab], dtype=row.dtype,
+                                 device=row.device)
+    if refused is not None:
+        row.masked_fill_(refused, -math.inf)
+    if ban:
+        ids = torch.tensor(list(ban), dtype=torch.int64, device=row.device)
+        if refused is None or not refused.clone().index_fill_(0, ids, True).all():
+            row[ids] = -math.inf
+
+
+def _refusals(allowed: tuple[Sequence[int], torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    """{row: refused [V] bool} of ``allowed`` = (rows, refused [R, V])."""
+    return {} if allowed is None else {b: allowed[1][i] for i, b in enumerate(allowed[0])}
+
+
 def shape_logits(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
                  prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None,
                  allowed: tuple[Sequence[int], torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Each row's logits with its penalties, logit bias, grammar mask and bans applied (arguments as ``sample_step``):
     [B, V] float32 (``logits`` itself when nothing changes it), and {row: refused [V] bool} of the grammar's rows."""
-    bans = [(b, list(ids)) for b, ids in enumerate(banned or ()) if ids]
-    x = apply_penalties(logits, params, output_ids, prompt_ids)
-    biased = [b for b, p in enumerate(params) if p.logit_bias]
-    if bans or biased or allowed is not None:
-        x = x.clone() if x is logits else x
-    for b in biased:
-        bias = params[b].logit_bias
-        ids = torch.tensor([t for t in bias if t < x.shape[-1]], dtype=torch.int64)
-        x[b, ids] += torch.tensor([bias[t] for t in bias if t < x.shape[-1]], dtype=x.dtype)
-    refused = {}
-    if allowed is not None:
-        rows, refuse = allowed
-        for i, b in enumerate(rows):
-            refused[b] = refuse[i]
-            x[b].masked_fill_(refuse[i], -math.inf)  # in place, row by row: no copy of the batch
-    for b, ids in bans:
-        ids = torch.tensor(ids, dtype=torch.int64)
-        if b in refused and refused[b].clone().index_fill_(0, ids, True).all():
-            continue  # the grammar allows nothing but these (its EOS before min_tokens): the grammar wins
-        x[b, ids] = -math.inf
+    bans = list(banned or ()) + [()] * (len(params) - len(banned or ()))
+    refused = _refusals(allowed)
+    rows = [b for b, p in enumerate(params) if _shapes(p, bans[b], refused.get(b))]
+    if not rows:
+        return logits, refused
+    x = logits.float()
+    x = x.clone() if x is logits else x  # [B, V]
+    for b in rows:
+        _shape(x[b], params[b], output_ids[b], prompt_ids[b], bans[b], refused.get(b))
     return x, refused
 
 
+@torch.no_grad()
 def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], output_ids: Sequence[Sequence[int]],
                 prompt_ids: Sequence[Sequence[int]], banned: Sequence[Sequence[int]] | None = None,
@@ -375,29 +346,36 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
     belong to row b. allowed: (rows, refused [R, V] bool): the tokens each of those rows may not take (True; a
     grammar's mask); a ban that would leave such a row nothing yields to the grammar. Returns (B token ids, B
     ``TokenLogprob`` or None).
+
+    Each row is shaped (``shape_logits``'s row) in a buffer of this thread's, not in a copy of the batch.
     """
     lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
     if not lp_rows and not any(banned or ()) and allowed is None and all(p.plain for p in params):
         return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
     logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
-    x, refused = shape_logits(logits, params, output_ids, prompt_ids, banned, allowed)
-    # a broken grammar refuses all: its matcher ends the sequence, and the argmax stands in
-    argmax = [b for b, p in enumerate(params) if p.greedy or (b in refused and bool(refused[b].all()))]
-    skip = set(argmax)
-    tokens = [0] * len(params)
-    if argmax:  # the greedy rows only: a pass over the vocabulary each
-        for b, t in zip(argmax, torch.argmax(x[argmax] if len(argmax) < len(params) else x, dim=-1).tolist(),
-                        strict=True):
-            tokens[b] = t
+    bans = list(banned or ()) + [()] * (len(params) - len(banned or ()))
+    refused = _refusals(allowed)
+    vocab, tokens = logits.shape[-1], [0] * len(params)
+    plain_greedy = []  # greedy rows nothing shapes: one argmax over them together
     for b, p in enumerate(params):
-        if b in skip:
+        shaped = _shapes(p, bans[b], refused.get(b))
+        if p.greedy and not shaped:
+            plain_greedy.append(b)
             continue
-        kept, support = _filter(x[b], p)
-        probs = torch.softmax(kept, dim=-1)
-        g = generators[b]
-        if g is not None and g.device != probs.device:
-            probs, support = probs.to(g.device), None
-        tokens[b] = multinomial_one(probs, g, support)  # torch.multinomial's token, without its V exponentials
+        x = logits[b]  # [V]
+        if shaped or x.dtype != torch.float32 or not x.is_contiguous():
+            x = scratch("row", vocab, torch.float32, logits.device).copy_(x)
+            _shape(x, p, output_ids[b], prompt_ids[b], bans[b], refused.get(b))
+        # a broken grammar refuses all: its matcher ends the sequence, and the argmax stands in
+        if p.greedy or (b in refused and bool(refused[b].all())):
+            tokens[b] = int(torch.argmax(x))
+            continue
+        kept = keep(x, p.temperature, p.top_k, p.top_p, p.min_p, f"sample_step row {b}")
+        tokens[b] = draw(x, p.temperature, kept, generators[b])
+    if plain_greedy:
+        rows = logits[plain_greedy] if len(plain_greedy) < len(params) else logits
+        for b, t in zip(plain_greedy, torch.argmax(rows, dim=-1).tolist(), strict=True):
+            tokens[b] = t
     if logprobs is None:
         return tokens, [None] * len(params)
     return tokens, token_logprobs(logprobs, lp_rows, params, tokens)
