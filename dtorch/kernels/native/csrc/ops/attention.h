@@ -378,21 +378,22 @@ static void attend_item_rowwise(const dtn::AttnCall& c, const dtn::AttnItem& it)
   finish<T, D>(acc, op, lim, l, bad, nr);
 }
 
-// == One query row over several kv heads, key by key ===============================================================
-// A decode step's row of a sequence reads, for each kv head, D of every Hkv D values of the cache rows: an item per
-// head strides through memory, and its keys come from memory (a layer's weights passed through the caches since the
-// last step) at ~10 GB/s. Here the items of consecutive heads go together: for each key the nh D values of all their
-// K (then V) vectors lie side by side, and each chunk's K and V spans are first read front to back by plain loads
-// (software prefetches of the same lines gained nothing on this machine, an AMD Zen 4), so the keys arrive at the
-// read rate and the scores and P V then run on cached rows: Llama 3.2 1B's 8 heads of 64 at 129 keys from memory
-// 1.25-1.45x, Qwen2.5-1.5B's 2 of 128 1.2x (bench/attention_decode.py, cold). Same sums in the same order as
-// attend_item's (scores per key and row; P V chained over the chunk's keys, in steps of kPvKeys).
+// == One query row over its kv heads, key by key ==================================================================
+// A decode step's row of a sequence finds its keys in memory (a layer's weights passed through the caches since the
+// last step), and an item per kv head reads D of every Hkv D values of the cache rows: ~5-10 GB/s. Here the items of
+// consecutive heads go together (one head too): for each key the nh D values of their K (then V) vectors lie side by
+// side, and each chunk's K and V spans are first read front to back by plain loads (software prefetches of the same
+// lines gained nothing on this machine, an AMD Zen 4), so the keys arrive at the read rate and the scores and P V
+// then run on cached rows. Keys from memory, 129 of them: Llama 3.2 1B (8 heads of 64) 1.2-1.4x, Qwen2.5-1.5B (2 of
+// 128) 1.1-1.2x, Gemma 3 1B (1 of 256) 1.25x; with the keys already cached it costs ~1.3x (the loads first). Same
+// sums in the same order as attend_item's (scores per key and row; P V chained over the chunk's keys in steps of
+// kPvKeys).
 constexpr int kHeadRows = 32;      // rows (nh x G) at most: q, the sums and the scores stay in L1
 constexpr int kHeadFloats = 2048;  // rows x D at most (8 KiB each for q and the sums)
 constexpr int kPvKeys = 8;         // keys per P V step (each step reloads a block's sums)
 
 // items[i..] of one sequence's single query row, kv heads h, h + 1, ... each with all its G rows: how many go
-// together (0 or 1: attend_item instead)
+// together (0: attend_item instead)
 static inline int64_t head_run(const dtn::AttnCall& c, const dtn::AttnItem* items, int64_t i, int64_t i1) {
   const dtn::AttnItem& it = items[i];
   if (c.cu_q[it.seq + 1] - c.cu_q[it.seq] != 1 || it.r0 != 0 || it.r1 != c.G) return 0;
@@ -525,7 +526,7 @@ static void attend_items(const dtn::AttnCall& c, const dtn::AttnItem* items, int
   for (int64_t i = i0; i < i1;) {
     if constexpr (kBlock > 1) {
       const int64_t nh = head_run(c, items, i, i1);
-      if (nh > 1) {
+      if (nh > 0) {
         attend_heads<T, C, NV>(c, items[i].seq, items[i].head, nh);
         i += nh;
         continue;
