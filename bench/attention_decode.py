@@ -3,8 +3,9 @@ the native kernel against torch's ``scaled_dot_product_attention`` on the same k
 
     python bench/attention_decode.py [--threads 1] [--lengths 128 512 2048] [--smoke]
 
-Shapes: Qwen2.5-0.5B (14 query heads over 2 KV heads of 64), Gemma 3 270M (4 over 1 of 256), Llama 3.2 1B (32 over 8
-of 64); one sequence whose keys sit in a paged float32 cache of 16-token blocks, as the engine keeps it. Each row:
+Shapes: Qwen2.5-0.5B (14 query heads over 2 KV heads of 64), Qwen2.5-1.5B (12 over 2 of 128), Gemma 3 270M and 1B (4
+over 1 of 256), Llama 3.2 1B (32 over 8 of 64); one sequence whose keys sit in a paged float32 cache of 16-token
+blocks, as the engine keeps it. Each row:
 - native, hot: the kernel called back to back (its keys and values in the caches);
 - native, cold: each call after 48 MiB were written, so the keys come from memory, as in a decode step, where a
   layer's weights pass through the caches between two attentions;
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import table  # noqa: E402
 
-SHAPES = [("Qwen2.5-0.5B", 14, 2, 64), ("Gemma 3 270M", 4, 1, 256), ("Llama 3.2 1B", 32, 8, 64)]
+SHAPES = [("Qwen2.5-0.5B", 14, 2, 64), ("Qwen2.5-1.5B", 12, 2, 128), ("Gemma 3 270M / 1B", 4, 1, 256),
+          ("Llama 3.2 1B", 32, 8, 64)]
 BLOCK = 16
 
 
