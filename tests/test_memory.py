@@ -149,12 +149,31 @@ def test_a_huge_page_arena_puts_small_tensors_in_2_mib_pages_and_unmaps_when_the
         # ts[1], 1.2 MiB: a mapping of its own would be in 4 KiB pages; every page the four touch is a 2 MiB one
         assert _anon_huge_kib(ts[1].data_ptr()) * 1024 >= -(-sum(t.nbytes for t in ts) // HUGE_PAGE) * HUGE_PAGE
     slab = weakref.ref(arena._slabs[0][0])
+    arena.close()  # the rest of the last 2 MiB page given back: none of the tensors' bytes
+    for i, (s, t) in enumerate(zip(sizes, ts, strict=True)):
+        assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32).view(s) + i)
+    assert arena.refused and not arena._slabs  # closed: plain memory from now on
     del arena, t
     gc.collect()
     assert slab() is not None  # the tensors keep their slab mapped
     ts.clear()
     gc.collect()
     assert slab() is None  # the last one gone: unmapped
+
+
+def test_a_huge_page_arena_opens_a_slab_when_one_is_full(monkeypatch):
+    import importlib
+
+    mem = importlib.import_module("dtorch.core.memory")
+    if not mem.HugePageArena.usable():
+        pytest.skip("transparent huge pages are off here")
+    monkeypatch.setattr(mem, "ARENA_SLAB", 4 << 20)
+    arena = mem.HugePageArena()
+    a = arena.empty(((4 << 20) - 4096,), torch.uint8).fill_(1)  # the first slab, all but 4 KiB
+    b = arena.empty((8192,), torch.uint8).fill_(2)  # does not fit: a second slab
+    c = arena.empty((4000,), torch.uint8).fill_(3)  # fits the first one's last 4 KiB
+    assert len(arena._slabs) == 2 and c.data_ptr() == a.data_ptr() + a.numel()
+    assert (a == 1).all() and (b == 2).all() and (c == 3).all()
 
 
 def test_a_huge_page_arena_falls_back_to_plain_memory(monkeypatch):
@@ -168,6 +187,14 @@ def test_a_huge_page_arena_falls_back_to_plain_memory(monkeypatch):
     arena = mem.HugePageArena()
     t = arena.empty((64, 33), torch.int16).copy_(torch.arange(64 * 33).view(64, 33))
     assert arena.refused and not arena._slabs and torch.equal(t, torch.arange(64 * 33, dtype=torch.int16).view(64, 33))
+
+    def no_room(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")  # strict overcommit refusing the slab's reservation
+
+    with monkeypatch.context() as m:
+        m.setattr(mem.mmap, "mmap", no_room)
+        arena = mem.HugePageArena()
+        assert arena.empty((7,), torch.float64).shape == (7,) and arena.refused
     for setting in ("env", "never"):
         monkeypatch.setattr(mem, "libc_function", lambda name: (lambda *a: 0) if name == "madvise" else None)
         if setting == "env":

@@ -189,8 +189,11 @@ def empty_in_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tenso
 
 
 MAP_NORESERVE = 0x4000  # Linux's (Python's mmap module names it from 3.12): no swap reserved for untouched pages
-ARENA_SLAB = 64 << 20  # bytes a new slab of a HugePageArena maps at least (virtual: untouched pages cost nothing)
-ARENA_ALIGN = 4096  # where each tensor of an arena starts
+# bytes a new slab of a HugePageArena maps at least: virtual (untouched pages cost nothing), and large, as each slab
+# may hold one 2 MiB page it fills only in part
+ARENA_SLAB = 256 << 20
+ARENA_ALIGN = 64  # where each tensor of an arena starts (a cache line, as torch.empty's)
+MADV_DONTNEED = 4
 
 
 def thp_mode() -> str:
@@ -208,21 +211,21 @@ class HugePageArena:
     """Memory for the tensors of one model's weights in 2 MiB pages, small ones included: each tensor a piece of a
     slab (a private anonymous mapping, 2 MiB aligned, marked MADV_HUGEPAGE before anything is written), so its first
     write faults it in as transparent huge pages. A weight under 4 MiB given memory of its own (``torch.empty``: a
-    mapping that starts at a 4 KiB boundary) sits in 4 KiB pages, and its one-row product reads it ~1.4x slower at
-    one thread (a TLB miss and a prefetch restart at each page); a larger one only at its ends.
+    mapping that starts at a 4 KiB boundary) sits in 4 KiB pages, where its one-row product reads it ~1.4x slower at
+    one thread (``bench/weight_pages.py``); a larger one only at its ends.
 
     ``empty(shape, dtype)`` gives a tensor with a storage of its own (exactly its bytes, so memory accounting and
     ``huge_pages`` see it alone) that keeps its slab mapped; a slab is unmapped when its last tensor is freed, so
-    the arena itself may go once the model is loaded. Tensors are laid out first fit, each at a 4 KiB boundary; a
-    slab left with untouched pages holds no memory for them, and the pages the tensors touch are all they cost
-    (up to one 2 MiB page more per slab, its last one partly used).
+    the arena itself may go once the model is loaded. Tensors are laid out first fit, each at a 64-byte boundary; a
+    slab's untouched pages hold no memory, and ``close`` gives back the rest of the 2 MiB page each slab's tensors
+    end in, so the arena costs its tensors' bytes.
 
     ``HugePageArena.usable()``: whether one helps here (Linux with a C library, transparent huge pages "always" or
     "madvise", not ``DTORCH_NO_HUGE_PAGES``); where not, or where the kernel refuses a slab's madvise, ``empty``
     is ``torch.empty``."""
 
     def __init__(self) -> None:
-        self._slabs: list[list] = []  # [mapping, first aligned address, bytes, bytes used]
+        self._slabs: list[list] = []  # [mapping, offset of its first 2 MiB boundary, bytes, bytes used]
         self._lock = threading.Lock()
         self.refused = False  # a slab's madvise failed: plain torch.empty from then on
         self.bytes = 0  # of the tensors given out
@@ -251,10 +254,29 @@ class HugePageArena:
             self.bytes += nbytes
         return torch.frombuffer(slab[0], dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
 
+    def close(self) -> None:
+        """No more tensors come from the arena (``empty`` is ``torch.empty`` from now on); each slab's last 2 MiB page,
+        where its tensors end inside it, gives back the 4 KiB pages after their end (MADV_DONTNEED: it is then held
+        in 4 KiB pages, and the arena costs no more than its tensors, up to 4 KiB a slab)."""
+        madvise = libc_function("madvise")
+        with self._lock:
+            self.refused = True
+            for mapping, start, _, used in self._slabs:
+                base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+                lo = -(-(base + start + used) // mmap.PAGESIZE) * mmap.PAGESIZE
+                hi = -(-(base + start + used) // HUGE_PAGE) * HUGE_PAGE
+                if madvise is not None and hi > lo:
+                    madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
+            self._slabs = []
+
     def _new_slab(self, nbytes: int) -> list | None:
-        """A new slab of at least ``nbytes`` (None, and ``refused`` set, where madvise fails)."""
+        """A new slab of at least ``nbytes`` (None, and ``refused`` set, where the mapping or madvise fails)."""
         size = max(ARENA_SLAB, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-        mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        try:  # (strict overcommit, vm.overcommit_memory 2, may refuse the reservation)
+            mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        except OSError:
+            self.refused = True
+            return None
         base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         skip = -base % HUGE_PAGE  # the slab starts at the first 2 MiB boundary of the mapping
         madvise = libc_function("madvise")
@@ -262,7 +284,7 @@ class HugePageArena:
             self.refused = True
             mapping.close()
             return None
-        self._slabs.append([mapping, skip, skip + size, 0])
+        self._slabs.append([mapping, skip, size, 0])
         return self._slabs[-1]
 
 
@@ -280,6 +302,8 @@ def weight_arena() -> Iterator[HugePageArena | None]:
         yield arena
     finally:
         _weight_arena.reset(token)
+        if arena is not None:
+            arena.close()
 
 
 def current_weight_arena() -> HugePageArena | None:
