@@ -194,6 +194,7 @@ MAP_NORESERVE = 0x4000  # Linux's (Python's mmap module names it from 3.12): no 
 ARENA_SLAB = 256 << 20
 ARENA_ALIGN = 64  # where each tensor of an arena starts (a cache line, as torch.empty's)
 MADV_DONTNEED = 4
+MADV_NOHUGEPAGE = 15
 
 
 def thp_mode() -> str:
@@ -257,16 +258,19 @@ class HugePageArena:
     def close(self) -> None:
         """No more tensors come from the arena (``empty`` is ``torch.empty`` from now on); each slab's last 2 MiB page,
         where its tensors end inside it, gives back the 4 KiB pages after their end (MADV_DONTNEED: it is then held
-        in 4 KiB pages, and the arena costs no more than its tensors, up to 4 KiB a slab)."""
+        in 4 KiB pages, and the arena costs no more than its tensors, up to 4 KiB a slab). That page and the slab's
+        untouched rest are marked MADV_NOHUGEPAGE first, so that khugepaged does not make it whole again."""
         madvise = libc_function("madvise")
         with self._lock:
             self.refused = True
-            for mapping, start, _, used in self._slabs:
-                base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-                lo = -(-(base + start + used) // mmap.PAGESIZE) * mmap.PAGESIZE
-                hi = -(-(base + start + used) // HUGE_PAGE) * HUGE_PAGE
-                if madvise is not None and hi > lo:
-                    madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
+            for mapping, start, size, used in self._slabs:
+                base = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) + start
+                end = base + used
+                last, page_end = end // HUGE_PAGE * HUGE_PAGE, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+                if madvise is None or last == end:
+                    continue
+                madvise(ctypes.c_void_p(last), ctypes.c_size_t(base + size - last), MADV_NOHUGEPAGE)
+                madvise(ctypes.c_void_p(page_end), ctypes.c_size_t(last + HUGE_PAGE - page_end), MADV_DONTNEED)
             self._slabs = []
 
     def _new_slab(self, nbytes: int) -> list | None:
