@@ -44,6 +44,7 @@ SMOKE = {
     "tp.py": (["--smoke"], ["greedy tokens identical across engines: True", "served, shared memory",
                             "concurrent streams", "micro-batches in", "ceiling for two devices", "2 gloo ranks"]),
     "structured_outputs.py": (["--smoke"], ["rows masked", "mask ms/row", "step vs none"]),
+    "weight_pages.py": (["--smoke"], ["own memory", "arena speed-up", "products (layers)", "one-row products"]),
 }
 
 # scripts without a smoke run here, each with the reason; a script must be in SMOKE or here

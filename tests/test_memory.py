@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import weakref
 
 import pytest
 import torch
@@ -106,3 +108,108 @@ def _run_scratch_square(key, seen) -> None:
     arena = dtorch.WorkspaceArena("cpu")
     op.forward_out(x, out=torch.empty(4, 8), ctx=dtorch.RuntimeContext("cpu", workspace=arena))
     assert seen[-1] == arena.get(1).data_ptr()  # a caller's own arena is used when given
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _thp_fallbacks() -> int:
+    """Page faults of MADV_HUGEPAGE memory the kernel served in 4 KiB pages (no free 2 MiB page), so far."""
+    with open("/proc/vmstat") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("thp_fault_fallback "))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_huge_page_arena_puts_small_tensors_in_2_mib_pages_and_unmaps_when_they_go():
+    from dtorch.core.memory import HUGE_PAGE, HugePageArena
+
+    if not HugePageArena.usable():
+        pytest.skip("transparent huge pages are off here")
+    arena, fallbacks = HugePageArena(), _thp_fallbacks()
+    sizes = [(1000,), (300, 1024), (5, 7), (3 << 20,)]  # bytes: 4000, 1.2 MiB, 140, 12 MiB
+    ts = [arena.empty(s, torch.float32) for s in sizes]
+    for i, t in enumerate(ts):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + i)
+    for i, (s, t) in enumerate(zip(sizes, ts, strict=True)):
+        assert t.shape == s and t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes  # counted alone
+        assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32).view(s) + i)  # none overlaps another
+    assert arena.bytes == sum(t.nbytes for t in ts) and not arena.refused
+    if _thp_fallbacks() == fallbacks:  # (else the kernel had no free 2 MiB page: 4 KiB ones, as it may)
+        # ts[1], 1.2 MiB: a mapping of its own would be in 4 KiB pages; every page the four touch is a 2 MiB one
+        assert _anon_huge_kib(ts[1].data_ptr()) * 1024 >= -(-sum(t.nbytes for t in ts) // HUGE_PAGE) * HUGE_PAGE
+    slab = weakref.ref(arena._slabs[0][0])
+    arena.close()  # the rest of the last 2 MiB page given back: none of the tensors' bytes
+    for i, (s, t) in enumerate(zip(sizes, ts, strict=True)):
+        assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32).view(s) + i)
+    assert arena.refused and not arena._slabs  # closed: plain memory from now on
+    del arena, t
+    gc.collect()
+    assert slab() is not None  # the tensors keep their slab mapped
+    ts.clear()
+    gc.collect()
+    assert slab() is None  # the last one gone: unmapped
+
+
+def test_a_huge_page_arena_opens_a_slab_when_one_is_full(monkeypatch):
+    import importlib
+
+    mem = importlib.import_module("dtorch.core.memory")
+    if not mem.HugePageArena.usable():
+        pytest.skip("transparent huge pages are off here")
+    monkeypatch.setattr(mem, "ARENA_SLAB", 4 << 20)
+    arena = mem.HugePageArena()
+    a = arena.empty(((4 << 20) - 4096,), torch.uint8).fill_(1)  # the first slab, all but 4 KiB
+    b = arena.empty((8192,), torch.uint8).fill_(2)  # does not fit: a second slab
+    c = arena.empty((4000,), torch.uint8).fill_(3)  # fits the first one's last 4 KiB
+    assert len(arena._slabs) == 2 and c.data_ptr() == a.data_ptr() + a.numel()
+    assert (a == 1).all() and (b == 2).all() and (c == 3).all()
+
+
+def test_a_huge_page_arena_falls_back_to_plain_memory(monkeypatch):
+    """Where madvise refuses (a kernel without transparent huge pages), ``DTORCH_NO_HUGE_PAGES`` is set or THP is
+    "never", weights get plain memory; the values are the same."""
+    import importlib
+
+    mem = importlib.import_module("dtorch.core.memory")  # (the package's "memory" is the tracker)
+    monkeypatch.setattr(mem, "libc_function", lambda name: (lambda *a: -1) if name == "madvise" else None)
+    monkeypatch.setattr(mem, "thp_mode", lambda: "madvise")
+    arena = mem.HugePageArena()
+    t = arena.empty((64, 33), torch.int16).copy_(torch.arange(64 * 33).view(64, 33))
+    assert arena.refused and not arena._slabs and torch.equal(t, torch.arange(64 * 33, dtype=torch.int16).view(64, 33))
+
+    def no_room(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")  # strict overcommit refusing the slab's reservation
+
+    with monkeypatch.context() as m:
+        m.setattr(mem.mmap, "mmap", no_room)
+        arena = mem.HugePageArena()
+        assert arena.empty((7,), torch.float64).shape == (7,) and arena.refused
+    for setting in ("env", "never"):
+        monkeypatch.setattr(mem, "libc_function", lambda name: (lambda *a: 0) if name == "madvise" else None)
+        if setting == "env":
+            monkeypatch.setenv("DTORCH_NO_HUGE_PAGES", "1")
+        else:
+            monkeypatch.delenv("DTORCH_NO_HUGE_PAGES", raising=False)
+            monkeypatch.setattr(mem, "thp_mode", lambda: "never")
+        with mem.weight_arena() as arena:
+            assert arena is None and mem.current_weight_arena() is None
+            w = mem.empty_weight((3, 5), torch.float32)
+            assert w.shape == (3, 5) and w.untyped_storage().nbytes() == w.nbytes
+    monkeypatch.setattr(mem, "thp_mode", lambda: "madvise")
+    monkeypatch.delenv("DTORCH_NO_HUGE_PAGES", raising=False)
+    with mem.weight_arena() as arena:  # madvise answers 0: an arena, and the weights come from it
+        assert arena is not None and mem.current_weight_arena() is arena
+        mem.empty_weight((3, 5), torch.float32)
+        assert arena.bytes == 60
+    assert mem.current_weight_arena() is None

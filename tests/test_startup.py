@@ -108,6 +108,53 @@ def test_cache_miss_then_hit_give_the_uncached_logits(quantized, uncached, cache
     assert _entry(cache_dir) == entry and not list(cache_dir.glob("*.tmp"))
 
 
+def _mapping(address: int) -> tuple[int, int, int]:
+    """(start, end, AnonHugePages KiB) of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    span = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                span = (lo, hi) if lo <= address < hi else None
+            elif span is not None and head == "AnonHugePages:":
+                return (*span, int(line.split()[1]))
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("huge", [True, False])
+def test_packed_weights_share_one_2_mib_page_arena_packed_or_cached(quantized, uncached, cache_dir, monkeypatch,
+                                                                    huge):
+    """A miss packs every weight into the load's arena, a hit reads them into one; each weight a storage of its own
+    bytes (memory accounting counts it alone). ``DTORCH_NO_HUGE_PAGES``: no arena, each weight its own memory as
+    before. The logits are the uncached load's either way."""
+    from dtorch.core.memory import ARENA_SLAB, HugePageArena
+    from dtorch.engine.llm import LLM
+
+    if huge and not HugePageArena.usable():
+        pytest.skip("transparent huge pages are off here (the fallback is the huge=False case)")
+    if not huge:
+        monkeypatch.setenv("DTORCH_NO_HUGE_PAGES", "1")
+    for want in ("miss", "hit") if huge else ("miss",):
+        llm = LLM(quantized, max_model_len=32, max_num_seqs=1)
+        try:
+            assert llm.pack_cache.status == want
+            llm.pack_cache.wait()
+            packed = [b.tensor for w in llm.model.weights.values() if str(w.layout).startswith("gguf.")
+                      for b in w.blobs.values()]
+            assert len(packed) >= 4 and all(t.untyped_storage().nbytes() == t.nbytes for t in packed)
+            maps = {_mapping(t.data_ptr()) for t in packed}
+            if huge:  # one slab (the tiny model's weights are KiBs: the rest of its 2 MiB page is given back)
+                ((lo, hi, _),) = maps
+                assert hi - lo >= ARENA_SLAB
+            else:
+                assert all(m[2] == 0 for m in maps)  # the heap or mappings of their own: 4 KiB pages
+            assert torch.equal(llm.logits(IDS), uncached)
+        finally:
+            llm.close()
+
+
 def test_cache_off_writes_nothing(quantized, uncached, cache_dir, monkeypatch):
     monkeypatch.setenv("DTORCH_PACK_CACHE", "0")
     logits, status = _load(quantized)

@@ -14,7 +14,7 @@
 | DTORCH_NATIVE_CACHE | folder where the native CPU kernels are compiled and cached | a path | ~/.cache/dtorch/native |
 | DTORCH_API_KEY | the key ``dtorch serve`` asks clients for when ``--api-key`` is not given | any text | none |
 | DTORCH_BATCH_INVARIANT | LLM(batch_invariant=None): a sequence's tokens never depend on its batch | a flag | off |
-| DTORCH_NO_HUGE_PAGES | leave a CPU model's weights in 4 KiB pages (no MADV_COLLAPSE after the load) | a flag | off |
+| DTORCH_NO_HUGE_PAGES | a CPU model's weights in 4 KiB pages (no 2 MiB page arena, no MADV_COLLAPSE) | a flag | off |
 | DTORCH_PACK_CACHE | cache a GGUF file's packed weights, so a later load is one read | a flag | on |
 | DTORCH_PACK_CACHE_DIR | folder of that cache (``dtorch.models.pack_cache``) | a path | ~/.cache/dtorch/packed |
 | DTORCH_SHM_COMM | gloo ranks of one host talk through shared memory (``distributed/shm.py``) | a flag | on |

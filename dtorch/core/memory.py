@@ -8,19 +8,23 @@ tensor's storage is freed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import ctypes.util
 import enum
 import functools
+import mmap
 import sys
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from dtorch.core import env
 from dtorch.core.device import Device, as_device
 from dtorch.core.errors import ArgumentError
 
@@ -182,6 +186,142 @@ def empty_in_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tenso
         if hi > lo:
             madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE)
     return t
+
+
+MAP_NORESERVE = 0x4000  # Linux's (Python's mmap module names it from 3.12): no swap reserved for untouched pages
+# bytes a new slab of a HugePageArena maps at least: virtual (untouched pages cost nothing), and large, as each slab
+# may hold one 2 MiB page it fills only in part
+ARENA_SLAB = 256 << 20
+ARENA_ALIGN = 64  # where each tensor of an arena starts (a cache line, as torch.empty's)
+MADV_DONTNEED = 4
+MADV_NOHUGEPAGE = 15
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode ("always", "madvise" or "never"); "never" where it cannot be read (not
+    Linux, a kernel without them)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    return text[text.index("[") + 1:text.index("]")] if "[" in text and "]" in text else "never"
+
+
+class HugePageArena:
+    """Memory for the tensors of one model's weights in 2 MiB pages, small ones included: each tensor a piece of a
+    slab (a private anonymous mapping, 2 MiB aligned, marked MADV_HUGEPAGE before anything is written), so its first
+    write faults it in as transparent huge pages. A weight under 4 MiB given memory of its own (``torch.empty``: a
+    mapping that starts at a 4 KiB boundary) sits in 4 KiB pages, where its one-row product reads it ~1.4x slower at
+    one thread (``bench/weight_pages.py``); a larger one only at its ends.
+
+    ``empty(shape, dtype)`` gives a tensor with a storage of its own (exactly its bytes, so memory accounting and
+    ``huge_pages`` see it alone) that keeps its slab mapped; a slab is unmapped when its last tensor is freed, so
+    the arena itself may go once the model is loaded. Tensors are laid out first fit, each at a 64-byte boundary; a
+    slab's untouched pages hold no memory, and ``close`` gives back the rest of the 2 MiB page each slab's tensors
+    end in, so the arena costs its tensors' bytes.
+
+    ``HugePageArena.usable()``: whether one helps here (Linux with a C library, transparent huge pages "always" or
+    "madvise", not ``DTORCH_NO_HUGE_PAGES``); where not, or where the kernel refuses a slab's madvise, ``empty``
+    is ``torch.empty``."""
+
+    def __init__(self) -> None:
+        self._slabs: list[list] = []  # [mapping, offset of its first 2 MiB boundary, bytes, bytes used]
+        self._lock = threading.Lock()
+        self.refused = False  # a slab's madvise failed: plain torch.empty from then on
+        self.bytes = 0  # of the tensors given out
+
+    @staticmethod
+    def usable() -> bool:
+        return not env.no_huge_pages() and libc_function("madvise") is not None and \
+            thp_mode() in ("always", "madvise")
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized cpu tensor of ``shape`` and ``dtype`` in the arena's 2 MiB pages (``torch.empty``
+        where the kernel refused them)."""
+        shape = tuple(int(s) for s in shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0 or self.refused:
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:
+            slab = next((s for s in self._slabs if s[2] - s[3] >= nbytes), None) or self._new_slab(nbytes)
+            if slab is None:
+                return torch.empty(shape, dtype=dtype)
+            offset = slab[1] + slab[3]
+            slab[3] += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+            self.bytes += nbytes
+        return torch.frombuffer(slab[0], dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
+
+    def close(self) -> None:
+        """No more tensors come from the arena (``empty`` is ``torch.empty`` from now on); each slab's last 2 MiB page,
+        where its tensors end inside it, gives back the 4 KiB pages after their end (MADV_DONTNEED: it is then held
+        in 4 KiB pages, and the arena costs no more than its tensors, up to 4 KiB a slab). That page and the slab's
+        untouched rest are marked MADV_NOHUGEPAGE first, so that khugepaged does not make it whole again."""
+        madvise = libc_function("madvise")
+        with self._lock:
+            self.refused = True
+            for mapping, start, size, used in self._slabs:
+                base = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) + start
+                end = base + used
+                last, page_end = end // HUGE_PAGE * HUGE_PAGE, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+                if madvise is None or last == end:
+                    continue
+                madvise(ctypes.c_void_p(last), ctypes.c_size_t(base + size - last), MADV_NOHUGEPAGE)
+                madvise(ctypes.c_void_p(page_end), ctypes.c_size_t(last + HUGE_PAGE - page_end), MADV_DONTNEED)
+            self._slabs = []
+
+    def _new_slab(self, nbytes: int) -> list | None:
+        """A new slab of at least ``nbytes`` (None, and ``refused`` set, where the mapping or madvise fails)."""
+        size = max(ARENA_SLAB, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+        try:  # (strict overcommit, vm.overcommit_memory 2, may refuse the reservation)
+            mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        except OSError:
+            self.refused = True
+            return None
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        skip = -base % HUGE_PAGE  # the slab starts at the first 2 MiB boundary of the mapping
+        madvise = libc_function("madvise")
+        if madvise is None or madvise(ctypes.c_void_p(base + skip), ctypes.c_size_t(size), MADV_HUGEPAGE) != 0:
+            self.refused = True
+            mapping.close()
+            return None
+        self._slabs.append([mapping, skip, size, 0])
+        return self._slabs[-1]
+
+
+_weight_arena: contextvars.ContextVar[HugePageArena | None] = contextvars.ContextVar("dtorch_weight_arena",
+                                                                                     default=None)
+
+
+@contextlib.contextmanager
+def weight_arena() -> Iterator[HugePageArena | None]:
+    """While inside, ``empty_weight`` takes a model's weights from one ``HugePageArena`` (where it helps: see
+    ``HugePageArena.usable``; else nothing changes). Yields the arena, or None."""
+    arena = HugePageArena() if HugePageArena.usable() else None
+    token = _weight_arena.set(arena)
+    try:
+        yield arena
+    finally:
+        _weight_arena.reset(token)
+        if arena is not None:
+            arena.close()
+
+
+def current_weight_arena() -> HugePageArena | None:
+    """The arena of the innermost open ``weight_arena`` (None: none open, or arenas do not help here)."""
+    return _weight_arena.get()
+
+
+def empty_weight(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The memory of a weight as the loader makes it (uninitialized, cpu): from the arena of ``weight_arena`` when
+    one is open, else marked for 2 MiB pages (``empty_in_huge_pages``, unless ``DTORCH_NO_HUGE_PAGES``)."""
+    arena = _weight_arena.get()
+    if arena is not None:
+        return arena.empty(shape, dtype)
+    return torch.empty(tuple(shape), dtype=dtype) if env.no_huge_pages() else empty_in_huge_pages(shape, dtype)
 
 
 @functools.cache

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from dtorch.core import env
-from dtorch.core.memory import empty_in_huge_pages
+from dtorch.core.memory import empty_weight
 
 FORMAT = 2
 MAGIC = b"DTORCHPK"
@@ -271,10 +271,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _empty(rec: dict[str, Any]) -> torch.Tensor:
-    """The memory a recorded tensor is read into: in 2 MiB pages from its first write (unless
-    ``DTORCH_NO_HUGE_PAGES``), as the load's own packing would give it."""
+    """The memory a recorded tensor is read into: in 2 MiB pages from its first write (the load's weight arena;
+    unless ``DTORCH_NO_HUGE_PAGES``), as the load's own packing would give it."""
     dtype, shape = _DTYPES[rec["dtype"]], [int(n) for n in rec["shape"]]
-    t = torch.empty(shape, dtype=dtype) if env.no_huge_pages() else empty_in_huge_pages(shape, dtype)
+    t = empty_weight(shape, dtype)
     if t.numel() * t.element_size() != int(rec["nbytes"]):
         raise ValueError(f"{rec['nbytes']} bytes recorded for a {shape} {rec['dtype']} tensor")
     return t

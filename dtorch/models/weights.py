@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from dtorch.core.memory import MemoryKind, adopt
+from dtorch.core.memory import HUGE_PAGE, MemoryKind, adopt, current_weight_arena, empty_weight, weight_arena
 from dtorch.core.placement import piece_ranges
 from dtorch.graph import DeviceMesh, Shard
 from dtorch.graph.views import split_placements
@@ -52,7 +52,8 @@ def load_weights(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: 
     layout = Layout(config, mesh.size)
     tensors = [w for w in families.get(config.family).tensors(config, layout) if keep is None or keep(w.name)]
     try:
-        return _load_all(config, get, mesh, local_ids, dtype, get_packed, cache, hollow, layout, tensors)
+        with weight_arena():  # the packed weights, small ones too, in 2 MiB pages (where the kernel gives them)
+            return _load_all(config, get, mesh, local_ids, dtype, get_packed, cache, hollow, layout, tensors)
     except BaseException:
         if cache is not None:
             cache.close()  # nothing written for a load that failed
@@ -222,15 +223,15 @@ def pack_stored(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
     from dtorch.kernels.native.repack import repack
 
     if layout in HALF_LAYOUTS:
-        return raw.contiguous()
+        if current_weight_arena() is None or raw.numel() * raw.element_size() >= 2 * HUGE_PAGE:
+            return raw.contiguous()  # (a large read sits in 2 MiB pages already: _read_bytes)
+        return empty_weight(raw.shape, raw.dtype).copy_(raw)  # a small one: into the arena's 2 MiB pages
     packed = repack(raw, layout, k)  # native, one pass at memory speed; None where it does not serve the format
     if packed is not None:
         return packed
     n = raw.shape[0]
     step = max(1, PACK_CHUNK_BYTES // max(1, raw[:1].numel()))
-    if step >= n:
-        return pack(raw, layout, k)
-    out = torch.empty(n, row_bytes(layout, k), dtype=torch.uint8)
+    out = empty_weight((n, row_bytes(layout, k)), torch.uint8)  # in the load's weight arena, where it has one
     for r in range(0, n, step):
         out[r:r + step] = pack(raw[r:r + step], layout, k)
     return out

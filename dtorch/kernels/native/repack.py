@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dtorch.core import env
-from dtorch.core.memory import empty_in_huge_pages
+from dtorch.core.memory import empty_weight
 from dtorch.kernels import layouts
 from dtorch.kernels.native import loader
 
@@ -27,6 +26,5 @@ def repack(raw: torch.Tensor, layout: str, k: int, out: torch.Tensor | None = No
     except loader.NativeUnavailable:
         return None
     if out is None:  # the weight's own memory: in 2 MiB pages from its first write, unless asked not to
-        shape = (raw.shape[0], layouts.row_bytes(layout, k))
-        out = torch.empty(shape, dtype=torch.uint8) if env.no_huge_pages() else empty_in_huge_pages(shape, torch.uint8)
+        out = empty_weight((raw.shape[0], layouts.row_bytes(layout, k)), torch.uint8)
     return out if lib.repack(raw, out, layouts.format_code(layout), k) else None
