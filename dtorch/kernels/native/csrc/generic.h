@@ -433,10 +433,10 @@ static inline void prefetch_row(const QWeight& w, int64_t n) {
   for (int64_t i = 0; i < w.qs_row; i += 64) __builtin_prefetch(q + i, 0, 2);
 }
 
-// Rows of more than kStreamRowBytes stream instead: as each super-group of a row is read, the bytes kStreamAhead on
-// (rounded up to the rows read side by side) are asked for into L2 (stream_ahead), a steady stream where whole rows
-// several KB on came in bursts that left the memory idle between them (decode_avx512.h's drivers, quant_avx2.h's
-// tiles at decode).
+// Decode streams instead: as each super-group of a row is read, the bytes kStreamAhead on (rounded up to the rows read
+// side by side) are asked for into L2 (stream_ahead), a steady stream where whole rows several KB on came in bursts
+// that left the memory idle between them (decode_avx512.h's drivers, quant_avx2.h's tiles at decode; the AVX-512
+// 32-block decode streams only rows of more than kStreamRowBytes).
 constexpr int64_t kStreamAhead = 16 << 10;
 constexpr int64_t kStreamRowBytes = 4096;
 

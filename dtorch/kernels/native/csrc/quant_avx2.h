@@ -552,15 +552,16 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
 // kAhead on prefetched; LO: both levels of x. A 32-block format's last super-group of under 16 blocks is summed by
 // sg_tails256 for 8 weight rows at a time after their tiles (the rows are in cache then), and y = (tiles' sum +
 // tails) + bias for every row count alike.
-// Decode (under 4 rows of x) of rows over kStreamRowBytes streams them instead: the first tile of x asks for each
-// super-group's bytes kStreamAhead on (rounded up to whole pairs of rows, which are read side by side) as it reads it.
-// Cold one-row products, one thread, AVX2 forced on this Zen 4 (same-run A/B, medians, a loaded machine): Q8_0
-// [2048, 8192] 6.4 -> 14.8 GB/s, [1536, 8960] 5.7 -> 14.4, [896, 4864] 5.4 -> 14.1; Q4_K [2048, 8192] 4.6 -> 12.1;
-// Q6_K [2048, 8192] 6.1 -> 13.1, [1536, 8960] 6.4 -> 13.1 (whole rows 8 on came in bursts, the first 8 not at all).
+// Decode (under 4 rows of x) streams the rows instead: the first tile of x asks for each super-group's bytes
+// kStreamAhead on (rounded up to whole pairs of rows, which are read side by side) as it reads it. Cold one-row
+// products, one thread, AVX2 forced on this Zen 4 (same-run A/B, medians, a loaded machine: 2 cores, load 3-4.5):
+// Q8_0 [2048, 8192] 6.4 -> 14.8 GB/s, [1536, 8960] 5.7 -> 14.4, [896, 4864] 5.4 -> 14.1, [4864, 896] 3.1 -> 10.0,
+// [896, 896] 2.1 -> 6.1, [2048, 2048] 4.7 -> 14.0; Q4_K [2048, 8192] 4.6 -> 12.1, [8192, 2048] 1.9 -> 7.5; Q6_K
+// [2048, 8192] 6.1 -> 13.1, [16384, 2048] 2.3 -> 9.0 (whole rows 8 on came in bursts, the first 8 not at all).
 template <int F, int MR, bool LO>
 static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
-  const bool stream = M < 4 && w.qs_row > kStreamRowBytes;
+  const bool stream = M < 4;
   const int64_t pair = 2 * w.qs_row, stream_at = stream ? (kStreamAhead + pair - 1) / pair * pair : 0;
   if (stream) {  // the stream's start, before the first tile asks
     const char* first = reinterpret_cast<const char*>(w.qs + n0 * w.qs_row);
