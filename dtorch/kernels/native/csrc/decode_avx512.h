@@ -236,117 +236,9 @@ static inline void tail_chain512(const QWeight& w, const SGAct& a, int64_t m, co
   _mm512_mask_storeu_ps(out, __mmask16(nr == 16 ? 0xffffu : (1u << nr) - 1), acc);
 }
 
-// One weight row (row) against activation row m over its whole super-groups: sg_tile512<F, 1, 1, LO>'s sum, bit for
-// bit (a K-quant's lone last super-block included; a 32-block format's last super-group left to the caller)
-template <int F, bool LO>
-static inline float sg_row512(const uint8_t* row, const SGAct& a, int64_t m, int64_t nb) {
-  using G = SG<F>;
-  constexpr bool Q6 = F == dtn::Q6_K;
-  const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
-  const __m512i iq4 = iq4_table512();
-  __m512 acc = _mm512_setzero_ps();
-  float tail = 0.f;
-  const int64_t gbytes = G::kblock ? 2 * G::kblock : 16 * G::bytes;
-  for (int64_t g = 0; g * 16 < nb; ++g) {
-    const uint8_t* p = row + g * gbytes;
-    const int8_t* ag = a.q + (m * a.nsg + g) * 1024;
-    if (nb - g * 16 < 16) {
-      if constexpr (G::kblock != 0) {  // as sg_tile512: quant_avx2.h's tile on the lone super-block
-        const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
-        float o[1][1];
-        sg_tile256<F, 1, 1, LO>(&p, at, m, nb - g * 16, o);
-        tail = o[0][0];
-      }
-      continue;
-    }
-    const int64_t qoff = 2 * 16 * G::scales + 16 * G::hbytes;
-    // is/il: the low nibbles' (Q8_0: even steps') sums, is2/il2 the high nibbles' (odd steps'): two chains a level
-    __m512i is = _mm512_setzero_si512(), il = is, is2 = is, il2 = is;
-    if constexpr (F == dtn::Q8_0) {
-      for (int u = 0; u < 8; ++u) {
-        const __m512i w0 = _mm512_loadu_si512(p + qoff + 64 * u);
-        is = _mm512_dpbusd_epi32(is, w0, _mm512_loadu_si512(ag + 64 * u));
-        if constexpr (LO) il = _mm512_dpbusd_epi32(il, w0, _mm512_loadu_si512(ag + 512 + 64 * u));
-      }
-    } else {
-      __m512i hv = _mm512_setzero_si512();
-      if constexpr (G::hbytes != 0 && G::kblock == 0) hv = _mm512_loadu_si512(p + 2 * 16 * G::scales);
-      if constexpr (G::hbytes != 0 && G::kblock != 0) hv = two_halves(p + G::kh, p + G::kblock + G::kh);
-      for (int u = 0; u < 4; ++u) {
-        const __m512i v = G::kblock ? two_halves(p + G::kq + 32 * u, p + G::kblock + G::kq + 32 * u)
-                                    : _mm512_loadu_si512(p + qoff + 64 * u);
-        __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-        if constexpr (Q6) {  // two high bits per quant, 4 steps a byte (as sg_tile512)
-          const int off = 32 * (u % 2);
-          const __m512i hq = two_halves(p + G::kh + off, p + G::kblock + G::kh + off);
-          const __m512i hl = u < 2 ? _mm512_slli_epi16(hq, 4) : hq;
-          const __m512i hh = u < 2 ? _mm512_slli_epi16(hq, 2) : _mm512_srli_epi16(hq, 2);
-          wl = _mm512_or_si512(wl, _mm512_and_si512(hl, b45));
-          wh = _mm512_or_si512(wh, _mm512_and_si512(hh, b45));
-        } else if constexpr (G::hbytes != 0) {
-          wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4 - u), b4));
-          wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_srli_epi16(hv, u), b4));
-        }
-        if constexpr (F == dtn::IQ4_NL || F == dtn::IQ4_XS) {
-          wl = _mm512_shuffle_epi8(iq4, wl);
-          wh = _mm512_shuffle_epi8(iq4, wh);
-        }
-        is = _mm512_dpbusd_epi32(is, wl, _mm512_loadu_si512(ag + 64 * u));
-        is2 = _mm512_dpbusd_epi32(is2, wh, _mm512_loadu_si512(ag + 64 * (u + 4)));
-        if constexpr (LO) {
-          il = _mm512_dpbusd_epi32(il, wl, _mm512_loadu_si512(ag + 512 + 64 * u));
-          il2 = _mm512_dpbusd_epi32(il2, wh, _mm512_loadu_si512(ag + 512 + 64 * (u + 4)));
-        }
-      }
-    }
-    const __m512 da = _mm512_loadu_ps(a.d + (m * a.nsg + g) * 16);
-    const __m512 sa = _mm512_loadu_ps(a.s + (m * a.nsg + g) * 16);
-    if constexpr (Q6) {  // (d sc) (u - 32) per 16 weights, as sg_tile512
-      const uint8_t* q = p + G::kblock;
-      const __m128i ev = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-      const __m128i s0 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)), ev);
-      const __m128i s1 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2)), ev);
-      const __m512 d = fp16_pair(p, q);
-      const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))));
-      const __m512 mw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))));
-      const float* hs = a.sh + (m * a.nsg + g) * 32;
-      const __m512 t = _mm512_mul_ps(LO ? levels512(is, il) : _mm512_cvtepi32_ps(is), da);
-      const __m512 t2 = _mm512_mul_ps(LO ? levels512(is2, il2) : _mm512_cvtepi32_ps(is2), da);
-      const __m512 k32 = _mm512_set1_ps(-32.f);
-      const __m512 lo_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs), k32, t);
-      const __m512 hi_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs + 16), k32, t2);
-      acc = _mm512_fmadd_ps(hi_, mw, _mm512_fmadd_ps(lo_, dw, acc));
-      continue;
-    }
-    is = _mm512_add_epi32(is, is2);
-    il = _mm512_add_epi32(il, il2);
-    const __m512 t = _mm512_mul_ps(LO ? levels512(is, il) : _mm512_cvtepi32_ps(is), da);
-    __m512 dw, mw;
-    if constexpr (F == dtn::IQ4_XS) {
-      const uint8_t* q = p + G::kblock;
-      dw = _mm512_mul_ps(fp16_pair(p, q), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes_pair(p + 2, q + 2))));
-      mw = dw;
-    } else if constexpr (G::kblock != 0) {
-      const uint8_t* q = p + G::kblock;
-      const __m128i ha = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
-      const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4));
-      __m512 d, mdmin;
-      fp16_pairs2(p, q, d, mdmin);
-      dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ha, hb))));
-      mw = _mm512_mul_ps(mdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ha, hb))));
-    } else {
-      dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      mw = G::scales == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))) : dw;
-    }
-    if constexpr (G::scales == 2) acc = _mm512_fmadd_ps(mw, sa, _mm512_fmadd_ps(t, dw, acc));
-    else acc = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(sa, _mm512_set1_ps(G::offset), t), acc);
-  }
-  return _mm512_reduce_add_ps(acc) + tail;
-}
-
 // -- the K-quants (Q4_K, Q5_K, Q6_K, IQ4_XS) -----------------------------------------------------------------
-// R weight rows against activation row m, whole super-groups of two super-blocks: each row's sum takes sg_row512's
-// float operations in its order (sg_tile512<F, 1, 1>'s bits), the activation vectors are loaded once for the R rows.
+// R weight rows against activation row m, whole super-groups of two super-blocks: each row's sum takes
+// sg_tile512<F, 1, 1>'s float operations in its order (its bits), the activation vectors are loaded once for R rows.
 // One-row products of these formats are bound by vpdpbusd (16 a super-group with both levels: on this Zen 4 a zmm
 // vpdpbusd issues every ~2 cycles, so ~31 GB/s of Q4_K at most), and the weights stream from memory:
 // - as each super-group is summed, the same bytes of the rows whole blocks of R rows on (at least kStreamAhead bytes
@@ -357,8 +249,7 @@ static inline float sg_row512(const uint8_t* row, const SGAct& a, int64_t m, int
 //   unpacking fills the registers beyond two rows): one row loaded x's 1 KB a super-group against 420 bytes of
 //   weight, and a Zen 4 core spends a cycle on each 64-byte load (hot [256, 2048] 27.8 -> 30.0 GB/s, [64, 8192]
 //   29.5 -> 31.7; cold, as a Llama 3.2 1B step reads them, the tied head 25.8 -> 28.1, down 26.5 -> 28.0; three or
-//   four rows ran no faster).
-constexpr int64_t kStreamAhead = 16 << 10;
+//   four rows ran no faster). kStreamAhead, stream_ahead: generic.h.
 
 // Inlined into kq_decode512: called out of line (GCC's choice once Q6_K took two rows) the library's Q6_K ran 0.88x
 // its stand-alone build's speed, hot, where inlined it runs 1.15x the one-row loop (Q4_K 1.03x).
@@ -381,7 +272,7 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 2 * G::kblock; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(p[r]) + ahead + i, _MM_HINT_T1);
-    if (nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_row512
+    if (nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_tile512
       const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
       float o[1][R];
       sg_tile256<F, 1, R, LO>(p, at, m, nb - g * 16, o);
@@ -432,7 +323,7 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
     }
     const __m512 da = _mm512_loadu_ps(a.d + (m * a.nsg + g) * 16);
     const __m512 sa = _mm512_loadu_ps(a.s + (m * a.nsg + g) * 16);
-    for (int r = 0; r < R; ++r) {  // sg_row512's epilogue
+    for (int r = 0; r < R; ++r) {  // sg_tile512's epilogue
       const uint8_t* q = p[r] + G::kblock;
       if constexpr (Q6) {  // (d sc) (u - 32) per 16 weights
         const __m128i ev = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -503,16 +394,11 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
   }
 }
 
-// Bytes [p, p + n) of the weight, read now, ask for the bytes `ahead` on into L2 (prefetcht1, see prefetch_row)
-static inline __attribute__((always_inline)) void stream_ahead(const uint8_t* p, int64_t n, int64_t ahead) {
-  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + i, _MM_HINT_T1);
-}
-
 // NR weight rows of a 32-block format against activation row m over its whole super-groups: out[r] = row r's
-// sg_row512 sum, the same float operations in the same order, each activation vector loaded once for the NR rows
-// (a core that loads 64 bytes a cycle, as Zen 4, spends the one-row loop on loads: x's 1 KB per super-group against
-// 352 bytes of a Q5_0 row). ahead > 0: each super-group's bytes that far on are asked for as it is read (the stream
-// of long rows, sg_decode32_512).
+// sg_tile512<F, 1, 1, LO> sum, the same float operations in the same order, each activation vector loaded once for
+// the NR rows (a core that loads 64 bytes a cycle, as Zen 4, spends the one-row loop on loads: x's 1 KB per
+// super-group against 352 bytes of a Q5_0 row). ahead > 0: each super-group's bytes that far on are asked for as it
+// is read (the stream of long rows, sg_decode32_512).
 template <int F, bool LO, int NR>
 static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
                               float* out) {
@@ -570,12 +456,11 @@ static inline void sg_rows512(const uint8_t* const* rows, const SGAct& a, int64_
 }
 
 constexpr int64_t kFourRowBytes = 768;  // sg_decode32_512 reads rows of at most this many bytes four at a time
-// sg_decode32_512 streams rows of more than this many bytes a super-group at a time: the down projections (Q8_0 at
+// sg_decode32_512 streams rows of more than kStreamRowBytes (generic.h) a super-group at a time: the down projections (Q8_0 at
 // K = 4864-8960, rows of 5-9.5 KB), whose whole-row bursts (at least 4 rows, 20-38 KB, on) left the memory idle
 // between them: cold [2048, 8192] 16.5-20 -> 28-30 GB/s, [1536, 8960] 15.6-16.6 -> 24-27.5, [1152, 6912] 20-20.7 ->
 // 26.5-28, [896, 4864] 22.5-24 -> 28-33 (one thread, same-run A/B, 2 MiB pages). Shorter rows keep whole rows
 // ahead_rows on: the stream at K = 896-2048 ran 0.85-1.05x them (four rows of K = 896 / 960 streamed 0.75-0.85x).
-constexpr int64_t kStreamRowBytes = 4096;
 
 // The 32-block formats' decode: chunks of 16 weight rows, read 4 at a time where the rows are short and end in a last
 // super-group of under 16 blocks (sg_rows512, tail_lanes512), else one at a time; without a

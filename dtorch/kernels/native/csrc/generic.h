@@ -376,7 +376,7 @@ static inline void decode_group_scalar(const QWeight& w, int64_t n, int64_t g, G
   const uint8_t* p = w.qs + n * w.qs_row + g * group_bytes(w.fmt);
   const uint16_t* d = w.d + n * w.d_row;
   const uint8_t* aux = w.aux + n * w.aux_row;
-  const int64_t sup = g / 2, half = g % 2, nsup = w.K / 256;
+  const int64_t sup = g / 2, nsup = w.K / 256;
   for (int s = 0; s < 4; ++s) o.dl[s] = o.dh[s] = o.m[s] = o.m[4 + s] = 0.f;
   std::memset(o.wl, 0, 64);
   std::memset(o.wh, 0, 64);
@@ -431,6 +431,18 @@ static inline int64_t ahead_rows(const QWeight& w) {
 static inline void prefetch_row(const QWeight& w, int64_t n) {
   const char* q = reinterpret_cast<const char*>(w.qs + n * w.qs_row);
   for (int64_t i = 0; i < w.qs_row; i += 64) __builtin_prefetch(q + i, 0, 2);
+}
+
+// Decode streams instead: as each super-group of a row is read, the bytes kStreamAhead on (rounded up to the rows read
+// side by side) are asked for into L2 (stream_ahead), a steady stream where whole rows several KB on came in bursts
+// that left the memory idle between them (decode_avx512.h's drivers, quant_avx2.h's tiles at decode; the AVX-512
+// 32-block decode streams only rows of more than kStreamRowBytes).
+constexpr int64_t kStreamAhead = 16 << 10;
+constexpr int64_t kStreamRowBytes = 4096;
+
+// Bytes [p, p + n) of the weight, read now, ask for the bytes `ahead` on into L2 (prefetcht1, see prefetch_row)
+static inline __attribute__((always_inline)) void stream_ahead(const uint8_t* p, int64_t n, int64_t ahead) {
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + ahead + i, 0, 2);
 }
 
 static void qgemm_portable(const QWeight& w, const QAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,

@@ -408,8 +408,7 @@ static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
 template <int F, bool LO>
 static void sg_tiles512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
-  constexpr int NR = F == dtn::Q6_K && LO ? 2 : 4;  // Q6_K's four integer sums per tile fill the registers at 4
-  constexpr int MR = F == dtn::Q6_K && LO ? 2 : 4;
+  constexpr int MR = F == dtn::Q6_K && LO ? 2 : 4;  // Q6_K's four integer sums per tile fill the registers at 4
   constexpr int64_t kPanel = 192 << 10;
   const bool tails = SG<F>::kblock == 0 && (w.K / 32) % 16 != 0;
   if (M < 4) return sg_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
