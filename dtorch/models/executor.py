@@ -308,17 +308,24 @@ class Executor:
             last = [r for i, w in enumerate(wanted) for r in range(cu[i + 1] - w, cu[i + 1])]
             last_n = bucket.rows or N
             longs += last + [0] * (last_n - len(last))
-        # int32 [N + 1 cu_seqlens_q | N seqlens_k | N x max blocks block table]
+        # int32 [N + 1 cu_seqlens_q | N seqlens_k | N x M block table]: zeros, then the values from one host tensor of
+        # the first two and the blocks each sequence holds (M, a sequence's blocks at most, may be thousands)
         M = self.cache.max_blocks_per_seq
-        ints = cu + [s + c for s, c in zip(starts, counts, strict=True)] + [0] * (N - n)
-        for blocks in plan.blocks:
-            ints += blocks
-            ints += [0] * (M - len(blocks))
-        ints += [0] * (M * (N - n))
-        i64 = torch.tensor(longs, dtype=torch.int64)
-        i32 = torch.tensor(ints, dtype=torch.int32)
+        if any(len(blocks) > M for blocks in plan.blocks):
+            raise ModelError(f"Executor.feeds: a sequence holds more than the cache's {M} blocks a sequence")
+        head = cu + [s + c for s, c in zip(starts, counts, strict=True)] + [0] * (N - n)
+        values = torch.tensor(head + [b for blocks in plan.blocks for b in blocks], dtype=torch.int32)
         if any(min(blocks) < 0 for blocks in plan.blocks if blocks):
-            i32.clamp_(min=0)  # a block freed behind a sliding window (-1) is never read: any block will do
+            values[len(head):].clamp_(min=0)  # a block freed behind a sliding window (-1) is never read: any will do
+        i32 = torch.zeros(len(head) + N * M, dtype=torch.int32)
+        first = len(plan.blocks[0]) if n else 0
+        i32[:len(head) + first] = values[:len(head) + first]  # the head and the first sequence's blocks, in one
+        at = len(head) + first
+        for i, blocks in enumerate(plan.blocks[1:], 1):
+            if blocks:
+                i32[len(head) + i * M:len(head) + i * M + len(blocks)] = values[at:at + len(blocks)]
+                at += len(blocks)
+        i64 = torch.tensor(longs, dtype=torch.int64)
         feeds = {
             "ids": i64[:T],
             "slot_mapping": i64[T:2 * T],
@@ -343,7 +350,7 @@ class Executor:
             cs = table[positions[0]:positions[-1] + 1]  # [T, 2, D / 2]
         else:
             cs = table[torch.tensor(positions + [0] * pad, dtype=torch.int64)]
-        return cs[:, 0], cs[:, 1]
+        return cs.unbind(1)
 
     def _state_feed(self) -> bool:
         """Whether the model has gated delta net layers (their state slots are a feed); asked once."""
