@@ -116,6 +116,9 @@ class Runner:
         # the streams a run waits for: its own devices' (another Runner on the shared streams may be running a
         # pipeline's other stage meanwhile)
         self._devices = frozenset(self.mesh.device(i) for i in self.local_ids)
+        # one CPU holds the whole graph: a run copies its feeds straight into their buffers (_place_feeds)
+        self._one_cpu = (self.mesh.size == 1 and len(self.local_ids) == 1
+                         and self.mesh.device(self.local_ids[0]).type == "cpu")
         if isinstance(capture, bool):
             capture = Capture(self.mesh.device(self.local_ids[0]), recorder) if capture else Capture(off=NOT_ASKED)
         elif not isinstance(capture, Capture):
@@ -268,7 +271,7 @@ class Runner:
                     self.blobs[(x.index, i)].tensor = device_piece(feeds[name], x.placement, self.mesh.rank(i), n,
                                                                    self.mesh.device(i))
             return
-        if n == 1 and self.mesh.device(self.local_ids[0]).type == "cpu":  # each feed whole, copied here (a CPU step)
+        if self._one_cpu:  # each feed whole, copied here
             i = self.local_ids[0]
             for name, x in self.graph.inputs.items():
                 self.blobs[(x.index, i)].tensor.copy_(feeds[name])
