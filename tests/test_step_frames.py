@@ -164,3 +164,37 @@ def test_the_bound_calls_are_the_kernels_own_and_follow_a_rebind():
             dtorch.dispatcher.unregister(key, "user")
         torch.testing.assert_close(r.run({"x": x})["y"], x.exp(), rtol=0, atol=0)
         assert runs["bound"] == 2
+
+
+def test_step_feeds_match_the_plan_and_refuse_too_many_blocks(llama):
+    """A step of two sequences (a decode past a block freed behind a window, -1, and a prompt chunk) padded to its
+    bucket: its feeds, built from two host tensors and views of the RoPE table, are the plan's rows computed here with
+    torch (ids, cache slots, cu_seqlens, lengths, block table with -1 read as 0, cos / sin gathered from the table);
+    a sequence with more blocks than a table row holds is refused."""
+    from dtorch.core.errors import ModelError
+    from dtorch.models.bucket import bucket_for
+    from dtorch.models.executor import StepPlan
+
+    _, llm = llama
+    ex = llm.executor
+    bs, m = ex.cache.block_size, ex.cache.max_blocks_per_seq
+    a, b = [-1, 3], [5]
+    plan = StepPlan([7, 1, 2, 3], [1, 3], [bs + 2, 0], [a, b])
+    bucket = bucket_for(4, 2)
+    feeds = ex.feeds(plan, bucket)
+    T, N = bucket.tokens, bucket.seqs
+    pos = torch.tensor([bs + 2, 0, 1, 2] + [0] * (T - 4))
+    assert torch.equal(feeds["ids"], torch.tensor([7, 1, 2, 3] + [0] * (T - 4)))
+    slots = [3 * bs + 2, 5 * bs, 5 * bs + 1, 5 * bs + 2] + [-1] * (T - 4)  # padding rows write no slot
+    assert torch.equal(feeds["slot_mapping"], torch.tensor(slots))
+    assert torch.equal(feeds["cu_seqlens_q"], torch.tensor([0, 1, 4, T] + [T] * (N - 3), dtype=torch.int32))
+    assert torch.equal(feeds["seqlens_k"], torch.tensor([bs + 3, 3] + [0] * (N - 2), dtype=torch.int32))
+    table = torch.zeros(N, m, dtype=torch.int32)
+    table[0, :2], table[1, :1] = torch.tensor([0, 3]), torch.tensor([5])
+    assert torch.equal(feeds["block_table"], table)
+    assert torch.equal(feeds["cos"], ex.model.rope_table[pos, 0])
+    assert torch.equal(feeds["sin"], ex.model.rope_table[pos, 1])
+    one = ex.feeds(StepPlan([7], [1], [bs + 2], [a]), bucket_for(1, 1))
+    assert torch.equal(one["cos"], ex.model.rope_table[bs + 2:bs + 3, 0])
+    with pytest.raises(ModelError, match="more than the cache's"):
+        ex.feeds(StepPlan([7], [1], [0], [[0] * (m + 1)]), bucket_for(1, 1))

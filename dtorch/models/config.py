@@ -236,6 +236,8 @@ class ModelConfig:
     @property
     def linear_layers(self) -> tuple[int, ...]:
         """The gated delta net layers, in order."""
+        if "linear_attention" not in self.layer_types:  # most models: no loop over the layers (asked every step)
+            return ()
         return tuple(i for i in range(self.num_layers) if self.is_linear(i))
 
     @property

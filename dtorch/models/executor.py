@@ -153,6 +153,7 @@ class Executor:
         if trace:
             self.set_trace(True)
         self.cache: KVCache | None = None
+        self._has_state: bool | None = None  # _state_feed
         self.mirror: Any = None  # rank 0 of a served model: tells every rank each call (``ranks.Teller``)
         self.runners: dict[Bucket, Runner] = {}
         # the buckets' step buffers, shared: one step runs at a time and its logits are copied out, so a device holds
@@ -277,7 +278,9 @@ class Executor:
         return out
 
     def feeds(self, plan: StepPlan, bucket: Bucket) -> dict[str, torch.Tensor]:
-        """The step's padded inputs (host tensors; the Runner places them on each device)."""
+        """The step's padded inputs (host tensors; the Runner places them on each device). Built from Python lists
+        into two host tensors (int64: ids, slot rows, state slots, last rows; int32: cu_seqlens_q, seqlens_k and the
+        block table) whose slices are the feeds: a decode step's inputs cost a few torch calls, not one per feed."""
         T, N = bucket.tokens, bucket.seqs
         counts, starts = list(plan.counts), list(plan.starts)
         t, n = sum(counts), len(counts)
@@ -286,43 +289,73 @@ class Executor:
         positions = list(itertools.chain.from_iterable(range(s, s + c) for s, c in zip(starts, counts, strict=True)))
         rows = [blocks[p // bs] * bs + p % bs
                 for blocks, s, c in zip(plan.blocks, starts, counts, strict=True) for p in range(s, s + c)]
-        ids = list(plan.ids) + [0] * pad
-        positions += [0] * pad  # padding rows attend to nothing; any position in the table does
-        rows += [-1] * pad  # padding writes no cache row
         seq_counts = counts + ([pad] if pad else [])
         seq_counts += [0] * (N - len(seq_counts))
         cu = list(itertools.accumulate(seq_counts, initial=0))
-        lens = [s + c for s, c in zip(starts, counts, strict=True)] + [0] * (N - n)
         table = self.model.rope_table
-        if positions and max(positions) >= table.shape[0]:
-            raise ModelError(f"position {max(positions)} is past the {table.shape[0]} positions the model was loaded "
+        top = max(positions) if positions else 0
+        if top >= table.shape[0]:
+            raise ModelError(f"position {top} is past the {table.shape[0]} positions the model was loaded "
                              "for (max_model_len, at most max_position_embeddings)")
-        where = torch.tensor(positions, dtype=torch.int64)
-        cs = table[where]  # [T, 2, D / 2]
-        block_table = torch.zeros(N, self.cache.max_blocks_per_seq, dtype=torch.int32)
-        for i, blocks in enumerate(plan.blocks):
-            if blocks:  # a block freed behind a sliding window (-1) is never read: any block will do
-                block_table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).clamp_(min=0)
-        feeds = {
-            "ids": torch.tensor(ids, dtype=torch.int64),
-            "cos": cs[:, 0],
-            "sin": cs[:, 1],
-            "slot_mapping": torch.tensor(rows, dtype=torch.int64),
-            "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
-            "seqlens_k": torch.tensor(lens, dtype=torch.int32),
-            "block_table": block_table,
-        }
-        if self.model.rope_local_table is not None:  # the sliding layers' own RoPE base
-            local = self.model.rope_local_table[where]
-            feeds["cos_local"], feeds["sin_local"] = local[:, 0], local[:, 1]
-        if self.model.config.linear_layers:  # padding sequences read and write the scratch row of the state cache
-            state = list(plan.state_slots) + [self.cache.scratch] * (N - n)
-            feeds["state_slots"] = torch.tensor(state, dtype=torch.int64)
+        # int64 [T ids | T slot rows | N state slots? | rows last rows?]
+        longs = list(plan.ids) + [0] * pad + rows + [-1] * pad  # padding rows write no cache row
+        state = self._has_state if self._has_state is not None else self._state_feed()
+        if state:  # padding sequences read and write the scratch row of the state cache
+            longs += list(plan.state_slots) + [self.cache.scratch] * (N - n)
+        last_n = 0
         if not bucket.all_logits and (T != N or bucket.rows):
             wanted = plan.logits or [1] * n
             last = [r for i, w in enumerate(wanted) for r in range(cu[i + 1] - w, cu[i + 1])]
-            feeds["last_rows"] = torch.tensor(last + [0] * ((bucket.rows or N) - len(last)), dtype=torch.int64)
+            last_n = bucket.rows or N
+            longs += last + [0] * (last_n - len(last))
+        # int32 [N + 1 cu_seqlens_q | N seqlens_k | N x M block table]: zeros, then the values from one host tensor of
+        # the first two and the blocks each sequence holds (M, a sequence's blocks at most, may be thousands)
+        M = self.cache.max_blocks_per_seq
+        if any(len(blocks) > M for blocks in plan.blocks):
+            raise ModelError(f"Executor.feeds: a sequence holds more than the cache's {M} blocks a sequence")
+        head = cu + [s + c for s, c in zip(starts, counts, strict=True)] + [0] * (N - n)
+        values = torch.tensor(head + [b for blocks in plan.blocks for b in blocks], dtype=torch.int32)
+        if any(min(blocks) < 0 for blocks in plan.blocks if blocks):
+            values[len(head):].clamp_(min=0)  # a block freed behind a sliding window (-1) is never read: any will do
+        i32 = torch.zeros(len(head) + N * M, dtype=torch.int32)
+        first = len(plan.blocks[0]) if n else 0
+        i32[:len(head) + first] = values[:len(head) + first]  # the head and the first sequence's blocks, in one
+        at = len(head) + first
+        for i, blocks in enumerate(plan.blocks[1:], 1):
+            if blocks:
+                i32[len(head) + i * M:len(head) + i * M + len(blocks)] = values[at:at + len(blocks)]
+                at += len(blocks)
+        i64 = torch.tensor(longs, dtype=torch.int64)
+        feeds = {
+            "ids": i64[:T],
+            "slot_mapping": i64[T:2 * T],
+            "cu_seqlens_q": i32[:N + 1],
+            "seqlens_k": i32[N + 1:2 * N + 1],
+            "block_table": i32[2 * N + 1:].view(N, M),
+        }
+        feeds["cos"], feeds["sin"] = self._rope(self.model.rope_table, positions, pad, n)
+        if self.model.rope_local_table is not None:  # the sliding layers' own RoPE base
+            feeds["cos_local"], feeds["sin_local"] = self._rope(self.model.rope_local_table, positions, pad, n)
+        if state:
+            feeds["state_slots"] = i64[2 * T:2 * T + N]
+        if last_n:
+            feeds["last_rows"] = i64[len(longs) - last_n:]
         return feeds
+
+    @staticmethod
+    def _rope(table: torch.Tensor, positions: list[int], pad: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D / 2] of ``positions`` then ``pad`` padding rows (position 0: they attend to nothing, any
+        position in the table does); one sequence with no padding takes a view of its rows of ``table``."""
+        if n == 1 and not pad:
+            cs = table[positions[0]:positions[-1] + 1]  # [T, 2, D / 2]
+        else:
+            cs = table[torch.tensor(positions + [0] * pad, dtype=torch.int64)]
+        return cs.unbind(1)
+
+    def _state_feed(self) -> bool:
+        """Whether the model has gated delta net layers (their state slots are a feed); asked once."""
+        self._has_state = bool(self.model.config.linear_layers)
+        return self._has_state
 
     def close(self) -> None:
         """Stop the stage and stream threads."""

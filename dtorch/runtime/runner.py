@@ -33,6 +33,7 @@ from dtorch.core.errors import (
     ShapeError,
     SyncTimeout,
 )
+from dtorch.core.placement import Replicate
 from dtorch.dispatch import dispatcher as _global_dispatcher
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.graph.logical import LogicalGraph
@@ -115,6 +116,9 @@ class Runner:
         # the streams a run waits for: its own devices' (another Runner on the shared streams may be running a
         # pipeline's other stage meanwhile)
         self._devices = frozenset(self.mesh.device(i) for i in self.local_ids)
+        # one CPU holds the whole graph: a run copies its feeds straight into their buffers (_place_feeds)
+        self._one_cpu = (self.mesh.size == 1 and len(self.local_ids) == 1
+                         and self.mesh.device(self.local_ids[0]).type == "cpu")
         if isinstance(capture, bool):
             capture = Capture(self.mesh.device(self.local_ids[0]), recorder) if capture else Capture(off=NOT_ASKED)
         elif not isinstance(capture, Capture):
@@ -267,6 +271,11 @@ class Runner:
                     self.blobs[(x.index, i)].tensor = device_piece(feeds[name], x.placement, self.mesh.rank(i), n,
                                                                    self.mesh.device(i))
             return
+        if self._one_cpu:  # each feed whole, copied here
+            i = self.local_ids[0]
+            for name, x in self.graph.inputs.items():
+                self.blobs[(x.index, i)].tensor.copy_(feeds[name])
+            return
         for i in self.local_ids:
             device = self.mesh.device(i)
             feed = _Feed(f"feeds on {device}")
@@ -303,6 +312,12 @@ class Runner:
         return {name: self._result(name, x, return_dist) for name, x in self.graph.outputs.items()}
 
     def _result(self, name: str, x: Operand, return_dist: bool) -> Any:
+        if not return_dist and len(self.local_ids) == 1 and isinstance(x.placement, Replicate):
+            # one device's whole tensor (a step's logits): no DistTensor to build around it
+            t = self.blobs[(x.index, self.local_ids[0])].tensor
+            if t is not None:
+                record_use(t)
+                return self._copy_out(name, t) if self.static else t
         blobs = {i: Blob(self.mesh.device(i), tensor=record_use(self.blobs[(x.index, i)].tensor))
                  for i in self.local_ids}
         dt = DistTensor(self.mesh, x.placement, x.shape, x.dtype, blobs)
