@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from quant_bytes import gguf_bytes, gguf_reference, qtype
 
 import dtorch.kernels.native as nk
+from dtorch.core import cpu
 from dtorch.core.device import Device
 from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import ArgumentError, DTypeError, LayoutError, ShapeError
@@ -753,6 +754,28 @@ def test_forced_isa_setting_reaches_the_kernels(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "portable"
+
+
+@native
+def test_cpu_features_forced_off_pick_the_next_isa():
+    """"auto" follows DTORCH_CPU_FEATURES as every other CPU-dependent choice does: a feature forced off takes the
+    kernels that do without it, in a fresh process and within ``cpu.forced``; forcing one on picks nothing the CPU
+    cannot run."""
+    runs = nk.available_isas()
+    if len(runs) < 2:
+        pytest.skip("this CPU runs only the portable kernels")
+    code = "import dtorch.kernels.native as n; print(n.isa())"
+    for forced, want in (("-avx512_vnni", runs[1]), ("-avx2", "portable"), ("+avx512,+avx512_vnni", runs[0])):
+        env = dict(os.environ, DTORCH_CPU_FEATURES=forced)
+        env.pop("DTORCH_NATIVE_ISA", None)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want, forced
+    with nk.use_isa("auto"):
+        best = nk.isa()
+        with cpu.forced(**{nk.ISA_FEATURES[best][0]: False}):
+            assert nk.isa() == runs[1]
+        assert nk.isa() == best
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])

@@ -88,6 +88,12 @@ def _forced(feature: str) -> bool | None:
     return _env_overrides().get(feature) if forced is None else forced
 
 
+def ruled_out(feature: str) -> bool:
+    """Whether ``feature`` is forced off (``DTORCH_CPU_FEATURES=-name`` or ``forced(name=False)``): code that could
+    run on it acts as if the CPU lacked it."""
+    return _forced(feature) is False
+
+
 def has(feature: str) -> bool:
     """Whether to act as if the CPU has ``feature``: a forced answer if any, else the probe's."""
     forced = _forced(feature)

@@ -10,6 +10,7 @@ compile error, an ISA the CPU lacks), and ``install(dispatcher, "cpu")`` registe
 
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.kernels.native.loader import (
+    ISA_FEATURES as ISA_FEATURES,
     ISAS as ISAS,
     NativeUnavailable as NativeUnavailable,
     available_isas as available_isas,

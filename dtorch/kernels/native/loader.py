@@ -1,7 +1,8 @@
 """Loading the native kernels once per process, the reason when they cannot load, and the ISA choice.
 
-The ISA is chosen at load from ``isa_setting()`` ("auto" picks the best the CPU runs: avx512 > avx2 >
-portable) and can be forced later with ``set_isa`` / ``use_isa`` (tests run every path on one machine).
+The ISA is chosen at load from ``isa_setting()`` ("auto" picks the best the CPU runs, avx512 > avx2 > portable,
+of those DTORCH_CPU_FEATURES does not force off) and can be forced later with ``set_isa`` / ``use_isa`` (tests run
+every path on one machine).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def load() -> ModuleType:
     _mod = mod
     _bf16_panels()
     cpu.add_listener(_bf16_panels)
+    cpu.add_listener(_repick)
     return mod
 
 
@@ -89,10 +91,30 @@ def available_isas() -> list[str]:
     return [i for i in ISAS if mod.cpu_supports(i)]
 
 
+# the CPU features each ISA's kernels execute (binding.cpp's cpu_supports checks them by CPUID; the AVX-512 units also
+# run AVX2 code)
+ISA_FEATURES = {"avx512": ("avx512", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
+                "avx2": ("avx2", "fma", "f16c"), "portable": ()}
+_auto = False  # whether the ISA now set came from "auto" (re-picked when a forced CPU answer changes)
+
+
+def _best(mod: ModuleType) -> str:
+    """The best ISA this CPU runs that no forced answer rules out: ``DTORCH_CPU_FEATURES=-avx512`` (or
+    ``cpu.forced(avx512=False)``) picks the AVX2 kernels, ``-avx2`` the portable ones; forcing a feature on never
+    picks kernels the CPU cannot run."""
+    return next(i for i in ISAS if mod.cpu_supports(i) and not any(cpu.ruled_out(f) for f in ISA_FEATURES[i]))
+
+
 def _set(mod: ModuleType, name: str) -> None:
-    if name == "auto":
-        name = next(i for i in ISAS if mod.cpu_supports(i))
-    mod.set_isa(name)
+    global _auto
+    _auto = name == "auto"
+    mod.set_isa(_best(mod) if _auto else name)
+
+
+def _repick() -> None:
+    """A forced CPU answer changed: an "auto" choice follows it."""
+    if _mod is not None and _auto:
+        _mod.set_isa(_best(_mod))
 
 
 def isa() -> str:
@@ -110,7 +132,7 @@ def set_isa(name: str) -> None:
 @contextmanager
 def use_isa(name: str) -> Iterator[None]:
     """Run the block with the ``name`` kernels, then restore the previous choice."""
-    before = isa()
+    before = "auto" if _auto else isa()
     set_isa(name)
     try:
         yield
