@@ -11,6 +11,7 @@ import torch
 
 import dtorch
 from dtorch.core.memory import MemoryTracker, adopt, allocate, memory
+from tests.smaps import mapping
 
 
 def test_allocate_tags_and_accounts_until_freed():
@@ -112,16 +113,7 @@ def _run_scratch_square(key, seen) -> None:
 
 def _anon_huge_kib(address: int) -> int:
     """AnonHugePages (KiB) of this process's mapping that holds ``address``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return mapping(address)[2]["AnonHugePages"]
 
 
 def _thp_fallbacks() -> int:

@@ -14,6 +14,7 @@ import torch
 
 import dtorch
 from dtorch.engine.llm import LLM
+from tests.smaps import mapping
 from tests.tiny_models import families, hf_greedy, save_random
 
 transformers = pytest.importorskip("transformers")
@@ -102,16 +103,7 @@ def test_the_lean_reader_reads_what_gguf_reads(tmp_path):
 def _mapped_kib(address: int, field: str = "Rss") -> int:
     """This process's resident KiB of the mapping that holds ``address`` (/proc/self/smaps: pages mapped here, not
     the page cache); ``field``: another of its lines, such as AnonHugePages."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == field + ":":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return mapping(address)[2][field]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.smaps import mapping
 from tests.tiny_models import save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -110,16 +111,8 @@ def test_cache_miss_then_hit_give_the_uncached_logits(quantized, uncached, cache
 
 def _mapping(address: int) -> tuple[int, int, int]:
     """(start, end, AnonHugePages KiB) of this process's mapping that holds ``address`` (/proc/self/smaps)."""
-    span = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(v, 16) for v in head.split("-"))
-                span = (lo, hi) if lo <= address < hi else None
-            elif span is not None and head == "AnonHugePages:":
-                return (*span, int(line.split()[1]))
-    raise AssertionError(f"no mapping holds {address:#x}")
+    lo, hi, fields = mapping(address)
+    return lo, hi, fields["AnonHugePages"]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
