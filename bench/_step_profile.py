@@ -51,6 +51,21 @@ def kind(k, vocab: int) -> str:
     return "norms, rope, elementwise"
 
 
+def one_row_weights(llm) -> list[tuple[tuple, torch.Tensor]]:
+    """Each GGUF-quantized 2-D weight of ``llm`` once, in the model's order: ((kind, layout, N, K), packed tensor),
+    the kind being the weight's name without its layer number (what the products tables group by)."""
+    import re
+
+    seen, order = set(), []
+    for name, w in llm.model.weights.items():
+        if id(w) in seen or len(w.shape) != 2 or not str(w.layout).startswith("gguf."):
+            continue
+        seen.add(id(w))
+        n, k = (int(d) for d in w.shape)
+        order.append(((re.sub(r"(^|\.)\d+\.", r"\1", name), w.layout, n, k), next(iter(w.blobs.values())).tensor))
+    return order
+
+
 def reference_sample(logits: torch.Tensor, params, generator: torch.Generator) -> int:
     """The sampled draw as it was before ``engine/draw.py``: the whole vocabulary sorted for top-p, and
     torch.multinomial's serial exponential per token. logits: [V]."""

@@ -205,7 +205,6 @@ def products(llm, passes: int = 3) -> list[dict]:
     grouped by kind (the name without its layer), layout and shape. The model outgrows the caches, so each weight
     comes from memory as in decode. Returns one dict per group: kind, layout, n, k, count (weights), mib (all of
     them), us (per call, median over passes of the group's mean), gbs (bytes / time of all its calls)."""
-    import re
     import time
 
     import torch
@@ -214,14 +213,9 @@ def products(llm, passes: int = 3) -> list[dict]:
     from dtorch.kernels.native import loader
 
     lib = loader._mod or loader.load()
-    seen, order = set(), []
-    for name, w in llm.model.weights.items():
-        if id(w) in seen or len(w.shape) != 2 or not str(w.layout).startswith("gguf."):
-            continue
-        seen.add(id(w))
-        t = next(iter(w.blobs.values())).tensor
-        n, k = (int(d) for d in w.shape)
-        order.append(((re.sub(r"(^|\.)\d+\.", r"\1", name), w.layout, n, k), t, layouts.format_code(w.layout)))
+    from _step_profile import one_row_weights
+
+    order = [(key, t, layouts.format_code(key[1])) for key, t in one_row_weights(llm)]
     xs = {key[3]: torch.randn(1, key[3]) for key, _, _ in order}
     ys = {key[2]: torch.empty(1, key[2]) for key, _, _ in order}
     times: dict[tuple, list[float]] = {key: [] for key, _, _ in order}

@@ -20,7 +20,6 @@ kind and layout: GB/s of weight bytes either way. Medians of ``--rounds`` rounds
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from _step_profile import KINDS, kind  # noqa: E402
+from _step_profile import KINDS, kind, one_row_weights  # noqa: E402
 from _timing import table  # noqa: E402
 
 PROMPT = 128
@@ -120,13 +119,7 @@ def product_rates(llm, passes: int) -> list[list]:
     from dtorch.kernels.native import loader
 
     lib = loader._mod or loader.load()
-    seen, order = set(), []
-    for name, w in llm.model.weights.items():
-        if id(w) in seen or len(w.shape) != 2 or not str(w.layout).startswith("gguf."):
-            continue
-        seen.add(id(w))
-        n, k = (int(d) for d in w.shape)
-        order.append(((re.sub(r"(^|\.)\d+\.", r"\1", name), w.layout, n, k), next(iter(w.blobs.values())).tensor))
+    order = one_row_weights(llm)
     own = {key: [] for key, _ in order}
     for key, t in order:
         own[key].append(empty_in_huge_pages(t.shape, t.dtype).copy_(t))
