@@ -5,6 +5,7 @@ SentencePiece (``llama``: scores, byte fallback, the "▁" space) and Gemma 4's 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,10 +79,11 @@ def _add_special_tokens(backend: Backend, v: Vocabulary) -> None:
     """Control and unknown tokens as special added tokens (split out of a text before anything else, skipped when
     decoding without specials), user-defined ones as plain added tokens (split out too, always decoded), as
     llama.cpp's ``tokenizer_st_partition`` does."""
+    # (the tokens picked in C: a Python pass over 150k tokens costs more than the rest of this)
     special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(v.tokens, v.types, strict=True) if ty in (CONTROL, UNKNOWN)]
+               for t in itertools.compress(v.tokens, map((CONTROL, UNKNOWN).__contains__, v.types))]
     user = [AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(v.tokens, v.types, strict=True) if ty == USER_DEFINED]
+            for t in itertools.compress(v.tokens, map(USER_DEFINED.__eq__, v.types))]
     backend.add_special_tokens(special)
     backend.add_tokens(user)
 
@@ -96,8 +98,7 @@ def _token_id(meta: Mapping[str, Any], key: str, default: int | None, n: int) ->
 def _end_of_generation(meta: Mapping[str, Any], v: Vocabulary, eos: int | None) -> tuple[int, ...]:
     """EOS, EOT, EOM, the fill-in-the-middle pad / repository / file-separator tokens and the tokens llama.cpp treats
     as end-of-generation by their text."""
-    n = len(v.tokens)
-    index = {t: i for i, t in enumerate(v.tokens)}
+    n, index = len(v.tokens), v.index
     ids = [eos, *(_token_id(meta, f"tokenizer.ggml.{k}_token_id", None, n) for k in ("eot", "eom"))]
     for kind, texts in _FIM.items():
         given = _token_id(meta, f"tokenizer.ggml.fim_{kind}_token_id", None, n)

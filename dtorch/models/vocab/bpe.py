@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from operator import itemgetter
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, normalizers, pre_tokenizers
@@ -41,9 +42,8 @@ def build(v: Vocabulary, meta: Mapping[str, Any], source: str) -> tuple[Backend,
     pairs = _merges(meta, source)
     # tokens as the file spells them (byte-level ones in GPT-2's alphabet; a control or user-defined token, or a stray
     # raw one, in its text, matched by it as llama.cpp matches it)
-    vocab = {t: i for i, t in enumerate(v.tokens)}
     try:
-        backend = Backend(BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=raw,
+        backend = Backend(BPE(vocab=v.index, merges=pairs, fuse_unk=False, byte_fallback=raw,
                               ignore_merges=pre.ignore_merges))
     except Exception as e:  # noqa: BLE001 - the library raises a bare Exception ("Token `x` out of vocabulary")
         raise ModelError(f"{source}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
@@ -76,8 +76,13 @@ def _merges(meta: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
         raise ModelError(f"{source}: tokenizer.ggml.merges is missing; a BPE vocabulary needs it")
+    merges = strings(merges, f"{source}: tokenizer.ggml.merges")
+    if not any(m[:1] == " " for m in merges):  # then the first space is the split: one partition each (150k of them)
+        pairs = [m.partition(" ")[::2] for m in merges]
+        if all(map(itemgetter(1), pairs)):  # (each right token there: checked in C)
+            return pairs
     pairs = []
-    for i, m in enumerate(strings(merges, f"{source}: tokenizer.ggml.merges")):
+    for i, m in enumerate(merges):
         at = m.find(" ", 1)
         if at < 0 or at == len(m) - 1:
             raise ModelError(f"{source}: tokenizer.ggml.merges[{i}] is {m!r:.60}; a merge is two tokens separated by "

@@ -24,7 +24,7 @@ SPACE = "\u2581"  # "▁", SentencePiece's space
 def build(v: Vocabulary, meta: Mapping[str, Any]) -> Backend:
     """The SentencePiece vocabulary ``v`` (``meta``: its file's metadata, for ``add_space_prefix`` and the unknown
     token) as a backend without special tokens or post-processor."""
-    vocab = {t: i for i, t in enumerate(v.tokens)}
+    vocab = v.index
     unk_id = meta.get("tokenizer.ggml.unknown_token_id", next((i for i, ty in enumerate(v.types) if ty == UNKNOWN), 0))
     unk = v.tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(v.tokens) else None
     backend = Backend(BPE(vocab=vocab, merges=merges(v, vocab), byte_fallback=True, unk_token=unk, fuse_unk=False))
