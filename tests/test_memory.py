@@ -153,6 +153,29 @@ def test_a_huge_page_arena_puts_small_tensors_in_2_mib_pages_and_unmaps_when_the
     assert slab() is None  # the last one gone: unmapped
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_huge_pages_reports_the_small_tensors_of_an_arena_as_the_kernel_maps_them():
+    """Tensors under 4 MiB each (none holds a whole 2 MiB page of its own) from a closed arena: ``huge_pages``
+    counts their bytes in the slab's 2 MiB pages, which is what /proc/self/smaps says the slab holds in huge pages;
+    the last page, given back in part by ``close``, counts as 4 KiB pages; a small tensor of the heap counts 0."""
+    from dtorch.core.memory import HUGE_PAGE, HugePageArena, huge_pages
+
+    if not HugePageArena.usable():
+        pytest.skip("transparent huge pages are off here")
+    arena = HugePageArena()
+    ts = [arena.empty((3 << 18,), torch.float32).fill_(i) for i in range(5)]  # 3 MiB each: 15 MiB, 7.5 pages
+    arena.close()
+    plain = torch.ones(1000)
+    done = huge_pages([*ts, ts[2][5:], plain])  # a storage given twice counts once
+    lo, hi, fields = mapping(ts[0].data_ptr())  # the slab's 2 MiB pages: one mapping, advised MADV_HUGEPAGE
+    if fields["AnonHugePages"] == 0:
+        pytest.skip("the kernel gave the slab no huge page, at its faults or by madvise(MADV_COLLAPSE)")
+    assert lo == ts[0].data_ptr() and hi >= ts[0].data_ptr() + 7 * HUGE_PAGE
+    assert done == fields["AnonHugePages"] * 1024 == 7 * HUGE_PAGE  # the whole pages, none of the last one
+    assert mapping(ts[-1].data_ptr() + ts[-1].nbytes - 1)[2]["AnonHugePages"] == 0  # the last page: 4 KiB ones
+    assert huge_pages([plain]) == 0 and all((t == i).all() for i, t in enumerate(ts))
+
+
 def test_a_huge_page_arena_opens_a_slab_when_one_is_full(monkeypatch):
     import importlib
 

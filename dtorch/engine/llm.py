@@ -191,7 +191,8 @@ class LLM:
             if not dequantize:  # asked for: nothing to say
                 ckpt.report_widened()
         trim_heap()  # the load's buffers (file reads, packing, metadata) are freed: give their pages back
-        # bytes of the weights moved into 2 MiB pages: a decode step reads every weight, with fewer TLB misses so
+        # bytes of the weights in 2 MiB pages (moved there where they were not): a decode step reads every weight,
+        # with fewer TLB misses so
         self.weights_in_huge_pages = 0 if env.no_huge_pages() else huge_pages(
             b.tensor for w in self.model.weights.values() for b in w.blobs.values())
         self.mesh = where.mesh
