@@ -295,6 +295,26 @@ def test_non_finite_weights_refused(tmp_path, fmt):
         assert not torch.isfinite(ck.tensors[name]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_is_torch_isfinite_all(dtype):
+    """The load's check (one ``aminmax`` pass) says what ``torch.isfinite(t).all()`` says: one NaN, inf or -inf
+    anywhere among 3M values, the dtype's largest finite values, an empty tensor."""
+    from dtorch.models.loaders.checkpoint import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(1500, 2000, generator=g).to(dtype)
+    cases = [t, t[:, :0]]
+    for where, bad in ((0, float("nan")), (1_234_567, float("inf")), (2_999_999, float("-inf"))):
+        u = t.clone()
+        u.view(-1)[where] = bad
+        cases.append(u)
+    big = torch.zeros(7, dtype=dtype)
+    big[2], big[5] = torch.finfo(dtype).max, torch.finfo(dtype).min
+    cases.append(big)
+    assert [all_finite(c) for c in cases] == [bool(torch.isfinite(c).all()) for c in cases] == \
+        [True, True, False, False, False, True]
+
+
 def test_non_finite_packed_scale_refused(tmp_path):
     cfg = _CFG | {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
     tensors = {n: torch.randn(s) for n, s in checkpoint_mod.expected_shapes(ModelConfig.from_hf(cfg)).items()}

@@ -99,7 +99,7 @@ def _load_all(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tup
         for i in local_ids:
             parts_i = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(sources, mesh, i)]
             t = combine(parts_i)
-            t = (t.t() if as_w else t).to(device=mesh.device(i).torch, dtype=wdtype).contiguous()
+            t = _placed((t.t() if as_w else t).to(device=mesh.device(i).torch, dtype=wdtype))
             blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
         if as_w:
             pl, shape = _transposed(pl), (shape[1], shape[0])
@@ -194,7 +194,7 @@ def _make_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_i
                 raw = got[i][j][1] if fmt is not None else get(hf, dim if rs else None, rs).to(dtype)
                 raws.append(raw if rows[j] is None else rows[j](raw))
             raw = torch.cat(raws, 0) if len(raws) > 1 else raws[0]
-            tensors[i] = pack_stored(raw, fmt, k_local) if fmt is not None else raw.contiguous()
+            tensors[i] = pack_stored(raw, fmt, k_local) if fmt is not None else _placed(raw)
         parts.append(Part(fmt, size, tensors))
     return parts
 
@@ -223,9 +223,7 @@ def pack_stored(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
     from dtorch.kernels.native.repack import repack
 
     if layout in HALF_LAYOUTS:
-        if current_weight_arena() is None or raw.numel() * raw.element_size() >= 2 * HUGE_PAGE:
-            return raw.contiguous()  # (a large read sits in 2 MiB pages already: _read_bytes)
-        return empty_weight(raw.shape, raw.dtype).copy_(raw)  # a small one: into the arena's 2 MiB pages
+        return _placed(raw)
     packed = repack(raw, layout, k)  # native, one pass at memory speed; None where it does not serve the format
     if packed is not None:
         return packed
@@ -235,6 +233,21 @@ def pack_stored(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
     for r in range(0, n, step):
         out[r:r + step] = pack(raw[r:r + step], layout, k)
     return out
+
+
+def _placed(t: torch.Tensor) -> torch.Tensor:
+    """Weight ``t`` as the load made it, in the memory it is kept in: a cpu weight that is no view of its own
+    memory as read (a transpose, a slice) is copied into ``empty_weight``'s (the load's arena; 2 MiB pages from the
+    first write, where ``.contiguous()``'s 4 KiB pages would cost ``huge_pages`` a copy after the load), and so is
+    one under 4 MiB (in memory of its own it sits in 4 KiB pages: a one-row product reads it 5-40% slower at one
+    thread); a larger one as read stays (its read went into 2 MiB pages: ``_read_bytes``, ``hf._pread``). On
+    another device: ``t.contiguous()``."""
+    if t.device.type != "cpu":
+        return t.contiguous()
+    own = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    if own and (current_weight_arena() is None or t.numel() * t.element_size() >= 2 * HUGE_PAGE):
+        return t
+    return empty_weight(t.shape, t.dtype).copy_(t)
 
 
 def _part_placements(placement, shape: tuple[int, int], sizes: list[int]) -> list:
