@@ -286,6 +286,7 @@ def test_a_tied_float_head_is_the_embedding_and_counted_once(tmp_path):
     """A float32 Hugging Face checkpoint written by transformers with tie_word_embeddings: the LM head is the
     embedding's own storage, ``info``'s parameters are transformers' ``num_parameters()``, and the logits are
     transformers'."""
+    from dtorch.core.memory import ARENA_SLAB, HugePageArena
     from dtorch.engine.info import weight_formats
     from dtorch.engine.llm import LLM
 
@@ -296,6 +297,10 @@ def test_a_tied_float_head_is_the_embedding_and_counted_once(tmp_path):
     try:
         head, embed = llm.model.weights["lm_head"], llm.model.weights["embed"]
         assert all(head.blobs[i].tensor.data_ptr() == embed.blobs[i].tensor.data_ptr() for i in embed.blobs)
+        if HugePageArena.usable() and os.path.exists("/proc/self/smaps"):  # every (small) weight in the arena's slab
+            maps = {_mapping(b.tensor.data_ptr())[:2] for w in llm.model.weights.values() for b in w.blobs.values()}
+            ((lo, hi),) = maps
+            assert hi - lo >= ARENA_SLAB
         formats = weight_formats(llm.model)
         assert sum(f["params"] for f in formats.values()) == hf.num_parameters()
         assert sum(f["bytes"] for f in formats.values()) == hf.num_parameters() * 4
