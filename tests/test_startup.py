@@ -181,6 +181,20 @@ def test_a_corrupt_entry_is_rebuilt_never_trusted(quantized, uncached, cache_dir
     assert status == "corrupt" and torch.equal(logits, uncached)
 
 
+def test_an_entry_checked_by_another_checksum_is_stale(quantized, uncached, cache_dir, monkeypatch):
+    """Without the xxhash package an entry is checked by zlib's CRC-32: one made with XXH3 is then stale (rebuilt),
+    and a corrupt byte fails its CRC as it fails XXH3."""
+    from dtorch.models import pack_cache
+
+    pytest.importorskip("xxhash")
+    assert _load(quantized)[1] == "miss"
+    monkeypatch.setattr(pack_cache, "checksum_kind", lambda: "crc32")
+    logits, status = _load(quantized)
+    assert status == "stale" and torch.equal(logits, uncached)
+    assert _load(quantized)[1] == "hit"
+    test_a_corrupt_entry_is_rebuilt_never_trusted(quantized, uncached, cache_dir)  # with CRC-32
+
+
 def test_entries_of_deleted_files_are_pruned(quantized, cache_dir, tmp_path):
     gone = tmp_path / "gone.gguf"
     gone.write_bytes(quantized.read_bytes())
