@@ -99,7 +99,8 @@ def _load_all(config: ModelConfig, get: Getter, mesh: DeviceMesh, local_ids: tup
         for i in local_ids:
             parts_i = [get(hf, dim if runs else None, runs) for hf, dim, runs in _slices(sources, mesh, i)]
             t = combine(parts_i)
-            t = _placed((t.t() if as_w else t).to(device=mesh.device(i).torch, dtype=wdtype))
+            t = (t.t() if as_w else t).to(device=mesh.device(i).torch, dtype=wdtype)
+            t = t.contiguous() if hollow else _placed(t)  # (hollow: nothing is read, nothing copied)
             blobs[i] = Blob(mesh.device(i), MemoryKind.PERSISTENT, adopt(t, MemoryKind.PERSISTENT), pinned=True)
         if as_w:
             pl, shape = _transposed(pl), (shape[1], shape[0])
@@ -194,7 +195,8 @@ def _make_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_i
                 raw = got[i][j][1] if fmt is not None else get(hf, dim if rs else None, rs).to(dtype)
                 raws.append(raw if rows[j] is None else rows[j](raw))
             raw = torch.cat(raws, 0) if len(raws) > 1 else raws[0]
-            tensors[i] = pack_stored(raw, fmt, k_local) if fmt is not None else _placed(raw)
+            tensors[i] = pack_stored(raw, fmt, k_local) if fmt is not None else \
+                raw.contiguous() if hollow else _placed(raw)
         parts.append(Part(fmt, size, tensors))
     return parts
 
