@@ -241,9 +241,10 @@ def _placed(t: torch.Tensor) -> torch.Tensor:
     """Weight ``t`` as the load made it, in the memory it is kept in: a cpu weight that is no view of its own
     memory as read (a transpose, a slice) is copied into ``empty_weight``'s (the load's arena; 2 MiB pages from the
     first write, where ``.contiguous()``'s 4 KiB pages would cost ``huge_pages`` a copy after the load), and so is
-    one under 4 MiB (in memory of its own it sits in 4 KiB pages: a one-row product reads it 5-40% slower at one
-    thread); a larger one as read stays (its read went into 2 MiB pages: ``_read_bytes``, ``hf._pread``). On
-    another device: ``t.contiguous()``."""
+    one under 4 MiB (in memory of its own it sits in 4 KiB pages, where the native one-row products read small
+    packed weights ~1.4x slower at one thread, ``bench/weight_pages.py``; torch's float32 one showed no difference);
+    a larger one as read stays (its read went into 2 MiB pages: ``_read_bytes``, ``hf._pread``). On another
+    device: ``t.contiguous()``."""
     if t.device.type != "cpu":
         return t.contiguous()
     own = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
