@@ -26,6 +26,7 @@ about one model's packed bytes per (file, dtype, mesh) loaded; delete the folder
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -56,6 +57,7 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.float32
 log = logging.getLogger("dtorch.models")
 
 
+@functools.cache
 def checksum_kind() -> str:
     """The checksum new entries get and this process reads: "xxh3_64" where the ``xxhash`` package is installed (the
     ``fast`` extra), else "crc32" (zlib's, 5x slower)."""
