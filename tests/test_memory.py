@@ -176,6 +176,24 @@ def test_huge_pages_reports_the_small_tensors_of_an_arena_as_the_kernel_maps_the
     assert huge_pages([plain]) == 0 and all((t == i).all() for i, t in enumerate(ts))
 
 
+def test_empty_in_huge_pages_marks_whole_pages_unless_told_not_to(monkeypatch):
+    """The whole 2 MiB pages inside a new tensor are advised MADV_HUGEPAGE (a read into it then faults them in as huge
+    pages); none under ``DTORCH_NO_HUGE_PAGES``, as every weight's memory."""
+    import importlib
+
+    mem = importlib.import_module("dtorch.core.memory")
+    calls = []
+    monkeypatch.setattr(mem, "libc_function", lambda name: (lambda *a: calls.append(a) or 0) if name == "madvise"
+                        else None)
+    t = mem.empty_in_huge_pages((5 << 20,), torch.uint8)
+    ((addr, size, advice),) = calls
+    page = mem.HUGE_PAGE
+    lo, hi = -(-t.data_ptr() // page) * page, (t.data_ptr() + t.numel()) // page * page  # the whole pages inside
+    assert advice == mem.MADV_HUGEPAGE and (addr.value, size.value) == (lo, hi - lo) and hi - lo >= mem.HUGE_PAGE
+    monkeypatch.setenv("DTORCH_NO_HUGE_PAGES", "1")
+    assert mem.empty_in_huge_pages((5 << 20,), torch.uint8).shape == (5 << 20,) and len(calls) == 1
+
+
 def test_a_huge_page_arena_opens_a_slab_when_one_is_full(monkeypatch):
     import importlib
 

@@ -187,9 +187,9 @@ def empty_in_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tenso
     """``torch.empty(shape, dtype)`` on the cpu whose whole 2 MiB pages are marked MADV_HUGEPAGE before anything is
     written: the first write then faults them in as transparent huge pages directly (THP "madvise" or "always"), where
     ``huge_pages`` would copy 4 KiB pages into huge ones after the fact (1.3 s for a 400 MB model on a busy core).
-    Where the C library or the kernel says no, a plain ``torch.empty``."""
+    Where the C library or the kernel says no, or ``DTORCH_NO_HUGE_PAGES`` is set, a plain ``torch.empty``."""
     t = torch.empty(tuple(shape), dtype=dtype)
-    madvise = libc_function("madvise")
+    madvise = None if env.no_huge_pages() else libc_function("madvise")
     size = t.untyped_storage().nbytes()
     if madvise is not None and size >= 2 * HUGE_PAGE:
         base = t.untyped_storage().data_ptr()
@@ -341,9 +341,7 @@ def empty_weight(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """The memory of a weight as the loader makes it (uninitialized, cpu): from the arena of ``weight_arena`` when
     one is open, else marked for 2 MiB pages (``empty_in_huge_pages``, unless ``DTORCH_NO_HUGE_PAGES``)."""
     arena = _weight_arena.get()
-    if arena is not None:
-        return arena.empty(shape, dtype)
-    return torch.empty(tuple(shape), dtype=dtype) if env.no_huge_pages() else empty_in_huge_pages(shape, dtype)
+    return arena.empty(shape, dtype) if arena is not None else empty_in_huge_pages(shape, dtype)
 
 
 @functools.cache
