@@ -253,7 +253,9 @@ static inline void tail_chain512(const QWeight& w, const SGAct& a, int64_t m, co
 
 // Inlined into kq_decode512: called out of line (GCC's choice once Q6_K took two rows) the library's Q6_K ran 0.88x
 // its stand-alone build's speed, hot, where inlined it runs 1.15x the one-row loop (Q4_K 1.03x).
-template <int F, int R, bool LO>
+// STREAM: prefetch `ahead` bytes on as each super-group is read, and a last lone super-block (kq_decode512's longer
+// rows); else whole super-groups, no prefetch (kq_split512's streams)
+template <int F, int R, bool LO, bool STREAM>
 static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
                               float* out) {
   using G = SG<F>;
@@ -268,11 +270,11 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const uint8_t* p[R];
     for (int r = 0; r < R; ++r) p[r] = rows[r] + g * 2 * G::kblock;
-    if (m == 0)  // (further rows of x find the weight rows in L1)
+    if (STREAM && m == 0)  // (further rows of x find the weight rows in L1)
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 2 * G::kblock; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(p[r]) + ahead + i, _MM_HINT_T1);
-    if (nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_tile512
+    if (STREAM && nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_tile512
       const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
       float o[1][R];
       sg_tile256<F, 1, R, LO>(p, at, m, nb - g * 16, o);
@@ -362,12 +364,52 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
 }
 
-// The K-quants' decode driver: R rows at a time (then one), y = sum + bias as sg_block512 writes it
+// The K-quants' decode driver: R rows at a time (then one), y = sum + bias as sg_block512 writes it.
+// Rows of whole super-groups of at most kSplitRowBytes (K = 1536 / 2048: the attention and gate_up projections, the
+// tied heads) are read as R streams, each in memory order (kq_split512): stream r holds rows n0 + r q .. n0 + (r + 1)
+// q - 1, q = (n1 - n0) / R, and the rest come one at a time after; the core's hardware prefetcher follows each stream.
+// R neighbouring rows side by side (the longer rows' order) are R streams 888-1260 bytes apart that it does not
+// follow (4.5 GB/s without software prefetch), so they need kStreamAhead's software stream, which read a Qwen2.5-1.5B
+// step's K = 1536 products at ~0.88 of a plain read where the R streams read ~0.93 (stand-alone harness, cold, one
+// thread, 2 MiB pages; in the library's products table 1.01-1.02x). With the streams the arithmetic is what is
+// left: without the epilogue's scales they read 1.0-1.02 of the read. Long rows (the down projections, K = 4864-8960)
+// in the streams' order ran 0.45-0.6x (software prefetch a stream 1-4 KB on did not help): they keep the software
+// stream. Every row's sum is unchanged (rows are independent: R only shares x's loads).
+constexpr int64_t kSplitRowBytes = 2048;
+
+// (out of line: inlined, it changed GCC's choices in kq_decode512's own loop, which then ran 2-4% slower)
+template <int F, bool LO>
+static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1,
+                                                  const void* bias, void* y, int ydt, int64_t ldy) {
+  constexpr int R = F == dtn::Q6_K ? 2 : 4;
+  const int64_t nb = w.K / 32, q = (n1 - n0) / R;
+  auto put = [&](int64_t m, int64_t n, float v) { store_f(y, ydt, m * ldy + n, v + (bias ? load_f(bias, ydt, n) : 0.f)); };
+  for (int64_t i = 0; i < q; ++i) {
+    const uint8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = w.qs + (n0 + r * q + i) * w.qs_row;
+    for (int64_t m = 0; m < M; ++m) {
+      float o[R];
+      kq_rows512<F, R, LO, false>(rows, a, m, nb, 0, o);
+      for (int r = 0; r < R; ++r) put(m, n0 + r * q + i, o[r]);
+    }
+  }
+  for (int64_t n = n0 + R * q; n < n1; ++n) {
+    const uint8_t* row = w.qs + n * w.qs_row;
+    for (int64_t m = 0; m < M; ++m) {
+      float o[1];
+      kq_rows512<F, 1, LO, false>(&row, a, m, nb, 0, o);
+      put(m, n, o[0]);
+    }
+  }
+}
+
+// longer rows: R neighbouring rows side by side, the software stream kStreamAhead bytes on
 template <int F, bool LO>
 static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                          void* y, int ydt, int64_t ldy) {
-  constexpr int R = F == dtn::Q6_K ? 2 : 4;
   const int64_t nb = w.K / 32;
+  if (w.qs_row <= kSplitRowBytes && nb % 16 == 0) return kq_split512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  constexpr int R = F == dtn::Q6_K ? 2 : 4;
   // each row fetches the same bytes of a row whole blocks of R rows on, at least kStreamAhead bytes: R rows are read
   // side by side, so kStreamAhead bytes on would land in this block's own rows once R rows span that much
   const int64_t block = R * w.qs_row, ahead = (kStreamAhead + block - 1) / block * block;
@@ -380,7 +422,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     for (int r = 0; r < R; ++r) rows[r] = w.qs + (n + r) * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[R];
-      kq_rows512<F, R, LO>(rows, a, m, nb, ahead, o);
+      kq_rows512<F, R, LO, true>(rows, a, m, nb, ahead, o);
       for (int r = 0; r < R; ++r) put(m, n + r, o[r]);
     }
   }
@@ -388,7 +430,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     const uint8_t* row = w.qs + n * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[1];
-      kq_rows512<F, 1, LO>(&row, a, m, nb, ahead, o);
+      kq_rows512<F, 1, LO, true>(&row, a, m, nb, ahead, o);
       put(m, n, o[0]);
     }
   }
