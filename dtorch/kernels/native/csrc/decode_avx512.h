@@ -259,7 +259,7 @@ template <int F, int R, bool LO, bool STREAM>
 static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
                               float* out) {
   using G = SG<F>;
-  constexpr bool Q6 = F == dtn::Q6_K;
+  constexpr bool Q6 = F == dtn::Q6_K, Q4 = F == dtn::Q4_K;
   const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
   __m512 acc[R];
   float tail[R];
@@ -298,7 +298,9 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
       }
       for (int r = 0; r < R; ++r) {
         const __m512i v = two_halves(p[r] + G::kq + 32 * u, p[r] + G::kblock + G::kq + 32 * u);
-        __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        // Q4_K: the high nibbles in place, 16 times their value (an unsigned byte still), is2 / il2 16 times the sums
+        __m512i wl = _mm512_and_si512(v, lo4),
+                wh = Q4 ? _mm512_andnot_si512(lo4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         if constexpr (Q6) {  // two high bits per quant, 4 steps a byte (as sg_tile512)
           const int off = 32 * (u % 2);
           const __m512i hq = two_halves(p[r] + G::kh + off, p[r] + G::kblock + G::kh + off);
@@ -343,7 +345,9 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
         acc[r] = _mm512_fmadd_ps(hi_, mw, _mm512_fmadd_ps(lo_, dw, acc[r]));
         continue;
       }
-      const __m512i s = _mm512_add_epi32(is[r], is2[r]), l = _mm512_add_epi32(il[r], il2[r]);
+      // (exact: Q4_K's is2 and il2 are multiples of 16)
+      const __m512i s = _mm512_add_epi32(is[r], Q4 ? _mm512_srai_epi32(is2[r], 4) : is2[r]);
+      const __m512i l = _mm512_add_epi32(il[r], Q4 ? _mm512_srai_epi32(il2[r], 4) : il2[r]);
       const __m512 t = _mm512_mul_ps(LO ? levels512(s, l) : _mm512_cvtepi32_ps(s), da);
       __m512 dw, mw;
       if constexpr (F == dtn::IQ4_XS) {
