@@ -369,23 +369,25 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
 }
 
 // The K-quants' decode driver: R rows at a time (then one), y = sum + bias as sg_block512 writes it.
-// Rows of whole super-groups of at most kSplitRowBytes (K = 1536 / 2048: the attention and gate_up projections, the
-// tied heads) are read as R streams, each in memory order (kq_split512): stream r holds rows n0 + r q .. n0 + (r + 1)
+// The 4-bit formats' rows of whole super-groups of at most kSplitRowBytes (K = 1536 / 2048: the attention and gate_up
+// projections) are read as R streams, each in memory order (kq_split512): stream r holds rows n0 + r q .. n0 + (r + 1)
 // q - 1, q = (n1 - n0) / R, and the rest come one at a time after; the core's hardware prefetcher follows each stream.
-// R neighbouring rows side by side (the longer rows' order) are R streams 888-1260 bytes apart that it does not
+// R neighbouring rows side by side (the longer rows' order) are R streams 888-1184 bytes apart that it does not
 // follow (4.5 GB/s without software prefetch), so they need kStreamAhead's software stream, which read a Qwen2.5-1.5B
 // step's K = 1536 products at ~0.88 of a plain read where the R streams read ~0.93 (stand-alone harness, cold, one
-// thread, 2 MiB pages; in the library's products table 1.01-1.02x). With the streams the arithmetic is what is
-// left: without the epilogue's scales they read 1.0-1.02 of the read. Long rows (the down projections, K = 4864-8960)
-// in the streams' order ran 0.45-0.6x (software prefetch a stream 1-4 KB on did not help): they keep the software
-// stream. Every row's sum is unchanged (rows are independent: R only shares x's loads).
+// thread, 2 MiB pages; through qlinear, its gate_up 1.03-1.06x). With the streams the arithmetic is what is left:
+// without the epilogue's scales they read 1.0-1.02 of the read. Long rows (the down projections, K = 4864-8960) in
+// the streams' order ran 0.45-0.6x (software prefetch a stream 1-4 KB on did not help), and Q6_K's two streams (its
+// R) ran 0.75-1.0x (the tied heads, K = 2048 / 1536): they keep the software stream. Every row's sum is unchanged
+// (rows are independent: R only shares x's loads).
 constexpr int64_t kSplitRowBytes = 2048;
 
 // (out of line: inlined, it changed GCC's choices in kq_decode512's own loop, which then ran 2-4% slower)
 template <int F, bool LO>
 static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1,
                                                   const void* bias, void* y, int ydt, int64_t ldy) {
-  constexpr int R = F == dtn::Q6_K ? 2 : 4;
+  static_assert(F != dtn::Q6_K, "Q6_K keeps the software stream");
+  constexpr int R = 4;
   const int64_t nb = w.K / 32, q = (n1 - n0) / R;
   auto put = [&](int64_t m, int64_t n, float v) { store_f(y, ydt, m * ldy + n, v + (bias ? load_f(bias, ydt, n) : 0.f)); };
   for (int64_t i = 0; i < q; ++i) {
@@ -407,12 +409,13 @@ static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct&
   }
 }
 
-// longer rows: R neighbouring rows side by side, the software stream kStreamAhead bytes on
+// longer rows and Q6_K: R neighbouring rows side by side, the software stream kStreamAhead bytes on
 template <int F, bool LO>
 static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                          void* y, int ydt, int64_t ldy) {
   const int64_t nb = w.K / 32;
-  if (w.qs_row <= kSplitRowBytes && nb % 16 == 0) return kq_split512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  if constexpr (F != dtn::Q6_K)
+    if (w.qs_row <= kSplitRowBytes && nb % 16 == 0) return kq_split512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
   constexpr int R = F == dtn::Q6_K ? 2 : 4;
   // each row fetches the same bytes of a row whole blocks of R rows on, at least kStreamAhead bytes: R rows are read
   // side by side, so kStreamAhead bytes on would land in this block's own rows once R rows span that much
