@@ -253,9 +253,9 @@ static inline void tail_chain512(const QWeight& w, const SGAct& a, int64_t m, co
 
 // Inlined into kq_decode512: called out of line (GCC's choice once Q6_K took two rows) the library's Q6_K ran 0.88x
 // its stand-alone build's speed, hot, where inlined it runs 1.15x the one-row loop (Q4_K 1.03x).
-// STREAM: prefetch `ahead` bytes on as each super-group is read, and a last lone super-block (kq_decode512's longer
-// rows); else whole super-groups, no prefetch (kq_split512's streams)
-template <int F, int R, bool LO, bool STREAM>
+// SPLIT: kq_split512's rows (whole super-groups, no prefetch: the hardware prefetcher follows its streams); else
+// each super-group's bytes `ahead` on are prefetched at the first row of x and a last lone super-block may come
+template <int F, int R, bool LO, bool SPLIT>
 static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
                               float* out) {
   using G = SG<F>;
@@ -270,11 +270,11 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const uint8_t* p[R];
     for (int r = 0; r < R; ++r) p[r] = rows[r] + g * 2 * G::kblock;
-    if (STREAM && m == 0)  // (further rows of x find the weight rows in L1)
+    if (!SPLIT && m == 0)  // (further rows of x find the weight rows in L1)
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 2 * G::kblock; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(p[r]) + ahead + i, _MM_HINT_T1);
-    if (STREAM && nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_tile512
+    if (!SPLIT && nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_tile512
       const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
       float o[1][R];
       sg_tile256<F, 1, R, LO>(p, at, m, nb - g * 16, o);
@@ -382,7 +382,8 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
 // (rows are independent: R only shares x's loads).
 constexpr int64_t kSplitRowBytes = 2048;
 
-// (out of line: inlined, it changed GCC's choices in kq_decode512's own loop, which then ran 2-4% slower)
+// (chosen by sg_decode512 and kept out of line, so that kq_decode512's loops compile as before: with the choice inside
+// it GCC compiled them otherwise, and they ran 1-4% slower in a stand-alone harness)
 template <int F, bool LO>
 static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1,
                                                   const void* bias, void* y, int ydt, int64_t ldy) {
@@ -395,7 +396,7 @@ static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct&
     for (int r = 0; r < R; ++r) rows[r] = w.qs + (n0 + r * q + i) * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[R];
-      kq_rows512<F, R, LO, false>(rows, a, m, nb, 0, o);
+      kq_rows512<F, R, LO, true>(rows, a, m, nb, 0, o);
       for (int r = 0; r < R; ++r) put(m, n0 + r * q + i, o[r]);
     }
   }
@@ -403,7 +404,7 @@ static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct&
     const uint8_t* row = w.qs + n * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[1];
-      kq_rows512<F, 1, LO, false>(&row, a, m, nb, 0, o);
+      kq_rows512<F, 1, LO, true>(&row, a, m, nb, 0, o);
       put(m, n, o[0]);
     }
   }
@@ -413,10 +414,8 @@ static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct&
 template <int F, bool LO>
 static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                          void* y, int ydt, int64_t ldy) {
-  const int64_t nb = w.K / 32;
-  if constexpr (F != dtn::Q6_K)
-    if (w.qs_row <= kSplitRowBytes && nb % 16 == 0) return kq_split512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
   constexpr int R = F == dtn::Q6_K ? 2 : 4;
+  const int64_t nb = w.K / 32;
   // each row fetches the same bytes of a row whole blocks of R rows on, at least kStreamAhead bytes: R rows are read
   // side by side, so kStreamAhead bytes on would land in this block's own rows once R rows span that much
   const int64_t block = R * w.qs_row, ahead = (kStreamAhead + block - 1) / block * block;
@@ -429,7 +428,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     for (int r = 0; r < R; ++r) rows[r] = w.qs + (n + r) * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[R];
-      kq_rows512<F, R, LO, true>(rows, a, m, nb, ahead, o);
+      kq_rows512<F, R, LO, false>(rows, a, m, nb, ahead, o);
       for (int r = 0; r < R; ++r) put(m, n + r, o[r]);
     }
   }
@@ -437,7 +436,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     const uint8_t* row = w.qs + n * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[1];
-      kq_rows512<F, 1, LO, true>(&row, a, m, nb, ahead, o);
+      kq_rows512<F, 1, LO, false>(&row, a, m, nb, ahead, o);
       put(m, n, o[0]);
     }
   }
@@ -575,6 +574,8 @@ static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
                          void* y, int ydt, int64_t ldy) {
   if constexpr (SG<F>::kblock == 0)
     sg_decode32_512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  else if (F != dtn::Q6_K && w.qs_row <= kSplitRowBytes && w.K % 512 == 0)
+    kq_split512<F == dtn::Q6_K ? dtn::Q4_K : F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);  // (never Q6_K: see there)
   else
     kq_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
 }
