@@ -408,6 +408,10 @@ static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct&
       put(m, n, o[0]);
     }
   }
+  // the bytes after the rows, kStreamAhead of them, as the software stream asks for them past its rows' end: the next
+  // weight in the arena's order (a Q6_K [256, 1536] after a split product started ~10% slower without them)
+  const char* next = reinterpret_cast<const char*>(w.qs + n1 * w.qs_row);
+  for (int64_t i = 0; i < kStreamAhead; i += 64) _mm_prefetch(next + i, _MM_HINT_T1);
 }
 
 // longer rows and Q6_K: R neighbouring rows side by side, the software stream kStreamAhead bytes on
