@@ -375,7 +375,7 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
 // R neighbouring rows side by side (the longer rows' order) are R streams 888-1184 bytes apart that it does not
 // follow (4.5 GB/s without software prefetch), so they need kStreamAhead's software stream, which read a Qwen2.5-1.5B
 // step's K = 1536 products at ~0.88 of a plain read where the R streams read ~0.93 (stand-alone harness, cold, one
-// thread, 2 MiB pages; through qlinear, its gate_up 1.03-1.06x). With the streams the arithmetic is what is left:
+// thread, 2 MiB pages; through qlinear, its gate_up 1.04-1.10x). With the streams the arithmetic is what is left:
 // without the epilogue's scales they read 1.0-1.02 of the read. Long rows (the down projections, K = 4864-8960) in
 // the streams' order ran 0.45-0.6x (software prefetch a stream 1-4 KB on did not help), and Q6_K's two streams (its
 // R) ran 0.75-1.0x (the tied heads, K = 2048 / 1536): they keep the software stream. Every row's sum is unchanged
@@ -576,12 +576,14 @@ static void sg_decode32_512(const QWeight& w, const SGAct& a, int64_t M, int64_t
 template <int F, bool LO>
 static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                          void* y, int ydt, int64_t ldy) {
-  if constexpr (SG<F>::kblock == 0)
+  if constexpr (SG<F>::kblock == 0) {
     sg_decode32_512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
-  else if (F != dtn::Q6_K && w.qs_row <= kSplitRowBytes && w.K % 512 == 0)
-    kq_split512<F == dtn::Q6_K ? dtn::Q4_K : F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);  // (never Q6_K: see there)
-  else
+  } else if constexpr (F == dtn::Q6_K) {
     kq_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  } else {  // short rows of whole super-groups as four streams (see kq_decode512)
+    if (w.qs_row <= kSplitRowBytes && w.K % 512 == 0) kq_split512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    else kq_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  }
 }
 
 // -- the activations: quantize_sg (generic.h) in 512-bit vectors, bit for bit -------------------------------------
