@@ -253,11 +253,13 @@ static inline void tail_chain512(const QWeight& w, const SGAct& a, int64_t m, co
 
 // Inlined into kq_decode512: called out of line (GCC's choice once Q6_K took two rows) the library's Q6_K ran 0.88x
 // its stand-alone build's speed, hot, where inlined it runs 1.15x the one-row loop (Q4_K 1.03x).
-template <int F, int R, bool LO>
+// SPLIT: kq_split512's rows (whole super-groups, no prefetch: the hardware prefetcher follows its streams); else
+// each super-group's bytes `ahead` on are prefetched at the first row of x and a last lone super-block may come
+template <int F, int R, bool LO, bool SPLIT>
 static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* const* rows, const SGAct& a, int64_t m, int64_t nb, int64_t ahead,
                               float* out) {
   using G = SG<F>;
-  constexpr bool Q6 = F == dtn::Q6_K;
+  constexpr bool Q6 = F == dtn::Q6_K, Q4 = F == dtn::Q4_K;
   const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
   __m512 acc[R];
   float tail[R];
@@ -268,11 +270,11 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const uint8_t* p[R];
     for (int r = 0; r < R; ++r) p[r] = rows[r] + g * 2 * G::kblock;
-    if (m == 0)  // (further rows of x find the weight rows in L1)
+    if (!SPLIT && m == 0)  // (further rows of x find the weight rows in L1)
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 2 * G::kblock; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(p[r]) + ahead + i, _MM_HINT_T1);
-    if (nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_tile512
+    if (!SPLIT && nb - g * 16 < 16) {  // the lone last super-block: quant_avx2.h's tile, as sg_tile512
       const SGAct at{a.q + g * 1024, a.d + g * 16, a.s + g * 16, a.nsg, a.sh + g * 32, a.levels};
       float o[1][R];
       sg_tile256<F, 1, R, LO>(p, at, m, nb - g * 16, o);
@@ -296,7 +298,9 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
       }
       for (int r = 0; r < R; ++r) {
         const __m512i v = two_halves(p[r] + G::kq + 32 * u, p[r] + G::kblock + G::kq + 32 * u);
-        __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        // Q4_K: the high nibbles in place, 16 times their value (an unsigned byte still), is2 / il2 16 times the sums
+        __m512i wl = _mm512_and_si512(v, lo4),
+                wh = Q4 ? _mm512_andnot_si512(lo4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         if constexpr (Q6) {  // two high bits per quant, 4 steps a byte (as sg_tile512)
           const int off = 32 * (u % 2);
           const __m512i hq = two_halves(p[r] + G::kh + off, p[r] + G::kblock + G::kh + off);
@@ -341,7 +345,9 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
         acc[r] = _mm512_fmadd_ps(hi_, mw, _mm512_fmadd_ps(lo_, dw, acc[r]));
         continue;
       }
-      const __m512i s = _mm512_add_epi32(is[r], is2[r]), l = _mm512_add_epi32(il[r], il2[r]);
+      // (exact: Q4_K's is2 and il2 are multiples of 16)
+      const __m512i s = _mm512_add_epi32(is[r], Q4 ? _mm512_srai_epi32(is2[r], 4) : is2[r]);
+      const __m512i l = _mm512_add_epi32(il[r], Q4 ? _mm512_srai_epi32(il2[r], 4) : il2[r]);
       const __m512 t = _mm512_mul_ps(LO ? levels512(s, l) : _mm512_cvtepi32_ps(s), da);
       __m512 dw, mw;
       if constexpr (F == dtn::IQ4_XS) {
@@ -362,7 +368,53 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
 }
 
-// The K-quants' decode driver: R rows at a time (then one), y = sum + bias as sg_block512 writes it
+// The K-quants' decode driver: R rows at a time (then one), y = sum + bias as sg_block512 writes it.
+// The 4-bit formats' rows of whole super-groups of at most kSplitRowBytes (K = 1536 / 2048: the attention and gate_up
+// projections) are read as R streams, each in memory order (kq_split512): stream r holds rows n0 + r q .. n0 + (r + 1)
+// q - 1, q = (n1 - n0) / R, and the rest come one at a time after; the core's hardware prefetcher follows each stream.
+// R neighbouring rows side by side (the longer rows' order) are R streams 888-1184 bytes apart that it does not
+// follow (4.5 GB/s without software prefetch), so they need kStreamAhead's software stream, which read a Qwen2.5-1.5B
+// step's K = 1536 products at ~0.88 of a plain read where the R streams read ~0.93 (stand-alone harness, cold, one
+// thread, 2 MiB pages; through qlinear, its gate_up 1.04-1.10x). With the streams the arithmetic is what is left:
+// without the epilogue's scales they read 1.0-1.02 of the read. Long rows (the down projections, K = 4864-8960) in
+// the streams' order ran 0.45-0.6x (software prefetch a stream 1-4 KB on did not help), and Q6_K's two streams (its
+// R) ran 0.75-1.0x (the tied heads, K = 2048 / 1536): they keep the software stream. Every row's sum is unchanged
+// (rows are independent: R only shares x's loads).
+constexpr int64_t kSplitRowBytes = 2048;
+
+// (chosen by sg_decode512 and kept out of line, so that kq_decode512's loops compile as before: with the choice inside
+// it GCC compiled them otherwise, and they ran 1-4% slower in a stand-alone harness)
+template <int F, bool LO>
+static __attribute__((noinline)) void kq_split512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1,
+                                                  const void* bias, void* y, int ydt, int64_t ldy) {
+  static_assert(F != dtn::Q6_K, "Q6_K keeps the software stream");
+  constexpr int R = 4;
+  const int64_t nb = w.K / 32, q = (n1 - n0) / R;
+  auto put = [&](int64_t m, int64_t n, float v) { store_f(y, ydt, m * ldy + n, v + (bias ? load_f(bias, ydt, n) : 0.f)); };
+  for (int64_t i = 0; i < q; ++i) {
+    const uint8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = w.qs + (n0 + r * q + i) * w.qs_row;
+    for (int64_t m = 0; m < M; ++m) {
+      float o[R];
+      kq_rows512<F, R, LO, true>(rows, a, m, nb, 0, o);
+      for (int r = 0; r < R; ++r) put(m, n0 + r * q + i, o[r]);
+    }
+  }
+  for (int64_t n = n0 + R * q; n < n1; ++n) {
+    const uint8_t* row = w.qs + n * w.qs_row;
+    for (int64_t m = 0; m < M; ++m) {
+      float o[1];
+      kq_rows512<F, 1, LO, true>(&row, a, m, nb, 0, o);
+      put(m, n, o[0]);
+    }
+  }
+  // the bytes after the rows, kStreamAhead of them, as the software stream asks for them past its rows' end: the next
+  // weight in the arena's order (a Q6_K [256, 1536] after a split product started ~10% slower without them)
+  const char* next = reinterpret_cast<const char*>(w.qs + n1 * w.qs_row);
+  for (int64_t i = 0; i < kStreamAhead; i += 64) _mm_prefetch(next + i, _MM_HINT_T1);
+}
+
+// longer rows and Q6_K: R neighbouring rows side by side, the software stream kStreamAhead bytes on
 template <int F, bool LO>
 static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                          void* y, int ydt, int64_t ldy) {
@@ -380,7 +432,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     for (int r = 0; r < R; ++r) rows[r] = w.qs + (n + r) * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[R];
-      kq_rows512<F, R, LO>(rows, a, m, nb, ahead, o);
+      kq_rows512<F, R, LO, false>(rows, a, m, nb, ahead, o);
       for (int r = 0; r < R; ++r) put(m, n + r, o[r]);
     }
   }
@@ -388,7 +440,7 @@ static void kq_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0
     const uint8_t* row = w.qs + n * w.qs_row;
     for (int64_t m = 0; m < M; ++m) {
       float o[1];
-      kq_rows512<F, 1, LO>(&row, a, m, nb, ahead, o);
+      kq_rows512<F, 1, LO, false>(&row, a, m, nb, ahead, o);
       put(m, n, o[0]);
     }
   }
@@ -524,10 +576,14 @@ static void sg_decode32_512(const QWeight& w, const SGAct& a, int64_t M, int64_t
 template <int F, bool LO>
 static void sg_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                          void* y, int ydt, int64_t ldy) {
-  if constexpr (SG<F>::kblock == 0)
+  if constexpr (SG<F>::kblock == 0) {
     sg_decode32_512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
-  else
+  } else if constexpr (F == dtn::Q6_K) {
     kq_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  } else {  // short rows of whole super-groups as four streams (see kq_decode512)
+    if (w.qs_row <= kSplitRowBytes && w.K % 512 == 0) kq_split512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+    else kq_decode512<F, LO>(w, a, M, n0, n1, bias, y, ydt, ldy);
+  }
 }
 
 // -- the activations: quantize_sg (generic.h) in 512-bit vectors, bit for bit -------------------------------------
