@@ -22,7 +22,8 @@ _SERVE = ("dtorch/serve/",)  # the serve extra
 OFF_PATH = {"matplotlib": ("dtorch/cli.py", "dtorch/runtime/tracing.py"),  # the trace's picture
             "fastapi": _SERVE, "starlette": _SERVE, "pydantic": _SERVE, "uvicorn": _SERVE, "prometheus_client": _SERVE,
             "h11": _SERVE,
-            "llguidance": ("dtorch/engine/structured.py",)}  # structured outputs only, imported when one is asked
+            "llguidance": ("dtorch/engine/structured.py",),  # structured outputs only, imported when one is asked
+            "xxhash": ("dtorch/models/pack_cache.py",)}  # optional: the pack cache checks with zlib's CRC-32 without it
 
 
 def _needs() -> set[str]:

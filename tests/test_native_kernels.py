@@ -773,9 +773,10 @@ def test_cpu_features_forced_off_pick_the_next_isa():
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == want, forced
     with nk.use_isa("auto"):
-        best = nk.isa()
-        with cpu.forced(**{nk.ISA_FEATURES[best][0]: False}):
-            assert nk.isa() == runs[1]
+        best = nk.isa()  # the session's own DTORCH_CPU_FEATURES may already rule the best ones out
+        if best != "portable":
+            with cpu.forced(**{nk.ISA_FEATURES[best][0]: False}):
+                assert nk.isa() == runs[runs.index(best) + 1]
         assert nk.isa() == best
 
 
