@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, side by side in one run (issue #23).
 
     python bench/speculative.py [--threads 1] [--repeats 3] [--k 12] [--forced 2 4 8 12] [--no-draft-model]
-                                [--cache DIR] [--smoke]
+                                [--cache DIR] [--vocabs 49152 151936 262144] [--draw-repeats 40] [--smoke]
 
 The default model (SmolLM2-135M-Instruct Q4_1), greedy, one request at a time, on three chat tasks: repeating a
 paragraph, fixing the typos of a paragraph, and an open question. Each task runs plain and with prompt lookup
