@@ -44,7 +44,7 @@ _SCRATCH = threading.local()  # this thread's buffers of ``scratch``
 def scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[n] of this thread's buffer ``name``, kept across rows and steps: a new [V] tensor is fresh pages, which cost
     ~1-10 us each to touch on a VM (~0.3 ms for a 128k float32 row). The next call with the same name reuses it:
-    nothing returned from this module aliases one."""
+    nothing returned from this module aliases one, but a ``Kept.of(..., own=False)``'s whole-vocabulary probs."""
     bufs = _SCRATCH.__dict__.setdefault("bufs", {})
     t = bufs.get((name, dtype, device))
     if t is None or t.shape[0] < n:
