@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, side by side in one run (issue #23).
 
     python bench/speculative.py [--threads 1] [--repeats 3] [--k 12] [--forced 2 4 8 12] [--no-draft-model]
-                                [--cache DIR] [--smoke]
+                                [--cache DIR] [--vocabs 49152 151936 262144] [--draw-repeats 40] [--smoke]
 
 The default model (SmolLM2-135M-Instruct Q4_1), greedy, one request at a time, on three chat tasks: repeating a
 paragraph, fixing the typos of a paragraph, and an open question. Each task runs plain and with prompt lookup
@@ -26,9 +26,16 @@ their last token, the target and the draft alike, so the drafts are kept: the ro
 and the verification cost, not what a trained pair accepts. The machine is shared and noisy; compare the ratios of one
 run.
 
+Then the sampled path's draws (``--vocabs``, random logits peaked as a model's, medians of ``--draw-repeats`` calls),
+per verified row: kept sets (``verify._sampled_run`` and the draft model's ``Kept``, one uniform through the inverse
+CDF over the kept tokens) against the whole vocabulary as the definitions read (``filter_logits``, a softmax over all
+V tokens, ``torch.multinomial``): the bonus token (every draft kept), a residual draw after a refused prompt-lookup
+draft and after a refused draft-model draft (p - q), and one draft-model draw. A sampled row of the copy task (prompt
+lookup, temperature 0.8, top-k 40, top-p 0.95, seeded) joins the table above ("same": n/a, the draws differ).
+
 ``--smoke`` (what CI runs): the copy task only, 24 new tokens, one run, k 4, forced 4; the draft-model row drafts the
 default model by the tiny random Qwen3 given the default model's vocabulary, written to a temporary folder (no
-llama.cpp quantizer needed).
+llama.cpp quantizer needed); the draws at one vocabulary of 49152, 5 calls each.
 """
 
 from __future__ import annotations
@@ -163,10 +170,78 @@ def draft_row(target: Path, draft: Path, args: argparse.Namespace, new: int) -> 
     return row(f"copy, {target.stem} drafted by {draft.stem}", f"<= {args.k}", m)
 
 
-def row(label: str, k: str, m: dict) -> list:
+def row(label: str, k: str, m: dict, sampled: bool = False) -> list:
     return [label, k, m["tokens"], m["plain"], m["spec"], m["speedup"], m["decode"], m["decode_speedup"],
             f"{m['acceptance']:.0%}", m["ms"],
-            "yes" if m["same"] else "NO"]
+            "n/a" if sampled else "yes" if m["same"] else "NO"]
+
+
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.95)  # the sampled rows' settings
+DRAW_SETTINGS = {"T 0.8, top-k 40, top-p 0.95": SAMPLED, "T 1.0, every token": dict(temperature=1.0)}
+
+
+def median_us(fn, repeats: int) -> float:
+    fn()  # warm-up (buffers, first-call costs)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def draw_costs(vocab: int, repeats: int) -> list[list]:
+    """Per setting of ``DRAW_SETTINGS``: [vocab, setting, draw, kept sets us, whole vocabulary us, ratio] of a bonus
+    draw, a residual draw after a refused prompt-lookup draft and after a refused draft-model draft, and a
+    draft-model draw."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, vocab, generator=g) * 2.5  # [0]: the target's row, [1]: the draft model's
+    x[:, :6] += torch.tensor([6.0, 5.5, 5.0, 4.5, 4.0, 3.0])
+    t = int(torch.argmin(x[0]))  # a draft the target all but never keeps: the draft model's favourite
+    x[1, t] = float(x[1].max()) + 2.0
+    out = []
+    for name, kw in DRAW_SETTINGS.items():
+        for case, fast, slow in draw_cases(x, t, kw, g):
+            a, b = median_us(fast, repeats), median_us(slow, repeats)
+            out.append([f"{vocab}", name, case, f"{a:.0f}", f"{b:.0f}", b / a])
+    return out
+
+
+def draw_cases(x, t: int, kw: dict, g) -> list[tuple]:
+    """(case, the kept sets' call, the whole vocabulary's call) for rows x [2, V] (the target's, the draft's) and a
+    draft t the target refuses."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dtorch.engine.kept import Kept, uniform
+    from dtorch.engine.sampling import SamplingParams, filter_logits
+    from dtorch.engine.verify import _sampled_run
+
+    params = SamplingParams(**kw)
+    s = SimpleNamespace(params=params, generator=g, request_id="bench")
+
+    def q_of() -> Kept:
+        return Kept.of(x[1], params.temperature, params.top_k, params.top_p, params.min_p)
+
+    q, qdense = q_of(), torch.softmax(filter_logits(x[1], params), -1)
+
+    def whole(row: int, minus: int | None = None) -> int:  # the definitions over all V tokens
+        p = torch.softmax(filter_logits(x[row], params), -1)
+        if minus is not None:
+            p[minus] = 0.0
+        return int(torch.multinomial(p, 1, generator=g))
+
+    def whole_q() -> int:
+        p = torch.softmax(filter_logits(x[0], params), -1)
+        return int(torch.multinomial((p - qdense).clamp_(min=0.0), 1, generator=g))
+
+    return [("bonus token", lambda: _sampled_run(x[:1], 0, s, [], None, {}, [0]), lambda: whole(0)),
+            ("residual, prompt lookup", lambda: _sampled_run(x[:1], 0, s, [t], None, {}, [0]), lambda: whole(0, t)),
+            ("residual, draft model", lambda: _sampled_run(x[:1], 0, s, [t], [q], {}, [0]), whole_q),
+            ("draft model's draw", lambda: q_of().draw(uniform(g)), lambda: whole(1))]
 
 
 def main() -> None:
@@ -178,12 +253,16 @@ def main() -> None:
                     help="k drafted at every step, whatever they cost, on the copy task (the profile)")
     ap.add_argument("--no-draft-model", action="store_true", help="leave out the draft-model row")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dtorch" / "bench-gguf")
+    ap.add_argument("--vocabs", type=int, nargs="*", default=[49152, 151936, 262144],
+                    help="vocabulary sizes of the sampled draws' costs")
+    ap.add_argument("--draw-repeats", type=int, default=40)
     ap.add_argument("--smoke", action="store_true", help="the copy task, 24 tokens, 1 run, a tiny draft (CI)")
     args = ap.parse_args()
     tasks = TASKS
     if args.smoke:
         args.repeats, args.k, args.forced = 1, 4, [4]
         tasks = {"copy": (TASKS["copy"][0], 24)}
+        args.vocabs, args.draw_repeats = [49152], 5
 
     from _timing import table
 
@@ -205,6 +284,8 @@ def main() -> None:
         add(row(f"{task} (ngram)", f"<= {args.k}", measure(llm, prompt, SamplingParams(temperature=0.0,
                                                                                         max_tokens=new), args.repeats)))
     prompt, new = prompts["copy"]
+    add(row("copy (ngram, sampled)", f"<= {args.k}", measure(llm, prompt, SamplingParams(
+        **SAMPLED, seed=1, max_tokens=new, ignore_eos=True), args.repeats), sampled=True))
     for k in args.forced:  # rows priced at nothing: the adaptive k drafts k wherever drafts are kept
         llm.engine.speculator = Speculator(SpeculativeConfig.from_dict(ngram(k)), (0.0, 0.0))
         add(row("copy (ngram, forced)", str(k), measure(llm, prompt, SamplingParams(temperature=0.0, max_tokens=new),
@@ -224,6 +305,13 @@ def main() -> None:
     print(table(head, rows))
     print(f"\nmatmul.linear on x of m rows against one row ({args.threads} thread(s))")
     print(table(["weight", "1 row us"] + [f"{m} rows" for m in range(2, len(costs[0]))], costs))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    draws = [r for v in args.vocabs for r in draw_costs(v, args.draw_repeats)]
+    print(f"\nsampled verification's draws per row ({args.threads} thread(s)), medians of {args.draw_repeats} calls: "
+          "kept sets against the whole vocabulary (filter_logits, softmax, torch.multinomial)")
+    print(table(["vocab", "sampling", "draw", "kept sets us", "whole vocabulary us", "ratio"], draws))
 
 
 if __name__ == "__main__":

@@ -192,7 +192,7 @@ def test_bad_constraint_flags_are_clean_errors(args, message):
 def test_float16_on_a_cpu_without_float16_arithmetic_warns_naming_bfloat16(capsys):
     from dtorch.cli import main
     from dtorch.core import cpu
-    from dtorch.engine.cli import slow_dtype
+    from dtorch.engine.options import slow_dtype
 
     args = ("hi", "--dtype", "float16", "--model", "/nonexistent.gguf")  # warned before the load, which then fails
     without = _run(*args, DTORCH_CPU_FEATURES="-avx512_fp16,-amx_fp16")  # forced by the environment

@@ -21,7 +21,7 @@ from dtorch.dispatch.context import KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
 from dtorch.dispatch.registry import Dispatcher
 from dtorch.kernels import layouts
-from dtorch.kernels.native import kernels as native
+from dtorch.kernels.native import kernels as native, products
 from dtorch.kernels.torch import kv_cache as torch_kv_cache, quantized as torch_quantized
 
 _REASON = nk.unavailable_reason()
@@ -289,7 +289,7 @@ def test_embedding_is_the_reference_bit_for_bit(layout, dtype):
     # 32-block formats: one whole super-group of 16 blocks, then a partial one of 3 (groups of 128: 4 whole, 1 of 3)
     e = 576 + 32 if layouts.block_size(layout) == 32 else 768
     w = _packed_embedding(layout, 50, e)
-    kernel, reference = native._embedding_kernel(layout), torch_quantized._embedding(layout)
+    kernel, reference = products._embedding_kernel(layout), torch_quantized._embedding(layout)
     for ids in (torch.tensor([7]), torch.tensor([[0, 49, 3], [3, 3, 12]], dtype=torch.int32)):
         got, want = torch.empty(*ids.shape, e, dtype=dtype), torch.empty(*ids.shape, e, dtype=dtype)
         kernel(_ctx(), (w, ids), (got,))
@@ -308,7 +308,7 @@ def test_embedding_vocab_start_gives_zero_rows_outside(layout):
     w = _packed_embedding(layout, 20, e)
     ids = torch.tensor([99, 100, 119, 120, 5, 110])
     got, want = torch.full((6, e), float("nan")), torch.full((6, e), float("nan"))
-    native._embedding_kernel(layout)(_ctx(vocab_start=100), (w, ids), (got,))
+    products._embedding_kernel(layout)(_ctx(vocab_start=100), (w, ids), (got,))
     torch_quantized._embedding(layout)(_ctx(vocab_start=100), (w, ids), (want,))
     assert torch.equal(got, want)
     assert got[[0, 3, 4]].abs().sum() == 0 and got[[1, 2, 5]].abs().sum() > 0

@@ -118,7 +118,7 @@ def test_a_row_kernel_passes_the_call_as_the_row_lists_it_and_falls_back(tmp_pat
         if len(calls) == 2:
             raise ShapeError("refused")
 
-    monkeypatch.setattr(kernels, "_lib", lambda: types.SimpleNamespace(toy_scale=toy_scale))
+    monkeypatch.setattr(kernels, "lib", lambda: types.SimpleNamespace(toy_scale=toy_scale))
     x, w = torch.randn(3, 8), torch.randn(8)
     out = torch.empty(3, 8)
     ctx = dtorch.KernelContext(dtorch.Device("cpu"), params=KernelParams(eps=0.5))

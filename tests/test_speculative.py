@@ -480,7 +480,7 @@ def test_structured_outputs_are_kept_token_by_token(default):
 
 
 def test_the_speed_line_and_metrics_report_drafts(default, capsys):
-    from dtorch.engine.cli import print_speed
+    from dtorch.engine.options import print_speed
     from dtorch.serve.metrics import ServerMetrics
 
     llm, prompt = default

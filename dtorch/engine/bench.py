@@ -30,7 +30,7 @@ import torch
 
 from dtorch.core.dtypes import as_dtype, dtype_name
 from dtorch.core.errors import ArgumentError
-from dtorch.engine.cli import add_model_arguments, at_least, check_device, slow_dtype, speculative_config
+from dtorch.engine.options import add_model_arguments, at_least, check_device, slow_dtype, speculative_config
 
 SEED = 0
 

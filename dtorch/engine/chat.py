@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from dtorch.core.errors import ModelError
-from dtorch.engine.cli import (
+from dtorch.engine.options import (
     INTERRUPTED,
     ReplyPrinter,
     add_load_arguments,

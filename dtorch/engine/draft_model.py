@@ -10,7 +10,8 @@ model has no keys for yet (the prompt chunk the target computes this step, or th
 for each sequence to draft, its last token's logits; then up to k - 1 decode steps extend the drafted sequences one
 draft at a time, the whole batch at once. A greedy request's draft is the draft model's argmax; a sampling request's
 is drawn (with the request's generator) from the draft's distribution shaped by the request's penalties, bias,
-temperature and filters, which the verifier gets as q. A grammar constrains the target's rows only (the rejection rule
+temperature and filters (a ``Kept``: its kept tokens and their probabilities, drawn by one uniform through the
+inverse CDF), which the verifier gets as q. A grammar constrains the target's rows only (the rejection rule
 keeps the target's distribution for any q).
 """
 
@@ -22,8 +23,8 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import ModelError, SamplingError
-from dtorch.engine.draw import multinomial_one
-from dtorch.engine.sampling import filter_logits, shape_logits
+from dtorch.engine.kept import Kept, uniform
+from dtorch.engine.sampling import shape_logits
 from dtorch.models.bucket import long_prompts
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
@@ -70,11 +71,11 @@ class DraftModel:
         self.executor.close()
 
     def propose(self, engine: Any, plan: Sequence[tuple[Any, int]], ks: Sequence[int]
-                ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+                ) -> tuple[list[list[int]], list[list[Kept] | None]]:
         """Catch up with ``plan`` and draft ``ks[i]`` tokens for entry i (its blocks held); returns the drafts and,
-        for sampling requests, their distributions [k, V] (None: greedy)."""
+        for sampling requests, their distributions (a ``Kept`` per draft; None: greedy)."""
         tokens: list[list[int]] = [[] for _ in plan]
-        probs: list[torch.Tensor | None] = [None] * len(plan)
+        probs: list[list[Kept] | None] = [None] * len(plan)
         catch = []  # (entry, first position the draft model computes)
         for i, (s, n) in enumerate(plan):
             st = s.spec
@@ -95,7 +96,7 @@ class DraftModel:
             return tokens, probs
         rows = [r for r, (i, _) in enumerate(catch) if ks[i]]
         logits = logits[rows]
-        qs: dict[int, list[torch.Tensor]] = {i: [] for i, s, _ in drafting if not s.params.greedy}
+        qs: dict[int, list[Kept]] = {i: [] for i, s, _ in drafting if not s.params.greedy}
         for j in range(max(k for _, _, k in drafting)):
             live = [(i, s) for i, s, k in drafting if k > j]
             if j:  # one more row each: the draft before, at its position
@@ -106,7 +107,7 @@ class DraftModel:
             for (i, _), t in zip(live, picked, strict=True):
                 tokens[i].append(t)
         for i, q in qs.items():
-            probs[i] = torch.stack(q)
+            probs[i] = q
         return tokens, probs
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
@@ -117,7 +118,7 @@ class DraftModel:
         return torch.nn.functional.pad(logits, (0, self.vocab - v), value=-float("inf"))
 
     def _pick(self, engine: Any, logits: torch.Tensor, live: list[tuple[int, Any]], tokens: list[list[int]],
-              qs: dict[int, list[torch.Tensor]]) -> list[int]:
+              qs: dict[int, list[Kept]]) -> list[int]:
         """Each live sequence's next draft from its row of ``logits`` (rank 0 picks, the others take its picks)."""
         if engine.rank == 0:
             vocab = logits.shape[-1]
@@ -132,16 +133,15 @@ class DraftModel:
             for r, (i, s) in enumerate(live):
                 if s.params.greedy:
                     continue
-                g = s.generator
+                sp = s.params
                 try:
-                    p = torch.softmax(filter_logits(x[r], s.params), dim=-1)
-                    if g is not None and g.device != p.device:
-                        p = p.to(g.device)
-                    picked[r] = multinomial_one(p, g)
+                    q = Kept.of(x[r].float(), sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                f"drafting for request {s.request_id!r}")
+                    picked[r] = q.draw(uniform(s.generator))
                 except (RuntimeError, SamplingError):  # a broken distribution (NaN) of one request: a point mass on
                     # its argmax, so the others draft on; verification ends the request if its own sampling fails too
-                    p = torch.zeros_like(x[r]).index_fill_(0, torch.tensor([picked[r]], device=x.device), 1.0)
-                qs[i].append(p)
+                    q = Kept.point(picked[r], x.device)
+                qs[i].append(q)
         else:
             picked = [0] * len(live)
         return engine.agree(picked) if engine.agree is not None else picked

@@ -22,7 +22,7 @@ import torch
 
 from dtorch.core.dtypes import as_dtype, dtype_name
 from dtorch.core.errors import ArgumentError
-from dtorch.engine.cli import add_kv_cache_dtype, at_least, check_device
+from dtorch.engine.options import add_kv_cache_dtype, at_least, check_device
 
 TEMPLATE_LINES = 4  # lines of the chat template shown
 PREFILL_TOKENS = 16  # the prefill step whose kernels are listed

@@ -16,7 +16,9 @@ by id, the lower first), min-p keeps p >= min_p * p_max, each over what the filt
 
 The draw takes one float64 uniform u from the row's generator and returns the kept token at u of their cumulative
 distribution in token-id order (the first id whose cumulative probability exceeds u times the total): one uniform a
-token rather than torch.multinomial's V exponentials, the same distribution.
+token rather than torch.multinomial's V exponentials, the same distribution. ``Kept`` holds a row's distribution over
+its kept tokens for speculative decoding (the draft's q, the target's p): the rejection rule reads a token's
+probability, the residual max(0, p - q) over p's kept tokens, and draws from either the same way.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ _SCRATCH = threading.local()  # this thread's buffers of ``scratch``
 def scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[n] of this thread's buffer ``name``, kept across rows and steps: a new [V] tensor is fresh pages, which cost
     ~1-10 us each to touch on a VM (~0.3 ms for a 128k float32 row). The next call with the same name reuses it:
-    nothing returned from this module aliases one."""
+    nothing returned from this module aliases one, but a ``Kept.of(..., own=False)``'s whole-vocabulary probs."""
     bufs = _SCRATCH.__dict__.setdefault("bufs", {})
     t = bufs.get((name, dtype, device))
     if t is None or t.shape[0] < n:
@@ -197,18 +199,90 @@ def _min_p(row: Row, top: float, ids: torch.Tensor | None, min_p: float) -> torc
     return ids[~(probs < min_p * probs.max())]
 
 
+def uniform(generator: torch.Generator | None) -> float:
+    """One float64 uniform in [0, 1) of ``generator`` (None: torch's default one), on its device."""
+    device = generator.device if generator is not None else "cpu"
+    return float(torch.rand((), dtype=torch.float64, generator=generator, device=device))
+
+
 def draw(x: torch.Tensor, temperature: float, ids: torch.Tensor | None, generator: torch.Generator | None) -> int:
     """One token of softmax(x / temperature) restricted to ``ids`` (ascending; None: every token): the first id
     whose cumulative probability in id order exceeds u, one float64 uniform of ``generator`` (None: torch's default
     one)."""
-    device = generator.device if generator is not None else "cpu"
-    u = float(torch.rand((), dtype=torch.float64, generator=generator, device=device))
+    u = uniform(generator)
     if ids is None:
         z = x if temperature == 1.0 else torch.div(x, temperature, out=scratch("z", x.shape[0], torch.float32,
                                                                                 x.device))
         return _draw_all(_softmax(z), u)
     probs = torch.softmax(x[ids] / temperature, dim=-1)
     return int(ids[_at(probs, u)])
+
+
+@dataclass(slots=True)
+class Kept:
+    """A row's sampling distribution over its kept tokens: ids [K] ascending int64 (None: every token) and probs [K]
+    float32, softmax(x / temperature) over them ([V] when ids is None); every other token has probability 0."""
+
+    ids: torch.Tensor | None
+    probs: torch.Tensor
+
+    @classmethod
+    def of(cls, x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+           where: str = "sampling", own: bool = True) -> Kept:
+        """``keep``'s tokens of the row x [V] float32 and their probabilities. own=False: a whole vocabulary's probs
+        may be this thread's buffer "probs" (valid until the next row; no page faults), else a new tensor."""
+        ids = keep(x, temperature, top_k, top_p, min_p, where)
+        if ids is not None:
+            return cls(ids, torch.softmax(x[ids] / temperature, dim=-1))
+        if own:
+            return cls(None, torch.softmax(x / temperature if temperature != 1.0 else x, dim=-1))
+        z = x if temperature == 1.0 else torch.div(x, temperature, out=scratch("z", x.shape[0], torch.float32,
+                                                                                x.device))
+        return cls(None, _softmax(z))
+
+    @classmethod
+    def point(cls, t: int, device: torch.device | str) -> Kept:
+        """All the mass on token t."""
+        return cls(torch.tensor([t], device=device), torch.ones(1, device=device))
+
+    def index(self, t: int) -> int | None:
+        """Where token t sits in ids/probs (t itself when every token is kept); None when it is not kept."""
+        if self.ids is None:
+            return t
+        i = int(torch.searchsorted(self.ids, torch.tensor(t, device=self.ids.device)))
+        return i if i < self.ids.shape[0] and int(self.ids[i]) == t else None
+
+    def at(self, t: int) -> float:
+        """The probability of token t (0 where not kept)."""
+        i = self.index(t)
+        return 0.0 if i is None else float(self.probs[i])
+
+    def minus(self, q: Kept | int) -> torch.Tensor:
+        """max(0, p - q) over this distribution p's kept tokens: [K] float32 (a new tensor); q a ``Kept``, or a
+        token id (a point mass: the residual is p without that token)."""
+        r = self.probs.clone()
+        if isinstance(q, int):
+            i = self.index(q)
+            if i is not None:
+                r[i] = 0.0
+            return r
+        ids, qp = (None if q.ids is None else q.ids.to(r.device)), q.probs.to(r.device)
+        if ids is None:  # q over every token
+            r -= qp if self.ids is None else qp[self.ids]
+        elif self.ids is None:  # q's few tokens off a whole vocabulary's p
+            r[ids] -= qp
+        else:  # q's probabilities at p's tokens: 0 where q did not keep them
+            pos = torch.searchsorted(ids, self.ids).clamp_(max=ids.shape[0] - 1)  # [K]: where each sits in q's
+            r -= torch.where(ids[pos] == self.ids, qp[pos], 0.0)
+        return r.clamp_(min=0.0)
+
+    def draw(self, u: float, weights: torch.Tensor | None = None) -> int:
+        """The kept token at u in [0, 1) of the cumulative distribution of ``weights`` [K] (>= 0, some > 0; None:
+        probs) in id order: the first token whose cumulative weight exceeds u times the total."""
+        w = self.probs if weights is None else weights
+        if self.ids is None:
+            return _draw_all(w, u)
+        return int(self.ids[_at(w, u)])
 
 
 def _at(probs: torch.Tensor, u: float) -> int:

@@ -22,10 +22,8 @@ requests share the batch, each gets only its own tokens, and whichever caller is
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
-import queue
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -39,8 +37,9 @@ from dtorch.core.errors import ArgumentError, DtorchError, ModelError
 from dtorch.core.memory import huge_pages, map_large_allocations, trim_heap
 from dtorch.engine.chat_format import ChatSetup, prepare_chat, split_reply, with_tool_grammar
 from dtorch.engine.engine import Engine
+from dtorch.engine.outputs import new_requests, request_base, run_requests
 from dtorch.engine.prompt_pass import check_pooling
-from dtorch.engine.request import CompletionOutput, Delta, GenerationStats, Logprob, RequestOutput
+from dtorch.engine.request import GenerationStats, RequestOutput
 from dtorch.engine.sampling import SamplingParams
 from dtorch.engine.speculative import SpeculativeConfig, speculator_for
 from dtorch.models.executor import Executor, StepPlan
@@ -54,7 +53,6 @@ from dtorch.models.tokenizer import check_text, no_tokenizer_message
 
 PREFILL_TOKENS = 512  # default max_num_batched_tokens: tokens of one step at most (a longer prompt is chunked)
 BLOCK_SIZE = 16  # tokens per KV cache block
-_ids = itertools.count()  # request ids of generate calls
 _said: set[str] = set()  # load warnings given in this process (info and bench load a model more than once)
 
 
@@ -352,7 +350,7 @@ class LLM:
             raise ArgumentError("LLM.embed: no prompts")
         check_pooling(pooling)
         ids = [self._encode(p, i) for i, p in enumerate(prompts)]
-        base = f"{next(_ids)}-"
+        base = request_base()
         done: dict[str, Any] = {}
         e = self.engine
         for i, p in enumerate(ids):
@@ -401,77 +399,11 @@ class LLM:
     # -- generation -------------------------------------------------------------------------------
 
     def _requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
-        if len(params) != len(prompts):
-            raise ArgumentError(f"LLM.generate: got {len(prompts)} prompts but {len(params)} SamplingParams")
-        for p in params:
-            if not isinstance(p, SamplingParams):
-                raise ArgumentError(f"LLM.generate: params must be SamplingParams, got {type(p).__name__}")
-        base = f"{next(_ids)}-"
-        return [RequestOutput(base + str(i), p if isinstance(p, str) else None, self._encode(p, i),
-                              [CompletionOutput(k) for k in range(sp.n)])
-                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        return new_requests(prompts, params, self._encode)
 
     def _run(self, outs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[list[tuple[int, str]]]:
-        """Queue the requests and step the engine until they finish; yields each step's new text (index, piece),
-        index counting the choices of all prompts in order."""
-        e = self.engine
-        inbox: queue.SimpleQueue[Delta] = queue.SimpleQueue()
-        where = {o.request_id: (i, sum(len(x.outputs) for x in outs[:i])) for i, o in enumerate(outs)}
-        left = {o.request_id: len(o.outputs) for o in outs}
-        before = e.stats()
-        try:
-            for o, p in zip(outs, params, strict=True):
-                e.add_request(o.request_id, o.prompt_token_ids, p, inbox.put, force=True)
-            while left:
-                e.run_until(lambda: not inbox.empty())
-                pieces = []
-                while not inbox.empty():
-                    d = inbox.get()
-                    i, first = where[d.request_id]
-                    self._take(outs[i], d)
-                    if d.text:
-                        pieces.append((first + d.index, d.text))
-                    if d.finish_reason is not None:
-                        left[d.request_id] -= 1
-                        if not left[d.request_id]:
-                            del left[d.request_id]
-                            outs[i].finished = True
-                yield pieces
-        finally:
-            for rid in left:  # an exception or an abandoned stream: the engine drops them at its next step
-                e.abort(rid)
-        after = e.stats()
-        self.stats = GenerationStats.between(before, after)
-        if self.tokenizer is not None:
-            for o, p in zip(outs, params, strict=True):
-                if p.stop:
-                    continue
-                for c in o.outputs:  # the whole text decoded at once (the pieces are incremental)
-                    ids = c.token_ids
-                    if c.finish_reason == "stop" and ids and ids[-1] in (set(p.stop_token_ids) | self.eos_token_ids):
-                        ids = ids[:-1]
-                    c.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens, continuation=True)
-
-    def _take(self, out: RequestOutput, d: Delta) -> None:
-        """Add a delta to its choice of ``out``."""
-        c = out.outputs[d.index]
-        c.token_ids += d.token_ids
-        c.text += d.text
-        out.num_cached_tokens = max(out.num_cached_tokens, d.cached_tokens)
-        if d.logprobs is not None:
-            if c.logprobs is None:
-                c.logprobs, c.cumulative_logprob = [], 0.0
-            for lp in d.logprobs:
-                entry = {t: Logprob(v, rank, self._token_text(t)) for rank, (t, v) in enumerate(lp.top, 1)}
-                entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))
-                c.logprobs.append(entry)
-                c.cumulative_logprob += lp.logprob
-        if d.finish_reason is not None:
-            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-
-    def _token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False,
-                                                                          continuation=True)
+        """``outputs.run_requests`` on this LLM's engine; ``stats`` is the call's when it ends."""
+        self.stats = yield from run_requests(self.engine, self.tokenizer, self.eos_token_ids, outs, params)
 
     def _agree(self, tokens: list[int]) -> list[int]:
         """Every rank takes rank 0's sampled tokens (SPMD)."""

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from dtorch.core.errors import ArgumentError
+from dtorch.engine.kept import Kept
 from dtorch.engine.verify import verify
 
 log = logging.getLogger("dtorch.engine")
@@ -225,11 +226,11 @@ class SeqSpec:
 @dataclass
 class Drafts:
     """A step's drafts: per entry of the plan, the draft tokens and (for a draft model's sampled drafts) their
-    proposal distributions [k, V] (None: each draft was picked outright), and the rows of the hybrid state saved
-    before the step (``Rollback``)."""
+    proposal distributions (a ``Kept`` per draft; None: each draft was picked outright), and the rows of the hybrid
+    state saved before the step (``Rollback``)."""
 
     tokens: list[list[int]]
-    probs: list[torch.Tensor | None]
+    probs: list[list[Kept] | None]
     rollback: Rollback | None = None
 
     @property
@@ -378,7 +379,7 @@ def speculator_for(config: SpeculativeConfig | None, llm: Any, dtype: torch.dtyp
 
 
 def _verify_apart(logits: torch.Tensor, seqs: Sequence[Any], drafts: Sequence[Sequence[int]],
-                  probs: Sequence[torch.Tensor | None], grammars: Any) -> tuple[list[list[int]], list[list[Any]]]:
+                  probs: Sequence[Sequence[Kept] | None], grammars: Any) -> tuple[list[list[int]], list[list[Any]]]:
     """``verify.verify`` over the batch; if it fails, each sequence alone (its 1 + len(draft) rows of ``logits``),
     one that still fails getting an empty run (the engine ends it): a request's own failure must not end the
     requests batched with it."""

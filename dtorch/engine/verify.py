@@ -12,6 +12,8 @@ min_tokens. Then:
   temperature, top-k, top-p and min-p, and q the draft's (a point mass on d_j+1 for a draft picked outright, as prompt
   lookup's), d_j+1 is kept with probability min(1, p(d) / q(d)); otherwise a token is drawn from the residual
   max(0, p - q), normalized, and the run ends. When every draft is kept, a token is drawn from the last row.
+  p and q are ``Kept`` distributions: their kept tokens alone (a top-k of 40 is 40 probabilities, not V), each draw
+  one float64 uniform through the inverse CDF in id order, as plain sampling draws.
 
 A sequence gets its kept drafts and one token of the target's per step, each distributed as plain decoding draws it;
 the draws come from the sequence's own generator, so a seeded request is reproducible.
@@ -24,17 +26,18 @@ from collections.abc import Sequence
 
 import torch
 
-from dtorch.engine.draw import multinomial_one
+from dtorch.engine.kept import Kept, uniform
 from dtorch.engine.request import TokenLogprob
-from dtorch.engine.sampling import filter_logits, shape_logits, token_logprobs
+from dtorch.engine.sampling import shape_logits, token_logprobs
 
 
 def verify(logits: torch.Tensor, seqs: Sequence, drafts: Sequence[Sequence[int]],
-           probs: Sequence[torch.Tensor | None], grammars) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
+           probs: Sequence[Sequence[Kept] | None], grammars) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
     """Each sequence's tokens for this step: the drafts it keeps, then one of the target's.
 
     logits: [R, V] float32, raw; sequence i owns 1 + len(drafts[i]) rows in order (its last token's, then each
-    draft's). probs[i]: the draft distributions [len(drafts[i]), V] the drafts were drawn from (None: picked outright).
+    draft's). probs[i]: the distributions the drafts were drawn from (a ``Kept`` per draft of drafts[i]; None: picked
+    outright).
     grammars: the engine's ``Grammars`` (for sequences with a matcher). Returns (tokens, logprobs) per sequence, a
     ``TokenLogprob`` per token where its params ask for logprobs (else None).
     """
@@ -86,36 +89,29 @@ def _shaped(logits: torch.Tensor, seqs: Sequence, drafts: Sequence[Sequence[int]
     return shape_logits(logits, params, outputs, prompts, banned, (masked, torch.cat(masks)) if masks else None)
 
 
-def _sampled_run(x: torch.Tensor, a: int, s, draft: Sequence[int], q: torch.Tensor | None,
+def _sampled_run(x: torch.Tensor, a: int, s, draft: Sequence[int], q: Sequence[Kept] | None,
                  refused: dict[int, torch.Tensor], best: list[int]) -> list[int]:
     """The rejection rule over rows a.. of ``x`` for a sampling sequence ``s``."""
-    g = s.generator
+    g, params = s.generator, s.params
     run = []
     for j in range(len(draft) + 1):
         r = a + j
         if r in refused and bool(refused[r].all()):  # a broken grammar: its matcher ends the sequence
             run.append(best[r])
             return run
-        p = torch.softmax(filter_logits(x[r], s.params), dim=-1)
-        if g is not None and g.device != p.device:
-            p = p.to(g.device)
+        p = Kept.of(x[r].float(), params.temperature, params.top_k, params.top_p, params.min_p,
+                    f"speculative verification of request {s.request_id!r}", own=False)
         if j == len(draft):
-            run.append(multinomial_one(p, g))
+            run.append(p.draw(uniform(g)))
             return run
         t = draft[j]
-        qt = 1.0 if q is None else float(q[j, t])
-        u = float(torch.rand((), generator=g, device=p.device))
-        if u * qt < float(p[t]):  # kept with probability min(1, p(t) / q(t))
+        qt = 1.0 if q is None else q[j].at(t)
+        if uniform(g) * qt < p.at(t):  # kept with probability min(1, p(t) / q(t))
             run.append(t)
             continue
-        if q is None:
-            residual = p.clone()
-            residual[t] = 0.0
-        else:
-            residual = (p - q[j].to(p.device)).clamp_(min=0.0)
-        if float(residual.sum()) <= 0.0:  # p is q (up to rounding): the draft would have been kept
-            residual = p
-        run.append(multinomial_one(residual, g))
+        residual = p.minus(t if q is None else q[j])
+        # p is q up to rounding (the draft would have been kept): p itself
+        run.append(p.draw(uniform(g), residual if float(residual.sum()) > 0.0 else None))
         return run
     return run
 

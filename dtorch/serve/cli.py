@@ -38,7 +38,7 @@ from typing import Any
 
 from dtorch.core import env
 from dtorch.core.errors import DtorchError
-from dtorch.engine.cli import add_model_arguments, add_pipeline_arguments, at_least, load_llm
+from dtorch.engine.options import add_model_arguments, add_pipeline_arguments, at_least, load_llm
 
 MAX_BODY_BYTES = 16 << 20  # request bodies at most (build_app's default too); a prompt past the context is refused
 MAX_HEADER_BYTES = 16 << 10  # h11's default

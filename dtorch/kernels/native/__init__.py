@@ -42,8 +42,8 @@ def unavailable(device_type: str) -> str | None:
 
 
 def install(dispatcher: Dispatcher, device_type: str) -> None:
-    """Register the kernels of ``kernels.py``, first checked against the ops that the op list (csrc/ops.def,
-    entries.def) names: an op declared there without a native kernel, or a kernel no row declares, is a
+    """Register the kernels of ``kernels.py`` and ``products.py``, first checked against the ops that the op list
+    (csrc/ops.def, entries.def) names: an op declared there without a native kernel, or a kernel no row declares, is a
     RegistrationError naming it."""
     from dtorch.kernels.native import oplist
     from dtorch.kernels.native.kernels import KERNELS

@@ -1,10 +1,13 @@
-"""The native kernels as dispatcher kernels (provider "native", cpu only), each next to its registration.
+"""The native kernels as dispatcher kernels (provider "native", cpu only), each next to its registration on
+``registry.KERNELS``: here the recurrent mixers' steps, rope, the KV cache's store and paged attention, and the
+DTN_OP rows; the products (matmul.linear, llm.moe_experts, llm.embedding) in ``products.py``, imported here so that
+``KERNELS`` holds both.
 
 The ops declared whole by a DTN_OP row of the op list (csrc/ops/<group>.def: llm.rms_norm, llm.add_rms_norm,
 llm.silu_and_mul, llm.gelu_tanh_and_mul, llm.softmax_last_dim, ...) are registered at the end of this file from their
-rows alone (``register_rows``): no code here per such op. The hand-written kernels above it call the module's
-DTN_ENTRY functions (csrc/entries.def), whose lines name the dispatcher ops registered here: ``install`` refuses an op
-listed there without a kernel here, or the reverse (``oplist.check_registrations``).
+rows alone (``register_rows``): no code here per such op. The hand-written kernels (above it and in products.py)
+call the module's DTN_ENTRY functions (csrc/entries.def), whose lines name the dispatcher ops registered there:
+``install`` refuses an op listed there without a kernel, or the reverse (``oplist.check_registrations``).
 
 Every kernel has the ABI of the torch backend's kernel for the same key (inputs, outputs, params, in-place
 behaviour). Inputs the compiled code does not take (strides it cannot walk, a dtype mismatch) go to the torch
@@ -19,221 +22,21 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-from dtorch.core import env
-from dtorch.core.dtypes import GGUF_LAYOUTS
 from dtorch.core.errors import ArgumentError, DtorchError
 from dtorch.dispatch.meta import Call, KernelMeta
 from dtorch.dispatch.registration import KernelSet
-from dtorch.kernels import layouts
-from dtorch.kernels.half import HALF_LAYOUTS
-from dtorch.kernels.native import loader, oplist
+from dtorch.kernels.native import (
+    oplist,
+    products,  # noqa: F401  (its kernels join KERNELS: matmul.linear, moe, embedding)
+)
+from dtorch.kernels.native.registry import ACTIVATIONS, KERNELS, NATIVE, binds, lib, or_fallback
 from dtorch.kernels.torch import (
     causal_conv1d as torch_conv,
     gated_delta_net as torch_gdn,
     gdn_gates as torch_gdn_gates,
-    half as torch_half,
     kv_cache as torch_kv_cache,
     llm as torch_llm,
-    moe as torch_moe,
-    quantized as torch_quantized,
 )
-
-KERNELS = KernelSet(devices=("cpu",))
-ACTIVATIONS = (torch.float32, torch.bfloat16)
-NATIVE = {"provider": "native"}
-
-
-def _lib():
-    mod = loader._mod
-    return mod if mod is not None else loader.load()
-
-
-# -- bound calls ----------------------------------------------------------------------------------------------
-# A kernel's ``bind(ctx, inputs, outputs)`` (PreparedKernel.bound): its call on these very tensors, which a static
-# plan makes every step, as a callable of no arguments: the compiled function with its arguments fixed, the Python
-# of the kernel (params read, layouts checked) done once here. None: this call takes another path (the kernel runs).
-
-def _binds(bind):
-    def attach(kernel):
-        kernel.bind = bind
-        return kernel
-    return attach
-
-
-def _or_fallback(call, fallback, ctx, inputs, outputs):
-    """``call()``, or the torch ``fallback`` on these tensors where the compiled code refuses them."""
-    def run():
-        try:
-            call()
-        except DtorchError:
-            fallback(ctx, inputs, outputs)
-    return run
-
-
-# -- matmul.linear on GGUF weights -------------------------------------------------------------------------
-# inputs: x [..., K] (float32 / bfloat16: the key's dtype), w uint8 [N, row_bytes(layout, K)], bias [N] or None;
-# params: coarse (optional): each row's precision may be traded for speed (a prompt's rows, a batch of decodes).
-# outputs: out [..., N]. Under 32 rows x is quantized inside to int8 levels per 32 values (two; one for coarse rows, 4
-# and more, in the super-grouped formats, and for every row under DTORCH_ONE_LEVEL=1), else w is dequantized in panels
-# for oneDNN's float32 GEMM (torch's mm without it; see ops.qlinear), except on AVX-512 VNNI, whose integer tiles keep
-# all but q2_k and q3_k: coarse rows at every row count, others under 128 rows per thread (q4_k, q5_k, iq4_xs and q8_0
-# at every row count); the reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
-
-def _linear_kernel(layout: str):
-    code = layouts.format_code(layout)
-
-    def kernel(ctx, inputs, outputs):
-        x, w, bias = inputs
-        out = outputs[0]
-        # DTORCH_ONE_LEVEL: every row one level (2), else coarse rows from 4 rows (1) and the others two levels (0)
-        one_level = 2 if env.one_level() else int(ctx.params.get("coarse", False))
-        if not x.is_contiguous():
-            x = x.contiguous()
-        if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)
-        if out.is_contiguous():
-            _lib().qlinear(x, w, code, bias, out, one_level)
-        else:
-            out.copy_(_qlinear(x, w, code, bias, one_level))
-
-    def bind(ctx, inputs, outputs):
-        x, w, bias = inputs
-        out = outputs[0]
-        if not (x.is_contiguous() and out.is_contiguous()) or (bias is not None and bias.dtype != x.dtype):
-            return None
-        return functools.partial(_lib().qlinear, x, w, code, bias, out, ctx.params.get("coarse", False))
-
-    kernel.bind = bind
-    kernel.__name__ = kernel.__qualname__ = f"linear_{layout[5:]}"
-    return kernel
-
-
-def _qlinear(x: torch.Tensor, w: torch.Tensor, code: int, bias: torch.Tensor | None,
-             one_level: int) -> torch.Tensor:
-    y = x.new_empty(*x.shape[:-1], w.shape[0])
-    _lib().qlinear(x, w, code, bias, y, one_level)
-    return y
-
-
-for _layout in GGUF_LAYOUTS:
-    KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
-                varies="under 32 rows: activations in two int8 levels per 32 values (~16 bits), or one level (8 bits) "
-                       "for a batch of 4 or more decodes (param decode) in all but q2_k and q3_k; output rows "
-                       "split over torch's intra-op threads; 32 rows and more: float32 weight panels in oneDNN's GEMM "
-                       "(torch's mm without oneDNN), but on avx512 the integer levels in all but q2_k and q3_k "
-                       "under 128 rows per thread, and at every row count in q4_k, q5_k, iq4_xs and q8_0")
-
-
-# -- matmul.linear on float weights: the one-row product ----------------------------------------------------
-# inputs: x [..., K] bf16, w [N, K] bf16 (the checkpoint's orientation), bias [N] or None; outputs: out [..., N].
-# Up to GEMV_ROWS rows the weight is streamed once by our dot-product kernel (each thread a block of output
-# columns, float32 accumulation): a decode step's projections. Without bf16 matrix units torch's bf16 GEMV reads
-# ~14 GB/s of a cold [1024, 6176] weight on 2 cores where this reads ~23 (measured over 24 distinct weights, more
-# than the L2 holds). More rows go to the torch backend's kernel for the key (upcast or blas).
-GEMV_ROWS = 8
-
-
-def _gemv_linear(ctx, inputs, outputs):
-    x, w, bias = inputs
-    out = outputs[0]
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows > GEMV_ROWS or not w.is_contiguous() or w.dtype != x.dtype or not out.is_contiguous():
-        return _torch_linear(ctx, inputs, outputs)
-    _lib().gemv(x if x.is_contiguous() else x.contiguous(), w, out)
-    if bias is not None:
-        out.add_(bias.to(out.dtype))
-
-
-def _torch_linear(ctx, inputs, outputs):
-    from dtorch.kernels.torch import matmul as torch_matmul
-
-    if torch_matmul.native_bf16_matmul():
-        return torch_matmul.linear_blas(ctx, inputs, outputs)
-    return torch_matmul.linear_upcast(ctx, inputs, outputs)  # itself: upcast when it pays, else torch's bf16
-
-
-KERNELS.add("matmul.linear", _gemv_linear, (torch.bfloat16,), **NATIVE, priority=30,
-            varies=f"up to {GEMV_ROWS} rows our GEMV streams the weight once; more rows: torch's upcast or blas")
-
-
-# -- matmul.linear on 16-bit weights beside wider activations (layouts "f16", "bf16": dtorch.kernels.half) ---------
-# inputs: x [..., K] (the key's dtype), w [N, K] float16 / bfloat16, bias [N] or None; outputs: out [..., N]. Up to
-# GEMV_ROWS rows our GEMV reads the 16-bit weight as it is (float32 accumulation); more rows, or a float16 x, go to the
-# torch backend's kernel for the key (converted panels of W and torch's GEMM).
-
-def _gemv_half(ctx, inputs, outputs):
-    x, w, bias = inputs
-    out = outputs[0]
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows > GEMV_ROWS or x.dtype not in ACTIVATIONS or not w.is_contiguous() or not out.is_contiguous():
-        return torch_half.linear_half(ctx, inputs, outputs)
-    _lib().gemv(x if x.is_contiguous() else x.contiguous(), w, out)
-    if bias is not None:
-        out.add_(bias.to(out.dtype))
-
-
-for _layout in HALF_LAYOUTS:
-    KERNELS.add("matmul.linear", _gemv_half, ACTIVATIONS, layout=_layout, **NATIVE,
-                varies=f"up to {GEMV_ROWS} rows our GEMV reads the 16-bit weight; more rows: converted panels and "
-                       "torch's GEMM")
-
-
-# -- llm.moe_experts for few tokens ---------------------------------------------------------------------------
-# inputs: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I] (x's dtype), weights [T, k], ids [T, k] int64; params
-# expert_start (this device's first expert); outputs: out [T, H]. With at most MOE_PAIRS_PER_EXPERT (token, slot)
-# pairs per expert on average (decode), the ids are read on the host (free on cpu), the pairs grouped by expert, and
-# each selected expert's two products run as our GEMV on views of its own matrices (W [N, K] already: transformers'
-# layout), the router weight applied between them (down is linear) and the rows summed in float32. Many tokens
-# (prefill) go to the torch backend's grouped kernel.
-MOE_PAIRS_PER_EXPERT = 2
-
-
-def _moe_experts(ctx, inputs, outputs):
-    x, w_gate_up, w_down, weights, ids = inputs
-    out = outputs[0]
-    e, inter = w_gate_up.shape[0], w_down.shape[2]
-    if (ids.numel() > MOE_PAIRS_PER_EXPERT * e or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype
-            or not (x.is_contiguous() and w_gate_up.is_contiguous() and w_down.is_contiguous())):
-        return torch_moe.moe_experts_torch(ctx, inputs, outputs)
-    k = ids.shape[1]
-    start = ctx.params.get("expert_start") or 0
-    if x.shape[0] == 1 and out.is_contiguous():  # one token: the whole MLP in one call (csrc/binding.cpp)
-        try:
-            _lib().moe_decode(x, w_gate_up, w_down, weights, ids, start, out)
-            return
-        except DtorchError:
-            pass
-    groups: dict[int, list[int]] = {}
-    for n, i in enumerate(ids.reshape(-1).tolist()):
-        if 0 <= i - start < e:
-            groups.setdefault(i - start, []).append(n)
-    lib, flat_w = _lib(), weights.reshape(-1)
-    acc = torch.zeros(out.shape, dtype=torch.float32)
-    for i, pairs in groups.items():
-        if len(pairs) == 1:
-            n = pairs[0]
-            xs, w = x[n // k:n // k + 1], flat_w[n:n + 1]
-        else:
-            sel = torch.tensor(pairs)
-            xs, w = x.index_select(0, sel // k), flat_w.index_select(0, sel)
-        gu = x.new_empty(len(pairs), 2 * inter)
-        lib.gemv(xs, w_gate_up[i], gu)
-        h = torch.nn.functional.silu(gu[:, :inter]).mul_(gu[:, inter:]).mul_(w[:, None])
-        y = x.new_empty(len(pairs), x.shape[1])
-        lib.gemv(h, w_down[i], y)
-        if len(pairs) == 1:
-            acc[pairs[0] // k].add_(y[0])
-        else:
-            acc.index_add_(0, sel // k, y.float())
-    out.copy_(acc)
-
-
-KERNELS.add("llm.moe_experts", _moe_experts, ACTIVATIONS, **NATIVE, priority=20, meta=torch_moe.READS_IDS,
-            varies=f"up to {MOE_PAIRS_PER_EXPERT} (token, slot) pairs per expert: our GEMV per selected expert; "
-                   "more: torch's grouped kernel")
-
 
 # -- the recurrent mixers' decode steps (csrc/recurrent.h) -------------------------------------------------------
 # llm.causal_conv1d_update: (x [B, D] or [B, D, 1], weight [D, W], bias [D] or None, conv_state, state_indices [B]
@@ -253,7 +56,7 @@ def causal_conv1d_update(ctx, inputs, outputs):
         x, out = x[..., 0], out[..., 0]
     if x.dim() == 2:
         try:
-            _lib().conv_update(x, weight, bias, state, indices, out, ctx.params.get("activation") == "silu")
+            lib().conv_update(x, weight, bias, state, indices, out, ctx.params.get("activation") == "silu")
             return
         except DtorchError:
             pass
@@ -290,7 +93,7 @@ def gated_delta_net(ctx, inputs, outputs):
         if indices is not None and final is not None and final.data_ptr() != initial.data_ptr():
             final.copy_(initial)  # a pool copy: the step then advances its named rows in place
             initial = final
-        _lib().gdn_step(q, k, v, g, beta, initial, final, indices, outputs[0],
+        lib().gdn_step(q, k, v, g, beta, initial, final, indices, outputs[0],
                         q.shape[-1] ** -0.5 if scale is None else float(scale), bool(p.get("use_qk_l2norm", False)))
     except DtorchError:
         _gdn_torch(ctx, inputs, outputs)
@@ -304,7 +107,7 @@ def gated_delta_net(ctx, inputs, outputs):
 @KERNELS.kernel("llm.gdn_gates", ACTIVATIONS, **NATIVE)
 def gdn_gates(ctx, inputs, outputs):
     try:
-        _lib().gdn_gates(*inputs, *outputs)
+        lib().gdn_gates(*inputs, *outputs)
     except DtorchError:
         torch_gdn_gates.gdn_gates_torch(ctx, inputs, outputs)
 
@@ -317,17 +120,17 @@ def _bind_rope(ctx, inputs, outputs):
     if len(inputs) != 3:
         return None
     p = ctx.params
-    call = functools.partial(_lib().rope, inputs[0], inputs[1], inputs[2], outputs[0], p.rotary_dim, p.interleaved)
-    return _or_fallback(call, torch_llm.rope_reference, ctx, inputs, outputs)
+    call = functools.partial(lib().rope, inputs[0], inputs[1], inputs[2], outputs[0], p.rotary_dim, p.interleaved)
+    return or_fallback(call, torch_llm.rope_reference, ctx, inputs, outputs)
 
 
 @KERNELS.kernel("llm.rope", ACTIVATIONS, meta=torch_llm.INPLACE, **NATIVE)
-@_binds(_bind_rope)
+@binds(_bind_rope)
 def rope(ctx, inputs, outputs):
     if len(inputs) == 3:
         try:
             p = ctx.params
-            _lib().rope(inputs[0], inputs[1], inputs[2], outputs[0], p.rotary_dim, p.interleaved)
+            lib().rope(inputs[0], inputs[1], inputs[2], outputs[0], p.rotary_dim, p.interleaved)
             return
         except DtorchError:
             pass
@@ -342,16 +145,16 @@ def rope(ctx, inputs, outputs):
 
 def _bind_cache_store(ctx, inputs, outputs):
     key, value, _, _, slots = inputs
-    call = functools.partial(_lib().cache_store, key, value, outputs[0], outputs[1], slots)
-    return _or_fallback(call, torch_kv_cache.reshape_and_cache_reference, ctx, inputs, outputs)
+    call = functools.partial(lib().cache_store, key, value, outputs[0], outputs[1], slots)
+    return or_fallback(call, torch_kv_cache.reshape_and_cache_reference, ctx, inputs, outputs)
 
 
 @KERNELS.kernel("llm.reshape_and_cache", ACTIVATIONS, meta=torch_kv_cache.INPLACE, **NATIVE)
-@_binds(_bind_cache_store)
+@binds(_bind_cache_store)
 def reshape_and_cache(ctx, inputs, outputs):
     key, value, _, _, slots = inputs
     try:
-        _lib().cache_store(key, value, outputs[0], outputs[1], slots)
+        lib().cache_store(key, value, outputs[0], outputs[1], slots)
     except DtorchError:
         torch_kv_cache.reshape_and_cache_reference(ctx, inputs, outputs)
 
@@ -370,46 +173,23 @@ def _no_softcap(call: Call) -> str | None:
 def _bind_attention(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     p = ctx.params
-    call = functools.partial(_lib().paged_attention, q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal,
+    call = functools.partial(lib().paged_attention, q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal,
                              p.scale, p.get("window", 0))
-    return _or_fallback(call, torch_kv_cache.flash_attention_with_kvcache_padded, ctx, inputs, outputs)
+    return or_fallback(call, torch_kv_cache.flash_attention_with_kvcache_padded, ctx, inputs, outputs)
 
 
 @KERNELS.kernel("llm.flash_attention_with_kvcache", ACTIVATIONS, **NATIVE, check=_no_softcap,
                 varies="float32 online softmax over chunks of 64 keys; items split over torch's intra-op threads "
                        "past ~130k multiply-adds")
-@_binds(_bind_attention)
+@binds(_bind_attention)
 def flash_attention_with_kvcache(ctx, inputs, outputs):
     q, kc, vc, cu_q, seqlens_k, block_table = inputs
     p = ctx.params
     try:
-        _lib().paged_attention(q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal, p.scale,
+        lib().paged_attention(q, kc, vc, cu_q, seqlens_k, block_table, outputs[0], p.causal, p.scale,
                                p.get("window", 0))
     except DtorchError:  # the padded torch kernel: it reads nothing on the host either
         torch_kv_cache.flash_attention_with_kvcache_padded(ctx, inputs, outputs)
-
-
-# -- llm.embedding on GGUF weights ----------------------------------------------------------------------------
-# (w uint8 [V, row bytes], ids int [...]) -> (out [..., E],) in the key's dtype; params vocab_start (ids outside
-# [vocab_start, vocab_start + V) give zero rows). Each row dequantized as layouts.dequantize (the same float32
-# bits), then rounded once.
-
-def _embedding_kernel(layout: str):
-    code, fallback = layouts.format_code(layout), torch_quantized._embedding(layout)
-
-    def kernel(ctx, inputs, outputs):
-        w, ids = inputs
-        try:
-            _lib().qembedding(w, ids, code, ctx.params.get("vocab_start"), outputs[0])
-        except DtorchError:
-            fallback(ctx, inputs, outputs)
-
-    kernel.__name__ = kernel.__qualname__ = f"embedding_{layout[5:]}"
-    return kernel
-
-
-for _layout in GGUF_LAYOUTS:
-    KERNELS.add("llm.embedding", _embedding_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE)
 
 
 # == the ops declared whole by a DTN_OP row (csrc/ops/<group>.def) ================================================
@@ -430,7 +210,7 @@ def row_kernel(row: oplist.RowOp):
                                 f"{row.inputs} and outputs {row.outputs}, got {len(inputs)} and {len(outputs)}: make "
                                 "the row's args list the op's inputs and outputs in order")
         try:
-            getattr(_lib(), name)(*inputs, *outputs, *(getattr(ctx.params, p) for p in params))
+            getattr(lib(), name)(*inputs, *outputs, *(getattr(ctx.params, p) for p in params))
         except DtorchError:
             fallback(ctx, inputs, outputs)
 
@@ -440,7 +220,7 @@ def row_kernel(row: oplist.RowOp):
         for a call the row does not count (the kernel itself then runs, and names the row)."""
         if len(inputs) != n_in or len(outputs) != n_out:
             return None
-        fn, args = getattr(_lib(), name), (*inputs, *outputs, *(getattr(ctx.params, p) for p in params))
+        fn, args = getattr(lib(), name), (*inputs, *outputs, *(getattr(ctx.params, p) for p in params))
 
         def run():
             try:

@@ -299,12 +299,14 @@ def check_registrations(kernel_set, oplist: OpList | None = None, provider: str 
     if unregistered:
         users = {op: [e.name for e in oplist.entries if op in e.ops] for op in unregistered}
         raise RegistrationError(
-            "entries.def names dispatcher ops that kernels.py registers no native kernel for: "
+            "entries.def names dispatcher ops that kernels.py / products.py register no native kernel for: "
             + "; ".join(f"{op} (entry {', '.join(users[op])})" for op in unregistered)
-            + ": add KERNELS.add / @KERNELS.kernel(op, ..., provider='native') in dtorch/kernels/native/kernels.py")
+            + ": add KERNELS.add / @KERNELS.kernel(op, ..., provider='native') in dtorch/kernels/native/kernels.py "
+              "(or products.py for a product)")
     undeclared = sorted(registered - declared - set(rows))
     if undeclared:
         raise RegistrationError(
-            f"kernels.py registers native kernels for {', '.join(undeclared)}, which no row of ops.def names: "
+            f"kernels.py / products.py register native kernels for {', '.join(undeclared)}, which no row of ops.def "
+            "names: "
             "declare it whole as a DTN_OP row (csrc/ops/<group>.def), or list the op in the DTN_ENTRY line of the "
             "function its kernel calls (csrc/entries.def)")
