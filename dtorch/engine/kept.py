@@ -205,15 +205,20 @@ def uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), dtype=torch.float64, generator=generator, device=device))
 
 
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x [V] / temperature in this thread's buffer "z" (x itself at temperature 1)."""
+    if temperature == 1.0:
+        return x
+    return torch.div(x, temperature, out=scratch("z", x.shape[0], torch.float32, x.device))
+
+
 def draw(x: torch.Tensor, temperature: float, ids: torch.Tensor | None, generator: torch.Generator | None) -> int:
     """One token of softmax(x / temperature) restricted to ``ids`` (ascending; None: every token): the first id
     whose cumulative probability in id order exceeds u, one float64 uniform of ``generator`` (None: torch's default
     one)."""
     u = uniform(generator)
     if ids is None:
-        z = x if temperature == 1.0 else torch.div(x, temperature, out=scratch("z", x.shape[0], torch.float32,
-                                                                                x.device))
-        return _draw_all(_softmax(z), u)
+        return _draw_all(_softmax(_scaled(x, temperature)), u)
     probs = torch.softmax(x[ids] / temperature, dim=-1)
     return int(ids[_at(probs, u)])
 
@@ -236,9 +241,7 @@ class Kept:
             return cls(ids, torch.softmax(x[ids] / temperature, dim=-1))
         if own:
             return cls(None, torch.softmax(x / temperature if temperature != 1.0 else x, dim=-1))
-        z = x if temperature == 1.0 else torch.div(x, temperature, out=scratch("z", x.shape[0], torch.float32,
-                                                                                x.device))
-        return cls(None, _softmax(z))
+        return cls(None, _softmax(_scaled(x, temperature)))
 
     @classmethod
     def point(cls, t: int, device: torch.device | str) -> Kept:
