@@ -327,7 +327,6 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
     }
     const __m512 da = _mm512_loadu_ps(a.d + (m * a.nsg + g) * 16);
     const __m512 sa = _mm512_loadu_ps(a.s + (m * a.nsg + g) * 16);
-    const __m512 dx = kq_step512<LO>(da);  // (Q4_K, Q5_K)
     for (int r = 0; r < R; ++r) {  // sg_tile512's epilogue
       const uint8_t* q = p[r] + G::kblock;
       if constexpr (Q6) {  // (d sc) (u - 32) per 16 weights
@@ -349,20 +348,21 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
       // (exact: Q4_K's is2 and il2 are multiples of 16)
       const __m512i s = _mm512_add_epi32(is[r], Q4 ? _mm512_srai_epi32(is2[r], 4) : is2[r]);
       const __m512i l = _mm512_add_epi32(il[r], Q4 ? _mm512_srai_epi32(il2[r], 4) : il2[r]);
+      const __m512 t = _mm512_mul_ps(LO ? levels512(s, l) : _mm512_cvtepi32_ps(s), da);
+      __m512 dw, mw;
       if constexpr (F == dtn::IQ4_XS) {
-        const __m512 t = _mm512_mul_ps(LO ? levels512(s, l) : _mm512_cvtepi32_ps(s), da);
-        const __m512 dw =
-            _mm512_mul_ps(fp16_pair(p[r], q), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes_pair(p[r] + 2, q + 2))));
-        acc[r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(sa, _mm512_set1_ps(G::offset), t), acc[r]);
-      } else {  // Q4_K, Q5_K: d sc da (s + l / 254) - dmin mn sa, the scales on the integer sums (kq_levels512)
+        dw = _mm512_mul_ps(fp16_pair(p[r], q), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes_pair(p[r] + 2, q + 2))));
+        mw = dw;
+      } else {
         const __m128i ha = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + 4));
         const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4));
         __m512 d, mdmin;
         fp16_pairs2(p[r], q, d, mdmin);
-        const __m512 t = kq_levels512<LO>(s, l, _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ha, hb)));
-        const __m512 mw = _mm512_mul_ps(mdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ha, hb))));
-        acc[r] = _mm512_fmadd_ps(mw, sa, _mm512_fmadd_ps(t, _mm512_mul_ps(dx, d), acc[r]));
+        dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ha, hb))));
+        mw = _mm512_mul_ps(mdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ha, hb))));
       }
+      if constexpr (G::scales == 2) acc[r] = _mm512_fmadd_ps(mw, sa, _mm512_fmadd_ps(t, dw, acc[r]));
+      else acc[r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(sa, _mm512_set1_ps(G::offset), t), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];

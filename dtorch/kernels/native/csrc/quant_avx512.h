@@ -8,23 +8,6 @@ static inline __m512 levels512(__m512i hi, __m512i lo) {
   return _mm512_add_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(1.f / 254.f)));
 }
 
-// Q4_K / Q5_K: a row's per-block integer sums of the hi (s) and lo (l) levels times the blocks' 6-bit scales sc, as
-// one float: sc (254 s + l) in integers, then converted once (exact integers: |s|, |l| <= 32 * 31 * 127, so
-// |sc (254 s + l)| <= 63 * 255 * 125984 < 2^31; one level: sc s). Times x's scale over 254 (kq_step512) and d it is
-// d sc da (s + l / 254): no float d sc per block is formed and the levels take one conversion, not two and a multiply
-// (hot Q4_K [2048, 1536], one row: see bench/real_shapes.md, "integer scales").
-template <bool LO>
-static inline __m512 kq_levels512(__m512i s, __m512i l, __m512i sc) {
-  const __m512i x = LO ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)), l) : s;
-  return _mm512_cvtepi32_ps(_mm512_mullo_epi32(x, sc));
-}
-
-// x's scale per block for kq_levels512's sums: da / 254 where both levels are used (da * (1 / 254), one rounding)
-template <bool LO>
-static inline __m512 kq_step512(__m512 da) {
-  return LO ? _mm512_mul_ps(da, _mm512_set1_ps(1.f / 254.f)) : da;
-}
-
 static inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -237,7 +220,7 @@ template <int F, int MR, int NR, bool LO>
 static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb, const float* pre,
                               int64_t ldp, float (&out)[MR][NR]) {
   using G = SG<F>;
-  constexpr bool Q6 = F == dtn::Q6_K, KQ = F == dtn::Q4_K || F == dtn::Q5_K;  // KQ: the integer scales
+  constexpr bool Q6 = F == dtn::Q6_K;
   const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), b45 = _mm512_set1_epi8(0x30);
   const __m512i iq4 = iq4_table512();
   __m512 acc[MR][NR];
@@ -348,9 +331,7 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
         }
       }
     }
-    // per block: the scale, and the min (Q6_K: the second 16 weights' scale; Q4_K, Q5_K: d, the scales in sc)
-    __m512 dw[NR], mw[NR];
-    __m512i sc[NR];
+    __m512 dw[NR], mw[NR];  // per block: the scale, and the min (Q6_K: the second 16 weights' scale)
     for (int n = 0; n < NR; ++n) {
       const uint8_t* q = p[n] + G::kblock;  // K-quants: the second super-block
       if constexpr (Q6) {  // d sc per 16 weights: dw the first 16 weights' (sc[2 j]), mw the second's
@@ -364,13 +345,14 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes_pair(p[n] + 2, q + 2)));
         dw[n] = _mm512_mul_ps(fp16_pair(p[n], q), sc);
         mw[n] = dw[n];
-      } else if constexpr (G::kblock != 0) {  // d (sc u) - dmin mn per block: dw = d, sc[n] the integer scales
+      } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per block
         // [sc | mn] of each super-block in one load: the scales the low halves of both, the mins the high
         const __m128i ha = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[n] + 4));
         const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4));
-        fp16_pairs2(p[n], q, dw[n], mw[n]);
-        sc[n] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ha, hb));
-        mw[n] = _mm512_mul_ps(mw[n], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ha, hb))));
+        __m512 d, mdmin;
+        fp16_pairs2(p[n], q, d, mdmin);
+        dw[n] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ha, hb))));
+        mw[n] = _mm512_mul_ps(mdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ha, hb))));
       } else {
         dw[n] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n])));
         mw[n] = G::scales == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[n] + 32)))
@@ -380,13 +362,7 @@ static inline void sg_tile512(const uint8_t* const* rows, const SGAct& a, int64_
     for (int m = 0; m < MR; ++m) {
       const __m512 da = _mm512_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16);
       const __m512 sa = _mm512_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16);
-      const __m512 dx = kq_step512<LO>(da);
       for (int n = 0; n < NR; ++n) {
-        if constexpr (KQ) {  // d sc da (s + l / 254) - dmin mn sa (kq_levels512)
-          const __m512 t = kq_levels512<LO>(is[m][n], il[m][n], sc[n]);
-          acc[m][n] = _mm512_fmadd_ps(mw[n], sa, _mm512_fmadd_ps(t, _mm512_mul_ps(dx, dw[n]), acc[m][n]));
-          continue;
-        }
         const __m512 t = _mm512_mul_ps(LO ? levels512(is[m][n], il[m][n]) : _mm512_cvtepi32_ps(is[m][n]), da);
         if constexpr (Q6) {  // (d sc) (u - 32) per 16 weights: - 32 meets the sums of each 16
           const float* hs = a.sh + (m0 + m) * a.nsg * 32 + g * 32;
