@@ -327,22 +327,12 @@ static inline __attribute__((always_inline)) void kq_rows512(const uint8_t* cons
     }
     const __m512 da = _mm512_loadu_ps(a.d + (m * a.nsg + g) * 16);
     const __m512 sa = _mm512_loadu_ps(a.s + (m * a.nsg + g) * 16);
+    __m512 dl, h0, h1;  // (Q6_K)
+    if constexpr (Q6) q6_act512<LO>(da, a.sh + (m * a.nsg + g) * 32, dl, h0, h1);
     for (int r = 0; r < R; ++r) {  // sg_tile512's epilogue
       const uint8_t* q = p[r] + G::kblock;
-      if constexpr (Q6) {  // (d sc) (u - 32) per 16 weights
-        const __m128i ev = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-        const __m128i s0 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + 2)), ev);
-        const __m128i s1 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2)), ev);
-        const __m512 d = fp16_pair(p[r], q);
-        const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))));
-        const __m512 mw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))));
-        const float* hs = a.sh + (m * a.nsg + g) * 32;
-        const __m512 t = _mm512_mul_ps(LO ? levels512(is[r], il[r]) : _mm512_cvtepi32_ps(is[r]), da);
-        const __m512 t2 = _mm512_mul_ps(LO ? levels512(is2[r], il2[r]) : _mm512_cvtepi32_ps(is2[r]), da);
-        const __m512 k32 = _mm512_set1_ps(-32.f);
-        const __m512 lo_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs), k32, t);
-        const __m512 hi_ = _mm512_fmadd_ps(_mm512_loadu_ps(hs + 16), k32, t2);
-        acc[r] = _mm512_fmadd_ps(hi_, mw, _mm512_fmadd_ps(lo_, dw, acc[r]));
+      if constexpr (Q6) {  // d sc (u - 32) per 16 weights (q6_row512)
+        acc[r] = q6_row512<LO>(q6_weights512(p[r], q), da, dl, h0, h1, is[r], il[r], is2[r], il2[r], acc[r]);
         continue;
       }
       // (exact: Q4_K's is2 and il2 are multiples of 16)
