@@ -1,7 +1,7 @@
 """GGUF files as users download them, dtorch against llama.cpp on each, side by side in one run (issue #21).
 
     python bench/gguf_formats.py [--files PATTERN ...] [--real] [--threads 1 2] [--repeats 3] [--rounds 1] [--quick]
-                                 [--smoke]
+                                 [--smoke] [--row-split claimed|static]
                                  [--agreement] [--kv-cache-dtype auto|bfloat16|float32] [--cache DIR]
                                  [--llamacpp-python PATH]
 
@@ -29,6 +29,14 @@ single-sequence runs.
 
 ``--rounds N`` runs each (file, threads) pair of llama.cpp and dtorch N times in turn and reports the medians (the
 ratios: medians of each round's ratio), so a neighbour's burst on this shared machine hits both alike.
+
+Phases (issue #39; ``_phase.py``): on this shared 2-vCPU VM a neighbour's process or a busy host core slows a run,
+at 2 threads above all (each product waits for its slowest thread). Around each engine's run the phase probe times a
+fixed spin and a 64 MiB read on every CPU at once, and each worker records its busy threads' run-queue wait over its
+decode runs. A run whose t-th fastest CPU (t its threads) spun over 1.15x the bench's fastest spin, or whose threads
+waited over 3% of the run, is slow; the table's "phase" says how many rounds of a row had a slow run (either engine),
+"x tg ok" is the decode ratio over the rounds where neither was slow, and a table after the main one shows each run's
+probe, wait and (``--row-split claimed``) dtorch's rows per thread.
 
 Products: after its runs, the dtorch worker times each one-row product of the model as a decode step calls it (x one
 row, every layer's weights in the model's order, 3 passes after a warm-up, so each weight comes from memory: the
