@@ -343,7 +343,7 @@ def test_claimed_row_split_equals_each_row_alone(fmt, isa):
     # boundaries) instead of halves; every row must still get the bits it gets alone (the float GEMV's too: the
     # bits of the static split), and the chunks must cover the rows once (row_counts: rows per thread). K = 1536
     # (the K-quants' four streams; the 32-block formats' whole super-groups), N = 1100 (chunks down to the least,
-    # a ragged end), one and three rows of x
+    # a ragged end), one and three rows of x; 48 rows equal the static split's
     if torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: nothing to split")
     gen = np.random.default_rng(5)
@@ -359,7 +359,10 @@ def test_claimed_row_split_equals_each_row_alone(fmt, isa):
         for m in (1, 3):
             assert torch.equal(nk.qlinear(x[:m], w, fmt), alone[:m]), (fmt, isa, m)
         counts = nk.row_counts(reset=True)
+        many = _x(48, k, outliers=False)  # a prompt's rows (74k multiply-adds a row: chunks of the 16-row least)
+        claimed = nk.qlinear(many, w, fmt)
     assert sum(counts) == 2 * n, counts
+    assert torch.equal(claimed, nk.qlinear(many, w, fmt))
     wf = torch.randn(n, k).half()  # the float GEMV shares the split
     static = nk.gemv(x, wf)
     with nk.use_row_split("claimed"):

@@ -163,12 +163,12 @@ std::atomic<int64_t> g_rows_by_thread[kCountedThreads];
 // rows left, whole 16-row groups (the 32-block decodes' chunk), at least ~64 KB of multiply-adds: two equal
 // threads' first chunks are a quarter of N each (long streams for the hardware prefetcher: kq_split512 reads a chunk
 // as four), the small ones at the end even out the finish (~20 claims for N = 8960). Each row's result is the same
-// bits under any split (rows are independent; tests: rows_together, thread_split).
+// bits under any split (rows are independent; tests: rows_together, claimed_row_split).
 template <class F>
 void parallel_rows_claimed(int64_t n, int64_t work_per_row, F&& f) {
   const int threads = at::get_num_threads();
   if (!g_claimed_rows || threads < 2 || at::in_parallel_region()) return parallel_rows(n, work_per_row, f);
-  const int64_t least = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, work_per_row) + 15) / 16 * 16;
+  const int64_t least = std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(1, work_per_row) + 15) / 16 * 16);
   if (n <= least) return f(0, n);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -481,7 +481,8 @@ ENTRY(py_gemv)
   const void *xp = x.data_ptr(), *wp = w.data_ptr();
   void* yp = out.data_ptr();
   Py_BEGIN_ALLOW_THREADS
-  parallel_rows_claimed(N, M * K, [&](int64_t n0, int64_t n1) { tb->gemv(xp, xdt, M, wp, wdt, K, n0, n1, yp, xdt, N); });
+  parallel_rows_claimed(N, M * K,
+                        [&](int64_t n0, int64_t n1) { tb->gemv(xp, xdt, M, wp, wdt, K, n0, n1, yp, xdt, N); });
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 EXIT
