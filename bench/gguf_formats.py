@@ -1,7 +1,7 @@
 """GGUF files as users download them, dtorch against llama.cpp on each, side by side in one run (issue #21).
 
     python bench/gguf_formats.py [--files PATTERN ...] [--real] [--threads 1 2] [--repeats 3] [--rounds 1] [--quick]
-                                 [--smoke]
+                                 [--smoke] [--row-split claimed|static]
                                  [--agreement] [--kv-cache-dtype auto|bfloat16|float32] [--cache DIR]
                                  [--llamacpp-python PATH]
 
@@ -29,6 +29,14 @@ single-sequence runs.
 
 ``--rounds N`` runs each (file, threads) pair of llama.cpp and dtorch N times in turn and reports the medians (the
 ratios: medians of each round's ratio), so a neighbour's burst on this shared machine hits both alike.
+
+Phases (issue #39; ``_phase.py``): on this shared 2-vCPU VM a neighbour's process or a busy host core slows a run,
+at 2 threads above all (each product waits for its slowest thread). Around each engine's run the phase probe times a
+fixed spin and a 64 MiB read on every CPU at once, and each worker records its busy threads' run-queue wait over its
+decode runs. A run whose t-th fastest CPU (t its threads) spun over 1.15x the bench's fastest spin, or whose threads
+waited over 3% of the run, is slow; the table's "phase" says how many rounds of a row had a slow run (either engine),
+"x tg ok" is the decode ratio over the rounds where neither was slow, and a table after the main one shows each run's
+probe, wait and (``--row-split claimed``) dtorch's rows per thread.
 
 Products: after its runs, the dtorch worker times each one-row product of the model as a decode step calls it (x one
 row, every layer's weights in the model's order, 3 passes after a warm-up, so each weight comes from memory: the
@@ -62,6 +70,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import _phase
 import gguf_files as gf
 from decode import _current_rss_mib, _llamacpp_python, _print, _run
 
@@ -130,6 +139,8 @@ def source_of(name: str, cache: Path) -> Path:
 LLAMACPP_WORKER = r"""
 import json, os, statistics, sys, time
 model, threads, repeats, ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+sys.path.insert(0, sys.argv[9])
+import _phase
 ids = [int(i) for i in sys.argv[5].split(",")]
 prefill_lens, prompt, new = json.loads(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
 def rss():
@@ -152,18 +163,20 @@ for n in prefill_lens:
         if r:
             times.append(time.perf_counter() - t0)
     out[f"prefill{n}"] = n / statistics.median(times)
-times = []
+times, waits = [], []
 for r in range(repeats + 1):
     llm.reset()
     llm.eval(ids[:prompt])
     tokens = [llm.sample(top_k=1, temp=0.0)]
-    t0 = time.perf_counter()
+    s0, t0 = _phase.sched(), time.perf_counter()
     for _ in range(new):
         llm.eval([tokens[-1]])
         tokens.append(llm.sample(top_k=1, temp=0.0))
     if r:
         times.append(time.perf_counter() - t0)
+        waits.append(_phase.waited(s0, _phase.sched(), times[-1]))
 out["decode"] = new / statistics.median(times)
+out["waited"] = max(waits)
 out["tokens"] = tokens[:new]
 out["model_mib"] = peak() - base
 print(json.dumps(out))
@@ -240,11 +253,18 @@ def products(llm, passes: int = 3) -> list[dict]:
 
 
 def worker_dtorch(path: str, threads: int, repeats: int, prefill: tuple[int, ...], ids: list[int],
-                  follow: list[int], kv_cache_dtype: str = "auto") -> dict:
+                  follow: list[int], kv_cache_dtype: str = "auto", row_split: str | None = None) -> dict:
     """Prefill, decode and model memory of one sequence, then the 16-sequence decode throughput, and the share of
-    ``follow`` (llama.cpp's greedy tokens after the prompt) that dtorch ranks first in the same context."""
-    from dtorch.engine.sampling import SamplingParams
+    ``follow`` (llama.cpp's greedy tokens after the prompt) that dtorch ranks first in the same context. Also, over
+    the decode runs, the largest run-queue wait of a thread (``_phase.waited``) and the rows each thread computed in
+    claimed splits. ``row_split``: the products' ("claimed" or "static"; None: the library's default)."""
+    import time
 
+    from dtorch.engine.sampling import SamplingParams
+    from dtorch.kernels.native import loader
+
+    if row_split:
+        loader.load().set_row_split(row_split)
     base = _current_rss_mib()
     llm = _llm(path, threads, kv_cache_dtype=kv_cache_dtype)
     out: dict = {"kept": _weights_kept(llm)}
@@ -257,12 +277,17 @@ def worker_dtorch(path: str, threads: int, repeats: int, prefill: tuple[int, ...
                 tps.append(llm.stats.prefill_tps)
         out[f"prefill{n}"] = statistics.median(tps)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    tps = []
+    tps, waits = [], []
+    loader.row_counts(reset=True)
     for r in range(repeats + 1):
+        s0, t0 = _phase.sched(), time.perf_counter()
         res = llm.generate([ids[:PROMPT]], params)
         if r:
             tps.append(llm.stats.decode_tps)
+            waits.append(_phase.waited(s0, _phase.sched(), time.perf_counter() - t0))
     out["decode"] = statistics.median(tps)
+    out["waited"] = max(waits)
+    out["rows"] = loader.row_counts(reset=True)[:threads]  # all zero under the static split
     out["tokens"] = res[0].outputs[0].token_ids
     out["model_mib"] = _peak_mib() - base
     if follow:  # position PROMPT - 1 + i predicts follow[i]
@@ -366,6 +391,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                     help="dtorch's KV cache (LLM's kv_cache_dtype; llama.cpp keeps float16 keys): the speed and "
                          "memory runs only, the agreement runs keep the activations' float32")
+    ap.add_argument("--row-split", default=None, choices=("claimed", "static"),
+                    help="how dtorch's products share their rows among threads (default: the library's)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dtorch" / "bench-gguf")
     ap.add_argument("--llamacpp-python", default=str(gf.LLAMACPP_PYTHON))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -384,7 +411,7 @@ def main() -> None:
         if args.worker == "dtorch":
             follow = [int(i) for i in args.follow.split(",")] if args.follow else []
             out = worker_dtorch(args.path, threads[0], repeats, prefill, _ids(max(prefill)), follow,
-                                args.kv_cache_dtype)
+                                args.kv_cache_dtype, args.row_split)
         else:
             out = worker_agreement(args.path, threads[0], args.reference, args.dequantize)
         print(json.dumps(out))
@@ -406,11 +433,12 @@ def main() -> None:
     load = os.getloadavg()[0]
     _warn_oversubscribed(load, threads)
     limits = {} if args.smoke else _machine_limits(threads)
+    probe = _phase_probe()
     ids = _ids(max(prefill))
     quick = ("--quick",) + (("--smoke",) if args.smoke else ()) if args.quick else ()
     head = ["file", "thr", "lcpp pp128", "pp512", "tg64", "MiB", "dtorch pp128", "pp512", "tg64", "MiB",
-            "x pp128", "x pp512", "x tg", "x MiB", "16-seq tg", "16/1", "greedy", "follow"]
-    rows, notes, prods = [], {}, []
+            "x pp128", "x pp512", "x tg", "x MiB", "16-seq tg", "16/1", "greedy", "follow", "phase", "x tg ok"]
+    rows, notes, prods, phases = [], {}, [], []
     for name in names:
         path = files[name]
         if isinstance(path, str):
@@ -419,13 +447,23 @@ def main() -> None:
         notes[name] = {"types": dict(gf.tensor_types(path))}
         for t in threads:
             refs, gots = [], []
-            for _ in range(args.rounds):  # llama.cpp, then dtorch, in turn
+            split = ("--row-split", args.row_split) if args.row_split else ()
+            for k in range(args.rounds):  # llama.cpp, then dtorch, in turn, the phase probe before, between, after
+                before = _phase.probe(probe)
                 ref = lcpp and _run([lcpp, "-c", LLAMACPP_WORKER, str(path), str(t), str(repeats), str(CONTEXT),
-                            ",".join(map(str, ids)), json.dumps(list(prefill)), str(PROMPT), str(NEW)])
+                            ",".join(map(str, ids)), json.dumps(list(prefill)), str(PROMPT), str(NEW),
+                            str(Path(__file__).parent)])
+                between = _phase.probe(probe)
                 follow = ("--follow", ",".join(map(str, ref["tokens"]))) if ref else ()
-                got = _dtorch("dtorch", path, t, repeats, quick + follow + ("--kv-cache-dtype", args.kv_cache_dtype))
+                got = _dtorch("dtorch", path, t, repeats,
+                              quick + follow + split + ("--kv-cache-dtype", args.kv_cache_dtype))
+                after = _phase.probe(probe)
                 refs.append(ref or {})
                 gots.append(got or {})
+                phases += [[name, t, k, "llama.cpp", (ref or {}).get("decode"), before, between,
+                            (ref or {}).get("waited"), None],
+                           [name, t, k, "dtorch", (got or {}).get("decode"), between, after, (got or {}).get("waited"),
+                            (got or {}).get("rows")]]
             ref, got = _medians(refs), _medians(gots)
             notes[name].update(kept=got.get("kept"), llamacpp=ref.get("version"))
             pp = [(ref.get(f"prefill{n}"), got.get(f"prefill{n}")) for n in (128, 512)]
@@ -436,7 +474,8 @@ def main() -> None:
                          got.get("decode16"), _ratio(got.get("decode16"), got.get("decode")),
                          f"{_greedy_match(got['tokens'], ref['tokens'])}/{NEW}" if got.get("tokens") and
                          ref.get("tokens") else None,
-                         f"{100 * got['follow']:.0f}%" if "follow" in got else None])
+                         f"{100 * got['follow']:.0f}%" if "follow" in got else None, None, None])
+            rows[-1][-2:] = _phase_cells(phases[-2 * args.rounds:], refs, gots)
             prods += [[name, t, p["kind"], p["layout"][5:], f"{p['n']}x{p['k']}", p["count"], p["mib"], p["us"],
                        p["gbs"]] for p in got.get("products", [])]
             print("  " + " | ".join(f"{h} {v:.4g}" if isinstance(v, float) else f"{h} {v}"
@@ -467,6 +506,7 @@ def main() -> None:
         if "agreement" in n:
             line += f" | {n['agreement']}"
         print(line)
+    _print_phases(phases)
     _print_products(prods, limits)
     print("\ntargets (issue #21): decode >= 1.5x, prefill >= 2x (4x with AMX), memory <= 1.1x, 16-seq >= 5x one "
           "sequence on qwen3-0.6b-Q4_K_M, top-1 agreement >= 99%; (issue #39) on the real shapes (--real) decode >= "
@@ -510,6 +550,53 @@ def _warn_oversubscribed(load: float, threads: list[int]) -> None:
     what = ("every figure is slowed by that work: read the same-run ratios" if most == 1 else
             f"runs at {most} threads share cores with it, and their figures mostly measure the wait for parked threads")
     print(f"  (load average {load:.1f} on {cpus} CPUs: {what})", file=sys.stderr)
+
+
+def _phase_probe():
+    """A ``machine_limits.PhaseProbe``, or None where it cannot run (the reason printed)."""
+    import machine_limits
+
+    try:
+        return machine_limits.PhaseProbe()
+    except (machine_limits.LimitsUnavailable, subprocess.CalledProcessError) as e:
+        print(f"  (phase probe: {e}; rows are not checked for slow phases)", file=sys.stderr)
+        return None
+
+
+def _fastest(phases: list[list]) -> float:
+    """The fastest spin of any CPU in any probe so far (ms): the vCPU's speed when whole."""
+    return min((c["spin_ms"] for p in phases for probes in p[5:7] for c in probes or ()), default=0.0)
+
+
+def _phase_cells(phases: list[list], refs: list[dict], gots: list[dict]) -> tuple[str, float | None]:
+    """A row's "phase" cell ("ok", or "slow k/n": k of its n rounds had a slow CPU or a waiting thread in either
+    engine's run) and the median decode ratio over its rounds where neither run was slow (None if none)."""
+    fastest = _fastest(phases)
+    slow = [bool(_phase.flags(p[5:7], p[7], fastest, p[1])) for p in phases]
+    bad = [a or b for a, b in zip(slow[::2], slow[1::2], strict=True)]  # per round: llama.cpp's run or dtorch's
+    good = [_ratio(g.get("decode"), r.get("decode")) for r, g, b in zip(refs, gots, bad, strict=True) if not b]
+    good = [v for v in good if v is not None]
+    cell = f"slow {sum(bad)}/{len(bad)}" if any(bad) else "ok"
+    return cell, statistics.median(good) if good else None
+
+
+def _print_phases(phases: list[list]) -> None:
+    """Each engine's decode run beside the phase probe before and after it (per CPU: spin ms / read GB/s), its
+    threads' largest run-queue wait and dtorch's rows per thread: what made a row "slow"."""
+    if not phases:
+        return
+    fastest = _fastest(phases)
+    print(f"\nthe machine during each decode run (bench/_phase.py): per CPU, spin ms / read GB/s of the phase probe "
+          f"before and after the run (fastest spin {fastest:.1f} ms; slow: over {_phase.SLOW_SPIN}x), the largest "
+          f"run-queue wait of the engine's busy threads (slow: over {100 * _phase.SLOW_WAIT:.0f}% of the run), "
+          "dtorch's rows per thread in claimed splits\n")
+    head = ["file", "thr", "round", "engine", "tg64", "probe before", "after", "waited", "rows", "slow because"]
+    rows = [[name, t, k, engine, tps, _phase.cells(a), _phase.cells(b),
+             f"{100 * w:.1f}%" if w is not None else None,
+             "/".join(f"{100 * r / sum(counts):.0f}%" for r in counts) if counts and sum(counts) else None,
+             ", ".join(_phase.flags([a, b], w, fastest, t)) or None]
+            for name, t, k, engine, tps, a, b, w, counts in phases]
+    _print(head, rows)
 
 
 def _machine_limits(threads: list[int]) -> dict[int, dict[str, float]]:

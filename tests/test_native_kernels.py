@@ -337,6 +337,41 @@ def test_rows_together_equal_each_row_alone(fmt, isa):
             assert torch.equal(got, alone[:m]), (fmt, isa, k, m, (got - alone[:m]).abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["gguf.q4_k", "gguf.q6_k", "gguf.q8_0", "gguf.q5_0"])
+def test_claimed_row_split_equals_each_row_alone(fmt, isa):
+    # set_row_split("claimed"): two threads claim a product's rows in chunks from a counter (largest first, 16-row
+    # boundaries) instead of halves; every row must still get the bits it gets alone (the float GEMV's too: the
+    # bits of the static split), and the chunks must cover the rows once (row_counts: rows per thread). K = 1536
+    # (the K-quants' four streams; the 32-block formats' whole super-groups), N = 1100 (chunks down to the least,
+    # a ragged end), one and three rows of x; 48 rows equal the static split's
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: nothing to split")
+    gen = np.random.default_rng(5)
+    torch.manual_seed(5)
+    k, n = 1536, 1100
+    w = layouts.pack(torch.from_numpy(_raw(fmt, n, k, gen)), fmt, k)
+    x = _x(3, k, outliers=True)
+    alone = torch.cat([torch.cat([nk.qlinear(x[i:i + 1], w[j:j + 100], fmt) for j in range(0, n, 100)], 1)
+                       for i in range(3)])
+    with nk.use_row_split("claimed"):
+        assert nk.row_split() == "claimed"
+        nk.row_counts(reset=True)
+        for m in (1, 3):
+            assert torch.equal(nk.qlinear(x[:m], w, fmt), alone[:m]), (fmt, isa, m)
+        counts = nk.row_counts(reset=True)
+        many = _x(48, k, outliers=False)  # a prompt's rows (74k multiply-adds a row: chunks of the 16-row least)
+        claimed = nk.qlinear(many, w, fmt)
+    assert sum(counts) == 2 * n, counts
+    assert torch.equal(claimed, nk.qlinear(many, w, fmt))
+    wf = torch.randn(n, k).half()  # the float GEMV shares the split
+    static = nk.gemv(x, wf)
+    with nk.use_row_split("claimed"):
+        assert torch.equal(nk.gemv(x, wf), static)
+    assert nk.row_split() == "static"
+    with pytest.raises(ArgumentError, match="'claimed' or 'static'"):
+        nk.load().set_row_split("dynamic")
+
+
 @pytest.mark.parametrize("fmt", ["gguf.q4_k", "gguf.q6_k", "gguf.q5_k", "gguf.q5_0"])
 def test_every_row_one_level(fmt, isa, monkeypatch):
     """one_level=2 (DTORCH_ONE_LEVEL=1 passes it for every product): a lone row takes one int8 level per 32 values

@@ -18,10 +18,13 @@ from dtorch.kernels.native.loader import (
     float_gemm as float_gemm,
     isa as isa,
     load as load,
+    row_counts as row_counts,
+    row_split as row_split,
     set_isa as set_isa,
     unavailable_reason as unavailable_reason,
     use_float_gemm as use_float_gemm,
     use_isa as use_isa,
+    use_row_split as use_row_split,
 )
 from dtorch.kernels.native.ops import (
     add_rms_norm as add_rms_norm,

@@ -154,3 +154,27 @@ def use_float_gemm(name: str) -> Iterator[None]:
         yield
     finally:
         load().set_float_gemm(before)
+
+
+def row_split() -> str:
+    """How the products share their output rows among the intra-op threads: "static" (the default: an even split,
+    at::parallel_for's) or "claimed" (each thread claims chunks from a shared counter, largest first, so a slower
+    thread takes fewer rows)."""
+    return load().set_row_split(None)
+
+
+@contextmanager
+def use_row_split(name: str) -> Iterator[None]:
+    """Run the block with the products' rows split ``name``'s way ("claimed" or "static"), then restore."""
+    before = load().set_row_split(name)
+    try:
+        yield
+    finally:
+        load().set_row_split(before)
+
+
+def row_counts(reset: bool = False) -> list[int]:
+    """Rows each OpenMP thread (0: the caller) has computed in claimed splits since the last reset, the first 8
+    threads: equal speeds claim equal rows, so the shares say how fast each thread really ran. ``reset`` zeroes
+    them after reading."""
+    return load().row_counts(reset)

@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -143,6 +144,50 @@ void parallel_rows(int64_t n, int64_t work_per_row, F&& f) {  // chunks of at le
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, work_per_row));
   if (n <= grain) return f(0, n);
   at::parallel_for(0, n, grain, f);
+}
+
+// How a product's output rows are shared among the intra-op threads (set_row_split). "static" (the default):
+// at::parallel_for's even split, one contiguous range a thread. "claimed": each thread claims its next chunk from a
+// shared counter, so a thread that runs slower (a vCPU whose host core is busy, a neighbour's process on its CPU)
+// takes fewer rows, where the even split makes the others wait for its half at every product's end; but each chunk
+// restarts the decode kernels' streams and prefetches (kq_split512's four streams, the software stream's first
+// bytes), which cost more than the balance gained on a quiet machine (Qwen2.5-1.5B Q4_K_M, 2 threads: see
+// bench/real_shapes.md)
+bool g_claimed_rows = false;
+// rows each OpenMP thread has computed through parallel_rows_claimed since the last row_counts(reset): how the
+// threads' real speeds compared (equal speeds claim equal rows)
+constexpr int kCountedThreads = 8;
+std::atomic<int64_t> g_rows_by_thread[kCountedThreads];
+
+// parallel_rows over a product's N output rows, chunks claimed largest first: a claim takes 1 / (2 threads) of the
+// rows left, whole 16-row groups (the 32-block decodes' chunk), at least ~64 KB of multiply-adds: two equal
+// threads' first chunks are a quarter of N each (long streams for the hardware prefetcher: kq_split512 reads a chunk
+// as four), the small ones at the end even out the finish (~20 claims for N = 8960). Each row's result is the same
+// bits under any split (rows are independent; tests: rows_together, claimed_row_split).
+template <class F>
+void parallel_rows_claimed(int64_t n, int64_t work_per_row, F&& f) {
+  const int threads = at::get_num_threads();
+  if (!g_claimed_rows || threads < 2 || at::in_parallel_region()) return parallel_rows(n, work_per_row, f);
+  const int64_t least = std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(1, work_per_row) + 15) / 16 * 16);
+  if (n <= least) return f(0, n);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const int tid = at::get_thread_num();
+    int64_t done = 0;
+    for (int64_t start = next.load(std::memory_order_relaxed), size;;) {
+      do {
+        if (start >= n) {
+          if (tid < kCountedThreads) g_rows_by_thread[tid].fetch_add(done, std::memory_order_relaxed);
+          return;
+        }
+        size = std::max(least, ((n - start) / (2 * threads) + 15) / 16 * 16);
+      } while (!next.compare_exchange_weak(start, start + size, std::memory_order_relaxed));
+      const int64_t end = std::min(n, start + size);
+      f(start, end);
+      done += end - start;
+      start = next.load(std::memory_order_relaxed);
+    }
+  });
 }
 
 // Storage on 64-byte lines: the decode kernels load a super-group's activation levels (1 KB) and its block scales 64
@@ -399,7 +444,7 @@ ENTRY(py_qlinear)
     parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {
       tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data(), ws.halves.data(), levels);
     });
-    parallel_rows(N, M * K, [&](int64_t n0, int64_t n1) { tb->qgemm_sg(qw, a, M, n0, n1, bp, yp, xdt, N); });
+    parallel_rows_claimed(N, M * K, [&](int64_t n0, int64_t n1) { tb->qgemm_sg(qw, a, M, n0, n1, bp, yp, xdt, N); });
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
   }
@@ -412,7 +457,7 @@ ENTRY(py_qlinear)
   parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {
     tb->quantize_rows(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data());
   });
-  parallel_rows(N, M * K, [&](int64_t n0, int64_t n1) { tb->qgemm(qw, a, M, n0, n1, bp, yp, xdt, N); });
+  parallel_rows_claimed(N, M * K, [&](int64_t n0, int64_t n1) { tb->qgemm(qw, a, M, n0, n1, bp, yp, xdt, N); });
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 EXIT
@@ -436,7 +481,8 @@ ENTRY(py_gemv)
   const void *xp = x.data_ptr(), *wp = w.data_ptr();
   void* yp = out.data_ptr();
   Py_BEGIN_ALLOW_THREADS
-  parallel_rows(N, M * K, [&](int64_t n0, int64_t n1) { tb->gemv(xp, xdt, M, wp, wdt, K, n0, n1, yp, xdt, N); });
+  parallel_rows_claimed(N, M * K,
+                        [&](int64_t n0, int64_t n1) { tb->gemv(xp, xdt, M, wp, wdt, K, n0, n1, yp, xdt, N); });
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 EXIT
@@ -504,6 +550,35 @@ ENTRY(py_set_bf16_panels)
     g_bf16_panels = on;
   }
   return PyBool_FromLong(was);
+EXIT
+
+// set_row_split(name | None) -> the name in use before: "claimed" or "static" (g_claimed_rows)
+ENTRY(py_set_row_split)
+  need_args(nargs, 1, "set_row_split");
+  const char* was = g_claimed_rows ? "claimed" : "static";
+  if (args[0] != Py_None) {
+    const char* s = PyUnicode_AsUTF8(args[0]);
+    if (!s) throw Fail{};
+    const std::string name(s);
+    need(name == "claimed" || name == "static", g_arg_error,
+         "row split must be 'claimed' or 'static', got '" + name + "'");
+    g_claimed_rows = name == "claimed";
+  }
+  return PyUnicode_FromString(was);
+EXIT
+
+// row_counts(reset: bool) -> [rows computed by OpenMP thread 0, 1, ...] through claimed splits since the last reset
+ENTRY(py_row_counts)
+  need_args(nargs, 1, "row_counts");
+  const int reset = PyObject_IsTrue(args[0]);
+  if (reset < 0) throw Fail{};
+  PyObject* out = PyList_New(kCountedThreads);
+  if (!out) throw Fail{};
+  for (int i = 0; i < kCountedThreads; ++i) {
+    const int64_t v = reset ? g_rows_by_thread[i].exchange(0) : g_rows_by_thread[i].load();
+    PyList_SET_ITEM(out, i, PyLong_FromLongLong(v));
+  }
+  return out;
 EXIT
 
 // set_float_gemm(name | None) -> the name in use before: "onednn" or "torch" (torch has no oneDNN: always "torch")
