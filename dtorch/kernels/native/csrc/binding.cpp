@@ -378,7 +378,7 @@ void qlinear_x16(const dtn::Table* tb, int base, const at::Tensor& x, const at::
     tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data(), ws.halves.data(), levels);
   });
   parallel_rows(G, 16 * M * K, [&](int64_t g0, int64_t g1) {
-    if (M < 4 && tb->x16_decode(qw, a, M, g0, g1, bp, yp, xdt, N)) return;
+    if (tb->x16_decode(qw, a, M, g0, g1, bp, yp, xdt, N)) return;
     thread_local LineVec<uint8_t> buf;
     if (int64_t(buf.size()) < chunk * 16 * rb) buf.resize(size_t(chunk * 16 * rb));
     for (int64_t g = g0; g < g1; g += chunk) {
