@@ -14,7 +14,7 @@ import dtorch
 from dtorch import ops
 from dtorch.core import env, hostsync
 from dtorch.core.device import Device
-from dtorch.core.dtypes import GGUF_LAYOUTS
+from dtorch.core.dtypes import GGUF_LAYOUTS, GGUF_X16_LAYOUTS
 from dtorch.core.errors import ConfigError, SyncError
 from dtorch.dispatch.context import KernelContext, KernelParams
 from dtorch.dispatch.key import KernelKey
@@ -229,13 +229,18 @@ def _packed(layout: str, rows: int, k: int) -> torch.Tensor:
     """Random GGUF bytes packed for ``layout``: the values do not matter here, only which reads a kernel makes."""
     import gguf
 
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[layout.removeprefix("gguf.").upper()]]
+    name = layouts.row_layout(layout).removeprefix("gguf.").upper()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
     raw = torch.randint(0, 256, (rows, k // block * size), dtype=torch.uint8)
     return layouts.pack(raw, layout, k)
 
 
 def _qlinear(layout: str) -> Callable[[], Run]:
     return lambda: ([torch.randn(2, 256), _packed(layout, 8, 256), None], [torch.empty(2, 8)], {})
+
+
+def _x16linear(layout: str) -> Callable[[], Run]:  # whole groups of 16 rows
+    return lambda: ([torch.randn(2, 256), _packed(layout, 16, 256), None], [torch.empty(2, 16)], {})
 
 
 def _qembedding(layout: str) -> Callable[[], Run]:
@@ -267,6 +272,7 @@ EXTRA: dict[tuple[str, str], list[Callable[[], Run]]] = {
     ("llm.moe_router", "strided"): [_router],
     **{("matmul.linear", lay): [_qlinear(lay)] for lay in GGUF_LAYOUTS},
     **{("llm.embedding", lay): [_qembedding(lay)] for lay in GGUF_LAYOUTS},
+    **{("matmul.linear", lay): [_x16linear(lay)] for lay in GGUF_X16_LAYOUTS},
     **{("matmul.linear", lay): [_hlinear(lay)] for lay in HALF_LAYOUTS},
     **{("llm.embedding", lay): [_hembedding(lay)] for lay in HALF_LAYOUTS},
 }

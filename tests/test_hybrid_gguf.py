@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 import dtorch
 from dtorch.engine.llm import LLM
+from dtorch.kernels.layouts import row_layout
 from dtorch.models import open_checkpoint
 from dtorch.models.config import ModelConfig
 from tests.tiny_models import random_model, tiny_config
@@ -265,8 +266,9 @@ def test_a_q8_0_file_on_two_devices_equals_one(files):
         assert got == want
         # packed and split on K by heads, except Qwen3.5's out_proj, whose columns the file reorders (dequantized);
         # the fused input projection mixes Q8_0 and F32 parts in these files, so it is dequantized too
-        assert two.model.weights["layers.0.lin_out"].layout == ("gguf.q8_0" if family == "qwen3_next" else "strided")
-        assert two.model.weights["layers.3.qkv"].layout == "gguf.q8_0"
+        lay = {name: row_layout(w.layout) for name, w in two.model.weights.items()}  # (x16: layouts.row_layout)
+        assert lay["layers.0.lin_out"] == ("gguf.q8_0" if family == "qwen3_next" else "strided")
+        assert lay["layers.3.qkv"] == "gguf.q8_0"
     finally:
         one.close()
         two.close()

@@ -11,6 +11,7 @@ import torch
 import dtorch
 from dtorch import Shard
 from dtorch.engine.llm import LLM
+from dtorch.kernels.layouts import row_layout
 from dtorch.models.tiny import write_gguf
 from tests.tiny_models import families, save_random
 
@@ -56,9 +57,11 @@ def test_every_projection_stays_in_its_format(mixed_file):
         assert llm.model.parts["layers.0.qkv"] == ("layers.0.qkv[0]", "layers.0.qkv[1]")
         assert "layers.0.qkv" not in w
         assert (w["layers.0.qkv[0]"].layout, w["layers.0.qkv[0]"].shape) == ("gguf.q4_0", (qk, c.hidden_size))
-        assert (w["layers.0.qkv[1]"].layout, w["layers.0.qkv[1]"].shape) == ("gguf.q8_0", (kv, c.hidden_size))
-        assert [w[p].layout for p in llm.model.parts["layers.1.gate_up"]] == ["gguf.q8_0", "gguf.q4_1"]
-        assert [w[p].layout for p in llm.model.parts["layers.0.gate_up"]] == ["gguf.q8_0", "strided"]  # F32 up
+        # (a Q8_0 projection may be kept with 16 rows interleaved on AVX-512 VNNI: layouts.row_layout)
+        v = w["layers.0.qkv[1]"]
+        assert (row_layout(v.layout), v.shape) == ("gguf.q8_0", (kv, c.hidden_size))
+        assert [row_layout(w[p].layout) for p in llm.model.parts["layers.1.gate_up"]] == ["gguf.q8_0", "gguf.q4_1"]
+        assert [row_layout(w[p].layout) for p in llm.model.parts["layers.0.gate_up"]] == ["gguf.q8_0", "strided"]
         assert w["layers.0.o"].layout == "gguf.q4_1" and w["layers.0.down"].layout == "gguf.q4_0"
         floats = {name for name, t in w.items() if t.layout == "strided" and len(t.shape) == 2}
         assert floats == {"layers.0.gate_up[1]"}, "a weight stored quantized was dequantized"
@@ -81,7 +84,7 @@ def test_parts_under_tensor_parallelism(mixed_file):
         assert w["layers.0.qkv[0]"].placement == Shard(0, (c.q_size, c.kv_size), (g * d, d))  # [q_r | k_r] each
         assert w["layers.0.qkv[1]"].placement == Shard(0, None, d)
         assert w["layers.1.gate_up[1]"].placement == Shard(0)
-        assert {w[p].layout for p in llm.model.parts["layers.1.gate_up"]} == {"gguf.q8_0", "gguf.q4_1"}
+        assert {row_layout(w[p].layout) for p in llm.model.parts["layers.1.gate_up"]} == {"gguf.q8_0", "gguf.q4_1"}
         with dtorch.dispatcher.disabled("native"):
             torch.testing.assert_close(llm.logits(IDS), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     finally:

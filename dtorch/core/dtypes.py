@@ -14,7 +14,9 @@ ALL_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + INT_DTYPES
 # uint8 tensor [N, row bytes] (see dtorch/kernels/layouts.py); kernels for these layouts take it as is.
 GGUF_LAYOUTS = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q4_k", "gguf.q6_k", "gguf.q5_0", "gguf.q5_1",
                 "gguf.iq4_nl", "gguf.q2_k", "gguf.q3_k", "gguf.q5_k", "gguf.iq4_xs")
-LAYOUTS = ("strided",) + GGUF_LAYOUTS + ("f16", "bf16")
+# Q8_0 / Q5_0 with 16 rows interleaved (dtorch/kernels/layouts.py): the projections' layout where AVX-512 VNNI runs
+GGUF_X16_LAYOUTS = ("gguf.q8_0x16", "gguf.q5_0x16")
+LAYOUTS = ("strided",) + GGUF_LAYOUTS + GGUF_X16_LAYOUTS + ("f16", "bf16")
 
 # (rtol, atol) used by tests and by verify mode to compare two kernels' outputs.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {

@@ -8,12 +8,13 @@ One entry per (file, dtype, this process's devices of the mesh) in ``DTORCH_PACK
 
 and its header holds the identity it was made for: the file's path, size, mtime, inode and a hash of its first MiB
 (its header and metadata), the hash of the code that packs (``CODE``'s sources: a new layout is a new version),
-``FORMAT``, the dtype, the mesh, ``check_finite`` and the checksum's kind; then per weight its parts, each tensor's
-dtype, shape, offset and the checksum of each 16 MiB of it: XXH3-64 where the ``xxhash`` package is installed (25 GB/s
-on one core here: a cached load of a 0.5B model checks its 375 MiB in 0.02 s), else zlib's CRC-32 (4 GB/s: 0.09 s),
-an entry made with the other one being stale. Nothing is trusted: an entry whose identity differs (the file changed:
-stale) is rebuilt, and a weight with a checksum that differs (corrupt) is read again from the model file, after which
-the whole entry is written again.
+``FORMAT``, the dtype, the mesh, ``check_finite``, the checksum's kind and whether the projections are packed with 16
+rows interleaved (``repack.x16_wanted``: an entry made on the other choice is stale); then per weight its parts, each
+tensor's dtype, shape, offset and the checksum of each 16 MiB of it: XXH3-64 where the ``xxhash`` package is installed
+(25 GB/s on one core here: a cached load of a 0.5B model checks its 375 MiB in 0.02 s), else zlib's CRC-32 (4 GB/s:
+0.09 s), an entry made with the other one being stale. Nothing is trusted: an entry whose identity differs (the file
+changed: stale) is rebuilt, and a weight with a checksum that differs (corrupt) is read again from the model file, after
+which the whole entry is written again.
 
 Writers are safe beside each other and beside readers: an entry is written to a temporary file in the same folder and
 renamed over the old one (a reader sees the old entry or the new one, whole), under an exclusive ``flock`` of the
@@ -129,9 +130,11 @@ class PackCache:
         model = Path(model)
         if not env.pack_cache() or model.suffix != ".gguf" or not model.is_file():
             return None
+        from dtorch.kernels.native.repack import x16_wanted
+
         identity = {"format": FORMAT, "code": _code_hash(), "file": _file_identity(model),
                     "dtype": str(dtype).removeprefix("torch."), "mesh": mesh, "check_finite": check_finite,
-                    "checksum": checksum_kind()}
+                    "checksum": checksum_kind(), "x16": x16_wanted(dtype)}
         key = json.dumps([identity["file"]["path"], identity["dtype"], mesh, check_finite]).encode()
         folder = Path(env.pack_cache_dir()).expanduser()
         cache = cls(folder / f"{model.stem[:64]}-{hashlib.sha256(key).hexdigest()[:16]}.dtpk", identity)

@@ -182,10 +182,16 @@ def _make_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_i
     parts = []
     for (fmt, js), size in zip(runs, sizes, strict=True):
         tensors = {}
+
+        def k_of(i: int) -> int:
+            if not k_split:
+                return k
+            return sum(r for _, r in piece_ranges(Shard(1, None, sources[0].unit), k, mesh.rank(i), mesh.size))
+
+        fmt = _interleaved(fmt, kind, mesh, dtype, {i: (sum(got[i][j][1].shape[0] for j in js), k_of(i))
+                                                    for i in local_ids} if fmt is not None else {})
         for i in local_ids:
-            k_local = k
-            if k_split:
-                k_local = sum(r for _, r in piece_ranges(Shard(1, None, sources[0].unit), k, mesh.rank(i), mesh.size))
+            k_local = k_of(i)
             if hollow and fmt is not None:  # its packed shape, nothing read or packed
                 tensors[i] = _unpacked(fmt, sum(got[i][j][1].shape[0] for j in js), k_local)
                 continue
@@ -199,6 +205,24 @@ def _make_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_i
                 raw.contiguous() if hollow else _placed(raw)
         parts.append(Part(fmt, size, tensors))
     return parts
+
+
+def _interleaved(fmt: str | None, kind: str, mesh: DeviceMesh, dtype: torch.dtype,
+                 shapes: dict[int, tuple[int, int]]) -> str | None:
+    """The layout a run of packed sources in ``fmt`` is kept in: Q8_0 / Q5_0 projections (not the embedding, whose
+    rows are gathered, nor a head tied to it: that is the embedding) with 16 rows interleaved (``layouts.X16``)
+    where every device of the load is the cpu and its piece ``shapes[i]`` = (rows, K) interleaves whole
+    (``layouts.x16_fits``) and pays (``layouts.x16_pays``: Q8_0 from a long K), on AVX-512 VNNI
+    (``repack.x16_wanted``); else ``fmt``."""
+    from dtorch.kernels.layouts import x16_fits, x16_of, x16_pays
+    from dtorch.kernels.native.repack import x16_wanted
+
+    x16 = x16_of(fmt) if fmt is not None and kind != "embed" else None
+    if x16 is None or not shapes or any(mesh.device(i).type != "cpu" for i in shapes):
+        return fmt
+    if not all(x16_fits(rows, k) and x16_pays(fmt, k) for rows, k in shapes.values()) or not x16_wanted(dtype):
+        return fmt
+    return x16
 
 
 def _unpacked(layout: str, rows: int, k: int) -> torch.Tensor:
@@ -230,7 +254,7 @@ def pack_stored(raw: torch.Tensor, layout: str, k: int) -> torch.Tensor:
     if packed is not None:
         return packed
     n = raw.shape[0]
-    step = max(1, PACK_CHUNK_BYTES // max(1, raw[:1].numel()))
+    step = max(16, PACK_CHUNK_BYTES // max(1, raw[:1].numel()) // 16 * 16)  # whole groups of an interleaved layout
     out = empty_weight((n, row_bytes(layout, k)), torch.uint8)  # in the load's weight arena, where it has one
     for r in range(0, n, step):
         out[r:r + step] = pack(raw[r:r + step], layout, k)

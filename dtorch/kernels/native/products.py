@@ -10,7 +10,7 @@ import functools
 import torch
 
 from dtorch.core import env
-from dtorch.core.dtypes import GGUF_LAYOUTS
+from dtorch.core.dtypes import GGUF_LAYOUTS, GGUF_X16_LAYOUTS
 from dtorch.core.errors import DtorchError
 from dtorch.kernels import layouts
 from dtorch.kernels.half import HALF_LAYOUTS
@@ -69,6 +69,12 @@ for _layout in GGUF_LAYOUTS:
                        "split over torch's intra-op threads; 32 rows and more: float32 weight panels in oneDNN's GEMM "
                        "(torch's mm without oneDNN), but on avx512 the integer levels in all but q2_k and q3_k "
                        "under 128 rows per thread, and at every row count in q4_k, q5_k, iq4_xs and q8_0")
+# Q8_0 / Q5_0 with 16 rows interleaved (layouts.X16): 1-3 rows of x on AVX-512 VNNI read the layout itself, lane = row;
+# everything else turns each thread's groups back into rows for the row layout's kernels (the same bits)
+for _layout in GGUF_X16_LAYOUTS:
+    KERNELS.add("matmul.linear", _linear_kernel(_layout), ACTIVATIONS, layout=_layout, **NATIVE,
+                varies="as the row layout's kernel (its bits at every row count): 1-3 rows of x on avx512 read the "
+                       "16 interleaved rows a vector at a time, the rest through rows turned back per thread")
 
 
 # -- matmul.linear on float weights: the one-row product ----------------------------------------------------

@@ -12,7 +12,23 @@ from dtorch.kernels.native import loader
 
 # the formats csrc/repack.h packs (the others: layouts.pack)
 NATIVE_LAYOUTS = ("gguf.q8_0", "gguf.q4_0", "gguf.q4_1", "gguf.q5_0", "gguf.q5_1", "gguf.iq4_nl", "gguf.q4_k",
-                  "gguf.q6_k")
+                  "gguf.q6_k", "gguf.q8_0x16", "gguf.q5_0x16")
+
+
+def x16_wanted(dtype: torch.dtype) -> bool:
+    """Whether a model computing in ``dtype`` on the cpu keeps its Q8_0 / Q5_0 projections with 16 rows interleaved
+    (``layouts.X16``): where the native kernels in use are AVX-512 VNNI's (``DTORCH_CPU_FEATURES=-avx512`` or
+    ``-avx512_vnni`` turns it off) and serve matmul.linear on that layout. Elsewhere the layout would be read back as
+    rows at every product: the row layout serves better. The pack cache keeps the answer in its identity."""
+    from dtorch.dispatch import KernelKey, dispatcher
+
+    try:
+        lib = loader.load()
+    except loader.NativeUnavailable:
+        return False
+    if lib.isa() != "avx512":
+        return False
+    return dispatcher.explain(KernelKey("matmul.linear", "cpu", dtype, "gguf.q8_0x16")).winner.provider == "native"
 
 
 def repack(raw: torch.Tensor, layout: str, k: int, out: torch.Tensor | None = None) -> torch.Tensor | None:

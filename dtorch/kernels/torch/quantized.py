@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtorch.core.dtypes import GGUF_LAYOUTS
+from dtorch.core.dtypes import GGUF_LAYOUTS, GGUF_X16_LAYOUTS
 from dtorch.kernels import layouts
 from dtorch.kernels.torch.registry import KERNELS
 
@@ -55,3 +55,5 @@ def _embedding(layout: str):
 for _layout in GGUF_LAYOUTS:
     KERNELS.add("matmul.linear", _linear(_layout), ACTIVATIONS, layout=_layout, devices=("cpu", "cuda"))
     KERNELS.add("llm.embedding", _embedding(_layout), ACTIVATIONS, layout=_layout, devices=("cpu", "cuda"))
+for _layout in GGUF_X16_LAYOUTS:  # the interleaved projections: the whole weight dequantized (layouts.dequantize)
+    KERNELS.add("matmul.linear", _linear(_layout), ACTIVATIONS, layout=_layout, devices=("cpu", "cuda"))

@@ -371,6 +371,71 @@ void qlinear_float(const dtn::Table* tb, const dtn::QWeight& qw, const at::Tenso
   if (!direct) out.view({M, N}).copy_(y);
 }
 
+// qlinear on the 16-row interleaved layout (common.h's x16_base; base: its row format): 1-3 rows of x in both levels
+// through the ISA's own kernel (Table::x16_decode, AVX-512 VNNI), the groups split over the threads; otherwise each
+// thread turns its groups back into rows (Table::x16_rows) in a buffer of its own, a few at a time, for the row
+// layout's kernels; float panels (many rows): the whole weight turned back once. Every path gives the row layout's
+// bits.
+void qlinear_x16(const dtn::Table* tb, int base, const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
+                 const at::Tensor& out, int64_t M, int64_t N, int64_t K, int one_level, int xdt) {
+  need(N % 16 == 0 && (K / 32) % 2 == 0, g_shape_error,
+       "qlinear: an interleaved (x16) weight needs N a multiple of 16 and K / 32 even; got N = " + std::to_string(N) +
+       ", K = " + std::to_string(K) + " (pack it in the row layout instead: layouts.x16_wanted)");
+  const Sizes sz = sizes(base, K);
+  const int64_t rb = sz.qs + sz.d + sz.aux, G = N / 16;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto rows_weight = [&](const uint8_t* p) {
+    return dtn::QWeight{base, K, p, rb, reinterpret_cast<const uint16_t*>(p + sz.qs), rb / 2, p + sz.qs + sz.d, rb};
+  };
+  if (M >= float_rows(tb, base, one_level)) {
+    const at::Tensor rows = at::empty({N, rb}, at::kByte);
+    uint8_t* rp = rows.data_ptr<uint8_t>();
+    std::string err;  // an ATen error must not unwind past the GIL release
+    Py_BEGIN_ALLOW_THREADS
+    try {
+      parallel_rows(G, 16 * rb, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) tb->x16_rows(base, wp + g * 16 * rb, K, rp + g * 16 * rb, rb);
+      });
+      qlinear_float(tb, rows_weight(rp), x, bias, out, M, N, K, bf16_rows(one_level));
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    Py_END_ALLOW_THREADS
+    need(err.empty(), PyExc_RuntimeError, "qlinear: " + err);
+    return;
+  }
+  Workspace& ws = t_ws;
+  const int64_t nsg = (K / 32 + 15) / 16;
+  if (int64_t(ws.q.size()) < M * nsg * 1024) ws.q.resize(size_t(M * nsg * 1024));
+  if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
+  if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
+  if (int64_t(ws.halves.size()) < M * nsg * 32) ws.halves.resize(size_t(M * nsg * 32));
+  const int levels = one_level == 2 || (one_level && M >= kOneLevelRows) ? 1 : 2;
+  const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg, ws.halves.data(), levels};
+  const dtn::QWeight qw{int(base == dtn::Q5_0 ? dtn::Q5_0X16 : dtn::Q8_0X16), K, wp, rb, nullptr, 0, nullptr, 0};
+  const void* xp = x.data_ptr();
+  const char* bp = bias ? static_cast<const char*>(bias->data_ptr()) : nullptr;
+  char* yp = static_cast<char*>(out.data_ptr());
+  const int64_t es = xdt == dtn::F32 ? 4 : 2;                             // bytes of an element of y and bias
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 18) / (16 * rb));  // groups turned back at a time
+  Py_BEGIN_ALLOW_THREADS
+  parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {
+    tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data(), ws.halves.data(), levels);
+  });
+  parallel_rows(G, 16 * M * K, [&](int64_t g0, int64_t g1) {
+    if (tb->x16_decode(qw, a, M, g0, g1, bp, yp, xdt, N)) return;
+    thread_local LineVec<uint8_t> buf;
+    if (int64_t(buf.size()) < chunk * 16 * rb) buf.resize(size_t(chunk * 16 * rb));
+    for (int64_t g = g0; g < g1; g += chunk) {
+      const int64_t ge = std::min(g + chunk, g1);
+      for (int64_t i = g; i < ge; ++i) tb->x16_rows(base, wp + i * 16 * rb, K, buf.data() + (i - g) * 16 * rb, rb);
+      tb->qgemm_sg(rows_weight(buf.data()), a, M, 0, 16 * (ge - g), bp ? bp + 16 * g * es : nullptr,
+                   yp + 16 * g * es, xdt, N);
+    }
+  });
+  Py_END_ALLOW_THREADS
+}
+
 #define ENTRY(name) PyObject* name(PyObject*, PyObject* const* args, Py_ssize_t nargs) { try {
 #define EXIT } catch (const Fail&) { return nullptr; } catch (const std::exception& e) { \
     PyErr_SetString(PyExc_RuntimeError, e.what()); return nullptr; } }
@@ -397,7 +462,8 @@ ENTRY(py_qlinear)
   need(x.dim() >= 1 && w.dim() == 2, g_shape_error,
        "qlinear: x must be [..., K] and packed [N, row bytes]; got x " + dims(x) + ", packed " + dims(w));
   const int64_t K = x.size(-1), N = w.size(0), M = K ? x.numel() / K : 0;
-  const Sizes sz = sizes(int(fmt), K);
+  const int x16 = dtn::x16_base(int(fmt));  // the row format of an interleaved layout, else -1
+  const Sizes sz = sizes(x16 >= 0 ? x16 : int(fmt), K);
   need(K % sz.block == 0 && K > 0, g_shape_error, "qlinear: K = x.size(-1) = " + std::to_string(K) +
        " must be a positive multiple of the format's block of " + std::to_string(sz.block));
   const int64_t rb = sz.qs + sz.d + sz.aux;
@@ -413,6 +479,10 @@ ENTRY(py_qlinear)
        "qlinear: out must be [..., N] with N = " + std::to_string(N) + " and M = " + std::to_string(M) +
        " rows, got " + dims(out));
   const dtn::Table* tb = g_table;
+  if (x16 >= 0) {
+    qlinear_x16(tb, x16, x, w, bias, out, M, N, K, int(one_level), xdt);
+    Py_RETURN_NONE;
+  }
   const uint8_t* base = w.data_ptr<uint8_t>();
   const dtn::QWeight qw{int(fmt), K, base, rb, reinterpret_cast<const uint16_t*>(base + sz.qs), rb / 2,
                         base + sz.qs + sz.d, rb};
@@ -1395,7 +1465,11 @@ ENTRY(py_repack)
   need_dtype(src, at::kByte, op, "src");
   need_dtype(dst, at::kByte, op, "dst");
   int64_t block = 0, in_bytes = 0, out_bytes = 0;
-  if (!dtn::repack::block_bytes(int(fmt), &block, &in_bytes, &out_bytes)) Py_RETURN_FALSE;
+  const int x16 = dtn::x16_base(int(fmt));  // the interleaved layout of 16 rows a group: x16_group per group
+  if (!dtn::repack::block_bytes(x16 >= 0 ? x16 : int(fmt), &block, &in_bytes, &out_bytes)) Py_RETURN_FALSE;
+  NEED(x16 < 0 || (src.dim() == 2 && src.size(0) % 16 == 0 && K % 64 == 0), g_shape_error,
+       std::string(op) + ": the interleaved format " + std::to_string(fmt) + " needs N a multiple of 16 and K of "
+       "64; got src " + dims(src) + ", K = " + std::to_string(K));
   NEED(src.dim() == 2 && dst.dim() == 2 && src.size(0) == dst.size(0) && K > 0 && K % block == 0 &&
        src.size(1) == K / block * in_bytes && dst.size(1) == K / block * out_bytes, g_shape_error,
        std::string(op) + ": format " + std::to_string(fmt) + " of K = " + std::to_string(K) + " needs src [N, " +
@@ -1405,9 +1479,14 @@ ENTRY(py_repack)
   const uint8_t* sp = src.data_ptr<uint8_t>();
   uint8_t* dp = dst.data_ptr<uint8_t>();
   Py_BEGIN_ALLOW_THREADS
-  parallel_rows(N, in_row * 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) dtn::repack::row(int(fmt), sp + r * ls, dp + r * out_row, K);
-  });
+  if (x16 >= 0)
+    parallel_rows(N / 16, 16 * in_row * 4, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) dtn::repack::x16_group(x16, sp + 16 * g * ls, ls, dp + 16 * g * out_row, K / 32);
+    });
+  else
+    parallel_rows(N, in_row * 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) dtn::repack::row(int(fmt), sp + r * ls, dp + r * out_row, K);
+    });
   Py_END_ALLOW_THREADS
   Py_RETURN_TRUE;
 EXIT

@@ -11,7 +11,14 @@ namespace dtn {
 // formats are laid out in super-groups of 16 blocks and Q4_K, Q5_K, Q6_K and IQ4_XS in super-blocks of 8 (SGAct);
 // Q2_K and Q3_K in groups of 128 weights (QAct).
 enum Fmt : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, Q5_0 = 5, Q5_1 = 6, IQ4_NL = 7, Q2_K = 8, Q3_K = 9,
-                 Q5_K = 10, IQ4_XS = 11 };
+                 Q5_K = 10, IQ4_XS = 11, Q8_0X16 = 12, Q5_0X16 = 13 };
+// Q8_0 / Q5_0 with 16 rows interleaved (layouts "gguf.q8_0x16" / "gguf.q5_0x16", AVX-512 VNNI's projections): a
+// group of 16 rows is 16 rows' bytes (K / 32 even), per pair of blocks [the 16 rows' fp16 scales of block 2p, then
+// of 2p + 1 (64 bytes)], then per block Q5_0's fifth bits as 8 masks of 64 bits ([step u][half h], bit 4 r + t:
+// weight 16 h + 4 u + t of row r) and its GGUF quant bytes [step u][row r][4], or Q8_0's [step u 0..7][row r][4] ^
+// 0x80: one 64-byte load holds a step of 16 rows (lane = row). x16_base: the row format it interleaves, else -1.
+constexpr int x16_base(int fmt) { return fmt == Q8_0X16 ? Q8_0 : fmt == Q5_0X16 ? Q5_0 : -1; }
+constexpr int64_t x16_block_bytes(int base) { return base == Q5_0 ? 64 + 256 : 512; }  // a block's after the scales
 constexpr bool super_grouped(int fmt) {
   return fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == IQ4_NL || fmt == Q4_K ||
          fmt == Q5_K || fmt == Q6_K || fmt == IQ4_XS;

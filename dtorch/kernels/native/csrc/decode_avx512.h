@@ -652,3 +652,268 @@ static void quantize_sg512(const void* x, int dt, int64_t ldx, int64_t r0, int64
     }
   }
 }
+
+// -- the 16-row interleaved layout (common.h's x16_base): lane = row -----------------------------------------------
+// Per block of a group of 16 rows, each 64-byte load holds one step of the 16 rows and meets one broadcast dword of x
+// in one vpdpbusd (no horizontal sums, no activation vector loads), Q5_0's fifth bits one kmovq and one masked add a
+// half-step; one float step per block for 16 rows. Each row's sum takes sg_decode32_512's float operations in its
+// order, so y is bit for bit the row layout's: the whole super-groups' 16 block positions in 16 accumulators, added
+// in _mm512_reduce_add_ps's tree (j + 8, + 4, + 2, + 1), the last super-group of S < 16 blocks as tail_chain512's
+// per-block chain, then (sums + tails) + bias. One forward stream: the hardware prefetcher alone keeps it fed.
+static inline __m512i x16_bc(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+
+// a block of 16 rows expanded to 8 steps of unsigned bytes (Q5_0: the fifth bit added, Q8_0: as stored, q + 128)
+template <int F>
+static inline __attribute__((always_inline)) void x16_expand(const uint8_t* q, __m512i* W) {
+  if constexpr (F == dtn::Q5_0) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
+    for (int u = 0; u < 4; ++u) {
+      uint64_t k0, k1;
+      std::memcpy(&k0, q + 16 * u, 8), std::memcpy(&k1, q + 16 * u + 8, 8);
+      const __m512i v = _mm512_loadu_si512(q + 64 + 64 * u);
+      const __m512i wl = _mm512_and_si512(v, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      W[u] = _mm512_mask_add_epi8(wl, _cvtu64_mask64(k0), wl, b4);
+      W[u + 4] = _mm512_mask_add_epi8(wh, _cvtu64_mask64(k1), wh, b4);
+    }
+  } else {
+    for (int u = 0; u < 8; ++u) W[u] = _mm512_loadu_si512(q + 64 * u);
+  }
+}
+
+// sum over the block's steps of W against x's levels of block position j (period P: sg_period of the super-group),
+// both levels as levels512 combines them
+template <bool LO>
+static inline __attribute__((always_inline)) __m512 x16_dot(const __m512i* W, const int8_t* ag, int P, int j) {
+  __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+  for (int u = 0; u < 8; u += 2) {
+    h0 = _mm512_dpbusd_epi32(h0, W[u], x16_bc(ag + 4 * (u * P + j)));
+    h1 = _mm512_dpbusd_epi32(h1, W[u + 1], x16_bc(ag + 4 * ((u + 1) * P + j)));
+    if constexpr (LO) {
+      l0 = _mm512_dpbusd_epi32(l0, W[u], x16_bc(ag + 512 + 4 * (u * P + j)));
+      l1 = _mm512_dpbusd_epi32(l1, W[u + 1], x16_bc(ag + 512 + 4 * ((u + 1) * P + j)));
+    }
+  }
+  const __m512i hi = _mm512_add_epi32(h0, h1);
+  return LO ? levels512(hi, _mm512_add_epi32(l0, l1)) : _mm512_cvtepi32_ps(hi);
+}
+
+// groups [g0, g1) against the M (1..3) rows of x, both levels: each block's weights expanded once for the M rows
+template <int F, int M, bool LO>
+static void x16_decode_m(const QWeight& w, const SGAct& a, int64_t g0, int64_t g1, const void* bias, void* y, int ydt,
+                         int64_t ldy) {
+  constexpr float off = SG<F>::offset;
+  constexpr int64_t qb = dtn::x16_block_bytes(F), pair = 64 + 2 * qb;
+  const int64_t nb = w.K / 32, nsg = a.nsg, gb = 16 * w.qs_row;
+  const int S = int(nb % 16), P = sg_period(S);
+  const __m512 voff = _mm512_set1_ps(off);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = w.qs + g * gb;
+    __m512 acc[M][16];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < 16; ++j) acc[m][j] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (int64_t s = 0; s < nb / 16; ++s)
+      for (int j = 0; j < 16; ++j, ++b) {
+        __m512i W[8];
+        x16_expand<F>(gp + b / 2 * pair + 64 + (b & 1) * qb, W);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + b / 2 * pair + 32 * (b & 1))));
+        for (int m = 0; m < M; ++m) {
+          const int64_t o = m * nsg + s;
+          const __m512 t = _mm512_mul_ps(x16_dot<LO>(W, a.q + o * 1024, 16, j), _mm512_set1_ps(a.d[o * 16 + j]));
+          acc[m][j] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_set1_ps(a.s[o * 16 + j]), voff, t), acc[m][j]);
+        }
+      }
+    for (int m = 0; m < M; ++m) {
+      for (int w8 = 8; w8 >= 1; w8 /= 2)
+        for (int j = 0; j < w8; ++j) acc[m][j] = _mm512_add_ps(acc[m][j], acc[m][j + w8]);
+      acc[m][1] = _mm512_setzero_ps();  // the tail's chain
+    }
+    const int64_t s = nb / 16;
+    for (int j = 0; j < S; ++j, ++b) {
+      __m512i W[8];
+      x16_expand<F>(gp + b / 2 * pair + 64 + (b & 1) * qb, W);
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + b / 2 * pair + 32 * (b & 1))));
+      const __m512 mw = _mm512_mul_ps(dw, voff);
+      for (int m = 0; m < M; ++m) {
+        const int64_t o = m * nsg + s;
+        const __m512 t = x16_dot<LO>(W, a.q + o * 1024, P, j);
+        acc[m][1] = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(a.d[o * 16 + j])), dw, acc[m][1]);
+        acc[m][1] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[o * 16 + j]), acc[m][1]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      alignas(64) float out[16];
+      _mm512_store_ps(out, S ? _mm512_add_ps(acc[m][0], acc[m][1]) : acc[m][0]);
+      for (int r = 0; r < 16; ++r)
+        store_f(y, ydt, m * ldy + 16 * g + r, out[r] + (bias ? load_f(bias, ydt, 16 * g + r) : 0.f));
+    }
+  }
+}
+
+// one row of x: the block's steps loaded and summed as they come (x16_expand's and x16_dot's work, interleaved)
+template <int F, bool LO>
+static void x16_decode1(const QWeight& w, const SGAct& a, int64_t g0, int64_t g1, const void* bias, void* y,
+                        int ydt) {
+  constexpr float off = SG<F>::offset;
+  constexpr int64_t qb = dtn::x16_block_bytes(F);
+  const int64_t nb = w.K / 32, gb = 16 * w.qs_row;
+  const int S = int(nb % 16), P = sg_period(S);
+  const __m512 voff = _mm512_set1_ps(off);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* p = w.qs + g * gb;
+    const uint8_t* sc = p;  // the scales of the pair of blocks b is in
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (int64_t s = 0; s < nb / 16; ++s) {
+      const int8_t* ag = a.q + s * 1024;
+      const float *da = a.d + s * 16, *sa = a.s + s * 16;
+      for (int j = 0; j < 16; ++j, ++b) {
+        if (!(b & 1)) sc = p, p += 64;
+        __m512i W[8];
+        x16_expand<F>(p, W);
+        p += qb;
+        const __m512 t = _mm512_mul_ps(x16_dot<LO>(W, ag, 16, j), _mm512_set1_ps(da[j]));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32 * (b & 1))));
+        acc[j] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_set1_ps(sa[j]), voff, t), acc[j]);
+      }
+    }
+    for (int w8 = 8; w8 >= 1; w8 /= 2)
+      for (int j = 0; j < w8; ++j) acc[j] = _mm512_add_ps(acc[j], acc[j + w8]);
+    __m512 out = acc[0];
+    if (S) {
+      const int64_t s = nb / 16;
+      const int8_t* ag = a.q + s * 1024;
+      const float *da = a.d + s * 16, *sa = a.s + s * 16;
+      __m512 v = _mm512_setzero_ps();
+      for (int j = 0; j < S; ++j, ++b) {
+        if (!(b & 1)) sc = p, p += 64;
+        __m512i W[8];
+        x16_expand<F>(p, W);
+        p += qb;
+        const __m512 t = x16_dot<LO>(W, ag, P, j);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32 * (b & 1))));
+        v = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(da[j])), dw, v);
+        v = _mm512_fmadd_ps(_mm512_mul_ps(dw, voff), _mm512_set1_ps(sa[j]), v);
+      }
+      out = _mm512_add_ps(out, v);
+    }
+    alignas(64) float o[16];
+    _mm512_store_ps(o, out);
+    for (int r = 0; r < 16; ++r) store_f(y, ydt, 16 * g + r, o[r] + (bias ? load_f(bias, ydt, 16 * g + r) : 0.f));
+  }
+}
+
+// rows m0 .. m0 + mm of x (mm <= 3) against groups [g0, g1)
+template <int F, bool LO>
+static void x16_rows_of_x(const QWeight& w, const SGAct& a, int64_t m0, int mm, int64_t g0, int64_t g1,
+                          const void* bias, void* y, int ydt, int64_t ldy) {
+  const int64_t es = ydt == dtn::F32 ? 4 : 2, nsg = a.nsg;
+  const SGAct am{a.q + m0 * nsg * 1024, a.d + m0 * nsg * 16, a.s + m0 * nsg * 16, nsg, a.sh, a.levels};
+  void* ym = static_cast<char*>(y) + m0 * ldy * es;
+  if (mm == 1) x16_decode1<F, LO>(w, am, g0, g1, bias, ym, ydt);
+  else if (mm == 2) x16_decode_m<F, 2, LO>(w, am, g0, g1, bias, ym, ydt, ldy);
+  else x16_decode_m<F, 3, LO>(w, am, g0, g1, bias, ym, ydt, ldy);
+}
+
+// 1-3 rows of x: each group once against them; more (up to kX16Rows): each group against 3 rows at a time while it
+// is in L1 (16 rows of K = 896: 10-15 KB)
+constexpr int64_t kX16Rows = 32;
+template <int F, bool LO>
+static void x16_decode512_fmt(const QWeight& w, const SGAct& a, int64_t M, int64_t g0, int64_t g1, const void* bias,
+                              void* y, int ydt, int64_t ldy) {
+  if (M <= 3) return x16_rows_of_x<F, LO>(w, a, 0, int(M), g0, g1, bias, y, ydt, ldy);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m0 = 0; m0 < M; m0 += 3)
+      x16_rows_of_x<F, LO>(w, a, m0, int(M - m0 < 3 ? M - m0 : 3), g, g + 1, bias, y, ydt, ldy);
+}
+
+// generic.h's x16_decode on AVX-512 VNNI: under kX16Rows rows of x, either level count
+static bool x16_decode512(const QWeight& w, const SGAct& a, int64_t M, int64_t g0, int64_t g1, const void* bias,
+                          void* y, int ydt, int64_t ldy) {
+  if (M >= kX16Rows || (w.K / 32) % 2) return false;
+  const bool lo = a.levels == 2;
+  if (w.fmt == dtn::Q5_0X16)
+    lo ? x16_decode512_fmt<dtn::Q5_0, true>(w, a, M, g0, g1, bias, y, ydt, ldy)
+       : x16_decode512_fmt<dtn::Q5_0, false>(w, a, M, g0, g1, bias, y, ydt, ldy);
+  else if (w.fmt == dtn::Q8_0X16)
+    lo ? x16_decode512_fmt<dtn::Q8_0, true>(w, a, M, g0, g1, bias, y, ydt, ldy)
+       : x16_decode512_fmt<dtn::Q8_0, false>(w, a, M, g0, g1, bias, y, ydt, ldy);
+  else
+    return false;
+  return true;
+}
+
+// 16 vectors v[j] (dword r: row r's dword of block j) -> t[r] (dword j: block j's): a 16 x 16 dword transpose
+static inline void x16_transpose(const __m512i* v, __m512i* t) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4 i + c], 128-bit lane L: dword 4 L + c of v[4 i .. 4 i + 3]
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // the 4 x 4 transpose of 128-bit lanes
+    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xee);
+    const __m512i x2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xee);
+    t[c] = _mm512_shuffle_i32x4(x0, x2, 0x88), t[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xdd);
+    t[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88), t[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xdd);
+  }
+}
+
+// generic.h's x16_rows as 16 x 16 dword transposes (scales, fifth bits, each step) per super-group, the last one of
+// S < 16 blocks with its missing blocks zero and masked stores (its row form has a stride of S blocks, not 16): bit
+// for bit the same rows
+static void x16_rows512(int base, const uint8_t* gp, int64_t K, uint8_t* rows, int64_t rb) {
+  const bool q5 = base == dtn::Q5_0;
+  const int qd = q5 ? 4 : 8, hb = q5 ? 4 : 0;
+  const int64_t nb = K / 32, qb = dtn::x16_block_bytes(base), pair = 64 + 2 * qb, ts = 2 + hb + 4 * qd;
+  auto qp = [&](int64_t b) { return gp + b / 2 * pair + 64 + (b & 1) * qb; };
+  __m512i v[16], t[16];
+  for (int64_t s = 0; s * 16 < nb; ++s) {
+    const int S = int(nb - 16 * s < 16 ? nb - 16 * s : 16);  // even: nb is
+    const __mmask16 keep = __mmask16((1u << S) - 1);
+    const int64_t sg = s * 16 * ts;
+    for (int p = 0; p < 8; ++p) {  // dword r of v[p]: (block 2p row r) | (block 2p + 1 row r) << 16
+      if (2 * p >= S) {
+        v[p] = _mm512_setzero_si512();
+        continue;
+      }
+      const __m512i x = _mm512_loadu_si512(gp + (8 * s + p) * pair);
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(x));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1));
+      v[p] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    }
+    for (int p = 8; p < 16; ++p) v[p] = _mm512_setzero_si512();
+    x16_transpose(v, t);
+    for (int r = 0; r < 16; ++r)
+      _mm256_mask_storeu_epi16(rows + r * rb + sg, keep, _mm512_castsi512_si256(t[r]));
+    if (q5) {
+      for (int j = 0; j < 16; ++j) {  // byte 4 r + t of v[j]: row r's fifth-bit byte t of block j (step form)
+        __m512i h = _mm512_setzero_si512();
+        if (j < S) {
+          const uint8_t* km = qp(16 * s + j);
+          for (int k = 0; k < 8; ++k) {
+            uint64_t m;
+            std::memcpy(&m, km + 8 * k, 8);
+            h = _mm512_or_si512(h, _mm512_maskz_mov_epi8(_cvtu64_mask64(m), _mm512_set1_epi8(char(1 << (k / 2 + 4 * (k % 2))))));
+          }
+        }
+        v[j] = h;
+      }
+      x16_transpose(v, t);
+      for (int r = 0; r < 16; ++r) _mm512_mask_storeu_epi32(rows + r * rb + sg + 2 * S, keep, t[r]);
+    }
+    for (int u = 0; u < qd; ++u) {
+      for (int j = 0; j < 16; ++j)
+        v[j] = j < S ? _mm512_loadu_si512(qp(16 * s + j) + (q5 ? 64 : 0) + 64 * u) : _mm512_setzero_si512();
+      x16_transpose(v, t);
+      for (int r = 0; r < 16; ++r) _mm512_mask_storeu_epi32(rows + r * rb + sg + (2 + hb) * S + 4 * u * S, keep, t[r]);
+    }
+  }
+}

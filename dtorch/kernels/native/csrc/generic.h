@@ -627,6 +627,43 @@ static void dequant(const QWeight& w, int64_t n0, int64_t n1, float* out) {
     }
 }
 
+// -- the 16-row interleaved layout (common.h's x16_base) -----------------------------------------------------------
+// One group (16 rows of K = 32 nb weights, nb even) of Q8_0 / Q5_0 (base) -> its 16 rows in the row layout
+// (repack.h's super_groups, what every other kernel reads), row r at rows + r * rb: bit for bit repack::row's.
+static void x16_rows_scalar(int base, const uint8_t* gp, int64_t b0, int64_t b1, int64_t nb, uint8_t* rows, int64_t rb) {
+  const int qd = base == dtn::Q5_0 ? 4 : 8, hb = base == dtn::Q5_0 ? 4 : 0;  // quant dwords, fifth-bit bytes
+  const int64_t qb = dtn::x16_block_bytes(base), pair = 64 + 2 * qb, ts = 2 + hb + 4 * qd;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t s = b / 16, j = b % 16, S = nb - 16 * s < 16 ? nb - 16 * s : 16;
+    const uint8_t* sc = gp + b / 2 * pair + 32 * (b & 1);
+    const uint8_t* q = gp + b / 2 * pair + 64 + (b & 1) * qb;
+    for (int r = 0; r < 16; ++r) {
+      uint8_t* o = rows + r * rb + s * 16 * ts;
+      std::memcpy(o + 2 * j, sc + 2 * r, 2);
+      if (hb) {
+        uint8_t h[4] = {};
+        for (int k = 0; k < 8; ++k) {  // mask k = (u, half): bit 4 r + t -> byte t, bit u + 4 half
+          uint64_t m;
+          std::memcpy(&m, q + 8 * k, 8);
+          for (int t = 0; t < 4; ++t) h[t] |= uint8_t(((m >> (4 * r + t)) & 1) << (k / 2 + 4 * (k % 2)));
+        }
+        std::memcpy(o + 2 * S + 4 * j, h, 4);
+      }
+      for (int u = 0; u < qd; ++u) std::memcpy(o + (2 + hb) * S + 4 * (u * S + j), q + 64 * (hb ? 1 : 0) + 64 * u + 4 * r, 4);
+    }
+  }
+}
+
+static void x16_rows(int base, const uint8_t* gp, int64_t K, uint8_t* rows, int64_t rb) {
+  x16_rows_scalar(base, gp, 0, K / 32, K / 32, rows, rb);
+}
+
+// The interleaved layout's own products (M < 4 rows of x): false where this ISA has none (the caller converts the
+// groups to rows: x16_rows). Groups [g0, g1) of w (qs: the first group's bytes, qs_row: a row's), y as qgemm_sg's.
+static bool x16_decode(const QWeight&, const SGAct&, int64_t, int64_t, int64_t, const void*, void*, int, int64_t) {
+  return false;
+}
+
 // -- portable float product -------------------------------------------------------------------------------
 
 static void gemv_portable(const void* x, int xdt, int64_t M, const void* w, int wdt, int64_t K, int64_t n0,

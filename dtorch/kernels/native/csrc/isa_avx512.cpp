@@ -37,6 +37,8 @@ constexpr auto qgemm = qgemm512;
 constexpr auto qgemm_sg = qgemm_sg512;
 constexpr auto gemv = gemv512;
 constexpr auto dequant = dequant512;
+constexpr auto x16_rows = x16_rows512;
+constexpr auto x16_decode = x16_decode512;
 constexpr bool int_prefill = true;
 #endif
 }  // namespace DTN_ISA::kernels

@@ -112,6 +112,39 @@ inline void q6_k(const uint8_t* in, uint8_t* out, int64_t ns) {
   }
 }
 
+// 16 GGUF rows of Q8_0 (code 0) or Q5_0 (5), K = 32 nb weights each (nb even), row r at in + r * in_row -> one group
+// of the 16-row interleaved layout (common.h's x16_base; layouts.py's _x16 the reference): per pair of blocks the
+// 16 rows' fp16 scales of both blocks, then per block the fifth bits as masks [step u][half h] (bit 4 r + t: weight
+// 16 h + 4 u + t of row r) and the quants [step u][row r][4 bytes] (Q8_0's ^ 0x80).
+inline void x16_group(int code, const uint8_t* in, int64_t in_row, uint8_t* o, int64_t nb) {
+  const int ts = code == 5 ? 22 : 34;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % 2 == 0)
+      for (int bb = 0; bb < 2; ++bb)
+        for (int r = 0; r < 16; ++r, o += 2) std::memcpy(o, in + r * in_row + (b + bb) * ts, 2);
+    if (code == 5) {
+      uint64_t m[8] = {};
+      for (int r = 0; r < 16; ++r) {  // bits 16 h + 4 u .. + 3 of row r -> mask (u, h) bits 4 r ..
+        uint32_t qh;
+        std::memcpy(&qh, in + r * in_row + b * ts + 2, 4);
+        for (int k = 0; k < 8; ++k) m[2 * (k % 4) + k / 4] |= uint64_t((qh >> (4 * k)) & 15u) << (4 * r);
+      }
+      for (int k = 0; k < 8; ++k, o += 8)
+        for (int i = 0; i < 8; ++i) o[i] = uint8_t(m[k] >> (8 * i));
+      for (int u = 0; u < 4; ++u)
+        for (int r = 0; r < 16; ++r, o += 4) std::memcpy(o, in + r * in_row + b * ts + 6 + 4 * u, 4);
+    } else {
+      for (int u = 0; u < 8; ++u)
+        for (int r = 0; r < 16; ++r, o += 4) {
+          uint32_t v;
+          std::memcpy(&v, in + r * in_row + b * ts + 2 + 4 * u, 4);
+          v ^= 0x80808080u;
+          std::memcpy(o, &v, 4);
+        }
+    }
+  }
+}
+
 // (weights, GGUF bytes, packed bytes) of one block of format ``code``; false when it has no native repack
 inline bool block_bytes(int code, int64_t* block, int64_t* in, int64_t* out) {
   static const int64_t table[8][3] = {{32, 34, 34}, {32, 18, 18}, {32, 20, 20}, {256, 144, 148},
