@@ -110,6 +110,31 @@ def test_cache_miss_then_hit_give_the_uncached_logits(quantized, uncached, cache
     assert _entry(cache_dir) == entry and not list(cache_dir.glob("*.tmp"))
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_entry_is_written_at_idle_priority_and_the_writer_ends(quantized, uncached, cache_dir, monkeypatch):
+    """A miss writes its entry on a thread the kernel runs at SCHED_IDLE (asked of the kernel from inside the write,
+    so only that thread is lowered, not the caller's), which ends, leaves the caller's policy alone and a usable
+    entry; the next load hits it."""
+    import threading
+
+    from dtorch.models.pack_cache import PackCache
+
+    seen = []
+    write_locked = PackCache._write_locked
+
+    def spy(self, folder):
+        seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
+        write_locked(self, folder)
+
+    monkeypatch.setattr(PackCache, "_write_locked", spy)
+    logits, status = _load(quantized)
+    assert status == "miss" and seen == [("dtorch-pack-cache", os.SCHED_IDLE)]
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE
+    assert not [t for t in threading.enumerate() if t.name.startswith("dtorch-pack")]
+    logits, status = _load(quantized)
+    assert status == "hit" and torch.equal(logits, uncached)
+
+
 def _mapping(address: int) -> tuple[int, int, int]:
     """(start, end, AnonHugePages KiB) of this process's mapping that holds ``address`` (/proc/self/smaps)."""
     lo, hi, fields = mapping(address)

@@ -19,8 +19,10 @@ Writers are safe beside each other and beside readers: an entry is written to a 
 renamed over the old one (a reader sees the old entry or the new one, whole), under an exclusive ``flock`` of the
 entry's ``.lock`` file (a second writer of the same entry skips its write: the first one's will do). The write runs on
 a thread of its own after the load (the weights are never changed), so ``LLM(path)`` does not wait for it; the process
-waits for it before it exits. A write also deletes the entries of model files that no longer exist. The cache holds
-about one model's packed bytes per (file, dtype, mesh) loaded; delete the folder to reclaim it.
+waits for it before it exits. That thread runs at idle priority (``SCHED_IDLE``, Linux): it takes a CPU only when
+nothing else of the machine wants one, so the decode that starts as soon as ``LLM(path)`` returns keeps its CPUs.
+A write also deletes the entries of model files that no longer exist. The cache holds about one model's packed bytes
+per (file, dtype, mesh) loaded; delete the folder to reclaim it.
 """
 
 from __future__ import annotations
@@ -211,6 +213,7 @@ class PackCache:
             self.writer.join()
 
     def _write(self) -> None:
+        idle_priority()
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -260,6 +263,24 @@ class PackCache:
             os.unlink(tmp)
             raise
         _prune(folder, self.path)
+
+
+def idle_priority() -> bool:
+    """Run the calling thread (alone: Linux schedules threads) only on a CPU that has nothing else to run
+    (``SCHED_IDLE``); False where the system has no such policy or refuses it (the thread keeps its priority).
+
+    The entry's write (a 1.5B Q4_K_M model's: ~1 GB checksummed and copied into the page cache, ~1.5 s of a CPU)
+    would otherwise take a CPU from the decode that starts when the load returns: at 2 threads on 2 CPUs, a decode
+    thread parked for a slice holds its partner at every product's end. An idle thread still runs whenever a CPU
+    idles (between steps, at a barrier's sleep, when the process waits for it at exit), so it always ends."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return False
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        return False
+    return True
 
 
 def _header(path: Path) -> tuple[Any, int]:
