@@ -113,8 +113,8 @@ def test_cache_miss_then_hit_give_the_uncached_logits(quantized, uncached, cache
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 def test_the_entry_is_written_at_idle_priority_and_the_writer_ends(quantized, uncached, cache_dir, monkeypatch):
     """A miss writes its entry on a thread the kernel runs at SCHED_IDLE (asked of the kernel from inside the write,
-    so only that thread is lowered, not the caller's), which ends, leaves the caller's policy alone and a usable
-    entry; the next load hits it."""
+    so only that thread is lowered, not the caller's) until someone waits for it (``wait``: the normal policy back,
+    as root here), which ends, leaves the caller's policy alone and a usable entry; the next load hits it."""
     import threading
 
     from dtorch.models.pack_cache import PackCache
@@ -124,11 +124,27 @@ def test_the_entry_is_written_at_idle_priority_and_the_writer_ends(quantized, un
 
     def spy(self, folder):
         seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
+        deadline = time.monotonic() + 5  # until _load's wait() (a failure, not a hang, if it never comes)
+        while os.sched_getscheduler(0) == os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(os.sched_getscheduler(0))
         write_locked(self, folder)
 
+    from dtorch.engine.llm import LLM
+
     monkeypatch.setattr(PackCache, "_write_locked", spy)
-    logits, status = _load(quantized)
-    assert status == "miss" and seen == [("dtorch-pack-cache", os.SCHED_IDLE)]
+    llm = LLM(quantized, max_model_len=32, max_num_seqs=1)
+    try:
+        assert llm.pack_cache.status == "miss"
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:  # the write has begun (before it, wait() keeps it normal)
+            time.sleep(0.01)
+        assert seen[0] == ("dtorch-pack-cache", os.SCHED_IDLE)
+        llm.pack_cache.wait()
+    finally:
+        llm.close()
+    if os.geteuid() == 0:  # unprivileged, RLIMIT_NICE may keep it idle
+        assert seen[1] == os.SCHED_OTHER
     assert os.sched_getscheduler(0) != os.SCHED_IDLE
     assert not [t for t in threading.enumerate() if t.name.startswith("dtorch-pack")]
     logits, status = _load(quantized)

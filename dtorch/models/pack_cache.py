@@ -20,7 +20,8 @@ renamed over the old one (a reader sees the old entry or the new one, whole), un
 entry's ``.lock`` file (a second writer of the same entry skips its write: the first one's will do). The write runs on
 a thread of its own after the load (the weights are never changed), so ``LLM(path)`` does not wait for it; the process
 waits for it before it exits. That thread runs at idle priority (``SCHED_IDLE``, Linux): it takes a CPU only when
-nothing else of the machine wants one, so the decode that starts as soon as ``LLM(path)`` returns keeps its CPUs.
+nothing else of the machine wants one, so the decode that starts as soon as ``LLM(path)`` returns keeps its CPUs;
+``wait()``, and the process's exit, give it the normal priority back (where the system allows: root, RLIMIT_NICE).
 A write also deletes the entries of model files that no longer exist. The cache holds about one model's packed bytes
 per (file, dtype, mesh) loaded; delete the folder to reclaim it.
 """
@@ -122,6 +123,8 @@ class PackCache:
     _fd: int | None = None  # the entry, open while the load reads it
     _pool: ThreadPoolExecutor | None = None
     writer: threading.Thread | None = None
+    waited: bool = False  # someone waits for the write: it runs at the normal priority (under ``_priority``)
+    _priority: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, model: str | Path, dtype: torch.dtype, mesh: str, check_finite: bool) -> PackCache | None:
@@ -206,14 +209,27 @@ class PackCache:
             return
         self.writer = threading.Thread(target=self._write, name="dtorch-pack-cache", daemon=False)
         self.writer.start()
+        at_exit = getattr(threading, "_register_atexit", None)  # runs before the interpreter joins the thread
+        if at_exit is not None:
+            at_exit(self.wait)
 
     def wait(self) -> None:
-        """Until the entry's write (if any) is done."""
+        """Until the entry's write (if any) is done; the write is given the caller's priority back first (someone
+        waits for it now: at idle priority on a busy machine it could take minutes), where the system allows."""
         if self.writer is not None:
+            with self._priority:  # the writer lowers itself under it, or sees ``waited`` and does not
+                self.waited = True
+                if self.writer.is_alive() and hasattr(os, "SCHED_OTHER"):
+                    try:
+                        os.sched_setscheduler(self.writer.native_id, os.SCHED_OTHER, os.sched_param(0))
+                    except OSError:  # gone meanwhile, or not permitted (RLIMIT_NICE): it stays idle
+                        pass
             self.writer.join()
 
     def _write(self) -> None:
-        idle_priority()
+        with self._priority:
+            if not self.waited:
+                idle_priority()
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
