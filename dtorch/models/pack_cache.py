@@ -21,7 +21,8 @@ entry's ``.lock`` file (a second writer of the same entry skips its write: the f
 a thread of its own after the load (the weights are never changed), so ``LLM(path)`` does not wait for it; the process
 waits for it before it exits. That thread runs at idle priority (``SCHED_IDLE``, Linux): it takes a CPU only when
 nothing else of the machine wants one, so the decode that starts as soon as ``LLM(path)`` returns keeps its CPUs;
-``wait()``, and the process's exit, give it the normal priority back (where the system allows: root, RLIMIT_NICE).
+``wait()``, and the process's exit, give it the normal priority back. Where the system would not allow that back
+(no CAP_SYS_NICE, RLIMIT_NICE too low: ``priority_restorable``) the write keeps the normal priority throughout.
 A write also deletes the entries of model files that no longer exist. The cache holds about one model's packed bytes
 per (file, dtype, mesh) loaded; delete the folder to reclaim it.
 """
@@ -228,7 +229,7 @@ class PackCache:
 
     def _write(self) -> None:
         with self._priority:
-            if not self.waited:
+            if not self.waited and priority_restorable():
                 idle_priority()
         folder = self.path.parent
         try:
@@ -279,6 +280,24 @@ class PackCache:
             os.unlink(tmp)
             raise
         _prune(folder, self.path)
+
+
+def priority_restorable() -> bool:
+    """Whether a thread of this process lowered to ``SCHED_IDLE`` can be given the normal policy back: Linux allows
+    it with CAP_SYS_NICE, or where RLIMIT_NICE lets the thread's nice value stand (20 - nice <= the limit). Where it
+    cannot (an ordinary user's default limit is 0), the write keeps the normal priority: an idle write that nobody
+    can raise would make the process's exit wait for idle CPUs, minutes on a busy machine."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        if int(caps, 16) >> 23 & 1:  # CAP_SYS_NICE
+            return True
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+        return soft == resource.RLIM_INFINITY or 20 - os.getpriority(os.PRIO_PROCESS, 0) <= soft
+    except (OSError, ValueError, ImportError, AttributeError):
+        return False
 
 
 def idle_priority() -> bool:
