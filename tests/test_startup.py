@@ -110,6 +110,79 @@ def test_cache_miss_then_hit_give_the_uncached_logits(quantized, uncached, cache
     assert _entry(cache_dir) == entry and not list(cache_dir.glob("*.tmp"))
 
 
+def _restorable() -> bool:
+    from dtorch.models.pack_cache import priority_restorable
+
+    return hasattr(os, "SCHED_IDLE") and priority_restorable()
+
+
+@pytest.mark.skipif(not _restorable(), reason="SCHED_IDLE is Linux's, and leaving it needs CAP_SYS_NICE or RLIMIT_NICE")
+def test_the_entry_is_written_at_idle_priority_and_the_writer_ends(quantized, uncached, cache_dir, monkeypatch):
+    """A miss writes its entry on a thread the kernel runs at SCHED_IDLE (asked of the kernel from inside the write,
+    so only that thread is lowered, not the caller's) until someone waits for it (``wait``: the normal policy back,
+    as root here), which ends, leaves the caller's policy alone and a usable entry; the next load hits it."""
+    import threading
+
+    from dtorch.models.pack_cache import PackCache
+
+    seen = []
+    write_locked = PackCache._write_locked
+
+    def spy(self, folder):
+        seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
+        deadline = time.monotonic() + 5  # until _load's wait() (a failure, not a hang, if it never comes)
+        while os.sched_getscheduler(0) == os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(os.sched_getscheduler(0))
+        write_locked(self, folder)
+
+    from dtorch.engine.llm import LLM
+
+    monkeypatch.setattr(PackCache, "_write_locked", spy)
+    llm = LLM(quantized, max_model_len=32, max_num_seqs=1)
+    try:
+        assert llm.pack_cache.status == "miss"
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:  # the write has begun (before it, wait() keeps it normal)
+            time.sleep(0.01)
+        assert seen[0] == ("dtorch-pack-cache", os.SCHED_IDLE)
+        llm.pack_cache.wait()
+    finally:
+        llm.close()
+    assert seen[1] == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE
+    assert not [t for t in threading.enumerate() if t.name.startswith("dtorch-pack")]
+    logits, status = _load(quantized)
+    assert status == "hit" and torch.equal(logits, uncached)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_a_writer_nobody_could_raise_again_keeps_the_normal_policy(quantized, uncached, cache_dir, monkeypatch):
+    """Where the normal policy could not be given back (an ordinary user: no CAP_SYS_NICE, RLIMIT_NICE 0), the
+    write is never lowered, so the process's exit cannot wait on idle CPUs; its entry is still written and hit."""
+    import threading
+
+    from dtorch.models import pack_cache
+    from dtorch.models.pack_cache import PackCache
+
+    seen = []
+    write_locked = PackCache._write_locked
+
+    def spy(self, folder):
+        seen.append(os.sched_getscheduler(0))
+        write_locked(self, folder)
+
+    with monkeypatch.context() as m:
+        m.setattr(pack_cache, "priority_restorable", lambda: False)
+        m.setattr(PackCache, "_write_locked", spy)
+        logits, status = _load(quantized)
+    assert status == "miss" and torch.equal(logits, uncached)
+    assert seen == [os.SCHED_OTHER]
+    assert not [t for t in threading.enumerate() if t.name.startswith("dtorch-pack")]
+    logits, status = _load(quantized)
+    assert status == "hit" and torch.equal(logits, uncached)
+
+
 def _mapping(address: int) -> tuple[int, int, int]:
     """(start, end, AnonHugePages KiB) of this process's mapping that holds ``address`` (/proc/self/smaps)."""
     lo, hi, fields = mapping(address)

@@ -20,8 +20,12 @@ Writers are safe beside each other and beside readers: an entry is written to a 
 renamed over the old one (a reader sees the old entry or the new one, whole), under an exclusive ``flock`` of the
 entry's ``.lock`` file (a second writer of the same entry skips its write: the first one's will do). The write runs on
 a thread of its own after the load (the weights are never changed), so ``LLM(path)`` does not wait for it; the process
-waits for it before it exits. A write also deletes the entries of model files that no longer exist. The cache holds
-about one model's packed bytes per (file, dtype, mesh) loaded; delete the folder to reclaim it.
+waits for it before it exits. That thread runs at idle priority (``SCHED_IDLE``, Linux): it takes a CPU only when
+nothing else of the machine wants one, so the decode that starts as soon as ``LLM(path)`` returns keeps its CPUs;
+``wait()``, and the process's exit, give it the normal priority back. Where the system would not allow that back
+(no CAP_SYS_NICE, RLIMIT_NICE too low: ``priority_restorable``) the write keeps the normal priority throughout.
+A write also deletes the entries of model files that no longer exist. The cache holds about one model's packed bytes
+per (file, dtype, mesh) loaded; delete the folder to reclaim it.
 """
 
 from __future__ import annotations
@@ -121,6 +125,8 @@ class PackCache:
     _fd: int | None = None  # the entry, open while the load reads it
     _pool: ThreadPoolExecutor | None = None
     writer: threading.Thread | None = None
+    waited: bool = False  # someone waits for the write: it runs at the normal priority (under ``_priority``)
+    _priority: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, model: str | Path, dtype: torch.dtype, mesh: str, check_finite: bool) -> PackCache | None:
@@ -207,13 +213,27 @@ class PackCache:
             return
         self.writer = threading.Thread(target=self._write, name="dtorch-pack-cache", daemon=False)
         self.writer.start()
+        at_exit = getattr(threading, "_register_atexit", None)  # runs before the interpreter joins the thread
+        if at_exit is not None:
+            at_exit(self.wait)
 
     def wait(self) -> None:
-        """Until the entry's write (if any) is done."""
+        """Until the entry's write (if any) is done; the write is given the caller's priority back first (someone
+        waits for it now: at idle priority on a busy machine it could take minutes), where the system allows."""
         if self.writer is not None:
+            with self._priority:  # the writer lowers itself under it, or sees ``waited`` and does not
+                self.waited = True
+                if self.writer.is_alive() and hasattr(os, "SCHED_OTHER"):
+                    try:
+                        os.sched_setscheduler(self.writer.native_id, os.SCHED_OTHER, os.sched_param(0))
+                    except OSError:  # gone meanwhile, or not permitted (RLIMIT_NICE): it stays idle
+                        pass
             self.writer.join()
 
     def _write(self) -> None:
+        with self._priority:
+            if not self.waited and priority_restorable():
+                idle_priority()
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -263,6 +283,42 @@ class PackCache:
             os.unlink(tmp)
             raise
         _prune(folder, self.path)
+
+
+def priority_restorable() -> bool:
+    """Whether a thread of this process lowered to ``SCHED_IDLE`` can be given the normal policy back: Linux allows
+    it with CAP_SYS_NICE, or where RLIMIT_NICE lets the thread's nice value stand (20 - nice <= the limit). Where it
+    cannot (an ordinary user's default limit is 0), the write keeps the normal priority: an idle write that nobody
+    can raise would make the process's exit wait for idle CPUs, minutes on a busy machine."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        if int(caps, 16) >> 23 & 1:  # CAP_SYS_NICE
+            return True
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+        return soft == resource.RLIM_INFINITY or 20 - os.getpriority(os.PRIO_PROCESS, 0) <= soft
+    except (OSError, ValueError, ImportError, AttributeError):
+        return False
+
+
+def idle_priority() -> bool:
+    """Run the calling thread (alone: Linux schedules threads) only on a CPU that has nothing else to run
+    (``SCHED_IDLE``); False where the system has no such policy or refuses it (the thread keeps its priority).
+
+    The entry's write (a 1.5B Q4_K_M model's: ~1 GB checksummed and copied into the page cache, ~1.5 s of a CPU)
+    would otherwise take a CPU from the decode that starts when the load returns: at 2 threads on 2 CPUs, a decode
+    thread parked for a slice holds its partner at every product's end. An idle thread still runs whenever a CPU
+    idles (between steps, at a barrier's sleep, when the process waits for it at exit), so it always ends."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return False
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        return False
+    return True
 
 
 def _header(path: Path) -> tuple[Any, int]:
