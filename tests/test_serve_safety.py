@@ -316,3 +316,30 @@ def test_a_five_megabyte_prompt_does_not_stall_a_live_stream(real):
     t.join(60)
     during = [b - a for a, b in gaps if b > start and a < end]
     assert during and max(during) < 1.0, f"a gap of {max(during):.2f} s while the 5 MB prompts were refused"
+
+
+def test_a_lost_ranks_error_is_queued_before_the_deltas_the_engine_sends_after():
+    """``Server.lose`` on the engine's thread, then the engine's "abort" delta for the same request (as a failed step
+    does): the request's queue gets the error first, so its stream ends with the error, not as if finished. With
+    the error one loop iteration late (``call_later(0)``) the delta came first."""
+    import asyncio
+
+    from dtorch.serve.server import Server
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        server = SimpleNamespace(loop=loop, waiting={queue}, lost=None, lost_error=lambda: RuntimeError("lost rank 1"))
+        server._end_waiting = lambda *args: Server._end_waiting(server, *args)
+
+        # the order a failed step gives on the engine's thread: the server told, then the engine's deltas; both here
+        # before the loop runs again (the case a busy machine makes: the loop wakes to find both posted)
+        Server.lose(server, "lost rank 1")
+        loop.call_soon_threadsafe(queue.put_nowait, "abort delta")
+        first = await asyncio.wait_for(queue.get(), 5)
+        second = await asyncio.wait_for(queue.get(), 5)
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert isinstance(first, RuntimeError) and "lost rank 1" in str(first), (first, second)
+    assert second == "abort delta"

@@ -80,8 +80,13 @@ class Server:
                 elif not w.done():
                     w.set_exception(error)
 
-        try:
-            loop.call_soon_threadsafe(loop.call_later, after, fail_all)
+        try:  # at once: the same hop as the engine's deltas (``sink``), so the error is queued before any delta the
+            # engine sends after this call ("abort" for a lost rank's requests); ``call_later(0)`` would run it one
+            # loop iteration later, behind those deltas, and the stream would end as if finished
+            if after > 0:
+                loop.call_soon_threadsafe(loop.call_later, after, fail_all)
+            else:
+                loop.call_soon_threadsafe(fail_all)
         except RuntimeError:  # the event loop is closed: the server is gone
             pass
 
