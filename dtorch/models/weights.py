@@ -210,14 +210,15 @@ def _make_parts(get: Getter, get_packed: PackedGetter, mesh: DeviceMesh, local_i
 def _interleaved(fmt: str | None, kind: str, mesh: DeviceMesh, dtype: torch.dtype,
                  shapes: dict[int, tuple[int, int]]) -> str | None:
     """The layout a run of packed sources in ``fmt`` is kept in: Q8_0 / Q5_0 projections (not the embedding, whose
-    rows are gathered, nor a head tied to it: that is the embedding) with 16 rows interleaved (``layouts.X16``)
-    where every device of the load is the cpu and its piece ``shapes[i]`` = (rows, K) interleaves whole
-    (``layouts.x16_fits``) and pays (``layouts.x16_pays``: Q8_0 from a long K), on AVX-512 VNNI
+    rows are gathered, nor a head tied to it: that is the embedding; nor the experts of a mixture) with 16 rows
+    interleaved (``layouts.X16``) where every device of the load is the cpu and its piece ``shapes[i]`` = (rows, K)
+    interleaves whole (``layouts.x16_fits``) and pays (``layouts.x16_pays``: Q8_0 from a long K), on AVX-512 VNNI
     (``repack.x16_wanted``); else ``fmt``."""
     from dtorch.kernels.layouts import x16_fits, x16_of, x16_pays
     from dtorch.kernels.native.repack import x16_wanted
 
-    x16 = x16_of(fmt) if fmt is not None and kind != "embed" else None
+    # not the embedding, nor a mixture's experts (their rows are read per expert by the MoE kernels, in rows)
+    x16 = x16_of(fmt) if fmt is not None and kind != "embed" and not kind.startswith("experts") else None
     if x16 is None or not shapes or any(mesh.device(i).type != "cpu" for i in shapes):
         return fmt
     if not all(x16_fits(rows, k) and x16_pays(fmt, k) for rows, k in shapes.values()) or not x16_wanted(dtype):
