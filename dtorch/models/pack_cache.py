@@ -56,8 +56,9 @@ CHUNK = 16 << 20  # bytes per checksum: a large tensor is read and checked in ch
 READERS = 4  # threads reading an entry (each preadv, and a CRC-32, releases the GIL)
 HEAD_BYTES = 1 << 20  # the first MiB of the model file is hashed into the identity (GGUF header and metadata)
 # the modules whose code decides the packed bytes: any change to them makes every entry stale
-CODE = ("kernels/layouts.py", "kernels/group_formats.py", "kernels/half.py", "kernels/native/csrc/repack.h",
-        "models/weights.py", "models/loaders/gguf.py", "models/loaders/checkpoint.py", "models/families")
+CODE = ("kernels/layouts.py", "kernels/x16.py", "kernels/group_formats.py", "kernels/half.py",
+        "kernels/native/csrc/repack.h", "models/weights.py", "models/loaders/gguf.py", "models/loaders/checkpoint.py",
+        "models/families")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.float32, torch.float16, torch.bfloat16)}
 log = logging.getLogger("dtorch.models")
 
