@@ -138,11 +138,22 @@ AMX = ("amx_bf16", "amx_int8")
 def use_amx() -> bool:
     """Whether to take the AMX paths: no where ``amx_bf16`` or ``amx_int8`` is forced off
     (``DTORCH_CPU_FEATURES=-amx_int8`` and ``-amx_bf16`` each force the paths without AMX), yes where either is forced
-    on (their products run wherever oneDNN does: AMX tiles or not, only the speed differs), else ``amx_works()``."""
+    on and oneDNN has bfloat16 kernels here (their products run wherever it does: AMX tiles or not, only the speed
+    differs), else ``amx_works()``."""
     answers = {_forced(f) for f in AMX} - {None}
     if answers:
-        return all(answers)
+        return all(answers) and onednn_bf16()
     return amx_works()
+
+
+@cache
+def onednn_bf16() -> bool:
+    """Whether torch's oneDNN has bfloat16 kernels on this CPU (it needs AVX-512; without it a bf16 oneDNN product
+    fails to build): a forced AMX path runs only where this holds."""
+    import torch
+
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe is not None and probe())
 
 
 def add_listener(method: Callable[[], None]) -> None:
