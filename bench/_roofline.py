@@ -8,8 +8,10 @@ Both engines read at least these bytes; the file says how many (gguf-py's reader
 the model's shape from its metadata), so the count is the same for both whatever their layouts (dtorch's 16-row
 interleaved layouts hold a weight in exactly its rows' bytes).
 
-``roof tok/s`` = read GB/s / GB a step. An engine's share of the roof is its tok/s over that: a row where llama.cpp
-already sits at a share s cannot reach x times its rate where x * s > 1 ("1.3x lcpp" over the roof).
+``roof tok/s`` = read GB/s / GB a step, the read in 2 MiB pages (where ``LLM`` holds the weights). llama.cpp reads
+its mmap of the file in the page cache's 4 KiB pages, so its share of the roof at the read in 4 KiB pages is shown
+too: near 1 there, llama.cpp is bound by its pages. An engine's share of the roof is its tok/s over the roof: a row
+where llama.cpp already sits at a share s cannot reach x times its rate where x * s > 1 ("1.3x lcpp / roof").
 """
 
 from __future__ import annotations
@@ -55,18 +57,22 @@ def step_bytes(path: str | Path, position: float, kv_element: int = 2) -> dict[s
 
 
 def row(name: str, threads: int, step: dict[str, float] | None, read_gbs: float | None, lcpp: float | None,
-        dtorch: float | None, target: float = TARGET) -> list:
-    """One row of the roofline table: file, threads, MB a step (weights + KV), read GB/s, roof tok/s, each engine's
-    tok/s and share of the roof, and ``target`` x llama.cpp's tok/s over the roof (over 1: out of reach)."""
+        dtorch: float | None, read_4k: float | None = None, target: float = TARGET) -> list:
+    """One row of the roofline table: file, threads, MB a step (weights + KV), read GB/s (2 MiB pages), roof tok/s,
+    each engine's tok/s and share of the roof, llama.cpp's share of the roof in 4 KiB pages (``read_4k``: it reads
+    the weights through its mmap of the file, in the page cache's 4 KiB pages), and ``target`` x llama.cpp's tok/s
+    over the roof (over 1: out of reach)."""
     mb = step["bytes"] / 1e6 if step else None
     roof = read_gbs * 1e9 / step["bytes"] if step and read_gbs else None
+    roof_4k = read_4k * 1e9 / step["bytes"] if step and read_4k else None
 
-    def share(v: float | None) -> float | None:
-        return v / roof if v and roof else None
+    def share(v: float | None, of: float | None) -> float | None:
+        return v / of if v and of else None
 
-    return [name, threads, f"{mb:.0f} ({step['kv'] / 1e6:.1f})" if step else None, read_gbs, roof, lcpp, share(lcpp),
-            dtorch, share(dtorch), target * share(lcpp) if share(lcpp) else None]
+    return [name, threads, f"{mb:.0f} ({step['kv'] / 1e6:.1f})" if step else None, read_gbs, roof, lcpp,
+            share(lcpp, roof), share(lcpp, roof_4k), dtorch, share(dtorch, roof),
+            target * share(lcpp, roof) if share(lcpp, roof) else None]
 
 
-COLUMNS = ["file", "thr", "MB a step (KV)", "read GB/s", "roof tok/s", "lcpp tg", "lcpp / roof", "dtorch tg",
-            "dtorch / roof", f"{TARGET}x lcpp / roof"]
+COLUMNS = ["file", "thr", "MB a step (KV)", "read GB/s", "roof tok/s", "lcpp tg", "lcpp / roof", "lcpp / roof 4K",
+           "dtorch tg", "dtorch / roof", f"{TARGET}x lcpp / roof"]

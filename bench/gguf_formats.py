@@ -631,10 +631,10 @@ def _print_roofline(rows: list[list], notes: dict, limits: dict[int, dict[str, f
     print(f"\nthe roofline of decode (bench/_roofline.py): MB a step reads (the file's weights a token passes "
           f"through, and in brackets the keys and values of {PROMPT + NEW // 2} positions, 2 bytes each), the "
           "machine's best read at the thread count in 2 MiB pages (bench/machine_limits.py at the start), roof "
-          f"tok/s = read / MB a step, each engine's tg{NEW} over the roof; {_roofline.TARGET}x lcpp / roof over 1: "
-          "the target is above the roof\n")
+          f"tok/s = read / MB a step, each engine's tg{NEW} over the roof (llama.cpp's also over the roof at the read "
+          f"in 4 KiB pages, its mmap's); {_roofline.TARGET}x lcpp / roof over 1: the target is above the roof\n")
     _print(_roofline.COLUMNS, [_roofline.row(r[0], r[1], notes[r[0]].get("step"), limits.get(r[1], {}).get("read2m"),
-                                             r[4], r[8]) for r in rows])
+                                             r[4], r[8], limits.get(r[1], {}).get("read")) for r in rows])
 
 
 def _print_products(prods: list[list], limits: dict[int, dict[str, float]]) -> None:

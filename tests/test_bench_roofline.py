@@ -64,10 +64,9 @@ def test_step_bytes_read_the_key_length_when_the_file_gives_it(tmp_path):
 
 def test_a_row_puts_each_engine_against_the_roof():
     step = {"weights": 4e8, "kv": 1e6, "bytes": 4.01e8, "tied": 1.0}
-    row = _roofline.row("f", 2, step, 40.1, 50.0, 80.0)
-    assert len(row) == len(_roofline.COLUMNS)
-    roof = row[4]
-    assert roof == pytest.approx(100.0)
-    assert row[6] == pytest.approx(0.5) and row[8] == pytest.approx(0.8)
-    assert row[9] == pytest.approx(_roofline.TARGET * 0.5)
+    row = dict(zip(_roofline.COLUMNS, _roofline.row("f", 2, step, 40.1, 50.0, 80.0, read_4k=20.05), strict=True))
+    assert row["roof tok/s"] == pytest.approx(100.0)
+    assert row["lcpp / roof"] == pytest.approx(0.5) and row["dtorch / roof"] == pytest.approx(0.8)
+    assert row["lcpp / roof 4K"] == pytest.approx(1.0)
+    assert row[f"{_roofline.TARGET}x lcpp / roof"] == pytest.approx(_roofline.TARGET * 0.5)
     assert _roofline.row("f", 1, step, None, 50.0, 80.0)[4] is None  # no read rate: no roof
