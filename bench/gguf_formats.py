@@ -41,8 +41,14 @@ probe, wait and (``--row-split claimed``) dtorch's rows per thread.
 Products: after its runs, the dtorch worker times each one-row product of the model as a decode step calls it (x one
 row, every layer's weights in the model's order, 3 passes after a warm-up, so each weight comes from memory: the
 model is larger than the caches), grouped by weight kind and layout; printed as GB/s of weight bytes (including the
-call) beside the machine's plain read rate (``bench/machine_limits.py``, measured at the start: 4 KiB and 2 MiB pages;
+call) beside the machine's best plain read at that thread count (``bench/machine_limits.py``, measured at the start:
+pinned threads, the fastest of 3 x 10 passes; 4 KiB and 2 MiB pages;
 the model's weights sit in 2 MiB pages where the kernel gives them, ``dtorch.core.memory.huge_pages``).
+
+Roofline (``_roofline.py``): per file and thread count, the bytes a decode step must read (the file's weights a token
+passes through: all but the embedding's other rows, a tied head's embedding whole; and the keys and values before
+it), the roof tok/s at the machine's best read at that thread count in 2 MiB pages, each engine's decode over the
+roof, and 1.3x llama.cpp's over the roof: a row where that passes 1 cannot reach the target on this machine.
 
 Checks that cost nothing: "greedy" is how many of the 64 decoded tokens of dtorch and llama.cpp agree before the first
 difference; "follow" is the share of llama.cpp's 64 greedy tokens that dtorch ranks first in the same context (one
@@ -71,6 +77,7 @@ from collections import Counter
 from pathlib import Path
 
 import _phase
+import _roofline
 import gguf_files as gf
 from decode import _current_rss_mib, _llamacpp_python, _print, _run
 
@@ -141,6 +148,7 @@ import json, os, statistics, sys, time
 model, threads, repeats, ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, sys.argv[9])
 import _phase
+import _roofline
 ids = [int(i) for i in sys.argv[5].split(",")]
 prefill_lens, prompt, new = json.loads(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
 def rss():
@@ -434,7 +442,7 @@ def main() -> None:
     files = make_files(names, args.cache, lcpp or "")
     load = os.getloadavg()[0]
     _warn_oversubscribed(load, threads)
-    limits = {} if args.smoke else _machine_limits(threads)
+    limits = _machine_limits(threads, args.smoke)
     probe = _phase_probe()
     ids = _ids(max(prefill))
     quick = ("--quick",) + (("--smoke",) if args.smoke else ()) if args.quick else ()
@@ -446,7 +454,7 @@ def main() -> None:
         if isinstance(path, str):
             notes[name] = {"skipped": path}
             continue
-        notes[name] = {"types": dict(gf.tensor_types(path))}
+        notes[name] = {"types": dict(gf.tensor_types(path)), "step": _roofline.step_bytes(path, PROMPT + NEW / 2)}
         for t in threads:
             refs, gots = [], []
             split = ("--row-split", args.row_split) if args.row_split else ()
@@ -509,6 +517,7 @@ def main() -> None:
             line += f" | {n['agreement']}"
         print(line)
     _print_phases(phases)
+    _print_roofline(rows, notes, limits)
     _print_products(prods, limits)
     print("\ntargets (issue #21): decode >= 1.5x, prefill >= 2x (4x with AMX), memory <= 1.1x, 16-seq >= 5x one "
           "sequence on qwen3-0.6b-Q4_K_M, top-1 agreement >= 99%; (issue #39) on the real shapes (--real) decode >= "
@@ -601,17 +610,31 @@ def _print_phases(phases: list[list]) -> None:
     _print(head, rows)
 
 
-def _machine_limits(threads: list[int]) -> dict[int, dict[str, float]]:
-    """threads -> {"read": GB/s in 4 KiB pages, "read2m": in 2 MiB pages}, medians of 3 (empty where the probes
-    cannot run: their reason is printed)."""
+def _machine_limits(threads: list[int], smoke: bool = False) -> dict[int, dict[str, float]]:
+    """threads -> {"read": GB/s in 4 KiB pages, "read2m": in 2 MiB pages}: the machine's best (the fastest pass of 3
+    runs; ``smoke``: one short run), empty where the probes cannot run (their reason is printed)."""
     import machine_limits
 
     try:
-        got = machine_limits.measure(threads, 3)
+        got = machine_limits.measure(threads, *((1, 32, 1_000_000, 2) if smoke else (3,)))
     except (machine_limits.LimitsUnavailable, subprocess.CalledProcessError) as e:
-        print(f"  (machine_limits: {e}; products shown without the read rate)", file=sys.stderr)
+        print(f"  (machine_limits: {e}; products and the roofline shown without the read rate)", file=sys.stderr)
         return {}
-    return {t: {k: statistics.median(v) for k, v in values.items() if v} for t, values in got.items()}
+    return {t: {k: max(v) for k, v in values.items() if v} for t, values in got.items()}
+
+
+def _print_roofline(rows: list[list], notes: dict, limits: dict[int, dict[str, float]]) -> None:
+    """Per file and thread count: the bytes a decode step reads, the tok/s the machine's best read in 2 MiB pages
+    allows at most, and each engine's share of it (``_roofline.py``)."""
+    if not rows:
+        return
+    print(f"\nthe roofline of decode (bench/_roofline.py): MB a step reads (the file's weights a token passes "
+          f"through, and in brackets the keys and values of {PROMPT + NEW // 2} positions, 2 bytes each), the "
+          "machine's best read at the thread count in 2 MiB pages (bench/machine_limits.py at the start), roof "
+          f"tok/s = read / MB a step, each engine's tg{NEW} over the roof (llama.cpp's also over the roof at the read "
+          f"in 4 KiB pages, its mmap's); {_roofline.TARGET}x lcpp / roof over 1: the target is above the roof\n")
+    _print(_roofline.COLUMNS, [_roofline.row(r[0], r[1], notes[r[0]].get("step"), limits.get(r[1], {}).get("read2m"),
+                                             r[4], r[8], limits.get(r[1], {}).get("read")) for r in rows])
 
 
 def _print_products(prods: list[list], limits: dict[int, dict[str, float]]) -> None:

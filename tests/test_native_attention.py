@@ -31,15 +31,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 
 
-@pytest.fixture(params=nk.ISAS)
-def isa(request):
-    """Each ISA path in turn (forced), skipped with the reason when this CPU lacks it."""
-    if request.param not in nk.available_isas():
-        pytest.skip(f"this CPU lacks the instructions of the {request.param} path")
-    with nk.use_isa(request.param):
-        yield request.param
-
-
 def _ctx(**params) -> KernelContext:
     return KernelContext(Device("cpu"), None, None, KernelParams(**params))
 

@@ -41,17 +41,6 @@ _REASON = nk.unavailable_reason()
 native = pytest.mark.skipif(_REASON is not None, reason=f"native kernels unavailable: {_REASON}")
 
 
-@pytest.fixture(params=nk.ISAS)
-def isa(request):
-    """Each ISA path in turn (forced), skipped with the reason when this CPU lacks it."""
-    if _REASON is not None:
-        pytest.skip(f"native kernels unavailable: {_REASON}")
-    if request.param not in nk.available_isas():
-        pytest.skip(f"this CPU lacks the instructions of the {request.param} path")
-    with nk.use_isa(request.param):
-        yield request.param
-
-
 # -- weights (tests/quant_bytes.py) ---------------------------------------------------------------------------
 
 _qtype, _raw, _reference = qtype, gguf_bytes, gguf_reference

@@ -24,16 +24,6 @@ _REASON = nk.unavailable_reason()
 native = pytest.mark.skipif(_REASON is not None, reason=f"native kernels unavailable: {_REASON}")
 
 
-@pytest.fixture(params=nk.ISAS)
-def isa(request):
-    if _REASON is not None:
-        pytest.skip(f"native kernels unavailable: {_REASON}")
-    if request.param not in nk.available_isas():
-        pytest.skip(f"this CPU lacks the instructions of the {request.param} path")
-    with nk.use_isa(request.param):
-        yield request.param
-
-
 @pytest.mark.parametrize("x16", X16)
 def test_pack_and_dequantize_equal_gguf(x16):
     """The interleaved bytes hold the weight gguf dequantizes, bit for bit, and turn back into the row layout."""

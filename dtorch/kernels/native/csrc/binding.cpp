@@ -139,6 +139,21 @@ void need_args(Py_ssize_t n, Py_ssize_t want, const char* op) {
                                        std::to_string(n));
 }
 
+// Runs fn with the GIL released. An exception fn throws (an ATen error from a float panel) must not unwind past the
+// release: it is caught there and raised as RuntimeError("<op>: <its message>") once the GIL is held again.
+template <class F>
+void without_gil(const char* op, F&& fn) {
+  std::string err;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  Py_END_ALLOW_THREADS
+  need(err.empty(), PyExc_RuntimeError, std::string(op) + ": " + err);
+}
+
 template <class F>
 void parallel_rows(int64_t n, int64_t work_per_row, F&& f) {  // chunks of at least ~32k multiply-adds
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, work_per_row));
@@ -390,18 +405,12 @@ void qlinear_x16(const dtn::Table* tb, int base, const at::Tensor& x, const at::
   if (M >= float_rows(tb, base, one_level)) {
     const at::Tensor rows = at::empty({N, rb}, at::kByte);
     uint8_t* rp = rows.data_ptr<uint8_t>();
-    std::string err;  // an ATen error must not unwind past the GIL release
-    Py_BEGIN_ALLOW_THREADS
-    try {
+    without_gil("qlinear", [&] {
       parallel_rows(G, 16 * rb, [&](int64_t g0, int64_t g1) {
         for (int64_t g = g0; g < g1; ++g) tb->x16_rows(base, wp + g * 16 * rb, K, rp + g * 16 * rb, rb);
       });
       qlinear_float(tb, rows_weight(rp), x, bias, out, M, N, K, bf16_rows(one_level));
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
-    Py_END_ALLOW_THREADS
-    need(err.empty(), PyExc_RuntimeError, "qlinear: " + err);
+    });
     return;
   }
   Workspace& ws = t_ws;
@@ -490,15 +499,7 @@ ENTRY(py_qlinear)
   const void* xp = x.data_ptr();
   void* yp = out.data_ptr();
   if (M >= float_rows(tb, int(fmt), one_level)) {
-    std::string err;  // an ATen error must not unwind past the GIL release
-    Py_BEGIN_ALLOW_THREADS
-    try {
-      qlinear_float(tb, qw, x, bias, out, M, N, K, bf16_rows(one_level));
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
-    Py_END_ALLOW_THREADS
-    need(err.empty(), PyExc_RuntimeError, "qlinear: " + err);
+    without_gil("qlinear", [&] { qlinear_float(tb, qw, x, bias, out, M, N, K, bf16_rows(one_level)); });
     Py_RETURN_NONE;
   }
   Workspace& ws = t_ws;
