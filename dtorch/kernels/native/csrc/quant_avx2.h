@@ -458,9 +458,10 @@ static inline void rows_to_lanes256(const uint8_t* p, int64_t stride, int nr, in
   for (int c0 = 0; c0 < c; c0 += 8) {
     const __m256i cm = lanes_mask(c - c0);
     __m256i r[8], t[8];
-    for (int i = 0; i < 8; ++i)
-      r[i] = i < nr ? _mm256_maskload_epi32(reinterpret_cast<const int*>(p + i * stride + 4 * c0), cm)
-                    : _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i)  // (a masked load only where the mask is: a slow one on AMD's cores)
+      r[i] = i >= nr ? _mm256_setzero_si256()
+             : c - c0 >= 8 ? load_i8(p + i * stride + 4 * c0)
+                           : _mm256_maskload_epi32(reinterpret_cast<const int*>(p + i * stride + 4 * c0), cm);
     for (int i = 0; i < 8; i += 2) {
       t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
       t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
@@ -499,7 +500,7 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   const int S = int(nb - g * 16), P = sg_period(S), nr = int(n1 - n0);
   const int64_t qoff = 2 * S * G::scales + S * G::hbytes, rs = a.nsg * 1024, ars = a.nsg * 16;
   const __m256i lo4 = _mm256_set1_epi8(0x0f), bit0 = _mm256_set1_epi32(0x01010101);
-  const __m256i flip = _mm256_set1_epi8(char(0x80)), iq4 = iq4_table256();
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), iq4 = iq4_table256(), ones = _mm256_set1_epi16(1);
   const uint8_t* p = w.qs + n0 * w.qs_row + g * 16 * G::bytes;
   __m256i raw[8 * 15], sc[15], hb[15], wq[8 * 15];  // wq[b][j]: block b's quants that meet x's step j
   __m256 dw[15], mw[15];
@@ -541,16 +542,32 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     for (int b = 0; b < S; ++b) {  // step j of block b: activation dword j P + b (Q4's high nibbles: steps 4..7)
       __m256i is = _mm256_setzero_si256(), il = is;
       auto dword = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(am + off)); };
-      for (int j = 0; j < 8; ++j) {
-        const __m256i q = wq[b * 8 + j];
-        is = _mm256_add_epi32(is, dot_w<kSigned>(q, dword(4 * (j * P + b))));
-        if constexpr (LO) il = _mm256_add_epi32(il, dot_w<kSigned>(q, dword(512 + 4 * (j * P + b))));
+      if constexpr (kSigned) {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = wq[b * 8 + j];
+          is = _mm256_add_epi32(is, dot_w<kSigned>(q, dword(4 * (j * P + b))));
+          if constexpr (LO) il = _mm256_add_epi32(il, dot_w<kSigned>(q, dword(512 + 4 * (j * P + b))));
+        }
+      } else {  // unsigned quants: kRun steps' int16 pair sums added first (as sg_tile256's run16: exact)
+        constexpr int kRun = G::hbytes != 0 ? 4 : 8;
+        __m256i s16 = is, l16 = is;
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = wq[b * 8 + j];
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q, dword(4 * (j * P + b))));
+          if constexpr (LO) l16 = _mm256_add_epi16(l16, _mm256_maddubs_epi16(q, dword(512 + 4 * (j * P + b))));
+          if (j % kRun == kRun - 1) {
+            is = _mm256_add_epi32(is, _mm256_madd_epi16(s16, ones));
+            if constexpr (LO) il = _mm256_add_epi32(il, _mm256_madd_epi16(l16, ones));
+            s16 = l16 = _mm256_setzero_si256();
+          }
+        }
       }
       const __m256 t = LO ? levels256(is, il) : _mm256_cvtepi32_ps(is);
       v = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(ad[b])), dw[b], v);
       if (!kSigned && (G::scales == 2 || G::offset != 0.f)) v = _mm256_fmadd_ps(mw[b], _mm256_set1_ps(as[b]), v);
     }
-    _mm256_maskstore_ps(out + m * ldo, keep, v);
+    if (nr == 8) _mm256_storeu_ps(out + m * ldo, v);
+    else _mm256_maskstore_ps(out + m * ldo, keep, v);
   }
 }
 
