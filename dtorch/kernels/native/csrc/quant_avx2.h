@@ -243,12 +243,11 @@ static inline __m256 u8x8_ps(const uint8_t* p) {  // 8 bytes -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-static inline __m256 load_h8(const uint8_t* p, int cnt) {  // cnt fp16 -> float32, zeros after
-  if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::memcpy(h, p, size_t(cnt) * 2);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+static inline __m256 load_h8(const uint8_t* p) {  // 8 fp16 -> float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+
+static inline __m256i load_i8(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 struct StepLevels { __m256i al, ah, ll, lh; };  // hi levels of steps u and u + 4, then their lo levels
 
@@ -287,13 +286,20 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
       return reinterpret_cast<const int*>(p[n] + hoff + 32 * h);
     };
     auto group = [&](auto st) {  // st: activation bytes per step (a constant for whole super-groups)
-    for (int h = 0; h * 8 < S; ++h) {
-      const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
-      const __m256i lm = lanes_mask(cnt);
+    for (int h = 0; h * 8 < S; ++h) {  // (S is 16, or 8: a K-quant's lone last super-block; every half is whole)
       const int8_t* ag = a.q + m0 * rs + g * 1024 + 32 * h;  // hi levels, then lo at + 512
       __m256i is[MR][NR], il[MR][NR], is2[MR][NR], il2[MR][NR];  // is2, il2: Q6_K's high nibbles (own scales)
       for (int m = 0; m < MR; ++m)
         for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = is2[m][n] = il2[m][n] = _mm256_setzero_si256();
+      // The unsigned quants' int16 pair sums of kRun steps are added as int16 (exact: 4-bit quants' steps at most
+      // 2 * 2 * 15 * 127 each, 4 of them; 5-bit 2 * 2 * 31 * 127, 2; Q6_K's halves 2 * 63 * 127, 2) and widened once
+      // (vpmaddwd) per kRun steps instead of every step: the same integers, a quarter / half of the widening
+      constexpr int kRun = F == dtn::Q4_0 || F == dtn::Q4_1 || F == dtn::Q4_K ? 4 : 2;
+      __m256i s16[MR][NR], l16[MR][NR], s16b[MR][NR], l16b[MR][NR];
+      auto run16 = [&](int u, __m256i& acc, __m256i& run, __m256i v) {  // step u's int16 sums v into acc
+        run = u % kRun == 0 ? v : _mm256_add_epi16(run, v);
+        if (u % kRun == kRun - 1) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(run, ones));
+      };
       if constexpr (F == dtn::Q6_K) {  // unsigned 6-bit u (each int16 pair sum at most 2 * 63 * 127), the low
         const __m256i b45 = _mm256_set1_epi8(0x30);  // and high nibbles' sums apart (a scale per 16 weights)
         for (int u = 0; u < 4; ++u) {
@@ -306,14 +312,14 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             wl[n] = _mm256_or_si256(_mm256_and_si256(v, lo4), _mm256_and_si256(hl, b45));
             wh[n] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), _mm256_and_si256(hh, b45));
           }
-          for (int m = 0; m < MR; ++m) {
+          for (int m = 0; m < MR; ++m) {  // two steps' int16 pair sums added (at most 2 * 2 * 63 * 127) first
             const auto [al, ah, ll, lh] = step_levels(ag + m * rs, u, st);
             for (int n = 0; n < NR; ++n) {
-              is[m][n] = _mm256_add_epi32(is[m][n], dot_u8s8(wl[n], al));
-              is2[m][n] = _mm256_add_epi32(is2[m][n], dot_u8s8(wh[n], ah));
+              run16(u, is[m][n], s16[m][n], _mm256_maddubs_epi16(wl[n], al));
+              run16(u, is2[m][n], s16b[m][n], _mm256_maddubs_epi16(wh[n], ah));
               if constexpr (LO) {
-                il[m][n] = _mm256_add_epi32(il[m][n], dot_u8s8(wl[n], ll));
-                il2[m][n] = _mm256_add_epi32(il2[m][n], dot_u8s8(wh[n], lh));
+                run16(u, il[m][n], l16[m][n], _mm256_maddubs_epi16(wl[n], ll));
+                run16(u, il2[m][n], l16b[m][n], _mm256_maddubs_epi16(wh[n], lh));
               }
             }
           }
@@ -323,7 +329,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           __m256i ws[NR], wa[NR];
           for (int n = 0; n < NR; ++n) {
             ws[n] = _mm256_xor_si256(
-                _mm256_maskload_epi32(reinterpret_cast<const int*>(p[n] + qoff + u * 4 * S + 32 * h), lm), flip);
+                load_i8(p[n] + qoff + u * 4 * S + 32 * h), flip);
             wa[n] = _mm256_sign_epi8(ws[n], ws[n]);
           }
           for (int m = 0; m < MR; ++m) {
@@ -340,11 +346,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
       } else {
         __m256i hv[NR];  // Q5: the high bits, laid out as a step's quants (layouts.py)
         if constexpr (G::hbytes != 0)
-          for (int n = 0; n < NR; ++n) hv[n] = _mm256_maskload_epi32(high(n, h), lm);
+          for (int n = 0; n < NR; ++n) hv[n] = load_i8(high(n, h));
         for (int u = 0; u < 4; ++u) {
           __m256i wl[NR], wh[NR];
           for (int n = 0; n < NR; ++n) {
-            const __m256i v = _mm256_maskload_epi32(quants(n, h, u), lm);
+            const __m256i v = load_i8(quants(n, h, u));
             wl[n] = _mm256_and_si256(v, lo4);
             wh[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             if constexpr (G::hbytes != 0) {  // bit u of each byte is the low nibble's fifth bit, bit 4 + u the high's
@@ -364,12 +370,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                 is[m][n] = _mm256_add_epi32(is[m][n], _mm256_add_epi32(dot_w<true>(wl[n], al), dot_w<true>(wh[n], ah)));
                 if constexpr (LO)
                   il[m][n] = _mm256_add_epi32(il[m][n], _mm256_add_epi32(dot_w<true>(wl[n], ll), dot_w<true>(wh[n], lh)));
-              } else {  // each int16 is at most 2 * 31 * 127 per product: their sum fits
-                is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(_mm256_add_epi16(
-                    _mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones));
+              } else {  // each int16 is at most 2 * 31 * 127 per product: kRun steps' sums fit (run16)
+                run16(u, is[m][n], s16[m][n],
+                      _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)));
                 if constexpr (LO)
-                  il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(_mm256_add_epi16(
-                      _mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), ones));
+                  run16(u, il[m][n], l16[m][n],
+                        _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)));
               }
             }
           }
@@ -399,8 +405,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           dw[n] = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[0])), u8x8_ps(sb + 4));
           mw[n] = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dm[1])), u8x8_ps(sb + 12));
         } else {
-          dw[n] = load_h8(p[n] + 16 * h, cnt);
-          mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h, cnt) : dw[n];
+          dw[n] = load_h8(p[n] + 16 * h);
+          mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h) : dw[n];
         }
       }
       for (int m = 0; m < MR; ++m) {
@@ -452,9 +458,10 @@ static inline void rows_to_lanes256(const uint8_t* p, int64_t stride, int nr, in
   for (int c0 = 0; c0 < c; c0 += 8) {
     const __m256i cm = lanes_mask(c - c0);
     __m256i r[8], t[8];
-    for (int i = 0; i < 8; ++i)
-      r[i] = i < nr ? _mm256_maskload_epi32(reinterpret_cast<const int*>(p + i * stride + 4 * c0), cm)
-                    : _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i)  // (a masked load only where the mask is: a slow one on AMD's cores)
+      r[i] = i >= nr ? _mm256_setzero_si256()
+             : c - c0 >= 8 ? load_i8(p + i * stride + 4 * c0)
+                           : _mm256_maskload_epi32(reinterpret_cast<const int*>(p + i * stride + 4 * c0), cm);
     for (int i = 0; i < 8; i += 2) {
       t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
       t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
@@ -493,7 +500,7 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   const int S = int(nb - g * 16), P = sg_period(S), nr = int(n1 - n0);
   const int64_t qoff = 2 * S * G::scales + S * G::hbytes, rs = a.nsg * 1024, ars = a.nsg * 16;
   const __m256i lo4 = _mm256_set1_epi8(0x0f), bit0 = _mm256_set1_epi32(0x01010101);
-  const __m256i flip = _mm256_set1_epi8(char(0x80)), iq4 = iq4_table256();
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), iq4 = iq4_table256(), ones = _mm256_set1_epi16(1);
   const uint8_t* p = w.qs + n0 * w.qs_row + g * 16 * G::bytes;
   __m256i raw[8 * 15], sc[15], hb[15], wq[8 * 15];  // wq[b][j]: block b's quants that meet x's step j
   __m256 dw[15], mw[15];
@@ -535,16 +542,32 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     for (int b = 0; b < S; ++b) {  // step j of block b: activation dword j P + b (Q4's high nibbles: steps 4..7)
       __m256i is = _mm256_setzero_si256(), il = is;
       auto dword = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(am + off)); };
-      for (int j = 0; j < 8; ++j) {
-        const __m256i q = wq[b * 8 + j];
-        is = _mm256_add_epi32(is, dot_w<kSigned>(q, dword(4 * (j * P + b))));
-        if constexpr (LO) il = _mm256_add_epi32(il, dot_w<kSigned>(q, dword(512 + 4 * (j * P + b))));
+      if constexpr (kSigned) {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = wq[b * 8 + j];
+          is = _mm256_add_epi32(is, dot_w<kSigned>(q, dword(4 * (j * P + b))));
+          if constexpr (LO) il = _mm256_add_epi32(il, dot_w<kSigned>(q, dword(512 + 4 * (j * P + b))));
+        }
+      } else {  // unsigned quants: kRun steps' int16 pair sums added first (as sg_tile256's run16: exact)
+        constexpr int kRun = G::hbytes != 0 ? 4 : 8;
+        __m256i s16 = is, l16 = is;
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = wq[b * 8 + j];
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q, dword(4 * (j * P + b))));
+          if constexpr (LO) l16 = _mm256_add_epi16(l16, _mm256_maddubs_epi16(q, dword(512 + 4 * (j * P + b))));
+          if (j % kRun == kRun - 1) {
+            is = _mm256_add_epi32(is, _mm256_madd_epi16(s16, ones));
+            if constexpr (LO) il = _mm256_add_epi32(il, _mm256_madd_epi16(l16, ones));
+            s16 = l16 = _mm256_setzero_si256();
+          }
+        }
       }
       const __m256 t = LO ? levels256(is, il) : _mm256_cvtepi32_ps(is);
       v = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(ad[b])), dw[b], v);
       if (!kSigned && (G::scales == 2 || G::offset != 0.f)) v = _mm256_fmadd_ps(mw[b], _mm256_set1_ps(as[b]), v);
     }
-    _mm256_maskstore_ps(out + m * ldo, keep, v);
+    if (nr == 8) _mm256_storeu_ps(out + m * ldo, v);
+    else _mm256_maskstore_ps(out + m * ldo, keep, v);
   }
 }
 
@@ -558,6 +581,10 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
 // Q8_0 [2048, 8192] 6.4 -> 14.8 GB/s, [1536, 8960] 5.7 -> 14.4, [896, 4864] 5.4 -> 14.1, [4864, 896] 3.1 -> 10.0,
 // [896, 896] 2.1 -> 6.1, [2048, 2048] 4.7 -> 14.0; Q4_K [2048, 8192] 4.6 -> 12.1, [8192, 2048] 1.9 -> 7.5; Q6_K
 // [2048, 8192] 6.1 -> 13.1, [16384, 2048] 2.3 -> 9.0 (whole rows 8 on came in bursts, the first 8 not at all).
+// Rows of whole super-groups are streamed one at a time: two side by side (each x vector loaded once for both) need
+// more registers than the 16 ymm, and the spills cost more than the loads saved (an AVX2-only 2-core EPYC VM, cold,
+// one thread, stand-alone harness: Q6_K [1536, 8960] / [2048, 8192] 1.19x, Q4_K [17920, 1536] 1.09x, [2048, 2048]
+// 1.12x, Q4_0 [2048, 2048] 1.22x, Q5_K, Q5_0, Q8_0 1.0-1.04x; every row's sum is unchanged).
 template <int F, int MR, bool LO>
 static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0, int64_t n1, const void* bias,
                         void* y, int ydt, int64_t ldy) {
@@ -574,6 +601,12 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   };
   if (SG<F>::kblock != 0 || (w.K / 32) % 16 == 0) {
     int64_t n = n0;
+    if (stream) {  // one weight row at a time (see above), its stream kStreamAhead on rounded up to whole rows
+      const int64_t row_at = (kStreamAhead + w.qs_row - 1) / w.qs_row * w.qs_row;
+      for (; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, m ? 0 : row_at);
+      return;
+    }
     for (; n + 2 <= n1; n += 2) {
       prefetch_pair(n);
       int64_t m = 0;
