@@ -259,26 +259,32 @@ static inline StepLevels step_levels(const int8_t* am, int u, int64_t st) {
 
 // Q8_0 against both levels of x: x as one int16 per value, 254 hi + lo (at most 254 * 127 + 127 = 32385), so one
 // vpmaddwd sums both levels where they took two vpmaddubsw, two vpmaddwd and their sign tricks. The weights are read
-// as stored (q + 128, widened by vpmovzxbw); corr takes the 128 back, exactly in int32. Whole super-groups only (the
-// last one of under 16 blocks is sg_tails256's). One-row products, one thread, a 2-core AVX2 VM (no AVX-512):
-// 1.3-1.9x hot and cold (the two levels' sign tricks were the bound: products read 0.25-0.4x the plain read).
+// as stored (q + 128, widened by vpmovzxbw); corr takes the 128 back, exactly in int32. A row's last super-group of
+// under 16 blocks is summed in the row too (masked loads), not by sg_tails256: its 8-row transposes cost as much as
+// the products. One-row products, one thread, a 2-core AVX2 VM without AVX-512 (busy: load 5-9), alternating runs
+// against the same process's plain read, 2-4 rounds: Q8_0 [151936, 896] 0.16-0.23 -> 0.47-0.73 of the read,
+// [262144, 640] 0.23-0.29 -> 0.31-0.48, [4864, 896] 0.16-0.31 -> 0.33-0.79, [896, 4864] 0.20-0.27 -> 0.32-0.62,
+// [2048, 8192] 0.19-0.41 -> 0.40-0.73 (the two levels' integer work was the bound: 1.5-2.5x the speed).
 struct X16Act {
   const int16_t* q;     // row r: q + r * nsg * 512, super-group g at g * 512 as SGAct's hi levels ([u][j][4])
   const int32_t* corr;  // row r: corr + r * nsg * 16 + 16 g + j: 128 * the sum of block 16 g + j's values
-  int64_t nsg;          // whole super-groups a row
+  int64_t nsg;          // super-groups a row, as SGAct's
 };
 
-// rows 0..M-1 of a (both levels) as X16Act in q [M * nsg * 512] and corr [M * nsg * 16], nsg = K / 512
-static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nsg, int16_t* q, int32_t* corr) {
+// rows 0..M-1 of a (both levels, nb blocks a row) as X16Act in q [M * a.nsg * 512] and corr [M * a.nsg * 16] (a last
+// super-group of under 16 blocks at its period P, as a's: step u of block j at 4 (u P + j))
+static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int32_t* corr) {
+  const int64_t nsg = a.nsg;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < nsg; ++g) {
-      const int8_t* hi = a.q + (m * a.nsg + g) * 1024;
+      const int P = sg_period(int(nb - g * 16 < 16 ? nb - g * 16 : 16));
+      const int8_t* hi = a.q + (m * nsg + g) * 1024;
       int16_t* o = q + (m * nsg + g) * 512;
       int32_t* c = corr + (m * nsg + g) * 16;
       for (int j = 0; j < 16; ++j) c[j] = 0;
-      for (int i = 0; i < 512; ++i) {  // byte i: step i / 64, block (i / 4) % 16
+      for (int i = 0; i < 512; ++i) {  // byte i: step i / (4 P), block (i / 4) % P
         o[i] = int16_t(254 * hi[i] + hi[512 + i]);
-        c[(i / 4) % 16] += 128 * o[i];
+        c[(i / 4) % P] += 128 * o[i];
       }
     }
   return {q, corr, nsg};
@@ -302,7 +308,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * (G::kblock ? 2 * G::kblock : 16 * G::bytes);  // K: block 2 g
     if (ahead)  // (a 32-block format's last super-group too: sg_tails256 reads it next)
       for (int n = 0; n < NR; ++n) stream_ahead(p[n], G::kblock ? S / 8 * G::kblock : S * G::bytes, ahead);
-    if (S < 16 && G::kblock == 0) continue;  // a 32-block format's last super-group: sg_tails256
+    // a 32-block format's last super-group: sg_tails256's (Q8_0's both levels: here, in rows, as the others)
+    if (S < 16 && G::kblock == 0 && !(F == dtn::Q8_0 && LO)) continue;
     const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes;
     // where step u of half h starts: [step u][block j][4 bytes] over the super-group, or in K super-block 2 g + h
     auto quants = [&](int n, int h, int u) -> const int* {
@@ -347,19 +354,27 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         }
       } else if constexpr (F == dtn::Q8_0 && LO) {  // is: blocks 0..3 of the half, 2 lanes each; il: 4..7
         for (int u = 0; u < 8; ++u) {
+          // a last super-group's half of cnt < 8 blocks: its quants masked (read as 0), blocks 4.. skipped under 5
           __m256i w0[NR], w1[NR];
+          const bool two = cnt > 4;
           for (int n = 0; n < NR; ++n) {
-            const uint8_t* q = p[n] + qoff + u * 64 + 32 * h;
-            w0[n] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-            w1[n] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+            const uint8_t* q = p[n] + qoff + u * 4 * S + 32 * h;
+            auto load = [&](const uint8_t* at, int c) {
+              const __m128i v = c >= 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(at))
+                                       : _mm_maskload_epi32(reinterpret_cast<const int*>(at), _mm256_castsi256_si128(
+                                             lanes_mask(c)));
+              return _mm256_cvtepu8_epi16(v);
+            };
+            w0[n] = load(q, cnt);
+            if (two) w1[n] = load(q + 16, cnt - 4);
           }
           for (int m = 0; m < MR; ++m) {
-            const int16_t* xa = xw->q + ((m0 + m) * xw->nsg + g) * 512 + u * 64 + 32 * h;
+            const int16_t* xa = xw->q + ((m0 + m) * xw->nsg + g) * 512 + u * st + 32 * h;
             const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa));
-            const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 16));
-            for (int n = 0; n < NR; ++n) {
-              is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(w0[n], x0));
-              il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(w1[n], x1));
+            for (int n = 0; n < NR; ++n) is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(w0[n], x0));
+            if (two) {
+              const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 16));
+              for (int n = 0; n < NR; ++n) il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(w1[n], x1));
             }
           }
         }
@@ -606,7 +621,7 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
 // Rows n0..n1 of w against M rows of x in MR x 2 tiles (the two weight rows decoded once for MR rows of x), the rows
 // kAhead on prefetched; LO: both levels of x. A 32-block format's last super-group of under 16 blocks is summed by
 // sg_tails256 for 8 weight rows at a time after their tiles (the rows are in cache then), and y = (tiles' sum +
-// tails) + bias for every row count alike.
+// tails) + bias for every row count alike; Q8_0's against both levels is summed in its rows instead (X16Act).
 // Decode (under 4 rows of x) streams the rows instead: the first tile of x asks for each super-group's bytes
 // kStreamAhead on (rounded up to whole pairs of rows, which are read side by side) as it reads it. Cold one-row
 // products, one thread, AVX2 forced on this Zen 4 (same-run A/B, medians, a loaded machine: 2 cores, load 3-4.5):
@@ -627,20 +642,19 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   thread_local std::vector<int32_t> t_corr;
   X16Act xv{nullptr, nullptr, 0};
   const X16Act* xw = nullptr;
-  if (F == dtn::Q8_0 && LO && w.K >= 512) {
-    const int64_t nsg = w.K / 512;
-    if (int64_t(t_x16.size()) < M * nsg * 512) {
-      t_x16.resize(size_t(M * nsg * 512));
-      t_corr.resize(size_t(M * nsg * 16));
+  if (F == dtn::Q8_0 && LO) {
+    if (int64_t(t_x16.size()) < M * a.nsg * 512) {
+      t_x16.resize(size_t(M * a.nsg * 512));
+      t_corr.resize(size_t(M * a.nsg * 16));
     }
-    xv = x16_levels(a, M, nsg, t_x16.data(), t_corr.data());
+    xv = x16_levels(a, M, w.K / 32, t_x16.data(), t_corr.data());
     xw = &xv;
   }
   auto prefetch_pair = [&](int64_t n) {  // whole rows kAhead on, unless streaming
     if (!stream && n + 2 + kAhead <= n1)
       for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
   };
-  if (SG<F>::kblock != 0 || (w.K / 32) % 16 == 0) {
+  if (SG<F>::kblock != 0 || (w.K / 32) % 16 == 0 || (F == dtn::Q8_0 && LO)) {  // (Q8_0's both levels: tails in rows)
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) {
       prefetch_pair(n);
