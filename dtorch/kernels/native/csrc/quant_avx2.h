@@ -256,11 +256,44 @@ static inline StepLevels step_levels(const int8_t* am, int u, int64_t st) {
   return {at(u * st), at((u + 4) * st), at(512 + u * st), at(512 + (u + 4) * st)};
 }
 
+// Q8_0 against both levels of x: x as one int16 per value, 254 hi + lo (at most 254 * 127 + 127 = 32385), so one
+// vpmaddwd sums both levels where they took two vpmaddubsw, two vpmaddwd and their sign tricks. The weights are read
+// as stored (q + 128, widened by vpmovzxbw); corr takes the 128 back, exactly in int32. A row's last super-group of
+// under 16 blocks is summed in the row too (masked loads), not by sg_tails256: its 8-row transposes cost as much as
+// the products. One-row products, one thread, a 2-core AVX2 VM without AVX-512 (busy: load 5-9), alternating runs
+// against the same process's plain read, 2-4 rounds: Q8_0 [151936, 896] 0.16-0.23 -> 0.47-0.73 of the read,
+// [262144, 640] 0.23-0.29 -> 0.31-0.48, [4864, 896] 0.16-0.31 -> 0.33-0.79, [896, 4864] 0.20-0.27 -> 0.32-0.62,
+// [2048, 8192] 0.19-0.41 -> 0.40-0.73 (the two levels' integer work was the bound: 1.5-2.5x the speed).
+struct X16Act {
+  const int16_t* q;     // row r: q + r * nsg * 512, super-group g at g * 512 as SGAct's hi levels ([u][j][4])
+  const int32_t* corr;  // row r: corr + r * nsg * 16 + 16 g + j: 128 * the sum of block 16 g + j's values
+  int64_t nsg;          // super-groups a row, as SGAct's
+};
+
+// rows 0..M-1 of a (both levels, nb blocks a row) as X16Act in q [M * a.nsg * 512] and corr [M * a.nsg * 16] (a last
+// super-group of under 16 blocks at its period P, as a's: step u of block j at 4 (u P + j))
+static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int32_t* corr) {
+  const int64_t nsg = a.nsg;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < nsg; ++g) {
+      const int P = sg_period(int(nb - g * 16 < 16 ? nb - g * 16 : 16));
+      const int8_t* hi = a.q + (m * nsg + g) * 1024;
+      int16_t* o = q + (m * nsg + g) * 512;
+      int32_t* c = corr + (m * nsg + g) * 16;
+      for (int j = 0; j < 16; ++j) c[j] = 0;
+      for (int i = 0; i < 512; ++i) {  // byte i: step i / (4 P), block (i / 4) % P
+        o[i] = int16_t(254 * hi[i] + hi[512 + i]);
+        c[(i / 4) % P] += 128 * o[i];
+      }
+    }
+  return {q, corr, nsg};
+}
+
 // ahead > 0: as each super-group is read, each row's bytes that far on are asked for (the stream of long rows,
-// sg_tiles256)
+// sg_tiles256); xw: Q8_0's both levels as int16 (LO)
 template <int F, int MR, int NR, bool LO>
 static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_t m0, int64_t nb,
-                              float (&out)[MR][NR], int64_t ahead = 0) {
+                              float (&out)[MR][NR], int64_t ahead = 0, const X16Act* xw = nullptr) {
   using G = SG<F>;
   const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   const __m256i b4 = _mm256_set1_epi8(0x10), iq4 = iq4_table256();
@@ -274,7 +307,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
     for (int n = 0; n < NR; ++n) p[n] = rows[n] + g * (G::kblock ? 2 * G::kblock : 16 * G::bytes);  // K: block 2 g
     if (ahead)  // (a 32-block format's last super-group too: sg_tails256 reads it next)
       for (int n = 0; n < NR; ++n) stream_ahead(p[n], G::kblock ? S / 8 * G::kblock : S * G::bytes, ahead);
-    if (S < 16 && G::kblock == 0) continue;  // a 32-block format's last super-group: sg_tails256
+    // a 32-block format's last super-group: sg_tails256's (Q8_0's both levels: here, in rows, as the others)
+    if (S < 16 && G::kblock == 0 && !(F == dtn::Q8_0 && LO)) continue;
     const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes;
     // where step u of half h starts: [step u][block j][4 bytes] over the super-group, or in K super-block 2 g + h
     auto quants = [&](int n, int h, int u) -> const int* {
@@ -321,6 +355,32 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                 run16(u, il[m][n], l16[m][n], _mm256_maddubs_epi16(wl[n], ll));
                 run16(u, il2[m][n], l16b[m][n], _mm256_maddubs_epi16(wh[n], lh));
               }
+            }
+          }
+        }
+      } else if constexpr (F == dtn::Q8_0 && LO) {  // is: blocks 0..3 of the half, 2 lanes each; il: 4..7
+        for (int u = 0; u < 8; ++u) {
+          // a last super-group's half of cnt < 8 blocks: its quants masked (read as 0), blocks 4.. skipped under 5
+          __m256i w0[NR], w1[NR];
+          const bool two = cnt > 4;
+          for (int n = 0; n < NR; ++n) {
+            const uint8_t* q = p[n] + qoff + u * 4 * S + 32 * h;
+            auto load = [&](const uint8_t* at, int c) {
+              const __m128i v = c >= 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(at))
+                                       : _mm_maskload_epi32(reinterpret_cast<const int*>(at), _mm256_castsi256_si128(
+                                             lanes_mask(c)));
+              return _mm256_cvtepu8_epi16(v);
+            };
+            w0[n] = load(q, cnt);
+            if (two) w1[n] = load(q + 16, cnt - 4);
+          }
+          for (int m = 0; m < MR; ++m) {
+            const int16_t* xa = xw->q + ((m0 + m) * xw->nsg + g) * 512 + u * st + 32 * h;
+            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa));
+            for (int n = 0; n < NR; ++n) is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(w0[n], x0));
+            if (two) {
+              const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 16));
+              for (int n = 0; n < NR; ++n) il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(w1[n], x1));
             }
           }
         }
@@ -413,6 +473,16 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         const __m256 da = _mm256_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         const __m256 sa = _mm256_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         for (int n = 0; n < NR; ++n) {
+          if constexpr (F == dtn::Q8_0 && LO) {  // hadd: blocks [0 1 4 5 | 2 3 6 7]; x16 is 254 x
+            const __m256i perm = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                xw->corr + (m0 + m) * xw->nsg * 16 + g * 16 + 8 * h));
+            const __m256i sum = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(_mm256_hadd_epi32(is[m][n], il[m][n]),
+                                                                             perm), c);
+            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(da, _mm256_set1_ps(1.f / 254.f)));
+            acc[m][n] = _mm256_fmadd_ps(dw[n], t, acc[m][n]);
+            continue;
+          }
           const __m256 t = _mm256_mul_ps(LO ? levels256(is[m][n], il[m][n]) : _mm256_cvtepi32_ps(is[m][n]), da);
           if constexpr (F == dtn::Q6_K) {  // (d sc) (u - 32) per 16 weights: - 32 meets the halves' sums
             const float* hs = a.sh + (m0 + m) * a.nsg * 32 + g * 32 + 8 * h;
@@ -441,11 +511,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
 
 template <int F, int MR, int NR, bool LO>
 static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int64_t n, const void* bias, void* y,
-                               int ydt, int64_t ldy, int64_t ahead = 0) {
+                               int ydt, int64_t ldy, int64_t ahead = 0, const X16Act* xw = nullptr) {
   const uint8_t* rows[NR];
   for (int j = 0; j < NR; ++j) rows[j] = w.qs + (n + j) * w.qs_row;
   float o[MR][NR];
-  sg_tile256<F, MR, NR, LO>(rows, a, m, w.K / 32, o, ahead);
+  sg_tile256<F, MR, NR, LO>(rows, a, m, w.K / 32, o, ahead, xw);
   for (int j = 0; j < NR; ++j) {
     const float b = bias ? load_f(bias, ydt, n + j) : 0.f;
     for (int r = 0; r < MR; ++r) store_f(y, ydt, (m + r) * ldy + n + j, o[r][j] + b);
@@ -574,7 +644,7 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
 // Rows n0..n1 of w against M rows of x in MR x 2 tiles (the two weight rows decoded once for MR rows of x), the rows
 // kAhead on prefetched; LO: both levels of x. A 32-block format's last super-group of under 16 blocks is summed by
 // sg_tails256 for 8 weight rows at a time after their tiles (the rows are in cache then), and y = (tiles' sum +
-// tails) + bias for every row count alike.
+// tails) + bias for every row count alike; Q8_0's against both levels is summed in its rows instead (X16Act).
 // Decode (under 4 rows of x) streams the rows instead: the first tile of x asks for each super-group's bytes
 // kStreamAhead on (rounded up to whole pairs of rows, which are read side by side) as it reads it. Cold one-row
 // products, one thread, AVX2 forced on this Zen 4 (same-run A/B, medians, a loaded machine: 2 cores, load 3-4.5):
@@ -595,11 +665,23 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     for (int64_t i = 0; i < stream_at && i < (n1 - n0) * w.qs_row; i += 64) __builtin_prefetch(first + i, 0, 2);
   }
   auto ahead_of = [&](int64_t m) { return m == 0 ? stream_at : 0; };  // (further rows of x find the rows in cache)
+  thread_local std::vector<int16_t> t_x16;
+  thread_local std::vector<int32_t> t_corr;
+  X16Act xv{nullptr, nullptr, 0};
+  const X16Act* xw = nullptr;
+  if (F == dtn::Q8_0 && LO) {
+    if (int64_t(t_x16.size()) < M * a.nsg * 512) {
+      t_x16.resize(size_t(M * a.nsg * 512));
+      t_corr.resize(size_t(M * a.nsg * 16));
+    }
+    xv = x16_levels(a, M, w.K / 32, t_x16.data(), t_corr.data());
+    xw = &xv;
+  }
   auto prefetch_pair = [&](int64_t n) {  // whole rows kAhead on, unless streaming
     if (!stream && n + 2 + kAhead <= n1)
       for (int j = 0; j < 2; ++j) prefetch_row(w, n + kAhead + j);
   };
-  if (SG<F>::kblock != 0 || (w.K / 32) % 16 == 0) {
+  if (SG<F>::kblock != 0 || (w.K / 32) % 16 == 0 || (F == dtn::Q8_0 && LO)) {  // (Q8_0's both levels: tails in rows)
     int64_t n = n0;
     if (stream) {  // one weight row at a time (see above), its stream kStreamAhead on rounded up to whole rows
       const int64_t row_at = (kStreamAhead + w.qs_row - 1) / w.qs_row * w.qs_row;
@@ -610,11 +692,11 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     for (; n + 2 <= n1; n += 2) {
       prefetch_pair(n);
       int64_t m = 0;
-      for (; m + MR <= M; m += MR) sg_block256<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy, ahead_of(m));
-      for (; m < M; ++m) sg_block256<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy, ahead_of(m));
+      for (; m + MR <= M; m += MR) sg_block256<F, MR, 2, LO>(w, a, m, n, bias, y, ydt, ldy, ahead_of(m), xw);
+      for (; m < M; ++m) sg_block256<F, 1, 2, LO>(w, a, m, n, bias, y, ydt, ldy, ahead_of(m), xw);
     }
     for (; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, ahead_of(m));
+      for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, ahead_of(m), xw);
     return;
   }
   constexpr int64_t kChunk = 8;
@@ -636,13 +718,13 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
       int64_t m = 0;
       for (; m + MR <= M; m += MR) {
         float o[MR][2];
-        sg_tile256<F, MR, 2, LO>(rows, a, m, w.K / 32, o, ahead_of(m));
+        sg_tile256<F, MR, 2, LO>(rows, a, m, w.K / 32, o, ahead_of(m), xw);
         for (int r = 0; r < MR; ++r)
           for (int j = 0; j < 2; ++j) part[(m + r) * kChunk + n - nc + j] = o[r][j];
       }
       for (; m < M; ++m) {
         float o[1][2];
-        sg_tile256<F, 1, 2, LO>(rows, a, m, w.K / 32, o, ahead_of(m));
+        sg_tile256<F, 1, 2, LO>(rows, a, m, w.K / 32, o, ahead_of(m), xw);
         for (int j = 0; j < 2; ++j) part[m * kChunk + n - nc + j] = o[0][j];
       }
     }
@@ -650,7 +732,7 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
       rows[0] = w.qs + n * w.qs_row;
       for (int64_t m = 0; m < M; ++m) {
         float o[1][1];
-        sg_tile256<F, 1, 1, LO>(rows, a, m, w.K / 32, o, ahead_of(m));
+        sg_tile256<F, 1, 1, LO>(rows, a, m, w.K / 32, o, ahead_of(m), xw);
         part[m * kChunk + n - nc] = o[0][0];
       }
     }
