@@ -281,6 +281,10 @@ def test_amx_is_used_only_where_a_child_process_ran_it(monkeypatch):
     from dtorch.core import cpu
 
     monkeypatch.setattr(cpu, "really_has", lambda feature: feature == "amx_bf16")
+    monkeypatch.setattr(cpu, "onednn_bf16", lambda: False)  # forced on, AMX still needs oneDNN's bf16 kernels
+    with cpu.forced(amx_bf16=True):
+        assert cpu.use_amx() is False
+    monkeypatch.setattr(cpu, "onednn_bf16", lambda: True)  # a CPU with AMX has them
     for script, works in (("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", False),
                           (cpu._AMX_CHECK, True)):
         monkeypatch.setattr(cpu, "_AMX_CHECK", script)
