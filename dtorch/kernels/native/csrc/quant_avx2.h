@@ -243,8 +243,11 @@ static inline __m256 u8x8_ps(const uint8_t* p) {  // 8 bytes -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-static inline __m256 load_h8(const uint8_t* p) {  // 8 fp16 -> float32
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+static inline __m256 load_h8(const uint8_t* p, int cnt = 8) {  // cnt fp16 -> float32, zeros after
+  if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(h, p, size_t(cnt) * 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
 static inline __m256i load_i8(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
@@ -320,7 +323,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
       return reinterpret_cast<const int*>(p[n] + hoff + 32 * h);
     };
     auto group = [&](auto st) {  // st: activation bytes per step (a constant for whole super-groups)
-    for (int h = 0; h * 8 < S; ++h) {  // (S is 16, or 8: a K-quant's lone last super-block; every half is whole)
+    for (int h = 0; h * 8 < S; ++h) {  // S is 16, or 8 (a K-quant's lone last super-block): every half is whole,
+      const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;  // but Q8_0's last super-group (any S, summed in its rows)
       const int8_t* ag = a.q + m0 * rs + g * 1024 + 32 * h;  // hi levels, then lo at + 512
       __m256i is[MR][NR], il[MR][NR], is2[MR][NR], il2[MR][NR];  // is2, il2: Q6_K's high nibbles (own scales)
       for (int m = 0; m < MR; ++m)
@@ -465,8 +469,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           dw[n] = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[0])), u8x8_ps(sb + 4));
           mw[n] = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dm[1])), u8x8_ps(sb + 12));
         } else {
-          dw[n] = load_h8(p[n] + 16 * h);
-          mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h) : dw[n];
+          dw[n] = load_h8(p[n] + 16 * h, cnt);
+          mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h, cnt) : dw[n];
         }
       }
       for (int m = 0; m < MR; ++m) {
@@ -686,7 +690,7 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     if (stream) {  // one weight row at a time (see above), its stream kStreamAhead on rounded up to whole rows
       const int64_t row_at = (kStreamAhead + w.qs_row - 1) / w.qs_row * w.qs_row;
       for (; n < n1; ++n)
-        for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, m ? 0 : row_at);
+        for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, m ? 0 : row_at, xw);
       return;
     }
     for (; n + 2 <= n1; n += 2) {
