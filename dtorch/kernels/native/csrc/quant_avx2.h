@@ -326,20 +326,33 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
     for (int h = 0; h * 8 < S; ++h) {  // S is 16, or 8 (a K-quant's lone last super-block): every half is whole,
       const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;  // but Q8_0's last super-group (any S, summed in its rows)
       const int8_t* ag = a.q + m0 * rs + g * 1024 + 32 * h;  // hi levels, then lo at + 512
-      __m256i is[MR][NR], il[MR][NR], is2[MR][NR], il2[MR][NR];  // is2, il2: Q6_K's high nibbles (own scales)
+      __m256i is[MR][NR], il[MR][NR];  // the hi and lo levels' int32 sums, lane j: block j
       for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = is2[m][n] = il2[m][n] = _mm256_setzero_si256();
+        for (int n = 0; n < NR; ++n) is[m][n] = il[m][n] = _mm256_setzero_si256();
       // The unsigned quants' int16 pair sums of kRun steps are added as int16 (exact: 4-bit quants' steps at most
       // 2 * 2 * 15 * 127 each, 4 of them; 5-bit 2 * 2 * 31 * 127, 2; Q6_K's halves 2 * 63 * 127, 2) and widened once
       // (vpmaddwd) per kRun steps instead of every step: the same integers, a quarter / half of the widening
       constexpr int kRun = F == dtn::Q4_0 || F == dtn::Q4_1 || F == dtn::Q4_K ? 4 : 2;
       __m256i s16[MR][NR], l16[MR][NR], s16b[MR][NR], l16b[MR][NR];
-      auto run16 = [&](int u, __m256i& acc, __m256i& run, __m256i v) {  // step u's int16 sums v into acc
+      __m256i kl[NR], kh[NR];  // Q6_K's scales as vpmaddwd's multipliers
+      // step u's int16 sums v into acc, widened by vpmaddwd with k (ones, or Q6_K's scales)
+      auto run16 = [&](int u, __m256i& acc, __m256i& run, __m256i v, __m256i k) {
         run = u % kRun == 0 ? v : _mm256_add_epi16(run, v);
-        if (u % kRun == kRun - 1) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(run, ones));
+        if (u % kRun == kRun - 1) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(run, k));
       };
       if constexpr (F == dtn::Q6_K) {  // unsigned 6-bit u (each int16 pair sum at most 2 * 63 * 127), the low
         const __m256i b45 = _mm256_set1_epi8(0x30);  // and high nibbles' sums apart (a scale per 16 weights)
+        // Each run of two steps is widened by vpmaddwd with its 16 weights' scale (lane j: sc[2 j] for the low
+        // nibbles, sc[2 j + 1] the high), so both land in one int32 lane per block: |sum| at most 4 runs * 2 * 128 *
+        // 2 * 2 * 63 * 127 (33M; as a float, rounded once past 2^24). The float epilogue then scales one vector by
+        // d instead of two by d sc (the bits are the same for a row alone or in a batch: the same ops per row).
+        const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+        const __m128i odd = _mm_add_epi8(even, _mm_set1_epi8(1));
+        for (int n = 0; n < NR; ++n) {
+          const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[n] + h * G::kblock + 2));
+          kl[n] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, even));
+          kh[n] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, odd));
+        }
         for (int u = 0; u < 4; ++u) {
           __m256i wl[NR], wh[NR];
           for (int n = 0; n < NR; ++n) {
@@ -353,11 +366,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           for (int m = 0; m < MR; ++m) {  // two steps' int16 pair sums added (at most 2 * 2 * 63 * 127) first
             const auto [al, ah, ll, lh] = step_levels(ag + m * rs, u, st);
             for (int n = 0; n < NR; ++n) {
-              run16(u, is[m][n], s16[m][n], _mm256_maddubs_epi16(wl[n], al));
-              run16(u, is2[m][n], s16b[m][n], _mm256_maddubs_epi16(wh[n], ah));
+              run16(u, is[m][n], s16[m][n], _mm256_maddubs_epi16(wl[n], al), kl[n]);
+              run16(u, is[m][n], s16b[m][n], _mm256_maddubs_epi16(wh[n], ah), kh[n]);
               if constexpr (LO) {
-                run16(u, il[m][n], l16[m][n], _mm256_maddubs_epi16(wl[n], ll));
-                run16(u, il2[m][n], l16b[m][n], _mm256_maddubs_epi16(wh[n], lh));
+                run16(u, il[m][n], l16[m][n], _mm256_maddubs_epi16(wl[n], ll), kl[n]);
+                run16(u, il[m][n], l16b[m][n], _mm256_maddubs_epi16(wh[n], lh), kh[n]);
               }
             }
           }
@@ -436,26 +449,23 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                   il[m][n] = _mm256_add_epi32(il[m][n], _mm256_add_epi32(dot_w<true>(wl[n], ll), dot_w<true>(wh[n], lh)));
               } else {  // each int16 is at most 2 * 31 * 127 per product: kRun steps' sums fit (run16)
                 run16(u, is[m][n], s16[m][n],
-                      _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)));
+                      _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones);
                 if constexpr (LO)
                   run16(u, il[m][n], l16[m][n],
-                        _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)));
+                        _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), ones);
               }
             }
           }
         }
       }
-      __m256 dw[NR], mw[NR];
+      __m256 dw[NR], mw[NR], dq[NR];
       for (int n = 0; n < NR; ++n) {
-        if constexpr (F == dtn::Q6_K) {  // d sc per 16 weights: dw the low nibbles' (sc[2 j]), mw the high's
-          const uint8_t* sb = p[n] + h * G::kblock;
+        if constexpr (F == dtn::Q6_K) {  // d, and sc per 16 weights for the offset (kl's lane j: sc[2 j] twice)
           uint16_t d16;
-          std::memcpy(&d16, sb, 2);
-          const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 2)),
-                                              _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-          const __m256 d = _mm256_set1_ps(_cvtsh_ss(d16));
-          dw[n] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-          mw[n] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+          std::memcpy(&d16, p[n] + h * G::kblock, 2);
+          dq[n] = _mm256_set1_ps(_cvtsh_ss(d16));
+          dw[n] = _mm256_cvtepi32_ps(_mm256_srai_epi32(kl[n], 16));
+          mw[n] = _mm256_cvtepi32_ps(_mm256_srai_epi32(kh[n], 16));
         } else if constexpr (F == dtn::IQ4_XS) {  // (d sc) level per sub-block
           const uint8_t* sb = p[n] + h * G::kblock;
           uint16_t d16;
@@ -488,13 +498,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             continue;
           }
           const __m256 t = _mm256_mul_ps(LO ? levels256(is[m][n], il[m][n]) : _mm256_cvtepi32_ps(is[m][n]), da);
-          if constexpr (F == dtn::Q6_K) {  // (d sc) (u - 32) per 16 weights: - 32 meets the halves' sums
+          if constexpr (F == dtn::Q6_K) {  // d (sc u a - 32 sc (sum a)) per 16 weights
             const float* hs = a.sh + (m0 + m) * a.nsg * 32 + g * 32 + 8 * h;
-            const __m256 t2 = _mm256_mul_ps(LO ? levels256(is2[m][n], il2[m][n]) : _mm256_cvtepi32_ps(is2[m][n]), da);
-            const __m256 k32 = _mm256_set1_ps(-32.f);
-            const __m256 lo_ = _mm256_fmadd_ps(_mm256_loadu_ps(hs), k32, t);
-            const __m256 hi_ = _mm256_fmadd_ps(_mm256_loadu_ps(hs + 16), k32, t2);
-            acc[m][n] = _mm256_fmadd_ps(hi_, mw[n], _mm256_fmadd_ps(lo_, dw[n], acc[m][n]));
+            const __m256 o = _mm256_fmadd_ps(_mm256_loadu_ps(hs + 16), mw[n],
+                                             _mm256_mul_ps(_mm256_loadu_ps(hs), dw[n]));
+            acc[m][n] = _mm256_fmadd_ps(_mm256_fmadd_ps(o, _mm256_set1_ps(-32.f), t), dq[n], acc[m][n]);
           } else if constexpr (G::scales == 2) {  // Q4_1, Q5_1: d u + m
             acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (!G::signed_q) {  // Q4_0, Q5_0: d (u + offset)
