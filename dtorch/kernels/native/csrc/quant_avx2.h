@@ -266,28 +266,42 @@ static inline StepLevels step_levels(const int8_t* am, int u, int64_t st) {
 // the products. One-row products, one thread, a 2-core AVX2 VM without AVX-512 (busy: load 5-9), alternating runs
 // against the same process's plain read, 2-4 rounds: Q8_0 [151936, 896] 0.16-0.23 -> 0.47-0.73 of the read,
 // [262144, 640] 0.23-0.29 -> 0.31-0.48, [4864, 896] 0.16-0.31 -> 0.33-0.79, [896, 4864] 0.20-0.27 -> 0.32-0.62,
-// [2048, 8192] 0.19-0.41 -> 0.40-0.73 (the two levels' integer work was the bound: 1.5-2.5x the speed).
+// [2048, 8192] 0.19-0.41 -> 0.40-0.73 (the two levels' integer work was the bound: 1.5-2.5x the speed). x is laid out
+// as vpunpck{l,h}bw widen a step's 32 bytes (no vpmovzxbw per 16 bytes, no vpermd after each half's hadd): hot-cache
+// one-row products at K = 2048-4864 4-5.6 -> 6.4-7.7 GB/s, decode (1 thread) Qwen2.5-0.5B Q8_0 7.1 -> 8.2 tok/s,
+// Gemma3-270M 12.8 -> 14.8 (same VM, load 4-5, alternating runs).
 struct X16Act {
-  const int16_t* q;     // row r: q + r * nsg * 512, super-group g at g * 512 as SGAct's hi levels ([u][j][4])
+  const int16_t* q;     // row r: q + r * nsg * 512, super-group g at g * 512: step u, half h at 64 u + 32 h, its
+                        // blocks' 4 values in the order [0 1 4 5 2 3 6 7] (as vpunpck{l,h}bw take a step's weights);
+                        // a last super-group's half of 1-4 blocks in order (vpmovzxbw of 16 bytes)
   const int32_t* corr;  // row r: corr + r * nsg * 16 + 16 g + j: 128 * the sum of block 16 g + j's values
   int64_t nsg;          // super-groups a row, as SGAct's
 };
 
-// rows 0..M-1 of a (both levels, nb blocks a row) as X16Act in q [M * a.nsg * 512] and corr [M * a.nsg * 16] (a last
-// super-group of under 16 blocks at its period P, as a's: step u of block j at 4 (u P + j))
+// rows 0..M-1 of a (both levels, nb blocks a row) as X16Act in q [M * a.nsg * 512] and corr [M * a.nsg * 16]; a last
+// super-group of S < 16 blocks (a's at its period P: step u of block j at 4 (u P + j)) at the whole groups' period,
+// zeros for blocks S..15
 static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int32_t* corr) {
+  static constexpr int kSlot[2][8] = {{0, 1, 4, 5, 2, 3, 6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}};  // slot k: block kSlot[k]
   const int64_t nsg = a.nsg;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < nsg; ++g) {
-      const int P = sg_period(int(nb - g * 16 < 16 ? nb - g * 16 : 16));
+      const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16), P = sg_period(S);
       const int8_t* hi = a.q + (m * nsg + g) * 1024;
       int16_t* o = q + (m * nsg + g) * 512;
       int32_t* c = corr + (m * nsg + g) * 16;
       for (int j = 0; j < 16; ++j) c[j] = 0;
-      for (int i = 0; i < 512; ++i) {  // byte i: step i / (4 P), block (i / 4) % P
-        o[i] = int16_t(254 * hi[i] + hi[512 + i]);
-        c[(i / 4) % P] += 128 * o[i];
-      }
+      for (int u = 0; u < 8; ++u)
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 8; ++k) {
+            const int j = 8 * h + kSlot[S - 8 * h <= 4][k];
+            for (int e = 0; e < 4; ++e) {
+              const int i = 4 * (u * P + j) + e;
+              const int16_t v = j < S ? int16_t(254 * hi[i] + hi[512 + i]) : int16_t(0);
+              o[64 * u + 32 * h + 4 * k + e] = v;
+              c[j] += 128 * v;
+            }
+          }
     }
   return {q, corr, nsg};
 }
@@ -375,29 +389,38 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             }
           }
         }
-      } else if constexpr (F == dtn::Q8_0 && LO) {  // is: blocks 0..3 of the half, 2 lanes each; il: 4..7
-        for (int u = 0; u < 8; ++u) {
-          // a last super-group's half of cnt < 8 blocks: its quants masked (read as 0), blocks 4.. skipped under 5
-          __m256i w0[NR], w1[NR];
-          const bool two = cnt > 4;
+      } else if constexpr (F == dtn::Q8_0 && LO) {  // is: blocks [0 1 | 4 5], 2 lanes each; il: [2 3 | 6 7]
+        const __m256i z = _mm256_setzero_si256();
+        for (int u = 0; cnt <= 4 && u < 8; ++u) {  // a last half of 1-4 blocks: 16 bytes a step, x in order
+          __m256i w0[NR];
           for (int n = 0; n < NR; ++n) {
             const uint8_t* q = p[n] + qoff + u * 4 * S + 32 * h;
-            auto load = [&](const uint8_t* at, int c) {
-              const __m128i v = c >= 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(at))
-                                       : _mm_maskload_epi32(reinterpret_cast<const int*>(at), _mm256_castsi256_si128(
-                                             lanes_mask(c)));
-              return _mm256_cvtepu8_epi16(v);
-            };
-            w0[n] = load(q, cnt);
-            if (two) w1[n] = load(q + 16, cnt - 4);
+            w0[n] = _mm256_cvtepu8_epi16(cnt == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(q))
+                                                  : _mm_maskload_epi32(reinterpret_cast<const int*>(q),
+                                                                       _mm256_castsi256_si128(lm)));
           }
           for (int m = 0; m < MR; ++m) {
-            const int16_t* xa = xw->q + ((m0 + m) * xw->nsg + g) * 512 + u * st + 32 * h;
-            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa));
+            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                xw->q + ((m0 + m) * xw->nsg + g) * 512 + 64 * u + 32 * h));
             for (int n = 0; n < NR; ++n) is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(w0[n], x0));
-            if (two) {
-              const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 16));
-              for (int n = 0; n < NR; ++n) il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(w1[n], x1));
+          }
+        }
+        for (int u = 0; cnt > 4 && u < 8; ++u) {
+          __m256i w0[NR], w1[NR];  // a last super-group's half of cnt < 8 blocks: its quants masked (read as 0)
+          for (int n = 0; n < NR; ++n) {
+            const uint8_t* q = p[n] + qoff + u * 4 * S + 32 * h;
+            const __m256i v = cnt == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
+                                       : _mm256_maskload_epi32(reinterpret_cast<const int*>(q), lm);
+            w0[n] = _mm256_unpacklo_epi8(v, z);
+            w1[n] = _mm256_unpackhi_epi8(v, z);
+          }
+          for (int m = 0; m < MR; ++m) {
+            const int16_t* xa = xw->q + ((m0 + m) * xw->nsg + g) * 512 + 64 * u + 32 * h;
+            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa));
+            const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 16));
+            for (int n = 0; n < NR; ++n) {
+              is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(w0[n], x0));
+              il[m][n] = _mm256_add_epi32(il[m][n], _mm256_madd_epi16(w1[n], x1));
             }
           }
         }
@@ -487,12 +510,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         const __m256 da = _mm256_loadu_ps(a.d + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         const __m256 sa = _mm256_loadu_ps(a.s + (m0 + m) * a.nsg * 16 + g * 16 + 8 * h);
         for (int n = 0; n < NR; ++n) {
-          if constexpr (F == dtn::Q8_0 && LO) {  // hadd: blocks [0 1 4 5 | 2 3 6 7]; x16 is 254 x
-            const __m256i perm = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+          if constexpr (F == dtn::Q8_0 && LO) {  // hadd: blocks 0..7 in order (1-4: [0 1 - - 2 3 - -]); x16 is 254 x
             const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                 xw->corr + (m0 + m) * xw->nsg * 16 + g * 16 + 8 * h));
-            const __m256i sum = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(_mm256_hadd_epi32(is[m][n], il[m][n]),
-                                                                             perm), c);
+            __m256i sum = _mm256_hadd_epi32(is[m][n], il[m][n]);
+            if (cnt <= 4) sum = _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+            sum = _mm256_sub_epi32(sum, c);
             const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(da, _mm256_set1_ps(1.f / 254.f)));
             acc[m][n] = _mm256_fmadd_ps(dw[n], t, acc[m][n]);
             continue;
