@@ -339,6 +339,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
     auto group = [&](auto st) {  // st: activation bytes per step (a constant for whole super-groups)
     for (int h = 0; h * 8 < S; ++h) {  // S is 16, or 8 (a K-quant's lone last super-block): every half is whole,
       const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;  // but Q8_0's last super-group (any S, summed in its rows)
+      const __m256i lm = lanes_mask(cnt);              // is partial: its blocks' lanes
       const int8_t* ag = a.q + m0 * rs + g * 1024 + 32 * h;  // hi levels, then lo at + 512
       __m256i is[MR][NR], il[MR][NR];  // the hi and lo levels' int32 sums, lane j: block j
       for (int m = 0; m < MR; ++m)
