@@ -143,10 +143,12 @@ def _nucleus(row: Row, top: float, ids: torch.Tensor | None, top_p: float) -> to
     """Ids of the support (``ids``, or every token) kept while the probability ranked above them is below top_p;
     the most likely always stays. Probabilities are the softmax over the support."""
     if ids is not None:
-        return _nucleus_of(ids, torch.softmax(row.at(ids), dim=-1), top_p)
+        probs = torch.softmax(row.at(ids), dim=-1)
+        return _nucleus_of(ids, probs, top_p * float(torch.sum(probs, dtype=torch.float64)))
     z = row.z()
     probs = _softmax(z)  # [V]: a pool's mass needs the whole distribution's sum
-    need = top_p + MASS_MARGIN
+    mass = top_p * float(torch.sum(probs, dtype=torch.float64))  # top_p of what the float32 softmax sums to
+    need = mass + MASS_MARGIN
     c = int(row.cmax.argmax())  # the top logit's chunk: p_top = exp(top - lse)
     lse = top - math.log(float(probs[c * CHUNK:(c + 1) * CHUNK].max()))  # ln p_j = z_j - lse
     pool = _at_least(row, probs, lse, FLOOR)  # at most 1 / FLOOR tokens
@@ -159,7 +161,7 @@ def _nucleus(row: Row, top: float, ids: torch.Tensor | None, top_p: float) -> to
         if pool is None or pool.shape[0] * SORT_ABOVE > z.shape[0] \
                 or float(probs[pool].sum()) < need:
             pool = torch.arange(z.shape[0], device=z.device)  # flatter still: rank the vocabulary
-    return _nucleus_of(pool, probs[pool], top_p)
+    return _nucleus_of(pool, probs[pool], mass)
 
 
 def _at_least(row: Row, probs: torch.Tensor, lse: float, p: float) -> torch.Tensor:
@@ -181,12 +183,14 @@ def _mass_floor(probs: torch.Tensor, need: float) -> float | None:
     return None if i >= NBINS else struct.unpack("<f", struct.pack("<i", (NBINS - 1 - i) << BIN_SHIFT))[0]
 
 
-def _nucleus_of(ids: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def _nucleus_of(ids: torch.Tensor, probs: torch.Tensor, mass: float) -> torch.Tensor:
     """The nucleus of a pool: ids [P] and their probabilities [P] (of the row's distribution; the pool holds every
-    token of the nucleus)."""
+    token of the nucleus); ``mass``: top_p times the distribution's float32 probabilities' sum (torch's vectorized
+    softmax sums to 1 within ~2e-5 by CPU: over a flat nucleus of thousands that moves its edge), the mass above a
+    kept token is below it."""
     order = torch.sort(probs, descending=True, stable=True).indices
-    ranked = probs[order]
-    drop = (torch.cumsum(ranked, dim=-1) - ranked) >= top_p  # the cumulative sum only grows: a prefix stays
+    ranked = probs[order].double()
+    drop = (torch.cumsum(ranked, dim=-1) - ranked) >= mass  # the cumulative sum only grows: a prefix stays
     drop[0] = False  # a top_p under float32's range (1e-300 is 0) would drop it too
     return ids[order[~drop]]
 
