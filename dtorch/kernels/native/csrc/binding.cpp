@@ -340,6 +340,19 @@ void panel_product(at::Tensor& yv, const at::Tensor& x, const at::Tensor& w, con
 // caller wants as precise as a lone decode's (a speculative step's verified rows).
 constexpr int64_t kOneLevelRows = 4;
 
+// M rows of x's super-group activations in this thread's workspace, one or two levels as qlinear's one_level asks
+static dtn::SGAct sg_act(int64_t M, int64_t K, int one_level) {
+  Workspace& ws = t_ws;
+  const int64_t nsg = (K / 32 + 15) / 16;
+  if (int64_t(ws.q.size()) < M * nsg * 1024) ws.q.resize(size_t(M * nsg * 1024));
+  if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
+  if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
+  if (int64_t(ws.halves.size()) < M * nsg * 32) ws.halves.resize(size_t(M * nsg * 32));
+  const int levels = one_level == 2 || (one_level && M >= kOneLevelRows) ? 1 : 2;
+  const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg, ws.halves.data(), levels};
+  return a;
+}
+
 // y [M, N] = x [M, K] @ dequant(w).T (+ bias) through panels of kPanel bytes of float32 weights: 512 KB on one
 // thread (they stay in L2; larger panels measured no faster), more on several, where oneDNN splits each panel's
 // product among the threads and small products do not pay for it (two threads, 128-row Q8_0 prompts of a
@@ -413,14 +426,8 @@ void qlinear_x16(const dtn::Table* tb, int base, const at::Tensor& x, const at::
     });
     return;
   }
-  Workspace& ws = t_ws;
-  const int64_t nsg = (K / 32 + 15) / 16;
-  if (int64_t(ws.q.size()) < M * nsg * 1024) ws.q.resize(size_t(M * nsg * 1024));
-  if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
-  if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
-  if (int64_t(ws.halves.size()) < M * nsg * 32) ws.halves.resize(size_t(M * nsg * 32));
-  const int levels = one_level == 2 || (one_level && M >= kOneLevelRows) ? 1 : 2;
-  const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg, ws.halves.data(), levels};
+  Workspace& ws = t_ws;  // (the caller's: the workers quantize x into it)
+  const dtn::SGAct a = sg_act(M, K, one_level);
   const dtn::QWeight qw{int(base == dtn::Q5_0 ? dtn::Q5_0X16 : dtn::Q8_0X16), K, wp, rb, nullptr, 0, nullptr, 0};
   const void* xp = x.data_ptr();
   const char* bp = bias ? static_cast<const char*>(bias->data_ptr()) : nullptr;
@@ -429,7 +436,7 @@ void qlinear_x16(const dtn::Table* tb, int base, const at::Tensor& x, const at::
   const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 18) / (16 * rb));  // groups turned back at a time
   Py_BEGIN_ALLOW_THREADS
   parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {
-    tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data(), ws.halves.data(), levels);
+    tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data(), ws.halves.data(), a.levels);
   });
   parallel_rows(G, 16 * M * K, [&](int64_t g0, int64_t g1) {
     if (tb->x16_decode(qw, a, M, g0, g1, bp, yp, xdt, N)) return;
@@ -504,16 +511,10 @@ ENTRY(py_qlinear)
   }
   Workspace& ws = t_ws;
   if (dtn::super_grouped(int(fmt))) {  // super-groups of 16 blocks (the K-quants: 2 super-blocks of 8)
-    const int64_t nsg = (K / 32 + 15) / 16;
-    if (int64_t(ws.q.size()) < M * nsg * 1024) ws.q.resize(size_t(M * nsg * 1024));
-    if (int64_t(ws.darep.size()) < M * nsg * 16) ws.darep.resize(size_t(M * nsg * 16));
-    if (int64_t(ws.asum.size()) < M * nsg * 16) ws.asum.resize(size_t(M * nsg * 16));
-    if (int64_t(ws.halves.size()) < M * nsg * 32) ws.halves.resize(size_t(M * nsg * 32));
-    const int levels = one_level == 2 || (one_level && M >= kOneLevelRows) ? 1 : 2;
-    const dtn::SGAct a{ws.q.data(), ws.darep.data(), ws.asum.data(), nsg, ws.halves.data(), levels};
+    const dtn::SGAct a = sg_act(M, K, one_level);
     Py_BEGIN_ALLOW_THREADS
     parallel_rows(M, 4 * K, [&](int64_t r0, int64_t r1) {
-      tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data(), ws.halves.data(), levels);
+      tb->quantize_sg(xp, xdt, K, r0, r1, K, ws.q.data(), ws.darep.data(), ws.asum.data(), ws.halves.data(), a.levels);
     });
     parallel_rows_claimed(N, M * K, [&](int64_t n0, int64_t n1) { tb->qgemm_sg(qw, a, M, n0, n1, bp, yp, xdt, N); });
     Py_END_ALLOW_THREADS
