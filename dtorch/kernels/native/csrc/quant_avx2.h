@@ -677,6 +677,101 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   }
 }
 
+// The last super-group of S < 16 blocks of two weight rows (an unsigned 4- or 5-bit 32-block format: Q4_0, Q4_1,
+// Q5_0, Q5_1) against row m of x, in chunks of 4 blocks: each vector holds the first row's 16 bytes of a step in its
+// low 128 bits and the second row's in its high (x's 16 bytes of the step in both), so a chunk of the two rows costs
+// what a half of one row does, where sg_tails256 transposes 8 rows' quants and decodes them for one row of x, and the
+// tiles' half-groups would pay a whole half for the last 4 (S = 12: K = 896) or all 4 (S = 4: K = 640, 1152) blocks.
+// A chunk of cnt < 4 blocks (S % 4) reads its quants, high bits and scales as zeros from block cnt on. Every lane
+// takes the same operations, and each row's 4 lanes are added alike, so a row gets the same bits as either row
+// (an odd last row goes in both). MR rows of x from m0 share each decoded vector; out[r][0], out[r][1]: the weight
+// rows' sums against row m0 + r.
+template <int F, int MR, bool LO>
+static inline void sg_last_pair256(const uint8_t* r0, const uint8_t* r1, const SGAct& a, int64_t m0, int64_t nb,
+                                   float (&out)[MR][2]) {
+  using G = SG<F>;
+  const int64_t g = nb / 16;
+  const int S = int(nb - g * 16), P = sg_period(S);
+  const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes, st = 4 * P;
+  const uint8_t* p0 = r0 + g * 16 * G::bytes;
+  const uint8_t* p1 = r1 + g * 16 * G::bytes;
+  const int64_t rs = a.nsg * 1024, ars = a.nsg * 16;
+  const int8_t* ag = a.q + (m0 * a.nsg + g) * 1024;
+  const float* ad = a.d + (m0 * a.nsg + g) * 16;
+  const float* as = a.s + (m0 * a.nsg + g) * 16;
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), b4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int c = 0; c * 4 < S; ++c) {
+    const int cnt = S - 4 * c < 4 ? S - 4 * c : 4;
+    const __m128i lm = _mm_cmpgt_epi32(_mm_set1_epi32(cnt), _mm_setr_epi32(0, 1, 2, 3));
+    auto pair = [&](int64_t off) {  // 16 bytes at off of each row (masked to cnt dwords: the row may end there)
+      const __m128i* a0 = reinterpret_cast<const __m128i*>(p0 + off);
+      const __m128i* a1 = reinterpret_cast<const __m128i*>(p1 + off);
+      if (cnt == 4) return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(a0)), _mm_loadu_si128(a1), 1);
+      return _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_maskload_epi32(reinterpret_cast<const int*>(a0), lm)),
+          _mm_maskload_epi32(reinterpret_cast<const int*>(a1), lm), 1);
+    };
+    auto x16 = [&](int r, int64_t off) {  // row m0 + r of x: its 16 bytes at off, in both halves
+      return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ag + r * rs + off)));
+    };
+    __m256i hv = _mm256_setzero_si256();
+    if constexpr (G::hbytes != 0) hv = pair(hoff + 16 * c);
+    constexpr int kRun = F == dtn::Q4_0 || F == dtn::Q4_1 ? 4 : 2;  // as sg_tile256's run16
+    __m256i is[MR], il[MR], s16[MR], l16[MR];
+    for (int r = 0; r < MR; ++r) is[r] = il[r] = s16[r] = l16[r] = _mm256_setzero_si256();
+    for (int u = 0; u < 4; ++u) {
+      const __m256i v = pair(qoff + u * 4 * S + 16 * c);
+      __m256i wl = _mm256_and_si256(v, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      if constexpr (G::hbytes != 0) {  // bit u of each byte is the low nibble's fifth bit, bit 4 + u the high's
+        wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hv, 4 - u), b4));
+        wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_srli_epi16(hv, u), b4));
+      }
+      const int64_t xo = u * st + 16 * c, xh = (u + 4) * st + 16 * c;
+      for (int r = 0; r < MR; ++r) {
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(wl, x16(r, xo)), _mm256_maddubs_epi16(wh, x16(r, xh)));
+        s16[r] = u % kRun == 0 ? t : _mm256_add_epi16(s16[r], t);
+        if constexpr (LO) {
+          const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(wl, x16(r, 512 + xo)),
+                                              _mm256_maddubs_epi16(wh, x16(r, 512 + xh)));
+          l16[r] = u % kRun == 0 ? tl : _mm256_add_epi16(l16[r], tl);
+        }
+        if (u % kRun == kRun - 1) {
+          is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s16[r], ones));
+          if constexpr (LO) il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(l16[r], ones));
+        }
+      }
+    }
+    auto scales = [&](int64_t off) {  // 4 fp16 of each row (zeros from cnt on), as 8 floats
+      uint64_t h0 = 0, h1 = 0;
+      std::memcpy(&h0, p0 + off, 8);
+      std::memcpy(&h1, p1 + off, 8);
+      const uint64_t keep = cnt == 4 ? ~uint64_t(0) : (uint64_t(1) << (16 * cnt)) - 1;
+      return _mm256_cvtph_ps(_mm_set_epi64x(int64_t(h1 & keep), int64_t(h0 & keep)));
+    };
+    const __m256 dw = scales(8 * c), mw = G::scales == 2 ? scales(2 * S + 8 * c) : dw;
+    for (int r = 0; r < MR; ++r) {
+      const __m256 da = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(ad + r * ars + 4 * c));
+      const __m256 sa = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(as + r * ars + 4 * c));
+      const __m256 t = _mm256_mul_ps(LO ? levels256(is[r], il[r]) : _mm256_cvtepi32_ps(is[r]), da);
+      if constexpr (G::scales == 2) {  // Q4_1, Q5_1: d u + m
+        acc[r] = _mm256_fmadd_ps(mw, sa, _mm256_fmadd_ps(t, dw, acc[r]));
+      } else {  // Q4_0, Q5_0: d (u + offset)
+        acc[r] = _mm256_fmadd_ps(dw, _mm256_fmadd_ps(sa, _mm256_set1_ps(G::offset), t), acc[r]);
+      }
+    }
+  }
+  auto hsum4 = [](__m128 v) {
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+  };
+  for (int r = 0; r < MR; ++r) {
+    out[r][0] = hsum4(_mm256_castps256_ps128(acc[r]));
+    out[r][1] = hsum4(_mm256_extractf128_ps(acc[r], 1));
+  }
+}
+
 // Rows n0..n1 of w against M rows of x in MR x 2 tiles (the two weight rows decoded once for MR rows of x), the rows
 // kAhead on prefetched; LO: both levels of x. A 32-block format's last super-group of under 16 blocks is summed by
 // sg_tails256 for 8 weight rows at a time after their tiles (the rows are in cache then), and y = (tiles' sum +
@@ -772,7 +867,30 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
         part[m * kChunk + n - nc] = o[0][0];
       }
     }
-    sg_tails256<F, LO>(w, a, M, nc, ne, pre, kChunk);
+    if constexpr (F == dtn::Q4_0 || F == dtn::Q4_1 || F == dtn::Q5_0 || F == dtn::Q5_1) {
+      for (int64_t n = nc; n < ne; n += 2) {  // (an odd last row in both halves)
+        const uint8_t* r0 = w.qs + n * w.qs_row;
+        const uint8_t* r1 = n + 1 < ne ? r0 + w.qs_row : r0;
+        auto put = [&](int64_t m, const float* o) {
+          pre[m * kChunk + n - nc] = o[0];
+          if (n + 1 < ne) pre[m * kChunk + n + 1 - nc] = o[1];
+        };
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+          float o[2][2];
+          sg_last_pair256<F, 2, LO>(r0, r1, a, m, w.K / 32, o);
+          put(m, o[0]);
+          put(m + 1, o[1]);
+        }
+        for (; m < M; ++m) {
+          float o[1][2];
+          sg_last_pair256<F, 1, LO>(r0, r1, a, m, w.K / 32, o);
+          put(m, o[0]);
+        }
+      }
+    } else {
+      sg_tails256<F, LO>(w, a, M, nc, ne, pre, kChunk);
+    }
     store_with_tails(part, pre, kChunk, M, nc, ne, bias, y, ydt, ldy);
   }
 }
