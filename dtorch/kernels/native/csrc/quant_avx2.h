@@ -773,9 +773,10 @@ static inline void sg_last_pair256(const uint8_t* r0, const uint8_t* r1, const S
 }
 
 // Rows n0..n1 of w against M rows of x in MR x 2 tiles (the two weight rows decoded once for MR rows of x), the rows
-// kAhead on prefetched; LO: both levels of x. A 32-block format's last super-group of under 16 blocks is summed by
-// sg_tails256 for 8 weight rows at a time after their tiles (the rows are in cache then), and y = (tiles' sum +
-// tails) + bias for every row count alike; Q8_0's against both levels is summed in its rows instead (X16Act).
+// kAhead on prefetched; LO: both levels of x. A 32-block format's last super-group of under 16 blocks is summed
+// after the tiles of 8 weight rows (the rows are in cache then): Q4_0, Q4_1, Q5_0 and Q5_1 two rows a vector
+// (sg_last_pair256), the others by sg_tails256 for the 8 rows at a time; y = (tiles' sum + tails) + bias for every
+// row count alike. Q8_0's against both levels is summed in its rows instead (X16Act).
 // Decode (under 4 rows of x) streams the rows instead: the first tile of x asks for each super-group's bytes
 // kStreamAhead on (rounded up to whole pairs of rows, which are read side by side) as it reads it. Cold one-row
 // products, one thread, AVX2 forced on this Zen 4 (same-run A/B, medians, a loaded machine: 2 cores, load 3-4.5):
