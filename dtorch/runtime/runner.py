@@ -353,8 +353,9 @@ class Runner:
         static plan on one CPU), else None. A caller may write a feed's values into its buffer and pass the buffer
         itself as that feed: the run then copies nothing for it (a decode step's few feeds, written with numpy, skip a
         dozen torch calls that each cost ~10-100 us right after a step has streamed the weights through the caches).
-        The buffers stay where they are for the Runner's life."""
-        if not (self.static and self._one_cpu):
+        The buffers stay where they are for the Runner's life. None too while host reads are forbidden (numpy views
+        count as reads there: such a run takes the checked path, feeds included)."""
+        if not (self.static and self._one_cpu) or hostsync.ON or hostsync.forbidding():
             return None
         if self._feed_buffers is None:
             i = self.local_ids[0]
