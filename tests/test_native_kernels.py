@@ -35,6 +35,7 @@ from dtorch.kernels.torch import (
     llm as torch_llm,
     moe as torch_moe,
 )
+from dtorch.ops.binary import mul
 
 _REASON = nk.unavailable_reason()
 # the tests of the compiled kernels; the layouts and the fallback path run without them
@@ -603,6 +604,29 @@ def test_softmax_last_dim(dtype, isa):
         wide = torch.cat([x, x], -1)[..., : shape[-1]]  # row stride 2 N
         mod.softmax_last_dim(wide, wide)  # in place
         torch.testing.assert_close(wide, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mul_scalar_is_torchs_product(dtype, isa):
+    """The DTN_OP row mul_scalar (binary.mul_scalar): torch.mul by a Python number, bit for bit (one product, the
+    number in float32, rounded once), on contiguous rows, rows one stride apart, in place, and through the dispatcher
+    (Gemma's embedding scale, rounded to the model's dtype first)."""
+    mod = nk.load()
+    torch.manual_seed(4)
+    value = float(torch.tensor(640 ** 0.5, dtype=dtype))
+    for shape in [(1, 640), (3, 33), (2, 2, 1157)]:
+        x = (8 * torch.randn(shape)).to(dtype)
+        x.view(-1)[:3] = torch.tensor([float("inf"), float("nan"), -0.0])
+        want = torch.mul(x, value)
+        out = torch.empty_like(x)
+        mod.mul_scalar(x, out, value)
+        torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+        wide = torch.cat([x, x], -1)[..., : shape[-1]]  # row stride 2 N
+        mod.mul_scalar(wide, wide, value)  # in place
+        torch.testing.assert_close(wide, want, rtol=0, atol=0, equal_nan=True)
+    exp = Dispatcher().explain(KernelKey("binary.mul_scalar", "cpu", dtype))
+    assert exp.winner is not None and exp.winner.provider == "native", str(exp)
+    torch.testing.assert_close(mul(x, value), want, rtol=0, atol=0, equal_nan=True)
 
 
 @native

@@ -19,7 +19,14 @@ from transformers.generation.logits_process import (
 )
 
 import dtorch
-from dtorch.engine.sampling import SamplingParams, apply_penalties, filter_logits, sample, sample_step
+from dtorch.engine.sampling import (
+    SamplingParams,
+    apply_penalties,
+    argmax_rows,
+    filter_logits,
+    sample,
+    sample_step,
+)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
@@ -351,6 +358,28 @@ def test_fast_path_is_argmax_without_logprobs():
     logits = torch.randn(5, 30)
     tokens, lps = sample_step(logits, [SamplingParams(temperature=0.0)] * 5, [None] * 5, [[1, 2]] * 5, [[3]] * 5)
     assert tokens == logits.argmax(-1).tolist() and lps == [None] * 5
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    nan, inf = math.nan, math.inf
+    x = torch.randn(6, 151_936, generator=torch.Generator().manual_seed(3))
+    x[1, 7], x[1, 90_000] = nan, nan  # the first NaN wins
+    x[2] = x[2].round()  # many ties: the first of the largest
+    x[3] = -inf
+    x[4, 5], x[4, 6], x[4, 100] = inf, inf, nan
+    x[5, 0], x[5, 1] = -0.0, 0.0
+    x[5, 2:] = -1.0
+    small = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 0.0], [-inf, -inf, -inf, -inf], [0.0, -0.0, -0.0, 0.0]])
+    return [x, x[:, 1000:], x[:, ::3], x.T.contiguous().T, x[2], small, x[1:2]]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_argmax_rows_is_torch_argmax(case):
+    """The numpy route gives torch.argmax's index: ties, NaNs (the first), infinities, -0.0, strided and 1-D rows."""
+    x = _argmax_cases()[case]
+    want = torch.argmax(x, dim=-1)
+    assert argmax_rows(x) == ([int(want)] if x.dim() == 1 else want.tolist())
+    assert argmax_rows(x.to(torch.bfloat16)) == torch.argmax(x.to(torch.bfloat16), dim=-1).reshape(-1).tolist()
 
 
 def test_an_unknown_field_is_a_sampling_error_with_a_suggestion():

@@ -198,3 +198,31 @@ def test_step_feeds_match_the_plan_and_refuse_too_many_blocks(llama):
     assert torch.equal(one["cos"], ex.model.rope_table[bs + 2:bs + 3, 0])
     with pytest.raises(ModelError, match="more than the cache's"):
         ex.feeds(StepPlan([7], [1], [0], [[0] * (m + 1)]), bucket_for(1, 1))
+
+
+@pytest.mark.parametrize("case", ["padded", "decode", "two decodes", "speculative rows"])
+def test_feeds_written_into_the_runner_buffers_are_the_built_ones(llama, case):
+    """A one-CPU Runner's feed buffers, written with numpy (``Executor.feeds(into=...)``, what ``submit`` does once a
+    bucket's Runner is built), hold exactly the feeds built with torch, and are the feeds (the run copies nothing)."""
+    from dtorch.models.bucket import bucket_for
+    from dtorch.models.executor import StepPlan
+
+    _, llm = llama
+    ex = llm.executor
+    bs = ex.cache.block_size
+    plan, bucket = {
+        "padded": (StepPlan([7, 1, 2, 3], [1, 3], [bs + 2, 0], [[-1, 3], [5]]), bucket_for(4, 2)),
+        "decode": (StepPlan([7], [1], [bs + 2], [[2, 4]]), bucket_for(1, 1)),
+        "two decodes": (StepPlan([7, 9], [1, 1], [bs + 2, 5], [[2, 4], [6]]), bucket_for(2, 2)),
+        "speculative rows": (StepPlan([7, 8, 9, 4], [3, 1], [bs - 1, 2], [[2, 4], [6]], logits=[3, 1]),
+                             bucket_for(4, 2, rows=4)),
+    }[case]
+    built = ex.feeds(plan, bucket)
+    into = ex.runner(bucket).feed_buffers()
+    assert into is not None and set(into) == set(built)
+    for t, _ in into.values():
+        t.fill_(-7)  # every value must be written
+    written = ex.feeds(plan, bucket, into)
+    assert set(written) == set(built)
+    for name, t in written.items():
+        assert t is into[name][0] and torch.equal(t, built[name]), name

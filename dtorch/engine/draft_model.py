@@ -24,7 +24,7 @@ import torch
 
 from dtorch.core.errors import ModelError, SamplingError
 from dtorch.engine.kept import Kept, uniform
-from dtorch.engine.sampling import shape_logits
+from dtorch.engine.sampling import argmax_rows, shape_logits
 from dtorch.models.bucket import long_prompts
 from dtorch.models.executor import Executor, StepPlan
 from dtorch.models.kv_cache import KVCache
@@ -129,7 +129,7 @@ class DraftModel:
             x, _ = shape_logits(logits, [s.params for s in seqs], outs,
                                 [s.ids[:s.num_prompt] if s.params.repetition_penalty != 1.0 else () for s in seqs],
                                 banned)
-            picked = torch.argmax(x, dim=-1).tolist()
+            picked = argmax_rows(x)
             for r, (i, s) in enumerate(live):
                 if s.params.greedy:
                     continue

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dtorch.core.errors import SamplingError
@@ -333,6 +334,17 @@ def shape_logits(logits: torch.Tensor, params: Sequence[SamplingParams], output_
     return x, refused
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """The index of each row's largest value: x [B, V] -> B ints (x [V] -> one int in a list), as torch.argmax: the
+    first of equal values, a NaN above everything (its first one). A float32 CPU tensor goes through numpy's argmax,
+    whose AVX2 loop reads a 152k-262k vocabulary in 40-65 us where torch's takes 280-470 us (one thread, Zen 2)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        picked = np.argmax(x.numpy(), axis=-1)
+        return [int(picked)] if x.dim() == 1 else picked.tolist()
+    picked = torch.argmax(x, dim=-1)
+    return [int(picked)] if x.dim() == 1 else picked.tolist()
+
+
 @torch.no_grad()
 def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], output_ids: Sequence[Sequence[int]],
@@ -351,7 +363,7 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
     if not lp_rows and not any(banned or ()) and allowed is None and all(p.plain for p in params):
-        return torch.argmax(logits, dim=-1).tolist(), [None] * len(params)
+        return argmax_rows(logits), [None] * len(params)
     logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None  # [L, V]
     bans = list(banned or ()) + [()] * (len(params) - len(banned or ()))
     refused = _refusals(allowed)
@@ -368,13 +380,13 @@ def sample_step(logits: torch.Tensor, params: Sequence[SamplingParams],
             _shape(x, p, output_ids[b], prompt_ids[b], bans[b], refused.get(b))
         # a broken grammar refuses all: its matcher ends the sequence, and the argmax stands in
         if p.greedy or (b in refused and bool(refused[b].all())):
-            tokens[b] = int(torch.argmax(x))
+            tokens[b] = argmax_rows(x)[0]
             continue
         kept = keep(x, p.temperature, p.top_k, p.top_p, p.min_p, f"sample_step row {b}")
         tokens[b] = draw(x, p.temperature, kept, generators[b])
     if plain_greedy:
         rows = logits[plain_greedy] if len(plain_greedy) < len(params) else logits
-        for b, t in zip(plain_greedy, torch.argmax(rows, dim=-1).tolist(), strict=True):
+        for b, t in zip(plain_greedy, argmax_rows(rows), strict=True):
             tokens[b] = t
     if logprobs is None:
         return tokens, [None] * len(params)

@@ -28,7 +28,7 @@ import torch
 
 from dtorch.engine.kept import Kept, uniform
 from dtorch.engine.request import TokenLogprob
-from dtorch.engine.sampling import shape_logits, token_logprobs
+from dtorch.engine.sampling import argmax_rows, shape_logits, token_logprobs
 
 
 def verify(logits: torch.Tensor, seqs: Sequence, drafts: Sequence[Sequence[int]],
@@ -46,11 +46,11 @@ def verify(logits: torch.Tensor, seqs: Sequence, drafts: Sequence[Sequence[int]]
     plain = all(s.params.plain and s.params.logprobs is None and len(s.output_ids) >= s.params.min_tokens
                 for s in seqs)
     if plain:  # greedy on the raw logits: one argmax for every row
-        best = torch.argmax(logits, dim=-1).tolist()
+        best = argmax_rows(logits)
         runs = [_greedy_run(best[a:a + w], d) for a, w, d in zip(starts, widths, drafts, strict=True)]
         return runs, [[None] * len(r) for r in runs]
     x, refused = _shaped(logits, seqs, drafts, grammars)
-    best = torch.argmax(x, dim=-1).tolist()
+    best = argmax_rows(x)
     runs = []
     for s, d, q, a in zip(seqs, drafts, probs, starts, strict=True):
         if s.params.greedy:

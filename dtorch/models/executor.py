@@ -154,6 +154,7 @@ class Executor:
             self.set_trace(True)
         self.cache: KVCache | None = None
         self._has_state: bool | None = None  # _state_feed
+        self._tables: dict[int, tuple[torch.Tensor, Any]] = {}  # _numpy: RoPE tables' numpy views
         self.mirror: Any = None  # rank 0 of a served model: tells every rank each call (``ranks.Teller``)
         self.runners: dict[Bucket, Runner] = {}
         # the buckets' step buffers, shared: one step runs at a time and its logits are copied out, so a device holds
@@ -248,7 +249,9 @@ class Executor:
         n, t = len(counts), sum(counts)
         rows = sum(plan.logits) if plan.logits else n
         bucket = bucket_for(t, n, all_logits, hidden, rows, plan.long)
-        feeds = self.feeds(plan, bucket)
+        built = self.runners.get(bucket)
+        into = built.feed_buffers() if isinstance(built, Runner) and self.workers is None else None
+        feeds = self.feeds(plan, bucket, into)
         r = self.runner(bucket)
         take, want = (t if all_logits or hidden else rows), ("hidden" if hidden else "logits")
         if self.mirror is not None:
@@ -277,10 +280,13 @@ class Executor:
         self.comm.broadcast(self.local_ids[0], out, out, src=self.logits_from)
         return out
 
-    def feeds(self, plan: StepPlan, bucket: Bucket) -> dict[str, torch.Tensor]:
+    def feeds(self, plan: StepPlan, bucket: Bucket, into: dict[str, tuple[torch.Tensor, Any]] | None = None
+              ) -> dict[str, torch.Tensor]:
         """The step's padded inputs (host tensors; the Runner places them on each device). Built from Python lists
         into two host tensors (int64: ids, slot rows, state slots, last rows; int32: cu_seqlens_q, seqlens_k and the
-        block table) whose slices are the feeds: a decode step's inputs cost a few torch calls, not one per feed."""
+        block table) whose slices are the feeds: a decode step's inputs cost a few torch calls, not one per feed.
+        ``into`` (the bucket's ``Runner.feed_buffers()``): the values are written straight into those buffers with
+        numpy, and the feeds are the buffers themselves (no torch call at all)."""
         T, N = bucket.tokens, bucket.seqs
         counts, starts = list(plan.counts), list(plan.starts)
         t, n = sum(counts), len(counts)
@@ -314,6 +320,10 @@ class Executor:
         if any(len(blocks) > M for blocks in plan.blocks):
             raise ModelError(f"Executor.feeds: a sequence holds more than the cache's {M} blocks a sequence")
         head = cu + [s + c for s, c in zip(starts, counts, strict=True)] + [0] * (N - n)
+        if into is not None:
+            written = self._write_feeds(into, longs, head, plan.blocks, positions, pad, T, N, state, last_n)
+            if written is not None:
+                return written
         values = torch.tensor(head + [b for blocks in plan.blocks for b in blocks], dtype=torch.int32)
         if any(min(blocks) < 0 for blocks in plan.blocks if blocks):
             values[len(head):].clamp_(min=0)  # a block freed behind a sliding window (-1) is never read: any will do
@@ -341,6 +351,42 @@ class Executor:
         if last_n:
             feeds["last_rows"] = i64[len(longs) - last_n:]
         return feeds
+
+    def _write_feeds(self, into: dict[str, tuple[torch.Tensor, Any]], longs: list[int], head: list[int],
+                     blocks: Sequence[Sequence[int]], positions: list[int], pad: int, T: int, N: int, state: bool,
+                     last_n: int) -> dict[str, torch.Tensor] | None:
+        """``feeds``' values (its lists ``longs`` and ``head``, the sequences' blocks, the RoPE rows of
+        ``positions`` and ``pad`` padding rows) written into the buffers ``into`` ({name: (tensor, numpy view)}); the
+        feeds {name: buffer}, or None where the graph's inputs are not the ones written here."""
+        tables = {"cos": (self.model.rope_table, 0), "sin": (self.model.rope_table, 1)}
+        if self.model.rope_local_table is not None:
+            tables.update(cos_local=(self.model.rope_local_table, 0), sin_local=(self.model.rope_local_table, 1))
+        ints = {"ids": longs[:T], "slot_mapping": longs[T:2 * T], "cu_seqlens_q": head[:N + 1],
+                "seqlens_k": head[N + 1:]}
+        if state:
+            ints["state_slots"] = longs[2 * T:2 * T + N]
+        if last_n:
+            ints["last_rows"] = longs[len(longs) - last_n:]
+        if set(into) != set(ints) | set(tables) | {"block_table"}:
+            return None
+        for name, values in ints.items():
+            into[name][1][:] = values
+        table = into["block_table"][1]  # [N, M]
+        table.fill(0)
+        for i, held in enumerate(blocks):
+            if held:  # a block freed behind a sliding window (-1) is never read: any will do
+                table[i, :len(held)] = held if min(held) >= 0 else [max(b, 0) for b in held]
+        rows = slice(positions[0], positions[-1] + 1) if len(blocks) == 1 and not pad else positions + [0] * pad
+        for name, (rope, half) in tables.items():
+            into[name][1][:] = self._numpy(rope)[rows, half]
+        return {name: t for name, (t, _) in into.items()}
+
+    def _numpy(self, table: torch.Tensor) -> Any:
+        """A numpy view of a RoPE table [P, 2, D / 2] (made once per table)."""
+        view = self._tables.get(id(table))
+        if view is None or view[0] is not table:
+            view = self._tables[id(table)] = (table, table.numpy())
+        return view[1]
 
     @staticmethod
     def _rope(table: torch.Tensor, positions: list[int], pad: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

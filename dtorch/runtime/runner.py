@@ -119,6 +119,7 @@ class Runner:
         # one CPU holds the whole graph: a run copies its feeds straight into their buffers (_place_feeds)
         self._one_cpu = (self.mesh.size == 1 and len(self.local_ids) == 1
                          and self.mesh.device(self.local_ids[0]).type == "cpu")
+        self._feed_buffers: dict[str, tuple[torch.Tensor, Any]] | None = None  # feed_buffers(), made once
         if isinstance(capture, bool):
             capture = Capture(self.mesh.device(self.local_ids[0]), recorder) if capture else Capture(off=NOT_ASKED)
         elif not isinstance(capture, Capture):
@@ -271,10 +272,12 @@ class Runner:
                     self.blobs[(x.index, i)].tensor = device_piece(feeds[name], x.placement, self.mesh.rank(i), n,
                                                                    self.mesh.device(i))
             return
-        if self._one_cpu:  # each feed whole, copied here
+        if self._one_cpu:  # each feed whole, copied here (one given as its own buffer: written there already)
             i = self.local_ids[0]
             for name, x in self.graph.inputs.items():
-                self.blobs[(x.index, i)].tensor.copy_(feeds[name])
+                buffer, feed = self.blobs[(x.index, i)].tensor, feeds[name]
+                if feed is not buffer:
+                    buffer.copy_(feed)
             return
         for i in self.local_ids:
             device = self.mesh.device(i)
@@ -344,6 +347,21 @@ class Runner:
         # the new copy and the latest one of its shape (another shape's copies go: a big prompt's logits not kept)
         kept[:] = [keep] + [k for k in kept if k.shape == keep.shape and k.dtype == keep.dtype][:KEPT_COPIES - 1]
         return keep.detach()
+
+    def feed_buffers(self) -> dict[str, tuple[torch.Tensor, Any]] | None:
+        """{input name: (its buffer, a numpy view of it)} where a run would copy each feed into a buffer on the host (a
+        static plan on one CPU), else None. A caller may write a feed's values into its buffer and pass the buffer
+        itself as that feed: the run then copies nothing for it (a decode step's few feeds, written with numpy, skip a
+        dozen torch calls that each cost ~10-100 us right after a step has streamed the weights through the caches).
+        The buffers stay where they are for the Runner's life. None too while host reads are forbidden (numpy views
+        count as reads there: such a run takes the checked path, feeds included)."""
+        if not (self.static and self._one_cpu) or hostsync.ON or hostsync.forbidding():
+            return None
+        if self._feed_buffers is None:
+            i = self.local_ids[0]
+            tensors = {name: self.blobs[(x.index, i)].tensor for name, x in self.graph.inputs.items()}
+            self._feed_buffers = {name: (t, t.numpy()) for name, t in tensors.items()}
+        return self._feed_buffers
 
     def _check_feeds(self, feeds: dict[str, torch.Tensor]) -> None:
         want = self.graph.inputs

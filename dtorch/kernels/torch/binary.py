@@ -61,3 +61,6 @@ for _name, (_fn, _dtypes) in BINARY.items():
     KERNELS.add(f"binary.{_name}", _kernel, _dtypes, meta=BROADCAST, functional=_functional)
     _kernel, _functional = _scalar_kernel(SCALAR_FN[_name], _name)
     KERNELS.add(f"binary.{_name}_scalar", _kernel, _dtypes, meta=SCALAR, functional=_functional)
+
+# the fallback of the native row of binary.mul_scalar (native csrc/ops/elementwise.def)
+binary_mul_scalar = _scalar_kernel(torch.mul, "mul")[0]

@@ -148,6 +148,25 @@ static void gelu_tanh_and_mul(const dtn::gelu_tanh_and_mul_args& a, int64_t r0, 
   glu_row<GeluTanh>(a, r0, r1);
 }
 
+// binary.mul_scalar: rows [r0, r1) of a.x times a.value into a.out (may alias x)
+template <class T>
+static void scale_rows(const T* x, int64_t ldx, T* out, int64_t ldo, float value, int64_t r0, int64_t r1, int64_t D) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * ldx;
+    T* o = out + r * ldo;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) st(o, i, ld(xr, i) * value);
+  }
+}
+
+static void mul_scalar(const dtn::mul_scalar_args& a, int64_t r0, int64_t r1) {
+  if (a.dt == F32)
+    scale_rows(static_cast<const float*>(a.x), a.ld_x, static_cast<float*>(a.out), a.ld_out, a.value, r0, r1, a.D);
+  else
+    scale_rows(static_cast<const uint16_t*>(a.x), a.ld_x, static_cast<uint16_t*>(a.out), a.ld_out, a.value, r0, r1,
+               a.D);
+}
+
 // the slot silu_mul (slots/elementwise.def): moe_decode's hidden rows, out rows I apart
 static void silu_mul(const void* gate, const void* up, int64_t ldg, int64_t ldu, void* out, int dt, int64_t r0,
                      int64_t r1, int64_t I) {
