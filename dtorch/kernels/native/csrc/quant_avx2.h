@@ -434,21 +434,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             for (int n = 0; n < NR; ++n) is[m][n] = _mm256_add_epi32(is[m][n], _mm256_madd_epi16(w0[n], x0));
           }
         }
-        // A partial half's step (cnt of 5-7 blocks: K = 960's last super-group of 14) without vpmaskmovd, slow on
-        // AMD's cores (hot [256, 960] on this session's Zen VM: 1.2x): a plain load, its lanes past cnt cleared; the
-        // last step's 32 bytes would pass the row's quants, so the row's last 32 are loaded and moved down a lane
-        // for each dword past the end (vpermd)
-        auto partial = [&](const uint8_t* q, int u) {
-          const int over = u * 4 * S + 32 * h + 32 - 32 * S;  // bytes this load would read past the quants
-          if (over <= 0) return _mm256_and_si256(load_i8(q), lm);
-          const __m256i k = _mm256_add_epi32(_mm256_set1_epi32(over / 4), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-          return _mm256_and_si256(_mm256_permutevar8x32_epi32(load_i8(q - over), k), lm);
-        };
         for (int u = 0; cnt > 4 && u < 8; ++u) {
           __m256i w0[NR], w1[NR];  // a last super-group's half of cnt < 8 blocks: its quants masked (read as 0)
           for (int n = 0; n < NR; ++n) {
             const uint8_t* q = p[n] + qoff + u * 4 * S + 32 * h;
-            const __m256i v = cnt == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)) : partial(q, u);
+            const __m256i v = cnt == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
+                                       : _mm256_maskload_epi32(reinterpret_cast<const int*>(q), lm);
             w0[n] = _mm256_unpacklo_epi8(v, z);
             w1[n] = _mm256_unpackhi_epi8(v, z);
           }
