@@ -34,6 +34,7 @@ SMOKE = {
     "native_kernels.py": (["--smoke"], ["us/call", "GB/s weights", "q4_1"]),
     "native_rows.py": (["--smoke"], ["torch / native", "softmax_last_dim [2, 64]", "add_rms_norm"]),
     "native_build.py": (["--smoke"], ["| build | objects compiled | seconds |", "one op added as its own group"]),
+    "qlinear_fixed.py": (["--smoke"], ["fixed us", "product GB/s", "q8_0"]),
     "runtime.py": (["--smoke"], ["measure", "overlap fraction", "peak activation memory"]),
     "serve.py": (["--smoke"], ["out tok/s", "TTFT p50 ms", "dtorch scaling"]),
     "speculative.py": (["--smoke"], ["spec tok/s", "acceptance", "drafted by", "1 row us"]),

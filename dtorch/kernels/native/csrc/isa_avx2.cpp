@@ -19,6 +19,7 @@ namespace DTN_ISA {
 #include "generic.h"
 #if DTN_GROUP_quant
 #include "quant_avx2.h"
+#include "act_avx2.h"
 #endif
 #include "rows.h"  // ld, st, exp_f32, V16: what every group may call
 #ifdef DTN_GROUP_H
@@ -30,6 +31,7 @@ namespace DTN_ISA {
 namespace DTN_ISA::kernels {
 using namespace DTN_ISA;
 #if DTN_GROUP_quant
+constexpr auto quantize_sg = quantize_sg256;
 constexpr auto qgemm = qgemm256;
 constexpr auto qgemm_sg = qgemm_sg256;
 constexpr auto gemv = gemv256;
