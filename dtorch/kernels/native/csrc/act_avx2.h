@@ -26,16 +26,9 @@ static void quantize_sg256(const void* x, int dt, int64_t ldx, int64_t r0, int64
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   alignas(32) int8_t th[16 * 32], tl[16 * 32];  // a super-group's blocks: hi and lo levels, 32 bytes a block
   for (int64_t r = r0; r < r1; ++r) {
-    int8_t* qr = q + r * nsg * 1024;
-    float* dr = d + r * nsg * 16;
-    float* sr = s + r * nsg * 16;
-    float* hr = sh + r * nsg * 32;
-    if (nb % 16) {  // the last super-group is partial: zero its padding lanes
-      std::memset(qr + (nsg - 1) * 1024, 0, 1024);
-      std::memset(dr + (nsg - 1) * 16, 0, sizeof(float) * 16);
-      std::memset(sr + (nsg - 1) * 16, 0, sizeof(float) * 16);
-      std::memset(hr + (nsg - 1) * 32, 0, sizeof(float) * 32);
-    }
+    const SGRow row = sg_row(q, d, s, sh, r, nb);
+    int8_t* qr = row.q;
+    float *dr = row.d, *sr = row.s, *hr = row.sh;
     for (int64_t g = 0; g < nsg; ++g) {
       const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16), P = sg_period(S);
       for (int j = 0; j < S; ++j) {

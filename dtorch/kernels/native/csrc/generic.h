@@ -148,21 +148,31 @@ static inline int sg_period(int S) {
   return p;
 }
 
+// Row r's place in SGAct's buffers (q, d, s, sh; see common.h), its last super-group's padding lanes zeroed where
+// that super-group is partial (nb % 16 blocks)
+struct SGRow {
+  int8_t* q; float* d; float* s; float* sh;
+};
+static inline SGRow sg_row(int8_t* q, float* d, float* s, float* sh, int64_t r, int64_t nb) {
+  const int64_t nsg = (nb + 15) / 16;
+  SGRow o{q + r * nsg * 1024, d + r * nsg * 16, s + r * nsg * 16, sh + r * nsg * 32};
+  if (nb % 16) {
+    std::memset(o.q + (nsg - 1) * 1024, 0, 1024);
+    std::memset(o.d + (nsg - 1) * 16, 0, sizeof(float) * 16);
+    std::memset(o.s + (nsg - 1) * 16, 0, sizeof(float) * 16);
+    std::memset(o.sh + (nsg - 1) * 32, 0, sizeof(float) * 32);
+  }
+  return o;
+}
+
 // One row x [K] -> two int8 levels per block of 32 in super-group order (see SGAct in common.h).
 static void quantize_sg(const void* x, int dt, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d,
                         float* s, float* sh, int levels) {
   const int64_t nb = K / 32, nsg = (nb + 15) / 16;
   for (int64_t r = r0; r < r1; ++r) {
-    int8_t* qr = q + r * nsg * 1024;
-    float* dr = d + r * nsg * 16;
-    float* sr = s + r * nsg * 16;
-    float* hr = sh + r * nsg * 32;
-    if (nb % 16) {  // the last super-group is partial: zero its padding lanes
-      std::memset(qr + (nsg - 1) * 1024, 0, 1024);
-      std::memset(dr + (nsg - 1) * 16, 0, sizeof(float) * 16);
-      std::memset(sr + (nsg - 1) * 16, 0, sizeof(float) * 16);
-      std::memset(hr + (nsg - 1) * 32, 0, sizeof(float) * 32);
-    }
+    const SGRow o = sg_row(q, d, s, sh, r, nb);
+    int8_t* qr = o.q;
+    float *dr = o.d, *sr = o.s, *hr = o.sh;
     for (int64_t b = 0; b < nb; ++b) {
       int8_t hi[32], lo[32];
       float sums[2];
