@@ -346,6 +346,13 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
   const int64_t rs = a.nsg * 1024;
+  // Q4_K, Q5_K against both levels: a block's int16 pair sums are widened by vpmaddwd with 254 sc (hi levels) and sc
+  // (lo) into one int32 lane, sc (254 hi + lo), where each level was widened with ones and the epilogue converted both
+  // and scaled by d sc as floats (the scales are 6-bit, at most 63, as layouts.py unpacks them). Bounds: a run's int16
+  // at most 2 * 2 * 2 * 31 * 127 (Q5_K, 2 steps) or 4 * 2 * 2 * 15 * 127 (Q4_K, 4), so a lane at most 2 runs * 2 *
+  // 31496 * 63 * 255 (2.02e9 < 2^31; Q4_K's one run 0.98e9). Hot one-row tiles on this Zen 1 (2 cores, load 5-6, same
+  // process A/B): Q4_K 65 -> 61 cycles per 256 weights, Q5_K 74-77 -> 76; cold Q4_K [2048, 8192] 5.58 -> 5.81 GB/s.
+  constexpr bool kFold = LO && (F == dtn::Q4_K || F == dtn::Q5_K);
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
     const uint8_t* p[NR];
@@ -476,6 +483,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         __m256i hv[NR];  // Q5: the high bits, laid out as a step's quants (layouts.py)
         if constexpr (G::hbytes != 0)
           for (int n = 0; n < NR; ++n) hv[n] = load_i8(high(n, h));
+        if constexpr (kFold)  // words 2 j, 2 j + 1 (block j's int16 pair sums): sc[j] (kl), 254 sc[j] (kh)
+          for (int n = 0; n < NR; ++n) {
+            const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + h * G::kblock + 4));
+            kl[n] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc));
+            kh[n] = _mm256_mullo_epi16(kl[n], _mm256_set1_epi16(254));
+          }
         for (int u = 0; u < 4; ++u) {
           __m256i wl[NR], wh[NR];
           for (int n = 0; n < NR; ++n) {
@@ -499,6 +512,11 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                 is[m][n] = _mm256_add_epi32(is[m][n], _mm256_add_epi32(dot_w<true>(wl[n], al), dot_w<true>(wh[n], ah)));
                 if constexpr (LO)
                   il[m][n] = _mm256_add_epi32(il[m][n], _mm256_add_epi32(dot_w<true>(wl[n], ll), dot_w<true>(wh[n], lh)));
+              } else if constexpr (kFold) {  // both levels into is, widened with 254 sc and sc (kh, kl)
+                run16(u, is[m][n], s16[m][n],
+                      _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), kh[n]);
+                run16(u, is[m][n], l16[m][n],
+                      _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), kl[n]);
               } else {  // each int16 is at most 2 * 31 * 127 per product: kRun steps' sums fit (run16)
                 run16(u, is[m][n], s16[m][n],
                       _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones);
@@ -528,7 +546,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           const uint8_t* sb = p[n] + h * G::kblock;
           uint16_t dm[2];
           std::memcpy(dm, sb, 4);
-          dw[n] = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[0])), u8x8_ps(sb + 4));
+          dw[n] = kFold ? _mm256_set1_ps(_cvtsh_ss(dm[0]) * (1.f / 254.f))  // (sc is in is)
+                        : _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[0])), u8x8_ps(sb + 4));
           mw[n] = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dm[1])), u8x8_ps(sb + 12));
         } else {
           dw[n] = load_h8(p[n] + 16 * h, cnt);
@@ -549,7 +568,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             acc[m][n] = _mm256_fmadd_ps(dw[n], t, acc[m][n]);
             continue;
           }
-          const __m256 t = _mm256_mul_ps(LO ? levels256(is[m][n], il[m][n]) : _mm256_cvtepi32_ps(is[m][n]), da);
+          const __m256i ti = is[m][n];
+          const __m256 t = _mm256_mul_ps(LO && !kFold ? levels256(ti, il[m][n]) : _mm256_cvtepi32_ps(ti), da);
           if constexpr (F == dtn::Q6_K) {  // d (sc u a - 32 sc (sum a)) per 16 weights
             const float* hs = a.sh + (m0 + m) * a.nsg * 32 + g * 32 + 8 * h;
             const __m256 o = _mm256_fmadd_ps(_mm256_loadu_ps(hs + 16), mw[n],
