@@ -586,6 +586,77 @@ static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int6
   }
 }
 
+// One Q8_0 weight row (its bytes at p) against row m of x as X16Act, for decode: sg_tile256's sums with its float
+// operations in its order (the same bits as a row of a batch), in a loop of its own. Whole super-groups run with the
+// step fixed at 64 bytes; the last one (S < 16 blocks) reads plain 16- and 32-byte loads where they end in the row
+// (lanes past S meet zeros of x and of its scales), masked loads only where they would not (its last steps). ahead > 0: each super-group's
+// bytes that far on are asked for as it is read (sg_tiles256's stream).
+static inline float q8x16_row(const uint8_t* p, const X16Act& xw, const float* da, int64_t m, int64_t nb,
+                              int64_t ahead) {
+  const __m256i z = _mm256_setzero_si256();
+  const __m256 k254 = _mm256_set1_ps(1.f / 254.f);
+  const int16_t* x = xw.q + m * xw.nsg * 512;
+  const int32_t* c = xw.corr + m * xw.nsg * 16;
+  da += m * xw.nsg * 16;
+  __m256 acc = _mm256_setzero_ps();
+  auto close = [&](__m256i is, __m256i il, bool in_order, const int32_t* cg, const float* dg, __m256 dw) {
+    __m256i sum = _mm256_hadd_epi32(is, il);
+    if (in_order) sum = _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    sum = _mm256_sub_epi32(sum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg)));
+    const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(_mm256_loadu_ps(dg), k254));
+    acc = _mm256_fmadd_ps(dw, t, acc);
+  };
+  const int64_t nw = nb / 16;
+  for (int64_t g = 0; g < nw; ++g, p += 16 * 34, x += 512, c += 16, da += 16) {
+    if (ahead) stream_ahead(p, 16 * 34, ahead);
+    for (int h = 0; h < 2; ++h) {
+      __m256i is = z, il = z;
+      for (int u = 0; u < 8; ++u) {
+        const __m256i v = load_i8(p + 32 + 64 * u + 32 * h);
+        const int16_t* xa = x + 64 * u + 32 * h;
+        is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_unpacklo_epi8(v, z), load_i8(xa)));
+        il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_unpackhi_epi8(v, z), load_i8(xa + 16)));
+      }
+      close(is, il, false, c + 8 * h, da + 8 * h,
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h))));
+    }
+  }
+  const int S = int(nb - nw * 16);
+  if (S > 0) {
+    if (ahead) stream_ahead(p, S * 34, ahead);
+    const int64_t st = 4 * S;
+    const uint8_t* q = p + 2 * S;
+    for (int h = 0; h * 8 < S; ++h) {
+      const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
+      __m256i is = z, il = z;
+      if (cnt <= 4) {  // 16 bytes a step, x in order
+        const __m128i lm = _mm_cmpgt_epi32(_mm_set1_epi32(cnt), _mm_setr_epi32(0, 1, 2, 3));
+        for (int u = 0; u < 8; ++u) {
+          const uint8_t* qa = q + u * st + 32 * h;
+          const __m128i v = u * st + 32 * h + 16 > 8 * st ? _mm_maskload_epi32(reinterpret_cast<const int*>(qa), lm)
+                                                         : _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa));
+          is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_cvtepu8_epi16(v), load_i8(x + 64 * u + 32 * h)));
+        }
+      } else {
+        const __m256i lm = lanes_mask(cnt);
+        for (int u = 0; u < 8; ++u) {
+          const uint8_t* qa = q + u * st + 32 * h;
+          const __m256i v = u * st + 32 * h + 32 > 8 * st ? _mm256_maskload_epi32(reinterpret_cast<const int*>(qa), lm)
+                                                         : load_i8(qa);
+          const int16_t* xa = x + 64 * u + 32 * h;
+          is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_unpacklo_epi8(v, z), load_i8(xa)));
+          il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_unpackhi_epi8(v, z), load_i8(xa + 16)));
+        }
+      }
+      // the scales: 16 bytes from 16 h (in the row: the quants follow), lanes past cnt zeroed
+      const __m128i hm = _mm_cmpgt_epi16(_mm_set1_epi16(short(cnt)), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m128i d16 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)), hm);
+      close(is, il, cnt <= 4, c + 8 * h, da + 8 * h, _mm256_cvtph_ps(d16));
+    }
+  }
+  return hsum256_avx2(acc);
+}
+
 // dwords 0 .. c - 1 of 8 rows (row r at p + r * stride; rows from nr on read as zero) as vectors of one dword per
 // row: out[j] lane r = dword j of row r (8 x 8 transposes: unpacks of dwords and qwords, then of the 128-bit lanes)
 static inline void rows_to_lanes256(const uint8_t* p, int64_t stride, int nr, int c, __m256i* out) {
@@ -845,8 +916,15 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     int64_t n = n0;
     if (stream) {  // one weight row at a time (see above), its stream kStreamAhead on rounded up to whole rows
       const int64_t row_at = (kStreamAhead + w.qs_row - 1) / w.qs_row * w.qs_row;
-      for (; n < n1; ++n)
-        for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, m ? 0 : row_at, xw);
+      for (; n < n1; ++n) {
+        if constexpr (F == dtn::Q8_0 && LO) {
+          const float b = bias ? load_f(bias, ydt, n) : 0.f;
+          for (int64_t m = 0; m < M; ++m)
+            store_f(y, ydt, m * ldy + n, q8x16_row(w.qs + n * w.qs_row, xv, a.d, m, w.K / 32, m ? 0 : row_at) + b);
+        } else {
+          for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, m ? 0 : row_at, xw);
+        }
+      }
       return;
     }
     for (; n + 2 <= n1; n += 2) {
