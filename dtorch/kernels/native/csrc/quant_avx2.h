@@ -279,7 +279,7 @@ struct X16Act {
   int64_t nsg;          // super-groups a row, as SGAct's
 };
 
-// rows 0..M-1 of a (both levels, nb blocks a row) as X16Act in q [M * a.nsg * 512], corr and dk [M * a.nsg * 16]; a last
+// rows 0..M-1 of a (both levels, nb blocks a row) as X16Act in q [M * a.nsg * 512], corr, dk [M * a.nsg * 16]; a last
 // super-group of S < 16 blocks (a's at its period P: step u of block j at 4 (u P + j)) at the whole groups' period,
 // zeros for blocks S..15. Per step and half: the 8 blocks' 4 hi and lo bytes (32 each, blocks past S masked to 0)
 // widened as the weights are (vpunpck{l,h}bw, or in order for a half of 1-4 blocks), 254 hi + lo; corr from the
@@ -502,7 +502,9 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                 is[m][n] = _mm256_add_epi32(is[m][n], _mm256_add_epi32(dot_w<true>(wl[n], al), dot_w<true>(wh[n], ah)));
                 if constexpr (LO)
                   il[m][n] = _mm256_add_epi32(il[m][n], _mm256_add_epi32(dot_w<true>(wl[n], ll), dot_w<true>(wh[n], lh)));
-              } else {  // each int16 is at most 2 * 31 * 127 per product: kRun steps' sums fit (run16)
+              } else {  // each int16 is at most 2 * 31 * 127 per product: kRun steps' sums fit (run16). (Q5_0
+                        // as Q8_0's x16, widened to int16, one vpmaddwd for both levels, ran 7.2 cycles per 32
+                        // weights against these 6.6 in L1 on Zen 1: four more unpacks a step outweigh the multiplies)
                 run16(u, is[m][n], s16[m][n],
                       _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones);
                 if constexpr (LO)
@@ -548,7 +550,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             __m256i sum = _mm256_hadd_epi32(is[m][n], il[m][n]);
             if (cnt <= 4) sum = _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
             sum = _mm256_sub_epi32(sum, c);
-            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(xw->dk + (m0 + m) * xw->nsg * 16 + g * 16 + 8 * h));
+            const float* dk = xw->dk + (m0 + m) * xw->nsg * 16 + g * 16 + 8 * h;
+            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(dk));
             acc[m][n] = _mm256_fmadd_ps(dw[n], t, acc[m][n]);
             continue;
           }
@@ -592,8 +595,14 @@ static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int6
 // One Q8_0 weight row (its bytes at p) against row m of x as X16Act, for decode: sg_tile256's sums with its float
 // operations in its order (the same bits as a row of a batch), in a loop of its own. Whole super-groups run with the
 // step fixed at 64 bytes; the last one (S < 16 blocks) reads plain 16- and 32-byte loads where they end in the row
-// (lanes past S meet zeros of x and of its scales), masked loads only where they would not (see `from`). ahead > 0: each super-group's
-// bytes that far on are asked for as it is read (sg_tiles256's stream).
+// (lanes past S meet zeros of x and of its scales), masked loads only where they would not (see `from`). ahead > 0:
+// each super-group's bytes that far on are asked for as it is read (sg_tiles256's stream). On the 2-core Zen 1 VM
+// (AVX2, no AVX-512; load 6-7, main and this alternating) against sg_tile256's rows: hot one-row products 8.0 -> 6.5
+// cycles a block at K = 4864, 9.1 -> 8.0 at 896, 11.3 -> 8.4 at 960, 10.2-11.3 -> 8.6-9.1 at 640 (four builds of a
+// harness that move the code; the stand-alone loop without the epilogue runs 4.8 from L2: the bound is the ~14
+// macro-ops a block, not vpmaddwd's 4 cycles); decode at 1 thread, CPU ms a token (medians of 5, two rounds): Gemma 3
+// 270M Q8_0 42.2-42.6 -> 35.5-35.9, Qwen2.5-0.5B Q8_0 67.7-71.4 -> 55.5-57.1, SmolLM2-360M Q8_0 59.0-59.6 -> 43.9-44.7,
+// Gemma 3 270M Q4_K_M (its Q8_0 head) 42.4-43.4 -> 37.5-37.8, the same tokens.
 static inline float q8x16_row(const uint8_t* p, const X16Act& xw, int64_t m, int64_t nb, int64_t ahead) {
   const __m256i z = _mm256_setzero_si256();
   const int16_t* x = xw.q + m * xw.nsg * 512;
