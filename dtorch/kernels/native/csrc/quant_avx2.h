@@ -275,17 +275,20 @@ struct X16Act {
                         // blocks' 4 values in the order [0 1 4 5 2 3 6 7] (as vpunpck{l,h}bw take a step's weights);
                         // a last super-group's half of 1-4 blocks in order (vpmovzxbw of 16 bytes)
   const int32_t* corr;  // row r: corr + r * nsg * 16 + 16 g + j: 128 * the sum of block 16 g + j's values
+  const float* dk;      // as corr: the block's scale d / 254 (one multiply a call, not one per weight row)
   int64_t nsg;          // super-groups a row, as SGAct's
 };
 
-// rows 0..M-1 of a (both levels, nb blocks a row) as X16Act in q [M * a.nsg * 512] and corr [M * a.nsg * 16]; a last
+// rows 0..M-1 of a (both levels, nb blocks a row) as X16Act in q [M * a.nsg * 512], corr, dk [M * a.nsg * 16]; a last
 // super-group of S < 16 blocks (a's at its period P: step u of block j at 4 (u P + j)) at the whole groups' period,
 // zeros for blocks S..15. Per step and half: the 8 blocks' 4 hi and lo bytes (32 each, blocks past S masked to 0)
 // widened as the weights are (vpunpck{l,h}bw, or in order for a half of 1-4 blocks), 254 hi + lo; corr from the
 // int16 pair sums (vpmaddwd with ones) of the 8 steps, one hadd a half. The same integers as the scalar loop it
 // replaced, which cost 2.3 us at K = 896 and 12 us at K = 4864 a call on this Zen VM (now ~0.2 and ~1).
-static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int32_t* corr) {
+static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int32_t* corr, float* dk) {
   const int64_t nsg = a.nsg;
+  for (int64_t i = 0; i < M * nsg * 16; i += 8)  // (a's padding lanes are zeros)
+    _mm256_storeu_ps(dk + i, _mm256_mul_ps(_mm256_loadu_ps(a.d + i), _mm256_set1_ps(1.f / 254.f)));
   const __m256i k254 = _mm256_set1_epi16(254), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < nsg; ++g) {
@@ -331,7 +334,7 @@ static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int3
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 8 * h), _mm256_slli_epi32(sum, 7));
       }
     }
-  return {q, corr, nsg};
+  return {q, corr, dk, nsg};
 }
 
 // ahead > 0: as each super-group is read, each row's bytes that far on are asked for (the stream of long rows,
@@ -519,7 +522,9 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                       _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), kh[n]);
                 run16(u, is[m][n], l16[m][n],
                       _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), kl[n]);
-              } else {  // each int16 is at most 2 * 31 * 127 per product: kRun steps' sums fit (run16)
+              } else {  // each int16 is at most 2 * 31 * 127 per product: kRun steps' sums fit (run16). (Q5_0
+                        // as Q8_0's x16, widened to int16, one vpmaddwd for both levels, ran 7.2 cycles per 32
+                        // weights against these 6.6 in L1 on Zen 1: four more unpacks a step outweigh the multiplies)
                 run16(u, is[m][n], s16[m][n],
                       _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones);
                 if constexpr (LO)
@@ -566,7 +571,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             __m256i sum = _mm256_hadd_epi32(is[m][n], il[m][n]);
             if (cnt <= 4) sum = _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
             sum = _mm256_sub_epi32(sum, c);
-            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(da, _mm256_set1_ps(1.f / 254.f)));
+            const float* dk = xw->dk + (m0 + m) * xw->nsg * 16 + g * 16 + 8 * h;
+            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(dk));
             acc[m][n] = _mm256_fmadd_ps(dw[n], t, acc[m][n]);
             continue;
           }
@@ -606,6 +612,88 @@ static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int6
     const float b = bias ? load_f(bias, ydt, n + j) : 0.f;
     for (int r = 0; r < MR; ++r) store_f(y, ydt, (m + r) * ldy + n + j, o[r][j] + b);
   }
+}
+
+// One Q8_0 weight row (its bytes at p) against row m of x as X16Act, for decode: sg_tile256's sums with its float
+// operations in its order (the same bits as a row of a batch), in a loop of its own. Whole super-groups run with the
+// step fixed at 64 bytes; the last one (S < 16 blocks) reads plain 16- and 32-byte loads where they end in the row
+// (lanes past S meet zeros of x and of its scales), masked loads only where they would not (see `from`). ahead > 0:
+// each super-group's bytes that far on are asked for as it is read (sg_tiles256's stream). On the 2-core Zen 1 VM
+// (AVX2, no AVX-512; load 6-7, main and this alternating) against sg_tile256's rows: hot one-row products 8.0 -> 6.5
+// cycles a block at K = 4864, 9.1 -> 8.0 at 896, 11.3 -> 8.4 at 960, 10.2-11.3 -> 8.6-9.1 at 640 (four builds of a
+// harness that move the code; the stand-alone loop without the epilogue runs 4.8 from L2: the bound is the ~14
+// macro-ops a block, not vpmaddwd's 4 cycles); decode at 1 thread, CPU ms a token (medians of 5, two rounds): Gemma 3
+// 270M Q8_0 42.2-42.6 -> 35.5-35.9, Qwen2.5-0.5B Q8_0 67.7-71.4 -> 55.5-57.1, SmolLM2-360M Q8_0 59.0-59.6 -> 43.9-44.7,
+// Gemma 3 270M Q4_K_M (its Q8_0 head) 42.4-43.4 -> 37.5-37.8, the same tokens.
+static inline float q8x16_row(const uint8_t* p, const X16Act& xw, int64_t m, int64_t nb, int64_t ahead) {
+  const __m256i z = _mm256_setzero_si256();
+  const int16_t* x = xw.q + m * xw.nsg * 512;
+  const int32_t* c = xw.corr + m * xw.nsg * 16;
+  const float* dk = xw.dk + m * xw.nsg * 16;
+  __m256 acc = _mm256_setzero_ps();
+  auto close = [&](__m256i is, __m256i il, bool in_order, const int32_t* cg, const float* dg, __m256 dw) {
+    __m256i sum = _mm256_hadd_epi32(is, il);
+    if (in_order) sum = _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    sum = _mm256_sub_epi32(sum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg)));
+    const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(dg));
+    acc = _mm256_fmadd_ps(dw, t, acc);
+  };
+  const int64_t nw = nb / 16;
+  for (int64_t g = 0; g < nw; ++g, p += 16 * 34, x += 512, c += 16, dk += 16) {
+    if (ahead) stream_ahead(p, 16 * 34, ahead);
+    for (int h = 0; h < 2; ++h) {
+      __m256i is = z, il = z;
+      for (int u = 0; u < 8; ++u) {
+        const __m256i v = load_i8(p + 32 + 64 * u + 32 * h);
+        const int16_t* xa = x + 64 * u + 32 * h;
+        is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_unpacklo_epi8(v, z), load_i8(xa)));
+        il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_unpackhi_epi8(v, z), load_i8(xa + 16)));
+      }
+      close(is, il, false, c + 8 * h, dk + 8 * h,
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h))));
+    }
+  }
+  const int S = int(nb - nw * 16);
+  if (S > 0) {
+    if (ahead) stream_ahead(p, S * 34, ahead);
+    const int64_t st = 4 * S;
+    const uint8_t* q = p + 2 * S;
+    for (int h = 0; h * 8 < S; ++h) {
+      const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
+      __m256i is = z, il = z;
+      // Steps from `from` on are read masked: a half of 8 or 4 blocks ends each step's bytes in the row (from 8), one
+      // of 5-7 blocks its last step past the row's end (7), one of 1-3 blocks may from step 6 on (0: all masked);
+      // each case straight-line code, no branch per step
+      auto wide = [&](auto from) {  // 32 bytes a step, x as vpunpck{l,h}bw take them
+        const __m256i lm = lanes_mask(cnt);
+        for (int u = 0; u < 8; ++u) {
+          const uint8_t* qa = q + u * st + 32 * h;
+          const __m256i v = u >= from ? _mm256_maskload_epi32(reinterpret_cast<const int*>(qa), lm) : load_i8(qa);
+          const int16_t* xa = x + 64 * u + 32 * h;
+          is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_unpacklo_epi8(v, z), load_i8(xa)));
+          il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_unpackhi_epi8(v, z), load_i8(xa + 16)));
+        }
+      };
+      auto narrow = [&](auto from) {  // 16 bytes a step, x in order
+        const __m128i lm = _mm_cmpgt_epi32(_mm_set1_epi32(cnt), _mm_setr_epi32(0, 1, 2, 3));
+        for (int u = 0; u < 8; ++u) {
+          const uint8_t* qa = q + u * st + 32 * h;
+          const __m128i v = u >= from ? _mm_maskload_epi32(reinterpret_cast<const int*>(qa), lm)
+                                      : _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa));
+          is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_cvtepu8_epi16(v), load_i8(x + 64 * u + 32 * h)));
+        }
+      };
+      if (cnt == 8) wide(std::integral_constant<int, 8>{});
+      else if (cnt > 4) wide(std::integral_constant<int, 7>{});
+      else if (cnt == 4) narrow(std::integral_constant<int, 8>{});
+      else narrow(std::integral_constant<int, 0>{});
+      // the scales: 16 bytes from 16 h (in the row: the quants follow), lanes past cnt zeroed
+      const __m128i hm = _mm_cmpgt_epi16(_mm_set1_epi16(short(cnt)), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m128i d16 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)), hm);
+      close(is, il, cnt <= 4, c + 8 * h, dk + 8 * h, _mm256_cvtph_ps(d16));
+    }
+  }
+  return hsum256_avx2(acc);
 }
 
 // dwords 0 .. c - 1 of 8 rows (row r at p + r * stride; rows from nr on read as zero) as vectors of one dword per
@@ -849,14 +937,16 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   auto ahead_of = [&](int64_t m) { return m == 0 ? stream_at : 0; };  // (further rows of x find the rows in cache)
   thread_local std::vector<int16_t> t_x16;
   thread_local std::vector<int32_t> t_corr;
-  X16Act xv{nullptr, nullptr, 0};
+  thread_local std::vector<float> t_dk;
+  X16Act xv{nullptr, nullptr, nullptr, 0};
   const X16Act* xw = nullptr;
   if (F == dtn::Q8_0 && LO) {
     if (int64_t(t_x16.size()) < M * a.nsg * 512) {
       t_x16.resize(size_t(M * a.nsg * 512));
       t_corr.resize(size_t(M * a.nsg * 16));
+      t_dk.resize(size_t(M * a.nsg * 16));
     }
-    xv = x16_levels(a, M, w.K / 32, t_x16.data(), t_corr.data());
+    xv = x16_levels(a, M, w.K / 32, t_x16.data(), t_corr.data(), t_dk.data());
     xw = &xv;
   }
   auto prefetch_pair = [&](int64_t n) {  // whole rows kAhead on, unless streaming
@@ -867,8 +957,15 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     int64_t n = n0;
     if (stream) {  // one weight row at a time (see above), its stream kStreamAhead on rounded up to whole rows
       const int64_t row_at = (kStreamAhead + w.qs_row - 1) / w.qs_row * w.qs_row;
-      for (; n < n1; ++n)
-        for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, m ? 0 : row_at, xw);
+      for (; n < n1; ++n) {
+        if constexpr (F == dtn::Q8_0 && LO) {
+          const float b = bias ? load_f(bias, ydt, n) : 0.f;
+          for (int64_t m = 0; m < M; ++m)
+            store_f(y, ydt, m * ldy + n, q8x16_row(w.qs + n * w.qs_row, xv, m, w.K / 32, m ? 0 : row_at) + b);
+        } else {
+          for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, m ? 0 : row_at, xw);
+        }
+      }
       return;
     }
     for (; n + 2 <= n1; n += 2) {
