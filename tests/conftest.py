@@ -6,6 +6,7 @@ folder of this run's own (not the user's cache), and the ``isa`` fixture of the 
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -38,3 +39,17 @@ def isa(request):
         pytest.skip(f"this CPU lacks the instructions of the {request.param} path")
     with nk.use_isa(request.param):
         yield request.param
+
+
+@pytest.fixture
+def sigint_default():
+    """While the test runs, SIGINT raises KeyboardInterrupt in this process instead of being ignored, so that the
+    processes the test starts get SIGINT's default at exec (a caught signal's is reset there) and Python's
+    KeyboardInterrupt. A suite started as a background job of a non-interactive shell (``pytest ... &``) inherits
+    SIGINT ignored, as does every process it starts (Python keeps an ignored SIGINT ignored): a ``dtorch generate``
+    sent SIGINT then streamed on for 120 s (session 51's suite)."""
+    before = signal.getsignal(signal.SIGINT)
+    if before == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from dtorch.engine.chat import Conversation, _converse
 
 
@@ -196,6 +198,7 @@ def test_a_stopped_answer_leaves_nothing_in_the_engine(monkeypatch, capsys):
         llm.close()
 
 
+@pytest.mark.usefixtures("sigint_default")  # SIGINT not ignored in the chat started
 def test_ctrl_c_in_a_terminal_stops_the_answer_then_exits_at_the_prompt():
     """Through a pseudo-terminal (the line discipline turns ^C into SIGINT): Ctrl-C mid-answer returns to the prompt
     and the next turn is answered; Ctrl-C at the prompt ends the session with status 130."""

@@ -116,6 +116,7 @@ def _start(*args: str) -> subprocess.Popen:
     return subprocess.Popen([*COMMAND, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
 
 
+@pytest.mark.usefixtures("sigint_default")  # SIGINT not ignored in the process started
 def test_ctrl_c_stops_with_status_130_and_the_speed_so_far():
     proc = _start("Tell me a long story.", "--max-tokens", "100000", "--ignore-eos")
     try:

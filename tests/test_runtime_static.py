@@ -99,3 +99,27 @@ def test_a_caller_holding_one_output_while_the_next_is_copied_out_takes_turns_in
             held = nxt
             blockers.append(torch.empty(8, 32))  # where a copy dropped now would be allocated again
         assert len(ptrs) == 2
+
+
+def test_a_borrowed_output_is_the_buffer_itself_on_one_cpu_and_a_copy_on_several_devices():
+    # borrow=True (the engine, which samples a step's logits before the next step): one CPU hands out the output
+    # buffer itself, the same storage every run, with the run's values; the next run writes over it. Several devices
+    # still copy (their output is gathered)
+    g, ws = _mlp_microbatches(1, mbs=1)
+    with Runner(g, static=True) as r:
+        feeds = [{"x0": torch.randn(8, 32)} for _ in range(3)]
+        first = r.run(feeds[0], borrow=True)["y0"]
+        ptr = first.data_ptr()
+        torch.testing.assert_close(first, _reference(feeds[0]["x0"], ws), rtol=1e-4, atol=1e-4)
+        copied = r.run(feeds[1])["y0"]  # not borrowed: a copy, held while the buffer is written again
+        assert copied.data_ptr() != ptr
+        second = r.run(feeds[2], borrow=True)["y0"]
+        assert second.data_ptr() == ptr
+        torch.testing.assert_close(first, _reference(feeds[2]["x0"], ws), rtol=1e-4, atol=1e-4)  # written over
+        torch.testing.assert_close(copied, _reference(feeds[1]["x0"], ws), rtol=1e-4, atol=1e-4)
+    g, ws = _mlp_microbatches(2, mbs=1)
+    with Runner(g, static=True) as r:
+        feeds = [{"x0": torch.randn(8, 32)} for _ in range(2)]
+        first = r.run(feeds[0], borrow=True)["y0"]
+        r.run(feeds[1], borrow=True)
+        torch.testing.assert_close(first, _reference(feeds[0]["x0"], ws), rtol=1e-4, atol=1e-4)

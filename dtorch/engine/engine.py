@@ -315,7 +315,8 @@ class Engine(TokenTaking):
             drafts = self.speculator.draft(self, plan, long) if self.speculator is not None else None
             step = StepPlan.chunks(plan, self.cache.has_state, drafts and drafts.tokens, long)
             # one stage: the step runs now (its logits); a pipeline's is in flight (an ``Executor.Pending``)
-            pending = self.executor.step(step) if self.executor.depth == 1 else self.executor.submit(step)
+            # one stage: its logits are sampled (_land) before the next step runs, so they need no copy (borrow)
+            pending = self.executor.step(step, borrow=True) if self.executor.depth == 1 else self.executor.submit(step)
         except BaseException:
             self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
             raise

@@ -232,15 +232,17 @@ class Executor:
         it runs uncaptured."""
         return {b: r.capture.status() for b, r in self.runners.items()}
 
-    def step(self, plan: StepPlan, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
+    def step(self, plan: StepPlan, all_logits: bool = False, hidden: bool = False,
+             borrow: bool = False) -> torch.Tensor:
         """Run one step; returns float32 logits [N, V] of each sequence's last token (``plan.logits``: [sum of it, V],
         each sequence's last rows in order; ``all_logits``: [T, V]; with ``hidden``: the final norm's output of every
-        token, [T, H], instead)."""
+        token, [T, H], instead). ``borrow``: on one CPU, a view of the step's own output buffer (no copy; the next
+        step writes over it), for a caller done with it by then (``Runner.run``)."""
         if self.cache is None:
             raise ModelError("Executor.step: no KV cache (call use_cache first)")
-        return self.submit(plan, all_logits, hidden).result()
+        return self.submit(plan, all_logits, hidden, borrow).result()
 
-    def submit(self, plan: StepPlan, all_logits: bool = False, hidden: bool = False) -> Pending:
+    def submit(self, plan: StepPlan, all_logits: bool = False, hidden: bool = False, borrow: bool = False) -> Pending:
         """Start ``plan`` (as ``step``); a pipeline returns while the step is in its stages (at most ``depth`` steps
         should be in flight: a stage holds the others back), a model of one stage once the step has run."""
         if self.cache is None:
@@ -258,7 +260,7 @@ class Executor:
             self.mirror.tell("submit", plan, all_logits, hidden)
         try:
             if self.workers is None:
-                return Pending(self, bucket, None, r.run(feeds), take, want)
+                return Pending(self, bucket, None, r.run(feeds, borrow=borrow), take, want)
             return Pending(self, bucket, self.workers.submit(r.runners, feeds), None, take, want)
         except BaseException as exc:  # the other ranks ran the step, or fail in it: the ranks may be out of step
             self.told_failed(exc)

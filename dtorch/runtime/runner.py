@@ -160,14 +160,16 @@ class Runner:
     # -- run -----------------------------------------------------------------------------------
 
     def run(self, feeds: Mapping[str, torch.Tensor] | None = None, return_dist: bool = False,
-            timeout: float | None = None) -> dict[str, Any]:
+            timeout: float | None = None, borrow: bool = False) -> dict[str, Any]:
         """Run once; returns {output name: full tensor} (or ``DistTensor`` with ``return_dist=True``; with a
         static plan its pieces are the plan's buffers, valid until the next run).
 
         ``timeout`` (seconds, default the Runner's) bounds the run's synchronization and every collective of
         it. A run after a failed or timed-out one first waits (within ``timeout``) for the kernels the earlier
         run left running, so that none of them touches this run's tensors; a ``SyncTimeout`` says so if they
-        are still stuck (then ``shutdown()`` and build a new Runner)."""
+        are still stuck (then ``shutdown()`` and build a new Runner). ``borrow``: a static plan on one CPU hands
+        out its output buffers themselves, not copies (``_copy_out``), for a caller done with them before the next
+        run of a Runner on these buffers (the engine samples a step's logits before it starts the next step)."""
         limit = self.timeout if timeout is None else _seconds("Runner.run", timeout)
         if self._closed:
             raise DtorchError("Runner.run: this Runner was shut down and its streams are gone; build a new "
@@ -181,7 +183,7 @@ class Runner:
                 self._dirty = False
             self.comm.set_timeout(limit)
             if self.capture.replays:
-                return self._run_recorded(feeds, return_dist)
+                return self._run_recorded(feeds, return_dist, borrow)
             state = RunState(self.comm)
             self._place_feeds(feeds, state)
             inline = self.program.inline
@@ -194,31 +196,32 @@ class Runner:
                 self.manager.after_caller(state)  # after the feeds' copies and the caller's reads of the last results
                 self._push(state)
             if here and self.manager.idle():  # nothing is left on any stream: no round trip to a stream thread
-                return self._finish(state, return_dist)
+                return self._finish(state, return_dist, borrow)
             try:
                 self.manager.synchronize(limit, self._devices)
             except SyncTimeout:
                 state.abort()
                 self._dirty = True
                 raise
-            return self._finish(state, return_dist)
+            return self._finish(state, return_dist, borrow)
 
-    def _finish(self, state: RunState, return_dist: bool) -> dict[str, Any]:
+    def _finish(self, state: RunState, return_dist: bool, borrow: bool = False) -> dict[str, Any]:
         """The end of a run whose kernels are all done: its first failure raised, else its results."""
         if state.error is not None:
             self._dirty = True
             raise state.error
         self.capture.warm = True
-        return self._results(return_dist)
+        return self._results(return_dist, borrow)
 
-    def _run_recorded(self, feeds: dict[str, torch.Tensor], return_dist: bool = False) -> dict[str, Any]:
+    def _run_recorded(self, feeds: dict[str, torch.Tensor], return_dist: bool = False,
+                      borrow: bool = False) -> dict[str, Any]:
         """Copy the feeds into their buffers and replay the recording (made now on the first call) on the caller's
         stream, which the next uncaptured run of any Runner on these streams waits for (``after_caller``)."""
         i = self.local_ids[0]
         for name, x in self.graph.inputs.items():  # one device: each feed is whole; copied as it is, no host wait
             self.blobs[(x.index, i)].tensor.copy_(feeds[name], non_blocking=True)
         self.capture.replay(self._issue)
-        return self._results(return_dist)
+        return self._results(return_dist, borrow)
 
     def _issue(self) -> None:
         """Every kernel of the program, in order, on the calling thread's current stream (what a recording holds)."""
@@ -311,16 +314,16 @@ class Runner:
             else:
                 stream.wait(events[item], state)
 
-    def _results(self, return_dist: bool) -> dict[str, Any]:
-        return {name: self._result(name, x, return_dist) for name, x in self.graph.outputs.items()}
+    def _results(self, return_dist: bool, borrow: bool = False) -> dict[str, Any]:
+        return {name: self._result(name, x, return_dist, borrow) for name, x in self.graph.outputs.items()}
 
-    def _result(self, name: str, x: Operand, return_dist: bool) -> Any:
+    def _result(self, name: str, x: Operand, return_dist: bool, borrow: bool = False) -> Any:
         if not return_dist and len(self.local_ids) == 1 and isinstance(x.placement, Replicate):
             # one device's whole tensor (a step's logits): no DistTensor to build around it
             t = self.blobs[(x.index, self.local_ids[0])].tensor
             if t is not None:
                 record_use(t)
-                return self._copy_out(name, t) if self.static else t
+                return self._copy_out(name, t) if self.static and not (borrow and self._one_cpu) else t
         blobs = {i: Blob(self.mesh.device(i), tensor=record_use(self.blobs[(x.index, i)].tensor))
                  for i in self.local_ids}
         dt = DistTensor(self.mesh, x.placement, x.shape, x.dtype, blobs)
