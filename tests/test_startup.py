@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.pack_load import load_packed
 from tests.smaps import mapping
 from tests.tiny_models import save_random, tiny_config
 
@@ -22,6 +23,11 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 IDS = [3, 17, 5, 42, 9, 11]
+
+
+def _load(path: Path):
+    """(logits of IDS, the pack cache's status), the LLM closed."""
+    return load_packed(path, IDS)[1:]
 
 
 # -- the native repack ---------------------------------------------------------------------------------------------
@@ -59,20 +65,6 @@ def quantized(tmp_path_factory) -> Path:
     write_gguf(hf, path, qtype=lambda name: Q.Q4_0 if "token_embd" in name else Q.Q8_0 if "attn_v" in name
                else Q.Q5_0)
     return path
-
-
-def _load(path: Path):
-    """(logits of IDS, the pack cache's status, the LLM closed)."""
-    from dtorch.engine.llm import LLM
-
-    llm = LLM(path, max_model_len=32, max_num_seqs=1)
-    try:
-        status = llm.pack_cache.status if llm.pack_cache is not None else "off"
-        if llm.pack_cache is not None:
-            llm.pack_cache.wait()
-        return llm.logits(IDS), status
-    finally:
-        llm.close()
 
 
 @pytest.fixture

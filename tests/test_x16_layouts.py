@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pack_load import load_packed
 from quant_bytes import gguf_bytes, gguf_reference
 
 import dtorch.kernels.native as nk
@@ -109,21 +110,6 @@ def quantized(tmp_path_factory) -> Path:
     return path
 
 
-def _load(path: Path):
-    """(each weight's layout, logits of a few ids, the pack cache's status)."""
-    from dtorch.engine.llm import LLM
-
-    llm = LLM(path, max_model_len=32, max_num_seqs=1)
-    try:
-        status = llm.pack_cache.status if llm.pack_cache is not None else "off"
-        if llm.pack_cache is not None:
-            llm.pack_cache.wait()
-        found = {name: (w.layout, tuple(w.shape)) for name, w in llm.model.weights.items()}
-        return found, llm.logits([3, 17, 5, 42]), status
-    finally:
-        llm.close()
-
-
 @native
 def test_loader_interleaves_projections_only_on_avx512_and_the_cache_follows(quantized, tmp_path, monkeypatch):
     """On AVX-512 VNNI the Q8_0 / Q5_0 projections load interleaved, the embedding (the tied head) in rows; with
@@ -133,11 +119,11 @@ def test_loader_interleaves_projections_only_on_avx512_and_the_cache_follows(qua
     monkeypatch.delenv("DTORCH_PACK_CACHE", raising=False)
     with nk.use_isa("auto"):
         with cpu.forced(avx512_vnni=False):
-            rows, logits_rows, status = _load(quantized)
+            rows, logits_rows, status = load_packed(quantized, [3, 17, 5, 42])
         assert status == "miss"
         packed = {v for v, _ in rows.values() if v.startswith("gguf.")}
         assert packed and not packed & set(X16), rows  # every packed weight in its row layout
-        found, logits, status = _load(quantized)
+        found, logits, status = load_packed(quantized, [3, 17, 5, 42])
         if nk.isa() != "avx512":  # the CPU, or DTORCH_CPU_FEATURES=-avx512, rules AVX-512 VNNI out: rows again
             assert status == "hit" and found == rows and torch.equal(logits, logits_rows)
             return
@@ -155,11 +141,11 @@ def test_loader_interleaves_projections_only_on_avx512_and_the_cache_follows(qua
         with monkeypatch.context() as m:  # the row layout on AVX-512 VNNI: the same logits bit for bit
             m.setattr("dtorch.kernels.native.repack.x16_wanted", lambda dtype: False)
             m.setenv("DTORCH_PACK_CACHE", "0")
-            plain, same, _ = _load(quantized)
+            plain, same, _ = load_packed(quantized, [3, 17, 5, 42])
         assert {layout for layout, _ in plain.values()} == {layout for layout, _ in rows.values()}
         assert torch.equal(same, logits)
-        _, again, status = _load(quantized)
+        _, again, status = load_packed(quantized, [3, 17, 5, 42])
         assert status == "hit" and torch.equal(again, logits)
         with cpu.forced(avx512_vnni=False):
-            back, _, status = _load(quantized)
+            back, _, status = load_packed(quantized, [3, 17, 5, 42])
         assert status == "stale" and back == rows
