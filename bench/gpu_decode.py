@@ -109,15 +109,15 @@ def count_syncs(llm, batch: int) -> int:
     ex = llm.executor
     step, counts = ex.step, []
 
-    def counted(plan, all_logits=False):
+    def counted(plan, all_logits=False, **kw):
         if DEV != "cuda" or not all(c == 1 for c in plan.counts):
-            return step(plan, all_logits)
+            return step(plan, all_logits, **kw)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                out = step(plan, all_logits)
+                out = step(plan, all_logits, **kw)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchroniz" in str(w.message) for w in seen))

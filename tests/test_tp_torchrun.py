@@ -50,13 +50,13 @@ def _worker(mode: str, model: str) -> int:
         if mode in ("die", "stall") and rank == 1:
             step, steps = Executor.step, []
 
-            def dying_step(self: Executor, plan, all_logits: bool = False):
+            def dying_step(self: Executor, plan, *args, **kwargs):  # (the engine passes borrow=)
                 steps.append(1)
                 if len(steps) > 1 + DIE_AFTER:  # the prefill, then DIE_AFTER decode steps
                     if mode == "stall":
                         time.sleep(3600)
                     os._exit(1)
-                return step(self, plan, all_logits)
+                return step(self, plan, *args, **kwargs)
 
             Executor.step = dying_step
         outs = llm.generate(BATCH, params)
