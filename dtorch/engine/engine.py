@@ -314,8 +314,8 @@ class Engine(TokenTaking):
             long = long_prompts(plan)
             drafts = self.speculator.draft(self, plan, long) if self.speculator is not None else None
             step = StepPlan.chunks(plan, self.cache.has_state, drafts and drafts.tokens, long)
-            # one stage: the step runs now (its logits); a pipeline's is in flight (an ``Executor.Pending``)
-            # one stage: its logits are sampled (_land) before the next step runs, so they need no copy (borrow)
+            # one stage: the step runs now, and its logits are sampled (_land) before the next step runs, so they
+            # need no copy (borrow); a pipeline's step is in flight (an ``Executor.Pending``)
             pending = self.executor.step(step, borrow=True) if self.executor.depth == 1 else self.executor.submit(step)
         except BaseException:
             self._end([s for s, _ in plan], "abort")  # their cache contents are unknown now
