@@ -29,7 +29,7 @@ from dtorch.kernels.native import (
     oplist,
     products,  # noqa: F401  (its kernels join KERNELS: matmul.linear, moe, embedding)
 )
-from dtorch.kernels.native.registry import ACTIVATIONS, KERNELS, NATIVE, binds, lib, or_fallback
+from dtorch.kernels.native.registry import ACTIVATIONS, KERNELS, NATIVE, binds, bound, lib, or_fallback
 from dtorch.kernels.torch import (
     causal_conv1d as torch_conv,
     gated_delta_net as torch_gdn,
@@ -120,8 +120,10 @@ def _bind_rope(ctx, inputs, outputs):
     if len(inputs) != 3:
         return None
     p = ctx.params
-    call = functools.partial(lib().rope, inputs[0], inputs[1], inputs[2], outputs[0], p.rotary_dim, p.interleaved)
-    return or_fallback(call, torch_llm.rope_reference, ctx, inputs, outputs)
+    args = (inputs[0], inputs[1], inputs[2], outputs[0], p.rotary_dim, p.interleaved)
+    once = bound(lib().rope, *args)  # refused only by its checks, which bound runs now
+    return once if once is not None else or_fallback(functools.partial(lib().rope, *args), torch_llm.rope_reference,
+                                                     ctx, inputs, outputs)
 
 
 @KERNELS.kernel("llm.rope", ACTIVATIONS, meta=torch_llm.INPLACE, **NATIVE)
@@ -145,7 +147,8 @@ def rope(ctx, inputs, outputs):
 
 def _bind_cache_store(ctx, inputs, outputs):
     key, value, _, _, slots = inputs
-    call = functools.partial(lib().cache_store, key, value, outputs[0], outputs[1], slots)
+    args = (key, value, outputs[0], outputs[1], slots)
+    call = bound(lib().cache_store, *args) or functools.partial(lib().cache_store, *args)  # slots checked each call
     return or_fallback(call, torch_kv_cache.reshape_and_cache_reference, ctx, inputs, outputs)
 
 
@@ -216,11 +219,14 @@ def row_kernel(row: oplist.RowOp):
 
     def bind(ctx, inputs, outputs):
         """This call on these very tensors as a callable of no arguments (a static plan's bare loop calls it every
-        step): the row's module function with its arguments fixed, the fallback where the C++ refuses them; None
-        for a call the row does not count (the kernel itself then runs, and names the row)."""
+        step): the row's call parsed and checked once (``bound``), or, where the C++ refuses these tensors, the
+        fallback; None for a call the row does not count (the kernel itself then runs, and names the row)."""
         if len(inputs) != n_in or len(outputs) != n_out:
             return None
         fn, args = getattr(lib(), name), (*inputs, *outputs, *(getattr(ctx.params, p) for p in params))
+        once = bound(fn, *args)
+        if once is not None:
+            return once
 
         def run():
             try:

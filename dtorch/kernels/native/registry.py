@@ -33,6 +33,20 @@ def binds(bind):
     return attach
 
 
+def bound(fn, *args):
+    """``fn(*args)`` (a declared row's module function, rope or cache_store) parsed and checked now, as a callable of
+    no arguments that runs the compiled call on what it fixed (csrc/binding.cpp's ``bind``: no parse per step, the
+    cold part of a small op after a product); None where the C++ refuses these arguments (the caller's fallback
+    then) or the module has no ``bind`` (a stand-in module)."""
+    bind = getattr(lib(), "bind", None)
+    if bind is None:
+        return None
+    try:
+        return bind(fn, *args)
+    except DtorchError:
+        return None
+
+
 def or_fallback(call, fallback, ctx, inputs, outputs):
     """``call()``, or the torch ``fallback`` on these tensors where the compiled code refuses them."""
     def run():

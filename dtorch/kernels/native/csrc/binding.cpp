@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <new>
 #include <vector>
@@ -456,6 +457,72 @@ void qlinear_x16(const dtn::Table* tb, int base, const at::Tensor& x, const at::
 #define EXIT } catch (const Fail&) { return nullptr; } catch (const std::exception& e) { \
     PyErr_SetString(PyExc_RuntimeError, e.what()); return nullptr; } }
 
+// ===== bound calls (bind): a call parsed and checked once, then run by calling the object with no arguments ======
+// What a static plan's bare loop runs each step for the small ops (the declared rows, rope, cache_store): after a
+// product streamed its weights through the caches, the argument parse of such a call (the tensors' metadata, the
+// checks' code) comes from memory, ~1.5-3 us of a 3-4 us row op on Zen 1. The object keeps the call's arguments
+// alive; the pointers it fixed stay valid because a static plan's buffers keep their storage. Each run looks up the
+// kernel table in use (set_isa may change it), and reads what a call reads each time (cache_store's slots).
+using Run = std::function<void()>;
+
+struct BoundCall {
+  PyObject_HEAD
+  PyObject* args;  // the bound call's arguments, a tuple
+  Run* run;
+};
+
+void bound_call_dealloc(PyObject* self) {
+  BoundCall* b = reinterpret_cast<BoundCall*>(self);
+  Py_XDECREF(b->args);
+  delete b->run;
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* bound_call_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  if ((args && PyTuple_GET_SIZE(args)) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+    PyErr_SetString(PyExc_TypeError, "a bound call takes no arguments");
+    return nullptr;
+  }
+  try {
+    (*reinterpret_cast<const BoundCall*>(self)->run)();
+  } catch (const Fail&) {
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyTypeObject g_bound_call_type = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "_dtorch_native.BoundCall";
+  t.tp_basicsize = sizeof(BoundCall);
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_doc = "a native call on fixed arguments, parsed once (bind); call it with no arguments";
+  t.tp_dealloc = bound_call_dealloc;
+  t.tp_call = bound_call_call;
+  return t;
+}();
+
+// a BoundCall of `run`, holding args[0, nargs)
+PyObject* make_bound(Run run, PyObject* const* args, Py_ssize_t nargs) {
+  if (PyType_Ready(&g_bound_call_type) < 0) throw Fail{};
+  PyObject* kept = PyTuple_New(nargs);
+  BoundCall* b = kept ? PyObject_New(BoundCall, &g_bound_call_type) : nullptr;
+  if (!b) {
+    Py_XDECREF(kept);
+    throw Fail{};
+  }
+  for (Py_ssize_t a = 0; a < nargs; ++a) {
+    Py_INCREF(args[a]);
+    PyTuple_SET_ITEM(kept, a, args[a]);
+  }
+  b->args = kept;
+  b->run = new Run(std::move(run));
+  return reinterpret_cast<PyObject*>(b);
+}
+
 // qlinear(x [..., K] f32/bf16, packed uint8 [N, row bytes], fmt int, bias [N] | None, out [..., N])
 ENTRY(py_qlinear)
   need(nargs == 5 || nargs == 6, PyExc_TypeError, "qlinear takes 5 or 6 arguments, got " + std::to_string(nargs));
@@ -561,7 +628,8 @@ EXIT
 
 // rope(x [..., H, D], cos [..., rot/2] f32, sin like cos, out like x, rot int, interleaved bool); x, out, cos and
 // sin may be row-strided views (dense within a row)
-ENTRY(py_rope)
+// rope's call checked, as what runs it (py_rope runs it at once, bind keeps it)
+auto rope_run(PyObject* const* args, Py_ssize_t nargs) {
   need_args(nargs, 6, "rope");
   const at::Tensor& x = any_tensor(args[0], "rope", "x");
   const at::Tensor& c = any_tensor(args[1], "rope", "cos");
@@ -587,15 +655,21 @@ ENTRY(py_rope)
   const int64_t ldc = row_stride(c, 1, "rope", "cos");
   need(row_stride(s, 1, "rope", "sin") == ldc && s.stride(-1) == 1 && c.stride(-1) == 1, g_layout_error,
        "rope: sin must be laid out like cos");
-  const dtn::Table* tb = g_table;
   const void* xp = x.data_ptr();
   void* op = out.data_ptr();
   const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
-  Py_BEGIN_ALLOW_THREADS
-  parallel_rows(R, 4 * H * rot, [&](int64_t r0, int64_t r1) {
-    tb->rope(xp, ldx, op, ldo, dt, cp, sp, ldc, P, r0, r1, H, D, rot, interleaved);
-  });
-  Py_END_ALLOW_THREADS
+  return [=] {
+    const dtn::Table* tb = g_table;
+    Py_BEGIN_ALLOW_THREADS
+    parallel_rows(R, 4 * H * rot, [&](int64_t r0, int64_t r1) {
+      tb->rope(xp, ldx, op, ldo, dt, cp, sp, ldc, P, r0, r1, H, D, rot, interleaved);
+    });
+    Py_END_ALLOW_THREADS
+  };
+}
+
+ENTRY(py_rope)
+  rope_run(args, nargs)();
   Py_RETURN_NONE;
 EXIT
 
@@ -758,9 +832,15 @@ class RowCall {
     }
   }
 
-  // Rows one stride apart: the kernel over every row, split over torch's threads. Token-strided heads: the kernel
-  // over each token's H rows, tokens split over the threads. The GIL released meanwhile.
-  void run(dtn::RowFn kernel) {
+  // The call's struct completed (dtype, D, row strides) and what running it takes, fixed now: a bound call (bind)
+  // keeps it and runs it each step with no parsing
+  struct Plan {
+    int64_t R, H, work, esz, size;  // work: a row's, for the thread split (4 D)
+    bool two_level;
+    std::vector<RowTensor> tensors;
+  };
+
+  Plan plan() {
     const int64_t D = shape_.back(), R = D ? first_->numel() / first_->size(-1) : 0;
     const int64_t H = shape_.size() >= 2 ? shape_[shape_.size() - 2] : 1, esz = dt_ == dtn::F32 ? 4 : 2;
     put(row_.off_dt, dt_);
@@ -770,24 +850,29 @@ class RowCall {
       put(t.ld_off, t.inner);
       two_level |= H > 1 && t.outer != t.inner * H;
     }
-    unsigned char* buf = buf_;
-    const size_t size = row_.size;
-    const std::vector<RowTensor>& ts = tensors_;
+    put(row_.off_R, two_level ? H : R);
+    return {R, H, 4 * D, esz, int64_t(row_.size), two_level, std::move(tensors_)};
+  }
+
+  void run(dtn::RowFn kernel) { execute(plan(), buf_, kernel); }
+
+  // Rows one stride apart: the kernel over every row, split over torch's threads. Token-strided heads: the kernel
+  // over each token's H rows, tokens split over the threads. The GIL released meanwhile.
+  static void execute(const Plan& p, const unsigned char* buf, dtn::RowFn kernel) {
+    const int64_t R = p.R, H = p.H;
     Py_BEGIN_ALLOW_THREADS
-    if (!two_level) {
-      std::memcpy(buf + row_.off_R, &R, sizeof R);
-      parallel_rows(R, 4 * D, [&](int64_t r0, int64_t r1) { kernel(buf, r0, r1); });
+    if (!p.two_level) {
+      parallel_rows(R, p.work, [&](int64_t r0, int64_t r1) { kernel(buf, r0, r1); });
     } else {
-      std::memcpy(buf + row_.off_R, &H, sizeof H);
-      parallel_rows(H ? R / H : 0, 4 * D * H, [&](int64_t t0, int64_t t1) {
+      parallel_rows(H ? R / H : 0, p.work * H, [&](int64_t t0, int64_t t1) {
         alignas(16) unsigned char mine[kMaxRowArgs];
-        std::memcpy(mine, buf, size);
+        std::memcpy(mine, buf, size_t(p.size));
         for (int64_t t = t0; t < t1; ++t) {
-          for (const RowTensor& x : ts) {  // each tensor's pointer at token t
-            char* p;
-            std::memcpy(&p, buf + x.off, sizeof p);
-            p += t * x.outer * esz;
-            std::memcpy(mine + x.off, &p, sizeof p);
+          for (const RowTensor& x : p.tensors) {  // each tensor's pointer at token t
+            const char* q;
+            std::memcpy(&q, buf + x.off, sizeof q);
+            q += t * x.outer * p.esz;
+            std::memcpy(mine + x.off, &q, sizeof q);
           }
           kernel(mine, 0, H);
         }
@@ -1066,7 +1151,9 @@ void convert_row(char* dst, const char* src, int64_t to, int64_t from, int64_t n
 
 // cache_store(key, value [T, Hkv, D], k_cache, v_cache [blocks, block_size, Hkv, D], slots int32/int64 [T]):
 // row t to flat cache row slots[t]; a negative slot is skipped. key/value rows may be strided (heads dense).
-ENTRY(py_cache_store)
+// cache_store's call checked, as what runs it (py_cache_store runs it at once, bind keeps it); the slots are read,
+// and checked, at each run
+auto cache_store_run(PyObject* const* args, Py_ssize_t nargs) {
   const char* op = "cache_store";
   need_args(nargs, 5, op);
   const at::Tensor& k = any_tensor(args[0], op, "key");
@@ -1092,20 +1179,50 @@ ENTRY(py_cache_store)
   char *kcp = static_cast<char*>(kc.data_ptr()), *vcp = static_cast<char*>(vc.data_ptr());
   const bool wide = slots.scalar_type() == at::kLong;
   const void* sp = slots.data_ptr();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t s = wide ? static_cast<const int64_t*>(sp)[t] : static_cast<const int32_t*>(sp)[t];
-    if (s < 0) continue;
-    NEED(s < rows, g_arg_error, std::string(op) + ": slot " + std::to_string(s) + " is past the cache's " +
-         std::to_string(rows) + " rows");
-    if (kdt == cdt) {
-      std::memcpy(kcp + s * width * esz, kp + t * ldk * esz, size_t(width * esz));
-      std::memcpy(vcp + s * width * esz, vp + t * ldv * esz, size_t(width * esz));
-    } else {  // rounded to a bf16 cache, or widened to a float32 one, as torch's .to() does (c10's conversions)
-      convert_row(kcp, kp, s * width, t * ldk, width, cdt);
-      convert_row(vcp, vp, s * width, t * ldv, width, cdt);
+  return [=] {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = wide ? static_cast<const int64_t*>(sp)[t] : static_cast<const int32_t*>(sp)[t];
+      if (s < 0) continue;
+      NEED(s < rows, g_arg_error, std::string(op) + ": slot " + std::to_string(s) + " is past the cache's " +
+           std::to_string(rows) + " rows");
+      if (kdt == cdt) {
+        std::memcpy(kcp + s * width * esz, kp + t * ldk * esz, size_t(width * esz));
+        std::memcpy(vcp + s * width * esz, vp + t * ldv * esz, size_t(width * esz));
+      } else {  // rounded to a bf16 cache, or widened to a float32 one, as torch's .to() does (c10's conversions)
+        convert_row(kcp, kp, s * width, t * ldk, width, cdt);
+        convert_row(vcp, vp, s * width, t * ldv, width, cdt);
+      }
     }
-  }
+  };
+}
+
+ENTRY(py_cache_store)
+  cache_store_run(args, nargs)();
   Py_RETURN_NONE;
+EXIT
+
+// bind(fn, *args): the call fn(*args) of a declared row's module function, rope or cache_store, checked now (the
+// errors fn would raise), as a BoundCall that runs it with no arguments
+ENTRY(py_bind)
+  NEED(nargs >= 1 && PyCFunction_Check(args[0]), g_arg_error,
+       "bind: its first argument must be a declared row's module function, rope or cache_store");
+  const PyCFunction f = PyCFunction_GET_FUNCTION(args[0]);
+  if (f == (PyCFunction)(void (*)())py_rope) return make_bound(rope_run(args + 1, nargs - 1), args + 1, nargs - 1);
+  if (f == (PyCFunction)(void (*)())py_cache_store)
+    return make_bound(cache_store_run(args + 1, nargs - 1), args + 1, nargs - 1);
+  NEED(f == (PyCFunction)(void (*)())py_row, g_arg_error,
+       "bind: its first argument must be a declared row's module function, rope or cache_store");
+  const Py_ssize_t i = PyLong_AsSsize_t(PyCFunction_GET_SELF(args[0]));
+  if (i < 0 || i >= g_nrows) throw Fail{};
+  struct alignas(16) Buf {
+    unsigned char b[RowCall::kMaxRowArgs];
+  };
+  Buf buf{};
+  RowCall c(g_rows[i], buf.b);
+  c.parse(args + 1, nargs - 1);
+  RowCall::Plan plan = c.plan();
+  return make_bound([plan = std::move(plan), buf, i] { RowCall::execute(plan, buf.b, g_table->ops[i]); }, args + 1,
+                    nargs - 1);
 EXIT
 
 // qembedding(w uint8 [V, row bytes] (any format), ids int32/int64 [...], fmt int, vocab_start int | None,
