@@ -978,8 +978,9 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
       // Q8_0 against both levels: 8 rows' vectors summed at once (hsum8_avx2, the same bits), not each at its row's
       // end. Hot one-row products, same process, HEAD vs this (Zen 1, load 5-6; every output bit equal): cycles a
       // block [256, 640] 8.75-8.77 -> 7.73-7.79, [256, 512] 8.45 -> 6.98, [256, 896] 8.00 -> 7.17, [256, 960] 8.47 ->
-      // 7.77, [64, 4864] 6.45 -> 6.32; decode at 1 thread, CPU ms a token (medians of 3, alternating, load 6-8):
-      // Gemma 3 270M Q8_0 34.5 -> 31.0 and 36.5 -> 31.1
+      // 7.77, [64, 4864] 6.45 -> 6.32; decode at 1 thread, CPU ms a token (medians of 3, alternating, load 6-8, three
+      // rounds): Gemma 3 270M Q8_0 34.5 / 36.5 / 33.7 -> 31.0 / 31.1 / 30.4, Qwen2.5-0.5B Q8_0 56.2 / 54.5 / 57.1 ->
+      // 53.4 / 52.7 / 51.1, SmolLM2-360M Q8_0 (two) 43.2 / 42.9 -> 40.4 / 40.5
       if constexpr (F == dtn::Q8_0 && LO) {
         for (; n + 8 <= n1; n += 8)
           for (int64_t m = 0; m < M; ++m) {
