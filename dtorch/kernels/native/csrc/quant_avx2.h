@@ -650,8 +650,10 @@ static inline __m256 q8x16_row(const uint8_t* p, const X16Act& xw, int64_t m, in
   const float* dk = xw.dk + m * xw.nsg * 16;
   __m256 acc = _mm256_setzero_ps();
   auto close = [&](__m256i is, __m256i il, bool in_order, const int32_t* cg, const float* dg, __m256 dw) {
-    __m256i sum = _mm256_hadd_epi32(is, il);
-    if (in_order) sum = _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    // in order (a half of 1-4 blocks, il zero): is [0 0 1 1 | 2 2 3 3] -> [0 1 2 3] by one 128-bit hadd
+    __m256i sum = in_order ? _mm256_zextsi128_si256(_mm_hadd_epi32(_mm256_castsi256_si128(is),
+                                                                   _mm256_extracti128_si256(is, 1)))
+                           : _mm256_hadd_epi32(is, il);
     sum = _mm256_sub_epi32(sum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg)));
     const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(dg));
     acc = _mm256_fmadd_ps(dw, t, acc);
