@@ -110,6 +110,23 @@ static inline float hsum256_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// hsum256_avx2 of 8 vectors at once, each by the same additions in the same order (so the same bits): out[j] = the
+// sum of v[j]'s lanes, ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)); 23 instructions where 8 hsum256_avx2 take 48, and
+// no row's sum is a chain of dependent additions at the end of its row
+static inline void hsum8_avx2(const __m256* v, float* out) {
+  __m256 s[4];  // rows 2 i and 2 i + 1: [lo + hi of the first | of the second]
+  for (int i = 0; i < 4; ++i)
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  __m256 u[2];  // [(0 + 2) (1 + 3) of rows 4 i, 4 i + 2 | of rows 4 i + 1, 4 i + 3]
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0xee));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xdd));
+  // r: rows [0 2 4 6 | 1 3 5 7]
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 // hi and lo levels' int16 pair sums -> 8 int32 lanes of 254 hi + lo, lanes 4j..4j+3 summing the first or second
 // 16-byte half of each 128-bit lane (as vpmaddwd with ones would, by sub-block); one conversion instead of two
 static inline __m256i levels_i32(__m256i hi16, __m256i lo16) {
@@ -615,7 +632,8 @@ static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int6
 }
 
 // One Q8_0 weight row (its bytes at p) against row m of x as X16Act, for decode: sg_tile256's sums with its float
-// operations in its order (the same bits as a row of a batch), in a loop of its own. Whole super-groups run with the
+// operations in its order (the same bits as a row of a batch, once the vector returned is summed as hsum256_avx2
+// does: sg_tiles256 sums 8 rows' at once), in a loop of its own. Whole super-groups run with the
 // step fixed at 64 bytes; the last one (S < 16 blocks) reads plain 16- and 32-byte loads where they end in the row
 // (lanes past S meet zeros of x and of its scales), masked loads only where they would not (see `from`). ahead > 0:
 // each super-group's bytes that far on are asked for as it is read (sg_tiles256's stream). On the 2-core Zen 1 VM
@@ -625,15 +643,17 @@ static inline void sg_block256(const QWeight& w, const SGAct& a, int64_t m, int6
 // macro-ops a block, not vpmaddwd's 4 cycles); decode at 1 thread, CPU ms a token (medians of 5, two rounds): Gemma 3
 // 270M Q8_0 42.2-42.6 -> 35.5-35.9, Qwen2.5-0.5B Q8_0 67.7-71.4 -> 55.5-57.1, SmolLM2-360M Q8_0 59.0-59.6 -> 43.9-44.7,
 // Gemma 3 270M Q4_K_M (its Q8_0 head) 42.4-43.4 -> 37.5-37.8, the same tokens.
-static inline float q8x16_row(const uint8_t* p, const X16Act& xw, int64_t m, int64_t nb, int64_t ahead) {
+static inline __m256 q8x16_row(const uint8_t* p, const X16Act& xw, int64_t m, int64_t nb, int64_t ahead) {
   const __m256i z = _mm256_setzero_si256();
   const int16_t* x = xw.q + m * xw.nsg * 512;
   const int32_t* c = xw.corr + m * xw.nsg * 16;
   const float* dk = xw.dk + m * xw.nsg * 16;
   __m256 acc = _mm256_setzero_ps();
   auto close = [&](__m256i is, __m256i il, bool in_order, const int32_t* cg, const float* dg, __m256 dw) {
-    __m256i sum = _mm256_hadd_epi32(is, il);
-    if (in_order) sum = _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    // in order (a half of 1-4 blocks, il zero): is [0 0 1 1 | 2 2 3 3] -> [0 1 2 3] by one 128-bit hadd
+    __m256i sum = in_order ? _mm256_zextsi128_si256(_mm_hadd_epi32(_mm256_castsi256_si128(is),
+                                                                   _mm256_extracti128_si256(is, 1)))
+                           : _mm256_hadd_epi32(is, il);
     sum = _mm256_sub_epi32(sum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg)));
     const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(dg));
     acc = _mm256_fmadd_ps(dw, t, acc);
@@ -693,7 +713,7 @@ static inline float q8x16_row(const uint8_t* p, const X16Act& xw, int64_t m, int
       close(is, il, cnt <= 4, c + 8 * h, dk + 8 * h, _mm256_cvtph_ps(d16));
     }
   }
-  return hsum256_avx2(acc);
+  return acc;
 }
 
 // dwords 0 .. c - 1 of 8 rows (row r at p + r * stride; rows from nr on read as zero) as vectors of one dword per
@@ -957,11 +977,30 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
     int64_t n = n0;
     if (stream) {  // one weight row at a time (see above), its stream kStreamAhead on rounded up to whole rows
       const int64_t row_at = (kStreamAhead + w.qs_row - 1) / w.qs_row * w.qs_row;
+      // Q8_0 against both levels: 8 rows' vectors summed at once (hsum8_avx2, the same bits), not each at its row's
+      // end. Hot one-row products, same process, HEAD vs this (Zen 1, load 5-6; every output bit equal): cycles a
+      // block [256, 640] 8.75-8.77 -> 7.73-7.79, [256, 512] 8.45 -> 6.98, [256, 896] 8.00 -> 7.17, [256, 960] 8.47 ->
+      // 7.77, [64, 4864] 6.45 -> 6.32; decode at 1 thread, CPU ms a token (medians of 3, alternating, load 6-8, three
+      // rounds): Gemma 3 270M Q8_0 34.5 / 36.5 / 33.7 -> 31.0 / 31.1 / 30.4, Qwen2.5-0.5B Q8_0 56.2 / 54.5 / 57.1 ->
+      // 53.4 / 52.7 / 51.1, SmolLM2-360M Q8_0 (two) 43.2 / 42.9 -> 40.4 / 40.5
+      if constexpr (F == dtn::Q8_0 && LO) {
+        for (; n + 8 <= n1; n += 8)
+          for (int64_t m = 0; m < M; ++m) {
+            __m256 acc[8];
+            float o[8];
+            for (int j = 0; j < 8; ++j)
+              acc[j] = q8x16_row(w.qs + (n + j) * w.qs_row, xv, m, w.K / 32, m ? 0 : row_at);
+            hsum8_avx2(acc, o);
+            for (int j = 0; j < 8; ++j)
+              store_f(y, ydt, m * ldy + n + j, o[j] + (bias ? load_f(bias, ydt, n + j) : 0.f));
+          }
+      }
       for (; n < n1; ++n) {
         if constexpr (F == dtn::Q8_0 && LO) {
           const float b = bias ? load_f(bias, ydt, n) : 0.f;
           for (int64_t m = 0; m < M; ++m)
-            store_f(y, ydt, m * ldy + n, q8x16_row(w.qs + n * w.qs_row, xv, m, w.K / 32, m ? 0 : row_at) + b);
+            store_f(y, ydt, m * ldy + n,
+                    hsum256_avx2(q8x16_row(w.qs + n * w.qs_row, xv, m, w.K / 32, m ? 0 : row_at)) + b);
         } else {
           for (int64_t m = 0; m < M; ++m) sg_block256<F, 1, 1, LO>(w, a, m, n, bias, y, ydt, ldy, m ? 0 : row_at, xw);
         }
