@@ -397,7 +397,11 @@ def test_every_row_one_level(fmt, isa, monkeypatch):
     key = KernelKey("matmul.linear", "cpu", torch.float32, fmt)
     out = torch.empty(1, 37)
     monkeypatch.setenv("DTORCH_ONE_LEVEL", "1")  # the dispatched kernel: one level for a precise lone row
-    Dispatcher().select(key).fn(_ctx(), (x[:1], w, bias), (out,))
+    kernel = Dispatcher().select(key).fn
+    kernel(_ctx(), (x[:1], w, bias), (out,))
+    assert torch.equal(out, alone[:1])
+    out.zero_()
+    kernel.bind(_ctx(), (x[:1], w, bias), (out,))()  # a step's bound call (a decode step's products): one level too
     assert torch.equal(out, alone[:1])
     with pytest.raises(ArgumentError, match="one_level must be 0, 1"):
         nk.qlinear(x[:1], w, fmt, bias, one_level=3)

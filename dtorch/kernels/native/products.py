@@ -26,14 +26,18 @@ from dtorch.kernels.torch import half as torch_half, moe as torch_moe, quantized
 # all but q2_k and q3_k: coarse rows at every row count, others under 128 rows per thread (q4_k, q5_k, iq4_xs and q8_0
 # at every row count); the reference (torch backend) dequantizes w with layouts.dequantize and runs F.linear.
 
+def _one_level(ctx) -> int:
+    """DTORCH_ONE_LEVEL: every row one level (2), else coarse rows from 4 rows (1) and the others two levels (0)."""
+    return 2 if env.one_level() else int(ctx.params.get("coarse", False))
+
+
 def _linear_kernel(layout: str):
     code = layouts.format_code(layout)
 
     def kernel(ctx, inputs, outputs):
         x, w, bias = inputs
         out = outputs[0]
-        # DTORCH_ONE_LEVEL: every row one level (2), else coarse rows from 4 rows (1) and the others two levels (0)
-        one_level = 2 if env.one_level() else int(ctx.params.get("coarse", False))
+        one_level = _one_level(ctx)
         if not x.is_contiguous():
             x = x.contiguous()
         if bias is not None and bias.dtype != x.dtype:
@@ -48,7 +52,8 @@ def _linear_kernel(layout: str):
         out = outputs[0]
         if not (x.is_contiguous() and out.is_contiguous()) or (bias is not None and bias.dtype != x.dtype):
             return None
-        return functools.partial(lib().qlinear, x, w, code, bias, out, ctx.params.get("coarse", False))
+        # (DTORCH_ONE_LEVEL as set when bound: a step's bound calls ignored it, so decode kept two levels under it)
+        return functools.partial(lib().qlinear, x, w, code, bias, out, _one_level(ctx))
 
     kernel.bind = bind
     kernel.__name__ = kernel.__qualname__ = f"linear_{layout[5:]}"

@@ -541,7 +541,14 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                       _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], ll), _mm256_maddubs_epi16(wh[n], lh)), kl[n]);
               } else {  // each int16 is at most 2 * 31 * 127 per product: kRun steps' sums fit (run16). (Q5_0
                         // as Q8_0's x16, widened to int16, one vpmaddwd for both levels, ran 7.2 cycles per 32
-                        // weights against these 6.6 in L1 on Zen 1: four more unpacks a step outweigh the multiplies)
+                        // weights against these 6.6 in L1 on Zen 1: four more unpacks a step outweigh the multiplies.
+                        // A hot one-row 1 x 1 tile runs ~9.3 cycles a block (K = 1024, from L2): ~88 ymm instructions
+                        // a half, 35 of them the nibbles' and fifth bits' decode; llama.cpp's AVX2 Q5_0 dot takes ~14
+                        // ymm and ~5 scalar a block for its one level. Tried, same bits: hv << (4 - u) as byte adds,
+                        // steps in the order 3..0 (4 vpsllw -> 4 vpaddb): 1 x 2 tiles 0.80-0.89x at K = 640, 896 (the
+                        // shift pipe is not the bound; the count is). A layout where 5 of a half's 8 quant vectors
+                        // are one vpand each (whole 5-bit quants in bits 0-4, the other 3 built from the spare bits)
+                        // would cut the decode from 35 to ~20 a half: not tried, every ISA's kernels read the layout)
                 run16(u, is[m][n], s16[m][n],
                       _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones);
                 if constexpr (LO)
@@ -843,7 +850,14 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
 // A chunk of cnt < 4 blocks (S % 4) reads its quants, high bits and scales as zeros from block cnt on. Every lane
 // takes the same operations, and each row's 4 lanes are added alike, so a row gets the same bits as either row
 // (an odd last row goes in both). MR rows of x from m0 share each decoded vector; out[r][0], out[r][1]: the weight
-// rows' sums against row m0 + r.
+// rows' sums against row m0 + r. Its blocks cost ~13 cycles each against the tiles' ~9.3 (hot one-row Q5_0, Zen 1:
+// K = 896 [16 + 12 blocks] 308 cycles a row, K = 1024 [32] 297). Tried: a last super-group of 8-15 blocks summed in
+// the tile's row instead (x's period is 16 there, as a whole one's; the partial half's quants masked): 0.64-0.76x at
+// K = 896, 0.76-0.90x at 960, inlined or in a call of its own (GCC spills the partial halves' x and decode; load_h8's
+// copy of cnt halves stalls the load after it: 13% of that part); whole rows (K = 1024) 0.94-0.96x beside it (a
+// base-against-base run: +-5%); its first 8 blocks in the tile, the rest here: 0.86-0.90x at K = 896, 960, but
+// 0.81x at K = 640, which never ran the new code (the tile's codegen, unresolved). Decoding the tails' rows one at a
+// time (1 x 1 tiles): 0.98x, the same bits.
 template <int F, int MR, bool LO>
 static inline void sg_last_pair256(const uint8_t* r0, const uint8_t* r1, const SGAct& a, int64_t m0, int64_t nb,
                                    float (&out)[MR][2]) {
