@@ -546,9 +546,15 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
                         // a half, 35 of them the nibbles' and fifth bits' decode; llama.cpp's AVX2 Q5_0 dot takes ~14
                         // ymm and ~5 scalar a block for its one level. Tried, same bits: hv << (4 - u) as byte adds,
                         // steps in the order 3..0 (4 vpsllw -> 4 vpaddb): 1 x 2 tiles 0.80-0.89x at K = 640, 896 (the
-                        // shift pipe is not the bound; the count is). A layout where 5 of a half's 8 quant vectors
-                        // are one vpand each (whole 5-bit quants in bits 0-4, the other 3 built from the spare bits)
-                        // would cut the decode from 35 to ~20 a half: not tried, every ISA's kernels read the layout)
+                        // shift pipe is not the bound; the count is). Tried (session 54, h54q5's q5w_tried.diff): a
+                        // layout of its own, a half's 8 quant vectors stored as 5, each whole in bits 0-4 of a byte
+                        // (one vpand), the other 3 from the spare bits 5-7 (V1's and V3's lined up by one vpor:
+                        // 24 ymm a half for the decode, not 35; same bytes, same sums). Hot one-row 1 x 1 tiles
+                        // 1.09x (K = 4096: whole super-groups), 1 x 2 1.05x once the two constants of the decode
+                        // were not five (spills); sg_last_pair256 no faster with it (0.99-1.04x: its chunks' chain
+                        // bounds it, not the count). At the real Q5_0 shapes, cold, against tail_x alone: [4864,
+                        // 896] 0.98x, [2560, 960] 0.96x, [6912, 1152] 1.06x, [2048, 640] 1.03x: not kept, its
+                        // dtype, packing, cache key and fallbacks for a gain only where K has whole super-groups)
                 run16(u, is[m][n], s16[m][n],
                       _mm256_add_epi16(_mm256_maddubs_epi16(wl[n], al), _mm256_maddubs_epi16(wh[n], ah)), ones);
                 if constexpr (LO)
@@ -842,6 +848,33 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   }
 }
 
+// tail_x: the 16-byte pieces of x that sg_last_pair256 multiplies, each twice (both rows' lanes) in 32 bytes, for
+// rows 0..M-1 of x: row m, chunk c, level l, step v (0..7: u, then u + 4) at xb + 32 (((m nch + c) 2 + l) 8 + v), nch
+// the chunks of 4 blocks; laid out once a call, so each product reads its x as vpmaddubsw's memory operand, not
+// through a vbroadcasti128 per product and pair of weight rows (the same bytes: the same sums). Zen 1, 2 cores, load
+// 2-3.5, every output bit equal: sg_last_pair256 alone, one row of x, Q5_0 (TSC ticks a block and weight row) S = 12:
+// 9.0 -> 8.1, S = 4: 11.8 -> 10.7, S = 14: 11.1 -> 10.4; whole one-row products, main vs this in one process
+// (h54q5's kq): hot [256, K] Q5_0 K = 640 / 896 / 960 / 1152 1.035x / 1.060x / 1.044x / 1.022x, Q4_0 1.041x / 1.056x /
+// 1.062x / 1.028x; cold Q5_0 [4864, 896] 1.053x, [2560, 960] 1.080x, [6912, 1152] 1.025x, [2048, 640] 1.030x (a
+// copy of main's own code read 1.01-1.03x there: the harness's bias). Tried: two pairs of weight rows a call (their
+// chains side by side): 0.79x, spills.
+static inline int64_t tail_x_bytes(int64_t M, int64_t nb) { return M * ((nb % 16 + 3) / 4) * 512; }
+
+static void tail_x(const SGAct& a, int64_t M, int64_t nb, int8_t* xb) {
+  const int64_t g = nb / 16;
+  const int S = int(nb - g * 16), nch = (S + 3) / 4;
+  const int64_t st = 4 * sg_period(S);
+  for (int64_t m = 0; m < M; ++m)
+    for (int c = 0; c < nch; ++c)
+      for (int l = 0; l < a.levels; ++l)
+        for (int v = 0; v < 8; ++v) {
+          const __m128i x = _mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(a.q + (m * a.nsg + g) * 1024 + 512 * l + v * st + 16 * c));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + 32 * (((m * nch + c) * 2 + l) * 8 + v)),
+                              _mm256_broadcastsi128_si256(x));
+        }
+}
+
 // The last super-group of S < 16 blocks of two weight rows (an unsigned 4- or 5-bit 32-block format: Q4_0, Q4_1,
 // Q5_0, Q5_1) against row m of x, in chunks of 4 blocks: each vector holds the first row's 16 bytes of a step in its
 // low 128 bits and the second row's in its high (x's 16 bytes of the step in both), so a chunk of the two rows costs
@@ -850,7 +883,7 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
 // A chunk of cnt < 4 blocks (S % 4) reads its quants, high bits and scales as zeros from block cnt on. Every lane
 // takes the same operations, and each row's 4 lanes are added alike, so a row gets the same bits as either row
 // (an odd last row goes in both). MR rows of x from m0 share each decoded vector; out[r][0], out[r][1]: the weight
-// rows' sums against row m0 + r. Its blocks cost ~13 cycles each against the tiles' ~9.3 (hot one-row Q5_0, Zen 1:
+// rows' sums against row m0 + r; xb: x as tail_x lays it out. Its blocks cost ~13 cycles each against the tiles' ~9.3 (hot one-row Q5_0, Zen 1:
 // K = 896 [16 + 12 blocks] 308 cycles a row, K = 1024 [32] 297). Tried: a last super-group of 8-15 blocks summed in
 // the tile's row instead (x's period is 16 there, as a whole one's; the partial half's quants masked): 0.64-0.76x at
 // K = 896, 0.76-0.90x at 960, inlined or in a call of its own (GCC spills the partial halves' x and decode; load_h8's
@@ -860,15 +893,14 @@ static void sg_tails256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
 // time (1 x 1 tiles): 0.98x, the same bits.
 template <int F, int MR, bool LO>
 static inline void sg_last_pair256(const uint8_t* r0, const uint8_t* r1, const SGAct& a, int64_t m0, int64_t nb,
-                                   float (&out)[MR][2]) {
+                                   float (&out)[MR][2], const int8_t* xb) {
   using G = SG<F>;
   const int64_t g = nb / 16;
-  const int S = int(nb - g * 16), P = sg_period(S);
-  const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes, st = 4 * P;
+  const int S = int(nb - g * 16);
+  const int64_t hoff = 2 * S * G::scales, qoff = hoff + S * G::hbytes;
   const uint8_t* p0 = r0 + g * 16 * G::bytes;
   const uint8_t* p1 = r1 + g * 16 * G::bytes;
-  const int64_t rs = a.nsg * 1024, ars = a.nsg * 16;
-  const int8_t* ag = a.q + (m0 * a.nsg + g) * 1024;
+  const int64_t ars = a.nsg * 16;
   const float* ad = a.d + (m0 * a.nsg + g) * 16;
   const float* as = a.s + (m0 * a.nsg + g) * 16;
   const __m256i lo4 = _mm256_set1_epi8(0x0f), b4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
@@ -885,8 +917,9 @@ static inline void sg_last_pair256(const uint8_t* r0, const uint8_t* r1, const S
           _mm256_castsi128_si256(_mm_maskload_epi32(reinterpret_cast<const int*>(a0), lm)),
           _mm_maskload_epi32(reinterpret_cast<const int*>(a1), lm), 1);
     };
-    auto x16 = [&](int r, int64_t off) {  // row m0 + r of x: its 16 bytes at off, in both halves
-      return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ag + r * rs + off)));
+    const int nch = (S + 3) / 4;
+    auto xv = [&](int r, int l, int v) {  // row m0 + r of x: level l, step v (u or u + 4), chunk c (tail_x)
+      return load_i8(xb + 32 * ((((m0 + r) * nch + c) * 2 + l) * 8 + v));
     };
     __m256i hv = _mm256_setzero_si256();
     if constexpr (G::hbytes != 0) hv = pair(hoff + 16 * c);
@@ -900,13 +933,12 @@ static inline void sg_last_pair256(const uint8_t* r0, const uint8_t* r1, const S
         wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hv, 4 - u), b4));
         wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_srli_epi16(hv, u), b4));
       }
-      const int64_t xo = u * st + 16 * c, xh = (u + 4) * st + 16 * c;
       for (int r = 0; r < MR; ++r) {
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(wl, x16(r, xo)), _mm256_maddubs_epi16(wh, x16(r, xh)));
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xv(r, 0, u)), _mm256_maddubs_epi16(wh, xv(r, 0, u + 4)));
         s16[r] = u % kRun == 0 ? t : _mm256_add_epi16(s16[r], t);
         if constexpr (LO) {
-          const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(wl, x16(r, 512 + xo)),
-                                              _mm256_maddubs_epi16(wh, x16(r, 512 + xh)));
+          const __m256i tl = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xv(r, 1, u)),
+                                              _mm256_maddubs_epi16(wh, xv(r, 1, u + 4)));
           l16[r] = u % kRun == 0 ? tl : _mm256_add_epi16(l16[r], tl);
         }
         if (u % kRun == kRun - 1) {
@@ -1039,6 +1071,12 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   }
   float* const part = t_part.data();
   float* const pre = t_pre.data();
+  thread_local std::vector<int8_t> t_xb;  // the last super-group's x for sg_last_pair256 (tail_x)
+  constexpr bool kPair = F == dtn::Q4_0 || F == dtn::Q4_1 || F == dtn::Q5_0 || F == dtn::Q5_1;
+  if (kPair) {
+    if (int64_t(t_xb.size()) < tail_x_bytes(M, w.K / 32)) t_xb.resize(size_t(tail_x_bytes(M, w.K / 32)));
+    tail_x(a, M, w.K / 32, t_xb.data());
+  }
   const uint8_t* rows[2];
   for (int64_t nc = n0; nc < n1; nc += kChunk) {
     const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
@@ -1068,7 +1106,7 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
         part[m * kChunk + n - nc] = o[0][0];
       }
     }
-    if constexpr (F == dtn::Q4_0 || F == dtn::Q4_1 || F == dtn::Q5_0 || F == dtn::Q5_1) {
+    if constexpr (kPair) {
       for (int64_t n = nc; n < ne; n += 2) {  // (an odd last row in both halves)
         const uint8_t* r0 = w.qs + n * w.qs_row;
         const uint8_t* r1 = n + 1 < ne ? r0 + w.qs_row : r0;
@@ -1079,13 +1117,13 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) {
           float o[2][2];
-          sg_last_pair256<F, 2, LO>(r0, r1, a, m, w.K / 32, o);
+          sg_last_pair256<F, 2, LO>(r0, r1, a, m, w.K / 32, o, t_xb.data());
           put(m, o[0]);
           put(m + 1, o[1]);
         }
         for (; m < M; ++m) {
           float o[1][2];
-          sg_last_pair256<F, 1, LO>(r0, r1, a, m, w.K / 32, o);
+          sg_last_pair256<F, 1, LO>(r0, r1, a, m, w.K / 32, o, t_xb.data());
           put(m, o[0]);
         }
       }
