@@ -1071,6 +1071,7 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   }
   float* const part = t_part.data();
   float* const pre = t_pre.data();
+  const int64_t row_at = stream ? (kStreamAhead + w.qs_row - 1) / w.qs_row * w.qs_row : 0;  // (a row at a time)
   thread_local std::vector<int8_t> t_xb;  // the last super-group's x for sg_last_pair256 (tail_x)
   constexpr bool kPair = F == dtn::Q4_0 || F == dtn::Q4_1 || F == dtn::Q5_0 || F == dtn::Q5_1;
   if (kPair) {
@@ -1081,6 +1082,18 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
   for (int64_t nc = n0; nc < n1; nc += kChunk) {
     const int64_t ne = nc + kChunk < n1 ? nc + kChunk : n1;
     int64_t n = nc;
+    // one row of x (Q4_0, Q4_1, Q5_0, Q5_1): the whole super-groups a weight row at a time, each streamed as a long
+    // row's are (the 1 x 2 tile keeps both rows' decode and sums in 16 ymm registers only with spills; the same
+    // sums a row). Zen 1, load 4-6, one-row products, HEAD vs this in one process (a copy of HEAD against HEAD:
+    // 0.99-1.01x): cold Q5_0 [4864, 896] 1.007x / 1.087x (two rounds), [2560, 960] 1.067x / 1.043x, [6912, 1152]
+    // 0.986x / 1.039x, [2048, 640] 1.053x / 1.051x; Q4_0 [4864, 896] 1.19x, [2048, 640] 1.17x; hot [256, 896] Q5_0
+    // 1.02-1.04x, Q4_0 1.07x
+    for (; kPair && M == 1 && n < ne; ++n) {
+      rows[0] = w.qs + n * w.qs_row;
+      float o[1][1];
+      sg_tile256<F, 1, 1, LO>(rows, a, 0, w.K / 32, o, row_at, xw);
+      part[n - nc] = o[0][0];
+    }
     for (; n + 2 <= ne; n += 2) {
       prefetch_pair(n);
       rows[0] = w.qs + n * w.qs_row;
