@@ -373,6 +373,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
   // 31496 * 63 * 255 (2.02e9 < 2^31; Q4_K's one run 0.98e9). Hot one-row tiles on this Zen 1 (2 cores, load 5-6, same
   // process A/B): Q4_K 65 -> 61 cycles per 256 weights, Q5_K 74-77 -> 76; cold Q4_K [2048, 8192] 5.58 -> 5.81 GB/s.
   constexpr bool kFold = LO && (F == dtn::Q4_K || F == dtn::Q5_K);
+  __m256i k254 = _mm256_set1_epi16(254);
+  if constexpr (kFold) asm("" : "+x"(k254));
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
     const uint8_t* p[NR];
@@ -509,7 +511,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           for (int n = 0; n < NR; ++n) {
             const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + h * G::kblock + 4));
             kl[n] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc));
-            kh[n] = _mm256_mullo_epi16(kl[n], _mm256_set1_epi16(254));
+            kh[n] = _mm256_mullo_epi16(kl[n], k254);
           }
         for (int u = 0; u < 4; ++u) {
           __m256i wl[NR], wh[NR];
@@ -575,11 +577,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           mw[n] = dw[n];
         } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per sub-block
           const uint8_t* sb = p[n] + h * G::kblock;
-          uint16_t dm[2];
-          std::memcpy(dm, sb, 4);
-          dw[n] = kFold ? _mm256_set1_ps(_cvtsh_ss(dm[0]) * (1.f / 254.f))  // (sc is in is)
-                        : _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[0])), u8x8_ps(sb + 4));
-          mw[n] = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dm[1])), u8x8_ps(sb + 12));
+          int dm;  // d and dmin converted at once; mw is dmin mn (subtracted below: the same bits as adding -dmin mn)
+          std::memcpy(&dm, sb, 4);
+          const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+          dw[n] = kFold ? _mm256_set1_ps(_mm_cvtss_f32(dd) * (1.f / 254.f))  // (sc is in is)
+                        : _mm256_mul_ps(_mm256_broadcastss_ps(dd), u8x8_ps(sb + 4));
+          mw[n] = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), u8x8_ps(sb + 12));
         } else {
           dw[n] = load_h8(p[n] + 16 * h, cnt);
           mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h, cnt) : dw[n];
@@ -607,6 +610,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             const __m256 o = _mm256_fmadd_ps(_mm256_loadu_ps(hs + 16), mw[n],
                                              _mm256_mul_ps(_mm256_loadu_ps(hs), dw[n]));
             acc[m][n] = _mm256_fmadd_ps(_mm256_fmadd_ps(o, _mm256_set1_ps(-32.f), t), dq[n], acc[m][n]);
+          } else if constexpr (G::kblock != 0 && G::scales == 2) {  // Q4_K, Q5_K: (d sc) u - dmin mn
+            acc[m][n] = _mm256_fnmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (G::scales == 2) {  // Q4_1, Q5_1: d u + m
             acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (!G::signed_q) {  // Q4_0, Q5_0: d (u + offset)
