@@ -372,7 +372,17 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
   // at most 2 * 2 * 2 * 31 * 127 (Q5_K, 2 steps) or 4 * 2 * 2 * 15 * 127 (Q4_K, 4), so a lane at most 2 runs * 2 *
   // 31496 * 63 * 255 (2.02e9 < 2^31; Q4_K's one run 0.98e9). Hot one-row tiles on this Zen 1 (2 cores, load 5-6, same
   // process A/B): Q4_K 65 -> 61 cycles per 256 weights, Q5_K 74-77 -> 76; cold Q4_K [2048, 8192] 5.58 -> 5.81 GB/s.
+  // 254 sc is one vpmullw with k254 kept opaque (GCC expands the constant multiply into 3 shifts and a subtract); with
+  // d and dmin by one vcvtph2ps and dmin mn subtracted by vfnmadd, the 1 x 1 loop takes 80 instructions a super-block
+  // where it took 87: hot one-row Q4_K 1.00-1.015x, Q5_K 1.014-1.023x, every bit equal. Tried: an empty asm on each
+  // run after its step (sequential int16 sums, no spills, 67 -> 64 ymm): 0.87-0.90x. What bounds two levels here: 16
+  // vpmaddubsw + 14 vpaddw + 12 decode + 3 widening = 45 ymm a super-block against one level's 8 + 7 + 12 + 1 = 28,
+  // plus ~15 of scales and epilogue each. Q8_0's x16 route (int16 x, one vpmaddwd for both levels) would take 16
+  // vpmaddwd + 15 vpaddd + 16 decode (even in a layout whose words give a nibble each to one vpand or vpsrlw, kept
+  // in accumulators of their own by its power of 16 and shifted back) + 4 = 51: not tried.
   constexpr bool kFold = LO && (F == dtn::Q4_K || F == dtn::Q5_K);
+  __m256i k254 = _mm256_set1_epi16(254);
+  if constexpr (kFold) asm("" : "+x"(k254));
   for (int64_t g = 0; g * 16 < nb; ++g) {
     const int S = int(nb - g * 16 < 16 ? nb - g * 16 : 16);
     const uint8_t* p[NR];
@@ -416,6 +426,13 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
         // nibbles, sc[2 j + 1] the high), so both land in one int32 lane per block: |sum| at most 4 runs * 2 * 128 *
         // 2 * 2 * 63 * 127 (33M; as a float, rounded once past 2^24). The float epilogue then scales one vector by
         // d instead of two by d sc (the bits are the same for a row alone or in a batch: the same ops per row).
+        // The decode (the 6-bit bytes wl, wh of 4 steps from ql and qh) is 36 of the 1 x 1 loop's 97 ymm a half. Tried:
+        // steps 0-1's high bits by two vpshufb lookups of hq's low nibble (no shifts): 0.96-0.98x (the tables held
+        // in registers push other values out). Measured, not done (this layout is also what the AVX-512 kernels
+        // read): the same 192 bytes as 6 vectors V_i = W_i | 2 spare bits in bits 6-7, W = wl0 wh0 wl1 wh1 wl2 wh2
+        // (one vpand each), wl3 and wh3 gathered from the spare bits of V0-2 and V3-5 (3 vpand, 3 vpsrlw, 2 vpor
+        // each): decode 36 -> 22 a half, the loop 97 -> 76 ymm, hot one-row 1.06-1.15x, cold [8192, 2048] 1.12x,
+        // [2048, 8192] 1.07x, [1536, 8960] 1.09x, every bit equal: a layout of its own for AVX2 to take up.
         const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
         const __m128i odd = _mm_add_epi8(even, _mm_set1_epi8(1));
         for (int n = 0; n < NR; ++n) {
@@ -509,7 +526,7 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           for (int n = 0; n < NR; ++n) {
             const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[n] + h * G::kblock + 4));
             kl[n] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc));
-            kh[n] = _mm256_mullo_epi16(kl[n], _mm256_set1_epi16(254));
+            kh[n] = _mm256_mullo_epi16(kl[n], k254);
           }
         for (int u = 0; u < 4; ++u) {
           __m256i wl[NR], wh[NR];
@@ -581,11 +598,12 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
           mw[n] = dw[n];
         } else if constexpr (G::kblock != 0) {  // (d sc) u - dmin mn per sub-block
           const uint8_t* sb = p[n] + h * G::kblock;
-          uint16_t dm[2];
-          std::memcpy(dm, sb, 4);
-          dw[n] = kFold ? _mm256_set1_ps(_cvtsh_ss(dm[0]) * (1.f / 254.f))  // (sc is in is)
-                        : _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[0])), u8x8_ps(sb + 4));
-          mw[n] = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dm[1])), u8x8_ps(sb + 12));
+          int dm;  // d and dmin converted at once; mw is dmin mn (subtracted below: the same bits as adding -dmin mn)
+          std::memcpy(&dm, sb, 4);
+          const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+          dw[n] = kFold ? _mm256_set1_ps(_mm_cvtss_f32(dd) * (1.f / 254.f))  // (sc is in is)
+                        : _mm256_mul_ps(_mm256_broadcastss_ps(dd), u8x8_ps(sb + 4));
+          mw[n] = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), u8x8_ps(sb + 12));
         } else {
           dw[n] = load_h8(p[n] + 16 * h, cnt);
           mw[n] = G::scales == 2 ? load_h8(p[n] + 2 * S + 16 * h, cnt) : dw[n];
@@ -613,6 +631,8 @@ static inline void sg_tile256(const uint8_t* const* rows, const SGAct& a, int64_
             const __m256 o = _mm256_fmadd_ps(_mm256_loadu_ps(hs + 16), mw[n],
                                              _mm256_mul_ps(_mm256_loadu_ps(hs), dw[n]));
             acc[m][n] = _mm256_fmadd_ps(_mm256_fmadd_ps(o, _mm256_set1_ps(-32.f), t), dq[n], acc[m][n]);
+          } else if constexpr (G::kblock != 0 && G::scales == 2) {  // Q4_K, Q5_K: (d sc) u - dmin mn
+            acc[m][n] = _mm256_fnmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (G::scales == 2) {  // Q4_1, Q5_1: d u + m
             acc[m][n] = _mm256_fmadd_ps(mw[n], sa, _mm256_fmadd_ps(t, dw[n], acc[m][n]));
           } else if constexpr (!G::signed_q) {  // Q4_0, Q5_0: d (u + offset)
