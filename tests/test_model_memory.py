@@ -230,7 +230,8 @@ def test_a_large_buffer_freed_after_loading_leaves_the_process(tiny):
             "    with open('/proc/self/status') as f:\n"
             "        return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))\n"
             "drops = []\n"
-            "for _ in range(3):\n"  # a freed mapped buffer would otherwise raise the threshold: the next one in the heap
+            # a freed mapped buffer would otherwise raise the threshold: the next one would come from the heap
+            "for _ in range(3):\n"
             "    buf = torch.ones(8 << 20, dtype=torch.uint8)\n"
             "    held = rss_kib()\n"
             "    del buf\n"
