@@ -144,14 +144,16 @@ def test_the_quantized_model_agrees_with_its_dequantized_form(models, native):
 
 def _stepwise_logits(llm, ids: list[int]) -> torch.Tensor:
     """Logits of every position computed one token per step, as decode runs (each product has one row, which
-    the native kernels compute on integer activations; a whole-text pass takes their float path instead)."""
+    the native kernels compute on integer activations; a whole-text pass takes their float path instead). A step of
+    one token is a decode bucket only without ``all_logits`` (which pads the step to 16 prompt rows, ten times the
+    CPU time a step); its one row's logits are the step's output either way."""
     from dtorch.models.executor import StepPlan
 
     blocks = llm.engine.blocks.allocate(llm.engine.blocks.blocks_for(len(ids)))
     try:
         rows = []
         for at, token in enumerate(ids):
-            rows.append(llm.executor.step(StepPlan([token], [1], [at], [blocks]), all_logits=True))
+            rows.append(llm.executor.step(StepPlan([token], [1], [at], [blocks])))
         return torch.cat(rows)
     finally:
         llm.engine.blocks.free(blocks)
