@@ -224,12 +224,14 @@ def products(llm, passes: int = 3) -> list[dict]:
     """GB/s of each one-row product of the model as a decode step calls it (``dtorch.kernels.native.qlinear``, one
     row of x): every packed 2-D weight in the model's order, ``passes`` times after a warm-up, each call timed,
     grouped by kind (the name without its layer), layout and shape. The model outgrows the caches, so each weight
-    comes from memory as in decode. Returns one dict per group: kind, layout, n, k, count (weights), mib (all of
-    them), us (per call, median over passes of the group's mean), gbs (bytes / time of all its calls)."""
+    comes from memory as in decode. x has two levels, or one under ``DTORCH_ONE_LEVEL=1`` (as a decode step's calls).
+    Returns one dict per group: kind, layout, n, k, count (weights), mib (all of them), us (per call, median over
+    passes of the group's mean), gbs (bytes / time of all its calls)."""
     import time
 
     import torch
 
+    from dtorch.core import env
     from dtorch.kernels import layouts
     from dtorch.kernels.native import loader
 
@@ -240,12 +242,13 @@ def products(llm, passes: int = 3) -> list[dict]:
     xs = {key[3]: torch.randn(1, key[3]) for key, _, _ in order}
     ys = {key[2]: torch.empty(1, key[2]) for key, _, _ in order}
     times: dict[tuple, list[float]] = {key: [] for key, _, _ in order}
+    one_level = 2 if env.one_level() else 0  # (products.py's _one_level for a lone decode row)
     for p in range(passes + 1):
         spent: dict[tuple, float] = {}
         for key, t, code in order:
             x, y = xs[key[3]], ys[key[2]]
             t0 = time.perf_counter()
-            lib.qlinear(x, t, code, None, y, False)
+            lib.qlinear(x, t, code, None, y, one_level)
             spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
         if p:
             for key, v in spent.items():
@@ -640,8 +643,11 @@ def _print_roofline(rows: list[list], notes: dict, limits: dict[int, dict[str, f
 def _print_products(prods: list[list], limits: dict[int, dict[str, float]]) -> None:
     if not prods:
         return
-    print("\none-row products as a decode step calls them (every layer's weight in turn, from memory): GB/s of "
-          "weight bytes per call, and that over the machine's plain read at the same thread count "
+    from dtorch.core import env
+
+    levels = "x at one level (DTORCH_ONE_LEVEL=1)" if env.one_level() else "x at two levels"
+    print(f"\none-row products as a decode step calls them (every layer's weight in turn, from memory; {levels}): "
+          "GB/s of weight bytes per call, and that over the machine's plain read at the same thread count "
           "(bench/machine_limits.py at the start: " +
           "; ".join(f"{t} thread(s) {v.get('read', 0):.1f} GB/s in 4 KiB pages, {v.get('read2m', 0):.1f} in 2 MiB"
                     for t, v in limits.items()) + ")\n")
