@@ -129,8 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
             acc[2] += 1
     for key, (n, res, count) in sorted(by_layout.items()):
         holders.append((f"weights {key} ({count} tensors)", n, res))
-    rope = llm.model.rope_table
-    holders.append((f"RoPE table {list(rope.shape)}", rope.numel() * rope.element_size(), _resident(rope)))
+    for label, rope in (("RoPE table", llm.model.rope_table),  # (Gemma 3: a second one for its sliding layers)
+                        ("RoPE table, sliding layers", getattr(llm.model, "rope_local_table", None))):
+        if rope is not None:
+            holders.append((f"{label} {list(rope.shape)}", rope.numel() * rope.element_size(), _resident(rope)))
     cache = llm.cache
     kv = [b.tensor for t in cache.tensors.values() for b in t.blobs.values()]
     holders.append((f"KV cache ({cache.num_blocks} blocks of {cache.block_size}, max_len {cache.max_len})",
