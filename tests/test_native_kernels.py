@@ -53,7 +53,7 @@ def _packed(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
 
 def _shapes(fmt: str) -> list[tuple[int, int]]:
     """(N, K): N off the SIMD widths and tiles; K one block, several, and (32-blocks) a partial last group."""
-    ks = (32, 96, 160, 576) if layouts.block_size(fmt) == 32 else (256, 768)
+    ks = (32, 96, 128, 160, 576) if layouts.block_size(fmt) == 32 else (256, 768)
     return [(n, k) for n in (1, 7, 33) for k in ks]
 
 
@@ -318,13 +318,14 @@ def test_rows_together_equal_each_row_alone(fmt, isa):
     # step). K with and without a last super-group of under 16 blocks (its rows' own pass), N over several panels
     # of the tiles and off the 16-row chunks, with a bias; last super-groups of 1, 2, 15, 5, 12 and 4 blocks (the
     # activations' period 1, 2, 16, 8 spread from 5 blocks, 16: K = 896 of Qwen2.5-0.5B, 4: K = 640 of Gemma 3
-    # 270M, whose last half ends the row at a whole step); rows over 4 KB, which the
+    # 270M, whose last half ends the row at a whole step; K = 128, that group alone); rows over 4 KB, which the
     # decodes stream a super-group at a time (K = 7360 with a last super-group of 6 blocks, 8192 without; K-quants:
     # 7424, 29 super-blocks, the last one alone); 4-bit K-quant rows of whole super-groups up to 2 KB, which the
     # decodes read as four streams of rows (K = 1536: 37 rows, 9 a stream and one after)
     gen = np.random.default_rng(7)
     torch.manual_seed(7)
-    ks = (544, 576, 480, 1536, 672, 896, 640, 7360, 8192) if layouts.block_size(fmt) == 32 else (768, 1280, 1536, 7424)
+    ks = ((544, 576, 480, 1536, 672, 896, 640, 128, 7360, 8192) if layouts.block_size(fmt) == 32
+          else (768, 1280, 1536, 7424))
     for k in ks:
         n = 1100 if k == 576 else 37
         w = layouts.pack(torch.from_numpy(_raw(fmt, n, k, gen)), fmt, k)

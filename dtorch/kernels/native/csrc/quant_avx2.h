@@ -302,7 +302,7 @@ struct X16Act {
 // widened as the weights are (vpunpck{l,h}bw, or in order for a half of 1-4 blocks), 254 hi + lo; corr from the
 // int16 pair sums (vpmaddwd with ones) of the 8 steps, one hadd a half. The same integers as the scalar loop it
 // replaced, which cost 2.3 us at K = 896 and 12 us at K = 4864 a call on this Zen VM (now ~0.2 and ~1).
-static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int32_t* corr, float* dk) {
+static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int32_t* corr, float* dk, bool pairs) {
   const int64_t nsg = a.nsg;
   for (int64_t i = 0; i < M * nsg * 16; i += 8)  // (a's padding lanes are zeros)
     _mm256_storeu_ps(dk + i, _mm256_mul_ps(_mm256_loadu_ps(a.d + i), _mm256_set1_ps(1.f / 254.f)));
@@ -339,8 +339,14 @@ static X16Act x16_levels(const SGAct& a, int64_t M, int64_t nb, int16_t* q, int3
                                   _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lv)));
             x1 = z;
           }
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * u + 32 * h), x0);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * u + 32 * h + 16), x1);
+          if (pairs && S == 4) {  // steps 2 j, 2 j + 1 side by side at 128 j: blocks 0-1 of both, then 2-3 of both
+            int16_t* op = o + 64 * (u & ~1) + 8 * (u & 1);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(op), _mm256_castsi256_si128(x0));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(op + 16), _mm256_extracti128_si256(x0, 1));
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * u + 32 * h), x0);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * u + 32 * h + 16), x1);
+          }
           s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(x0, ones));
           s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(x1, ones));
         }
@@ -711,6 +717,28 @@ static inline __m256 q8x16_row(const uint8_t* p, const X16Act& xw, int64_t m, in
     if (ahead) stream_ahead(p, S * 34, ahead);
     const int64_t st = 4 * S;
     const uint8_t* q = p + 2 * S;
+    // A last super-group of 4 blocks (K = 640, 1152: Gemma 3's head and projections; K = 128) is its 128 bytes as 4
+    // vectors of two steps each (x16_levels lays x out so for the stream), not 8 steps of 16 bytes by vpmovzxbw:
+    // 4 loads, 8 vpunpck{l,h}bw where there were 8 vpmovzxbw (slow on Zen 1: the whole groups' loop with vpmovzxbw
+    // of 16 bytes for its unpacks ran 0.81-0.84x). The same integers. On the 2-core Zen 1 VM (load 5, same process,
+    // every bit equal): hot one-row [256, 640] 1.04-1.05x, [256, 1152] 1.01x, [256, 128] 1.15-1.27x; cold [262144,
+    // 640] 1.00-1.075x, [262144, 1152] 1.01-1.02x. Tried: each 8 rows' last groups after their 8 whole parts (the
+    // same float order): hot 1.07-1.10x at 640, but cold 0.89-1.00x (the row's stream read out of order).
+    if (S == 4) {
+      __m256i is = z, il = z;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = load_i8(q + 32 * j);
+        is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_unpacklo_epi8(v, z), load_i8(x + 128 * j)));
+        il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_unpackhi_epi8(v, z), load_i8(x + 128 * j + 16)));
+      }
+      const __m256i t = _mm256_hadd_epi32(is, il);  // [0 1 2 3 | 0 1 2 3]: the even steps', the odd steps'
+      const __m128i d16 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                                        _mm_setr_epi16(-1, -1, -1, -1, 0, 0, 0, 0));
+      const __m256i sum = _mm256_sub_epi32(
+          _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+      return _mm256_fmadd_ps(_mm256_cvtph_ps(d16), _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(dk)), acc);
+    }
     for (int h = 0; h * 8 < S; ++h) {
       const int cnt = S - 8 * h < 8 ? S - 8 * h : 8;
       __m256i is = z, il = z;
@@ -1032,7 +1060,7 @@ static void sg_tiles256(const QWeight& w, const SGAct& a, int64_t M, int64_t n0,
       t_corr.resize(size_t(M * a.nsg * 16));
       t_dk.resize(size_t(M * a.nsg * 16));
     }
-    xv = x16_levels(a, M, w.K / 32, t_x16.data(), t_corr.data(), t_dk.data());
+    xv = x16_levels(a, M, w.K / 32, t_x16.data(), t_corr.data(), t_dk.data(), stream);
     xw = &xv;
   }
   auto prefetch_pair = [&](int64_t n) {  // whole rows kAhead on, unless streaming
