@@ -1,6 +1,7 @@
-"""What a loaded model holds, in sizes: the KV cache and RoPE table follow the context asked for, the step buckets
-share one set of buffers, packing makes no copy of a whole large weight, and a GGUF is read without keeping the
-file's pages or per-string views of its metadata. (Timings and RSS are bench/memory.py's business.)"""
+"""What a loaded model holds, in sizes: the KV cache and RoPE table follow the context asked for (the table holds the
+rows reached so far, up to it), the step buckets share one set of buffers, packing makes no copy of a whole large
+weight, and a GGUF is read without keeping the file's pages or per-string views of its metadata. (Timings and RSS
+are bench/memory.py's business.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 import dtorch
 from dtorch.engine.llm import LLM
+from dtorch.models import rope_rows
 from tests.smaps import mapping
 from tests.tiny_models import families, hf_greedy, save_random
 
@@ -33,7 +35,24 @@ def test_the_kv_cache_and_rope_table_follow_the_context_asked_for(tiny, max_len,
     llm = LLM(path, max_model_len=max_len, max_num_seqs=seqs)
     try:
         assert llm.cache.num_blocks == -(-seqs * max_len // llm.cache.block_size)
-        assert llm.cache.max_len == max_len and llm.model.rope_table.shape[0] == max_len
+        assert llm.cache.max_len == max_len and llm.model.rope_positions == max_len
+        # the table holds the rows reached so far: from FIRST rows (here the context is shorter) to the context
+        assert llm.model.rope_table.shape[0] == min(rope_rows.FIRST, max_len)
+    finally:
+        llm.close()
+
+
+def test_the_rope_table_holds_the_positions_reached(tiny, monkeypatch):
+    """Tables start at FIRST rows and double when a step reaches past them (the rows' values: test_rope_rows)."""
+    hf, path = tiny
+    monkeypatch.setattr(rope_rows, "FIRST", 16)
+    llm = LLM(path, max_model_len=96, max_num_seqs=1)
+    try:
+        assert llm.model.rope_table.shape[0] == 16
+        params = dtorch.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        prompt = [9, 11, 12, 13, 14, 15] * 5  # positions to 34: 16 -> 32 -> 64 rows
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 5)
+        assert llm.model.rope_table.shape[0] == 64 and llm.model.rope_positions == 96
     finally:
         llm.close()
 

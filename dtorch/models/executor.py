@@ -154,7 +154,7 @@ class Executor:
             self.set_trace(True)
         self.cache: KVCache | None = None
         self._has_state: bool | None = None  # _state_feed
-        self._tables: dict[int, tuple[torch.Tensor, Any]] = {}  # _numpy: RoPE tables' numpy views
+        self._tables: dict[str, tuple[torch.Tensor, Any]] = {}  # _numpy: RoPE tables' numpy views
         self.mirror: Any = None  # rank 0 of a served model: tells every rank each call (``ranks.Teller``)
         self.runners: dict[Bucket, Runner] = {}
         # the buckets' step buffers, shared: one step runs at a time and its logits are copied out, so a device holds
@@ -300,11 +300,7 @@ class Executor:
         seq_counts = counts + ([pad] if pad else [])
         seq_counts += [0] * (N - len(seq_counts))
         cu = list(itertools.accumulate(seq_counts, initial=0))
-        table = self.model.rope_table
-        top = max(positions) if positions else 0
-        if top >= table.shape[0]:
-            raise ModelError(f"position {top} is past the {table.shape[0]} positions the model was loaded "
-                             "for (max_model_len, at most max_position_embeddings)")
+        self.model.rope_reach(max(positions) if positions else 0)  # past the loaded maximum: ModelError
         # int64 [T ids | T slot rows | N state slots? | rows last rows?]
         longs = list(plan.ids) + [0] * pad + rows + [-1] * pad  # padding rows write no cache row
         state = self._has_state if self._has_state is not None else self._state_feed()
@@ -360,9 +356,9 @@ class Executor:
         """``feeds``' values (its lists ``longs`` and ``head``, the sequences' blocks, the RoPE rows of
         ``positions`` and ``pad`` padding rows) written into the buffers ``into`` ({name: (tensor, numpy view)}); the
         feeds {name: buffer}, or None where the graph's inputs are not the ones written here."""
-        tables = {"cos": (self.model.rope_table, 0), "sin": (self.model.rope_table, 1)}
+        tables = {"cos": ("global", 0), "sin": ("global", 1)}
         if self.model.rope_local_table is not None:
-            tables.update(cos_local=(self.model.rope_local_table, 0), sin_local=(self.model.rope_local_table, 1))
+            tables.update(cos_local=("local", 0), sin_local=("local", 1))
         ints = {"ids": longs[:T], "slot_mapping": longs[T:2 * T], "cu_seqlens_q": head[:N + 1],
                 "seqlens_k": head[N + 1:]}
         if state:
@@ -379,15 +375,17 @@ class Executor:
             if held:  # a block freed behind a sliding window (-1) is never read: any will do
                 table[i, :len(held)] = held if min(held) >= 0 else [max(b, 0) for b in held]
         rows = slice(positions[0], positions[-1] + 1) if len(blocks) == 1 and not pad else positions + [0] * pad
-        for name, (rope, half) in tables.items():
-            into[name][1][:] = self._numpy(rope)[rows, half]
+        for name, (which, half) in tables.items():
+            into[name][1][:] = self._numpy(which)[rows, half]
         return {name: t for name, (t, _) in into.items()}
 
-    def _numpy(self, table: torch.Tensor) -> Any:
-        """A numpy view of a RoPE table [P, 2, D / 2] (made once per table)."""
-        view = self._tables.get(id(table))
+    def _numpy(self, which: str) -> Any:
+        """A numpy view of the model's RoPE table ``which`` ("global" or "local") [P, 2, D / 2], made once per table
+        and made again when the table has grown (``Transformer.rope_reach`` replaces it; the old one is let go)."""
+        table = self.model.rope_table if which == "global" else self.model.rope_local_table
+        view = self._tables.get(which)
         if view is None or view[0] is not table:
-            view = self._tables[id(table)] = (table, table.numpy())
+            view = self._tables[which] = (table, table.numpy())
         return view[1]
 
     @staticmethod

@@ -30,6 +30,7 @@ from dtorch.models.config import ModelConfig, rope_attention_factor, rope_inv_fr
 from dtorch.models.layout import Layout
 from dtorch.models.pack_cache import PackCache
 from dtorch.models.parallel import Stage, head_cost, pipeline_stages
+from dtorch.models.rope_rows import RopeRows
 from dtorch.models.weights import Getter, PackedGetter, load_weights
 from dtorch.runtime.blob import DistTensor
 
@@ -61,16 +62,37 @@ class Transformer:
         self.weights = dict(weights)
         positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
 
-        def table(local: bool) -> torch.Tensor:  # [positions, 2, R / 2]: one gather a step
+        # the most positions a sequence may use (the position check names it); the tables hold the rows reached so far
+        self.rope_positions = positions
+
+        def rows(local: bool) -> RopeRows:  # [rows, 2, R / 2]: one gather a step
             # float32 [R / 2] (R: the rotary dims), scaled as the config says for a context of `positions`
             inv_freq = rope_inv_freq(config, local, positions)
-            angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
             scale = 1.0 if local else rope_attention_factor(config)  # YaRN / LongRoPE: on every rotated dim of q, k
-            return torch.stack([angles.cos(), angles.sin()], 1) * scale
+            return RopeRows(inv_freq, scale, positions)
 
-        self.rope_table = table(False)
+        self._rope = rows(False)
         # the sliding layers' own RoPE base, fed as cos_local / sin_local; None: one table for every layer
-        self.rope_local_table = table(True) if config.rope_local_theta is not None else None
+        self._rope_local = rows(True) if config.rope_local_theta is not None else None
+
+    @property
+    def rope_table(self) -> torch.Tensor:
+        """float32 [rows, 2, R / 2]: cos, sin of positions 0 .. rows - 1 (the rows reached so far: ``rope_reach``)."""
+        return self._rope.table
+
+    @property
+    def rope_local_table(self) -> torch.Tensor | None:
+        """The sliding layers' table (as ``rope_table``, their own base), or None: one table for every layer."""
+        return self._rope_local.table if self._rope_local is not None else None
+
+    def rope_reach(self, top: int) -> None:
+        """Grow the RoPE tables to hold position ``top`` (< ``rope_positions``); rows already there stay bit-equal."""
+        if top >= self.rope_positions:
+            raise ModelError(f"position {top} is past the {self.rope_positions} positions the model was loaded "
+                             "for (max_model_len, at most max_position_embeddings)")
+        self._rope.reach(top)
+        if self._rope_local is not None:
+            self._rope_local.reach(top)
 
     # -- weights -------------------------------------------------------------------------------
 
