@@ -1,4 +1,5 @@
-"""Shared test set-up: deterministic seeds, one intra-op thread per test process, triton's interpreter (the
+"""Shared test set-up: deterministic seeds, one intra-op thread per test process (and per process a test starts,
+through OMP_NUM_THREADS; the ``two_threads`` fixture for the tests of a split among threads), triton's interpreter (the
 triton kernels run on CPU tensors; it is chosen when a kernel is decorated, so before any of them is imported;
 a GPU run sets TRITON_INTERPRET=0 to compile them), the packed-weight cache of the GGUF files tests make in a
 folder of this run's own (not the user's cache), and the ``isa`` fixture of the native kernels' tests."""
@@ -10,6 +11,10 @@ import signal
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread a test process: the suite runs in two xdist workers on a 2-core machine, and two threads each
+# (four on two cores) made a decode step cost 3-6x its CPU time. The processes tests start inherit it (a test that
+# wants more says so in its own environment).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DTORCH_PACK_CACHE_DIR", tempfile.mkdtemp(prefix="dtorch-pack-cache-"))
 
 import pytest  # noqa: E402
@@ -17,7 +22,7 @@ import torch  # noqa: E402
 
 from dtorch.kernels.native.loader import ISAS  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +44,17 @@ def isa(request):
         pytest.skip(f"this CPU lacks the instructions of the {request.param} path")
     with nk.use_isa(request.param):
         yield request.param
+
+
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads while the test runs (then the count before): for the tests of a split among threads
+    (the native kernels' row splits, a stream's share of the threads), which one thread would not exercise. Two even
+    on a one-core machine: the threads then take turns, and the split is still the one under test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

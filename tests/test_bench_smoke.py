@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
-# script -> (smoke arguments, strings its output must hold: its table's header and, where it names one, a row)
+# script -> (smoke arguments, strings its output must hold: its table's header and, where it names one, a row); the
+# scripts whose default is a thread a core get one, as every test process (conftest)
 SMOKE = {
     "attention_decode.py": (["--smoke"], ["native hot", "torch sdpa", "Qwen2.5-0.5B"]),
     "decode.py": (["--smoke"], ["prefill tok/s", "decode tok/s", "dtorch (weights as stored)"]),
@@ -25,7 +26,7 @@ SMOKE = {
     "gguf_formats.py": (["--smoke"], ["dtorch pp128", "x tg", "one-row products as a decode step calls them",
                                       "the machine during each decode run",
                                       "the roofline of decode", "dtorch / roof"]),
-    "hybrid.py": (["--smoke"], ["transformers", "dtorch / transformers", "decode tok/s @ batch 2"]),
+    "hybrid.py": (["--smoke", "--threads", "1"], ["transformers", "dtorch / transformers", "decode tok/s @ batch 2"]),
     "llamacpp_fixtures.py": (["--smoke"], ["| file | KiB | tensor types |", "llama-576-F16.gguf"]),
     "llm_ops.py": (["--smoke"], ["reference", "speedup", "prepared op", "overhead"]),
     "machine_limits.py": (["--smoke"], ["| threads | read GB/s"]),
@@ -36,7 +37,7 @@ SMOKE = {
     "native_build.py": (["--smoke"], ["| build | objects compiled | seconds |", "one op added as its own group"]),
     "qlinear_fixed.py": (["--smoke"], ["fixed us", "product GB/s", "q8_0"]),
     "runtime.py": (["--smoke"], ["measure", "overlap fraction", "peak activation memory"]),
-    "serve.py": (["--smoke"], ["out tok/s", "TTFT p50 ms", "dtorch scaling"]),
+    "serve.py": (["--smoke", "--threads", "1"], ["out tok/s", "TTFT p50 ms", "dtorch scaling"]),
     "speculative.py": (["--smoke"], ["spec tok/s", "acceptance", "drafted by", "1 row us"]),
     "startup.py": (["--smoke"], ["measure (seconds)", "llama.cpp", "dtorch", "ratio"]),
     "step_overhead.py": (["--smoke"], ["overhead us", "Runner.run, bare calls (after)", "kernels alone",

@@ -72,7 +72,7 @@ def test_reasoning_is_shown_apart_or_hidden_and_kept_out_of_the_history(monkeypa
 def test_chat_through_a_pipe_answers_each_line():
     proc = subprocess.run([sys.executable, "-m", "dtorch", "chat", "--max-tokens", "8", "--system", "Be brief."],
                           input="What is the capital of France?\n/reset\nWhat is 2 + 2?\n", capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     answers = proc.stdout.splitlines()

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one intra-op thread a process, as conftest's
 COMMAND = [sys.executable, "-m", "dtorch", "generate"]
 
 
@@ -96,7 +96,8 @@ def test_help_shows_every_flag_with_text_and_defaults():
 def test_threads_option_sets_the_intra_op_threads():
     code = ("import sys, torch, dtorch.cli; dtorch.cli.main(['generate', '--threads', '1', '--max-tokens', '2', 'hi']);"
             " print('threads', torch.get_num_threads(), file=sys.stderr)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**ENV, "OMP_NUM_THREADS": "2"})  # not the 1 asked for, so the option is what sets it
     assert proc.returncode == 0, proc.stderr
     assert "threads 1" in proc.stderr  # the run used (and left) the thread count it was given
 
@@ -104,7 +105,7 @@ def test_threads_option_sets_the_intra_op_threads():
 def test_threads_setting_is_the_default_and_is_checked():
     code = "import torch, dtorch; dtorch.LLM(); print('threads', torch.get_num_threads())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**ENV, "DTORCH_THREADS": "1"})
+                          env={**ENV, "OMP_NUM_THREADS": "2", "DTORCH_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "threads 1" in proc.stdout
     bad = _run("hi", DTORCH_THREADS="two")  # read while dtorch is imported, before the CLI starts: still one line

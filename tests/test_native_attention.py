@@ -25,7 +25,10 @@ from dtorch.kernels.native import kernels as native, products
 from dtorch.kernels.torch import kv_cache as torch_kv_cache, quantized as torch_quantized
 
 _REASON = nk.unavailable_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"native kernels unavailable: {_REASON}")
+# two intra-op threads (conftest gives one): the kernels split rows among threads, and each row's bits must not
+# depend on the split
+pytestmark = [pytest.mark.skipif(_REASON is not None, reason=f"native kernels unavailable: {_REASON}"),
+              pytest.mark.usefixtures("two_threads")]
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16: the reference rounds the same float32 result once; the sums' order differs, so one bf16 ulp apart
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}

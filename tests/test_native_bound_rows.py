@@ -18,7 +18,10 @@ from dtorch.dispatch.context import KernelContext, KernelParams
 from dtorch.kernels.native import kernels
 
 _REASON = nk.unavailable_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"native kernels unavailable: {_REASON}")
+# two intra-op threads (conftest gives one): the kernels split rows among threads, and each row's bits must not
+# depend on the split
+pytestmark = [pytest.mark.skipif(_REASON is not None, reason=f"native kernels unavailable: {_REASON}"),
+              pytest.mark.usefixtures("two_threads")]
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 
 

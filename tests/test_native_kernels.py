@@ -40,6 +40,9 @@ from dtorch.ops.binary import mul
 _REASON = nk.unavailable_reason()
 # the tests of the compiled kernels; the layouts and the fallback path run without them
 native = pytest.mark.skipif(_REASON is not None, reason=f"native kernels unavailable: {_REASON}")
+# two intra-op threads (conftest gives one): the kernels split a product's rows among threads, and the results below
+# (against gguf-py, each row alone, the portable path) must hold under the split
+pytestmark = pytest.mark.usefixtures("two_threads")
 
 
 # -- weights (tests/quant_bytes.py) ---------------------------------------------------------------------------
@@ -338,14 +341,12 @@ def test_rows_together_equal_each_row_alone(fmt, isa):
 
 
 @pytest.mark.parametrize("fmt", ["gguf.q4_k", "gguf.q6_k", "gguf.q8_0", "gguf.q5_0"])
-def test_claimed_row_split_equals_each_row_alone(fmt, isa):
+def test_claimed_row_split_equals_each_row_alone(fmt, isa, two_threads):
     # set_row_split("claimed"): two threads claim a product's rows in chunks from a counter (largest first, 16-row
     # boundaries) instead of halves; every row must still get the bits it gets alone (the float GEMV's too: the
     # bits of the static split), and the chunks must cover the rows once (row_counts: rows per thread). K = 1536
     # (the K-quants' four streams; the 32-block formats' whole super-groups), N = 1100 (chunks down to the least,
     # a ragged end), one and three rows of x; 48 rows equal the static split's
-    if torch.get_num_threads() < 2:
-        pytest.skip("one intra-op thread: nothing to split")
     gen = np.random.default_rng(5)
     torch.manual_seed(5)
     k, n = 1536, 1100

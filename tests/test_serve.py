@@ -384,7 +384,7 @@ def test_fake_metrics_models_health(fake):
 START_TIMEOUT = 180  # loading the model on a busy 2-core machine
 # batch invariant: a request's greedy tokens are then the same alone and beside others (the tests compare them); off,
 # a batch of decodes may round activations to 8 bits (tests/test_quantized_model.py covers both)
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "DTORCH_BATCH_INVARIANT": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DTORCH_BATCH_INVARIANT": "1"}
 
 
 def _start_server(*args: str) -> tuple[subprocess.Popen, int]:

@@ -33,16 +33,6 @@ FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {
             "qwen3_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread for this module's models (and back after): on this shared 2-core machine a team of two
-    that waits at every barrier for a descheduled thread made the default model's steps up to 20 times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def rand_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

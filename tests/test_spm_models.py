@@ -76,7 +76,7 @@ def test_a_sentencepiece_model_generates_through_the_cli_as_transformers(model):
     want = hf_greedy(hf, ids, 8)
     proc = subprocess.run([sys.executable, "-m", "dtorch", "generate", "--model", str(path), "--raw", PROMPT,
                            "--max-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == _pieces(vocab, want) + "\n", (family, want)
 
